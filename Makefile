@@ -1,0 +1,46 @@
+# One entry point for setup, tests, lint and the main job.
+# `make test` works on a fresh machine: it creates .venv and installs
+# everything first (Horovod is built once, then taken from a wheel cache).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install test test-unit test-multiproc check lint train bench clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt setup.py scripts/build_horovod.sh
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	bash scripts/build_horovod.sh $(abspath $(PY))
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+test: install
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: install
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+test-multiproc: install
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest tests/multiproc $(PYTEST_ARGS)
+
+check: install
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m dp_plugin.check
+
+lint: install
+	$(VENV)/bin/ruff check dp_plugin adapters tests examples benchmarks
+	$(VENV)/bin/mypy dp_plugin adapters
+
+# The main job: a real 2-worker data-parallel training run on this machine.
+train: install
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) examples/train_mlp.py --launch 2
+
+bench: install
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) benchmarks/fusion_bench.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,168 @@
+"""Array backends: the few operations the core needs on flat buffers.
+
+The core never imports a framework at import time. A backend is chosen from
+the tensors an adapter registers (numpy arrays or torch tensors); engines take
+either kind and convert without copying (``as_numpy`` / ``as_torch`` give
+views of the same memory for CPU buffers).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from dp_plugin.dtypes import canonical_dtype
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    """numpy dtype of a canonical name; bfloat16 comes from ``ml_dtypes``."""
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def torch_dtype(dtype: str) -> Any:
+    import torch
+
+    return getattr(torch, dtype)
+
+
+def is_torch(x: object) -> bool:
+    """True for a torch.Tensor, without importing torch when it was never loaded."""
+    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
+
+
+def as_numpy(buf: Any) -> np.ndarray:
+    """A numpy view of a CPU buffer (numpy array or torch tensor), no copy."""
+    if isinstance(buf, np.ndarray):
+        return buf
+    if is_torch(buf):
+        if buf.device.type != "cpu":
+            raise TypeError(
+                f"a {buf.device} tensor cannot be viewed as numpy; this engine needs CPU "
+                "buffers (use the nccl or horovod engine for GPU tensors)"
+            )
+        t = buf.detach()
+        if str(t.dtype) == "torch.bfloat16":
+            return t.view(_torch().int16).numpy().view(numpy_dtype("bfloat16"))
+        return t.numpy()
+    return np.asarray(buf)
+
+
+def as_torch(buf: Any) -> Any:
+    """A torch view of a buffer (numpy array or torch tensor), no copy."""
+    if is_torch(buf):
+        return buf
+    torch = _torch()
+    arr = np.asarray(buf)
+    if arr.dtype == numpy_dtype("bfloat16"):
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def spec_of(tensor: Any) -> tuple[tuple[int, ...], str, str]:
+    """(shape, canonical dtype, device) of a numpy array or torch tensor."""
+    if is_torch(tensor):
+        device = str(tensor.device)
+        return tuple(tensor.shape), canonical_dtype(tensor.dtype), device
+    arr = tensor if isinstance(tensor, np.ndarray) else np.asarray(tensor)
+    return tuple(arr.shape), canonical_dtype(arr.dtype), "cpu"
+
+
+class ArrayOps(Protocol):
+    """Operations the scheduler runs on flat buffers and user tensors."""
+
+    kind: str
+
+    def empty(self, numel: int, dtype: str, device: str) -> Any: ...
+    def zeros(self, shape: tuple[int, ...], dtype: str, device: str) -> Any: ...
+    def slice(self, buf: Any, start: int, stop: int) -> Any: ...
+    def pack(self, dst: Any, src: Any) -> None:
+        """Copy ``src`` (any shape) flattened into the 1-D slice ``dst``."""
+    def unpack(self, dst: Any, src: Any) -> None:
+        """Copy the 1-D slice ``src`` into ``dst`` (any shape), in place."""
+    def scale_(self, buf: Any, factor: float) -> None: ...
+    def cast_into(self, dst: Any, src: Any) -> None:
+        """Copy ``src`` into same-sized ``dst`` converting the dtype."""
+
+
+class NumpyOps:
+    kind = "numpy"
+
+    def empty(self, numel: int, dtype: str, device: str) -> np.ndarray:
+        _cpu_only(device)
+        return np.empty(numel, dtype=numpy_dtype(dtype))
+
+    def zeros(self, shape: tuple[int, ...], dtype: str, device: str) -> np.ndarray:
+        _cpu_only(device)
+        return np.zeros(shape, dtype=numpy_dtype(dtype))
+
+    def slice(self, buf: np.ndarray, start: int, stop: int) -> np.ndarray:
+        return buf[start:stop]
+
+    def pack(self, dst: np.ndarray, src: Any) -> None:
+        np.copyto(dst, as_numpy(src).reshape(-1), casting="no")
+
+    def unpack(self, dst: Any, src: np.ndarray) -> None:
+        out = as_numpy(dst)
+        np.copyto(out, src.reshape(out.shape), casting="no")
+
+    def scale_(self, buf: np.ndarray, factor: float) -> None:
+        if np.issubdtype(buf.dtype, np.integer):
+            raise TypeError(f"cannot scale an integer buffer ({buf.dtype}) by {factor}")
+        np.multiply(buf, buf.dtype.type(factor), out=buf)
+
+    def cast_into(self, dst: np.ndarray, src: np.ndarray) -> None:
+        np.copyto(dst, src, casting="unsafe")
+
+
+class TorchOps:
+    kind = "torch"
+
+    def __init__(self) -> None:
+        self._torch = _torch()
+
+    def empty(self, numel: int, dtype: str, device: str) -> Any:
+        return self._torch.empty(numel, dtype=torch_dtype(dtype), device=device)
+
+    def zeros(self, shape: tuple[int, ...], dtype: str, device: str) -> Any:
+        return self._torch.zeros(shape, dtype=torch_dtype(dtype), device=device)
+
+    def slice(self, buf: Any, start: int, stop: int) -> Any:
+        return buf[start:stop]
+
+    def pack(self, dst: Any, src: Any) -> None:
+        with self._torch.no_grad():
+            dst.copy_(as_torch(src).reshape(-1))
+
+    def unpack(self, dst: Any, src: Any) -> None:
+        with self._torch.no_grad():
+            out = as_torch(dst)
+            out.copy_(src.view(out.shape))
+
+    def scale_(self, buf: Any, factor: float) -> None:
+        if not buf.is_floating_point():
+            raise TypeError(f"cannot scale an integer buffer ({buf.dtype}) by {factor}")
+        buf.mul_(factor)
+
+    def cast_into(self, dst: Any, src: Any) -> None:
+        dst.copy_(src)
+
+
+def ops_for(tensor: Any) -> ArrayOps:
+    """The backend matching a tensor: torch tensors -> TorchOps, else NumpyOps."""
+    return TorchOps() if is_torch(tensor) else NumpyOps()
+
+
+def _cpu_only(device: str) -> None:
+    if device != "cpu":
+        raise TypeError(f"numpy buffers live on the CPU; got device {device!r}")

@@ -1,0 +1,36 @@
+"""Exceptions raised by dp_plugin.
+
+Every message names the bad value, what was expected and the fix. Errors that
+concern several ranks (layout mismatch, timeouts) are raised on every rank
+involved, never left to hang.
+"""
+
+
+class DPPluginError(RuntimeError):
+    """Base class of every error dp_plugin raises on purpose."""
+
+
+class NotInitializedError(DPPluginError):
+    """The core was used before ``init()`` (or after ``shutdown()``)."""
+
+    def __init__(self, what: str = "dp_plugin") -> None:
+        super().__init__(
+            f"{what} was used before dp_plugin.init(); call init() once per process, "
+            "after the launcher has started it and before any collective"
+        )
+
+
+class LaunchError(DPPluginError):
+    """A launcher variable is malformed or inconsistent with the others."""
+
+
+class LayoutMismatchError(DPPluginError):
+    """Ranks registered different tensors (names, shapes, dtypes or order)."""
+
+
+class CollectiveTimeoutError(DPPluginError):
+    """A collective did not finish within ``DP_PLUGIN_TIMEOUT`` seconds."""
+
+
+class EngineUnavailableError(DPPluginError):
+    """The requested engine cannot run under this launcher or installation."""

@@ -1,0 +1,26 @@
+"""dp_plugin: Horovod-style data parallelism for PyTorch 2.x and Keras 3.
+
+The framework-agnostic core lives in ``dp_plugin/``; framework glue lives in
+``adapters/`` and is installed as ``dp_plugin.torch`` and
+``dp_plugin.tensorflow`` (``adapters`` is never a top-level import name: an
+unrelated PyPI package owns it).
+"""
+
+from setuptools import setup
+
+setup(
+    name="dp_plugin",
+    version="0.1.0",
+    description="Horovod-style data-parallel training for PyTorch 2.x and Keras 3",
+    python_requires=">=3.10",
+    # The adapters join as dp_plugin.torch / dp_plugin.tensorflow through
+    # package_dir when they land (issues 3 and 4).
+    packages=["dp_plugin", "dp_plugin.engines"],
+    package_dir={"dp_plugin": "dp_plugin"},
+    install_requires=["numpy", "ml_dtypes"],
+    extras_require={
+        "torch": ["torch>=2.1"],
+        "tensorflow": ["tensorflow>=2.16"],
+        "mpi": ["mpi4py>=3.1"],
+    },
+)
