@@ -4,34 +4,580 @@ One class per launcher, each able to detect itself from the environment
 (horovodrun, torchrun, mpirun/mpiexec of Open MPI, MPICH/Hydra or Intel MPI,
 SLURM srun), and a single-process fallback. ``detect()`` returns a
 ``Topology``; a malformed or inconsistent variable raises ``LaunchError``
-naming the variable and the value.
+naming the variable, the value and the fix.
+
+Which variables each launcher exports was checked against the real tools
+(``horovodrun --gloo -np 2 -H localhost:2 env``, ``torchrun --nproc_per_node 2
+--no-python env``, MPICH 5.0.2 ``mpiexec -n 2 env``); Open MPI, Intel MPI and
+SLURM follow their documentation.
+
+Priority (``LAUNCHERS``) matters because launchers nest:
+
+1. horovodrun — it may itself run under mpirun or srun, and its own
+   variables are the ones that describe the Horovod job;
+2. torchrun — likewise it may run inside an MPI or SLURM job;
+3. Open MPI, Intel MPI, MPICH — ``mpirun`` inside a SLURM allocation starts
+   its daemons through srun, so the SLURM variables describe the daemons and
+   the MPI variables describe the ranks;
+4. SLURM srun, only for an srun job step (not the batch script itself);
+5. a single process.
+
+Cross rank/size follow Horovod's meaning: with every host running the same
+number of processes they are the index of this host and the number of hosts.
+Where a launcher does not export them (MPI, or torchrun without
+``GROUP_RANK``) they are derived assuming *block* placement (ranks fill one
+host before the next, the default of every launcher here) and hosts of equal
+size: ``cross_rank = (rank - local_rank) // local_size`` and
+``cross_size = ceil(size / local_size)``. With hosts of unequal size that is
+only an estimate; nothing in the core depends on it.
 """
 
 from __future__ import annotations
 
+import os
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
+
+from dp_plugin.errors import LaunchError
+
+LAUNCHER_NAMES: tuple[str, ...] = (
+    "horovodrun", "torchrun", "openmpi", "mpich", "intelmpi", "slurm", "single",
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Topology:
-    """Where this process sits in the job."""
+    """Where this process sits in the job.
+
+    Invariants (checked on construction, ``LaunchError`` otherwise):
+    ``0 <= rank < size``, ``0 <= local_rank < local_size <= size``,
+    ``local_rank <= rank`` (the processes before this one on its host have
+    lower ranks), ``0 <= cross_rank < cross_size <= size``.
+    """
 
     launcher: str
     """'horovodrun', 'torchrun', 'openmpi', 'mpich', 'intelmpi', 'slurm' or 'single'."""
     rank: int
+    """Global rank, 0 .. size-1."""
     size: int
+    """Number of processes in the job."""
     local_rank: int
+    """Index of this process among the processes on its host."""
     local_size: int
+    """Number of processes on this host."""
     cross_rank: int
+    """Index of this host (Horovod: rank among processes with this local_rank)."""
     cross_size: int
+    """Number of hosts (Horovod: processes with this local_rank)."""
     rendezvous_addr: str | None = None
     """horovodrun: the rendezvous server; torchrun/slurm: MASTER_ADDR."""
     rendezvous_port: int | None = None
     hostname: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHER_NAMES:
+            raise LaunchError(
+                f"Topology launcher {self.launcher!r} is not known; "
+                f"valid launchers: {', '.join(LAUNCHER_NAMES)}"
+            )
+        for name in ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise LaunchError(f"Topology {name} must be an int >= 0, got {value!r}")
+        _check_consistent(
+            _Val("size", self.size),
+            _Val("rank", self.rank),
+            _Val("local_size", self.local_size),
+            _Val("local_rank", self.local_rank),
+            _Val("cross_size", self.cross_size),
+            _Val("cross_rank", self.cross_rank),
+            fix="build the Topology from consistent values (or use dp_plugin.launch.detect())",
+        )
+        if self.rendezvous_port is not None:
+            _check_port(_Val("rendezvous_port", self.rendezvous_port), "pass a port in 1..65535")
+
     @property
     def is_mpi(self) -> bool:
         return self.launcher in ("openmpi", "mpich", "intelmpi")
 
+    @classmethod
+    def single(cls) -> Topology:
+        """The topology of a process that no launcher started."""
+        return cls(
+            launcher="single", rank=0, size=1, local_rank=0, local_size=1,
+            cross_rank=0, cross_size=1,
+        )
 
-# Detection is implemented below (see issue 2, "Launch detection").
+
+# -- launchers ---------------------------------------------------------------
+
+class Launcher(ABC):
+    """One launcher: can it have started this process, and where does it sit.
+
+    ``detect`` must be cheap and must not raise: it only looks for the
+    launcher's marker variables. ``topology`` reads and validates all of them
+    and raises ``LaunchError`` on anything malformed.
+    """
+
+    name: ClassVar[str]
+    """The ``Topology.launcher`` value."""
+    markers: ClassVar[tuple[str, ...]]
+    """Variables whose presence means this launcher started the process."""
+    command: ClassVar[str]
+    """How a user starts a job with it (for messages and ``make check``)."""
+    fix: ClassVar[str]
+    """The advice appended to every error about its variables."""
+
+    @classmethod
+    def detect(cls, env: Mapping[str, str] | None = None) -> bool:
+        """True if ``env`` (default ``os.environ``) says this launcher started us."""
+        return cls._detect(os.environ if env is None else env)
+
+    @classmethod
+    def _detect(cls, env: Mapping[str, str]) -> bool:
+        return any(name in env for name in cls.markers)
+
+    @classmethod
+    @abstractmethod
+    def topology(cls, env: Mapping[str, str]) -> Topology:
+        """Read this launcher's variables from ``env``; ``LaunchError`` if malformed."""
+
+
+class Horovod(Launcher):
+    """horovodrun (Gloo mode exports every HOROVOD_* below to each worker).
+
+    Under ``horovodrun --mpi`` Horovod exports no rank variables (MPI gives
+    them), so such a job is detected as the MPI flavour that runs it.
+    """
+
+    name = "horovodrun"
+    markers = ("HOROVOD_RANK", "HOROVOD_SIZE")
+    command = "horovodrun -np N python train.py"
+    fix = (
+        "horovodrun sets HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_RANK and HOROVOD_LOCAL_SIZE "
+        f"for every worker: start the job with `{command}`, "
+        "or unset these variables to run a single process"
+    )
+
+    @classmethod
+    def topology(cls, env: Mapping[str, str]) -> Topology:
+        r = _Reader(env, cls)
+        size = r.required("HOROVOD_SIZE", minimum=1)
+        rank = r.required("HOROVOD_RANK")
+        local_size = r.required("HOROVOD_LOCAL_SIZE", minimum=1)
+        local_rank = r.required("HOROVOD_LOCAL_RANK")
+        cross = r.pair("HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
+        addr, port = r.address("HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT")
+        return _build(
+            cls, size=size, rank=rank, local_size=local_size, local_rank=local_rank,
+            cross=cross, addr=addr, port=port, hostname=r.text("HOROVOD_HOSTNAME"),
+        )
+
+
+class Torchrun(Launcher):
+    """torchrun / torch.distributed.run, or a hand-made ``env://`` launch.
+
+    torchrun exports RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    GROUP_RANK, GROUP_WORLD_SIZE (the agent, i.e. host, index and count),
+    MASTER_ADDR and MASTER_PORT. A hand-made launch must set the first four.
+    """
+
+    name = "torchrun"
+    markers = ("RANK", "WORLD_SIZE")
+    command = "torchrun --nproc_per_node N train.py"
+    fix = (
+        "torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE for every worker: "
+        f"start the job with `{command}`, set all four consistently, "
+        "or unset them to run a single process"
+    )
+
+    @classmethod
+    def topology(cls, env: Mapping[str, str]) -> Topology:
+        r = _Reader(env, cls)
+        size = r.required("WORLD_SIZE", minimum=1)
+        rank = r.required("RANK")
+        local_size = r.required("LOCAL_WORLD_SIZE", minimum=1)
+        local_rank = r.required("LOCAL_RANK")
+        cross = r.pair("GROUP_RANK", "GROUP_WORLD_SIZE")
+        addr, port = r.address("MASTER_ADDR", "MASTER_PORT")
+        return _build(
+            cls, size=size, rank=rank, local_size=local_size, local_rank=local_rank,
+            cross=cross, addr=addr, port=port, hostname=None,
+        )
+
+
+class OpenMPI(Launcher):
+    """Open MPI's mpirun/mpiexec (OMPI_COMM_WORLD_*); cross values are derived."""
+
+    name = "openmpi"
+    markers = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
+    command = "mpirun -np N python train.py"
+    fix = (
+        "Open MPI's mpirun sets OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, "
+        "OMPI_COMM_WORLD_LOCAL_RANK and OMPI_COMM_WORLD_LOCAL_SIZE for every process: "
+        f"start the job with `{command}` and do not set them by hand"
+    )
+
+    @classmethod
+    def topology(cls, env: Mapping[str, str]) -> Topology:
+        r = _Reader(env, cls)
+        size = r.required("OMPI_COMM_WORLD_SIZE", minimum=1)
+        rank = r.required("OMPI_COMM_WORLD_RANK")
+        local_size = r.required("OMPI_COMM_WORLD_LOCAL_SIZE", minimum=1)
+        local_rank = r.required("OMPI_COMM_WORLD_LOCAL_RANK")
+        return _build(
+            cls, size=size, rank=rank, local_size=local_size, local_rank=local_rank,
+            cross=None, addr=None, port=None, hostname=None,
+        )
+
+
+class MPICH(Launcher):
+    """MPICH's Hydra mpiexec: PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS.
+
+    ``srun --mpi=pmi2`` also exports PMI_* but not Hydra's MPI_LOCAL*
+    variables; inside an srun step such a process is left to ``Slurm``.
+    """
+
+    name = "mpich"
+    markers = ("PMI_RANK", "PMI_SIZE")
+    command = "mpiexec -n N python train.py"
+    fix = (
+        "MPICH's mpiexec (Hydra) sets PMI_RANK, PMI_SIZE, MPI_LOCALRANKID and MPI_LOCALNRANKS "
+        f"for every process: start the job with `{command}` and do not set them by hand"
+    )
+
+    @classmethod
+    def _detect(cls, env: Mapping[str, str]) -> bool:
+        if not super()._detect(env):
+            return False
+        hydra = "MPI_LOCALRANKID" in env or "MPI_LOCALNRANKS" in env
+        return hydra or not Slurm._detect(env)
+
+    @classmethod
+    def topology(cls, env: Mapping[str, str]) -> Topology:
+        r = _Reader(env, cls)
+        size = r.required("PMI_SIZE", minimum=1)
+        rank = r.required("PMI_RANK")
+        local_size = r.required("MPI_LOCALNRANKS", minimum=1)
+        local_rank = r.required("MPI_LOCALRANKID")
+        return _build(
+            cls, size=size, rank=rank, local_size=local_size, local_rank=local_rank,
+            cross=None, addr=None, port=None, hostname=r.text("PMI_HOSTNAME"),
+        )
+
+
+class IntelMPI(MPICH):
+    """Intel MPI: Hydra-based, MPICH's variables plus I_MPI_* ones."""
+
+    name = "intelmpi"
+    fix = MPICH.fix.replace("MPICH's mpiexec (Hydra)", "Intel MPI's mpiexec (Hydra)")
+
+    @classmethod
+    def _detect(cls, env: Mapping[str, str]) -> bool:
+        return super()._detect(env) and any(k.startswith("I_MPI_") for k in env)
+
+
+class Slurm(Launcher):
+    """SLURM ``srun`` job step (not the batch script, nor an salloc shell).
+
+    Reads SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID and
+    SLURM_STEP_NUM_NODES (or SLURM_NNODES); the local size comes from
+    SLURM_STEP_TASKS_PER_NODE (exact for the step, e.g. ``2(x3),1``), else
+    SLURM_NTASKS_PER_NODE, else SLURM_TASKS_PER_NODE. MASTER_ADDR/MASTER_PORT
+    are taken as the rendezvous when the job script sets them.
+    """
+
+    name = "slurm"
+    markers = ("SLURM_PROCID",)
+    command = "srun --ntasks N python train.py"
+    fix = (
+        "srun sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID, SLURM_NNODES and "
+        f"SLURM_STEP_TASKS_PER_NODE for every task: start the workers with `{command}` "
+        "inside an allocation and do not set them by hand"
+    )
+    # Step ids at or above this are Slurm's pseudo-steps (batch script, extern
+    # container, interactive step): no srun task layout there.
+    _PSEUDO_STEP = 0xFFFFFFF0
+    _TASKS_PER_NODE = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+
+    @classmethod
+    def _step_var(cls, env: Mapping[str, str]) -> str | None:
+        for name in ("SLURM_STEP_ID", "SLURM_STEPID"):
+            if name in env:
+                return name
+        return None
+
+    @classmethod
+    def _detect(cls, env: Mapping[str, str]) -> bool:
+        step_var = cls._step_var(env)
+        if "SLURM_PROCID" not in env or step_var is None:
+            return False
+        try:
+            return int(env[step_var].strip()) < cls._PSEUDO_STEP
+        except ValueError:
+            return True  # malformed: let topology() report it
+
+    @classmethod
+    def topology(cls, env: Mapping[str, str]) -> Topology:
+        r = _Reader(env, cls)
+        step_var = cls._step_var(env)
+        if step_var is not None:
+            r.required(step_var)
+        size = r.required("SLURM_NTASKS", minimum=1)
+        rank = r.required("SLURM_PROCID")
+        local_rank = r.required("SLURM_LOCALID")
+        nodes_var = "SLURM_STEP_NUM_NODES" if "SLURM_STEP_NUM_NODES" in env else "SLURM_NNODES"
+        cross_size = r.required(nodes_var, minimum=1)
+        cross_rank = r.required("SLURM_NODEID")
+        local_size = cls._local_size(
+            r, env, size=size, rank=rank, local_rank=local_rank, node=cross_rank, nodes=cross_size
+        )
+        addr, port = r.address("MASTER_ADDR", "MASTER_PORT")
+        return _build(
+            cls, size=size, rank=rank, local_size=local_size, local_rank=local_rank,
+            cross=(cross_rank, cross_size), addr=addr, port=port,
+            hostname=r.text("SLURMD_NODENAME"),
+        )
+
+    @classmethod
+    def _local_size(
+        cls, r: _Reader, env: Mapping[str, str], *, size: _Val, rank: _Val, local_rank: _Val,
+        node: _Val, nodes: _Val,
+    ) -> _Val:
+        name = next((n for n in cls._TASKS_PER_NODE if n in env), None)
+        if name is None:
+            raise r.error(
+                f"none of {', '.join(cls._TASKS_PER_NODE)} is set, so the number of tasks "
+                "on this node is unknown"
+            )
+        raw = env[name]
+        counts = parse_tasks_per_node(raw, name)
+        if len(counts) == 1 and name == "SLURM_NTASKS_PER_NODE":
+            # --ntasks-per-node is an upper bound: under block placement the
+            # last node holds what is left.
+            n = min(counts[0], size.value - (rank.value - local_rank.value))
+            return _Val(name, n, raw, note=f"{n} task(s) on this node")
+        if len(counts) == 1:
+            counts = counts * nodes.value  # a plain '4' means 4 on every node
+        if len(counts) != nodes.value or sum(counts) != size.value:
+            raise r.error(
+                f"{name}={raw!r} describes {len(counts)} node(s) running {sum(counts)} task(s) "
+                f"in all, but {nodes.label} and {size.label}"
+            )
+        if node.value >= len(counts):
+            raise r.error(f"{node.label} must be less than {nodes.label}")
+        n = counts[node.value]
+        return _Val(name, n, raw, note=f"{n} task(s) on node {node.value}")
+
+
+class Single(Launcher):
+    """No launcher: one process, rank 0 of 1."""
+
+    name = "single"
+    markers = ()
+    command = "python train.py"
+    fix = "nothing to fix: a single process needs no variables"
+
+    @classmethod
+    def _detect(cls, env: Mapping[str, str]) -> bool:
+        return True
+
+    @classmethod
+    def topology(cls, env: Mapping[str, str]) -> Topology:
+        return Topology.single()
+
+
+LAUNCHERS: tuple[type[Launcher], ...] = (
+    Horovod, Torchrun, OpenMPI, IntelMPI, MPICH, Slurm, Single,
+)
+"""Every launcher, in detection priority order (see the module docstring)."""
+
+
+def detected_launcher(env: Mapping[str, str] | None = None) -> type[Launcher]:
+    """The first launcher in ``LAUNCHERS`` whose markers are in ``env``."""
+    env = os.environ if env is None else env
+    return next(cls for cls in LAUNCHERS if cls.detect(env))
+
+
+def detect(env: Mapping[str, str] | None = None) -> Topology:
+    """Who started this process and where it sits.
+
+    Reads ``env`` (default ``os.environ``) only. Every rank of a job runs this
+    on its own; a malformed variable raises ``LaunchError`` on each rank that
+    sees it (the launcher then stops the job), never a hang.
+    """
+    env = os.environ if env is None else env
+    return detected_launcher(env).topology(env)
+
+
+_TASKS_ITEM = re.compile(r"^\s*(\d+)\s*(?:\(\s*x\s*(\d+)\s*\))?\s*$")
+
+
+def parse_tasks_per_node(raw: str, name: str = "SLURM_STEP_TASKS_PER_NODE") -> list[int]:
+    """Expand SLURM's compressed task counts: ``'2(x3),1'`` -> ``[2, 2, 2, 1]``."""
+    counts: list[int] = []
+    for item in raw.split(","):
+        m = _TASKS_ITEM.match(item)
+        if m is None or int(m.group(1)) < 1 or (m.group(2) is not None and int(m.group(2)) < 1):
+            raise LaunchError(
+                f"{name}={raw!r} is not a SLURM task count list; expected items like '4' or "
+                f"'2(x3)' separated by commas (e.g. '2(x3),1'); {Slurm.fix}"
+            )
+        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return counts
+
+
+# -- reading and checking ----------------------------------------------------
+
+class _Val(NamedTuple):
+    """A value and where it came from, for messages."""
+
+    name: str
+    value: int
+    raw: str | None = None
+    """The variable's text; None for values that were computed."""
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        text = f"{self.name}={self.raw!r}" if self.raw is not None else f"{self.name}={self.value}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+class _Reader:
+    """Reads one launcher's variables; every error names variable, value and fix."""
+
+    def __init__(self, env: Mapping[str, str], launcher: type[Launcher]) -> None:
+        self.env = env
+        self.launcher = launcher
+        present = [m for m in launcher.markers if m in env]
+        self.why = (
+            f"{present[0]}={env[present[0]]!r} says {launcher.name} started this process"
+            if present else f"this looks like a {launcher.name} launch"
+        )
+
+    def error(self, message: str) -> LaunchError:
+        return LaunchError(f"{message}; {self.launcher.fix}")
+
+    def _parse(self, name: str, minimum: int) -> _Val:
+        raw = self.env[name]
+        try:
+            value = int(raw.strip(), 10)
+        except ValueError:
+            raise self.error(f"{name}={raw!r} is not an integer") from None
+        if value < minimum:
+            raise self.error(f"{name}={raw!r} must be an integer >= {minimum}")
+        return _Val(name, value, raw)
+
+    def required(self, name: str, minimum: int = 0) -> _Val:
+        if name not in self.env:
+            raise self.error(f"{name} is not set, but {self.why}")
+        return self._parse(name, minimum)
+
+    def pair(self, rank_name: str, size_name: str) -> tuple[_Val, _Val] | None:
+        """Both variables or neither: a lone one is an inconsistency."""
+        has_rank, has_size = rank_name in self.env, size_name in self.env
+        if has_rank != has_size:
+            there, missing = (rank_name, size_name) if has_rank else (size_name, rank_name)
+            raise self.error(
+                f"{there}={self.env[there]!r} is set but {missing} is not; set both or neither"
+            )
+        if not has_rank:
+            return None
+        return self._parse(rank_name, 0), self._parse(size_name, 1)
+
+    def address(self, addr_name: str, port_name: str) -> tuple[str | None, int | None]:
+        addr, port = self.env.get(addr_name), self.env.get(port_name)
+        if (addr is None) != (port is None):
+            there, missing = (addr_name, port_name) if port is None else (port_name, addr_name)
+            raise self.error(
+                f"{there}={self.env[there]!r} is set but {missing} is not; set both or neither"
+            )
+        if addr is None:
+            return None, None
+        if not addr.strip():
+            raise self.error(f"{addr_name}={addr!r} is empty; it must name a host or an address")
+        value = self._parse(port_name, 0)
+        _check_port(value, self.launcher.fix)
+        return addr.strip(), value.value
+
+    def text(self, name: str) -> str | None:
+        value = self.env.get(name, "").strip()
+        return value or None
+
+
+def _check_port(port: _Val, fix: str) -> None:
+    if not 1 <= port.value <= 65535:
+        raise LaunchError(f"{port.label} is not a TCP port; expected 1..65535; {fix}")
+
+
+def _check_consistent(
+    size: _Val, rank: _Val, local_size: _Val, local_rank: _Val,
+    cross_size: _Val, cross_rank: _Val, fix: str,
+) -> None:
+    """The invariants of ``Topology``, phrased with the variables' names."""
+
+    def fail(message: str) -> LaunchError:
+        return LaunchError(f"{message}; {fix}")
+
+    if size.value < 1:
+        raise fail(f"{size.label} must be at least 1")
+    if rank.value >= size.value:
+        raise fail(f"{rank.label} must be less than {size.label} (ranks are 0..size-1)")
+    if local_size.value < 1:
+        raise fail(f"{local_size.label} must be at least 1")
+    if local_rank.value >= local_size.value:
+        raise fail(f"{local_rank.label} must be less than {local_size.label}")
+    if local_size.value > size.value:
+        raise fail(f"{local_size.label} must not exceed {size.label}")
+    # The local_rank processes before this one on its host all have lower
+    # ranks, and the ones after it higher ranks: both must fit.
+    if local_rank.value > rank.value:
+        raise fail(
+            f"{local_rank.label} must not exceed {rank.label}: the processes before this one "
+            "on its host have lower global ranks"
+        )
+    after = local_size.value - local_rank.value - 1
+    if after > size.value - rank.value - 1:
+        raise fail(
+            f"{local_size.label} and {local_rank.label} put {after} more process(es) on this "
+            f"host after {rank.label}, but {size.label} leaves room for only "
+            f"{size.value - rank.value - 1}"
+        )
+    if cross_size.value < 1:
+        raise fail(f"{cross_size.label} must be at least 1")
+    if cross_rank.value >= cross_size.value:
+        raise fail(f"{cross_rank.label} must be less than {cross_size.label}")
+    if cross_size.value > size.value:
+        raise fail(f"{cross_size.label} must not exceed {size.label}")
+
+
+def _build(
+    launcher: type[Launcher], *, size: _Val, rank: _Val, local_size: _Val, local_rank: _Val,
+    cross: tuple[_Val, _Val] | None, addr: str | None, port: int | None, hostname: str | None,
+) -> Topology:
+    if cross is None:
+        cross = _derive_cross(size, rank, local_size, local_rank)
+    cross_rank, cross_size = cross
+    _check_consistent(
+        size, rank, local_size, local_rank, cross_size, cross_rank, fix=launcher.fix
+    )
+    return Topology(
+        launcher=launcher.name, rank=rank.value, size=size.value,
+        local_rank=local_rank.value, local_size=local_size.value,
+        cross_rank=cross_rank.value, cross_size=cross_size.value,
+        rendezvous_addr=addr, rendezvous_port=port, hostname=hostname,
+    )
+
+
+def _derive_cross(size: _Val, rank: _Val, local_size: _Val, local_rank: _Val) -> tuple[_Val, _Val]:
+    """Host index and count under block placement on equal hosts (module docstring)."""
+    if local_size.value < 1 or local_rank.value > rank.value:
+        # Inconsistent input: keep placeholders and let _check_consistent name it.
+        return _Val("cross rank (derived)", 0), _Val("cross size (derived)", 1)
+    cross_rank = (rank.value - local_rank.value) // local_size.value
+    cross_size = max(-(-size.value // local_size.value), cross_rank + 1)
+    return _Val("cross rank (derived)", cross_rank), _Val("cross size (derived)", cross_size)

@@ -1,0 +1,173 @@
+"""Config.from_env: defaults, names, precedence and error messages."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dp_plugin.config import (
+    DEFAULT_FUSION_THRESHOLD,
+    DEFAULT_TIMEOUT_S,
+    ENGINE_NAMES,
+    Config,
+)
+
+
+def test_defaults_from_an_empty_environment() -> None:
+    config = Config.from_env({})
+    assert config == Config()
+    assert config.engine == "auto"
+    assert config.fusion_threshold == DEFAULT_FUSION_THRESHOLD == 64 * 1024 * 1024
+    assert config.timeline is None
+    assert config.timeout_s == DEFAULT_TIMEOUT_S > 0
+    assert config.rebuild_buckets is True
+
+
+def test_unrelated_variables_are_ignored() -> None:
+    env = {"PATH": "/usr/bin", "HOROVOD_CYCLE_TIME": "5", "DP_PLUGINX": "1", "RANK": "0"}
+    assert Config.from_env(env) == Config()
+
+
+def test_plugin_names() -> None:
+    config = Config.from_env({
+        "DP_PLUGIN_ENGINE": "gloo",
+        "DP_PLUGIN_FUSION_THRESHOLD": "1048576",
+        "DP_PLUGIN_TIMELINE": "/tmp/t.json",
+        "DP_PLUGIN_TIMEOUT": "12.5",
+        "DP_PLUGIN_REBUILD_BUCKETS": "0",
+    })
+    assert config == Config(engine="gloo", fusion_threshold=1 << 20, timeline="/tmp/t.json",
+                            timeout_s=12.5, rebuild_buckets=False)
+
+
+@pytest.mark.parametrize("name", ENGINE_NAMES)
+def test_every_engine_name_is_accepted_in_any_case(name: str) -> None:
+    assert Config.from_env({"DP_PLUGIN_ENGINE": f" {name.upper()} "}).engine == name
+
+
+def test_horovod_names() -> None:
+    config = Config.from_env({"HOROVOD_FUSION_THRESHOLD": "33554432",
+                              "HOROVOD_TIMELINE": "/tmp/hvd.json"})
+    assert config.fusion_threshold == 32 * 1024 * 1024
+    assert config.timeline == "/tmp/hvd.json"
+
+
+def test_horovod_fusion_threshold_zero_means_one_tensor_per_bucket() -> None:
+    assert Config.from_env({"HOROVOD_FUSION_THRESHOLD": "0"}).fusion_threshold == 1
+
+
+def test_plugin_names_win_over_horovod_names() -> None:
+    config = Config.from_env({
+        "DP_PLUGIN_FUSION_THRESHOLD": "1000", "HOROVOD_FUSION_THRESHOLD": "2000",
+        "DP_PLUGIN_TIMELINE": "mine.json", "HOROVOD_TIMELINE": "hvd.json",
+    })
+    assert config.fusion_threshold == 1000
+    assert config.timeline == "mine.json"
+    # The Horovod value is not even parsed when the plugin's is set.
+    env = {"DP_PLUGIN_FUSION_THRESHOLD": "1000", "HOROVOD_FUSION_THRESHOLD": "lots"}
+    assert Config.from_env(env).fusion_threshold == 1000
+
+
+def test_empty_timeline_means_none() -> None:
+    assert Config.from_env({"DP_PLUGIN_TIMELINE": ""}).timeline is None
+    # An empty plugin value does not hide Horovod's.
+    env = {"DP_PLUGIN_TIMELINE": "", "HOROVOD_TIMELINE": "hvd.json"}
+    assert Config.from_env(env).timeline == "hvd.json"
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [("1", True), ("true", True), ("YES", True), ("on", True),
+     ("0", False), ("false", False), ("No", False), ("off", False), ("", False)],
+)
+def test_boolean_spellings(raw: str, expected: bool) -> None:
+    assert Config.from_env({"DP_PLUGIN_REBUILD_BUCKETS": raw}).rebuild_buckets is expected
+
+
+def test_from_env_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DP_PLUGIN_FUSION_THRESHOLD", "4096")
+    monkeypatch.delenv("DP_PLUGIN_ENGINE", raising=False)
+    config = Config.from_env()
+    assert config.fusion_threshold == 4096
+
+
+# -- bad values ---------------------------------------------------------------------
+
+def _message(env: dict[str, str]) -> str:
+    with pytest.raises(ValueError) as info:
+        Config.from_env(env)
+    return str(info.value)
+
+
+def test_unknown_engine_lists_the_valid_ones() -> None:
+    message = _message({"DP_PLUGIN_ENGINE": "nvlink"})
+    assert "DP_PLUGIN_ENGINE='nvlink'" in message
+    for name in ENGINE_NAMES:
+        assert name in message
+
+
+@pytest.mark.parametrize("name", ["DP_PLUGIN_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"])
+@pytest.mark.parametrize("raw", ["64MB", "1.5", "", "lots"])
+def test_non_integer_threshold_names_variable_and_value(name: str, raw: str) -> None:
+    message = _message({name: raw})
+    assert f"{name}={raw!r}" in message
+    assert "integer" in message
+
+
+@pytest.mark.parametrize(
+    ("env", "shown"),
+    [
+        ({"DP_PLUGIN_FUSION_THRESHOLD": "0"}, "DP_PLUGIN_FUSION_THRESHOLD='0'"),
+        ({"DP_PLUGIN_FUSION_THRESHOLD": "-5"}, "DP_PLUGIN_FUSION_THRESHOLD='-5'"),
+        ({"HOROVOD_FUSION_THRESHOLD": "-1"}, "HOROVOD_FUSION_THRESHOLD='-1'"),
+    ],
+)
+def test_threshold_must_be_positive(env: dict[str, str], shown: str) -> None:
+    message = _message(env)
+    assert shown in message
+    assert "positive" in message and str(DEFAULT_FUSION_THRESHOLD) in message
+
+
+@pytest.mark.parametrize("raw", ["0", "-3", "soon", "nan", ""])
+def test_bad_timeout_names_variable_and_value(raw: str) -> None:
+    message = _message({"DP_PLUGIN_TIMEOUT": raw})
+    assert f"DP_PLUGIN_TIMEOUT={raw!r}" in message
+    assert "positive number of seconds" in message
+
+
+def test_bad_boolean_lists_the_spellings() -> None:
+    message = _message({"DP_PLUGIN_REBUILD_BUCKETS": "maybe"})
+    assert "DP_PLUGIN_REBUILD_BUCKETS='maybe'" in message
+    assert "true/false" in message
+
+
+# -- the dataclass itself ----------------------------------------------------------
+
+def test_config_is_frozen_keyword_only_and_slotted() -> None:
+    config = Config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.engine = "mpi"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        Config("mpi")  # type: ignore[call-arg]
+    assert not hasattr(config, "__dict__")
+    assert dataclasses.replace(config, engine="mpi").engine == "mpi"
+    assert config.engine == "auto"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"engine": "bogus"}, ["'bogus'", "DP_PLUGIN_ENGINE", *ENGINE_NAMES]),
+        ({"fusion_threshold": 0}, ["fusion_threshold", "> 0"]),
+        ({"fusion_threshold": True}, ["fusion_threshold", "True"]),
+        ({"fusion_threshold": 1.5}, ["fusion_threshold", "1.5"]),
+        ({"timeout_s": 0.0}, ["timeout_s", "0.0"]),
+        ({"timeout_s": float("nan")}, ["timeout_s", "nan"]),
+    ],
+)
+def test_direct_construction_is_validated(kwargs: dict[str, object], words: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        Config(**kwargs)  # type: ignore[arg-type]
+    for word in words:
+        assert word in str(info.value)

@@ -1,0 +1,46 @@
+"""init / shutdown / use-before-init of the process-wide runtime."""
+
+from __future__ import annotations
+
+import pytest
+
+import dp_plugin
+from dp_plugin import runtime
+from dp_plugin.config import Config
+from dp_plugin.errors import NotInitializedError
+
+
+@pytest.fixture(autouse=True)
+def _clean_runtime():
+    runtime.shutdown()
+    yield
+    runtime.shutdown()
+
+
+def test_use_before_init_names_the_fix() -> None:
+    for fn in (dp_plugin.engine, dp_plugin.rank, dp_plugin.size, dp_plugin.topology):
+        with pytest.raises(NotInitializedError, match=r"call init\(\)"):
+            fn()
+    assert not dp_plugin.is_initialized()
+
+
+def test_single_process_init_picks_local_and_is_idempotent() -> None:
+    engine = dp_plugin.init(env={})
+    assert engine.name == "local"
+    assert (dp_plugin.rank(), dp_plugin.size()) == (0, 1)
+    assert dp_plugin.init(env={}) is engine
+    assert runtime.engine_reason()  # the log line says why this engine
+    dp_plugin.shutdown()
+    assert not dp_plugin.is_initialized()
+
+
+def test_explicit_engine_from_config() -> None:
+    engine = dp_plugin.init(Config(engine="local"), env={})
+    assert engine.name == "local"
+    assert runtime.engine_reason().startswith("requested")
+
+
+def test_unknown_engine_in_env_lists_valid_ones() -> None:
+    with pytest.raises(ValueError, match="valid values: auto, horovod, gloo, nccl, mpi, local"):
+        dp_plugin.init(env={"DP_PLUGIN_ENGINE": "carrier-pigeon"})
+    assert not dp_plugin.is_initialized()
