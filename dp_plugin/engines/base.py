@@ -91,16 +91,21 @@ class Handle(ABC):
         """Wait for completion; raise ``CollectiveTimeoutError`` after the timeout."""
         if self.completed_at is None:
             if not self._block(self.timeout_s):
-                raise CollectiveTimeoutError(
-                    f"rank {self.rank}: {self.description} did not finish within "
-                    f"{self.timeout_s:g} s (DP_PLUGIN_TIMEOUT). Another rank has probably "
-                    "stopped calling collectives, called them in a different order, or died; "
-                    "check its log. If the step is legitimately this slow, raise "
-                    "DP_PLUGIN_TIMEOUT."
-                )
+                raise self.timeout_error()
             self.completed_at = time.perf_counter()
         while self._finishers:
             self._finishers.pop(0)()
+
+    def timeout_error(self) -> CollectiveTimeoutError:
+        """The error for this collective passing ``timeout_s`` (also used by
+        engines whose library reports the timeout itself)."""
+        return CollectiveTimeoutError(
+            f"rank {self.rank}: {self.description} did not finish within "
+            f"{self.timeout_s:g} s (DP_PLUGIN_TIMEOUT). Another rank has probably "
+            "stopped calling collectives, called them in a different order, or died; "
+            "check its log. If the step is legitimately this slow, raise "
+            "DP_PLUGIN_TIMEOUT."
+        )
 
     def then(self, fn: Any) -> Handle:
         """Run ``fn()`` once, in the waiting thread, after completion."""
@@ -220,3 +225,15 @@ def _divide(buf: Any, size: int) -> None:
     else:
         arr = as_numpy(buf)
         arr /= arr.dtype.type(size)
+
+
+def check_gatherable(buf: Any, what: str) -> str:
+    """Validate an all-gather input (at least 1-D, a supported dtype); return
+    its canonical dtype. Raises on the rank that passed it."""
+    shape = tuple(buf.shape)
+    if len(shape) == 0:
+        raise ValueError(
+            f"{what}: a 0-dim buffer has no first dimension to concatenate along; "
+            "reshape it to (1,) first"
+        )
+    return canonical_dtype(buf.dtype)

@@ -1,0 +1,155 @@
+"""Fused all-reduce vs one raw all-reduce vs per-tensor all-reduce.
+
+For 100 float32 tensors totalling 64 MiB (sizes spread like a real model's
+layers), reports per engine at world size 2:
+  - raw:        one engine all-reduce of a single 64 MiB buffer (the floor);
+  - fused:      GradientScheduler with the default 64 MiB threshold
+                (pack, all-reduce, average, unpack);
+  - per-tensor: GradientScheduler with a 1-byte threshold (100 all-reduces).
+Goal: fused within 10% of raw.
+
+    python benchmarks/fusion_bench.py                 # all engines, 2 workers
+    python benchmarks/fusion_bench.py --engines gloo --reps 20
+
+Without a launcher it starts itself under each engine's launcher and prints
+a table; under a launcher it is one worker and prints one JSON line (rank 0).
+Timings are medians of --reps runs after --warmup; the machine is shared, so
+compare rows from the same invocation only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+TOTAL_BYTES = 64 * 2**20
+N_TENSORS = 100
+
+
+def tensor_sizes(n: int = N_TENSORS, total_elems: int = TOTAL_BYTES // 4) -> list[int]:
+    rng = np.random.default_rng(0)
+    weights = rng.lognormal(mean=0.0, sigma=1.5, size=n)
+    sizes = np.maximum(1, np.floor(weights / weights.sum() * total_elems)).astype(int)
+    sizes[np.argmax(sizes)] += total_elems - int(sizes.sum())
+    return [int(s) for s in sizes]
+
+
+def worker(reps: int, warmup: int) -> None:
+    import torch
+
+    import dp_plugin
+    from dp_plugin.fusion import TensorSpec
+    from dp_plugin.scheduler import GradientScheduler
+
+    torch.set_num_threads(1)
+    engine = dp_plugin.init()
+    sizes = tensor_sizes()
+    grads = [torch.full((s,), float(engine.rank + 1)) for s in sizes]
+    specs = [TensorSpec.of(f"t{i}", g) for i, g in enumerate(grads)]
+    raw = torch.ones(TOTAL_BYTES // 4)
+
+    def time_it(fn) -> float:
+        times = []
+        for i in range(warmup + reps):
+            engine.barrier()
+            t0 = time.perf_counter()
+            fn()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def run_sched(sched: GradientScheduler) -> None:
+        for i in reversed(range(len(grads))):
+            sched.mark_ready(i, grads[i])
+        sched.synchronize()
+
+    results = {"engine": engine.name, "size": engine.size}
+    results["raw"] = time_it(lambda: engine.allreduce_async(raw, "sum", name="raw").wait())
+    fused = GradientScheduler(specs, engine=engine, op="average")
+    results["fused"] = time_it(lambda: run_sched(fused))
+    results["fused_buckets"] = len(fused.plan)
+    per = GradientScheduler(specs, engine=engine, op="average", fusion_threshold=1)
+    results["per_tensor"] = time_it(lambda: run_sched(per))
+    fused.close()
+    per.close()
+    if engine.rank == 0:
+        print("RESULT " + json.dumps(results), flush=True)
+    dp_plugin.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(engine: str, nprocs: int, reps: int, warmup: int, timeout: float) -> dict:
+    bindir = Path(sys.executable).parent
+    me = [sys.executable, __file__, "--worker", "--reps", str(reps), "--warmup", str(warmup)]
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMI_", "HOROVOD_", "SLURM_"))}
+    env.update(DP_PLUGIN_ENGINE=engine, PATH=f"{bindir}:{env.get('PATH', '')}")
+    if engine == "mpi":
+        cmds = [[str(bindir / "mpiexec"), "-n", str(nprocs), *me]]
+    elif engine == "horovod":
+        cmds = [[str(bindir / "horovodrun"), "--gloo", "-np", str(nprocs),
+                 "-H", f"localhost:{nprocs}", *me]]
+    else:
+        port = str(_free_port())
+        cmds = [me] * nprocs
+        envs = [dict(env, RANK=str(r), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r),
+                     LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+                for r in range(nprocs)]
+    procs = [subprocess.Popen(c, env=envs[i] if engine not in ("mpi", "horovod") else env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i, c in enumerate(cmds)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise SystemExit(f"{engine}: benchmark workers hung for {timeout:.0f} s") from None
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"{engine}: a worker failed:\n" + "\n".join(outs))
+    for line in "\n".join(outs).splitlines():
+        if "RESULT " in line:
+            return dict(json.loads(line.split("RESULT ", 1)[1]))
+    raise SystemExit(f"{engine}: no RESULT line in:\n" + "\n".join(outs))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engines", default="gloo,mpi,horovod")
+    ap.add_argument("-np", "--nprocs", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.reps, args.warmup)
+        return
+    print(f"{N_TENSORS} float32 tensors, {TOTAL_BYTES >> 20} MiB total, "
+          f"{args.nprocs} workers, median of {args.reps}\n")
+    print(f"{'engine':<8} {'raw 64 MiB':>11} {'fused':>9} {'buckets':>8} "
+          f"{'fused/raw':>10} {'per-tensor':>11} {'per/raw':>8}")
+    for engine in args.engines.split(","):
+        r = launch(engine.strip(), args.nprocs, args.reps, args.warmup, args.timeout)
+        print(f"{r['engine']:<8} {r['raw'] * 1e3:>8.1f} ms {r['fused'] * 1e3:>6.1f} ms "
+              f"{r['fused_buckets']:>8} {r['fused'] / r['raw']:>10.2f} "
+              f"{r['per_tensor'] * 1e3:>8.1f} ms {r['per_tensor'] / r['raw']:>8.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

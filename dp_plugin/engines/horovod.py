@@ -1,0 +1,287 @@
+"""The ``horovod`` engine: collectives run inside Horovod's own engine.
+
+Uses ``horovod.torch`` (Horovod 0.28.1 built with Gloo; see DESIGN.md for
+the C++17 rebuild), imported when the engine is created.
+
+Distributed contract (on top of ``dp_plugin.engines.base``):
+- Horovod matches collectives across ranks by *name*, not by order. Every
+  rank must pass the same names in the same order. The engine appends a slot
+  number so that a name may be reused once its previous use has been waited
+  for (the same name every step keeps Horovod's response cache warm) while
+  two in-flight uses of one name stay distinct. The slot depends only on the
+  program order of calls and ``wait``s, so it agrees across ranks;
+- waits poll ``hvd.poll`` and raise ``CollectiveTimeoutError`` after
+  ``config.timeout_s`` (``hvd.synchronize`` alone could block forever);
+  after a timeout the engine refuses further collectives, because the
+  pending operation may still complete later and write into its buffer;
+- errors Horovod detects across ranks (mismatched shapes or dtypes, a rank
+  that shut down) are raised on every rank as ``DPPluginError``.
+
+dtypes (Horovod 0.28.1's torch extension, CPU): all-reduce kernels exist
+for float16, float32, float64, int32 and int64 only. int8, uint8 and int16
+are all-reduced as int32 and bfloat16 as float32, through a temporary copy:
+exact for the small integer types (two's complement wraps identically), and
+for bfloat16 one rounding at the end instead of one per step. The cost is
+twice (four times for 8-bit) the bytes on the wire: bf16 compression saves
+no bandwidth on this engine (use fp16 compression, or the gloo engine).
+Broadcast and all-gather move bfloat16 as its int16 bit pattern (exact).
+
+Average is SUM followed by a division in the buffer dtype (the base class),
+not ``hvd.Average``: every engine then rounds the same way, so results do
+not depend on the engine chosen.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import numpy as np
+
+from dp_plugin.arrays import as_numpy, as_torch, is_torch
+from dp_plugin.config import Config
+from dp_plugin.dtypes import canonical_dtype
+from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp
+from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, EngineUnavailableError
+from dp_plugin.launch import Topology
+
+# Canonical dtype -> dtype the all-reduce runs in, where Horovod has no kernel.
+ALLREDUCE_WIRE_DTYPES = {"int8": "int32", "uint8": "int32", "int16": "int32",
+                         "bfloat16": "float32"}
+
+_HVD_OPS = {ReduceOp.SUM: "Sum", ReduceOp.MIN: "Min", ReduceOp.MAX: "Max",
+            ReduceOp.PRODUCT: "Product"}
+
+
+class _HorovodHandle(Handle):
+    """One Horovod operation; ``wait`` finalizes it with ``hvd.synchronize``."""
+
+    def __init__(self, engine: HorovodEngine, description: str, hvd_handle: int,
+                 slot: tuple[str, int]) -> None:
+        super().__init__(description, engine.rank, engine.config.timeout_s)
+        self._engine = engine
+        self._hvd_handle = hvd_handle
+        self.result: Any = None
+        # First finisher: collect Horovod's outcome before any copy-back.
+        self.then(lambda: self._finish(slot))
+
+    def _test(self) -> bool:
+        return bool(self._engine._hvd.poll(self._hvd_handle))
+
+    def _finish(self, slot: tuple[str, int]) -> None:
+        try:
+            self.result = self._engine._hvd.synchronize(self._hvd_handle)
+        except RuntimeError as exc:  # HorovodInternalError is a RuntimeError
+            raise DPPluginError(
+                f"rank {self.rank}: {self.description} failed in Horovod: "
+                f"{str(exc).strip().rstrip('.')}. Horovod reports this on every rank; a "
+                "shutdown means another rank stopped (raised, timed out or exited) while "
+                "this collective was pending: check that rank's log"
+            ) from exc
+        finally:
+            self._engine._release(slot)
+
+    def wait(self) -> None:
+        try:
+            super().wait()
+        except CollectiveTimeoutError:
+            self._engine._broken = self.description
+            raise
+
+
+class HorovodEngine(Engine):
+    """Collectives through ``horovod.torch``, under ``horovodrun``.
+
+    Buffers: numpy arrays or torch tensors, viewed as torch tensors without
+    copies; all-reduce and broadcast need contiguous buffers (they work in
+    place). Creating the engine calls ``hvd.init()`` unless Horovod is
+    already initialized; ``shutdown`` calls ``hvd.shutdown()`` only if the
+    engine initialized Horovod, so a user's own Horovod use is left alone.
+    """
+
+    name = "horovod"
+
+    @classmethod
+    def availability(cls, topology: Topology) -> Availability:
+        if importlib.util.find_spec("horovod") is None:
+            return Availability(False, "Horovod is not installed (`make install` builds it)")
+        if topology.launcher != "horovodrun" and topology.size != 1:
+            return Availability(
+                False,
+                f"the job was started by {topology.launcher}, not horovodrun; Horovod's "
+                "engine needs `horovodrun --gloo` (or use the gloo engine)",
+            )
+        try:
+            import horovod.torch as hvd
+        except Exception as exc:  # ImportError, or an ABI error from the extension
+            return Availability(
+                False,
+                f"horovod.torch failed to import ({type(exc).__name__}: {exc}); rebuild "
+                "Horovod against this torch (`make install`)",
+            )
+        if not hvd.gloo_built():
+            return Availability(
+                False, "Horovod was built without Gloo; rebuild with HOROVOD_WITH_GLOO=1"
+            )
+        return Availability(True, "horovod.torch is built with Gloo and the job was started by "
+                            + ("horovodrun" if topology.launcher == "horovodrun"
+                               else "no launcher (one process)"))
+
+    def __init__(self, topology: Topology, config: Config) -> None:
+        super().__init__(topology, config)
+        try:
+            import horovod.torch as hvd
+            import torch
+        except Exception as exc:
+            raise EngineUnavailableError(
+                f"the horovod engine needs horovod.torch, which failed to import "
+                f"({type(exc).__name__}: {exc}); rebuild Horovod (`make install`) or choose "
+                "another engine with DP_PLUGIN_ENGINE"
+            ) from exc
+        self._hvd: Any = hvd
+        self._torch: Any = torch
+        self._broken: str | None = None
+        self._in_flight: dict[str, set[int]] = {}
+        self._owns_init = not hvd.is_initialized()
+        if self._owns_init:
+            hvd.init()
+        self._running = True
+        if (hvd.rank(), hvd.size()) != (topology.rank, topology.size):
+            raise EngineUnavailableError(
+                f"Horovod says this process is rank {hvd.rank()} of {hvd.size()}, but the "
+                f"{topology.launcher} launcher variables say rank {topology.rank} of "
+                f"{topology.size}; start the job with `horovodrun --gloo -np N` and do not "
+                "override HOROVOD_RANK/HOROVOD_SIZE"
+            )
+
+    # -- collectives -------------------------------------------------------
+    def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
+        self._check_usable()
+        tensor = self._inplace_tensor(buf, f"allreduce {name!r}")
+        dtype = canonical_dtype(tensor.dtype)
+        wire_dtype = ALLREDUCE_WIRE_DTYPES.get(dtype)
+        wire = tensor if wire_dtype is None else tensor.to(getattr(self._torch, wire_dtype))
+        description = self.describe("allreduce", name, tensor.numel() * tensor.element_size())
+        hvd_op = getattr(self._hvd, _HVD_OPS[op])
+        handle = self._start(
+            "allreduce", name, description,
+            lambda full: self._hvd.allreduce_async_(wire, name=full, op=hvd_op),
+        )
+        if wire is not tensor:
+            handle.then(lambda: tensor.copy_(wire))
+        return handle
+
+    def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle:
+        self._check_usable()
+        tensor = self._bits(self._inplace_tensor(buf, f"broadcast {name!r}"))
+        description = self.describe("broadcast", name, tensor.numel() * tensor.element_size())
+        return self._start(
+            "broadcast", name, description,
+            lambda full: self._hvd.broadcast_async_(tensor, root_rank=root, name=full),
+        )
+
+    def _allgather(self, buf: Any, name: str) -> Any:
+        self._check_usable()
+        if not is_torch(buf) and not _torch_viewable(np.asarray(buf)):
+            buf = np.asarray(buf).copy(order="C")  # only read: a copy is fine
+        tensor = as_torch(buf).detach()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        is_bf16 = tensor.dtype == self._torch.bfloat16
+        wire = self._bits(tensor)
+        handle = self._start(
+            "allgather", name, self.describe("allgather", name),
+            lambda full: self._hvd.allgather_async(wire, name=full),
+        )
+        handle.wait()
+        out = handle.result
+        if is_bf16:
+            out = out.view(self._torch.bfloat16)
+        return out if is_torch(buf) else as_numpy(out)
+
+    def _barrier(self) -> None:
+        # hvd.barrier() blocks in synchronize() without a timeout; a one-element
+        # all-reduce is a barrier that honours it.
+        self._check_usable()
+        token = self._torch.zeros(1, dtype=self._torch.int32)
+        self._start(
+            "barrier", "barrier", "horovod barrier",
+            lambda full: self._hvd.allreduce_async_(token, name=full, op=self._hvd.Sum),
+        ).wait()
+
+    def shutdown(self) -> None:
+        """Shut Horovod down if this engine started it (idempotent).
+
+        Safe after a timeout: Horovod fails the pending operations."""
+        if not self._running:
+            return
+        self._running = False
+        if self._owns_init and self._hvd.is_initialized():
+            self._hvd.shutdown()
+
+    # -- internals ---------------------------------------------------------
+    def _start(self, kind: str, name: str, description: str, enqueue: Any) -> _HorovodHandle:
+        """Reserve a name slot, enqueue the operation, wrap its handle."""
+        base = f"dp.{kind}.{name}"
+        used = self._in_flight.setdefault(base, set())
+        index = next(i for i in range(len(used) + 1) if i not in used)
+        used.add(index)
+        try:
+            hvd_handle = enqueue(f"{base}.{index}")
+        except (RuntimeError, ValueError) as exc:
+            used.discard(index)
+            raise DPPluginError(
+                f"rank {self.rank}: Horovod refused to start {description}: {exc}"
+            ) from exc
+        return _HorovodHandle(self, description, hvd_handle, (base, index))
+
+    def _release(self, slot: tuple[str, int]) -> None:
+        base, index = slot
+        used = self._in_flight.get(base)
+        if used is not None:
+            used.discard(index)
+            if not used:
+                del self._in_flight[base]
+
+    def _inplace_tensor(self, buf: Any, what: str) -> Any:
+        # Test numpy first: torch cannot even view negative strides.
+        contiguous = buf.is_contiguous() if is_torch(buf) else _torch_viewable(np.asarray(buf))
+        if not contiguous:
+            strides = tuple(buf.stride()) if is_torch(buf) else np.asarray(buf).strides
+            raise ValueError(
+                f"{what}: the buffer is not contiguous (strides {strides}); "
+                "the horovod engine works in place and needs contiguous memory; pass "
+                "buf.contiguous() and copy the result back"
+            )
+        if not is_torch(buf) and not np.asarray(buf).flags.writeable:
+            raise ValueError(
+                f"{what}: the buffer is read-only; the horovod engine works in place; pass "
+                "a writable copy (buf.copy())"
+            )
+        return as_torch(buf).detach()  # detach: Horovod writes behind autograd's back
+
+    def _bits(self, tensor: Any) -> Any:
+        """bfloat16 as its int16 bit pattern (Horovod has no bf16 kernels);
+        other dtypes unchanged. A view: writes reach ``tensor``."""
+        if tensor.dtype == self._torch.bfloat16:
+            return tensor.view(self._torch.int16)
+        return tensor
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise DPPluginError(
+                f"rank {self.rank}: the horovod engine is unusable because an earlier "
+                f"collective timed out ({self._broken}); it may still complete and write "
+                "into its buffer. Restart the job"
+            )
+        if not self._running:
+            raise DPPluginError(
+                f"rank {self.rank}: the horovod engine was shut down; create a new one "
+                "(dp_plugin.init()) before calling collectives"
+            )
+
+
+def _torch_viewable(arr: np.ndarray) -> bool:
+    """Contiguous, and no negative stride (which ``torch.from_numpy`` rejects
+    even on a one-element array)."""
+    return bool(arr.flags.c_contiguous) and all(stride >= 0 for stride in arr.strides)

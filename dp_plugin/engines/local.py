@@ -1,0 +1,70 @@
+"""The do-nothing engine: one process, no communication.
+
+With a single rank every collective is already complete: an all-reduce of
+one contribution is that contribution (sum, min, max, product and average
+alike), a broadcast from rank 0 leaves the buffer as it is, and an
+all-gather returns a copy of this rank's buffer. Handles are complete when
+returned, so ``wait()`` never blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dp_plugin.arrays import is_torch
+from dp_plugin.config import Config
+from dp_plugin.engines.base import (
+    Availability,
+    DoneHandle,
+    Engine,
+    Handle,
+    ReduceOp,
+    check_gatherable,
+)
+from dp_plugin.errors import EngineUnavailableError
+from dp_plugin.launch import Topology
+
+
+class LocalEngine(Engine):
+    """World size 1; every collective completes immediately."""
+
+    name = "local"
+    # Average over one rank is the identity: no divide pass needed.
+    native_ops = frozenset(ReduceOp)
+
+    def __init__(self, topology: Topology, config: Config) -> None:
+        avail = self.availability(topology)
+        if not avail.ok:
+            raise EngineUnavailableError(avail.reason)
+        super().__init__(topology, config)
+
+    @classmethod
+    def availability(cls, topology: Topology) -> Availability:
+        if topology.size != 1:
+            return Availability(
+                False,
+                f"the local engine runs exactly one process, but {topology.launcher} started "
+                f"{topology.size}; use a multi-rank engine (gloo, nccl, mpi or horovod, or "
+                "'auto')",
+            )
+        return Availability(True, "one process, no communication")
+
+    def shutdown(self) -> None:
+        """Nothing to release."""
+
+    def _done(self, collective: str, name: str) -> Handle:
+        return DoneHandle(self.describe(collective, name), self.rank, self.config.timeout_s)
+
+    def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
+        return self._done("allreduce", name)
+
+    def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle:
+        return self._done("broadcast", name)
+
+    def _allgather(self, buf: Any, name: str) -> Any:
+        check_gatherable(buf, f"allgather {name!r}")
+        # A copy, as on every other engine: the caller may reuse its input.
+        return buf.clone() if is_torch(buf) else buf.copy()
+
+    def _barrier(self) -> None:
+        """A single rank is always at the barrier."""

@@ -1,0 +1,365 @@
+"""The ``mpi`` engine: mpi4py non-blocking collectives, launched by mpirun.
+
+Distributed contract (on top of ``dp_plugin.engines.base``):
+- every rank calls the same collectives in the same order with buffers of
+  the same length and dtype (all-reduce, broadcast); MPI matches collectives
+  by order only, so names are used solely in error messages;
+- all traffic runs on a private duplicate of ``MPI.COMM_WORLD``: a user's own
+  MPI calls on ``COMM_WORLD`` can never match ours;
+- waits poll ``Request.Test`` (MPI makes progress only inside MPI calls) and
+  raise ``CollectiveTimeoutError`` after ``config.timeout_s``;
+- after a timeout the engine is *broken*: the timed-out request may still
+  complete later and write into its buffer, and the ranks no longer agree
+  on the order of collectives, so every later collective raises at once.
+  ``shutdown`` then leaks the communicator and reduction ops on purpose
+  (freeing an op that a pending request may still call is unsafe); the
+  process still exits normally (MPICH 5.0.2 finalizes with pending requests
+  without blocking, checked with mismatched pending collectives).
+
+dtypes: MPICH 5.0.2 reduces ``MPI_FLOAT16_T`` natively; ``MPI_BFLOAT16_T``
+is ``MPI_DATATYPE_NULL`` there. A half type the library lacks is sent as an
+opaque 2-byte datatype and reduced by a user-defined commutative op that
+computes in float32 and rounds back after every pairwise step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import numpy as np
+
+from dp_plugin.arrays import as_numpy, as_torch, is_torch, numpy_dtype
+from dp_plugin.config import Config
+from dp_plugin.dtypes import SUPPORTED_DTYPES, canonical_dtype
+from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp
+from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, EngineUnavailableError
+from dp_plugin.launch import Topology
+
+# Canonical dtype -> name of the predefined MPI datatype (mpi4py attribute).
+_MPI_TYPE_NAMES = {
+    "float16": "FLOAT16_T",
+    "bfloat16": "BFLOAT16_T",
+    "float32": "FLOAT",
+    "float64": "DOUBLE",
+    "int8": "INT8_T",
+    "uint8": "UINT8_T",
+    "int16": "INT16_T",
+    "int32": "INT32_T",
+    "int64": "INT64_T",
+}
+_HALF_DTYPES = ("float16", "bfloat16")
+
+_MPI_OP_NAMES = {
+    ReduceOp.SUM: "SUM",
+    ReduceOp.MIN: "MIN",
+    ReduceOp.MAX: "MAX",
+    ReduceOp.PRODUCT: "PROD",
+}
+_FLOAT32_OPS: dict[ReduceOp, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.PRODUCT: np.multiply,
+}
+
+# all-gather header: [rows, dtype code, ndim, trailing dims padded with -1].
+_MAX_TRAILING_DIMS = 8
+_HEADER_LEN = 3 + _MAX_TRAILING_DIMS
+_DTYPE_CODES = tuple(SUPPORTED_DTYPES)
+
+
+class _MPIHandle(Handle):
+    """Requests of one collective; done when all of them are."""
+
+    def __init__(self, engine: MPIEngine, description: str, requests: list[Any],
+                 keepalive: tuple[Any, ...]) -> None:
+        super().__init__(description, engine.rank, engine.config.timeout_s)
+        self._engine = engine
+        self._requests = requests
+        # MPI writes into these until the requests complete: keep them alive.
+        self._keepalive: tuple[Any, ...] | None = keepalive
+
+    def _test(self) -> bool:
+        if not self._engine._MPI.Request.Testall(self._requests):
+            return False
+        self._keepalive = None
+        return True
+
+    def wait(self) -> None:
+        try:
+            super().wait()
+        except CollectiveTimeoutError:
+            self._engine._mark_broken(self.description)
+            raise
+
+
+class MPIEngine(Engine):
+    """Collectives through mpi4py on a private duplicate of ``COMM_WORLD``.
+
+    Buffers: 1-D, C-contiguous, writable numpy arrays or CPU torch tensors,
+    viewed without copies. Average is SUM followed by a division (base class).
+    Creating the engine is collective over ``COMM_WORLD`` and honours the
+    timeout; ``shutdown`` is local.
+    """
+
+    name = "mpi"
+    _use_native_halves: ClassVar[bool] = True
+    """Use the library's float16/bfloat16 types when it has them. Tests set
+    False to exercise the emulated path that an MPI without them needs."""
+
+    @classmethod
+    def availability(cls, topology: Topology) -> Availability:
+        # find_spec does not load the extension: initializing MPI here would
+        # make a throwaway singleton MPI job under other launchers.
+        if importlib.util.find_spec("mpi4py") is None:
+            return Availability(False, "mpi4py is not installed (pip install mpi4py mpich)")
+        if not topology.is_mpi and topology.size != 1:
+            return Availability(
+                False,
+                f"the job was started by {topology.launcher}, not by an MPI launcher; "
+                "launch with mpirun/mpiexec to use the mpi engine",
+            )
+        return Availability(True, "mpi4py is installed and the job was started by "
+                            + (f"{topology.launcher}'s mpiexec" if topology.is_mpi
+                               else "no launcher (one process)"))
+
+    def __init__(self, topology: Topology, config: Config) -> None:
+        super().__init__(topology, config)
+        try:
+            from mpi4py import MPI
+        except ImportError as exc:
+            raise EngineUnavailableError(
+                f"the mpi engine needs mpi4py, which failed to import ({exc}); install "
+                "mpi4py and an MPI (pip install mpi4py mpich) or choose another engine "
+                "with DP_PLUGIN_ENGINE"
+            ) from exc
+        self._MPI: Any = MPI
+        self._broken: str | None = None
+        self._comm: Any = None
+        world = MPI.COMM_WORLD
+        if (world.Get_rank(), world.Get_size()) != (topology.rank, topology.size):
+            library = " ".join(MPI.Get_library_version().splitlines()[0].split())
+            raise EngineUnavailableError(
+                f"MPI says this process is rank {world.Get_rank()} of {world.Get_size()}, but "
+                f"the {topology.launcher} launcher variables say rank {topology.rank} of "
+                f"{topology.size}. The job was probably started by the mpirun of a different "
+                f"MPI than the one mpi4py uses ({library}); launch with that MPI's mpiexec "
+                "(for the mpich wheel: the mpiexec next to your python)"
+            )
+        # Idup instead of Dup: if a rank never creates the engine, the others
+        # raise after the timeout instead of hanging in the constructor.
+        comm, request = world.Idup()
+        _MPIHandle(self, "mpi communicator duplication (engine start)", [request], ()).wait()
+        self._comm = comm
+        # Datatypes and ops this engine created, freed by shutdown.
+        self._half_types: dict[str, Any] = {}
+        self._half_ops: dict[tuple[str, ReduceOp], Any] = {}
+        self._types: dict[str, Any] = {}
+        for dtype, attr in _MPI_TYPE_NAMES.items():
+            native = getattr(MPI, attr, MPI.DATATYPE_NULL)
+            emulate = dtype in _HALF_DTYPES and (
+                native == MPI.DATATYPE_NULL or not self._use_native_halves
+            )
+            if emulate:
+                # An opaque 2-byte element; only our user ops interpret it.
+                native = MPI.BYTE.Create_contiguous(2).Commit()
+                self._half_types[dtype] = native
+            self._types[dtype] = native
+
+    # -- collectives -------------------------------------------------------
+    def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
+        self._check_usable()
+        arr = _writable_view(buf, f"allreduce {name!r}")
+        dtype = canonical_dtype(arr.dtype)
+        mpi_op = self._op(dtype, op)
+        description = self.describe("allreduce", name, arr.nbytes)
+        request = self._comm.Iallreduce(
+            self._MPI.IN_PLACE, [_wire(arr), arr.size, self._types[dtype]], mpi_op
+        )
+        return _MPIHandle(self, description, [request], (buf, arr))
+
+    def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle:
+        self._check_usable()
+        arr = _writable_view(buf, f"broadcast {name!r}")
+        dtype = canonical_dtype(arr.dtype)
+        description = self.describe("broadcast", name, arr.nbytes)
+        request = self._comm.Ibcast([_wire(arr), arr.size, self._types[dtype]], root=root)
+        return _MPIHandle(self, description, [request], (buf, arr))
+
+    def _allgather(self, buf: Any, name: str) -> Any:
+        """Two steps: gather every rank's header (rows, dtype, trailing
+        shape), which every rank validates identically (so a mismatch raises
+        on all ranks), then ``Iallgatherv`` the rows."""
+        self._check_usable()
+        arr = as_numpy(buf)
+        if not arr.flags.c_contiguous:
+            arr = arr.copy(order="C")  # the input is only read: a copy is fine
+        header, local_problem = _header(arr)
+        headers = np.empty((self.size, _HEADER_LEN), dtype=np.int64)
+        _MPIHandle(
+            self, self.describe("allgather (shapes)", name),
+            [self._comm.Iallgather([header, self._MPI.INT64_T],
+                                   [headers, self._MPI.INT64_T])],
+            (header, headers),
+        ).wait()
+        dtype, trailing = _check_headers(headers, f"allgather {name!r}", local_problem)
+        row_elems = int(np.prod(trailing, dtype=np.int64))
+        rows = headers[:, 0]
+        counts = [int(r) * row_elems for r in rows]
+        displs = [int(sum(counts[:r])) for r in range(self.size)]
+        out = np.empty((int(rows.sum()), *trailing), dtype=numpy_dtype(dtype))
+        mpi_type = self._types[dtype]
+        _MPIHandle(
+            self, self.describe("allgather", name, out.nbytes),
+            [self._comm.Iallgatherv([_wire(arr), arr.size, mpi_type],
+                                    [_wire(out), (counts, displs), mpi_type])],
+            (arr, out),
+        ).wait()
+        return as_torch(out) if is_torch(buf) else out
+
+    def _barrier(self) -> None:
+        self._check_usable()
+        _MPIHandle(self, "mpi barrier", [self._comm.Ibarrier()], ()).wait()
+
+    def shutdown(self) -> None:
+        """Free the communicator, datatypes and ops (local; idempotent).
+
+        ``MPI_Finalize`` is left to mpi4py at interpreter exit, so the user
+        may keep using MPI, or start the engine again, after this."""
+        if self._broken is not None:
+            # A pending request may still use them: leak rather than crash.
+            self._comm = None
+            return
+        for op in self._half_ops.values():
+            op.Free()
+        self._half_ops.clear()
+        for datatype in self._half_types.values():
+            datatype.Free()
+        self._half_types.clear()
+        if self._comm is not None:
+            self._comm.Free()
+            self._comm = None
+
+    # -- internals ---------------------------------------------------------
+    def _mark_broken(self, description: str) -> None:
+        if self._broken is None:
+            self._broken = description
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise DPPluginError(
+                f"rank {self.rank}: the mpi engine is unusable because an earlier collective "
+                f"timed out ({self._broken}); its request may still complete and the ranks no "
+                "longer agree on the order of collectives. Restart the job"
+            )
+        if self._comm is None:
+            raise DPPluginError(
+                f"rank {self.rank}: the mpi engine was shut down; create a new one "
+                "(dp_plugin.init()) before calling collectives"
+            )
+
+    def _op(self, dtype: str, op: ReduceOp) -> Any:
+        if dtype not in self._half_types:
+            return getattr(self._MPI, _MPI_OP_NAMES[op])
+        key = (dtype, op)
+        if key not in self._half_ops:
+            self._half_ops[key] = self._MPI.Op.Create(
+                _half_reducer(numpy_dtype(dtype), _FLOAT32_OPS[op]), commute=True
+            )
+        return self._half_ops[key]
+
+
+def _half_reducer(
+    npdtype: np.dtype, combine: Callable[[np.ndarray, np.ndarray], np.ndarray]
+) -> Callable[[Any, Any, Any], None]:
+    """A user op body: ``inout = round(combine(float32(in), float32(inout)))``."""
+
+    def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+        incoming = np.frombuffer(inbuf, dtype=npdtype)
+        inout = np.frombuffer(inoutbuf, dtype=npdtype)
+        result = combine(incoming.astype(np.float32), inout.astype(np.float32))
+        inout[...] = result.astype(npdtype)
+
+    return reduce
+
+
+def _writable_view(buf: Any, what: str) -> np.ndarray:
+    """Zero-copy numpy view of a 1-D buffer that MPI may write into."""
+    arr = as_numpy(buf)
+    if not arr.flags.c_contiguous:
+        raise ValueError(
+            f"{what}: the buffer is not contiguous (strides {arr.strides}); the mpi engine "
+            "reduces in place and needs contiguous memory; pass buf.contiguous() / "
+            "np.ascontiguousarray(buf) and copy the result back"
+        )
+    if not arr.flags.writeable:
+        raise ValueError(
+            f"{what}: the buffer is read-only; the mpi engine reduces in place; pass a "
+            "writable copy (buf.copy())"
+        )
+    return arr
+
+
+def _wire(arr: np.ndarray) -> np.ndarray:
+    """``arr`` in a form the buffer protocol exports: ml_dtypes' bfloat16
+    cannot be exported, so half types travel as their 16-bit patterns (the
+    MPI datatype passed alongside says how to reduce them)."""
+    return arr.view(np.uint16) if canonical_dtype(arr.dtype) in _HALF_DTYPES else arr
+
+
+def _header(arr: np.ndarray) -> tuple[np.ndarray, str | None]:
+    """This rank's all-gather header, and a description of what is wrong
+    with its input (reported after the exchange, on every rank)."""
+    header = np.full(_HEADER_LEN, -1, dtype=np.int64)
+    try:
+        code = _DTYPE_CODES.index(canonical_dtype(arr.dtype))
+        problem = None
+    except TypeError as exc:
+        code, problem = -1, str(exc)
+    header[1] = code
+    header[2] = arr.ndim
+    if arr.ndim >= 1:
+        header[0] = arr.shape[0]
+        trailing = arr.shape[1:]
+        if len(trailing) <= _MAX_TRAILING_DIMS:
+            header[3:3 + len(trailing)] = trailing
+    return header, problem
+
+
+def _check_headers(headers: np.ndarray, what: str,
+                   local_problem: str | None) -> tuple[str, tuple[int, ...]]:
+    """Validate all ranks' headers; identical outcome on every rank."""
+    bad_dtype = [r for r in range(len(headers)) if headers[r, 1] < 0]
+    if bad_dtype:
+        raise TypeError(
+            f"{what}: rank(s) {bad_dtype} passed a dtype that cannot be gathered"
+            + (f" ({local_problem})" if local_problem else "")
+        )
+    ndims = headers[:, 2]
+    if (ndims == 0).any():
+        raise ValueError(
+            f"{what}: rank(s) {np.flatnonzero(ndims == 0).tolist()} passed a 0-d buffer; "
+            "all-gather concatenates along the first dimension, reshape it to (1,)"
+        )
+    if (ndims > _MAX_TRAILING_DIMS + 1).any():
+        raise ValueError(
+            f"{what}: rank(s) {np.flatnonzero(ndims > _MAX_TRAILING_DIMS + 1).tolist()} "
+            f"passed a buffer with more than {_MAX_TRAILING_DIMS + 1} dimensions; "
+            "reshape it to fewer dimensions"
+        )
+    layouts = [
+        (_DTYPE_CODES[int(h[1])], tuple(int(d) for d in h[3:3 + int(h[2]) - 1]))
+        for h in headers
+    ]
+    if any(layout != layouts[0] for layout in layouts):
+        per_rank = ", ".join(
+            f"rank {r}: {dtype}[{', '.join(['rows', *map(str, trailing)])}]"
+            for r, (dtype, trailing) in enumerate(layouts)
+        )
+        raise ValueError(
+            f"{what}: ranks passed buffers whose dtype or non-first dimensions differ "
+            f"({per_rank}); only the first dimension may differ between ranks"
+        )
+    return layouts[0]

@@ -1,0 +1,233 @@
+"""How the ranks of a torch.distributed process group find each other.
+
+One function per launcher, so that ``gloo`` and ``nccl`` run under every
+launcher without asking the user for a port:
+
+- torchrun (or a hand-made ``env://`` launch): ``env://`` on MASTER_ADDR /
+  MASTER_PORT. Under torchrun the agent already serves a store there and
+  ``env://`` connects to it instead of opening a second one.
+- srun: the job script must export MASTER_ADDR and MASTER_PORT; rank 0
+  serves a TCPStore there.
+- horovodrun: rank 0 opens a TCPStore on a free port (port 0) and publishes
+  ``host:port`` in Horovod's rendezvous server, the HTTP key-value store at
+  HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT that horovodrun runs for the whole job
+  (PUT/GET ``/<scope>/<key>``; GET answers 404 until the key exists, see
+  horovod/runner/http/http_server.py). The other ranks poll for it.
+- mpirun/mpiexec: rank 0 opens a TCPStore on port 0 and broadcasts
+  ``host:port`` with mpi4py.
+- a single process: an in-memory store.
+
+Every wait honours ``config.timeout_s`` and fails with an error naming what
+was awaited, never a hang.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from dp_plugin.config import Config
+from dp_plugin.errors import CollectiveTimeoutError, EngineUnavailableError
+from dp_plugin.launch import Topology
+
+HOROVOD_SCOPE = "dp_plugin"
+"""Ad-hoc scope of our keys in Horovod's rendezvous server."""
+
+_ADDRESS_BYTES = 256
+"""Fixed size of the MPI broadcast carrying ``host:port``."""
+
+# Counts rendezvous made by this process. Every rank runs the same sequence of
+# init/shutdown, so the n-th rendezvous uses the same key everywhere and never
+# reads the address left by an earlier one.
+_generation = itertools.count()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rendezvous:
+    """Arguments for ``torch.distributed.init_process_group``."""
+
+    store: Any | None
+    """A ``torch.distributed.Store``, or None when ``init_method`` is used."""
+    init_method: str | None
+    description: str
+    """How the ranks met, for logs and errors."""
+
+
+def problem(topology: Topology) -> str | None:
+    """Why no rendezvous is possible under ``topology``, or None if one is."""
+    launcher = topology.launcher
+    if launcher == "single":
+        return None if topology.size == 1 else f"launcher 'single' with size {topology.size}"
+    if launcher in ("torchrun", "slurm"):
+        if topology.rendezvous_addr is None or topology.rendezvous_port is None:
+            return (
+                f"launched by {launcher} without MASTER_ADDR and MASTER_PORT; export both "
+                "(the first host of the job and a free port on it) before starting the workers"
+            )
+        return None
+    if launcher == "horovodrun":
+        if topology.rendezvous_addr is None or topology.rendezvous_port is None:
+            return (
+                "launched by horovodrun without HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT (horovodrun "
+                "--mpi mode?); use `horovodrun --gloo`, or mpirun with the mpi engine"
+            )
+        return None
+    if topology.is_mpi:
+        try:
+            import mpi4py  # noqa: F401
+        except ImportError:
+            return (
+                f"launched by {launcher}, but mpi4py is not installed, so rank 0 cannot tell "
+                "the others where its store is; `pip install mpi4py`, or export MASTER_ADDR "
+                "and MASTER_PORT and launch with torchrun"
+            )
+        return None
+    return f"launcher {launcher!r} has no rendezvous for torch.distributed"
+
+
+def rendezvous(topology: Topology, config: Config) -> Rendezvous:
+    """Meet the other ranks. Collective: every rank calls it once per init."""
+    reason = problem(topology)
+    if reason is not None:
+        raise EngineUnavailableError(f"torch.distributed cannot rendezvous: {reason}")
+    launcher = topology.launcher
+    if launcher == "single":
+        import torch.distributed as dist
+
+        return Rendezvous(store=dist.HashStore(), init_method=None,
+                          description="single process, in-memory store")
+    if launcher == "torchrun":
+        return Rendezvous(
+            store=None, init_method="env://",
+            description=f"env:// at {topology.rendezvous_addr}:{topology.rendezvous_port}",
+        )
+    if launcher == "slurm":
+        host, port = str(topology.rendezvous_addr), int(topology.rendezvous_port or 0)
+        store = _tcp_store(host, port, topology, config, is_master=topology.rank == 0)
+        return Rendezvous(store=store, init_method=None,
+                          description=f"TCPStore at MASTER_ADDR/PORT {host}:{port}")
+    generation = next(_generation)
+    exchange = _exchange_via_horovod if launcher == "horovodrun" else _exchange_via_mpi
+    if topology.rank == 0:
+        host = _advertised_host(topology)
+        store = _tcp_store(host, 0, topology, config, is_master=True)
+        address = f"{host}:{store.port}"
+        exchange(topology, config, generation, address)
+    else:
+        address = exchange(topology, config, generation, None)
+        host, _, port_text = address.rpartition(":")
+        store = _tcp_store(host, int(port_text), topology, config, is_master=False)
+    via = "Horovod's rendezvous server" if launcher == "horovodrun" else "an MPI broadcast"
+    return Rendezvous(store=store, init_method=None,
+                      description=f"TCPStore at {address}, announced through {via}")
+
+
+# -- helpers -------------------------------------------------------------------
+
+def _tcp_store(host: str, port: int, topology: Topology, config: Config, *,
+               is_master: bool) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        host, port, topology.size, is_master,
+        timeout=timedelta(seconds=config.timeout_s),
+        # Port 0 on the master: the OS picks a free port, read back as .port.
+        wait_for_workers=False,
+    )
+
+
+def _advertised_host(topology: Topology) -> str:
+    """The address other ranks use to reach rank 0's store."""
+    if topology.local_size == topology.size:
+        return "127.0.0.1"  # every rank is on this host
+    name = topology.hostname or socket.getfqdn()
+    try:
+        return socket.gethostbyname(name)
+    except OSError as exc:
+        raise EngineUnavailableError(
+            f"rank 0 cannot resolve its host name {name!r} ({exc}); the other hosts need it "
+            "to reach rank 0's store. Fix the host's DNS / /etc/hosts entry, or launch with "
+            "torchrun and MASTER_ADDR set to a reachable address"
+        ) from None
+
+
+def _exchange_via_horovod(topology: Topology, config: Config, generation: int,
+                          address: str | None) -> str:
+    """Rank 0 PUTs ``address``; the others GET it, polling until it appears."""
+    url = (f"http://{topology.rendezvous_addr}:{topology.rendezvous_port}/"
+           f"{HOROVOD_SCOPE}/torch_store_{generation}")
+    if address is not None:
+        request = urllib.request.Request(url, data=address.encode(), method="PUT")
+        with urllib.request.urlopen(request, timeout=config.timeout_s) as response:
+            if response.status != 200:
+                raise EngineUnavailableError(
+                    f"rank 0: Horovod's rendezvous server at {url} answered HTTP "
+                    f"{response.status} to publishing the store address; is horovodrun "
+                    "still running?"
+                )
+        return address
+    deadline = time.monotonic() + config.timeout_s
+    pause = 0.01
+    last_error = "no answer yet"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=max(0.1, deadline - time.monotonic())) as r:
+                return str(r.read().decode())
+        except urllib.error.HTTPError as exc:
+            if exc.code != 404:  # 404: rank 0 has not published yet
+                raise EngineUnavailableError(
+                    f"rank {topology.rank}: Horovod's rendezvous server at {url} answered "
+                    f"HTTP {exc.code}; is horovodrun still running?"
+                ) from None
+            last_error = "HTTP 404, not published yet"
+        except (urllib.error.URLError, OSError) as exc:
+            last_error = str(exc)  # the server may be momentarily busy: retry
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+    raise CollectiveTimeoutError(
+        f"rank {topology.rank}: rank 0 did not publish its torch.distributed store address at "
+        f"{url} within {config.timeout_s:g} s (DP_PLUGIN_TIMEOUT; last answer: {last_error}). "
+        "Rank 0 has probably failed to start; check its log"
+    )
+
+
+def _exchange_via_mpi(topology: Topology, config: Config, generation: int,
+                      address: str | None) -> str:
+    """Broadcast rank 0's ``address`` over MPI_COMM_WORLD, with a deadline."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    if (comm.Get_rank(), comm.Get_size()) != (topology.rank, topology.size):
+        raise EngineUnavailableError(
+            f"MPI_COMM_WORLD says rank {comm.Get_rank()} of {comm.Get_size()}, but the launcher "
+            f"variables say rank {topology.rank} of {topology.size}; start the job with a single "
+            "mpirun/mpiexec and do not set rank variables by hand"
+        )
+    buf = bytearray(_ADDRESS_BYTES)
+    if address is not None:
+        encoded = address.encode()
+        if len(encoded) >= _ADDRESS_BYTES:
+            raise EngineUnavailableError(
+                f"rank 0's store address {address!r} is longer than {_ADDRESS_BYTES - 1} bytes"
+            )
+        buf[: len(encoded)] = encoded
+    # Non-blocking, so that a rank 0 that never arrives is a timeout, not a hang.
+    request = comm.Ibcast([buf, MPI.BYTE], root=0)
+    deadline = time.monotonic() + config.timeout_s
+    pause = 1e-4
+    while not request.Test():
+        if time.monotonic() >= deadline:
+            raise CollectiveTimeoutError(
+                f"rank {topology.rank}: the MPI broadcast of rank 0's torch.distributed store "
+                f"address did not finish within {config.timeout_s:g} s (DP_PLUGIN_TIMEOUT); "
+                "a rank has probably failed to start; check the other ranks' logs"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+    return bytes(buf).rstrip(b"\0").decode()

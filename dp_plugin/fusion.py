@@ -1,0 +1,185 @@
+"""Bucket planning: which tensors share a fusion buffer.
+
+Pure functions of the registered tensors, no engine and no framework. Every
+rank that registers the same tensors in the same order gets the same plan,
+which is what lets the scheduler launch buckets in the same order everywhere.
+
+Rules (issue 2, "Fusion and scheduling"):
+- walk the tensors in their expected ready order (default: reverse
+  registration order, the order backward produces gradients);
+- keep one open bucket per (dtype, device): a bucket never mixes them;
+- close the open bucket before a tensor would push it past the threshold; a
+  tensor larger than the threshold therefore gets a bucket of its own (plus
+  any empty tensors that follow it);
+- number buckets in the order they were opened.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dp_plugin.arrays import spec_of
+from dp_plugin.dtypes import SUPPORTED_DTYPES, canonical_dtype
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """What the core knows of one registered tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"tensor name must be a non-empty string, got {self.name!r}")
+        try:
+            shape = tuple(self.shape)
+        except TypeError:
+            raise ValueError(
+                f"tensor {self.name!r}: shape must be a tuple of ints, got {self.shape!r}"
+            ) from None
+        for dim in shape:
+            if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+                raise ValueError(
+                    f"tensor {self.name!r}: shape {self.shape!r} must hold non-negative ints; "
+                    f"bad dimension {dim!r}"
+                )
+        # Normalise a list shape or a torch dtype into the canonical forms, so
+        # that equal tensors give equal specs (and equal layout fingerprints).
+        object.__setattr__(self, "shape", shape)
+        try:
+            object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        except TypeError as exc:
+            raise TypeError(f"tensor {self.name!r}: {exc}") from None
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(
+                f"tensor {self.name!r}: device must be a non-empty string such as 'cpu' or "
+                f"'cuda:0', got {self.device!r}"
+            )
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * SUPPORTED_DTYPES[self.dtype]
+
+    @classmethod
+    def of(cls, name: str, tensor: Any) -> TensorSpec:
+        """The spec of a numpy array or torch tensor."""
+        shape, dtype, device = spec_of(tensor)
+        return cls(name, shape, dtype, device)
+
+    def describe(self) -> str:
+        return f"{self.name!r} shape {self.shape} {self.dtype} on {self.device}"
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """One fusion buffer: which tensors (by spec index) live where in it."""
+
+    index: int
+    dtype: str
+    device: str
+    members: tuple[int, ...]
+    """Spec indices, in the order they sit in the buffer."""
+    offsets: tuple[int, ...]
+    """Element offset of each member in the flat buffer."""
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * SUPPORTED_DTYPES[self.dtype]
+
+
+def default_order(count: int) -> list[int]:
+    """Reverse registration order: backward produces the last layer's gradients first."""
+    return list(range(count - 1, -1, -1))
+
+
+def plan_buckets(
+    specs: Sequence[TensorSpec], threshold: int, order: Iterable[int] | None = None
+) -> list[Bucket]:
+    """Group ``specs`` into buckets of at most ``threshold`` bytes.
+
+    ``order`` is the expected ready order (spec indices, a permutation of
+    ``range(len(specs))``); it defaults to reverse registration order.
+    Deterministic: identical inputs give identical plans on every rank.
+    """
+    if isinstance(threshold, bool) or not isinstance(threshold, int):
+        raise ValueError(f"fusion threshold must be an int number of bytes, got {threshold!r}")
+    if threshold <= 0:
+        raise ValueError(
+            f"fusion threshold must be > 0 bytes, got {threshold}; use e.g. 67108864 (64 MiB), "
+            "or 1 for one tensor per bucket"
+        )
+    _check_unique_names(specs)
+    walk = default_order(len(specs)) if order is None else _check_permutation(order, len(specs))
+
+    # Per (dtype, device): the open bucket's index, members and size in bytes.
+    open_: dict[tuple[str, str], tuple[int, list[int], int]] = {}
+    members_of: list[list[int]] = []
+    kind_of: list[tuple[str, str]] = []
+    for i in walk:
+        spec = specs[i]
+        key = (spec.dtype, spec.device)
+        current = open_.get(key)
+        if current is not None and spec.nbytes and current[2] + spec.nbytes > threshold:
+            # Close it: this tensor would push it past the threshold. (An
+            # empty tensor never does; it joins whatever bucket is open.)
+            current = None
+        if current is None:
+            current = (len(members_of), [], 0)
+            members_of.append(current[1])
+            kind_of.append(key)
+        current[1].append(i)
+        open_[key] = (current[0], current[1], current[2] + spec.nbytes)
+
+    buckets = []
+    for index, (members, (dtype, device)) in enumerate(zip(members_of, kind_of, strict=True)):
+        offsets = []
+        numel = 0
+        for i in members:
+            offsets.append(numel)
+            numel += specs[i].numel
+        buckets.append(Bucket(index, dtype, device, tuple(members), tuple(offsets), numel))
+    return buckets
+
+
+def _check_unique_names(specs: Sequence[TensorSpec]) -> None:
+    seen: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, TensorSpec):
+            raise TypeError(f"specs[{i}] must be a TensorSpec, got {type(spec).__name__}")
+        if spec.name in seen:
+            raise ValueError(
+                f"tensor name {spec.name!r} is registered twice (positions {seen[spec.name]} "
+                f"and {i}); give every tensor a unique name (e.g. from named_parameters())"
+            )
+        seen[spec.name] = i
+
+
+def _check_permutation(order: Iterable[int], count: int) -> list[int]:
+    walk = list(order)
+    bad = [i for i in walk if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < count]
+    if bad:
+        raise ValueError(
+            f"bucket order holds {bad[:5]!r}, which are not spec indices; expected a "
+            f"permutation of range({count})"
+        )
+    if len(walk) != count or len(set(walk)) != count:
+        missing = sorted(set(range(count)) - set(walk))
+        repeated = sorted(i for i, n in Counter(walk).items() if n > 1)
+        raise ValueError(
+            f"bucket order is not a permutation of range({count}): it has {len(walk)} "
+            f"entries, missing {missing[:10]}, repeated {repeated[:10]}; list every "
+            "tensor index exactly once"
+        )
+    return walk

@@ -1,0 +1,234 @@
+"""Start real worker processes under a real launcher, with a deadline.
+
+Every multi-process test goes through ``run_workers``: it picks a free port,
+runs the workers in their own process group(s), kills the whole tree when the
+deadline passes (a hang is a failure, reported as such, never a skip) and
+checks every exit code.
+
+Launchers:
+- ``env``: ``nprocs`` plain ``python script`` processes with the variables
+  torchrun would set (cheap: no launcher start-up). Output lines are prefixed
+  ``[rank R] ``.
+- ``torchrun``: the real ``torchrun --nproc_per_node N`` (prefixes ``[defaultR]:``).
+- ``mpirun``: MPICH's ``mpiexec -n N`` from the venv; each rank's output is
+  captured in a file of its own and prefixed ``[rank R] `` (mpiexec's own
+  lines ``[mpiexec] ``).
+- ``horovodrun``: ``horovodrun --gloo -np N -H localhost:N`` (prefixes ``[R]<stdout>:``).
+
+``RunResult.returncodes`` holds one exit code per worker for ``env`` and the
+launcher's single exit code otherwise (launchers fail when any worker fails).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import psutil
+
+LAUNCHERS = ("env", "torchrun", "mpirun", "horovodrun")
+
+BIN_DIR = Path(sys.executable).parent
+"""The venv's bin: torchrun, mpiexec and horovodrun are taken from here."""
+
+# Variables that say "a launcher started this process". If any leaks in from
+# the shell that runs pytest, a worker would believe it is someone else.
+LAUNCHER_VARIABLE_NAMES = frozenset({
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
+    "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+    "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME", "HOROVOD_CONTROLLER",
+    "HOROVOD_CPU_OPERATIONS",
+})
+LAUNCHER_VARIABLE_PREFIXES = (
+    "TORCHELASTIC_", "OMPI_", "PMI_", "PMIX_", "HYDRA_", "HOROVOD_GLOO_", "SLURM_",
+)
+
+
+def is_launcher_variable(name: str) -> bool:
+    return name in LAUNCHER_VARIABLE_NAMES or name.startswith(LAUNCHER_VARIABLE_PREFIXES)
+
+
+def launcher_variables(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The launcher variables present in ``env`` (default ``os.environ``)."""
+    env = os.environ if env is None else env
+    return {k: v for k, v in env.items() if is_launcher_variable(k)}
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago (bound to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RunResult:
+    returncodes: list[int]
+    """One per worker (``env``) or the launcher's single code (others)."""
+    output: str
+    """stdout and stderr of every process, each line tagged with its rank."""
+
+
+def run_workers(
+    launcher: str,
+    nprocs: int,
+    script: str | Path,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120.0,
+    check: bool = True,
+) -> RunResult:
+    """Run ``script`` on ``nprocs`` ranks under ``launcher`` and wait for all.
+
+    Raises ``AssertionError`` with the collected output when the run takes
+    longer than ``timeout`` seconds (the process tree is killed: a hang) or,
+    with ``check=True``, when any exit code is nonzero.
+    """
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher {launcher!r} is not known; valid launchers: {LAUNCHERS}")
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    script = str(Path(script).resolve())
+    base_env = _clean_env(env)
+    python = sys.executable
+    with tempfile.TemporaryDirectory(prefix="dp_plugin_run_") as tmp:
+        jobs: list[tuple[list[str], dict[str, str], str]] = []
+        rank_files: list[tuple[Path, str]] = []
+        if launcher == "env":
+            port = str(free_port())
+            for rank in range(nprocs):
+                rank_env = dict(base_env)
+                rank_env.update(
+                    RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
+                    LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                )
+                jobs.append(([python, script, *args], rank_env, f"[rank {rank}] "))
+        elif launcher == "torchrun":
+            cmd = [str(BIN_DIR / "torchrun"), "--nnodes", "1", "--nproc_per_node", str(nprocs),
+                   "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                   "--tee", "3", script, *args]
+            jobs.append((cmd, base_env, ""))
+        elif launcher == "mpirun":
+            # Hydra's -prepend-rank tags every write(), not every line, and
+            # splits a print into fragments; each rank writes a file instead.
+            redirect = (f'exec "$0" "$@" > "{tmp}/rank.${{PMI_RANK:-$OMPI_COMM_WORLD_RANK}}.txt" '
+                        "2>&1")
+            cmd = [str(BIN_DIR / "mpiexec"), "-n", str(nprocs), "sh", "-c", redirect,
+                   python, script, *args]
+            jobs.append((cmd, base_env, "[mpiexec] "))
+            rank_files = [(Path(tmp) / f"rank.{r}.txt", f"[rank {r}] ") for r in range(nprocs)]
+        else:
+            cmd = [str(BIN_DIR / "horovodrun"), "--gloo", "-np", str(nprocs),
+                   "-H", f"localhost:{nprocs}", python, script, *args]
+            jobs.append((cmd, base_env, ""))
+        return _run(jobs, rank_files, Path(tmp), timeout, check,
+                    f"{launcher} x{nprocs} {Path(script).name}")
+
+
+def assert_ranks_ok(result: RunResult, nprocs: int, marker: str = "OK") -> None:
+    """Every rank printed ``rank R <marker>`` (e.g. ``rank 2 OK``)."""
+    missing = [
+        r for r in range(nprocs)
+        if not re.search(rf"\brank {r} {re.escape(marker)}(?![\w-])", result.output)
+    ]
+    if missing:
+        raise AssertionError(
+            f"ranks {missing} did not print 'rank R {marker}' (exit codes "
+            f"{result.returncodes}); output:\n{result.output}"
+        )
+
+
+# -- internals -------------------------------------------------------------
+
+def _clean_env(extra: Mapping[str, str] | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not is_launcher_variable(k)}
+    # Launchers and workers must resolve python, mpiexec etc. from this venv.
+    env["PATH"] = f"{BIN_DIR}{os.pathsep}{env.get('PATH', '')}"
+    # Several ranks share few cores; torch's default thread count oversubscribes them.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def _run(jobs: list[tuple[list[str], dict[str, str], str]], rank_files: list[tuple[Path, str]],
+         tmp: Path, timeout: float, check: bool, what: str) -> RunResult:
+    procs: list[subprocess.Popen[bytes]] = []
+    logs: list[IO[bytes]] = []
+    hung = False
+    try:
+        for i, (cmd, env, _) in enumerate(jobs):
+            logs.append(open(tmp / f"out{i}.txt", "wb"))  # noqa: SIM115 - closed in finally
+            procs.append(subprocess.Popen(
+                cmd, env=env, stdout=logs[-1], stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            ))
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                hung = True
+                break
+    finally:
+        # Also on success: a worker a launcher left behind must not outlive the test.
+        _kill_all(procs)
+        for log in logs:
+            log.close()
+
+    outputs = [(tmp / f"out{i}.txt", prefix) for i, (_, _, prefix) in enumerate(jobs)]
+    output = "".join(
+        _prefixed(path.read_bytes().decode(errors="replace"), prefix)
+        for path, prefix in outputs + rank_files
+        if path.exists()
+    )
+    codes = [p.returncode for p in procs]
+    if hung:
+        raise AssertionError(
+            f"HANG: {what} did not finish within {timeout:g} s; the process tree was killed "
+            f"(exit codes after kill: {codes}). Output:\n{output}"
+        )
+    result = RunResult(returncodes=codes, output=output)
+    if check and any(c != 0 for c in codes):
+        raise AssertionError(f"{what} failed with exit codes {codes}. Output:\n{output}")
+    return result
+
+
+def _prefixed(text: str, prefix: str) -> str:
+    if not text:
+        return ""
+    lines = text.splitlines()
+    return "".join(f"{prefix}{line}\n" for line in lines)
+
+
+def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Kill every process the run started, including workers that a launcher
+    moved into a session of their own (horovodrun does)."""
+    victims: list[psutil.Process] = []
+    for proc in procs:
+        if proc.poll() is not None:
+            continue  # reaped: its pid may already belong to someone else
+        with contextlib.suppress(psutil.NoSuchProcess):
+            victims.extend(psutil.Process(proc.pid).children(recursive=True))
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    for victim in victims:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            victim.kill()
+    for proc in procs:
+        if proc.returncode is None:
+            proc.wait()

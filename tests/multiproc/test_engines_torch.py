@@ -1,0 +1,90 @@
+"""gloo and nccl engines in real processes, under every launcher.
+
+One launch runs the whole battery (tests/multiproc/workers/engine_battery.py):
+every op x dtype against a numpy reference, empty and > 8 MiB buffers,
+several all-reduces in flight, broadcasts, uneven all-gathers, barrier and
+error messages. World size 3 catches pairing bugs that 2 hides.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.multiproc.harness import assert_ranks_ok, run_workers
+
+BATTERY = Path(__file__).parent / "workers" / "engine_battery.py"
+# Generous but finite: a broken collective fails the run instead of hanging it.
+ENV = {"DP_PLUGIN_TIMEOUT": "60"}
+
+
+@pytest.mark.parametrize(
+    ("launcher", "nprocs", "rendezvous"),
+    [
+        ("env", 2, "rendezvous: env://"),
+        ("env", 3, "rendezvous: env://"),
+        ("torchrun", 2, "rendezvous: env://"),
+        ("horovodrun", 2, "announced through Horovod's rendezvous server"),
+        ("mpirun", 2, "announced through an MPI broadcast"),
+    ],
+    ids=["env-2", "env-3", "torchrun-2", "horovodrun-2", "mpirun-2"],
+)
+def test_gloo_battery(launcher: str, nprocs: int, rendezvous: str) -> None:
+    result = run_workers(launcher, nprocs, BATTERY, ["--engine", "gloo"], env=ENV, timeout=180)
+    assert_ranks_ok(result, nprocs)
+    assert result.output.count(rendezvous) == nprocs, result.output
+
+
+def test_gloo_timeout_names_collective_and_rank_and_exits() -> None:
+    """The last rank skips an all-reduce: the others raise
+    CollectiveTimeoutError (checked in the worker) and every process exits 0."""
+    result = run_workers(
+        "env", 3, BATTERY, ["--engine", "gloo", "--timeout-case"],
+        env={"DP_PLUGIN_TIMEOUT": "2"}, timeout=90,
+    )
+    assert_ranks_ok(result, 3, marker="TIMEOUT-OK")
+    for rank in (0, 1):
+        assert f"rank {rank}: gloo allreduce of 'bucket-7'" in result.output, result.output
+
+
+@pytest.mark.gpu
+def test_nccl_battery() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the nccl engine needs one GPU per rank")
+    nprocs = min(2, torch.cuda.device_count())
+    result = run_workers(
+        "env", nprocs, BATTERY, ["--engine", "nccl", "--device", "cuda"], env=ENV, timeout=300
+    )
+    assert_ranks_ok(result, nprocs)
+
+
+def test_gloo_joins_a_user_group_and_leaves_it_alone() -> None:
+    """In-process, one rank: a default group the user made is reused and
+    survives the engine's shutdown; one the engine made is destroyed."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    from dp_plugin.config import Config
+    from dp_plugin.engines import create_engine
+    from dp_plugin.launch import Topology
+
+    engine = create_engine("gloo", Topology.single(), Config(timeout_s=30))
+    assert dist.is_initialized()
+    engine.shutdown()
+    assert not dist.is_initialized()
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        engine = create_engine("gloo", Topology.single(), Config(timeout_s=30))
+        assert "already-initialized" in engine.rendezvous_description  # type: ignore[attr-defined]
+        buf = torch.arange(4, dtype=torch.float32)
+        engine.allreduce_async(buf, "average").wait()
+        assert buf.tolist() == [0.0, 1.0, 2.0, 3.0]
+        with pytest.raises(ValueError, match="not contiguous"):
+            engine.allreduce_async(torch.zeros(8)[::2])
+        engine.shutdown()
+        assert dist.is_initialized(), "the engine destroyed a group it did not create"
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,127 @@
+"""First-step layout check, on a fake thread group (no processes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dp_plugin.errors import LayoutMismatchError
+from dp_plugin.fusion import TensorSpec
+from dp_plugin.layout import (
+    DIGEST_SIZE,
+    check_layout,
+    control_device,
+    describe_mismatch,
+    layout_fingerprint,
+    to_device,
+    to_host,
+)
+from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks, run_ranks_outcomes
+
+
+def model(n: int = 4) -> list[TensorSpec]:
+    return [TensorSpec(f"layer{i}.weight", (i + 1, 3), "float32") for i in range(n)]
+
+
+def test_fingerprint_is_fixed_size_and_sensitive() -> None:
+    base = layout_fingerprint(model())
+    assert len(base) == DIGEST_SIZE
+    assert layout_fingerprint(model()) == base
+    assert layout_fingerprint(list(reversed(model()))) != base
+    changed = model()
+    changed[2] = TensorSpec("layer2.weight", (3, 3), "float16")
+    assert layout_fingerprint(changed) != base
+    assert layout_fingerprint(model(5)) != base
+    assert layout_fingerprint([]) != base
+
+
+def test_fingerprint_ignores_device_index_only() -> None:
+    a = [TensorSpec("w", (2,), "float32", "cuda:0")]
+    b = [TensorSpec("w", (2,), "float32", "cuda:1")]
+    c = [TensorSpec("w", (2,), "float32", "cpu")]
+    assert layout_fingerprint(a) == layout_fingerprint(b) != layout_fingerprint(c)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_matching_layouts_pass(n: int) -> None:
+    engines = make_thread_group(n)
+    run_ranks(engines, lambda e: check_layout(e, model()))
+    # One all-gather of the digest when they match; nothing at all for one rank.
+    expected = [] if n == 1 else [("allgather", "gradients.layout_digest", DIGEST_SIZE)]
+    assert all(e.log == expected for e in engines)
+
+
+def _mismatch(n: int, layouts: dict[int, list[TensorSpec]]) -> list[BaseException]:
+    engines = make_thread_group(n)
+
+    def body(e: FakeEngine) -> None:
+        check_layout(e, layouts.get(e.rank, model()), what="parameters")
+
+    outcomes = run_ranks_outcomes(engines, body)
+    assert all(isinstance(o, LayoutMismatchError) for o in outcomes), outcomes
+    # Every rank ran the same collectives, so none could have been left waiting.
+    calls = [[(kind, name) for kind, name, _ in e.log] for e in engines]
+    assert all(c == calls[0] for c in calls)
+    assert len(calls[0]) == 3  # digest, then layout sizes, then layouts
+    return outcomes
+
+
+def test_shape_mismatch_raises_on_every_rank() -> None:
+    other = model()
+    other[2] = TensorSpec("layer2.weight", (3, 4), "float32")
+    errors = _mismatch(3, {2: other})
+    for rank, err in enumerate(errors):
+        msg = str(err)
+        assert msg.startswith(f"rank {rank}: the parameters")
+        assert "position 2" in msg
+        assert "rank 0 has tensor 'layer2.weight' shape (3, 3) float32" in msg
+        assert "rank(s) 2 have tensor 'layer2.weight' shape (3, 4) float32" in msg
+        assert "same order" in msg
+
+
+def test_first_difference_is_named_with_all_differing_ranks() -> None:
+    renamed = model()
+    renamed[1] = TensorSpec("layer1.bias", (2, 3), "float32")
+    errors = _mismatch(3, {1: renamed, 2: renamed})
+    assert "position 1" in str(errors[0])
+    assert "rank(s) 1, 2 have tensor 'layer1.bias'" in str(errors[0])
+
+
+def test_extra_and_missing_tensors() -> None:
+    errors = _mismatch(2, {1: model(5)})
+    msg = str(errors[1])
+    assert "position 4: rank 0 has no tensor there" in msg
+    assert "rank(s) 1 have tensor 'layer4.weight'" in msg
+    assert "tensor counts: rank 0: 4, rank 1: 5" in msg
+
+    errors = _mismatch(2, {1: model(3)})
+    assert "rank(s) 1 have no tensor there" in str(errors[0])
+
+
+def test_dtype_and_order_mismatch() -> None:
+    halved = model()
+    halved[0] = TensorSpec("layer0.weight", (1, 3), "float16")
+    assert "float16" in str(_mismatch(2, {0: halved})[1])
+    swapped = model()
+    swapped[0], swapped[1] = swapped[1], swapped[0]
+    msg = str(_mismatch(2, {1: swapped})[0])
+    assert "position 0" in msg and "'layer1.weight'" in msg
+
+
+def test_describe_mismatch_when_layouts_agree() -> None:
+    same = [["w", [1], "float32", "cpu"]]
+    assert "corrupted" in describe_mismatch([same, same], "gradients", 0)
+
+
+def test_control_buffers_go_where_the_gradients_live() -> None:
+    # nccl takes only CUDA buffers: the digests follow the first device tensor.
+    assert control_device(model()) == "cpu"
+    mixed = [*model(2), TensorSpec("g", (2,), "float32", "cuda:1")]
+    assert control_device(mixed) == "cuda:1"
+    arr = np.arange(3, dtype=np.int64)
+    assert to_device(arr, "cpu") is arr
+    assert to_host(arr) is arr
+    torch = pytest.importorskip("torch")
+    moved = to_device(arr, "meta")  # a non-CPU device that exists without a GPU
+    assert moved.device.type == "meta" and moved.dtype == torch.int64
+    assert to_host(torch.arange(3)).tolist() == [0, 1, 2]
