@@ -32,12 +32,12 @@ check: install
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m dp_plugin.check
 
 lint: install
-	$(VENV)/bin/ruff check dp_plugin adapters tests examples benchmarks
-	$(VENV)/bin/mypy dp_plugin adapters
+	$(VENV)/bin/ruff check dp_plugin tests examples benchmarks
+	$(VENV)/bin/mypy dp_plugin
 
 # The main job: a real 2-worker data-parallel training run on this machine.
 train: install
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) examples/train_mlp.py --launch 2
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m torch.distributed.run --nproc_per_node 2 examples/train_mlp.py
 
 bench: install
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) benchmarks/fusion_bench.py

@@ -8,6 +8,7 @@ Importing this module loads nothing; ``main()`` probes lazily.
 from __future__ import annotations
 
 import importlib
+import os
 import shutil
 import sys
 
@@ -21,13 +22,16 @@ def _framework(module: str) -> tuple[bool, str]:
 
 
 def _frameworks() -> list[tuple[str, bool, str]]:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep the report readable
     rows = []
     ok, info = _framework("torch")
     if ok:
         import torch
 
-        cuda = torch.cuda.is_available()
-        info += f", CUDA {'available (' + str(torch.cuda.device_count()) + ' device(s))' if cuda else 'not available'}"
+        if torch.cuda.is_available():
+            info += f", CUDA available ({torch.cuda.device_count()} device(s))"
+        else:
+            info += ", CUDA not available"
     rows.append(("PyTorch", ok, info))
     ok, info = _framework("tensorflow")
     if ok:

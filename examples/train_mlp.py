@@ -64,7 +64,7 @@ def broadcast_parameters(model: nn.Module, engine: dp_plugin.engines.base.Engine
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--global-batch", type=int, default=256)
     ap.add_argument("--samples", type=int, default=16384)
     ap.add_argument("--dim", type=int, default=32)
@@ -113,7 +113,7 @@ def main() -> None:
         mean = torch.tensor([total / steps], dtype=torch.float64)
         engine.allreduce_async(mean, "average", name="loss").wait()
         if rank == 0:
-            stats = sched.stats[-1]
+            stats = sched.stats.last
             print(
                 f"epoch {epoch + 1}/{args.epochs}  loss {mean.item():.4f}  "
                 f"{steps} steps in {time.perf_counter() - t0:.2f}s  "

@@ -33,7 +33,10 @@ def test_scheduler_matches_numpy_reference(launcher: str, engine: str, nprocs: i
     assert_ranks_ok(result, nprocs)
 
 
-@pytest.mark.parametrize(("launcher", "engine", "nprocs"), [("env", "gloo", 3), ("mpirun", "mpi", 2)])
+MISMATCH_CASES = [("env", "gloo", 3), ("mpirun", "mpi", 2)]
+
+
+@pytest.mark.parametrize(("launcher", "engine", "nprocs"), MISMATCH_CASES)
 def test_layout_mismatch_raises_on_every_rank(launcher: str, engine: str, nprocs: int) -> None:
     result = run_workers(
         launcher, nprocs, WORKER, args=["--engine", engine, "--mismatch"],
