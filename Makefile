@@ -32,8 +32,8 @@ check: install
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m dp_plugin.check
 
 lint: install
-	$(VENV)/bin/ruff check dp_plugin tests examples benchmarks
-	$(VENV)/bin/mypy dp_plugin
+	$(VENV)/bin/ruff check dp_plugin adapters tests examples benchmarks
+	$(VENV)/bin/mypy dp_plugin adapters
 
 # The main job: a real 2-worker data-parallel training run on this machine.
 train: install
