@@ -90,9 +90,18 @@ class ArrayOps(Protocol):
         """Copy ``src`` (any shape) flattened into the 1-D slice ``dst``."""
     def unpack(self, dst: Any, src: Any) -> None:
         """Copy the 1-D slice ``src`` into ``dst`` (any shape), in place."""
+    def pack_scaled(self, dst: Any, src: Any, factor: float) -> None:
+        """``pack`` and multiply by ``factor`` in one pass over the data."""
+    def unpack_scaled(self, dst: Any, src: Any, factor: float) -> None:
+        """``unpack`` and multiply by ``factor`` in one pass over the data."""
     def scale_(self, buf: Any, factor: float) -> None: ...
     def cast_into(self, dst: Any, src: Any) -> None:
         """Copy ``src`` into same-sized ``dst`` converting the dtype."""
+    def flat_alias(self, tensor: Any) -> Any:
+        """A 1-D view sharing ``tensor``'s memory, or None if it has none
+        (non-contiguous, or of the other backend's kind)."""
+    def shares_memory(self, a: Any, b: Any) -> bool:
+        """True if ``a`` and ``b`` are views of exactly the same elements."""
 
 
 class NumpyOps:
@@ -116,6 +125,13 @@ class NumpyOps:
         out = as_numpy(dst)
         np.copyto(out, src.reshape(out.shape), casting="no")
 
+    def pack_scaled(self, dst: np.ndarray, src: Any, factor: float) -> None:
+        np.multiply(as_numpy(src).reshape(-1), dst.dtype.type(factor), out=dst)
+
+    def unpack_scaled(self, dst: Any, src: np.ndarray, factor: float) -> None:
+        out = as_numpy(dst)
+        np.multiply(src.reshape(out.shape), out.dtype.type(factor), out=out)
+
     def scale_(self, buf: np.ndarray, factor: float) -> None:
         if np.issubdtype(buf.dtype, np.integer):
             raise TypeError(f"cannot scale an integer buffer ({buf.dtype}) by {factor}")
@@ -123,6 +139,24 @@ class NumpyOps:
 
     def cast_into(self, dst: np.ndarray, src: np.ndarray) -> None:
         np.copyto(dst, src, casting="unsafe")
+
+    def flat_alias(self, tensor: Any) -> np.ndarray | None:
+        if not isinstance(tensor, np.ndarray) or not tensor.flags.c_contiguous:
+            return None
+        if not tensor.flags.writeable:
+            return None
+        return tensor.reshape(-1)
+
+    def shares_memory(self, a: Any, b: Any) -> bool:
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+            return False
+        return (
+            a.size == b.size
+            and a.dtype == b.dtype
+            and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+            and a.flags.c_contiguous
+            and b.flags.c_contiguous
+        )
 
 
 class TorchOps:
@@ -149,6 +183,15 @@ class TorchOps:
             out = as_torch(dst)
             out.copy_(src.view(out.shape))
 
+    def pack_scaled(self, dst: Any, src: Any, factor: float) -> None:
+        with self._torch.no_grad():
+            self._torch.mul(as_torch(src).reshape(-1), factor, out=dst)
+
+    def unpack_scaled(self, dst: Any, src: Any, factor: float) -> None:
+        with self._torch.no_grad():
+            out = as_torch(dst)
+            self._torch.mul(src.view(out.shape), factor, out=out)
+
     def scale_(self, buf: Any, factor: float) -> None:
         if not buf.is_floating_point():
             raise TypeError(f"cannot scale an integer buffer ({buf.dtype}) by {factor}")
@@ -156,6 +199,23 @@ class TorchOps:
 
     def cast_into(self, dst: Any, src: Any) -> None:
         dst.copy_(src)
+
+    def flat_alias(self, tensor: Any) -> Any:
+        if not is_torch(tensor) or not tensor.is_contiguous() or tensor.is_sparse:
+            return None
+        return tensor.detach().view(-1)
+
+    def shares_memory(self, a: Any, b: Any) -> bool:
+        if not (is_torch(a) and is_torch(b)):
+            return False
+        return (
+            a.data_ptr() == b.data_ptr()
+            and a.numel() == b.numel()
+            and a.dtype == b.dtype
+            and a.device == b.device
+            and a.is_contiguous()
+            and b.is_contiguous()
+        )
 
 
 def ops_for(tensor: Any) -> ArrayOps:

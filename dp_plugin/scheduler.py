@@ -31,7 +31,7 @@ _ACCUMULATION_ERROR = (
 class _BucketState:
     """Persistent buffers of one bucket and its in-flight collective."""
 
-    __slots__ = ("bucket", "flat", "handle", "pack_span", "views", "wire")
+    __slots__ = ("aliased", "bucket", "direct", "flat", "handle", "pack_span", "views", "wire")
 
     def __init__(self, bucket: Bucket) -> None:
         self.bucket = bucket
@@ -43,6 +43,10 @@ class _BucketState:
         """One 1-D slice of ``flat`` per member, made once with the buffer."""
         self.handle: Handle | None = None
         self.pack_span: tuple[float, float] = (0.0, 0.0)
+        self.direct: Any = None
+        """This step's tensor itself (1-D alias) when it was reduced in place, unpacked."""
+        self.aliased: list[bool] = []
+        """Per member, this step: the tensor *is* its slice of ``flat`` (no copy needed)."""
 
 
 class GradientScheduler:
@@ -181,6 +185,7 @@ class GradientScheduler:
         self._sync_launch_s = 0.0
         self._bytes = 0
         self._launched = 0
+        self._plan_version = -1
         self._install_plan(self.plan)
         self._reset_step()
 
@@ -257,6 +262,34 @@ class GradientScheduler:
         """Flush and close the timeline; later steps still work but record no events."""
         self._timeline.close()
 
+    def view_for(self, index: int, like: Any = None) -> Any:
+        """A tensor shaped like spec ``index`` that lives inside its fusion buffer.
+
+        An adapter may use it as the gradient's storage (PyTorch DDP's
+        ``gradient_as_bucket_view``): a gradient passed to ``mark_ready`` that
+        *is* this view is reduced without the pack and unpack copies. ``like``
+        (a tensor of the adapter's framework) picks the array backend when no
+        gradient was seen yet. The view stays valid until the plan changes:
+        compare ``plan_version`` before reusing it (it changes at most once,
+        when the first step's ready order rebuilds the plan). A single-tensor
+        bucket needs no view: its gradient is reduced in place anyway.
+        """
+        with self._lock:
+            spec = self._spec(index)
+            if self._ops is None and like is not None:
+                self._ops = ops_for(like)
+            ops = self._backend()
+            st = self._states[self._bucket_of[int(index)]]
+            if st.flat is None:
+                self._allocate(st, ops)
+            view = st.views[st.bucket.members.index(int(index))]
+            return view.reshape(spec.shape)
+
+    @property
+    def plan_version(self) -> int:
+        """Changes whenever the bucket plan (and so every fusion buffer) is replaced."""
+        return self._plan_version
+
     # -- construction helpers -------------------------------------------------
     def _scales(self, predivide: float, prescale: float, postscale: float) -> tuple[float, float]:
         if self.op is ReduceOp.AVERAGE:
@@ -292,6 +325,7 @@ class GradientScheduler:
 
     def _install_plan(self, plan: list[Bucket]) -> None:
         self.plan = plan
+        self._plan_version += 1
         self._states = [_BucketState(b) for b in plan]
         self._bucket_of = [0] * len(self.specs)
         for b in plan:
@@ -383,17 +417,34 @@ class GradientScheduler:
         if bucket.numel == 0:
             return  # nothing to reduce; every rank skips it alike (same plan)
         ops = self._backend()
-        if st.flat is None:
-            self._allocate(st, ops)
         t0 = time.perf_counter()
-        for i, view in zip(bucket.members, st.views, strict=True):
-            ops.pack(view, self._tensors[i])
-        if self._prescale != 1.0:
-            ops.scale_(st.flat, self._prescale)
-        self.compressor.compress(ops, st.wire, st.flat)
+        st.direct = self._direct_buffer(st, ops)
+        if st.direct is not None:
+            # One uncompressed contiguous tensor: reduce it where it lies,
+            # saving the pack and unpack copies (large embeddings, big layers).
+            if self._prescale != 1.0:
+                ops.scale_(st.direct, self._prescale)
+            wire = st.direct
+        else:
+            if st.flat is None:
+                self._allocate(st, ops)
+            st.aliased = []
+            for i, view in zip(bucket.members, st.views, strict=True):
+                tensor = self._tensors[i]
+                aliased = ops.shares_memory(view, tensor)
+                st.aliased.append(aliased)
+                if aliased:  # the gradient already lives in the fusion buffer
+                    if self._prescale != 1.0:
+                        ops.scale_(view, self._prescale)
+                elif self._prescale != 1.0:
+                    ops.pack_scaled(view, tensor, self._prescale)
+                else:
+                    ops.pack(view, tensor)
+            self.compressor.compress(ops, st.wire, st.flat)
+            wire = st.wire
         t1 = time.perf_counter()
         handle = self.engine.allreduce_async(
-            st.wire, self._engine_op, name=f"{self.name}.bucket{bucket.index}"
+            wire, self._engine_op, name=f"{self.name}.bucket{bucket.index}"
         )
         t2 = time.perf_counter()
         # The engine's timeout message quotes the description: make it name the bucket.
@@ -404,6 +455,12 @@ class GradientScheduler:
             self._sync_launch_s += t2 - t1
         self._bytes += bucket.numel * itemsize(self.compressor.wire_dtype(bucket.dtype))
         self._launched += 1
+
+    def _direct_buffer(self, st: _BucketState, ops: ArrayOps) -> Any:
+        bucket = st.bucket
+        if len(bucket.members) != 1 or self.compressor.wire_dtype(bucket.dtype) != bucket.dtype:
+            return None
+        return ops.flat_alias(self._tensors[bucket.members[0]])
 
     def _allocate(self, st: _BucketState, ops: ArrayOps) -> None:
         bucket = st.bucket
@@ -438,11 +495,21 @@ class GradientScheduler:
             return
         ops = self._backend()
         t0 = time.perf_counter()
-        self.compressor.decompress(ops, st.flat, st.wire)
-        if self._postscale != 1.0:
-            ops.scale_(st.flat, self._postscale)
-        for i, view in zip(bucket.members, st.views, strict=True):
-            ops.unpack(self._tensors[i], view)
+        post = self._postscale
+        if st.direct is not None:
+            if post != 1.0:
+                ops.scale_(st.direct, post)
+            st.direct = None
+        else:
+            self.compressor.decompress(ops, st.flat, st.wire)
+            for i, view, aliased in zip(bucket.members, st.views, st.aliased, strict=True):
+                if aliased:
+                    if post != 1.0:
+                        ops.scale_(view, post)
+                elif post != 1.0:
+                    ops.unpack_scaled(self._tensors[i], view, post)
+                else:
+                    ops.unpack(self._tensors[i], view)
         t1 = time.perf_counter()
         args = {"bucket": bucket.index, "tensors": len(bucket.members), "bytes": bucket.nbytes}
         tl = self._timeline
