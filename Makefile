@@ -33,7 +33,7 @@ check: install
 
 lint: install
 	$(VENV)/bin/ruff check dp_plugin adapters tests examples benchmarks
-	$(VENV)/bin/mypy dp_plugin adapters
+	bash scripts/typecheck.sh
 
 # The main job: a real 2-worker data-parallel training run on this machine.
 train: install

@@ -11,7 +11,12 @@ Contract shared by all engines:
   must not be touched until ``Handle.wait()`` returns;
 - every blocking wait honours ``config.timeout_s`` and raises
   ``CollectiveTimeoutError`` naming the collective and the rank, instead of
-  hanging.
+  hanging;
+- ``alltoall``, ``reducescatter`` and ``subgroup`` first all-gather a small
+  header per rank (``exchange.py``), so a mistake on one rank raises the
+  same exception on every rank. The base class implements them on top of
+  all-gather and all-reduce; engines override the underscore methods where
+  their library has a native path.
 """
 
 from __future__ import annotations
@@ -19,12 +24,16 @@ from __future__ import annotations
 import enum
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from dp_plugin.arrays import as_numpy
+import numpy as np
+
+from dp_plugin.arrays import as_numpy, as_torch, is_torch
 from dp_plugin.config import Config
 from dp_plugin.dtypes import canonical_dtype, is_floating
+from dp_plugin.engines import exchange
 from dp_plugin.errors import CollectiveTimeoutError
 from dp_plugin.launch import Topology
 
@@ -136,6 +145,9 @@ class Engine(ABC):
     def __init__(self, topology: Topology, config: Config) -> None:
         self.topology = topology
         self.config = config
+        self.global_ranks: tuple[int, ...] = tuple(range(topology.size))
+        """The job-wide ranks of this engine's members, indexed by its own
+        rank (``range(size)`` for the engine ``init`` made; see ``subgroup``)."""
 
     @classmethod
     @abstractmethod
@@ -184,6 +196,113 @@ class Engine(ABC):
     def barrier(self) -> None:
         self._barrier()
 
+    def alltoall(self, buf: Any, splits: Sequence[int] | None = None,
+                 name: str = "alltoall") -> tuple[Any, list[int]]:
+        """Send row blocks of ``buf`` to every rank; return what this rank got.
+
+        ``buf`` (numpy or torch, at least 1-D) is split along its first
+        dimension: rank r sends rows ``buf[o_j : o_j + splits[j]]`` to rank
+        j, where ``o_j = sum(splits[:j])``. ``splits=None`` divides the first
+        dimension evenly (an error if it does not divide, as in Horovod).
+        Returns ``(received, received_splits)``: the rows that ranks 0, 1, ...
+        sent to this rank, concatenated in rank order (a new buffer of the
+        same kind as ``buf``), and how many rows came from each rank.
+
+        Collective and a synchronization point. Ranks may send different
+        numbers of rows; the dtype and the dimensions after the first must
+        agree. A mistake on any rank (splits of the wrong length, negative,
+        or not summing to the first dimension; a dtype or shape mismatch)
+        raises the same exception on every rank: a small header per rank is
+        all-gathered and checked before any data moves.
+        """
+        what = f"alltoall {name!r}"
+        header = exchange.Header(buf, self.size)
+        rows = int(buf.shape[0]) if len(buf.shape) else 0
+        header.put_extras(exchange.as_splits(splits, rows, self.size, header))
+        table = self._exchange(header.row, what)
+        exchange.check_table(table, header, what, same_first_dim=False)
+        counts = exchange.extras(table)
+        received = self._alltoall(buf, counts, name)
+        return received, [int(c) for c in counts[:, self.rank]]
+
+    def reducescatter(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM,
+                      name: str = "reducescatter") -> Any:
+        """Reduce ``buf`` over the ranks; return this rank's block of rows.
+
+        ``buf`` (numpy or torch, at least 1-D) has the same shape and dtype
+        on every rank. The reduced result is split along the first dimension
+        as Horovod 0.28.1 does: each rank gets ``rows // size`` rows and ranks
+        ``0 .. rows % size - 1`` one more, in rank order. Returns a new buffer
+        of the same kind as ``buf``; the input is not modified. ``op``: sum,
+        average (floating dtypes only), min, max or product.
+
+        Collective and a synchronization point; a shape, dtype or op mismatch
+        between ranks raises the same exception on every rank.
+        """
+        op = ReduceOp.parse(op)
+        what = f"reducescatter {name!r}"
+        header = exchange.Header(buf, 1)
+        header.put_extras([list(ReduceOp).index(op)])
+        table = self._exchange(header.row, what)
+        dtype, _ = exchange.check_table(table, header, what, same_first_dim=True)
+        ops = [list(ReduceOp)[int(i)].value for i in exchange.extras(table)[:, 0]]
+        if len(set(ops)) > 1:
+            raise ValueError(
+                f"{what}: ranks passed different reduce ops ({', '.join(ops)} for ranks 0.."
+                f"{self.size - 1}); every rank must pass the same op"
+            )
+        if op is ReduceOp.AVERAGE and not is_floating(dtype):
+            raise TypeError(
+                f"{what}: op=average is not defined for {dtype} buffers; use op='sum' and "
+                "divide, or cast to a floating dtype"
+            )
+        counts = exchange.reducescatter_counts(int(buf.shape[0]), self.size)
+        if op in self.native_ops:
+            return self._reducescatter(buf, op, counts, name)
+        out = self._reducescatter(buf, ReduceOp.SUM, counts, name)
+        _divide(out, self.size)
+        return out
+
+    def subgroup(self, ranks: Sequence[int], name: str = "process_set") -> Engine | None:
+        """An engine whose collectives run among ``ranks`` only.
+
+        ``ranks`` are this engine's ranks, sorted, unique and non-empty.
+        Collective over *all* ranks of this engine: every rank calls it with
+        the same ``ranks``, at the same point among its other collectives
+        (a rank passing another list, or an invalid one, makes every rank
+        raise). Members get a new engine with ``rank``/``size`` relative to
+        the group (group rank i is ``ranks[i]``; broadcast roots are group
+        ranks) and ``global_ranks`` naming the job-wide ranks; non-members
+        get None. The new engine supports every collective; its
+        ``shutdown()`` releases the group only, never this engine's
+        resources, and must happen before this engine's.
+        """
+        what = f"subgroup {name!r}"
+        header = exchange.Header(None, 1 + self.size)
+        members = exchange.check_members(ranks, self.size, header)
+        mask = [1 if r in members else 0 for r in range(self.size)]
+        header.put_extras([exchange.host_key(self.topology), *mask])
+        table = self._exchange(header.row, what)
+        exchange.check_problems(table, header, what)
+        masks = exchange.extras(table)[:, 1:]
+        if (masks != masks[0]).any():
+            per_rank = "; ".join(
+                f"rank {r}: {np.flatnonzero(m).tolist()}" for r, m in enumerate(masks)
+            )
+            raise ValueError(
+                f"{what}: ranks asked for different members ({per_rank}); every rank must "
+                "pass the same ranks"
+            )
+        hosts = [int(h) for h in exchange.extras(table)[:, 0]]
+        topology = (
+            exchange.group_topology(self.topology, members, self.rank, hosts)
+            if self.rank in members else None
+        )
+        child = self._subgroup(members, topology, name)
+        if child is not None:
+            child.global_ranks = tuple(self.global_ranks[m] for m in members)
+        return child
+
     @abstractmethod
     def shutdown(self) -> None: ...
 
@@ -199,6 +318,53 @@ class Engine(ABC):
 
     @abstractmethod
     def _barrier(self) -> None: ...
+
+    # -- may override where the library has a native path -------------------
+    def _exchange(self, row: np.ndarray, what: str) -> np.ndarray:
+        """All-gather one fixed-length int64 row per rank: a (size, n) table."""
+        gathered = self.allgather(row[None, :], name=f"{what} (headers)")
+        return np.asarray(as_numpy(gathered))
+
+    def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
+        """``counts[i, j]``: rows rank i sends to rank j (validated, agreed by
+        all ranks). Return the rows this rank receives, in rank order.
+
+        Generic path: all-gather every rank's buffer and keep the blocks
+        addressed to this rank (moves ``size`` times the data)."""
+        gathered = self.allgather(buf, name=name)
+        me = self.rank
+        starts = np.concatenate([[0], np.cumsum(counts.sum(axis=1))])
+        rows = [
+            np.arange(first, first + int(counts[src, me]), dtype=np.int64)
+            for src, first in enumerate(int(starts[s] + counts[s, :me].sum())
+                                        for s in range(self.size))
+        ]
+        index = np.concatenate(rows)
+        return gathered[as_torch(index)] if is_torch(gathered) else gathered[index]
+
+    def _reducescatter(self, buf: Any, op: ReduceOp, counts: list[int], name: str) -> Any:
+        """Reduce with ``op`` (native for this engine) and return this rank's
+        ``counts[rank]`` rows. Generic path: all-reduce a copy, then slice."""
+        torch_buf = is_torch(buf)
+        flat: Any = buf.detach().reshape(-1).clone() if torch_buf else (
+            np.array(as_numpy(buf).reshape(-1), copy=True))
+        if flat.shape[0]:  # same shape everywhere: every rank skips alike
+            self._allreduce_async(flat, op, name).wait()
+        row = int(np.prod(buf.shape[1:], dtype=np.int64))
+        start = sum(counts[:self.rank]) * row
+        mine = flat[start:start + counts[self.rank] * row]
+        # A copy, so the result does not keep the whole reduced buffer alive.
+        mine = mine.clone() if torch_buf else mine.copy()
+        return mine.reshape((counts[self.rank], *buf.shape[1:]))
+
+    def _subgroup(self, members: tuple[int, ...], topology: Topology | None,
+                  name: str) -> Engine | None:
+        """Create the group; called on every rank. ``topology`` is the
+        member's place in the group, None on non-members (return None)."""
+        raise NotImplementedError(
+            f"subgroup {name!r}: the {self.name} engine cannot create process sets; use the "
+            "gloo, mpi or horovod engine (DP_PLUGIN_ENGINE)"
+        )
 
     # -- helpers -----------------------------------------------------------
     def _check_root(self, root: int, name: str) -> None:

@@ -26,6 +26,14 @@ twice (four times for 8-bit) the bytes on the wire: bf16 compression saves
 no bandwidth on this engine (use fp16 compression, or the gloo engine).
 Broadcast and all-gather move bfloat16 as its int16 bit pattern (exact).
 
+``alltoall`` is ``hvd.alltoall_async`` on the rows' bytes;
+``reducescatter`` is ``hvd.reducescatter_async`` for sums in the dtypes
+above with kernels (others go through the all-reduce). ``subgroup`` is a
+Horovod process set (``hvd.add_process_set``, collective over all Horovod
+ranks; collectives then pass ``process_set=``), which needs
+HOROVOD_DYNAMIC_PROCESS_SETS=1 at ``hvd.init()``: the engine sets it when it
+initializes Horovod itself. Only the job-wide engine can add process sets.
+
 Average is SUM followed by a division in the buffer dtype (the base class),
 not ``hvd.Average``: every engine then rounds the same way, so results do
 not depend on the engine chosen.
@@ -34,6 +42,7 @@ not depend on the engine chosen.
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Any
 
 import numpy as np
@@ -142,8 +151,17 @@ class HorovodEngine(Engine):
         self._torch: Any = torch
         self._broken: str | None = None
         self._in_flight: dict[str, set[int]] = {}
+        self._process_set: Any = hvd.global_process_set
+        self._parent: HorovodEngine | None = None  # set on subgroup engines
+        self._added_sets: dict[tuple[int, ...], Any] = {}
         self._owns_init = not hvd.is_initialized()
         if self._owns_init:
+            # Horovod reads HOROVOD_DYNAMIC_PROCESS_SETS once, inside
+            # hvd.init(); without it hvd.add_process_set (our ``subgroup``,
+            # the adapter's add_process_set) fails for the rest of the run.
+            # Process sets cannot be known before init, so enable them
+            # unless the user said otherwise.
+            os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
             hvd.init()
         self._running = True
         if (hvd.rank(), hvd.size()) != (topology.rank, topology.size):
@@ -165,7 +183,8 @@ class HorovodEngine(Engine):
         hvd_op = getattr(self._hvd, _HVD_OPS[op])
         handle = self._start(
             "allreduce", name, description,
-            lambda full: self._hvd.allreduce_async_(wire, name=full, op=hvd_op),
+            lambda full: self._hvd.allreduce_async_(wire, name=full, op=hvd_op,
+                                                    process_set=self._process_set),
         )
         if wire is not tensor:
             handle.then(lambda: tensor.copy_(wire))
@@ -177,7 +196,9 @@ class HorovodEngine(Engine):
         description = self.describe("broadcast", name, tensor.numel() * tensor.element_size())
         return self._start(
             "broadcast", name, description,
-            lambda full: self._hvd.broadcast_async_(tensor, root_rank=root, name=full),
+            # Horovod takes the job-wide rank of the root, even in a process set.
+            lambda full: self._hvd.broadcast_async_(tensor, root_rank=self.global_ranks[root],
+                                                    name=full, process_set=self._process_set),
         )
 
     def _allgather(self, buf: Any, name: str) -> Any:
@@ -191,7 +212,8 @@ class HorovodEngine(Engine):
         wire = self._bits(tensor)
         handle = self._start(
             "allgather", name, self.describe("allgather", name),
-            lambda full: self._hvd.allgather_async(wire, name=full),
+            lambda full: self._hvd.allgather_async(wire, name=full,
+                                                   process_set=self._process_set),
         )
         handle.wait()
         out = handle.result
@@ -206,23 +228,134 @@ class HorovodEngine(Engine):
         token = self._torch.zeros(1, dtype=self._torch.int32)
         self._start(
             "barrier", "barrier", "horovod barrier",
-            lambda full: self._hvd.allreduce_async_(token, name=full, op=self._hvd.Sum),
+            lambda full: self._hvd.allreduce_async_(token, name=full, op=self._hvd.Sum,
+                                                    process_set=self._process_set),
         ).wait()
 
     def shutdown(self) -> None:
         """Shut Horovod down if this engine started it (idempotent).
 
-        Safe after a timeout: Horovod fails the pending operations."""
+        Safe after a timeout: Horovod fails the pending operations. A
+        subgroup engine only stops accepting collectives: removing a Horovod
+        process set is collective over *all* ranks, which a members-only
+        shutdown cannot be; the set stays registered (reused if the same
+        ranks are asked for again) until Horovod shuts down."""
         if not self._running:
             return
         self._running = False
         if self._owns_init and self._hvd.is_initialized():
             self._hvd.shutdown()
 
+    # -- alltoall, reducescatter, process sets ---------------------------------
+    def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
+        """``hvd.alltoall_async`` of the rows as bytes (Horovod has no kernel
+        for some dtypes; bytes are exact for all)."""
+        self._check_usable()
+        torch = self._torch
+        tensor = as_torch(np.ascontiguousarray(buf) if not is_torch(buf) else buf).detach()
+        trailing = tuple(tensor.shape[1:])
+        row_elems = int(np.prod(trailing, dtype=np.int64))
+        received = counts[:, self.rank]
+        if row_elems == 0 or not counts.any():  # agreed: every rank skips alike
+            out = tensor.new_empty((int(received.sum()), *trailing))
+        else:
+            wire = tensor.contiguous().reshape(tensor.shape[0], row_elems).view(torch.uint8)
+            splits = torch.tensor([int(c) for c in counts[self.rank]], dtype=torch.int32)
+            handle = self._start(
+                "alltoall", name, self.describe("alltoall", name, wire.numel()),
+                lambda full: self._hvd.alltoall_async(wire, splits=splits, name=full,
+                                                      process_set=self._process_set),
+            )
+            handle.wait()
+            out = handle.result[0].view(tensor.dtype).reshape((int(received.sum()), *trailing))
+        return out if is_torch(buf) else as_numpy(out)
+
+    def _reducescatter(self, buf: Any, op: ReduceOp, counts: list[int], name: str) -> Any:
+        """``hvd.reducescatter_async`` for a sum in a dtype Horovod reduces
+        (its split of the rows is the one ``Engine.reducescatter`` promises);
+        anything else takes the generic all-reduce path."""
+        self._check_usable()
+        tensor = as_torch(buf).detach()
+        dtype = canonical_dtype(tensor.dtype)
+        if op is not ReduceOp.SUM or dtype in ALLREDUCE_WIRE_DTYPES or tensor.numel() == 0:
+            return super()._reducescatter(buf, op, counts, name)
+        src = tensor.contiguous()
+        handle = self._start(
+            "reducescatter", name,
+            self.describe("reducescatter", name, src.numel() * src.element_size()),
+            lambda full: self._hvd.reducescatter_async(src, name=full, op=self._hvd.Sum,
+                                                       process_set=self._process_set),
+        )
+        handle.wait()
+        out = handle.result
+        return out if is_torch(buf) else as_numpy(out)
+
+    def _subgroup(self, members: tuple[int, ...], topology: Topology | None,
+                  name: str) -> Engine | None:
+        """A Horovod process set of the members (``hvd.add_process_set``,
+        collective over all Horovod ranks), reused if it already exists."""
+        what = f"subgroup {name!r}"
+        self._check_usable()
+        if self._parent is not None:
+            raise NotImplementedError(
+                f"{what}: a horovod subgroup cannot be split further (Horovod adds process "
+                "sets collectively over all its ranks); create it from the job-wide engine "
+                f"with the job-wide ranks {[self.global_ranks[m] for m in members]}"
+            )
+        process_set = self._process_set_of(members, what)
+        if topology is None:
+            return None
+        child = HorovodEngine.__new__(type(self))
+        Engine.__init__(child, topology, self.config)
+        child._hvd, child._torch = self._hvd, self._torch
+        child._broken, child._in_flight, child._added_sets = None, {}, {}
+        child._process_set, child._parent = process_set, self
+        child._owns_init, child._running = False, True
+        return child
+
+    def _process_set_of(self, members: tuple[int, ...], what: str) -> Any:
+        hvd = self._hvd
+        if members == tuple(range(self.size)):
+            return hvd.global_process_set
+        known = self._added_sets.get(members)
+        if known is not None:
+            return known
+        try:
+            process_set = hvd.add_process_set(list(members))
+        except ValueError as exc:
+            if "duplicate" not in str(exc):
+                # Every rank gets the same refusal (e.g. dynamic process sets off).
+                raise DPPluginError(
+                    f"{what}: Horovod refused to add a process set of ranks {list(members)}: "
+                    f"{str(exc).rstrip('.')}. Horovod adds process sets after hvd.init() only if "
+                    "HOROVOD_DYNAMIC_PROCESS_SETS=1 was set when it was initialized; dp_plugin "
+                    "sets it unless the variable is already set (it is "
+                    f"{os.environ.get('HOROVOD_DYNAMIC_PROCESS_SETS')!r}) or Horovod was "
+                    "initialized by someone else"
+                ) from exc
+            process_set = self._existing_process_set(members)
+        self._added_sets[members] = process_set
+        return process_set
+
+    def _existing_process_set(self, members: tuple[int, ...]) -> Any:
+        """The set the user registered with these ranks (hvd.init(process_sets=...)
+        or hvd.add_process_set): Horovod refuses duplicates, so look its id up."""
+        from horovod.common.process_sets import ProcessSet
+        from horovod.torch.mpi_ops import _basics
+
+        for set_id, ranks in _basics._get_process_set_ids_and_ranks().items():
+            if tuple(ranks) == members:
+                found = ProcessSet(list(members))
+                found.process_set_id = set_id
+                return found
+        raise DPPluginError(f"Horovod reported a process set of ranks {list(members)} that "
+                            "it does not list; this is a Horovod bug")
+
     # -- internals ---------------------------------------------------------
     def _start(self, kind: str, name: str, description: str, enqueue: Any) -> _HorovodHandle:
         """Reserve a name slot, enqueue the operation, wrap its handle."""
-        base = f"dp.{kind}.{name}"
+        scope = "" if self._parent is None else f"ps{self._process_set.process_set_id}."
+        base = f"dp.{scope}{kind}.{name}"
         used = self._in_flight.setdefault(base, set())
         index = next(i for i in range(len(used) + 1) if i not in used)
         used.add(index)
@@ -268,6 +401,12 @@ class HorovodEngine(Engine):
         return tensor
 
     def _check_usable(self) -> None:
+        parent = self._parent
+        if parent is not None and (parent._broken is not None or not parent._running):
+            raise DPPluginError(
+                f"rank {self.rank}: the horovod engine this subgroup came from was shut down "
+                "or is broken; create the subgroup again from a running engine"
+            )
         if self._broken is not None:
             raise DPPluginError(
                 f"rank {self.rank}: the horovod engine is unusable because an earlier "

@@ -3,13 +3,16 @@
 With a single rank every collective is already complete: an all-reduce of
 one contribution is that contribution (sum, min, max, product and average
 alike), a broadcast from rank 0 leaves the buffer as it is, and an
-all-gather returns a copy of this rank's buffer. Handles are complete when
+all-gather, an all-to-all and a reduce-scatter return a copy of this rank's
+buffer; the only process set is ``[0]``. Handles are complete when
 returned, so ``wait()`` never blocks.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from dp_plugin.arrays import is_torch
 from dp_plugin.config import Config
@@ -68,3 +71,15 @@ class LocalEngine(Engine):
 
     def _barrier(self) -> None:
         """A single rank is always at the barrier."""
+
+    def _exchange(self, row: np.ndarray, what: str) -> np.ndarray:
+        return row[None, :].copy()
+
+    def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
+        # Every row goes to rank 0, this rank: the result is a copy of buf.
+        return buf.detach().clone() if is_torch(buf) else np.array(buf, copy=True)
+
+    def _subgroup(self, members: tuple[int, ...], topology: Topology | None,
+                  name: str) -> Engine | None:
+        # members can only be (0,): validated by Engine.subgroup.
+        return None if topology is None else LocalEngine(topology, self.config)

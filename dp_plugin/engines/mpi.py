@@ -16,6 +16,11 @@ Distributed contract (on top of ``dp_plugin.engines.base``):
   process still exits normally (MPICH 5.0.2 finalizes with pending requests
   without blocking, checked with mismatched pending collectives).
 
+``alltoall`` is ``Ialltoallv`` on the rows' bytes, ``reducescatter`` is
+``Ireduce_scatter`` with Horovod's row split, and ``subgroup`` is
+``Comm.Split``; a subgroup engine shares this engine's datatypes and ops
+(freed by this engine's ``shutdown``) and may itself be split further.
+
 dtypes: MPICH 5.0.2 reduces ``MPI_FLOAT16_T`` natively; ``MPI_BFLOAT16_T``
 is ``MPI_DATATYPE_NULL`` there. A half type the library lacks is sent as an
 opaque 2-byte datatype and reduced by a user-defined commutative op that
@@ -138,6 +143,7 @@ class MPIEngine(Engine):
         self._MPI: Any = MPI
         self._broken: str | None = None
         self._comm: Any = None
+        self._parent: MPIEngine | None = None  # set on subgroup engines
         world = MPI.COMM_WORLD
         if (world.Get_rank(), world.Get_size()) != (topology.rank, topology.size):
             library = " ".join(MPI.Get_library_version().splitlines()[0].split())
@@ -227,10 +233,17 @@ class MPIEngine(Engine):
         """Free the communicator, datatypes and ops (local; idempotent).
 
         ``MPI_Finalize`` is left to mpi4py at interpreter exit, so the user
-        may keep using MPI, or start the engine again, after this."""
+        may keep using MPI, or start the engine again, after this. A
+        subgroup engine frees only its communicator: the datatypes and ops
+        belong to the engine it came from."""
         if self._broken is not None:
             # A pending request may still use them: leak rather than crash.
             self._comm = None
+            return
+        if self._parent is not None:
+            if self._comm is not None:
+                self._comm.Free()
+                self._comm = None
             return
         for op in self._half_ops.values():
             op.Free()
@@ -242,12 +255,98 @@ class MPIEngine(Engine):
             self._comm.Free()
             self._comm = None
 
+    def _exchange(self, row: np.ndarray, what: str) -> np.ndarray:
+        # One fixed-size Iallgather instead of allgather's two steps.
+        self._check_usable()
+        table = np.empty((self.size, row.size), dtype=np.int64)
+        _MPIHandle(
+            self, self.describe("allgather", f"{what} (headers)"),
+            [self._comm.Iallgather([row, self._MPI.INT64_T], [table, self._MPI.INT64_T])],
+            (row, table),
+        ).wait()
+        return table
+
+    def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
+        """``Ialltoallv`` of the rows as bytes (exact for every dtype); the
+        counts were agreed by the header exchange."""
+        self._check_usable()
+        arr = as_numpy(buf)
+        if not arr.flags.c_contiguous:
+            arr = arr.copy(order="C")  # the input is only read: a copy is fine
+        trailing = arr.shape[1:]
+        row_bytes = int(np.prod(trailing, dtype=np.int64)) * arr.dtype.itemsize
+        received = counts[:, self.rank]
+        out = np.empty((int(received.sum()), *trailing), dtype=arr.dtype)
+        if row_bytes and counts.any():  # agreed: every rank skips alike
+            send = [int(c) * row_bytes for c in counts[self.rank]]
+            recv = [int(c) * row_bytes for c in received]
+            byte = self._MPI.BYTE
+            request = self._comm.Ialltoallv(
+                [arr.reshape(-1).view(np.uint8), (send, _displacements(send)), byte],
+                [out.reshape(-1).view(np.uint8), (recv, _displacements(recv)), byte],
+            )
+            _MPIHandle(self, self.describe("alltoall", name, out.nbytes), [request],
+                       (arr, out)).wait()
+        return as_torch(out) if is_torch(buf) else out
+
+    def _reducescatter(self, buf: Any, op: ReduceOp, counts: list[int], name: str) -> Any:
+        """``Ireduce_scatter`` with per-rank element counts."""
+        self._check_usable()
+        arr = as_numpy(buf)
+        if not arr.flags.c_contiguous:
+            arr = arr.copy(order="C")
+        dtype = canonical_dtype(arr.dtype)
+        trailing = arr.shape[1:]
+        row = int(np.prod(trailing, dtype=np.int64))
+        out = np.empty((counts[self.rank], *trailing), dtype=arr.dtype)
+        if arr.size:  # same shape everywhere: every rank skips alike
+            mpi_type = self._types[dtype]
+            request = self._comm.Ireduce_scatter(
+                [_wire(arr.reshape(-1)), arr.size, mpi_type],
+                [_wire(out.reshape(-1)), out.size, mpi_type],
+                [c * row for c in counts], self._op(dtype, op),
+            )
+            _MPIHandle(self, self.describe("reducescatter", name, arr.nbytes), [request],
+                       (arr, out)).wait()
+        return as_torch(out) if is_torch(buf) else out
+
+    def _subgroup(self, members: tuple[int, ...], topology: Topology | None,
+                  name: str) -> Engine | None:
+        """``Comm.Split`` of this engine's communicator. Split is blocking,
+        but every rank has just passed the header exchange (which honours
+        the timeout), so all of them are here."""
+        self._check_usable()
+        MPI = self._MPI
+        color = 0 if topology is not None else MPI.UNDEFINED
+        comm = self._comm.Split(color, self.rank)
+        if topology is None:
+            return None
+        child = MPIEngine.__new__(type(self))
+        Engine.__init__(child, topology, self.config)
+        child._MPI, child._broken, child._comm, child._parent = MPI, None, comm, self
+        # Shared with this engine, which frees them.
+        child._types, child._half_types, child._half_ops = (
+            self._types, self._half_types, self._half_ops)
+        return child
+
     # -- internals ---------------------------------------------------------
     def _mark_broken(self, description: str) -> None:
         if self._broken is None:
             self._broken = description
+        if self._parent is not None:
+            # Shared datatypes and ops may still be in use: the parent must
+            # not free them either.
+            self._parent._mark_broken(description)
 
     def _check_usable(self) -> None:
+        parent = self._parent
+        if parent is not None and self._broken is None and (
+            parent._broken is not None or parent._comm is None
+        ):
+            raise DPPluginError(
+                f"rank {self.rank}: the mpi engine this subgroup came from was shut down "
+                "or is broken; create the subgroup again from a running engine"
+            )
         if self._broken is not None:
             raise DPPluginError(
                 f"rank {self.rank}: the mpi engine is unusable because an earlier collective "
@@ -300,6 +399,10 @@ def _writable_view(buf: Any, what: str) -> np.ndarray:
             "writable copy (buf.copy())"
         )
     return arr
+
+
+def _displacements(counts: list[int]) -> list[int]:
+    return [sum(counts[:i]) for i in range(len(counts))]
 
 
 def _wire(arr: np.ndarray) -> np.ndarray:

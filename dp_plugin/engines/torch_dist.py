@@ -13,6 +13,13 @@ collectives in the same order on buffers of the same size and dtype;
 ``allgather`` is a synchronization point and exchanges each rank's first
 dimension first, so uneven inputs are fine and a dtype or trailing-shape
 mismatch raises the same ``ValueError`` on every rank.
+
+``alltoall`` is ``all_to_all_single`` on the rows' bytes. ``reducescatter``
+is the base class's all-reduce-then-slice: Gloo's ``reduce_scatter`` work
+has no future and never reported completion when polled here (torch 2.13).
+``subgroup`` is ``dist.new_group``, collective over every process of the
+job, so only the job-wide engine can make subgroups (a subgroup of a
+subgroup raises ``NotImplementedError`` naming the job-wide ranks to use).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import time
 from abc import abstractmethod
 from datetime import timedelta
 from typing import Any, ClassVar
+
+import numpy as np
 
 from dp_plugin.arrays import as_numpy, as_torch, is_torch
 from dp_plugin.config import Config
@@ -144,6 +153,7 @@ class TorchDistEngine(Engine):
         self._owns_default = False
         self._owns_group = False
         self._closed = False
+        self._parent: TorchDistEngine | None = None  # set on subgroup engines
         self.rendezvous_description = self._join_or_create_group()
         if self._owns_default or self._owns_group:
             # A Gloo group destroyed during interpreter teardown while a
@@ -216,16 +226,53 @@ class TorchDistEngine(Engine):
         return meeting.description
 
     def shutdown(self) -> None:
-        """Destroy the group this engine created (not a user's). Idempotent."""
+        """Destroy the group this engine created (not a user's). Idempotent.
+
+        A subgroup engine destroys only its own group; if the job-wide engine
+        already destroyed the default group (which takes every group with
+        it), there is nothing left to do."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.shutdown)
         dist = self._dist
-        if self._owns_group:
+        if self._owns_group and dist.is_initialized():
             dist.destroy_process_group(self._group)
         elif self._owns_default and dist.is_initialized():
             dist.destroy_process_group()
+
+    def _subgroup(self, members: tuple[int, ...], topology: Topology | None,
+                  name: str) -> Engine | None:
+        """``dist.new_group`` over the members' job-wide ranks: collective
+        over every process of the job, members or not."""
+        what = f"subgroup {name!r}"
+        self._check_open(what)
+        if self._parent is not None:
+            # new_group needs every process of the job, but only this
+            # subgroup's members are here.
+            raise NotImplementedError(
+                f"{what}: a {self.name} subgroup cannot be split further (torch.distributed "
+                "creates groups collectively over the whole job); create it from the "
+                f"job-wide engine with the job-wide ranks "
+                f"{[self.global_ranks[m] for m in members]}"
+            )
+        group = self._dist.new_group(
+            ranks=[self.global_ranks[m] for m in members],
+            timeout=timedelta(seconds=self.config.timeout_s),
+            backend=self.backend,
+        )
+        if topology is None:
+            return None
+        child = type(self).__new__(type(self))
+        Engine.__init__(child, topology, self.config)
+        child._torch, child._dist, child._device = self._torch, self._dist, self._device
+        child._group = group
+        child._owns_default, child._owns_group, child._closed = False, True, False
+        child._parent = self
+        child._reduce_ops = self._reduce_ops
+        child.rendezvous_description = f"a new {self.backend} group of ranks {list(members)}"
+        atexit.register(child.shutdown)  # before the parent's (atexit runs LIFO)
+        return child
 
     # -- collectives ---------------------------------------------------------------
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
@@ -247,7 +294,11 @@ class TorchDistEngine(Engine):
         desc = self.describe("broadcast", name, t.numel() * t.element_size())
         if t.numel() == 0:
             return DoneHandle(desc, self.rank, self.config.timeout_s)
-        work = self._dist.broadcast(self._wire(t), root, group=self._group, async_op=True)
+        if self._group is None:
+            work = self._dist.broadcast(self._wire(t), root, async_op=True)
+        else:  # root is a rank of this group, not of the job
+            work = self._dist.broadcast(self._wire(t), group=self._group, group_src=root,
+                                        async_op=True)
         return self._handle(work, desc)
 
     def _allgather(self, buf: Any, name: str) -> Any:
@@ -280,15 +331,56 @@ class TorchDistEngine(Engine):
         work = self._dist.all_reduce(token, group=self._group, async_op=True)
         self._handle(work, f"{self.name} barrier").wait()
 
+    def _exchange(self, row: np.ndarray, what: str) -> np.ndarray:
+        # One fixed-size all_gather instead of allgather's two steps.
+        self._check_open(what)
+        torch = self._torch
+        mine = torch.from_numpy(row).to(self._device)
+        table = [torch.empty_like(mine) for _ in range(self.size)]
+        self._handle(
+            self._dist.all_gather(table, mine, group=self._group, async_op=True),
+            self.describe("allgather", f"{what} (headers)"),
+        ).wait()
+        return np.asarray(torch.stack(table).cpu().numpy())
+
+    def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
+        """``all_to_all_single`` of each row as raw bytes: exact for every
+        dtype, and no backend dtype support needed."""
+        t = self._tensor(buf, f"alltoall {name!r}", flat=False)
+        torch = self._torch
+        trailing = tuple(t.shape[1:])
+        row_elems = int(np.prod(trailing, dtype=np.int64))
+        received = [int(c) for c in counts[:, self.rank]]
+        out = t.new_empty((sum(received), *trailing))
+        # counts and row sizes are agreed: every rank skips alike.
+        if row_elems and counts.any():
+            send = t.detach().contiguous().reshape(t.shape[0], row_elems).view(torch.uint8)
+            recv = out.view(out.shape[0], row_elems).view(torch.uint8)
+            work = self._dist.all_to_all_single(
+                recv, send, output_split_sizes=received,
+                input_split_sizes=[int(c) for c in counts[self.rank]],
+                group=self._group, async_op=True,
+            )
+            self._handle(work, self.describe("alltoall", name, send.numel())).wait()
+        return out if is_torch(buf) else as_numpy(out)
+
     # -- helpers -------------------------------------------------------------------
     def _handle(self, work: Any, description: str) -> Handle:
         return self.handle_class(work, description, self.rank, self.config.timeout_s)
 
-    def _tensor(self, buf: Any, what: str, flat: bool = True) -> Any:
+    def _check_open(self, what: str) -> None:
         if self._closed:
             raise DPPluginError(
                 f"{what}: the {self.name} engine was shut down; call dp_plugin.init() again"
             )
+        if self._parent is not None and self._parent._closed:
+            raise DPPluginError(
+                f"{what}: the {self.name} engine this subgroup came from was shut down, "
+                "which ended the subgroup too; call dp_plugin.init() and create it again"
+            )
+
+    def _tensor(self, buf: Any, what: str, flat: bool = True) -> Any:
+        self._check_open(what)
         t = as_torch(buf)
         self._check_device(t, what)
         if flat and not t.is_contiguous():

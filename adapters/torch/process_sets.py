@@ -1,0 +1,235 @@
+"""Process sets: collectives over a subset of ranks, as in ``horovod.torch``.
+
+``ProcessSet``, ``global_process_set``, ``add_process_set`` and
+``remove_process_set`` keep Horovod 0.28.1's names and semantics. A set is
+registered with ``add_process_set`` (or ``init(process_sets=[...])``); then
+its ``engine()`` is a dp_plugin engine whose collectives run among the set's
+ranks only (``Engine.subgroup``), with ranks relative to the set.
+
+Distributed contract (as in Horovod):
+- ``add_process_set`` and ``remove_process_set`` are collective: every rank
+  of the job calls them, members or not, in the same order, with the same
+  ranks. Ids are then equal on every rank (0 is the global set; freed ids
+  are reused first-freed, first-reused, as Horovod does). A rank list that
+  differs between ranks raises on every rank;
+- no two registered sets may have the same ranks (``ValueError``, as
+  Horovod), and the global set can be neither added nor removed;
+- unlike Horovod, adding sets after ``init()`` needs no
+  ``HOROVOD_DYNAMIC_PROCESS_SETS``: every engine can always add them;
+- set-relative ranks: ``ProcessSet.rank()`` and the ranks of the set's
+  engine count members in ascending global order.
+
+Sets built from an mpi4py communicator are not supported (Horovod needs an
+MPI build for them); build them from the list of ranks instead.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from dp_plugin.engines.base import Engine
+
+
+class ProcessSet:
+    """A set of ranks that run collectives together.
+
+    Create it with a list of global ranks, then register it with
+    ``add_process_set`` (or ``init(process_sets=[...])``); until then
+    ``process_set_id``, ``size()`` and ``rank()`` are None, as in Horovod.
+    Pass it as ``process_set=`` to collectives and to
+    ``DistributedOptimizer``; only its members may call those.
+    """
+
+    process_set_id: int | None = None
+    ranks: list[int] | None = None
+    mpi_comm: Any = None
+
+    def __init__(self, ranks_or_comm: Sequence[int] | Any) -> None:
+        if not isinstance(ranks_or_comm, Iterable) or isinstance(ranks_or_comm, str | bytes):
+            raise ValueError(
+                "ProcessSet should be initialized with a list of process ranks; got "
+                f"{ranks_or_comm!r}. dp_plugin does not support sets made from an mpi4py "
+                "communicator: pass its ranks, e.g. "
+                "comm.Get_group().Translate_ranks(list(range(comm.Get_size())), "
+                "MPI.COMM_WORLD.Get_group())"
+            )
+        ranks = sorted(ranks_or_comm)
+        if any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
+            raise ValueError(
+                f"ProcessSet should be initialized with a list of int process ranks, got {ranks!r}"
+            )
+        self.ranks = ranks
+        self._engine: Engine | None = None
+
+    def size(self) -> int | None:
+        """Number of ranks in the set, or None if it is not registered."""
+        if self.process_set_id is None:
+            return None
+        return len(self._all_ranks())
+
+    def rank(self) -> int | None:
+        """This process's rank within the set, or None if it is not registered.
+
+        Raises ``ValueError`` on a rank outside the set (as Horovod). Note that
+        Horovod's collectives take *global* root ranks even with a set."""
+        if self.process_set_id is None:
+            return None
+        ranks = self._all_ranks()
+        me = _global_engine().rank
+        if me not in ranks:
+            raise ValueError(f"Process is not part of provided process set: {self}")
+        return ranks.index(me)
+
+    def included(self) -> bool | None:
+        """Whether this process belongs to the set (None if it has no ranks yet)."""
+        if self.ranks is None:
+            return None
+        return _global_engine().rank in self._all_ranks()
+
+    def engine(self) -> Engine:
+        """The engine that runs this set's collectives on this rank.
+
+        Raises ``ValueError`` if the set was not added (or was removed), or
+        if this rank is not a member."""
+        if self.process_set_id is None:
+            raise ValueError(
+                f"{self} is not registered: call hvd.add_process_set() with it (on every rank), "
+                "or pass it to hvd.init(process_sets=[...]), before using it in a collective"
+            )
+        if self.process_set_id == 0:
+            return _global_engine()
+        if self._engine is None:
+            raise ValueError(
+                f"this rank ({_global_engine().rank}) is not in {self}; only its ranks may run "
+                "its collectives"
+            )
+        return self._engine
+
+    def _all_ranks(self) -> list[int]:
+        if self.process_set_id == 0:
+            return list(range(_global_engine().size))
+        return list(self.ranks or [])
+
+    def _invalidate(self) -> None:
+        """Forget the registration; release this rank's engine of the set."""
+        self.process_set_id = None
+        sub, self._engine = self._engine, None
+        if sub is not None:
+            sub.shutdown()
+
+    def __str__(self) -> str:
+        return (f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, "
+                f"mpi_comm={self.mpi_comm})")
+
+    __repr__ = __str__
+
+
+global_process_set = ProcessSet([])
+"""Every rank of the job (id 0); its ranks are filled in by ``init()``."""
+global_process_set.process_set_id = 0
+
+_registered: dict[int, ProcessSet] = {}
+"""Registered sets other than the global one, by id (equal on every rank)."""
+_free_ids: deque[int] = deque()
+_next_id = 1
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a process set after ``init()`` and return it, ready to use.
+
+    Collective over every rank of the job (members and non-members), in
+    the same order on every rank. A set whose ranks equal a registered set's
+    (including the global set's) raises ``ValueError``."""
+    engine = _global_engine("hvd.add_process_set()")
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    ranks = list(process_set.ranks or [])
+    if ranks == list(range(engine.size)) or any(ps.ranks == ranks for ps in _registered.values()):
+        raise ValueError(f"Attempted to add a duplicate process set: {process_set}")
+    set_id = _free_ids[0] if _free_ids else _next_id
+    process_set._engine = engine.subgroup(ranks, name=f"process_set.{set_id}")
+    _take_id(set_id)
+    process_set.process_set_id = set_id
+    _registered[set_id] = process_set
+    return process_set
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister ``process_set``; True if it was registered (the global set
+    cannot be removed). Collective like ``add_process_set``. The set's
+    engine is shut down on its members; the object may be added again."""
+    set_id = process_set.process_set_id
+    if set_id is None or set_id == 0 or _registered.get(set_id) is not process_set:
+        return False
+    del _registered[set_id]
+    _free_ids.append(set_id)
+    process_set._invalidate()
+    return True
+
+
+def _setup_initial_process_sets(process_sets: Any) -> None:
+    """Register the sets passed to ``init(process_sets=...)``; called by
+    ``dp_plugin.torch.init`` right after the engine started (collective).
+
+    ``process_sets``: None or ``"dynamic"`` (nothing to add; sets can always
+    be added later), or a list of ``ProcessSet`` registered in list order.
+    A duplicate entry raises ``ValueError`` naming its position, as Horovod's
+    init does."""
+    engine = _global_engine("hvd.init()")
+    global_process_set.ranks = list(range(engine.size))
+    if process_sets is None or (isinstance(process_sets, str)
+                                and process_sets.lower() == "dynamic"):
+        return
+    if isinstance(process_sets, ProcessSet) or not isinstance(process_sets, Iterable):
+        raise ValueError(
+            f"init(process_sets=...) expects a list of hvd.ProcessSet or 'dynamic', got "
+            f"{process_sets!r}"
+        )
+    for index, process_set in enumerate(process_sets):
+        if not isinstance(process_set, ProcessSet):
+            raise ValueError(
+                f"init(process_sets=...): entry number {index} is {process_set!r}, not an "
+                "hvd.ProcessSet; wrap the ranks: hvd.ProcessSet([0, 1])"
+            )
+        try:
+            add_process_set(process_set)
+        except ValueError as exc:
+            if "duplicate" not in str(exc):
+                raise
+            raise ValueError(
+                "dp_plugin.torch could not be initialized because process_sets entry number "
+                f"{index} is a duplicate: {process_set}"
+            ) from exc
+
+
+def _reset() -> None:
+    """Forget every registered set and release its engines; called by
+    ``dp_plugin.torch.shutdown`` before the global engine goes."""
+    global _next_id
+    sets = list(_registered.values())
+    _registered.clear()
+    _free_ids.clear()
+    _next_id = 1
+    for process_set in sets:
+        process_set._invalidate()
+
+
+def _take_id(set_id: int) -> None:
+    global _next_id
+    if _free_ids and _free_ids[0] == set_id:
+        _free_ids.popleft()
+    else:
+        _next_id += 1
+
+
+def _global_engine(what: str = "hvd.ProcessSet") -> Engine:
+    # runtime.engine(), or the adapter's NotInitializedError (also a
+    # ValueError, as Horovod's is) naming ``what``.
+    from dp_plugin.torch.basics import engine
+
+    return engine(what)
+
+
+__all__ = ["ProcessSet", "add_process_set", "global_process_set", "remove_process_set"]

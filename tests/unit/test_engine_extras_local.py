@@ -1,0 +1,248 @@
+"""alltoall, reducescatter and subgroup without processes.
+
+The local engine (world size 1) covers the public API and input validation;
+the in-process thread group of tests/unit/fakes.py (3 ranks as threads)
+covers the base class's generic paths — all-to-all through all-gather,
+reduce-scatter through all-reduce — and that a mistake on one rank raises on
+every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dp_plugin.config import Config
+from dp_plugin.engines import exchange
+from dp_plugin.engines.base import ReduceOp
+from dp_plugin.engines.local import LocalEngine
+from dp_plugin.launch import Topology
+from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks, run_ranks_outcomes
+
+torch = pytest.importorskip("torch")
+
+
+def _local() -> LocalEngine:
+    return LocalEngine(Topology.single(), Config())
+
+
+def _kind(arr: np.ndarray, kind: str) -> Any:
+    return arr.copy() if kind == "numpy" else torch.from_numpy(arr.copy())
+
+
+# -- local engine ------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("splits", [None, [3], "tensor"])
+def test_local_alltoall_returns_a_copy_and_the_counts(kind: str, splits: Any) -> None:
+    engine = _local()
+    data = np.arange(6, dtype=np.float32).reshape(3, 2)
+    buf = _kind(data, kind)
+    if splits == "tensor":
+        splits = torch.tensor([3])
+    out, received = engine.alltoall(buf, splits)
+    assert received == [3]
+    assert type(out) is type(buf)
+    np.testing.assert_array_equal(np.asarray(out), data)
+    out[0, 0] = 99  # a new buffer: the input is untouched
+    np.testing.assert_array_equal(np.asarray(buf), data)
+
+
+@pytest.mark.parametrize(
+    ("splits", "needle"),
+    [
+        ([1, 2], "has 2 entries but there are 1 ranks"),
+        ([-1], "negative"),
+        ([4], "sums to 4 but the buffer's first dimension is 3"),
+        ([1.5], "must be ints"),
+        (["3"], "must be ints"),
+    ],
+)
+def test_local_alltoall_rejects_bad_splits(splits: Any, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle) as info:
+        _local().alltoall(np.zeros(3, np.float32), splits, name="tokens")
+    assert "alltoall 'tokens'" in str(info.value)
+    assert "rank(s) [0] passed invalid splits" in str(info.value)
+
+
+def test_local_alltoall_rejects_bad_buffers() -> None:
+    engine = _local()
+    with pytest.raises(ValueError, match="0-d buffer"):
+        engine.alltoall(np.zeros((), np.float32))
+    with pytest.raises(TypeError, match="bool cannot be all-reduced"):
+        engine.alltoall(np.zeros(3, bool))
+    with pytest.raises(ValueError, match="more than 9 dimensions"):
+        engine.alltoall(np.zeros((1,) * 10, np.float32))
+
+
+@pytest.mark.parametrize("op", list(ReduceOp))
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_local_reducescatter_is_a_copy_of_the_input(op: ReduceOp, kind: str) -> None:
+    data = np.arange(12, dtype=np.float64).reshape(4, 3)
+    buf = _kind(data, kind)
+    out = _local().reducescatter(buf, op)
+    assert type(out) is type(buf)
+    np.testing.assert_array_equal(np.asarray(out), data)
+    out[0, 0] = -1
+    np.testing.assert_array_equal(np.asarray(buf), data)
+
+
+def test_local_reducescatter_validation() -> None:
+    engine = _local()
+    with pytest.raises(ValueError, match="'mean' is not known"):
+        engine.reducescatter(np.ones(2, np.float32), "mean")
+    with pytest.raises(TypeError, match="average is not defined for int32"):
+        engine.reducescatter(np.ones(2, np.int32), "average")
+    with pytest.raises(ValueError, match="0-d buffer"):
+        engine.reducescatter(np.ones((), np.float32))
+
+
+def test_local_subgroup_of_rank_zero_runs_every_collective() -> None:
+    engine = _local()
+    group = engine.subgroup([0], name="solo")
+    assert group is not None and group is not engine
+    assert (group.rank, group.size, group.global_ranks) == (0, 1, (0,))
+    buf = np.ones(3, np.float32)
+    group.allreduce_async(buf, "average").wait()
+    group.broadcast(buf, 0)
+    assert group.allgather(buf).shape == (3,)
+    group.barrier()
+    assert group.alltoall(np.ones((2, 2), np.float32))[1] == [2]
+    assert group.reducescatter(np.ones((2, 2), np.float32)).shape == (2, 2)
+    group.shutdown()
+    engine.allreduce_async(buf).wait()  # the parent is unaffected
+
+
+@pytest.mark.parametrize(
+    ("ranks", "needle"),
+    [
+        ([1], r"must lie in 0\.\.0"),
+        ([], "ranks is empty"),
+        ([0, 0], "must be sorted and unique"),
+        (["0"], "must be ints"),
+        (7, "not a sequence of ints"),
+    ],
+)
+def test_subgroup_validation(ranks: Any, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle) as info:
+        _local().subgroup(ranks, name="ps")
+    assert "subgroup 'ps'" in str(info.value)
+
+
+# -- pure helpers --------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("rows", "size", "counts"),
+    [(6, 3, [2, 2, 2]), (5, 3, [2, 2, 1]), (4, 3, [2, 1, 1]), (1, 3, [1, 0, 0]),
+     (0, 2, [0, 0]), (7, 2, [4, 3])],
+)
+def test_reducescatter_counts_follow_horovod(rows: int, size: int, counts: list[int]) -> None:
+    # Horovod 0.28.1: rows // size each, the first rows % size ranks one more.
+    assert exchange.reducescatter_counts(rows, size) == counts
+
+
+def test_group_topology_counts_members_per_host() -> None:
+    parent = Topology(launcher="torchrun", rank=3, size=4, local_rank=1, local_size=2,
+                      cross_rank=1, cross_size=2)
+    hosts = [10, 10, 20, 20]  # ranks 0,1 on one host, 2,3 on another
+    topo = exchange.group_topology(parent, (1, 2, 3), 3, hosts)
+    assert (topo.rank, topo.size) == (2, 3)
+    assert (topo.local_rank, topo.local_size) == (1, 2)  # rank 2 is before it on its host
+    assert (topo.cross_rank, topo.cross_size) == (0, 1)  # the only member with local rank 1
+
+
+# -- generic paths on three ranks (threads) --------------------------------------
+
+def _send_counts(rank: int, size: int) -> list[int]:
+    return [(rank + 2 * j) % 3 for j in range(size)]
+
+
+def _rows(rank: int, rows: int) -> np.ndarray:
+    return (rank * 100 + np.arange(rows * 2, dtype=np.float32)).reshape(rows, 2)
+
+
+def test_generic_alltoall_uneven_with_zero_rows() -> None:
+    engines = make_thread_group(3)
+
+    def body(engine: FakeEngine) -> tuple[Any, list[int]]:
+        mine = _send_counts(engine.rank, 3)
+        return engine.alltoall(_kind(_rows(engine.rank, sum(mine)), "torch"), mine, name="a2a")
+
+    for me, (out, received) in enumerate(run_ranks(engines, body)):
+        want = []
+        for src in range(3):
+            theirs = _send_counts(src, 3)
+            start = sum(theirs[:me])
+            want.append(_rows(src, sum(theirs))[start:start + theirs[me]])
+        assert received == [_send_counts(src, 3)[me] for src in range(3)]
+        assert torch.is_tensor(out)
+        np.testing.assert_array_equal(out.numpy(), np.concatenate(want))
+
+
+@pytest.mark.parametrize("op", ["sum", "average", "max"])
+def test_generic_reducescatter_uneven_rows(op: str) -> None:
+    engines = make_thread_group(3)
+    rows = 5  # ranks get 2, 2 and 1 rows
+
+    def body(engine: FakeEngine) -> Any:
+        return engine.reducescatter(_rows(engine.rank, rows), op, name="rs")
+
+    inputs = np.stack([_rows(r, rows) for r in range(3)])
+    reduced = {"sum": inputs.sum(0), "average": inputs.sum(0) / 3, "max": inputs.max(0)}[op]
+    outs = run_ranks(engines, body)
+    np.testing.assert_allclose(np.concatenate(outs), reduced.astype(np.float32), rtol=1e-6)
+    assert [o.shape[0] for o in outs] == [2, 2, 1]
+
+
+def test_a_mistake_on_one_rank_raises_on_every_rank() -> None:
+    engines = make_thread_group(3)
+
+    def body(engine: FakeEngine) -> Any:
+        splits = [2, 2] if engine.rank == 1 else [2, 2, 2]  # only rank 1 errs
+        return engine.alltoall(np.zeros((6, 2), np.float32), splits, name="a2a")
+
+    outcomes = run_ranks_outcomes(engines, body)
+    for rank, outcome in enumerate(outcomes):
+        assert isinstance(outcome, ValueError), outcome
+        assert "rank(s) [1] passed invalid splits" in str(outcome)
+        # Only the rank at fault knows the detail; the others point to it.
+        assert ("has 2 entries" in str(outcome)) == (rank == 1)
+
+
+@pytest.mark.parametrize(
+    ("case", "needle"),
+    [
+        ("dtype", "ranks passed different buffers"),
+        ("trailing", "same dimensions after the first"),
+        ("rs-shape", "same shape"),
+        ("rs-op", "different reduce ops"),
+        ("members", "different members"),
+    ],
+)
+def test_mismatches_between_ranks_raise_everywhere(case: str, needle: str) -> None:
+    engines = make_thread_group(3)
+
+    def body(engine: FakeEngine) -> Any:
+        odd = engine.rank == 2
+        if case == "dtype":
+            return engine.alltoall(np.zeros(3, np.float64 if odd else np.float32))
+        if case == "trailing":
+            return engine.alltoall(np.zeros((3, 3 if odd else 2), np.float32))
+        if case == "rs-shape":
+            return engine.reducescatter(np.zeros(4 if odd else 3, np.float32))
+        if case == "rs-op":
+            return engine.reducescatter(np.zeros(3, np.float32), "min" if odd else "sum")
+        return engine.subgroup([0] if odd else [0, 1])
+
+    for outcome in run_ranks_outcomes(engines, body):
+        assert isinstance(outcome, ValueError), outcome
+        assert needle in str(outcome)
+
+
+def test_an_engine_without_subgroups_says_so_on_every_rank() -> None:
+    engines = make_thread_group(2)
+    for outcome in run_ranks_outcomes(engines, lambda e: e.subgroup([0], name="ps")):
+        assert isinstance(outcome, NotImplementedError)
+        assert "the fake engine cannot create process sets" in str(outcome)
