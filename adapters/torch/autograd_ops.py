@@ -1,0 +1,327 @@
+"""Synchronous tensor collectives with autograd, as horovod.torch 0.28.1's.
+
+Each function runs its ``*_async`` counterpart (``collectives.py``) and
+waits; where Horovod defines a gradient, a ``torch.autograd.Function``
+makes the collective differentiable. The backward passes are Horovod's, and
+are themselves collectives: every rank must run backward through the same
+collectives in the same order (autograd does, for the same graph).
+
+- allreduce / grouped_allreduce: the gradient is all-reduced with the same
+  op and scale factors;
+- allgather / grouped_allgather: the gradient is *averaged* over the ranks
+  (Horovod's ``average=True``) and each rank keeps the rows it contributed;
+- broadcast: the gradient is averaged over the ranks; the root keeps it,
+  the other ranks get zeros;
+- alltoall: the gradient travels back by an alltoall with the received splits;
+- reducescatter / grouped_reducescatter: the gradient, multiplied by the
+  size for Sum and by both scale factors, is all-gathered.
+
+``compression`` (Compression.fp16 / bf16, or a Horovod-style compressor
+class with ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor,
+ctx)``) casts outside the autograd function, so gradients flow through the
+casts as in Horovod.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dp_plugin.torch.collectives import (
+    allreduce_async,
+    allreduce_async_,
+    broadcast_async,
+    broadcast_async_,
+    exchange,
+    gather,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    reduce_scatter,
+    set_root,
+)
+from dp_plugin.torch.handles import synchronize
+from dp_plugin.torch.ops import Compression
+from dp_plugin.torch.process_sets import global_process_set
+from dp_plugin.torch.submit import check_tensors, engine_of, resolve_op
+
+import torch
+from dp_plugin.compression import get_compressor
+from dp_plugin.dtypes import canonical_dtype
+from dp_plugin.engines.base import ReduceOp
+
+_NONE = Compression.none
+
+# -- compression ----------------------------------------------------------------
+
+
+def _compress(compression: Any, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """(tensor on the wire, context for ``_decompress``); differentiable."""
+    if compression is None or compression is _NONE:
+        return t, None
+    if hasattr(compression, "wire_dtype"):  # dp_plugin's compressors (hvd.Compression.*)
+        try:
+            wire = get_compressor(compression).wire_dtype(canonical_dtype(t.dtype))
+        except TypeError:  # an unsupported dtype: the agreement check reports it
+            return t, None
+        target = getattr(torch, wire)
+        return (t, None) if target == t.dtype else (t.to(target), t.dtype)
+    if callable(getattr(compression, "compress", None)) and callable(
+            getattr(compression, "decompress", None)):
+        compressed, ctx = compression.compress(t)
+        return compressed, ctx
+    raise TypeError(
+        f"compression={compression!r} is not a compressor; pass hvd.Compression.none, "
+        "hvd.Compression.fp16, hvd.Compression.bf16, or a class with compress(tensor) -> "
+        "(tensor, ctx) and decompress(tensor, ctx)"
+    )
+
+
+def _decompress(compression: Any, t: torch.Tensor, ctx: Any) -> torch.Tensor:
+    if compression is None or compression is _NONE or hasattr(compression, "wire_dtype"):
+        return t if ctx is None else t.to(ctx)
+    out: torch.Tensor = compression.decompress(t, ctx)
+    return out
+
+
+# -- allreduce ------------------------------------------------------------------
+
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp,
+                prescale: float, postscale: float, process_set: Any) -> torch.Tensor:
+        ctx.args = (op, prescale, postscale, process_set)
+        out: torch.Tensor = synchronize(allreduce_async(
+            tensor, name=name, op=op, prescale_factor=prescale, postscale_factor=postscale,
+            process_set=process_set))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        op, pre, post, process_set = ctx.args
+        reduced = allreduce(grad, op=op, prescale_factor=pre, postscale_factor=post,
+                            process_set=process_set)
+        return reduced, None, None, None, None, None
+
+
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression: Any = _NONE, op: Any = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0,
+              process_set: Any = global_process_set) -> torch.Tensor:
+    """Average (default) or reduce ``tensor`` over the process set; returns a
+    new tensor, the input is not modified. Differentiable. ``compression``
+    casts the tensor for the wire and back. See ``allreduce_async``."""
+    op = resolve_op(op, average, "allreduce")
+    check_tensors(tensor, "allreduce")
+    wire, cctx = _compress(compression, tensor)
+    out = _Allreduce.apply(wire, name, op, prescale_factor, postscale_factor, process_set)
+    return _decompress(compression, out, cctx)
+
+
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+               op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: Any = global_process_set) -> torch.Tensor:
+    """In-place ``allreduce`` (not differentiable); returns ``tensor``."""
+    op = resolve_op(op, average, "allreduce_")
+    out: torch.Tensor = synchronize(allreduce_async_(
+        tensor, name=name, op=op, prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor, process_set=process_set))
+    return out
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
+                process_set: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.args = (op, prescale, postscale, process_set)
+        out: tuple[torch.Tensor, ...] = synchronize(grouped_allreduce_async(
+            list(tensors), name=name, op=op, prescale_factor=prescale,
+            postscale_factor=postscale, process_set=process_set))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        op, pre, post, process_set = ctx.args
+        reduced = grouped_allreduce(list(grads), op=op, prescale_factor=pre,
+                                    postscale_factor=post, process_set=process_set)
+        return (None, None, None, None, None, *reduced)
+
+
+def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
+                      name: str | None = None, compression: Any = _NONE, op: Any = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: Any = global_process_set) -> list[torch.Tensor]:
+    """``allreduce`` of a list of tensors as one fused collective; returns a
+    list of new tensors. Differentiable."""
+    op = resolve_op(op, average, "grouped_allreduce")
+    tensors = check_tensors(tensors, "grouped_allreduce")
+    wires = [_compress(compression, t) for t in tensors]
+    outs = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set,
+                                   *(w for w, _ in wires))
+    return [_decompress(compression, o, c) for o, (_, c) in zip(outs, wires, strict=True)]
+
+
+def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None,
+                       name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0,
+                       process_set: Any = global_process_set) -> tuple[torch.Tensor, ...]:
+    """In-place ``grouped_allreduce`` (not differentiable); returns the tuple
+    of input tensors, as Horovod's."""
+    op = resolve_op(op, average, "grouped_allreduce_")
+    out: tuple[torch.Tensor, ...] = synchronize(grouped_allreduce_async_(
+        tensors, name=name, op=op, prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor, process_set=process_set))
+    return out
+
+
+# -- allgather ------------------------------------------------------------------
+
+
+class _GroupedAllgather(torch.autograd.Function):
+    """allgather of one or more tensors; the gradient keeps this rank's rows."""
+
+    @staticmethod
+    def forward(ctx: Any, name: str | None, process_set: Any, what: str,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outs, rows, _ = gather(list(tensors), name, process_set, what)
+        engine = engine_of(process_set, what)
+        ctx.process_set = process_set
+        # (offset, count) of this rank's rows in each output.
+        ctx.slices = [(sum(r[:engine.rank]), r[engine.rank]) for r in rows]
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        averaged = grouped_allreduce(list(grads), op=ReduceOp.AVERAGE,
+                                     process_set=ctx.process_set)
+        mine = [g.narrow(0, offset, count) for g, (offset, count) in
+                zip(averaged, ctx.slices, strict=True)]
+        return (None, None, None, *mine)
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None,
+              process_set: Any = global_process_set) -> torch.Tensor:
+    """Concatenate ``tensor`` from every rank along the first dimension (its
+    size may differ between ranks). Differentiable."""
+    check_tensors(tensor, "allgather")
+    out: torch.Tensor = _GroupedAllgather.apply(name, process_set, "allgather", tensor)[0]
+    return out
+
+
+def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None,
+                      process_set: Any = global_process_set) -> list[torch.Tensor]:
+    """``allgather`` of each tensor of a list; returns a list. Differentiable."""
+    tensors = check_tensors(tensors, "grouped_allgather")
+    return list(_GroupedAllgather.apply(name, process_set, "grouped_allgather", *tensors))
+
+
+# -- broadcast ------------------------------------------------------------------
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None,
+                process_set: Any) -> torch.Tensor:
+        engine = engine_of(process_set, "broadcast")
+        ctx.is_root = engine.rank == set_root(engine, root_rank, "broadcast")[0]
+        ctx.process_set = process_set
+        out: torch.Tensor = synchronize(broadcast_async(tensor, root_rank, name, process_set))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        averaged = allreduce(grad, op=ReduceOp.AVERAGE, process_set=ctx.process_set)
+        return (averaged if ctx.is_root else torch.zeros_like(averaged)), None, None, None
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: Any = global_process_set) -> torch.Tensor:
+    """Return a new tensor holding ``root_rank``'s ``tensor`` (a job-wide rank
+    of the process set). Differentiable."""
+    check_tensors(tensor, "broadcast")
+    out: torch.Tensor = _Broadcast.apply(tensor, root_rank, name, process_set)
+    return out
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: Any = global_process_set) -> torch.Tensor:
+    """In-place ``broadcast`` (not differentiable); returns ``tensor``."""
+    out: torch.Tensor = synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return out
+
+
+# -- alltoall -------------------------------------------------------------------
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None,
+                process_set: Any) -> Any:
+        out, received, _ = exchange(tensor, splits, name, process_set, "alltoall")
+        ctx.process_set = process_set
+        ctx.received = received
+        if splits is None:
+            return out
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
+        back, _ = alltoall(grad, splits=ctx.received, process_set=ctx.process_set)
+        return back, None, None, None
+
+
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+             process_set: Any = global_process_set) -> Any:
+    """Scatter row blocks of ``tensor`` to the ranks and gather theirs (see
+    ``alltoall_async``). Returns the output alone when ``splits`` is None,
+    else ``(output, received_splits)``, as Horovod's. Differentiable."""
+    check_tensors(tensor, "alltoall")
+    return _Alltoall.apply(tensor, splits, name, process_set)
+
+
+# -- reducescatter --------------------------------------------------------------
+
+
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
+                process_set: Any, what: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outs, _ = reduce_scatter(list(tensors), name, op, prescale, postscale, process_set,
+                                   what)
+        size = engine_of(process_set, what).size
+        ctx.factor = (size if op is ReduceOp.SUM else 1) * float(prescale) * float(postscale)
+        ctx.process_set = process_set
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        scaled = [g * ctx.factor if ctx.factor != 1 else g for g in grads]
+        gathered = grouped_allgather(scaled, process_set=ctx.process_set)
+        return (None, None, None, None, None, None, *gathered)
+
+
+def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = _NONE,
+                  op: Any = ReduceOp.AVERAGE, process_set: Any = global_process_set,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce ``tensor`` over the ranks and return this rank's block of rows
+    (see ``reducescatter_async``). Differentiable."""
+    check_tensors(tensor, "reducescatter")
+    op = resolve_op(op, None, "reducescatter")
+    wire, cctx = _compress(compression, tensor)
+    out = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor, process_set,
+                                      "reducescatter", wire)[0]
+    return _decompress(compression, out, cctx)
+
+
+def grouped_reducescatter(tensors: list[torch.Tensor], name: str | None = None,
+                          compression: Any = _NONE, op: Any = ReduceOp.AVERAGE,
+                          process_set: Any = global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """``reducescatter`` of each tensor of a list; returns a list. Differentiable."""
+    tensors = check_tensors(tensors, "grouped_reducescatter")
+    op = resolve_op(op, None, "grouped_reducescatter")
+    wires = [_compress(compression, t) for t in tensors]
+    outs = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor,
+                                       process_set, "grouped_reducescatter",
+                                       *(w for w, _ in wires))
+    return [_decompress(compression, o, c) for o, (_, c) in zip(outs, wires, strict=True)]

@@ -1,0 +1,347 @@
+"""Asynchronous tensor collectives, as horovod.torch 0.28.1's ``*_async`` functions.
+
+Each returns an ``int`` handle for ``poll``/``synchronize`` (``handles.py``).
+
+Distributed contract:
+- every rank of the process set calls the same collectives in the same
+  order, with the same names (or none), ops, scale factors and roots, and
+  tensors of the same dtype and shape (allgather and alltoall: the same
+  dimensions after the first);
+- each call first runs the agreement check (``agreement.py``): one small
+  all-gather, a short synchronization point. A mismatch, a name still in
+  flight, or another local mistake raises the same error on every rank, at
+  the call (Horovod raises at ``synchronize``); nothing is left waiting;
+- allreduce is asynchronous: the call returns with the engine's all-reduce in
+  flight, and ``synchronize`` waits, applies the post-scale and copies back.
+  Grouped allreduces are fused into one flat buffer per dtype and device.
+  allgather, broadcast, alltoall and reducescatter are blocking in the engine
+  interface, so they run to completion inside the ``*_async`` call (the
+  handle is complete when returned). Either way the collectives are issued
+  in program order, identically on every rank;
+- inputs are never modified except by the in-place variants (``*_``); non-
+  contiguous inputs are copied (in-place variants copy the result back).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dp_plugin.torch.agreement import Problem, Request, check_agreement, first_dims
+from dp_plugin.torch.handles import TABLE, InFlight, Ready
+from dp_plugin.torch.process_sets import global_process_set
+from dp_plugin.torch.submit import (
+    agree,
+    check_factor,
+    check_tensors,
+    contiguous_copy,
+    engine_of,
+    plan_reduce,
+    resolve_op,
+    scale_,
+)
+
+import torch
+from dp_plugin.engines.base import Engine, Handle, ReduceOp
+
+# -- allreduce ------------------------------------------------------------------
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: Any = global_process_set) -> int:
+    """Start averaging (default) or reducing ``tensor`` over the process set;
+    the input is not modified. ``synchronize(handle)`` returns a new tensor
+    of the same shape and dtype. ``op``: Average, Sum, Min, Max, Product;
+    ``average`` is deprecated (True: Average, False: Sum). Average of integer
+    tensors truncates toward zero, as Horovod's."""
+    what = "allreduce_async"
+    op = resolve_op(op, average, what)
+    return _start_allreduce(check_tensors(tensor, what), False, False, name, op,
+                            prescale_factor, postscale_factor, process_set, what)
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                     op: Any = None, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0,
+                     process_set: Any = global_process_set) -> int:
+    """In-place ``allreduce_async``: ``synchronize`` writes the result into
+    ``tensor`` and returns it."""
+    what = "allreduce_async_"
+    op = resolve_op(op, average, what)
+    return _start_allreduce(check_tensors(tensor, what), True, False, name, op,
+                            prescale_factor, postscale_factor, process_set, what)
+
+
+def grouped_allreduce_async(tensors: list[torch.Tensor], average: bool | None = None,
+                            name: str | None = None, op: Any = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: Any = global_process_set) -> int:
+    """``allreduce_async`` of a list of tensors, fused into one collective per
+    dtype and device; ``synchronize`` returns a tuple of new tensors."""
+    what = "grouped_allreduce_async"
+    op = resolve_op(op, average, what)
+    return _start_allreduce(check_tensors(tensors, what), False, True, name, op,
+                            prescale_factor, postscale_factor, process_set, what)
+
+
+def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None = None,
+                             name: str | None = None, op: Any = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: Any = global_process_set) -> int:
+    """In-place ``grouped_allreduce_async``: ``synchronize`` returns the tuple
+    of input tensors, now holding the results."""
+    what = "grouped_allreduce_async_"
+    op = resolve_op(op, average, what)
+    return _start_allreduce(check_tensors(tensors, what), True, True, name, op,
+                            prescale_factor, postscale_factor, process_set, what)
+
+
+def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
+                     name: str | None, op: ReduceOp, prescale: Any, postscale: Any,
+                     process_set: Any, what: str) -> int:
+    pre = check_factor(prescale, what, "prescale_factor")
+    post = check_factor(postscale, what, "postscale_factor")
+    engine = engine_of(process_set, what)
+    key, _ = agree(engine, "allreduce", tensors, name, process_set,
+                   op=op, prescale=pre, postscale=post)
+    wire_op, after = plan_reduce(op, post, engine.size)
+    label = name or what.rstrip("_").removesuffix("_async")
+    buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, t in enumerate(tensors):
+        buckets.setdefault((t.dtype, t.device), []).append(i)
+    outputs: list[torch.Tensor | None] = [None] * len(tensors)
+    fused: list[tuple[torch.Tensor, list[int]]] = []
+    handles: list[Handle] = []
+    for indices in buckets.values():
+        if len(indices) == 1:
+            t = tensors[indices[0]]
+            # In place on the caller's memory when it is one dense block.
+            out = t.detach() if inplace and t.is_contiguous() else contiguous_copy(t)
+            outputs[indices[0]] = out
+            buf = out.view(-1)
+        else:
+            buf = torch.cat([tensors[i].detach().reshape(-1) for i in indices])
+        scale_(buf, pre)
+        if buf.numel():  # shapes agree on every rank: all skip alike
+            handles.append(engine.allreduce_async(buf, wire_op, name=label))
+        fused.append((buf, indices))
+
+    def finish() -> Any:
+        for buf, indices in fused:
+            scale_(buf, after)
+            offset = 0
+            for i in indices:
+                t = tensors[i]
+                piece = buf[offset:offset + t.numel()].view(t.shape)
+                offset += t.numel()
+                out = outputs[i]
+                if inplace:
+                    if out is None or out.data_ptr() != t.data_ptr():
+                        t.detach().copy_(piece)
+                    outputs[i] = t
+                elif out is None:
+                    outputs[i] = piece.clone()  # independent of the fused buffer
+        results = [o for o in outputs if o is not None]
+        return tuple(results) if grouped else results[0]
+
+    return TABLE.add(InFlight(handles, finish), key)
+
+
+# -- allgather ------------------------------------------------------------------
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: Any = global_process_set) -> int:
+    """Concatenate ``tensor`` from every rank along the first dimension (which
+    may differ between ranks). Runs at the call; ``synchronize`` returns the
+    result."""
+    outs, _, key = gather(check_tensors(tensor, "allgather_async"), name, process_set,
+                          "allgather_async")
+    return TABLE.add(Ready(outs[0]), key)
+
+
+def grouped_allgather_async(tensors: list[torch.Tensor], name: str | None = None,
+                            process_set: Any = global_process_set) -> int:
+    """``allgather_async`` of each tensor of a list; ``synchronize`` returns a tuple."""
+    outs, _, key = gather(check_tensors(tensors, "grouped_allgather_async"), name, process_set,
+                          "grouped_allgather_async")
+    return TABLE.add(Ready(tuple(outs)), key)
+
+
+def gather(tensors: list[torch.Tensor], name: str | None, process_set: Any,
+           what: str) -> tuple[list[torch.Tensor], list[list[int]], Any]:
+    """Run the all-gathers; return the outputs, every rank's first dimension
+    per tensor (for the gradient), and the name key."""
+    engine = engine_of(process_set, what)
+    key, table = agree(engine, "allgather", tensors, name, process_set)
+    label = name or "allgather"
+    outs = [engine.allgather(t.detach().contiguous(), name=label) for t in tensors]
+    return outs, [first_dims(table, i) for i in range(len(tensors))], key
+
+
+# -- broadcast ------------------------------------------------------------------
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: Any = global_process_set) -> int:
+    """Broadcast ``tensor`` from ``root_rank`` (a job-wide rank, as in Horovod,
+    that belongs to the process set); the input is not modified. Runs at the
+    call; ``synchronize`` returns a new tensor."""
+    return _start_broadcast(tensor, root_rank, name, process_set, False, "broadcast_async")
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: Any = global_process_set) -> int:
+    """In-place ``broadcast_async``: ``tensor`` receives the root's values."""
+    return _start_broadcast(tensor, root_rank, name, process_set, True, "broadcast_async_")
+
+
+def set_root(engine: Engine, root_rank: Any, what: str) -> tuple[int, Problem, str]:
+    """``root_rank`` (job-wide) as a rank of ``engine``'s process set."""
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
+        raise TypeError(f"{what}: root_rank={root_rank!r} must be an int (a rank)")
+    members = list(getattr(engine, "global_ranks", range(engine.size)))
+    if root_rank not in members:
+        return -1, Problem.BAD_ROOT, (
+            f"root_rank {root_rank} is not one of the process set's ranks {members}"
+        )
+    return members.index(root_rank), Problem.NONE, ""
+
+
+def _start_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: Any,
+                     inplace: bool, what: str) -> int:
+    (t,) = check_tensors(tensor, what)
+    engine = engine_of(process_set, what)
+    root, problem, detail = set_root(engine, root_rank, what)
+    key, _ = agree(engine, "broadcast", [t], name, process_set, problem=problem,
+                   detail=detail, root=root_rank)
+    alias = inplace and t.is_contiguous()
+    out = t.detach() if alias else contiguous_copy(t)
+    if out.numel():
+        engine.broadcast(out.view(-1), root, name=name or "broadcast")
+    if inplace:
+        if not alias:
+            t.detach().copy_(out)
+        out = t
+    return TABLE.add(Ready(out), key)
+
+
+# -- alltoall -------------------------------------------------------------------
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+                   process_set: Any = global_process_set) -> int:
+    """Send ``splits[j]`` rows of ``tensor`` (first dimension, in order) to
+    rank j of the process set; receive the rows every rank sends here,
+    concatenated in rank order. ``splits=None`` divides the first dimension
+    evenly. Runs at the call; ``synchronize`` returns ``(output,
+    received_splits)`` (int32, or ``splits``' dtype when it is a tensor)."""
+    out, received, key = exchange(tensor, splits, name, process_set, "alltoall_async")
+    return TABLE.add(Ready((out, received)), key)
+
+
+def exchange(tensor: torch.Tensor, splits: Any, name: str | None, process_set: Any,
+             what: str) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """Run the alltoall; return the output, the received splits and the name key."""
+    (t,) = check_tensors(tensor, what)
+    engine = engine_of(process_set, what)
+    counts, problem, detail = _parse_splits(splits, t, engine.size)
+    key, _ = agree(engine, "alltoall", [t], name, process_set, problem=problem, detail=detail)
+    out, received = engine.alltoall(t.detach().contiguous(), splits=counts,
+                                    name=name or "alltoall")
+    if isinstance(splits, torch.Tensor):
+        recv = torch.tensor(received, dtype=splits.dtype, device=splits.device)
+    else:
+        recv = torch.tensor(received, dtype=torch.int32)
+    return out, recv, key
+
+
+def _parse_splits(splits: Any, t: torch.Tensor,
+                  size: int) -> tuple[list[int] | None, Problem, str]:
+    rows = int(t.shape[0]) if t.dim() else 0
+    if splits is None:
+        if t.dim() and rows % size:
+            return None, Problem.BAD_SPLITS, (
+                f"no splits were given and the first dimension {rows} does not divide by "
+                f"{size} ranks; pass splits (rows for each rank)"
+            )
+        return None, Problem.NONE, ""
+    raw = splits.tolist() if hasattr(splits, "tolist") else splits
+    counts = list(raw) if isinstance(raw, (list, tuple)) else [raw]
+    if any(isinstance(c, bool) or not isinstance(c, int) for c in counts):
+        detail = f"splits {counts!r} must be ints"
+    elif len(counts) != size:
+        detail = f"splits {counts} has {len(counts)} entries for {size} ranks"
+    elif any(c < 0 for c in counts):
+        detail = f"splits {counts} contains a negative count"
+    elif sum(counts) != rows:
+        detail = f"splits {counts} sums to {sum(counts)}, not the first dimension {rows}"
+    else:
+        return counts, Problem.NONE, ""
+    return None, Problem.BAD_SPLITS, detail
+
+
+# -- reducescatter --------------------------------------------------------------
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = ReduceOp.AVERAGE,
+                        process_set: Any = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> int:
+    """Reduce ``tensor`` (same shape on every rank) and give each rank a block
+    of rows: ``rows // size`` each, the first ``rows % size`` ranks one more
+    (Horovod's rule). ``op``: Average (default) or Sum. Runs at the call."""
+    outs, key = reduce_scatter(check_tensors(tensor, "reducescatter_async"), name, op,
+                               prescale_factor, postscale_factor, process_set,
+                               "reducescatter_async")
+    return TABLE.add(Ready(outs[0]), key)
+
+
+def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = None,
+                                op: Any = ReduceOp.AVERAGE,
+                                process_set: Any = global_process_set,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> int:
+    """``reducescatter_async`` of each tensor of a list; ``synchronize``
+    returns a tuple."""
+    what = "grouped_reducescatter_async"
+    outs, key = reduce_scatter(check_tensors(tensors, what), name, op, prescale_factor,
+                               postscale_factor, process_set, what)
+    return TABLE.add(Ready(tuple(outs)), key)
+
+
+def reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any, prescale: Any,
+                   postscale: Any, process_set: Any,
+                   what: str) -> tuple[list[torch.Tensor], Any]:
+    """Run the reduce-scatters; return the outputs and the name key."""
+    op = resolve_op(op, None, what)
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ValueError(
+            f"{what}: op={op.name.capitalize()} is not supported; reducescatter supports "
+            "op=hvd.Average and op=hvd.Sum (as Horovod's)"
+        )
+    pre = check_factor(prescale, what, "prescale_factor")
+    post = check_factor(postscale, what, "postscale_factor")
+    engine = engine_of(process_set, what)
+    key, _ = agree(engine, "reducescatter", tensors, name, process_set, op=op,
+                   prescale=pre, postscale=post)
+    wire_op, after = plan_reduce(op, post, engine.size)
+    outs = []
+    for t in tensors:
+        buf = contiguous_copy(t)
+        scale_(buf, pre)
+        out = engine.reducescatter(buf, wire_op, name=name or "reducescatter")
+        scale_(out, after)
+        outs.append(out)
+    return outs, key
+
+
+# -- barrier --------------------------------------------------------------------
+
+
+def barrier(process_set: Any = global_process_set) -> None:
+    """Block until every rank of the process set has called ``barrier``.
+
+    It is the agreement check alone (an all-gather completes on no rank
+    before every rank has entered it), so a rank that calls another
+    collective here instead makes every rank raise."""
+    check_agreement(engine_of(process_set, "barrier"), [Request(kind="barrier", name=None)])

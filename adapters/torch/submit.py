@@ -1,0 +1,155 @@
+"""Plumbing shared by the tensor collectives: engine, names, op and checks.
+
+Every collective of ``dp_plugin.torch`` starts the same way: find the engine
+of its process set, resolve Horovod's ``op``/``average`` arguments, look for
+local mistakes (a name still in flight, an unsupported dtype, ...), and run
+the cross-rank agreement check (``agreement.check_agreement``), which raises
+on every rank alike. Only then does data move.
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from dp_plugin.torch.agreement import Problem, Request, Table, check_agreement
+from dp_plugin.torch.basics import engine as global_engine
+from dp_plugin.torch.handles import TABLE
+from dp_plugin.torch.ops import parse_op
+
+import torch
+from dp_plugin.dtypes import canonical_dtype
+from dp_plugin.engines.base import Engine, ReduceOp
+
+# Collectives that concatenate or split along the first dimension.
+_NEEDS_FIRST_DIM = frozenset({"allgather", "alltoall", "reducescatter"})
+
+
+def engine_of(process_set: Any, what: str) -> Engine:
+    """The engine running ``process_set``'s collectives (None: every rank)."""
+    if process_set is None:
+        return global_engine(what)
+    engine_fn = getattr(process_set, "engine", None)
+    if not callable(engine_fn):
+        raise TypeError(
+            f"{what}: process_set={process_set!r} is not a dp_plugin.torch ProcessSet; pass "
+            "hvd.global_process_set (the default) or one made by hvd.add_process_set(ranks)"
+        )
+    engine: Engine = engine_fn()
+    return engine
+
+
+def resolve_op(op: Any, average: bool | None, what: str) -> ReduceOp:
+    """Horovod's ``op``/deprecated ``average`` rule; ``None`` means Average."""
+    if op is not None and average is not None:
+        raise ValueError(
+            f"{what}: the op parameter supersedes average; pass only one of them "
+            f"(got op={op!r}, average={average!r})"
+        )
+    if average is not None:
+        warnings.warn(
+            "Parameter `average` has been replaced with `op` and will be removed in v1.0; "
+            "pass op=hvd.Average or op=hvd.Sum",
+            DeprecationWarning, stacklevel=3,
+        )
+        return ReduceOp.AVERAGE if average else ReduceOp.SUM
+    return parse_op(op, what)
+
+
+def name_key(process_set: Any, name: str | None) -> Hashable | None:
+    """Key of a name in the handle table: names are per process set, as in Horovod."""
+    if name is None:
+        return None
+    set_id = getattr(process_set, "process_set_id", None)
+    return (id(process_set) if set_id is None else set_id, name)
+
+
+def check_tensors(tensors: Any, what: str) -> list[torch.Tensor]:
+    """The inputs as a list of dense tensors (TypeError/ValueError otherwise).
+
+    Argument-type mistakes raise at once on the rank that made them: in an
+    SPMD program every rank makes them alike."""
+    items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: input {i} is a {type(t).__name__}, not a torch.Tensor")
+        if t.layout != torch.strided:
+            raise TypeError(
+                f"{what}: input {i} is a {t.layout} tensor; dense collectives take strided "
+                "tensors (use sparse_allreduce_async for sparse COO tensors, or .to_dense())"
+            )
+    if not items:
+        raise ValueError(f"{what}: the list of tensors is empty; pass at least one tensor")
+    return items
+
+
+def agree(engine: Engine, kind: str, tensors: Sequence[torch.Tensor], name: str | None,
+          process_set: Any, *, problem: Problem = Problem.NONE, detail: str = "",
+          **fields: Any) -> tuple[Hashable | None, Table]:
+    """Run the agreement check for one collective over ``tensors``.
+
+    Adds this rank's local problems (name in flight, unsupported dtype, 0-dim
+    input where a first dimension is needed) to ``problem``; raises on every
+    rank if any rank has a problem or the ranks disagree. Returns the name
+    key to register with the handle once the collective is started, and the
+    gathered descriptors.
+    """
+    key = name_key(process_set, name)
+    if problem is Problem.NONE and key is not None and TABLE.name_in_flight(key):
+        problem, detail = Problem.DUPLICATE_NAME, (
+            f"a collective named {name!r} is in flight; Horovod: 'Requested to allreduce, "
+            "allgather, or broadcast a tensor with the same name as another tensor that is "
+            "currently being processed'"
+        )
+    requests = []
+    for t in tensors:
+        p, d = problem, detail
+        if p is Problem.NONE:
+            p, d = _tensor_problem(kind, t)
+        requests.append(Request(kind=kind, name=name, tensor=t, problem=p, detail=d, **fields))
+    return key, check_agreement(engine, requests)
+
+
+def _tensor_problem(kind: str, t: torch.Tensor) -> tuple[Problem, str]:
+    try:
+        canonical_dtype(t.dtype)
+    except TypeError as exc:
+        return Problem.UNSUPPORTED_DTYPE, str(exc)
+    if kind in _NEEDS_FIRST_DIM and t.dim() == 0:
+        return Problem.ZERO_DIM, f"the {kind} input is 0-dim (shape ())"
+    return Problem.NONE, ""
+
+
+def scale_(buf: torch.Tensor, factor: float) -> None:
+    """Multiply ``buf`` in place by ``factor``.
+
+    Integer tensors are scaled as Horovod's ``ScaleBuffer`` does: in double
+    precision, then truncated toward zero (so Average of ints is the sum
+    divided by the size, truncated)."""
+    if factor == 1.0 or buf.numel() == 0:
+        return
+    if buf.is_floating_point():
+        buf.mul_(factor)
+    else:
+        buf.copy_((buf.to(torch.float64) * factor).to(buf.dtype))
+
+
+def plan_reduce(op: ReduceOp, postscale: float, size: int) -> tuple[ReduceOp, float]:
+    """(op the engine runs, factor applied after it). Average is a sum and a
+    ``postscale / size`` multiply, as in Horovod (one rounding, integers too)."""
+    if op is ReduceOp.AVERAGE:
+        return ReduceOp.SUM, postscale / size
+    return op, postscale
+
+
+def contiguous_copy(t: torch.Tensor) -> torch.Tensor:
+    """A fresh contiguous copy of ``t``'s data, outside autograd."""
+    return t.detach().clone(memory_format=torch.contiguous_format)
+
+
+def check_factor(value: Any, what: str, arg: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what}: {arg}={value!r} must be a number (default 1.0)")
+    return float(value)
