@@ -13,9 +13,12 @@ setup(
     version="0.1.0",
     description="Horovod-style data-parallel training for PyTorch 2.x and Keras 3",
     python_requires=">=3.10",
-    # The Keras adapter joins as dp_plugin.tensorflow when it lands (issue 4).
-    packages=["dp_plugin", "dp_plugin.engines", "dp_plugin.torch"],
-    package_dir={"dp_plugin": "dp_plugin", "dp_plugin.torch": "adapters/torch"},
+    packages=["dp_plugin", "dp_plugin.engines", "dp_plugin.torch", "dp_plugin.tensorflow"],
+    package_dir={
+        "dp_plugin": "dp_plugin",
+        "dp_plugin.torch": "adapters/torch",
+        "dp_plugin.tensorflow": "adapters/tensorflow",
+    },
     install_requires=["numpy", "ml_dtypes"],
     extras_require={
         "torch": ["torch>=2.1"],

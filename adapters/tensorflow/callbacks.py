@@ -1,0 +1,196 @@
+"""Keras callbacks: ``DistributedCallback`` and ``BroadcastGlobalVariablesCallback``.
+
+``model.fit(..., callbacks=[dp.DistributedCallback()])`` is the one-line
+way to train across workers: at the start of every ``fit`` it installs the
+cross-worker reduction into the model's optimizer (``optimizer`` module) so
+that the compiled train step contains it, and broadcasts the weights and
+optimizer state from the root rank so that every rank starts equal.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import keras
+
+from dp_plugin import runtime
+from dp_plugin.errors import DPPluginError, NotInitializedError
+from dp_plugin.tensorflow.broadcast import broadcast_model_state
+from dp_plugin.tensorflow.compat import check_keras, check_strategy
+from dp_plugin.tensorflow.ops import Average, Compression, parse_compression, parse_gradient_op
+from dp_plugin.tensorflow.optimizer import (
+    check_passes,
+    check_predivide,
+    find_hook,
+    install,
+    make_hook,
+    relocate_to_loss_scale_optimizer,
+    uninstall,
+)
+
+
+def _check_root(root_rank: Any, who: str) -> int:
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or root_rank < 0:
+        raise ValueError(f"{who}: root_rank must be an int >= 0, got {root_rank!r}")
+    return root_rank
+
+
+def _checked_model(model: Any, who: str) -> Any:
+    check_keras()
+    if model is None:
+        raise DPPluginError(f"{who} has no model; pass it to model.fit(callbacks=[...])")
+    if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
+        raise DPPluginError(
+            f"{who}: model {model.name!r} is not compiled, so it has no optimizer to "
+            "distribute; call model.compile(optimizer=..., loss=...) before model.fit"
+        )
+    if not runtime.is_initialized():
+        raise NotInitializedError(who)
+    check_strategy(model.distribute_strategy, f"{who} (model {model.name!r})")
+    return model
+
+
+def _disable_xla(model: Any, who: str) -> bool:
+    """XLA cannot compile the numpy bridge: train without it. True if it was on."""
+    if not model.jit_compile:
+        return False
+    warnings.warn(
+        f"{who}: turning off jit_compile (XLA) for model {model.name!r}: XLA cannot compile "
+        "the cross-worker reduction (a tf.numpy_function). Pass jit_compile=False to "
+        "compile() to silence this warning",
+        stacklevel=3,
+    )
+    model.jit_compile = False
+    return True
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Broadcast the model's weights and optimizer state from ``root_rank`` when
+    training starts, so that every rank starts from the same state (Horovod's).
+
+    Use it with ``DistributedOptimizer``; ``DistributedCallback`` does this
+    itself. The optimizer's variables are created first if needed. A model
+    whose weights do not exist yet (a subclassed model never called) is
+    broadcast after the first batch instead, with a warning: that batch
+    starts from different weights, as with Horovod. Under mixed precision it
+    also moves ``DistributedOptimizer``'s reduction onto the
+    ``LossScaleOptimizer`` that ``compile()`` wrapped around it.
+
+    Distributed contract: every rank's ``fit`` starts together (collective);
+    all ranks must hold the same model and optimizer layout, else
+    ``LayoutMismatchError`` on every rank.
+    """
+
+    _who = "BroadcastGlobalVariablesCallback"
+
+    def __init__(self, root_rank: int = 0) -> None:
+        super().__init__()
+        self.root_rank = _check_root(root_rank, self._who)
+        self._pending = False
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        model = _checked_model(self.model, self._who)
+        changed = relocate_to_loss_scale_optimizer(model.optimizer)
+        if find_hook(model.optimizer)[1] is not None:
+            changed = _disable_xla(model, self._who) or changed
+        if changed:
+            model.make_train_function(force=True)
+        self._broadcast_or_defer(model)
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if self._pending:
+            self._pending = False
+            broadcast_model_state(self.model, self.root_rank, self._who)
+
+    def _broadcast_or_defer(self, model: Any) -> None:
+        if model.built:
+            broadcast_model_state(model, self.root_rank, self._who)
+            return
+        warnings.warn(
+            f"{self._who}: model {model.name!r} has no weights before its first batch, so "
+            f"they are broadcast from rank {self.root_rank} after it; the first step starts "
+            "from different weights on each rank. Build the model first (keras.Input, or "
+            "model.build(input_shape)) to start from equal weights",
+            stacklevel=2,
+        )
+        self._pending = True
+
+
+class DistributedCallback(BroadcastGlobalVariablesCallback):
+    """Data-parallel ``model.fit`` across workers, in one callback.
+
+    ``model.fit(x, y, callbacks=[dp.DistributedCallback()])``. At the start of
+    each ``fit`` it:
+
+    1. installs the cross-worker gradient reduction into ``model.optimizer``
+       (the compiled train step is rebuilt if it was traced without it);
+       the replicas of a ``MirroredStrategy`` are first summed in-process,
+       then one all-reduce per fusion bucket runs per worker, through the
+       core (same engines, fusion and configuration as PyTorch);
+    2. broadcasts the weights and the optimizer state from ``root_rank``.
+
+    It stays installed after ``fit`` (later ``fit`` calls reuse the traced
+    step; every rank must run them). ``evaluate`` and ``predict`` are
+    unaffected. Arguments as ``DistributedOptimizer``: ``op`` (``dp.Average``
+    or ``dp.Sum``), ``compression``, ``backward_passes_per_step``,
+    ``gradient_predivide_factor``, ``average_aggregated_gradients``.
+
+    Errors: an uncompiled model; an optimizer already wrapped by
+    ``DistributedOptimizer`` (it would reduce twice); a model under
+    ``MultiWorkerMirroredStrategy``; different models on different ranks
+    (``LayoutMismatchError`` on every rank); an unsupported Keras.
+
+    Distributed contract: every rank runs the same ``fit`` calls with the same
+    number of steps; each train step is a collective.
+    """
+
+    _who = "DistributedCallback"
+
+    def __init__(
+        self,
+        root_rank: int = 0,
+        compression: Any = Compression.none,
+        op: Any = Average,
+        backward_passes_per_step: int = 1,
+        gradient_predivide_factor: float = 1.0,
+        average_aggregated_gradients: bool = False,
+    ) -> None:
+        super().__init__(root_rank)
+        # Validated now, so a bad argument fails where it is written.
+        parse_compression(compression, self._who)
+        parse_gradient_op(op, self._who)
+        check_passes(backward_passes_per_step, self._who)
+        check_predivide(gradient_predivide_factor, self._who)
+        self._settings: dict[str, Any] = dict(
+            compression=compression, op=op, backward_passes_per_step=backward_passes_per_step,
+            gradient_predivide_factor=gradient_predivide_factor,
+            average_aggregated_gradients=average_aggregated_gradients,
+        )
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        model = _checked_model(self.model, self._who)
+        changed = self._install(model.optimizer)
+        changed = _disable_xla(model, self._who) or changed
+        if changed:
+            model.make_train_function(force=True)
+        self._broadcast_or_defer(model)
+
+    def _install(self, optimizer: Any) -> bool:
+        """Install (or keep) the reduction in ``optimizer``; True if the step must be retraced."""
+        target, existing = find_hook(optimizer)
+        if existing is not None and existing.owner != self._who:
+            raise ValueError(
+                f"{self._who}: optimizer {target.name!r} was wrapped by "
+                f"dp.{existing.owner}, so it already reduces gradients across workers and "
+                "the callback would reduce them twice. Use either DistributedCallback with "
+                "the plain optimizer, or DistributedOptimizer with "
+                "BroadcastGlobalVariablesCallback"
+            )
+        hook = make_hook(optimizer, owner=self._who, **self._settings)
+        if existing is not None:
+            if target is optimizer and existing.same_settings(hook):
+                return False  # installed by an earlier fit: its traced step is still right
+            uninstall(target)
+        install(optimizer, hook)
+        return True

@@ -1,0 +1,334 @@
+"""Cross-worker gradient reduction installed into a Keras 3 optimizer.
+
+Where the hook sits: on one optimizer instance, ``apply`` is replaced by a
+``DistributedApply`` that reduces the gradients across workers (through the
+bridge, ``dp_plugin.tensorflow.bridge``) and then calls the class's own
+``apply`` with the result. Every Keras update goes through it:
+``train_step`` -> ``apply_gradients`` -> ``self.apply``. For a
+``LossScaleOptimizer`` (mixed precision) the hook is on the loss-scale
+optimizer itself, not on its inner one.
+
+Why at the entry of ``apply`` rather than right after Keras's local replica
+sum (``_all_reduce_sum_gradients``, deep inside ``apply``):
+
+- ``LossScaleOptimizer`` decides whether to skip a step (non-finite
+  gradients) before it calls the inner optimizer. Decided on local gradients,
+  one rank could skip while another applies (diverged weights), and the rank
+  that skips would leave the others waiting in their all-reduce. Reduced
+  first, every rank tests the same (consistently scaled: the loss scale is
+  broadcast and then evolves identically) gradient and takes the same
+  decision. A non-finite gradient on any rank makes the sum non-finite
+  everywhere.
+- Gradient clipping (``clipnorm``, ``global_clipnorm``) runs before that
+  local sum too; here it clips the global gradient, as a single process would.
+- Only a public method is replaced; the private one is merely relied upon to
+  keep summing replicas (``compat`` pins the Keras versions).
+
+The class is not changed (no dynamic subclass): the instance gets an
+attribute ``apply``, which ``uninstall`` removes. It is written to the
+instance ``__dict__`` directly so that Keras's attribute tracking does not
+treat the hook as optimizer state (it must not end up in checkpoints).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+
+import tensorflow as tf
+from dp_plugin.compression import Compressor
+from dp_plugin.engines.base import ReduceOp
+from dp_plugin.tensorflow.bridge import GradientBridge, next_bridge_name
+from dp_plugin.tensorflow.compat import UnsupportedStrategyError, check_keras
+from dp_plugin.tensorflow.ops import Average, Compression, parse_compression, parse_gradient_op
+
+
+def check_passes(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what}: backward_passes_per_step must be an int >= 1, got {value!r}")
+    return value
+
+
+def check_predivide(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{what}: gradient_predivide_factor must be a number > 0, got {value!r}")
+    return float(value)
+
+
+class DistributedApply:
+    """Replaces ``optimizer.apply`` on one optimizer: reduce across workers, then apply.
+
+    With ``backward_passes_per_step = N > 1`` (Horovod's semantics) the
+    gradients of N consecutive calls are summed locally (divided by N with
+    ``average_aggregated_gradients``) and only every N-th call reduces them
+    across workers and applies them; the calls in between change nothing
+    else (``optimizer.iterations`` counts applied steps). That needs one
+    replica per worker: TensorFlow cannot skip the optimizer's cross-replica
+    update conditionally under MirroredStrategy.
+
+    Distributed contract: each call is a collective (every N-th call with
+    N > 1); all ranks must call it equally often with the same variables.
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        bridge: GradientBridge,
+        *,
+        owner: str,
+        backward_passes_per_step: int = 1,
+        average_aggregated_gradients: bool = False,
+    ) -> None:
+        self.optimizer = optimizer
+        self.bridge = bridge
+        self.owner = owner
+        """Who installed it: 'DistributedOptimizer' or 'DistributedCallback'."""
+        self.backward_passes_per_step = backward_passes_per_step
+        self.average_aggregated_gradients = bool(average_aggregated_gradients)
+        self._original = type(optimizer).apply.__get__(optimizer)
+        self._accumulators: dict[tuple[int, ...], list[Any]] = {}
+        self._counter: Any = None
+
+    def same_settings(self, other: DistributedApply) -> bool:
+        return (
+            self.bridge.same_settings(
+                other.bridge.op, other.bridge.compression, other.bridge.gradient_predivide_factor
+            )
+            and self.backward_passes_per_step == other.backward_passes_per_step
+            and self.average_aggregated_gradients == other.average_aggregated_gradients
+        )
+
+    @tf.autograph.experimental.do_not_convert
+    def __call__(
+        self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None
+    ) -> Any:
+        grads = list(grads)
+        variables = None if trainable_variables is None else list(trainable_variables)
+        if self.backward_passes_per_step == 1:
+            return self._original(self._reduce(grads, variables), variables)
+        return self._accumulate_then_apply(grads, variables)
+
+    # -- helpers --------------------------------------------------------------
+    def _reduce(self, grads: list[Any], variables: list[Any] | None) -> list[Any]:
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if not present:
+            return grads  # Keras raises its own "No gradients provided" error
+        known = variables if variables is not None else getattr(
+            self.optimizer, "_trainable_variables", None
+        )
+        labels = [_label(i, known) for i in present]
+        reduced = self.bridge.reduce([grads[i] for i in present], labels)
+        out = list(grads)
+        for i, r in zip(present, reduced, strict=True):
+            out[i] = r
+        return out
+
+    def _accumulate_then_apply(self, grads: list[Any], variables: list[Any] | None) -> None:
+        ctx = tf.distribute.get_replica_context()
+        if ctx is not None and ctx.num_replicas_in_sync > 1:
+            raise UnsupportedStrategyError(
+                f"backward_passes_per_step={self.backward_passes_per_step} needs one replica per "
+                f"worker, but this step runs {ctx.num_replicas_in_sync} replicas "
+                "(MirroredStrategy): TensorFlow cannot skip the optimizer's cross-replica "
+                "update conditionally. Use backward_passes_per_step=1 (and a larger batch), "
+                "or no MirroredStrategy"
+            )
+        if variables is None:
+            raise ValueError(
+                "backward_passes_per_step > 1 needs optimizer.apply(grads, trainable_variables) "
+                "with the variables (model.fit passes them)"
+            )
+        if not self.optimizer.built:
+            # Keras builds inside apply(); here apply() runs inside a cond,
+            # where variables cannot be created.
+            self.optimizer.build(variables)
+        accumulators = self._accumulators_for(variables)
+        n = self.backward_passes_per_step
+        for g, acc in zip(grads, accumulators, strict=True):
+            if g is not None:
+                acc.assign_add(tf.convert_to_tensor(g))
+        count = self._counter.assign_add(1)
+
+        def apply_now() -> Any:
+            summed = [
+                None if g is None else (acc.read_value() / n if self.average_aggregated_gradients
+                                        else acc.read_value())
+                for g, acc in zip(grads, accumulators, strict=True)
+            ]
+            self._original(self._reduce(summed, variables), variables)
+            for acc in accumulators:
+                acc.assign(tf.zeros_like(acc))
+            self._counter.assign(0)
+            return tf.constant(True)
+
+        tf.cond(count >= n, apply_now, lambda: tf.constant(False))
+
+    def _accumulators_for(self, variables: list[Any]) -> list[Any]:
+        key = tuple(id(v) for v in variables)
+        accumulators = self._accumulators.get(key)
+        if accumulators is None:
+            with tf.init_scope():  # created once, eagerly, even while a step is traced
+                accumulators = [
+                    tf.Variable(tf.zeros(v.shape, dtype=v.dtype), trainable=False,
+                                name="dp_plugin_accumulator")
+                    for v in variables
+                ]
+                if self._counter is None:
+                    self._counter = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                                name="dp_plugin_passes")
+            self._accumulators[key] = accumulators
+        return accumulators
+
+
+def _label(i: int, variables: Sequence[Any] | None) -> str:
+    # The variables' short names ('kernel', 'bias') are the same on every rank;
+    # their paths ('dense_3/kernel') depend on how many layers a process made.
+    if variables is None or i >= len(variables):
+        return f"{i}"
+    return f"{i}:{getattr(variables[i], 'name', '?')}"
+
+
+# -- installing ---------------------------------------------------------------
+
+def hook_of(optimizer: Any) -> DistributedApply | None:
+    """The hook installed on this very optimizer instance, if any."""
+    hook = vars(optimizer).get("apply")
+    return hook if isinstance(hook, DistributedApply) else None
+
+
+def find_hook(optimizer: Any) -> tuple[Any, DistributedApply | None]:
+    """The first optimizer in ``optimizer``'s wrapping chain (``inner_optimizer``) with a
+    hook, and the hook; ``(optimizer, None)`` if none has one."""
+    current = optimizer
+    while current is not None:
+        hook = hook_of(current)
+        if hook is not None:
+            return current, hook
+        current = getattr(current, "inner_optimizer", None)
+    return optimizer, None
+
+
+def install(optimizer: Any, hook: DistributedApply) -> None:
+    vars(optimizer)["apply"] = hook
+
+
+def uninstall(optimizer: Any) -> DistributedApply | None:
+    """Remove the hook from this optimizer instance; return it (``None`` if there was none)."""
+    hook = hook_of(optimizer)
+    if hook is not None:
+        del vars(optimizer)["apply"]
+    return hook
+
+
+def relocate_to_loss_scale_optimizer(optimizer: Any) -> bool:
+    """Move a hook from the inner optimizer of a ``LossScaleOptimizer`` onto it.
+
+    ``compile()`` under the ``mixed_float16`` policy wraps a
+    ``DistributedOptimizer`` in a ``LossScaleOptimizer``, whose overflow check
+    would then run before the reduction (see the module docstring). Returns
+    True if a hook was moved (the train step must then be traced again).
+    """
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or hook_of(optimizer):
+        return False
+    target, hook = find_hook(optimizer)
+    if hook is None:
+        return False
+    uninstall(target)
+    moved = DistributedApply(
+        optimizer, hook.bridge, owner=hook.owner,
+        backward_passes_per_step=hook.backward_passes_per_step,
+        average_aggregated_gradients=hook.average_aggregated_gradients,
+    )
+    install(optimizer, moved)
+    return True
+
+
+def make_hook(
+    optimizer: Any,
+    *,
+    owner: str,
+    compression: Any,
+    op: Any,
+    backward_passes_per_step: int,
+    gradient_predivide_factor: float,
+    average_aggregated_gradients: bool = False,
+    name: str | None = None,
+) -> DistributedApply:
+    """Validate the arguments and build (not install) a hook for ``optimizer``."""
+    parsed_op: ReduceOp = parse_gradient_op(op, owner)
+    compressor: Compressor = parse_compression(compression, owner)
+    passes = check_passes(backward_passes_per_step, owner)
+    predivide = check_predivide(gradient_predivide_factor, owner)
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"{owner}: name must be a non-empty string or None, got {name!r}")
+    bridge = GradientBridge(
+        op=parsed_op, compression=compressor, gradient_predivide_factor=predivide,
+        name=name or next_bridge_name("keras"),
+    )
+    return DistributedApply(
+        optimizer, bridge, owner=owner, backward_passes_per_step=passes,
+        average_aggregated_gradients=average_aggregated_gradients,
+    )
+
+
+def DistributedOptimizer(
+    optimizer: Any,
+    name: str | None = None,
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: Any = Average,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+) -> Any:
+    """Make a Keras 3 optimizer average its gradients across workers; return it.
+
+    ``opt = dp.DistributedOptimizer(keras.optimizers.SGD(0.01)); model.compile(opt, ...)``.
+    The same optimizer object is returned, with the reduction installed into
+    its ``apply`` (see the module docstring); ``model.fit``, ``train_on_batch``
+    and custom steps that call ``apply``/``apply_gradients`` then reduce.
+    Pair it with ``BroadcastGlobalVariablesCallback(0)`` (or use
+    ``DistributedCallback`` instead of both).
+
+    - ``op``: ``dp.Average`` (default) or ``dp.Sum``; ``compression``:
+      ``dp.Compression.none/fp16/bf16``; ``gradient_predivide_factor``:
+      divide before the sum and multiply back after, as Horovod.
+    - ``backward_passes_per_step`` / ``average_aggregated_gradients``: local
+      accumulation (see ``DistributedApply``; one replica per worker).
+    - ``sparse_as_dense``: accepted for Horovod compatibility; sparse
+      gradients are always reduced dense.
+    - ``name``: prefix of the collectives' names (the same on every rank).
+    - Mixed precision: wrap the ``LossScaleOptimizer``, or let ``compile()``
+      wrap this one and add ``BroadcastGlobalVariablesCallback`` or
+      ``DistributedCallback``, which move the reduction onto it.
+
+    Raises ``ValueError`` if the optimizer (or an optimizer it wraps) already
+    reduces across workers, ``UnsupportedKerasError`` for an unsupported Keras.
+    Distributed contract: every rank wraps the same optimizer type with the
+    same arguments and runs the same steps.
+    """
+    del sparse_as_dense  # always dense
+    who = "DistributedOptimizer"
+    check_keras()
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            f"{who} needs a Keras 3 optimizer (keras.optimizers.Optimizer), got "
+            f"{type(optimizer).__name__}; tf.compat.v1 and Keras 2 optimizers are not supported"
+        )
+    target, existing = find_hook(optimizer)
+    if existing is not None:
+        raise ValueError(
+            f"{who}: optimizer {target.name!r} already reduces gradients across workers "
+            f"(installed by {existing.owner}); wrapping it twice would reduce twice. Wrap the "
+            "plain optimizer once"
+        )
+    hook = make_hook(
+        optimizer, owner=who, compression=compression, op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        gradient_predivide_factor=gradient_predivide_factor,
+        average_aggregated_gradients=average_aggregated_gradients, name=name,
+    )
+    install(optimizer, hook)
+    return optimizer

@@ -1,0 +1,116 @@
+"""``DistributedGradientTape``: a ``tf.GradientTape`` whose gradients are reduced
+across workers, for custom training loops (Horovod's)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import tensorflow as tf
+from dp_plugin.tensorflow.bridge import GradientBridge, next_bridge_name
+from dp_plugin.tensorflow.ops import Average, Compression, parse_compression, parse_gradient_op
+from dp_plugin.tensorflow.optimizer import check_predivide
+
+# Custom loops make a new tape every step: the bridge (and with it the
+# scheduler, its fusion buffers and the traced numpy op's target) is shared
+# by every tape with the same settings.
+_bridges: dict[tuple[Any, ...], GradientBridge] = {}
+_bridges_lock = threading.Lock()
+
+
+class DistributedGradientTape:
+    """Wrap a ``tf.GradientTape``; ``gradient()`` returns gradients reduced across workers.
+
+    ::
+
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = dp.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    Works eagerly and inside ``tf.function``. Gradients are averaged by
+    default (``op=dp.Sum`` sums), optionally compressed on the wire
+    (``compression``) and pre-divided (``gradient_predivide_factor``), with
+    the core's fusion buckets. Sparse gradients come back dense
+    (``sparse_as_dense`` is accepted for Horovod compatibility). Other tape
+    methods (``watch``, ``jacobian``, ...) pass through to the wrapped tape.
+
+    Under ``MirroredStrategy`` (inside ``strategy.run``), the replicas'
+    gradients are summed in-process and reduced once per worker; the result is
+    returned on the first replica and zeros on the others, so that a Keras
+    optimizer's ``apply_gradients`` (which sums the replicas) applies exactly
+    the cross-worker result.
+
+    Distributed contract: ``gradient()`` is a collective; every rank calls it
+    for the same sources (same shapes, dtypes, order) in the same order.
+    Broadcast the initial state with ``dp.broadcast_variables`` first.
+    """
+
+    def __init__(
+        self,
+        gradtape: tf.GradientTape,
+        compression: Any = Compression.none,
+        sparse_as_dense: bool = False,
+        op: Any = Average,
+        gradient_predivide_factor: float = 1.0,
+    ) -> None:
+        who = "DistributedGradientTape"
+        del sparse_as_dense  # always dense
+        if isinstance(gradtape, DistributedGradientTape):
+            raise ValueError(
+                f"{who}: the tape is already a DistributedGradientTape; wrapping it twice "
+                "would reduce the gradients twice. Wrap the tf.GradientTape once"
+            )
+        if not isinstance(gradtape, tf.GradientTape):
+            raise TypeError(f"{who} wraps a tf.GradientTape, got {type(gradtape).__name__}")
+        self._tape = gradtape
+        self._bridge = _shared_bridge(
+            parse_gradient_op(op, who), parse_compression(compression, who),
+            check_predivide(gradient_predivide_factor, who),
+        )
+
+    @tf.autograph.experimental.do_not_convert
+    def gradient(
+        self,
+        target: Any,
+        sources: Any,
+        output_gradients: Any = None,
+        unconnected_gradients: Any = tf.UnconnectedGradients.NONE,
+    ) -> Any:
+        """``tf.GradientTape.gradient``, then the cross-worker reduction. Collective."""
+        grads = self._tape.gradient(
+            target, sources, output_gradients=output_gradients,
+            unconnected_gradients=unconnected_gradients,
+        )
+        flat_sources = tf.nest.flatten(sources)
+        flat_grads = tf.nest.flatten(grads)
+        present = [i for i, g in enumerate(flat_grads) if g is not None]
+        labels = [f"{i}:{getattr(flat_sources[i], 'name', '?')}" for i in present]
+        reduced = self._bridge.reduce([flat_grads[i] for i in present], labels)
+        for i, r in zip(present, reduced, strict=True):
+            flat_grads[i] = r
+        return tf.nest.pack_sequence_as(grads, flat_grads)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tape, name)
+
+    def __enter__(self) -> DistributedGradientTape:
+        self._tape.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._tape.__exit__(*exc)
+
+
+def _shared_bridge(op: Any, compression: Any, predivide: float) -> GradientBridge:
+    key = (op, type(compression), predivide)
+    with _bridges_lock:
+        bridge = _bridges.get(key)
+        if bridge is None or not bridge.same_settings(op, compression, predivide):
+            bridge = GradientBridge(
+                op=op, compression=compression, gradient_predivide_factor=predivide,
+                name=next_bridge_name("tape"),
+            )
+            _bridges[key] = bridge
+        return bridge

@@ -1,0 +1,241 @@
+"""Keras 3 train-step time: 2 workers with DistributedCallback vs one process.
+
+Model (built here, nothing downloaded): an MLP 512 -> 1024 -> 1024 -> 10
+(ReLU, softmax), about 1.6 million parameters in 6 tensors (6.3 MiB of
+float32 gradients per step), SGD with momentum, sparse categorical
+cross-entropy. ``model.fit`` on generated data, ``steps_per_execution=1``.
+
+Configurations:
+  dp_plugin     2 workers (torchrun-style launch, gloo engine), each with the
+                per-worker batch and ``dp.DistributedCallback()``;
+  dp_plugin@mpi the same under ``mpiexec`` (MPI engine);
+  single        one process, no plugin, the global batch (2 x per-worker),
+                with as many TensorFlow threads as the 2 workers have together;
+  floor         2 independent processes without the plugin, per-worker batch
+                each: the compute the workers do, with no communication.
+
+    python benchmarks/keras_step_bench.py                  # all, 3 rounds
+    python benchmarks/keras_step_bench.py --configs dp_plugin,single --rounds 5
+
+Without a launcher it starts itself once per configuration and round,
+interleaved, and prints a table: median step time over the measured steps
+of all rounds, spread of the per-round medians, and, for the plugin rows,
+the share of the step spent inside the bridge (the ``tf.numpy_function``
+callback: pack, all-reduce, unpack) with the core scheduler's per-step
+all-reduce and exposed times. The machine is shared: compare rows of one
+invocation only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+FEATURES, HIDDEN, CLASSES = 512, 1024, 10
+BATCH = 64  # per worker
+CONFIGS = ("dp_plugin", "dp_plugin@mpi", "single", "floor")
+
+
+def step_timer(warmup: int) -> Any:
+    """A Keras callback recording each train batch's wall time, and the bridge's
+    counters (time inside the numpy callback, calls) when the warm-up ends."""
+    import keras
+
+    class StepTimer(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.times: list[float] = []
+            self.bridge_at_warmup = (0.0, 0)
+            self._t0 = 0.0
+
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            if batch == warmup:
+                bridge = _bridge(self.model)
+                if bridge is not None:
+                    self.bridge_at_warmup = (bridge.seconds, bridge.calls)
+            self._t0 = time.perf_counter()
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            self.times.append(time.perf_counter() - self._t0)
+
+    return StepTimer()
+
+
+def _bridge(model: Any) -> Any:
+    from dp_plugin.tensorflow.optimizer import hook_of
+
+    hook = hook_of(model.optimizer)
+    return None if hook is None else hook.bridge
+
+
+def worker(config: str, steps: int, warmup: int, threads: int) -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import numpy as np
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(max(2, threads))
+    import keras
+
+    distributed = config.startswith("dp_plugin")
+    rank, size = int(os.environ.get("BENCH_INDEX", "0")), 1
+    if distributed:
+        import dp_plugin.tensorflow as dp
+
+        dp.init()
+        rank, size = dp.rank(), dp.size()
+    batch = BATCH * (2 if config == "single" else 1)
+    keras.utils.set_random_seed(rank)
+    model = keras.Sequential([
+        keras.Input((FEATURES,)),
+        keras.layers.Dense(HIDDEN, activation="relu"),
+        keras.layers.Dense(HIDDEN, activation="relu"),
+        keras.layers.Dense(CLASSES, activation="softmax"),
+    ])
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                  loss="sparse_categorical_crossentropy")
+    rng = np.random.default_rng(rank)
+    n = batch * (warmup + steps)
+    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+    y = rng.integers(0, CLASSES, size=(n,))
+    timer = step_timer(warmup)
+    callbacks = [timer]
+    if distributed:
+        callbacks.insert(0, dp.DistributedCallback())
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+    times = timer.times[warmup:]
+    result: dict[str, Any] = {"config": config, "size": size, "times": times,
+                              "params": model.count_params(),
+                              "tensors": len(model.trainable_weights)}
+    if distributed:
+        from dp_plugin import runtime
+
+        bridge = _bridge(model)
+        sched = bridge.schedulers[0]
+        result["engine"] = runtime.engine().name
+        seconds, calls = bridge.seconds - timer.bridge_at_warmup[0], \
+            bridge.calls - timer.bridge_at_warmup[1]
+        result["bridge_s"] = seconds / max(1, calls)  # mean over the measured steps
+        result["sched"] = {f: sched.stats.mean(f, skip_first=warmup)
+                           for f in ("buckets", "bytes_reduced", "allreduce_s", "exposed_s")}
+        dp.shutdown()
+    if rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(config: str, nprocs: int, steps: int, warmup: int, timeout: float) -> dict[str, Any]:
+    """Run one configuration to completion; return rank 0's RESULT."""
+    bindir = Path(sys.executable).parent
+
+    def me(threads: int) -> list[str]:
+        return [sys.executable, __file__, "--worker", config, "--steps", str(steps),
+                "--warmup", str(warmup), "--threads", str(threads)]
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMI_", "HOROVOD_", "SLURM_", "TORCHELASTIC_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                         "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PATH=f"{bindir}:{env.get('PATH', '')}", OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
+    jobs: list[tuple[list[str], dict[str, str]]]
+    if config == "dp_plugin@mpi":
+        jobs = [([str(bindir / "mpiexec"), "-n", str(nprocs), *me(1)],
+                 dict(env, DP_PLUGIN_ENGINE="mpi"))]
+    elif config == "dp_plugin":
+        port = str(_free_port())
+        jobs = [(me(1), dict(env, RANK=str(r), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r),
+                             LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1",
+                             MASTER_PORT=port, DP_PLUGIN_ENGINE="gloo"))
+                for r in range(nprocs)]
+    elif config == "single":
+        jobs = [(me(nprocs), env)]
+    else:  # floor
+        jobs = [(me(1), dict(env, BENCH_INDEX=str(i))) for i in range(nprocs)]
+    procs = [subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True) for cmd, e in jobs]
+    outs = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                os.killpg(q.pid, 9)
+            raise SystemExit(f"{config}: benchmark workers hung for {timeout:.0f} s") from None
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"{config}: a worker failed:\n" + "\n".join(outs))
+    for line in "\n".join(outs).splitlines():
+        if line.startswith("RESULT "):
+            return dict(json.loads(line[len("RESULT "):]))
+    raise SystemExit(f"{config}: no RESULT line in:\n" + "\n".join(outs))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("-np", "--nprocs", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=30, help="measured steps per run")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--worker", metavar="CONFIG", help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker, args.steps, args.warmup, args.threads)
+        return
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        raise SystemExit(f"unknown configurations {unknown}; valid: {', '.join(CONFIGS)}")
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    t_start = time.monotonic()
+    for rnd in range(args.rounds):
+        for config in configs:
+            r = launch(config, args.nprocs, args.steps, args.warmup, args.timeout)
+            runs[config].append(r)
+            print(f"round {rnd + 1}/{args.rounds} {config:<14} median "
+                  f"{statistics.median(r['times']) * 1e3:7.2f} ms", file=sys.stderr, flush=True)
+    first = next(iter(runs.values()))[0]
+    print(f"\nKeras MLP: {first['params'] / 1e6:.2f} M parameters in {first['tensors']} "
+          f"tensors; per-worker batch {BATCH}, global batch {BATCH * args.nprocs}; "
+          f"{args.nprocs} workers x 1 thread (single: {args.nprocs} threads); {args.rounds} "
+          f"interleaved rounds x {args.steps} steps (after {args.warmup} warm-up); total "
+          f"{time.monotonic() - t_start:.0f} s\n")
+    print(f"{'config':<14} {'median step':>12} {'round medians (min-max)':>24} "
+          f"{'vs single':>10} {'bridge/step':>12} {'allreduce':>10} {'exposed':>9}")
+    medians = {c: statistics.median(t for r in rs for t in r["times"]) for c, rs in runs.items()}
+    for config, rs in runs.items():
+        per_round = [statistics.median(r["times"]) * 1e3 for r in rs]
+        vs = f"{medians[config] / medians['single']:.2f}" if "single" in medians else "-"
+        bridge = allreduce = exposed = "-"
+        if "bridge_s" in rs[0]:
+            b = statistics.median(r["bridge_s"] for r in rs)
+            bridge = f"{b * 1e3:.2f} ms {100 * b / medians[config]:.0f}%"
+            allreduce = f"{statistics.median(r['sched']['allreduce_s'] for r in rs) * 1e3:.2f} ms"
+            exposed = f"{statistics.median(r['sched']['exposed_s'] for r in rs) * 1e3:.2f} ms"
+        print(f"{config:<14} {medians[config] * 1e3:>9.2f} ms "
+              f"{min(per_round):>13.2f} - {max(per_round):>6.2f} ms {vs:>10} "
+              f"{bridge:>12} {allreduce:>10} {exposed:>9}")
+    print("\nbridge/step: time inside the tf.numpy_function callback per step (pack, "
+          "all-reduce, unpack) and its share of the median step; allreduce/exposed: the "
+          "core scheduler's StepStats (all-reduce in flight / waited for), medians of the "
+          "per-round means.")
+
+
+if __name__ == "__main__":
+    main()
