@@ -1,1 +1,153 @@
-"""dp_plugin.torch: a drop-in for ``horovod.torch`` on PyTorch 2.x."""
+"""dp_plugin.torch: a drop-in for ``horovod.torch`` 0.28.1 on PyTorch 2.x.
+
+Change ``import horovod.torch as hvd`` to ``import dp_plugin.torch as hvd``;
+the names below are horovod.torch's public API, with its signatures and
+semantics (differences are stated in each function's docstring).
+``HorovodInternalError`` (Horovod's error for a failed collective) is
+dp_plugin's base error, ``DPPluginError``: every error dp_plugin raises on
+purpose is one. ``horovod.torch.elastic`` has no counterpart.
+"""
+
+from dp_plugin.errors import DPPluginError as HorovodInternalError
+from dp_plugin.torch.autograd_ops import (
+    allgather,
+    allreduce,
+    allreduce_,
+    alltoall,
+    broadcast,
+    broadcast_,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_reducescatter,
+    reducescatter,
+)
+from dp_plugin.torch.basics import (
+    NotInitializedError,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    rocm_built,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
+from dp_plugin.torch.collectives import (
+    allgather_async,
+    allreduce_async,
+    allreduce_async_,
+    alltoall_async,
+    barrier,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather_async,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    grouped_reducescatter_async,
+    reducescatter_async,
+)
+from dp_plugin.torch.functions import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+from dp_plugin.torch.handles import poll, synchronize
+from dp_plugin.torch.joining import join
+from dp_plugin.torch.ops import Adasum, Average, Compression, Max, Min, Product, Sum
+from dp_plugin.torch.optimizer import DistributedOptimizer, SynchronizationError
+from dp_plugin.torch.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
+from dp_plugin.torch.sparse import sparse_allreduce_async
+from dp_plugin.torch.sync_batch_norm import SyncBatchNorm
+
+__all__ = [
+    "Adasum",
+    "Average",
+    "Compression",
+    "DistributedOptimizer",
+    "HorovodInternalError",
+    "Max",
+    "Min",
+    "NotInitializedError",
+    "ProcessSet",
+    "Product",
+    "Sum",
+    "SyncBatchNorm",
+    "SynchronizationError",
+    "add_process_set",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "init",
+    "is_homogeneous",
+    "is_initialized",
+    "join",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "poll",
+    "rank",
+    "reducescatter",
+    "reducescatter_async",
+    "remove_process_set",
+    "rocm_built",
+    "shutdown",
+    "size",
+    "sparse_allreduce_async",
+    "start_timeline",
+    "stop_timeline",
+    "synchronize",
+]

@@ -1,0 +1,352 @@
+"""Broadcast model and optimizer state, and pickled objects, as in ``horovod.torch``.
+
+``broadcast_parameters`` and ``broadcast_optimizer_state`` move tensors as raw
+bytes packed into a few fusion buffers (one collective per buffer of at most
+the fusion threshold, per device), so a model of hundreds of tensors costs a
+handful of collectives, and every dtype (bool, complex, ...) travels exactly.
+A layout check first compares the ranks' tensor lists: a rank with another
+model gets an error naming the first differing tensor, on every rank.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from dp_plugin.dtypes import SUPPORTED_DTYPES
+from dp_plugin.engines.base import Engine
+from dp_plugin.fusion import TensorSpec
+from dp_plugin.layout import check_layout
+from dp_plugin.torch.basics import engine as _global_engine
+from dp_plugin.torch.process_sets import ProcessSet, global_process_set
+
+
+def broadcast_parameters(params: Any, root_rank: int,
+                         process_set: ProcessSet = global_process_set) -> None:
+    """Overwrite ``params`` on every rank with ``root_rank``'s values, in place.
+
+    ``params``: a ``state_dict()`` (or any mapping name -> tensor; its items
+    are sorted by name, as in Horovod), or an iterable of tensors or of
+    ``(name, tensor)`` pairs such as ``model.named_parameters()``.
+    Collective: every rank passes the same tensors (names, shapes, dtypes),
+    in the same order.
+    """
+    eng = _engine_of(process_set, "hvd.broadcast_parameters()")
+    named = _named_tensors(params)
+    _check_root(root_rank, eng, "broadcast_parameters")
+    _broadcast_tensors(eng, named, root_rank, "broadcast_parameters")
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              model: Any = None,
+                              process_set: ProcessSet = global_process_set) -> None:
+    """Make every rank's optimizer state (``state`` and ``param_groups``) ``root_rank``'s.
+
+    Tensors (momentum buffers, Adam moments, step counters) travel fused as
+    raw bytes; everything else (``lr``, ``momentum``, ``betas`` tuples,
+    integer steps, nested lists such as LBFGS's history) is pickled from the
+    root. The other ranks then ``load_state_dict`` the root's state, so they
+    need not have created theirs yet: an optimizer whose state is created
+    lazily at its first step is handled without running any step. If the
+    root has no state yet, the others' state is cleared, and only the
+    hyper-parameters travel; unlike Horovod's zero-gradient dummy step, this
+    never changes parameters or step counters.
+
+    ``model`` is accepted for compatibility and not needed. Collective: every
+    rank passes an optimizer over the same parameter groups.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"broadcast_optimizer_state expects a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}"
+        )
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"broadcast_optimizer_state(model=...) expects a torch.nn.Module or None, got "
+            f"{type(model).__name__}"
+        )
+    eng = _engine_of(process_set, "hvd.broadcast_optimizer_state()")
+    _check_root(root_rank, eng, "broadcast_optimizer_state")
+    is_root = eng.rank == root_rank
+    tensors: list[torch.Tensor] = []
+    skeleton = _strip(optimizer.state_dict(), tensors) if is_root else None
+    skeleton = _broadcast_object(eng, skeleton, root_rank, "broadcast_optimizer_state.skeleton")
+    if not is_root:
+        tensors = []
+        _allocate(skeleton, tensors)
+    named = [(f"optimizer_state.{i}", t) for i, t in enumerate(tensors)]
+    _broadcast_tensors(eng, named, root_rank, "broadcast_optimizer_state")
+    if not is_root:
+        optimizer.load_state_dict(_fill(skeleton, tensors))
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Return ``root_rank``'s ``obj`` on every rank (pickled; the root gets ``obj`` itself).
+
+    Pickled with cloudpickle when installed (lambdas, local classes), else
+    pickle. Collective: two broadcasts (length, then bytes).
+    """
+    eng = _engine_of(process_set, "hvd.broadcast_object()")
+    _check_root(root_rank, eng, "broadcast_object")
+    return _broadcast_object(eng, obj, root_rank, type(obj).__name__ if name is None else name)
+
+
+def allgather_object(obj: Any, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Every rank's ``obj``, as a list in rank order (each entry unpickled, own one too).
+
+    Collective: two all-gathers (lengths, then bytes).
+    """
+    eng = _engine_of(process_set, "hvd.allgather_object()")
+    name = type(obj).__name__ if name is None else name
+    device = _staging_device(eng)
+    payload = _to_bytes(_dumps(obj), device)
+    sizes = eng.allgather(torch.tensor([payload.numel()], dtype=torch.int64, device=device),
+                          name=f"{name}.sz")
+    gathered = eng.allgather(payload, name=f"{name}.t").cpu()
+    out: list[Any] = []
+    start = 0
+    for length in sizes.cpu().tolist():
+        out.append(_loads(gathered[start:start + length]))
+        start += length
+    return out
+
+
+# -- tensors as bytes ----------------------------------------------------------------
+
+
+def _broadcast_tensors(eng: Engine, named: list[tuple[str, torch.Tensor]], root: int,
+                       what: str) -> None:
+    device = _staging_device(eng)
+    # The layout check's own collective runs where the engine takes buffers.
+    specs = [_layout_spec(name, t, device.type) for name, t in named]
+    check_layout(eng, specs, what=f"tensors of {what}")
+    if eng.size == 1 or not named:
+        return
+    limit = max(1, eng.config.fusion_threshold)
+    chunk: list[torch.Tensor] = []
+    nbytes = 0
+    index = 0
+    for _, t in named:
+        size = t.numel() * t.element_size()
+        if chunk and nbytes + size > limit:
+            _broadcast_chunk(eng, chunk, nbytes, root, device, f"{what}.chunk{index}")
+            chunk, nbytes, index = [], 0, index + 1
+        chunk.append(t)
+        nbytes += size
+    if chunk:
+        _broadcast_chunk(eng, chunk, nbytes, root, device, f"{what}.chunk{index}")
+
+
+def _broadcast_chunk(eng: Engine, tensors: list[torch.Tensor], nbytes: int, root: int,
+                     device: torch.device, name: str) -> None:
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    is_root = eng.rank == root
+    offset = 0
+    if is_root:
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            buf[offset:offset + n].copy_(_bytes_of(t.detach().contiguous()))
+            offset += n
+    eng.broadcast(buf, root, name=name)
+    if is_root:
+        return
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            src = buf[offset:offset + n]
+            if t.is_contiguous():
+                _bytes_of(t).copy_(src)
+            else:
+                staged = torch.empty_like(t, memory_format=torch.contiguous_format)
+                _bytes_of(staged).copy_(src)
+                t.copy_(staged)
+            offset += n
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's memory."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _layout_spec(name: str, t: Any, device: str) -> TensorSpec:
+    """What the ranks compare for one tensor: name, shape and dtype."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
+    if t.is_sparse:
+        raise ValueError(f"tensor {name!r} is sparse; broadcast its dense form instead")
+    dtype = str(t.dtype).removeprefix("torch.")
+    if dtype in SUPPORTED_DTYPES:
+        return TensorSpec(name, tuple(t.shape), dtype, device)
+    # Other dtypes only need to agree: compare them as bytes, dtype in the name.
+    return TensorSpec(f"{name} ({dtype})", (t.numel() * t.element_size(),), "uint8", device)
+
+
+def _named_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(params, torch.Tensor):
+        raise ValueError(
+            "broadcast_parameters expects a state_dict, a list of tensors or of (name, tensor) "
+            "pairs, not a single tensor; use hvd.broadcast_(tensor, root_rank) for one tensor"
+        )
+    if isinstance(params, Mapping):
+        items: Iterable[Any] = sorted(params.items(), key=lambda kv: str(kv[0]))
+    elif isinstance(params, Iterable) and not isinstance(params, str | bytes):
+        items = list(params)
+    else:
+        raise ValueError(f"invalid params of type: {type(params)}; pass model.state_dict() or "
+                         "model.named_parameters()")
+    named: list[tuple[str, torch.Tensor]] = []
+    for i, item in enumerate(items):
+        name, tensor = item if isinstance(item, tuple) else (f"param.{i}", item)
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(
+                f"broadcast_parameters: entry {i} ({name!r}) is a {type(tensor).__name__}, not "
+                "a torch.Tensor; pass model.state_dict() or model.named_parameters()"
+            )
+        named.append((str(name), tensor))
+    return named
+
+
+# -- optimizer state skeletons ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _TensorSlot:
+    """A tensor of the root's state dict, sent separately: where it goes and what it is."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device_type: str
+
+
+def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """``obj`` with every tensor replaced by a ``_TensorSlot`` (the tensor goes to ``tensors``)."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype, obj.device.type)
+    if isinstance(obj, dict):
+        return {k: _strip(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_strip(v, tensors) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_strip(v, tensors) for v in obj)
+    return obj
+
+
+def _allocate(skeleton: Any, tensors: list[torch.Tensor]) -> None:
+    """Make empty tensors for the slots of ``skeleton``, in slot order."""
+    slots: list[_TensorSlot] = []
+    _collect(skeleton, slots)
+    for slot in sorted(slots, key=lambda s: s.index):
+        device = _local_device(slot.device_type)
+        tensors.append(torch.empty(slot.shape, dtype=slot.dtype, device=device))
+
+
+def _collect(obj: Any, slots: list[_TensorSlot]) -> None:
+    if isinstance(obj, _TensorSlot):
+        slots.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _collect(v, slots)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            _collect(v, slots)
+
+
+def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _TensorSlot):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {k: _fill(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_fill(v, tensors) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_fill(v, tensors) for v in obj)
+    return obj
+
+
+def _local_device(device_type: str) -> torch.device:
+    if device_type == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# -- objects ---------------------------------------------------------------------------
+
+
+def _broadcast_object(eng: Engine, obj: Any, root: int, name: str) -> Any:
+    if eng.size == 1:
+        return obj
+    device = _staging_device(eng)
+    is_root = eng.rank == root
+    payload = _to_bytes(_dumps(obj), device) if is_root else None
+    length = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64,
+                          device=device)
+    eng.broadcast(length, root, name=f"{name}.sz")
+    if payload is None:
+        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    eng.broadcast(payload, root, name=f"{name}.t")
+    return obj if is_root else _loads(payload.cpu())
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    try:
+        import cloudpickle
+    except ImportError:
+        pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
+    else:
+        cloudpickle.dump(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: torch.Tensor) -> Any:
+    # cloudpickle output is read by the standard unpickler.
+    return pickle.loads(data.numpy().tobytes())
+
+
+def _to_bytes(data: bytes, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+# -- process sets, devices, roots ------------------------------------------------------
+
+
+def _engine_of(process_set: ProcessSet, what: str) -> Engine:
+    eng = _global_engine(what)
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(
+            f"{what}: process_set must be an hvd.ProcessSet, got {type(process_set).__name__}; "
+            "pass hvd.global_process_set (the default) or one made by hvd.add_process_set(ranks)"
+        )
+    if process_set.process_set_id == 0:
+        return eng
+    if not process_set.included():
+        raise ValueError(
+            f"{what}: this rank ({eng.rank}) is not in {process_set!r}; call it only on the "
+            "ranks of the process set"
+        )
+    return process_set.engine()
+
+
+def _staging_device(eng: Engine) -> torch.device:
+    """Where the engine takes buffers: NCCL only moves CUDA memory, the others host memory."""
+    if eng.name == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_root(root_rank: Any, eng: Engine, what: str) -> None:
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) \
+            or not 0 <= root_rank < eng.size:
+        raise ValueError(
+            f"{what}: root_rank must be an int in 0..{eng.size - 1} (a rank of the job or "
+            f"process set), got {root_rank!r}"
+        )

@@ -1,0 +1,307 @@
+"""Training-step time of a small BERT-like encoder: dp_plugin vs DDP vs Horovod.
+
+Model (built here, nothing downloaded): token + position embeddings
+(vocabulary 8192, hidden 256), 4 post-norm transformer encoder layers
+(4 heads, FFN 1024, GELU) and an MLM head (dense + LayerNorm + untied
+decoder to the vocabulary); about 7.5 million parameters in 58 tensors.
+Each worker trains on its own generated batches of 8 sequences of 128
+tokens, 15% of them masked; the loss is cross-entropy at the masked
+positions. Adam, lr 1e-4. One torch thread per worker.
+
+Configurations (world size 2 unless noted):
+  dp_plugin     ``dp_plugin.torch.DistributedOptimizer``, torchrun-style
+                launch (``env``), default engine (gloo);
+  ddp           ``torch.nn.parallel.DistributedDataParallel``, gloo, same launch;
+  horovod       Horovod 0.28.1's own ``horovod.torch.DistributedOptimizer``
+                under ``horovodrun --gloo``;
+  dp_plugin@hvd ``dp_plugin.torch`` under ``horovodrun --gloo`` (engine auto ->
+                horovod: Horovod's ring does the all-reduce);
+  floor         no communication: two single-process trainings side by side
+                (world size 1 each), so they compete for the cores as the
+                others do.
+The dp_plugin and horovod rows run the same training function; only the
+``hvd`` module differs (``import dp_plugin.torch as hvd`` vs
+``import horovod.torch as hvd``).
+
+    python benchmarks/torch_step_bench.py                  # all, 3 rounds
+    python benchmarks/torch_step_bench.py --rounds 5 --steps 20
+    python benchmarks/torch_step_bench.py --configs dp_plugin,ddp
+    python benchmarks/torch_step_bench.py --configs ddp,dp_plugin,dp_plugin:fusion=8
+
+A configuration may end in ``:fusion=MiB`` to run it with that fusion
+threshold (DP_PLUGIN_FUSION_THRESHOLD, or HOROVOD_FUSION_THRESHOLD for
+``horovod``) instead of the default.
+
+Without a launcher it starts itself once per configuration and round,
+interleaved (A B C ... A B C ...), and prints a table: median step time over
+all measured steps of all rounds, the best and worst per-run median, steps/s,
+and the ratios to DDP and to Horovod (median over rounds of the ratio within
+a round, so that load changes on a shared machine mostly cancel). For the
+dp_plugin rows it also prints the core's per-step StepStats (buckets,
+all-reduce time, the part of it exposed after backward). Under a launcher it
+is one worker; rank 0 prints one JSON line with its step times (after
+--warmup steps). Compare rows of the same invocation only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+VOCAB, HIDDEN, LAYERS, HEADS, FFN = 8192, 256, 4, 4, 1024
+SEQ, BATCH, MASK_FRACTION = 128, 8, 0.15
+CONFIGS = ("dp_plugin", "ddp", "horovod", "dp_plugin@hvd", "floor")
+
+
+def build_model() -> Any:
+    import torch
+    from torch import nn
+
+    class Encoder(nn.Module):
+        """BERT-base in miniature (post-norm layers, GELU, MLM head)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokens = nn.Embedding(VOCAB, HIDDEN)
+            self.positions = nn.Embedding(SEQ, HIDDEN)
+            self.norm = nn.LayerNorm(HIDDEN)
+            layer = nn.TransformerEncoderLayer(
+                HIDDEN, HEADS, FFN, dropout=0.0, activation="gelu", batch_first=True
+            )
+            self.layers = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
+            self.head = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.GELU(), nn.LayerNorm(HIDDEN))
+            self.decoder = nn.Linear(HIDDEN, VOCAB)
+
+        def forward(self, ids: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+            pos = torch.arange(ids.shape[1], device=ids.device)
+            h = self.layers(self.norm(self.tokens(ids) + self.positions(pos)))
+            return self.decoder(self.head(h[masked]))  # logits at masked positions only
+
+    return Encoder()
+
+
+def make_batches(seed: int, count: int) -> list[tuple[Any, Any, Any]]:
+    """(input ids with [MASK]=0, mask, labels at masked positions), generated up front."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+        masked = torch.rand(BATCH, SEQ, generator=g) < MASK_FRACTION
+        out.append((ids.masked_fill(masked, 0), masked, ids[masked]))
+    return out
+
+
+def train(model: Any, opt: Any, batches: list[tuple[Any, Any, Any]]) -> list[float]:
+    """One step per batch; returns each step's wall time (this rank's clock)."""
+    import torch.nn.functional as F
+
+    times = []
+    for ids, masked, labels in batches:
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = F.cross_entropy(model(ids, masked), labels)
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def worker(config: str, steps: int, warmup: int) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build_model()
+    stats: dict[str, Any] = {}
+    if config in ("dp_plugin", "horovod", "dp_plugin@hvd"):
+        if config == "horovod":
+            import horovod.torch as hvd
+        else:
+            import dp_plugin.torch as hvd  # type: ignore[no-redef]
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        times = train(model, opt, make_batches(rank, warmup + steps))[warmup:]
+        # dp_plugin's optimizer keeps its GradientScheduler here (private; a
+        # benchmark may look): its StepStats say where communication time went.
+        reducer = getattr(getattr(opt, "_dp", None), "reducer", None)
+        if reducer is not None:
+            stats = _scheduler_stats(reducer.scheduler, warmup)
+        stats["engine"] = _engine_name(hvd)
+    elif config == "ddp":
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        dist.init_process_group("gloo")
+        rank, size = dist.get_rank(), dist.get_world_size()
+        ddp = DistributedDataParallel(model)  # broadcasts rank 0's parameters
+        opt = torch.optim.Adam(ddp.parameters(), lr=1e-4)
+        times = train(ddp, opt, make_batches(rank, warmup + steps))[warmup:]
+        dist.destroy_process_group()
+    else:  # floor: no communication at all
+        rank, size = int(os.environ.get("BENCH_INDEX", "0")), 1
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        times = train(model, opt, make_batches(rank, warmup + steps))[warmup:]
+    if rank == 0:
+        n_params = sum(p.numel() for p in model.parameters())
+        n_tensors = sum(1 for _ in model.parameters())
+        print("RESULT " + json.dumps({"config": config, "size": size, "times": times,
+                                      "params": n_params, "tensors": n_tensors, **stats}),
+              flush=True)
+
+
+def _engine_name(hvd: Any) -> str:
+    if hvd.__name__.startswith("horovod"):
+        return "horovod.torch"
+    from dp_plugin import runtime
+
+    return str(runtime.engine().name)
+
+
+def _scheduler_stats(sched: Any, warmup: int) -> dict[str, Any]:
+    """Per-step means of the core's StepStats over the measured steps."""
+    fields = ("buckets", "bytes_reduced", "allreduce_s", "exposed_s", "step_s")
+    return {"sched": {f: sched.stats.mean(f, skip_first=warmup) for f in fields}}
+
+
+# -- launching ---------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def parse_config(spec: str) -> tuple[str, dict[str, str]]:
+    """``name[:fusion=MiB]`` -> (name, extra environment)."""
+    name, _, option = spec.partition(":")
+    if name not in CONFIGS:
+        raise SystemExit(f"unknown configuration {spec!r}; valid: {', '.join(CONFIGS)}, "
+                         "optionally followed by ':fusion=MiB'")
+    if not option:
+        return name, {}
+    key, _, value = option.partition("=")
+    if key != "fusion" or not value.replace(".", "", 1).isdigit() or name in ("ddp", "floor"):
+        raise SystemExit(f"{spec!r}: the only option is ':fusion=MiB' (a number), for "
+                         "dp_plugin, dp_plugin@hvd and horovod")
+    variable = "HOROVOD_FUSION_THRESHOLD" if name == "horovod" else "DP_PLUGIN_FUSION_THRESHOLD"
+    return name, {variable: str(int(float(value) * 2**20))}
+
+
+def launch(spec: str, nprocs: int, steps: int, warmup: int, timeout: float) -> dict[str, Any]:
+    """Run one configuration to completion; return rank 0's RESULT."""
+    config, extra_env = parse_config(spec)
+    bindir = Path(sys.executable).parent
+    me = [sys.executable, __file__, "--worker", config, "--steps", str(steps),
+          "--warmup", str(warmup)]
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMI_", "HOROVOD_", "SLURM_", "TORCHELASTIC_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                         "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PATH=f"{bindir}:{env.get('PATH', '')}", OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1", **extra_env)
+    jobs: list[tuple[list[str], dict[str, str]]]
+    if config in ("horovod", "dp_plugin@hvd"):
+        jobs = [([str(bindir / "horovodrun"), "--gloo", "-np", str(nprocs),
+                  "-H", f"localhost:{nprocs}", *me], env)]
+    elif config == "floor":
+        jobs = [(me, dict(env, BENCH_INDEX=str(i))) for i in range(nprocs)]
+    else:
+        port = str(_free_port())
+        jobs = [(me, dict(env, RANK=str(r), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r),
+                          LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=port))
+                for r in range(nprocs)]
+    procs = [subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True) for cmd, e in jobs]
+    outs = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                os.killpg(q.pid, 9)
+            raise SystemExit(f"{config}: benchmark workers hung for {timeout:.0f} s") from None
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"{config}: a worker failed:\n" + "\n".join(outs))
+    for line in "\n".join(outs).splitlines():
+        if "RESULT " in line:
+            return dict(json.loads(line.split("RESULT ", 1)[1]))
+    raise SystemExit(f"{config}: no RESULT line in:\n" + "\n".join(outs))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("-np", "--nprocs", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=15, help="measured steps per run")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--worker", metavar="CONFIG", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker, args.steps, args.warmup)
+        return
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    for spec in configs:
+        parse_config(spec)  # fail before the first run
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    t_start = time.monotonic()
+    for rnd in range(args.rounds):
+        for config in configs:
+            r = launch(config, args.nprocs, args.steps, args.warmup, args.timeout)
+            runs[config].append(r)
+            print(f"round {rnd + 1}/{args.rounds} {config:<22} median "
+                  f"{statistics.median(r['times']) * 1e3:7.1f} ms", file=sys.stderr, flush=True)
+    first = next(iter(runs.values()))[0]
+    print(f"\nBERT-like encoder: {first['params'] / 1e6:.2f} M parameters in "
+          f"{first['tensors']} tensors; batch {BATCH}x{SEQ} tokens per worker; "
+          f"{args.nprocs} workers, 1 thread each; {args.rounds} interleaved rounds x "
+          f"{args.steps} steps (after {args.warmup} warm-up); "
+          f"total {time.monotonic() - t_start:.0f} s\n")
+    print(f"{'config':<22} {'median step':>11} {'best round':>10} {'worst round':>11} "
+          f"{'steps/s':>7} {'vs DDP':>6} {'vs horovod':>10}")
+    medians = {c: statistics.median(t for r in rs for t in r["times"]) for c, rs in runs.items()}
+    round_medians = {c: [statistics.median(r["times"]) for r in rs] for c, rs in runs.items()}
+
+    def paired(config: str, base: str) -> str:
+        # Median over rounds of this round's ratio: runs of one round are
+        # minutes apart at most, so load changes on the machine mostly cancel.
+        if base not in round_medians:
+            return "-"
+        pairs = zip(round_medians[config], round_medians[base], strict=True)
+        return f"{statistics.median(a / b for a, b in pairs):.2f}"
+
+    for config in runs:
+        per_round = round_medians[config]
+        print(f"{config:<22} {medians[config] * 1e3:>8.1f} ms {min(per_round) * 1e3:>7.1f} ms "
+              f"{max(per_round) * 1e3:>8.1f} ms {1 / medians[config]:>7.2f} "
+              f"{paired(config, 'ddp'):>6} {paired(config, 'horovod'):>10}")
+    print("\nmedian step: over all measured steps of all rounds; best/worst round: the "
+          "lowest/highest per-run median; vs DDP / vs horovod: median over rounds of the "
+          "ratio of per-run medians within the round (< 1 is faster)")
+    for config, rs in runs.items():
+        if "sched" in rs[-1]:
+            s = rs[-1]["sched"]
+            shown = ", ".join(f"{k} {v * 1e3:.1f} ms" if k.endswith("_s") else f"{k} {v:g}"
+                              for k, v in s.items())
+            print(f"\n{config} ({rs[-1].get('engine')} engine), scheduler StepStats per "
+                  f"step (means, last round): {shown}")
+
+
+if __name__ == "__main__":
+    main()
