@@ -26,6 +26,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from dp_plugin.compression import get_compressor
+from dp_plugin.dtypes import canonical_dtype
+from dp_plugin.engines.base import ReduceOp
 from dp_plugin.torch.collectives import (
     allreduce_async,
     allreduce_async_,
@@ -42,11 +46,6 @@ from dp_plugin.torch.handles import synchronize
 from dp_plugin.torch.ops import Compression
 from dp_plugin.torch.process_sets import global_process_set
 from dp_plugin.torch.submit import check_tensors, engine_of, resolve_op
-
-import torch
-from dp_plugin.compression import get_compressor
-from dp_plugin.dtypes import canonical_dtype
-from dp_plugin.engines.base import ReduceOp
 
 _NONE = Compression.none
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from dp_plugin.engines.base import Engine, Handle, ReduceOp
 from dp_plugin.torch.agreement import Problem, Request, check_agreement, first_dims
 from dp_plugin.torch.handles import TABLE, InFlight, Ready
 from dp_plugin.torch.process_sets import global_process_set
@@ -39,9 +41,6 @@ from dp_plugin.torch.submit import (
     resolve_op,
     scale_,
 )
-
-import torch
-from dp_plugin.engines.base import Engine, Handle, ReduceOp
 
 # -- allreduce ------------------------------------------------------------------
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from dp_plugin.engines.base import ReduceOp
 from dp_plugin.torch.collectives import allgather_async
 from dp_plugin.torch.handles import TABLE
 from dp_plugin.torch.process_sets import global_process_set
 from dp_plugin.torch.submit import engine_of, resolve_op, scale_
-
-import torch
-from dp_plugin.engines.base import ReduceOp
 
 
 class SparseAllreduceHandle:

@@ -14,14 +14,13 @@ import warnings
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+import torch
+from dp_plugin.dtypes import canonical_dtype
+from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.torch.agreement import Problem, Request, Table, check_agreement
 from dp_plugin.torch.basics import engine as global_engine
 from dp_plugin.torch.handles import TABLE
 from dp_plugin.torch.ops import parse_op
-
-import torch
-from dp_plugin.dtypes import canonical_dtype
-from dp_plugin.engines.base import Engine, ReduceOp
 
 # Collectives that concatenate or split along the first dimension.
 _NEEDS_FIRST_DIM = frozenset({"allgather", "alltoall", "reducescatter"})

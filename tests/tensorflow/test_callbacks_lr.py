@@ -18,18 +18,18 @@ from collections.abc import Iterator
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import dp_plugin.tensorflow as dp
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+
+import dp_plugin.tensorflow as dp
+from dp_plugin import runtime
+from dp_plugin.config import Config
 from dp_plugin.tensorflow.callbacks_lr import (
     LearningRateScheduleCallback,
     LearningRateWarmupCallback,
 )
-
-from dp_plugin import runtime
-from dp_plugin.config import Config
 
 X = np.linspace(-1.0, 1.0, 24, dtype=np.float32).reshape(8, 3)
 Y = X @ np.array([[0.5], [-1.0], [2.0]], dtype=np.float32) + 0.25

@@ -38,14 +38,14 @@ from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import dp_plugin.tensorflow as dp
 import keras
 import numpy as np
 import tensorflow as tf
+
+import dp_plugin.tensorflow as dp
+from dp_plugin import runtime
 from dp_plugin.tensorflow.callbacks_lr import LearningRateWarmupCallback
 from dp_plugin.tensorflow.metric_average import MetricAverageCallback
-
-from dp_plugin import runtime
 
 EPOCHS = 2
 

@@ -31,8 +31,9 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import dp_plugin.torch.ops as ops
 import torch
+
+import dp_plugin.torch.ops as ops
 from dp_plugin.torch.agreement import DuplicateNameError, MismatchError
 from dp_plugin.torch.autograd_ops import (
     allgather,
