@@ -184,6 +184,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "HYDRA_", "SLURM_", "TORCHELASTIC_",
+                      "HOROVOD_GLOO_")
+_LAUNCHER_NAMES = frozenset({
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "MASTER_ADDR", "MASTER_PORT", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK",
+    "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME",
+    "HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS",
+})
+
+
 def parse_config(spec: str) -> tuple[str, dict[str, str]]:
     """``name[:fusion=MiB]`` -> (name, extra environment)."""
     name, _, option = spec.partition(":")
@@ -206,10 +216,10 @@ def launch(spec: str, nprocs: int, steps: int, warmup: int, timeout: float) -> d
     bindir = Path(sys.executable).parent
     me = [sys.executable, __file__, "--worker", config, "--steps", str(steps),
           "--warmup", str(warmup)]
+    # Drop what a launcher set (this shell may itself run under one); keep
+    # tuning variables such as HOROVOD_CYCLE_TIME or DP_PLUGIN_FUSION_THRESHOLD.
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMI_", "HOROVOD_", "SLURM_", "TORCHELASTIC_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                         "MASTER_ADDR", "MASTER_PORT")}
+           if not k.startswith(_LAUNCHER_PREFIXES) and k not in _LAUNCHER_NAMES}
     env.update(PATH=f"{bindir}:{env.get('PATH', '')}", OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1", **extra_env)
     jobs: list[tuple[list[str], dict[str, str]]]

@@ -13,7 +13,9 @@ the ranks' losses and the parameter gradients of the reference equal the
 sum over ranks of the local ones. Checked, within 1e-5, over several steps:
 outputs, input gradients, weight/bias gradients, running statistics and
 ``num_batches_tracked``; then eval mode (no communication) on the shard.
-Then a small model with a SyncBatchNorm layer trains for a few steps with
+At 3 ranks the first case runs again over a process set of the first and
+last rank (the middle rank must get a ValueError). Then a small model with a
+SyncBatchNorm layer trains for a few steps with
 ``DistributedOptimizer`` on uneven shards (the layer's backward all-reduce
 interleaves with the optimizer's bucket all-reduces) and must match the
 same model with ``nn.BatchNorm1d`` trained on the global batch in one
@@ -30,6 +32,7 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -73,17 +76,19 @@ def check_close(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
         raise AssertionError(f"{what}: max abs error {err:.3g} > {TOL:g}")
 
 
-def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
-    parts: list[torch.Tensor] = hvd.allgather_object(t.detach().clone())
+def sum_over_ranks(t: torch.Tensor, process_set: Any = None) -> torch.Tensor:
+    kwargs = {} if process_set is None else {"process_set": process_set}
+    parts: list[torch.Tensor] = hvd.allgather_object(t.detach().clone(), **kwargs)
     return torch.stack(parts).sum(0)
 
 
-def run_case(case: Case, rank: int, size: int) -> None:
+def run_case(case: Case, rank: int, size: int, process_set: Any = None) -> None:
+    """``rank``/``size``: within ``process_set`` (default: the whole job)."""
     rows = [case.rows[r % len(case.rows)] for r in range(size)]
     start, total = sum(rows[:rank]), sum(rows)
     gen = torch.Generator().manual_seed(1234)
     kwargs = {"affine": case.affine, "momentum": case.momentum}
-    sync = hvd.SyncBatchNorm(case.channels, **kwargs).to(case.dtype)
+    sync = hvd.SyncBatchNorm(case.channels, **kwargs, process_set=process_set).to(case.dtype)
     ref = _BN[len(case.trailing)](case.channels, **kwargs).to(case.dtype)
     if case.affine:
         with torch.no_grad():
@@ -111,9 +116,9 @@ def run_case(case: Case, rank: int, size: int) -> None:
         check_close(f"{where} input grad", x.grad, x_ref.grad[mine])
         if case.affine:
             check_close(f"{where} weight grad (sum over ranks)",
-                        sum_over_ranks(sync.weight.grad), ref.weight.grad)
+                        sum_over_ranks(sync.weight.grad, process_set), ref.weight.grad)
             check_close(f"{where} bias grad (sum over ranks)",
-                        sum_over_ranks(sync.bias.grad), ref.bias.grad)
+                        sum_over_ranks(sync.bias.grad, process_set), ref.bias.grad)
             sync.zero_grad()
             ref.zero_grad()
         check_close(f"{where} running_mean", sync.running_mean, ref.running_mean)
@@ -130,6 +135,26 @@ def run_case(case: Case, rank: int, size: int) -> None:
         x = torch.randn((3, case.channels, *case.trailing), generator=gen).to(case.dtype)
         with torch.no_grad():
             check_close(f"{case.name} eval {i}", sync(x), ref(x))
+
+
+def check_process_set(rank: int, size: int) -> None:
+    """At 3+ ranks: statistics shared by the first and last rank only; a
+    rank outside the set gets a ValueError instead of a hang."""
+    if size < 3:
+        return
+    members = [0, size - 1]
+    ps = hvd.add_process_set(members)
+    if rank in members:
+        run_case(CASES[0], members.index(rank), len(members), process_set=ps)
+    else:
+        try:
+            hvd.SyncBatchNorm(3, process_set=ps)(torch.randn(4, 3))
+        except ValueError as exc:
+            if "not in its process set" not in str(exc):
+                raise AssertionError(f"unexpected message: {exc}") from exc
+        else:
+            raise AssertionError("no ValueError on a rank outside the process set")
+    hvd.remove_process_set(ps)
 
 
 def run_training(rank: int, size: int) -> None:
@@ -186,6 +211,7 @@ def main() -> None:
         rank = str(hvd.rank())
         for case in CASES:
             run_case(case, hvd.rank(), hvd.size())
+        check_process_set(hvd.rank(), hvd.size())
         run_training(hvd.rank(), hvd.size())
         check_too_few_values(hvd.rank())
         hvd.shutdown()
