@@ -1,44 +1,25 @@
 """Reduce-op constants and compression choices, spelled as in horovod.tensorflow.
 
-``dp.Average`` etc. are the core's ``ReduceOp`` members and ``Compression.fp16``
-names the core's compressor class (Horovod users pass the class), so both go
-to the core unchanged. The PyTorch adapter spells the same names; they are
-repeated here because importing ``dp_plugin.torch`` would load torch.
+The constants are the core's (``dp_plugin.horovod_names``), shared with the
+PyTorch adapter; this module adds the Keras adapter's ``op=`` and
+``compression=`` parsing.
 """
 
 from __future__ import annotations
 
-from dp_plugin.compression import BF16Compressor, Compressor, FP16Compressor, NoneCompressor
+from dp_plugin.compression import Compressor
 from dp_plugin.compression import get_compressor as _get_compressor
 from dp_plugin.engines.base import ReduceOp
+from dp_plugin.horovod_names import Adasum, Average, Compression, Max, Min, Product, Sum
 
-Average = ReduceOp.AVERAGE
-Sum = ReduceOp.SUM
-Min = ReduceOp.MIN
-Max = ReduceOp.MAX
-Product = ReduceOp.PRODUCT
+__all__ = [
+    "Adasum", "Average", "Compression", "Max", "Min", "Product", "Sum",
+    "parse_compression", "parse_gradient_op",
+]
 
 # Ops that make sense for gradients: a sum (optionally averaged) of the
 # workers' contributions. Min/max/product of gradients is not a descent step.
 _GRADIENT_OPS = (ReduceOp.AVERAGE, ReduceOp.SUM)
-
-
-class _AdasumOp:
-    """Placeholder so that ``op=dp.Adasum`` can be named and then refused clearly."""
-
-    def __repr__(self) -> str:
-        return "Adasum"
-
-
-Adasum = _AdasumOp()
-
-
-class Compression:
-    """Optional gradient compression on the wire, as ``horovod.tensorflow.Compression``."""
-
-    none = NoneCompressor
-    fp16 = FP16Compressor
-    bf16 = BF16Compressor
 
 
 def parse_gradient_op(op: object, what: str) -> ReduceOp:

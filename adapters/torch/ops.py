@@ -1,30 +1,15 @@
-"""Reduce-op constants and compression choices, spelled as in horovod.torch.
+"""Reduce ops and compression as horovod.torch spells them, and ``op=`` parsing.
 
-``hvd.Average`` etc. are the core's ``ReduceOp`` members, so they can be
-passed straight to the core; ``Compression.fp16`` names the core's
-compressor class (Horovod users pass the class, not an instance).
+The constants are the core's (``dp_plugin.horovod_names``), shared with the
+Keras adapter.
 """
 
 from __future__ import annotations
 
-from dp_plugin.compression import BF16Compressor, FP16Compressor, NoneCompressor
 from dp_plugin.engines.base import ReduceOp
+from dp_plugin.horovod_names import Adasum, Average, Compression, Max, Min, Product, Sum
 
-Average = ReduceOp.AVERAGE
-Sum = ReduceOp.SUM
-Min = ReduceOp.MIN
-Max = ReduceOp.MAX
-Product = ReduceOp.PRODUCT
-
-
-class _AdasumOp:
-    """Placeholder value so ``op=hvd.Adasum`` can be named and then refused clearly."""
-
-    def __repr__(self) -> str:
-        return "Adasum"
-
-
-Adasum = _AdasumOp()
+__all__ = ["Adasum", "Average", "Compression", "Max", "Min", "Product", "Sum", "parse_op"]
 
 
 def parse_op(op: object, what: str) -> ReduceOp:
@@ -39,10 +24,3 @@ def parse_op(op: object, what: str) -> ReduceOp:
         return ReduceOp.AVERAGE
     return ReduceOp.parse(op)  # type: ignore[arg-type]
 
-
-class Compression:
-    """Optional gradient compression, as ``horovod.torch.Compression``."""
-
-    none = NoneCompressor
-    fp16 = FP16Compressor
-    bf16 = BF16Compressor

@@ -24,7 +24,8 @@ def test_import_dp_plugin_loads_no_framework() -> None:
 def test_importing_every_core_module_loads_no_framework() -> None:
     modules = [
         "dp_plugin.config", "dp_plugin.launch", "dp_plugin.fusion", "dp_plugin.scheduler",
-        "dp_plugin.compression", "dp_plugin.timeline", "dp_plugin.layout", "dp_plugin.check",
+        "dp_plugin.compression", "dp_plugin.horovod_names", "dp_plugin.timeline",
+        "dp_plugin.layout", "dp_plugin.check",
         "dp_plugin.engines", "dp_plugin.engines.local", "dp_plugin.engines.torch_dist",
         "dp_plugin.engines.mpi", "dp_plugin.engines.horovod",
     ]
