@@ -27,15 +27,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from _launch import clean_env, horovodrun_job, mpiexec_job, run_jobs, torchrun_jobs
 
 TOTAL_BYTES = 64 * 2**20
 N_TENSORS = 100
@@ -107,46 +104,16 @@ def worker(reps: int, warmup: int) -> None:
     dp_plugin.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(engine: str, nprocs: int, reps: int, warmup: int, timeout: float) -> dict:
-    bindir = Path(sys.executable).parent
     me = [sys.executable, __file__, "--worker", "--reps", str(reps), "--warmup", str(warmup)]
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMI_", "HOROVOD_", "SLURM_"))}
-    env.update(DP_PLUGIN_ENGINE=engine, PATH=f"{bindir}:{env.get('PATH', '')}")
+    env = clean_env(DP_PLUGIN_ENGINE=engine)
     if engine == "mpi":
-        cmds = [[str(bindir / "mpiexec"), "-n", str(nprocs), *me]]
+        jobs = [mpiexec_job(me, nprocs, env)]
     elif engine == "horovod":
-        cmds = [[str(bindir / "horovodrun"), "--gloo", "-np", str(nprocs),
-                 "-H", f"localhost:{nprocs}", *me]]
+        jobs = [horovodrun_job(me, nprocs, env)]
     else:
-        port = str(_free_port())
-        cmds = [me] * nprocs
-        envs = [dict(env, RANK=str(r), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r),
-                     LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-                for r in range(nprocs)]
-    procs = [subprocess.Popen(c, env=envs[i] if engine not in ("mpi", "horovod") else env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i, c in enumerate(cmds)]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise SystemExit(f"{engine}: benchmark workers hung for {timeout:.0f} s") from None
-    if any(p.returncode for p in procs):
-        raise SystemExit(f"{engine}: a worker failed:\n" + "\n".join(outs))
-    for line in "\n".join(outs).splitlines():
-        if "RESULT " in line:
-            return dict(json.loads(line.split("RESULT ", 1)[1]))
-    raise SystemExit(f"{engine}: no RESULT line in:\n" + "\n".join(outs))
+        jobs = torchrun_jobs(me, nprocs, env)
+    return run_jobs(engine, jobs, timeout)
 
 
 def main() -> None:

@@ -31,13 +31,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
+
+from _launch import Job, clean_env, mpiexec_job, run_jobs, torchrun_jobs
 
 FEATURES, HIDDEN, CLASSES = 512, 1024, 10
 BATCH = 64  # per worker
@@ -131,57 +130,24 @@ def worker(config: str, steps: int, warmup: int, threads: int) -> None:
         print("RESULT " + json.dumps(result), flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(config: str, nprocs: int, steps: int, warmup: int, timeout: float) -> dict[str, Any]:
     """Run one configuration to completion; return rank 0's RESULT."""
-    bindir = Path(sys.executable).parent
 
     def me(threads: int) -> list[str]:
         return [sys.executable, __file__, "--worker", config, "--steps", str(steps),
                 "--warmup", str(warmup), "--threads", str(threads)]
 
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMI_", "HOROVOD_", "SLURM_", "TORCHELASTIC_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                         "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PATH=f"{bindir}:{env.get('PATH', '')}", OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
-    jobs: list[tuple[list[str], dict[str, str]]]
+    env = clean_env(TF_CPP_MIN_LOG_LEVEL="2")
+    jobs: list[Job]
     if config == "dp_plugin@mpi":
-        jobs = [([str(bindir / "mpiexec"), "-n", str(nprocs), *me(1)],
-                 dict(env, DP_PLUGIN_ENGINE="mpi"))]
+        jobs = [mpiexec_job(me(1), nprocs, dict(env, DP_PLUGIN_ENGINE="mpi"))]
     elif config == "dp_plugin":
-        port = str(_free_port())
-        jobs = [(me(1), dict(env, RANK=str(r), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r),
-                             LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1",
-                             MASTER_PORT=port, DP_PLUGIN_ENGINE="gloo"))
-                for r in range(nprocs)]
+        jobs = torchrun_jobs(me(1), nprocs, dict(env, DP_PLUGIN_ENGINE="gloo"))
     elif config == "single":
         jobs = [(me(nprocs), env)]
     else:  # floor
         jobs = [(me(1), dict(env, BENCH_INDEX=str(i))) for i in range(nprocs)]
-    procs = [subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, start_new_session=True) for cmd, e in jobs]
-    outs = []
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                os.killpg(q.pid, 9)
-            raise SystemExit(f"{config}: benchmark workers hung for {timeout:.0f} s") from None
-    if any(p.returncode for p in procs):
-        raise SystemExit(f"{config}: a worker failed:\n" + "\n".join(outs))
-    for line in "\n".join(outs).splitlines():
-        if line.startswith("RESULT "):
-            return dict(json.loads(line[len("RESULT "):]))
-    raise SystemExit(f"{config}: no RESULT line in:\n" + "\n".join(outs))
+    return run_jobs(config, jobs, timeout)
 
 
 def main() -> None:

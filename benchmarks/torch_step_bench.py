@@ -48,13 +48,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
+
+from _launch import Job, clean_env, horovodrun_job, run_jobs, torchrun_jobs
 
 VOCAB, HIDDEN, LAYERS, HEADS, FFN = 8192, 256, 4, 4, 1024
 SEQ, BATCH, MASK_FRACTION = 128, 8, 0.15
@@ -178,22 +177,6 @@ def _scheduler_stats(sched: Any, warmup: int) -> dict[str, Any]:
 
 # -- launching ---------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-_LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "HYDRA_", "SLURM_", "TORCHELASTIC_",
-                      "HOROVOD_GLOO_")
-_LAUNCHER_NAMES = frozenset({
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-    "MASTER_ADDR", "MASTER_PORT", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK",
-    "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME",
-    "HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS",
-})
-
-
 def parse_config(spec: str) -> tuple[str, dict[str, str]]:
     """``name[:fusion=MiB]`` -> (name, extra environment)."""
     name, _, option = spec.partition(":")
@@ -213,44 +196,17 @@ def parse_config(spec: str) -> tuple[str, dict[str, str]]:
 def launch(spec: str, nprocs: int, steps: int, warmup: int, timeout: float) -> dict[str, Any]:
     """Run one configuration to completion; return rank 0's RESULT."""
     config, extra_env = parse_config(spec)
-    bindir = Path(sys.executable).parent
     me = [sys.executable, __file__, "--worker", config, "--steps", str(steps),
           "--warmup", str(warmup)]
-    # Drop what a launcher set (this shell may itself run under one); keep
-    # tuning variables such as HOROVOD_CYCLE_TIME or DP_PLUGIN_FUSION_THRESHOLD.
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(_LAUNCHER_PREFIXES) and k not in _LAUNCHER_NAMES}
-    env.update(PATH=f"{bindir}:{env.get('PATH', '')}", OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1", **extra_env)
-    jobs: list[tuple[list[str], dict[str, str]]]
+    env = clean_env(**extra_env)
+    jobs: list[Job]
     if config in ("horovod", "dp_plugin@hvd"):
-        jobs = [([str(bindir / "horovodrun"), "--gloo", "-np", str(nprocs),
-                  "-H", f"localhost:{nprocs}", *me], env)]
+        jobs = [horovodrun_job(me, nprocs, env)]
     elif config == "floor":
         jobs = [(me, dict(env, BENCH_INDEX=str(i))) for i in range(nprocs)]
     else:
-        port = str(_free_port())
-        jobs = [(me, dict(env, RANK=str(r), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r),
-                          LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=port))
-                for r in range(nprocs)]
-    procs = [subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, start_new_session=True) for cmd, e in jobs]
-    outs = []
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                os.killpg(q.pid, 9)
-            raise SystemExit(f"{config}: benchmark workers hung for {timeout:.0f} s") from None
-    if any(p.returncode for p in procs):
-        raise SystemExit(f"{config}: a worker failed:\n" + "\n".join(outs))
-    for line in "\n".join(outs).splitlines():
-        if "RESULT " in line:
-            return dict(json.loads(line.split("RESULT ", 1)[1]))
-    raise SystemExit(f"{config}: no RESULT line in:\n" + "\n".join(outs))
+        jobs = torchrun_jobs(me, nprocs, env)
+    return run_jobs(spec, jobs, timeout)
 
 
 def main() -> None:
