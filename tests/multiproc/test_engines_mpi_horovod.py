@@ -9,9 +9,7 @@ an MPI without those types (e.g. Open MPI) relies on are tested here too.
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -68,7 +66,11 @@ def _emulated_halves_worker() -> None:
     from dp_plugin.config import Config
     from dp_plugin.engines.mpi import MPIEngine
     from dp_plugin.launch import detect
-    from tests.multiproc.workers import engine_battery
+
+    # The battery and its fail-fast helper are scripts' siblings, not a package.
+    sys.path.insert(0, str(HERE / "workers"))
+    import engine_battery
+    from _fail_fast import fail_fast
 
     class EmulatedHalvesEngine(MPIEngine):
         _use_native_halves = False
@@ -83,8 +85,7 @@ def _emulated_halves_worker() -> None:
         engine_battery.run_battery(engine)
         engine.shutdown()
     except BaseException:
-        print(f"rank {rank} FAILED:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        os._exit(1)
+        fail_fast(rank)
     print(f"rank {rank} OK", flush=True)
 
 

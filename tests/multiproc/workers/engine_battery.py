@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
-import sys
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from _fail_fast import fail_fast
 
 from dp_plugin.arrays import as_numpy, as_torch, is_torch, numpy_dtype
 from dp_plugin.config import Config
@@ -334,9 +332,7 @@ def main() -> None:
             run_battery(engine)
         engine.shutdown()
     except BaseException:
-        print(f"rank {rank} FAILED:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        sys.stderr.flush()
-        os._exit(1)
+        fail_fast(rank)
     if not args.timeout_case:
         print(f"rank {rank} OK", flush=True)
 

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+from _fail_fast import fail_fast
 
 from dp_plugin import runtime
 from dp_plugin.arrays import as_numpy, is_torch, numpy_dtype
@@ -353,9 +352,7 @@ def main() -> None:
         runtime.shutdown()
         print(f"rank {rank} times: {', '.join(took)}", flush=True)
     except BaseException:
-        print(f"rank {rank} FAILED:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        sys.stderr.flush()
-        os._exit(1)
+        fail_fast(rank)
     print(f"rank {rank} OK", flush=True)
 
 

@@ -27,9 +27,9 @@ Any unexpected outcome prints a traceback and exits 1 at once.
 from __future__ import annotations
 
 import os
-import sys
-import traceback
 from collections.abc import Callable
+
+from _fail_fast import fail_fast
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -149,7 +149,4 @@ if __name__ == "__main__":
     try:
         main()
     except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        fail_fast("?")  # the launcher prefixes each line with the rank

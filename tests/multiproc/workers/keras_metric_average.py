@@ -31,10 +31,10 @@ collective after DP_PLUGIN_TIMEOUT).
 from __future__ import annotations
 
 import os
-import sys
-import traceback
 from collections.abc import Callable
 from typing import Any
+
+from _fail_fast import fail_fast
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -198,9 +198,7 @@ def main() -> None:
         assert token[0] == size, token
         dp.shutdown()
     except BaseException:
-        print(f"rank {rank} FAILED:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        sys.stderr.flush()
-        os._exit(1)
+        fail_fast(rank)
     print(f"rank {rank} OK", flush=True)
 
 

@@ -41,11 +41,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import sys
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
+
+from _fail_fast import fail_fast
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -390,7 +390,4 @@ if __name__ == "__main__":
     try:
         main()
     except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        fail_fast("?")  # the launcher prefixes each line with the rank

@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
-import sys
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from _fail_fast import fail_fast
 
 from dp_plugin.arrays import as_numpy, as_torch, numpy_dtype
 from dp_plugin.config import Config
@@ -215,9 +213,7 @@ def main() -> None:
             run_all(engine)
         engine.shutdown()
     except BaseException:
-        print(f"rank {rank} FAILED:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        sys.stderr.flush()
-        os._exit(1)
+        fail_fast(rank)
     if args.mismatch:
         print(f"rank {rank} MISMATCH-OK: {message}", flush=True)
     else:

@@ -25,13 +25,12 @@ import argparse
 import hashlib
 import os
 import re
-import sys
-import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from _fail_fast import fail_fast
 
 import dp_plugin.torch.ops as ops
 from dp_plugin.torch.agreement import DuplicateNameError, MismatchError
@@ -432,9 +431,7 @@ def main() -> None:
             section()
         hvd_shutdown()
     except BaseException:
-        print(f"rank {rank} FAILED:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        sys.stderr.flush()
-        os._exit(1)
+        fail_fast(rank)
     print(f"rank {rank} OK", flush=True)
 
 

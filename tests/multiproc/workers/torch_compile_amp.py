@@ -36,13 +36,11 @@ Any failure prints a traceback and exits 1 at once (``os._exit``).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from _fail_fast import fail_fast
 from torch import nn
 
 import dp_plugin.torch as hvd
@@ -195,9 +193,7 @@ def main() -> None:
             run_amp()
         hvd.shutdown()
     except BaseException:
-        print(f"rank {rank} FAILED:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        sys.stderr.flush()
-        os._exit(1)
+        fail_fast(rank)
     print(f"rank {rank} OK", flush=True)
 
 

@@ -30,14 +30,12 @@ other ranks fail by their collective timeout instead of waiting.
 from __future__ import annotations
 
 import copy
-import os
-import sys
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from _fail_fast import fail_fast
 from torch import nn
 
 import dp_plugin.torch as hvd
@@ -233,9 +231,7 @@ def main() -> None:
             raise AssertionError(f"join() without optimizers returned {last}")
         hvd.shutdown()
     except BaseException:
-        print(f"rank {rank} FAILED:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        sys.stderr.flush()
-        os._exit(1)
+        fail_fast(rank)
     print(f"rank {rank} OK", flush=True)
 
 

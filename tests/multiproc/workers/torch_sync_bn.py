@@ -28,13 +28,11 @@ ranks then fail their next collective (``DP_PLUGIN_TIMEOUT``).
 
 from __future__ import annotations
 
-import os
-import sys
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from _fail_fast import fail_fast
 from torch import nn
 
 import dp_plugin.torch as hvd
@@ -216,9 +214,7 @@ def main() -> None:
         check_too_few_values(hvd.rank())
         hvd.shutdown()
     except BaseException:
-        print(f"rank {rank} FAILED:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        sys.stderr.flush()
-        os._exit(1)
+        fail_fast(rank)
     print(f"rank {rank} OK", flush=True)
 
 
