@@ -179,11 +179,15 @@ class Engine(ABC):
         size = self.size
         return handle.then(lambda: _divide(buf, size))
 
-    def broadcast(self, buf: Any, root: int, name: str = "broadcast") -> None:
-        """In-place broadcast of ``buf`` from ``root`` to every rank."""
+    def broadcast_async(self, buf: Any, root: int, name: str = "broadcast") -> Handle:
+        """Start an in-place broadcast of the 1-D buffer ``buf`` from ``root``."""
         self._check_root(root, name)
         _check_flat(buf, f"broadcast {name!r}")
-        self._broadcast_async(buf, root, name).wait()
+        return self._broadcast_async(buf, root, name)
+
+    def broadcast(self, buf: Any, root: int, name: str = "broadcast") -> None:
+        """In-place broadcast of ``buf`` from ``root`` to every rank."""
+        self.broadcast_async(buf, root, name).wait()
 
     def allgather(self, buf: Any, name: str = "allgather") -> Any:
         """Concatenate every rank's buffer along the first dimension.

@@ -234,7 +234,7 @@ def test_torch_tensors() -> None:
     for step in range(3):
         for sched, results in ranks:
             assert_close(results[step], reference("average", specs, 3, step), specs)
-            assert sched._ops is not None and sched._ops.kind == "torch"
+            assert sched.fused.ops is not None and sched.fused.ops.kind == "torch"
 
 
 # -- scheduling ------------------------------------------------------------
@@ -292,7 +292,7 @@ def test_ready_events_timestamp_finished_all_reduces() -> None:
     grads = [np.ones(4, np.float32) for _ in specs]
     sched.mark_ready(3, grads[3])
     sched.mark_ready(2, grads[2])  # polls bucket 0, which one rank finishes at once
-    first = sched._states[0].handle
+    first = sched.fused._handles[0]
     assert first is not None and first.completed_at is not None
     for i in (1, 0):
         sched.mark_ready(i, grads[i])
@@ -431,10 +431,10 @@ def test_no_buffer_allocation_after_warm_up(compression: str) -> None:
             sched.synchronize()
             per_step.append(len(spy.allocations) - before)
             if step == 2:
-                buffers = [(st.flat, st.wire) for st in sched._states]
+                buffers = [(b.flat, dict(b.scratch)) for b in sched.fused.buffers]
         same = all(
-            st.flat is f and st.wire is w for st, (f, w) in zip(sched._states, buffers,
-                                                                strict=True)
+            b.flat is f and all(b.scratch[k] is v for k, v in w.items())
+            for b, (f, w) in zip(sched.fused.buffers, buffers, strict=True)
         )
         return per_step, int(same)
 

@@ -1,21 +1,21 @@
-"""First-step layout check, on a fake thread group (no processes)."""
+"""Cross-rank agreement of layouts and settings, on a fake thread group (no processes)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from dp_plugin.errors import LayoutMismatchError
-from dp_plugin.fusion import TensorSpec
-from dp_plugin.layout import (
+from dp_plugin.agreement import (
     DIGEST_SIZE,
-    check_layout,
-    control_device,
+    agree,
     describe_mismatch,
-    layout_fingerprint,
+    describe_settings,
+    fingerprint,
     to_device,
     to_host,
 )
+from dp_plugin.errors import LayoutMismatchError
+from dp_plugin.fusion import TensorSpec
 from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks, run_ranks_outcomes
 
 
@@ -24,28 +24,28 @@ def model(n: int = 4) -> list[TensorSpec]:
 
 
 def test_fingerprint_is_fixed_size_and_sensitive() -> None:
-    base = layout_fingerprint(model())
+    base = fingerprint(model())
     assert len(base) == DIGEST_SIZE
-    assert layout_fingerprint(model()) == base
-    assert layout_fingerprint(list(reversed(model()))) != base
+    assert fingerprint(model()) == base
+    assert fingerprint(list(reversed(model()))) != base
     changed = model()
     changed[2] = TensorSpec("layer2.weight", (3, 3), "float16")
-    assert layout_fingerprint(changed) != base
-    assert layout_fingerprint(model(5)) != base
-    assert layout_fingerprint([]) != base
+    assert fingerprint(changed) != base
+    assert fingerprint(model(5)) != base
+    assert fingerprint([]) != base
 
 
 def test_fingerprint_ignores_device_index_only() -> None:
     a = [TensorSpec("w", (2,), "float32", "cuda:0")]
     b = [TensorSpec("w", (2,), "float32", "cuda:1")]
     c = [TensorSpec("w", (2,), "float32", "cpu")]
-    assert layout_fingerprint(a) == layout_fingerprint(b) != layout_fingerprint(c)
+    assert fingerprint(a) == fingerprint(b) != fingerprint(c)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_matching_layouts_pass(n: int) -> None:
     engines = make_thread_group(n)
-    run_ranks(engines, lambda e: check_layout(e, model()))
+    run_ranks(engines, lambda e: agree(e, model()))
     # One all-gather of the digest when they match; nothing at all for one rank.
     expected = [] if n == 1 else [("allgather", "gradients.layout_digest", DIGEST_SIZE)]
     assert all(e.log == expected for e in engines)
@@ -55,7 +55,7 @@ def _mismatch(n: int, layouts: dict[int, list[TensorSpec]]) -> list[BaseExceptio
     engines = make_thread_group(n)
 
     def body(e: FakeEngine) -> None:
-        check_layout(e, layouts.get(e.rank, model()), what="parameters")
+        agree(e, layouts.get(e.rank, model()), what="parameters")
 
     outcomes = run_ranks_outcomes(engines, body)
     assert all(isinstance(o, LayoutMismatchError) for o in outcomes), outcomes
@@ -110,14 +110,39 @@ def test_dtype_and_order_mismatch() -> None:
 
 def test_describe_mismatch_when_layouts_agree() -> None:
     same = [["w", [1], "float32", "cpu"]]
-    assert "corrupted" in describe_mismatch([same, same], "gradients", 0)
+    assert describe_mismatch([same, same], "gradients", 0) is None
+    assert "corrupted" in describe_settings([{"a": "1"}, {"a": "1"}], "gradients", 0)
 
 
-def test_control_buffers_go_where_the_gradients_live() -> None:
-    # nccl takes only CUDA buffers: the digests follow the first device tensor.
-    assert control_device(model()) == "cpu"
-    mixed = [*model(2), TensorSpec("g", (2,), "float32", "cuda:1")]
-    assert control_device(mixed) == "cuda:1"
+def test_fingerprint_covers_settings() -> None:
+    base = fingerprint(model(), {"fusion threshold": 1024})
+    assert fingerprint(model(), {"fusion threshold": 1024}) == base
+    assert fingerprint(model(), {"fusion threshold": 4096}) != base
+    assert fingerprint(model()) != base
+
+
+@pytest.mark.parametrize(("key", "values"), [
+    ("fusion threshold", (4096, 1024)),
+    ("compression", ("none", "fp16")),
+    ("prescale", (1.0, 0.5)),
+])
+def test_differing_settings_raise_on_every_rank_naming_both_values(
+    key: str, values: tuple[object, object]
+) -> None:
+    engines = make_thread_group(2)
+
+    def body(e: FakeEngine) -> None:
+        agree(e, model(), what="gradients", settings={key: values[e.rank]})
+
+    outcomes = run_ranks_outcomes(engines, body)
+    for rank, err in enumerate(outcomes):
+        assert isinstance(err, LayoutMismatchError), outcomes
+        msg = str(err)
+        assert msg.startswith(f"rank {rank}: the gradients use different settings")
+        assert f"{key} differs (rank 0: {values[0]!r}; rank 1: {values[1]!r})" in msg
+
+
+def test_control_buffers_move_to_the_engines_device() -> None:
     arr = np.arange(3, dtype=np.int64)
     assert to_device(arr, "cpu") is arr
     assert to_host(arr) is arr

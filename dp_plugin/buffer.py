@@ -1,0 +1,123 @@
+"""``FusionBuffer``: the persistent flat buffer of one bucket, with pack and unpack.
+
+One buffer per bucket of the plan, allocated on first use and reused every
+step (nothing is allocated per step once warm). Three ways a member's data
+gets in and out, chosen per step:
+
+- *copy*: the member is copied into its slice (scaled on the way, so the
+  policy's pre-scale costs no extra pass) and copied back out after the
+  collective (post-scaled on the way);
+- *aliased*: the member already *is* its slice (an adapter used
+  ``view(i)`` as the gradient's storage, DDP's ``gradient_as_bucket_view``):
+  only scaled in place;
+- *direct*: a bucket of one contiguous member whose wire dtype is its own
+  dtype is reduced where it lies, with no fusion buffer at all.
+
+An optional *control slot* of ``control_numel`` elements follows the
+members in the last bucket: its owner writes values there (join flags),
+they travel with the bucket unscaled, and the owner reads the reduced
+values after the bucket finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from dp_plugin.arrays import ArrayOps, spec_of
+from dp_plugin.fusion import Bucket, TensorSpec
+from dp_plugin.hooks import GradBucket
+
+
+class FusionBuffer:
+    """Pack and unpack the members of ``bucket`` (spec indices into ``specs``)."""
+
+    def __init__(self, bucket: Bucket, specs: Sequence[TensorSpec], label: str,
+                 control_numel: int = 0) -> None:
+        self.bucket = bucket
+        self.label = label
+        self.names = tuple(specs[i].name for i in bucket.members)
+        self.numels = tuple(specs[i].numel for i in bucket.members)
+        self.control_numel = control_numel
+        self.flat: Any = None
+        self.views: list[Any] = []
+        self.control: Any = None
+        """The control slot (a 1-D slice of ``flat``), if the bucket has one."""
+        self.scratch: dict[str, Any] = {}
+        """Persistent storage of the hooks (wire buffers), per bucket."""
+        self._direct: Any = None
+        self._aliased: list[bool] = []
+
+    @property
+    def numel(self) -> int:
+        return self.bucket.numel + self.control_numel
+
+    def allocate(self, ops: ArrayOps) -> None:
+        """Make the flat buffer and the members' views (once)."""
+        if self.flat is not None:
+            return
+        b = self.bucket
+        self.flat = ops.empty(self.numel, b.dtype, b.device)
+        self.views = [ops.slice(self.flat, off, off + n)
+                      for off, n in zip(b.offsets, self.numels, strict=True)]
+        if self.control_numel:
+            self.control = ops.slice(self.flat, b.numel, self.numel)
+
+    def view(self, ops: ArrayOps, member: int) -> Any:
+        """The 1-D slice where member ``member`` (position in the bucket) lives."""
+        self.allocate(ops)
+        return self.views[member]
+
+    def pack(self, ops: ArrayOps, tensors: Sequence[Any], prescale: float,
+             allow_direct: bool) -> GradBucket:
+        """Bring this step's ``tensors`` (one per member) into the buffer; the
+        returned ``GradBucket`` is what the hook reduces."""
+        self._direct = None
+        if allow_direct and len(tensors) == 1 and not self.control_numel \
+                and spec_of(tensors[0])[2] == self.bucket.device:
+            self._direct = ops.flat_alias(tensors[0])
+        if self._direct is not None:
+            if prescale != 1.0:
+                ops.scale_(self._direct, prescale)
+            return self._grad_bucket(ops, self._direct)
+        self.allocate(ops)
+        self._aliased = []
+        for view, tensor in zip(self.views, tensors, strict=True):
+            aliased = ops.shares_memory(view, tensor)
+            self._aliased.append(aliased)
+            if aliased:
+                if prescale != 1.0:
+                    ops.scale_(view, prescale)
+            elif prescale != 1.0:
+                ops.pack_scaled(view, tensor, prescale)
+            else:
+                ops.pack(view, tensor)
+        return self._grad_bucket(ops, self.flat)
+
+    def unpack(self, ops: ArrayOps, tensors: Sequence[Any], postscale: float) -> None:
+        """Write the reduced values back into ``tensors`` (post-scaled)."""
+        if self._direct is not None:
+            if postscale != 1.0:
+                ops.scale_(self._direct, postscale)
+            self._direct = None
+            return
+        for view, tensor, aliased in zip(self.views, tensors, self._aliased, strict=True):
+            if aliased:
+                if postscale != 1.0:
+                    ops.scale_(view, postscale)
+            elif postscale != 1.0:
+                ops.unpack_scaled(tensor, view, postscale)
+            else:
+                ops.unpack(tensor, view)
+
+    def _grad_bucket(self, ops: ArrayOps, flat: Any) -> GradBucket:
+        b = self.bucket
+        return GradBucket(b.index, b.dtype, b.device, self.names, ops, flat, self.label,
+                          self.scratch)
+
+    def describe(self) -> str:
+        b = self.bucket
+        names = ", ".join(repr(n) for n in self.names[:3])
+        more = ", ..." if len(self.names) > 3 else ""
+        return (f"bucket {b.index} of {self.label.rsplit('.', 1)[0]!r}: {len(self.names)} "
+                f"tensor(s), {b.nbytes} bytes {b.dtype} on {b.device}, first {names}{more}")

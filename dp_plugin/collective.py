@@ -1,0 +1,227 @@
+"""``FusedCollective``: the one path every fused collective of dp_plugin takes.
+
+    plan (tensors -> buckets)                         dp_plugin.fusion
+      -> pack into a persistent FusionBuffer          dp_plugin.buffer
+      -> agree once across ranks                      dp_plugin.agreement
+      -> hook(state, bucket) -> handle                dp_plugin.hooks
+      -> engine transport                             dp_plugin.engines
+      -> unpack
+
+The gradient scheduler drives it bucket by bucket as gradients become
+ready; ``run`` drives it all at once for grouped all-reduces, parameter and
+optimizer-state broadcasts, metric averaging and SyncBatchNorm statistics.
+
+Distributed contract: every rank builds it with the same specs (in the same
+order) and settings, and starts buckets in the same order. The first
+``start`` runs the agreement check (a collective) on every rank; a
+difference raises ``LayoutMismatchError`` on every rank. After any failed
+collective the object refuses further work (the ranks are out of step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from dp_plugin import agreement
+from dp_plugin.arrays import ArrayOps, NumpyOps, ops_for
+from dp_plugin.buffer import FusionBuffer
+from dp_plugin.compression import get_compressor
+from dp_plugin.dtypes import itemsize
+from dp_plugin.engines.base import Handle
+from dp_plugin.errors import DPPluginError
+from dp_plugin.fusion import TensorSpec, plan_buckets
+from dp_plugin.hooks import NO_SCALING, CommHook, HookState, ReducePolicy, hook_for
+from dp_plugin.timeline import NullTimeline
+
+
+class FusedCollective:
+    """Fused collectives over a fixed list of tensors (see the module docstring).
+
+    ``policy`` scales (``ReducePolicy``; none by default); ``hook`` moves a
+    packed bucket (default: all-reduce, compressed per ``compression``);
+    ``threshold`` caps a bucket's bytes; ``order`` is the expected ready
+    order (default: reverse registration); ``control_numel`` adds a control
+    slot to the last bucket (see ``FusionBuffer``); ``settings`` are
+    compared across ranks with the layout; ``root`` is the broadcast root
+    as a rank of ``engine``.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[TensorSpec],
+        *,
+        engine: Any,
+        name: str,
+        threshold: int,
+        policy: ReducePolicy = NO_SCALING,
+        compression: Any = "none",
+        hook: CommHook | None = None,
+        order: Iterable[int] | None = None,
+        control_numel: int = 0,
+        settings: Mapping[str, Any] | None = None,
+        root: int = 0,
+        timeline: Any = None,
+        array_ops: ArrayOps | None = None,
+        what: str | None = None,
+    ) -> None:
+        self.engine = engine
+        self.name = name
+        self.specs = tuple(specs)
+        self.threshold = threshold
+        self.policy = policy
+        self.compressor = get_compressor(compression)
+        self.hook: CommHook = hook_for(self.compressor) if hook is None else hook
+        self.state = HookState(engine, policy.engine_op, root)
+        self.control_numel = control_numel
+        self.what = what or f"tensors of {name!r}"
+        self.settings = {
+            "fusion threshold": threshold, "compression": self.compressor.name,
+            "op": policy.op.value, "prescale": policy.prescale, "postscale": policy.postscale,
+            "root": root, **(settings or {}),
+        }
+        self.timeline = NullTimeline() if timeline is None else timeline
+        self.ops = array_ops
+        self.agreed = False
+        self.broken: BaseException | None = None
+        self.plan_version = -1
+        self.install(plan_buckets(self.specs, threshold, order=order))
+
+    # -- plan ---------------------------------------------------------------------
+    def install(self, plan: list[Any]) -> None:
+        """Adopt ``plan``: new fusion buffers (allocated on first use)."""
+        self.plan = plan
+        self.plan_version += 1
+        last = len(plan) - 1
+        self.buffers = [
+            FusionBuffer(b, self.specs, f"{self.name}.bucket{b.index}",
+                         self.control_numel if b.index == last else 0)
+            for b in plan
+        ]
+        self.bucket_of = [0] * len(self.specs)
+        for b in plan:
+            for i in b.members:
+                self.bucket_of[i] = b.index
+        self._handles: list[Handle | None] = [None] * len(plan)
+        self._pack_spans = [(0.0, 0.0)] * len(plan)
+
+    def replan(self, order: Sequence[int]) -> bool:
+        """Re-plan for the ready order ``order``; True if the buckets changed."""
+        plan = plan_buckets(self.specs, self.threshold, order=order)
+        if [b.members for b in plan] == [b.members for b in self.plan]:
+            return False
+        self.install(plan)
+        return True
+
+    def backend(self, like: Any = None) -> ArrayOps:
+        if self.ops is None:
+            if like is not None:
+                self.ops = ops_for(like)
+            elif all(s.device == "cpu" for s in self.specs):
+                self.ops = NumpyOps()
+            else:
+                from dp_plugin.arrays import TorchOps
+
+                self.ops = TorchOps()
+        return self.ops
+
+    def view(self, index: int, like: Any = None) -> Any:
+        """Spec ``index``'s slice of its fusion buffer, shaped like the spec."""
+        buf = self.buffers[self.bucket_of[index]]
+        member = buf.bucket.members.index(index)
+        return buf.view(self.backend(like), member).reshape(self.specs[index].shape)
+
+    def control(self, like: Any = None) -> Any:
+        """The control slot (in the last bucket's buffer)."""
+        buf = self.buffers[-1]
+        buf.allocate(self.backend(like))
+        return buf.control
+
+    # -- data path -------------------------------------------------------------------
+    def start(self, index: int, tensors: Sequence[Any]) -> Handle | None:
+        """Pack bucket ``index`` from ``tensors`` (indexed by spec) and start its
+        collective. Returns the handle (None for an empty bucket)."""
+        self._check_usable()
+        buf = self.buffers[index]
+        if buf.numel == 0:
+            return None  # nothing to move; every rank skips it alike (same plan)
+        if not self.agreed:
+            self.agreed = True
+            self._guard(lambda: agreement.agree(self.engine, self.specs, self.what,
+                                                self.settings))
+        ops = self.backend(tensors[buf.bucket.members[0]] if buf.bucket.members else None)
+        t0 = time.perf_counter()
+        members = [tensors[i] for i in buf.bucket.members]
+        allow_direct = self.compressor.wire_dtype(buf.bucket.dtype) == buf.bucket.dtype
+        grad_bucket = buf.pack(ops, members, self.policy.prescale, allow_direct)
+        t1 = time.perf_counter()
+        handle: Handle = self._guard(lambda: self.hook(self.state, grad_bucket), buf)
+        # The engine's timeout message quotes the description: make it name the bucket.
+        handle.description = f"{handle.description} [{buf.describe()}]"
+        self._handles[index] = handle
+        self._pack_spans[index] = (t0, t1)
+        return handle
+
+    def wire_bytes(self, index: int) -> int:
+        b = self.buffers[index]
+        return b.numel * itemsize(self.compressor.wire_dtype(b.bucket.dtype))
+
+    def done(self, index: int) -> bool:
+        handle = self._handles[index]
+        return handle is None or bool(self._guard(handle.done, self.buffers[index]))
+
+    def wait(self, index: int) -> None:
+        handle = self._handles[index]
+        if handle is not None:
+            self._guard(handle.wait, self.buffers[index])
+
+    def finish(self, index: int, tensors: Sequence[Any]) -> Handle | None:
+        """Wait for bucket ``index`` and unpack it into ``tensors``; returns its
+        (completed) handle, or None if the bucket was not started."""
+        handle = self._handles[index]
+        if handle is None:
+            return None
+        self.wait(index)
+        buf = self.buffers[index]
+        t0 = time.perf_counter()
+        buf.unpack(self.backend(), [tensors[i] for i in buf.bucket.members],
+                   self.policy.postscale)
+        t1 = time.perf_counter()
+        self._handles[index] = None
+        b = buf.bucket
+        args = {"bucket": b.index, "tensors": len(b.members), "bytes": b.nbytes}
+        tl = self.timeline
+        tl.span(f"pack {b.index}", "pack", *self._pack_spans[index], tid="pack", args=args)
+        tl.span(f"allreduce {b.index}", "allreduce", handle.started_at,
+                handle.completed_at or t0, tid="allreduce", args=args)
+        tl.span(f"unpack {b.index}", "unpack", t0, t1, tid="unpack", args=args)
+        return handle
+
+    def run(self, tensors: Sequence[Any]) -> None:
+        """Every bucket, in order: start all, then finish all (a synchronization point)."""
+        for b in self.plan:
+            self.start(b.index, tensors)
+        for b in self.plan:
+            self.finish(b.index, tensors)
+
+    # -- errors -------------------------------------------------------------------------
+    def _guard(self, fn: Any, buf: FusionBuffer | None = None) -> Any:
+        """Run a step of the protocol; on failure the object is unusable: the
+        ranks no longer agree on what comes next, so later calls re-raise
+        instead of starting collectives that could only mismatch or hang."""
+        try:
+            return fn()
+        except BaseException as exc:
+            self.broken = exc
+            if buf is not None:
+                exc.add_note(f"while reducing {buf.describe()}")
+            raise
+
+    def _check_usable(self) -> None:
+        if self.broken is not None:
+            raise DPPluginError(
+                f"{self.name!r} failed earlier ({type(self.broken).__name__}: {self.broken}); "
+                "the ranks' collectives are out of step, so it cannot continue. Fix the cause "
+                "and restart the job"
+            ) from self.broken

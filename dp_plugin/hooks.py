@@ -1,0 +1,183 @@
+"""Communication hooks: what a fused collective does with one packed bucket.
+
+Modelled on PyTorch DDP's comm hooks (``hook(state, bucket) -> future``):
+a hook receives a ``GradBucket`` whose flat buffer is already packed (and
+pre-scaled) and returns an engine ``Handle``; when the handle completes, the
+bucket's buffer must hold the reduced values. Policies compose by wrapping::
+
+    hook = compression_wrapper(allreduce_hook, get_compressor("fp16"))
+
+``allreduce_hook`` sums (or min/max/product) over the engine;
+``broadcast_hook`` copies the root's buffer; ``compression_wrapper`` makes
+any hook travel in a narrower dtype through a persistent wire buffer.
+Users may write their own (error feedback, PowerSGD-style low rank): the
+contract is only "after ``handle.wait()`` the buffer holds what every rank
+agrees on", and every rank must run the same collectives for a bucket.
+
+Scaling (averaging, Horovod's predivide, pre/post factors) is *not* a hook:
+``ReducePolicy`` computes the factors once, in one place, and the fusion
+buffer folds them into its pack and unpack copies, so that averaging rounds
+the same way on every path and every engine and costs no extra pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dp_plugin.arrays import ArrayOps
+from dp_plugin.compression import Compressor, get_compressor
+from dp_plugin.dtypes import is_floating
+from dp_plugin.engines.base import Handle, ReduceOp
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReducePolicy:
+    """How a reduction is scaled: the one definition of Average on every path.
+
+    Horovod's rule: ``op=average`` multiplies each rank's input by
+    ``prescale / predivide`` before the sum and the sum by
+    ``postscale * predivide / size`` after it; ``op=sum`` applies only the
+    user's factors; min/max/product allow none. ``engine_op`` is what the
+    engine runs (Average is always a sum here: no engine's native average
+    is used, so every engine rounds alike).
+    """
+
+    op: ReduceOp
+    engine_op: ReduceOp
+    prescale: float
+    postscale: float
+
+    @classmethod
+    def make(cls, op: ReduceOp | str, size: int, dtypes: Sequence[str] = (), *,
+             predivide: float = 1.0, prescale: float = 1.0, postscale: float = 1.0,
+             what: str = "tensor") -> ReducePolicy:
+        """Validate the arguments against the tensors' ``dtypes`` and build the policy."""
+        op = ReduceOp.parse(op)
+        predivide = positive("gradient_predivide_factor", predivide)
+        prescale = positive("prescale_factor", prescale)
+        postscale = positive("postscale_factor", postscale)
+        ints = [d for d in dtypes if not is_floating(d)]
+        if op is ReduceOp.AVERAGE:
+            if ints:
+                raise TypeError(
+                    f"{what} is {ints[0]}, but op='average' needs floating tensors; use "
+                    "op='sum' for integer tensors, or register only floating ones"
+                )
+            return cls(op=op, engine_op=ReduceOp.SUM, prescale=prescale / predivide,
+                       postscale=postscale * predivide / size)
+        if predivide != 1.0:
+            raise ValueError(
+                f"gradient_predivide_factor={predivide:g} only applies to op='average' (got "
+                f"op={op.value!r}); leave it at 1.0"
+            )
+        if op is ReduceOp.SUM:
+            if ints and (prescale != 1.0 or postscale != 1.0):
+                raise TypeError(
+                    f"{what} is {ints[0]}, which cannot be scaled by prescale_factor="
+                    f"{prescale:g} / postscale_factor={postscale:g}; leave both at 1.0 for "
+                    "integer tensors"
+                )
+            return cls(op=op, engine_op=op, prescale=prescale, postscale=postscale)
+        if prescale != 1.0 or postscale != 1.0:
+            raise ValueError(
+                f"op={op.value!r} does not allow scaling (prescale_factor={prescale:g}, "
+                f"postscale_factor={postscale:g}); leave both at 1.0, or use op='sum'/'average'"
+            )
+        return cls(op=op, engine_op=op, prescale=1.0, postscale=1.0)
+
+
+NO_SCALING = ReducePolicy(op=ReduceOp.SUM, engine_op=ReduceOp.SUM, prescale=1.0, postscale=1.0)
+
+
+def positive(name: str, value: float) -> float:
+    """``value`` as a float, if it is a finite number > 0 (else ``ValueError``)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(eq=False)
+class GradBucket:
+    """One packed fusion buffer, as a hook sees it (DDP's ``GradBucket``)."""
+
+    index: int
+    dtype: str
+    device: str
+    names: tuple[str, ...]
+    ops: ArrayOps
+    flat: Any
+    """The packed, pre-scaled 1-D buffer; the hook leaves the result in it."""
+    label: str
+    """The collective's name on the engine (same on every rank)."""
+    scratch: dict[str, Any] = field(default_factory=dict)
+    """Persistent per-bucket storage for hooks (e.g. a wire buffer); kept
+    while the bucket plan stays the same."""
+
+    def buffer(self) -> Any:
+        return self.flat
+
+
+@dataclass(frozen=True, eq=False)
+class HookState:
+    """What every hook may use: the engine, the policy's engine op, a root."""
+
+    engine: Any
+    engine_op: ReduceOp = ReduceOp.SUM
+    root: int = 0
+    """Broadcast root, as a rank of ``engine`` (hooks that broadcast)."""
+
+
+CommHook = Callable[[HookState, GradBucket], Handle]
+
+
+def allreduce_hook(state: HookState, bucket: GradBucket) -> Handle:
+    """Reduce the bucket in place with the policy's engine op."""
+    return state.engine.allreduce_async(bucket.buffer(), state.engine_op, name=bucket.label)
+
+
+def broadcast_hook(state: HookState, bucket: GradBucket) -> Handle:
+    """Overwrite the bucket with the root's (used for parameter/state broadcasts)."""
+    return state.engine.broadcast_async(bucket.buffer(), state.root, name=bucket.label)
+
+
+def compression_wrapper(hook: CommHook, compressor: Compressor | str) -> CommHook:
+    """``hook`` run on a copy of the bucket in the compressor's wire dtype.
+
+    The wire buffer is allocated once per bucket (``bucket.scratch``) and
+    the cast back happens when the handle is waited on. Buckets the
+    compressor does not narrow (integers, already-narrow floats) go to
+    ``hook`` unchanged.
+    """
+    comp = get_compressor(compressor)
+
+    def compressed(state: HookState, bucket: GradBucket) -> Handle:
+        wire_dtype = comp.wire_dtype(bucket.dtype)
+        if wire_dtype == bucket.dtype:
+            return hook(state, bucket)
+        flat = bucket.buffer()
+        key = f"wire:{comp.name}"
+        wire = bucket.scratch.get(key)
+        if wire is None:
+            wire = bucket.ops.empty(int(flat.shape[0]), wire_dtype, bucket.device)
+            bucket.scratch[key] = wire
+        comp.compress(bucket.ops, wire, flat)
+        inner = GradBucket(bucket.index, wire_dtype, bucket.device, bucket.names, bucket.ops,
+                           wire, bucket.label, bucket.scratch)
+        return hook(state, inner).then(lambda: comp.decompress(bucket.ops, flat, wire))
+
+    compressed.__name__ = f"{comp.name}_{getattr(hook, '__name__', 'hook')}"
+    compressed.__qualname__ = compressed.__name__
+    return compressed
+
+
+def hook_for(compression: Compressor | str | None) -> CommHook:
+    """The default gradient hook: all-reduce, compressed if asked."""
+    comp = get_compressor(compression)
+    if comp.name == "none":
+        return allreduce_hook
+    return compression_wrapper(allreduce_hook, comp)
