@@ -68,7 +68,7 @@ def agree(engine: Any, specs: Sequence[TensorSpec], what: str = "gradients",
     if engine.size == 1:
         return
     tag = re.sub(r"[^\w.-]+", "_", what)  # collective names: no spaces or quotes
-    device = getattr(engine, "buffer_device", "cpu")
+    device = engine.buffer_device
 
     def gather(arr: np.ndarray, name: str) -> np.ndarray:
         return to_host(engine.allgather(to_device(arr, device), name=f"{tag}.{name}"))

@@ -126,16 +126,14 @@ class NumpyOps:
         np.copyto(out, src.reshape(out.shape), casting="no")
 
     def pack_scaled(self, dst: np.ndarray, src: Any, factor: float) -> None:
-        np.multiply(as_numpy(src).reshape(-1), dst.dtype.type(factor), out=dst)
+        _np_scaled(dst, as_numpy(src).reshape(-1), factor)
 
     def unpack_scaled(self, dst: Any, src: np.ndarray, factor: float) -> None:
         out = as_numpy(dst)
-        np.multiply(src.reshape(out.shape), out.dtype.type(factor), out=out)
+        _np_scaled(out, src.reshape(out.shape), factor)
 
     def scale_(self, buf: np.ndarray, factor: float) -> None:
-        if np.issubdtype(buf.dtype, np.integer):
-            raise TypeError(f"cannot scale an integer buffer ({buf.dtype}) by {factor}")
-        np.multiply(buf, buf.dtype.type(factor), out=buf)
+        _np_scaled(buf, buf, factor)
 
     def cast_into(self, dst: np.ndarray, src: np.ndarray) -> None:
         np.copyto(dst, src, casting="unsafe")
@@ -184,18 +182,23 @@ class TorchOps:
             out.copy_(src.view(out.shape))
 
     def pack_scaled(self, dst: Any, src: Any, factor: float) -> None:
-        with self._torch.no_grad():
-            self._torch.mul(as_torch(src).reshape(-1), factor, out=dst)
+        self._scaled(dst, as_torch(src).reshape(-1), factor)
 
     def unpack_scaled(self, dst: Any, src: Any, factor: float) -> None:
-        with self._torch.no_grad():
-            out = as_torch(dst)
-            self._torch.mul(src.view(out.shape), factor, out=out)
+        out = as_torch(dst)
+        self._scaled(out, src.view(out.shape), factor)
 
     def scale_(self, buf: Any, factor: float) -> None:
-        if not buf.is_floating_point():
-            raise TypeError(f"cannot scale an integer buffer ({buf.dtype}) by {factor}")
-        buf.mul_(factor)
+        self._scaled(buf, buf, factor)
+
+    def _scaled(self, dst: Any, src: Any, factor: float) -> None:
+        """``dst = src * factor``; integers as Horovod's ScaleBuffer does: in
+        double precision, truncated toward zero."""
+        with self._torch.no_grad():
+            if dst.is_floating_point():
+                self._torch.mul(src, factor, out=dst)
+            else:
+                dst.copy_((src.double() * factor).to(dst.dtype))
 
     def cast_into(self, dst: Any, src: Any) -> None:
         dst.copy_(src)
@@ -216,6 +219,14 @@ class TorchOps:
             and a.is_contiguous()
             and b.is_contiguous()
         )
+
+
+def _np_scaled(dst: np.ndarray, src: np.ndarray, factor: float) -> None:
+    """``dst = src * factor``; integers in float64, truncated toward zero (Horovod)."""
+    if np.issubdtype(dst.dtype, np.integer):
+        np.copyto(dst, np.trunc(src.astype(np.float64) * factor), casting="unsafe")
+    else:
+        np.multiply(src, dst.dtype.type(factor), out=dst)
 
 
 def ops_for(tensor: Any) -> ArrayOps:

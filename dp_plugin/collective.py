@@ -44,8 +44,10 @@ class FusedCollective:
     ``threshold`` caps a bucket's bytes; ``order`` is the expected ready
     order (default: reverse registration); ``control_numel`` adds a control
     slot to the last bucket (see ``FusionBuffer``); ``settings`` are
-    compared across ranks with the layout; ``root`` is the broadcast root
-    as a rank of ``engine``.
+    compared across ranks with ``layout`` (what the ranks compare; default
+    ``specs``); ``root`` is the broadcast root
+    as a rank of ``engine``; ``agreed=True`` skips the agreement step when
+    the caller has already checked the ranks' requests.
     """
 
     def __init__(
@@ -61,14 +63,17 @@ class FusedCollective:
         order: Iterable[int] | None = None,
         control_numel: int = 0,
         settings: Mapping[str, Any] | None = None,
+        layout: Sequence[TensorSpec] | None = None,
         root: int = 0,
         timeline: Any = None,
         array_ops: ArrayOps | None = None,
         what: str | None = None,
+        agreed: bool = False,
     ) -> None:
         self.engine = engine
         self.name = name
         self.specs = tuple(specs)
+        self.layout = self.specs if layout is None else tuple(layout)
         self.threshold = threshold
         self.policy = policy
         self.compressor = get_compressor(compression)
@@ -83,7 +88,8 @@ class FusedCollective:
         }
         self.timeline = NullTimeline() if timeline is None else timeline
         self.ops = array_ops
-        self.agreed = False
+        self.agreed = agreed
+        """True once the ranks agreed (or the caller already made them agree)."""
         self.broken: BaseException | None = None
         self.plan_version = -1
         self.install(plan_buckets(self.specs, threshold, order=order))
@@ -111,7 +117,10 @@ class FusedCollective:
         plan = plan_buckets(self.specs, self.threshold, order=order)
         if [b.members for b in plan] == [b.members for b in self.plan]:
             return False
+        control = self.buffers[-1].control if self.buffers else None
         self.install(plan)
+        if control is not None:  # the control slot's values move with it
+            self.backend().pack(self.control(), control)
         return True
 
     def backend(self, like: Any = None) -> ArrayOps:
@@ -148,7 +157,7 @@ class FusedCollective:
             return None  # nothing to move; every rank skips it alike (same plan)
         if not self.agreed:
             self.agreed = True
-            self._guard(lambda: agreement.agree(self.engine, self.specs, self.what,
+            self._guard(lambda: agreement.agree(self.engine, self.layout, self.what,
                                                 self.settings))
         ops = self.backend(tensors[buf.bucket.members[0]] if buf.bucket.members else None)
         t0 = time.perf_counter()

@@ -89,6 +89,18 @@ class ReducePolicy:
         return cls(op=op, engine_op=op, prescale=1.0, postscale=1.0)
 
 
+    @classmethod
+    def for_collective(cls, op: ReduceOp | str, size: int, *, prescale: float = 1.0,
+                       postscale: float = 1.0) -> ReducePolicy:
+        """Horovod's tensor collectives: any op and dtype may be scaled
+        (integers in double precision, truncated), and Average is a sum
+        followed by ``postscale / size``."""
+        op = ReduceOp.parse(op)
+        post = postscale / size if op is ReduceOp.AVERAGE else postscale
+        engine_op = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
+        return cls(op=op, engine_op=engine_op, prescale=float(prescale), postscale=float(post))
+
+
 NO_SCALING = ReducePolicy(op=ReduceOp.SUM, engine_op=ReduceOp.SUM, prescale=1.0, postscale=1.0)
 
 

@@ -365,7 +365,7 @@ class GradientScheduler:
 
     def _rebuild(self, observed: list[int]) -> None:
         """Adopt rank 0's observed ready order as the bucket order (one broadcast)."""
-        device = getattr(self.engine, "buffer_device", "cpu")
+        device = self.engine.buffer_device
         order = to_device(np.array(observed, dtype=np.int64), device)
 
         def share() -> None:

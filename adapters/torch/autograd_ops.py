@@ -44,8 +44,8 @@ from dp_plugin.torch.collectives import (
 )
 from dp_plugin.torch.handles import synchronize
 from dp_plugin.torch.ops import Compression
-from dp_plugin.torch.process_sets import global_process_set
-from dp_plugin.torch.submit import check_tensors, engine_of, resolve_op
+from dp_plugin.torch.process_sets import engine_of, global_process_set
+from dp_plugin.torch.submit import check_tensors, resolve_op
 
 _NONE = Compression.none
 

@@ -27,20 +27,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from dp_plugin.engines.base import Engine, Handle, ReduceOp
+from dp_plugin.arrays import TorchOps
+from dp_plugin.collective import FusedCollective
+from dp_plugin.engines.base import Engine, ReduceOp
+from dp_plugin.fusion import TensorSpec
+from dp_plugin.hooks import ReducePolicy
 from dp_plugin.torch.agreement import Problem, Request, check_agreement, first_dims
 from dp_plugin.torch.handles import TABLE, InFlight, Ready
-from dp_plugin.torch.process_sets import global_process_set
-from dp_plugin.torch.submit import (
-    agree,
-    check_factor,
-    check_tensors,
-    contiguous_copy,
-    engine_of,
-    plan_reduce,
-    resolve_op,
-    scale_,
-)
+from dp_plugin.torch.process_sets import engine_of, global_process_set
+from dp_plugin.torch.submit import agree, check_factor, check_tensors, contiguous_copy, resolve_op
 
 # -- allreduce ------------------------------------------------------------------
 
@@ -98,52 +93,44 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None =
 def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
                      name: str | None, op: ReduceOp, prescale: Any, postscale: Any,
                      process_set: Any, what: str) -> int:
+    """One ``FusedCollective`` per call: one bucket per dtype and device, scaled
+    by the one ``ReducePolicy``; ``synchronize`` unpacks the results."""
     pre = check_factor(prescale, what, "prescale_factor")
     post = check_factor(postscale, what, "postscale_factor")
     engine = engine_of(process_set, what)
     key, _ = agree(engine, "allreduce", tensors, name, process_set,
                    op=op, prescale=pre, postscale=post)
-    wire_op, after = plan_reduce(op, post, engine.size)
     label = name or what.rstrip("_").removesuffix("_async")
-    buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for i, t in enumerate(tensors):
-        buckets.setdefault((t.dtype, t.device), []).append(i)
-    outputs: list[torch.Tensor | None] = [None] * len(tensors)
-    fused: list[tuple[torch.Tensor, list[int]]] = []
-    handles: list[Handle] = []
-    for indices in buckets.values():
-        if len(indices) == 1:
-            t = tensors[indices[0]]
-            # In place on the caller's memory when it is one dense block.
-            out = t.detach() if inplace and t.is_contiguous() else contiguous_copy(t)
-            outputs[indices[0]] = out
-            buf = out.view(-1)
-        else:
-            buf = torch.cat([tensors[i].detach().reshape(-1) for i in indices])
-        scale_(buf, pre)
-        if buf.numel():  # shapes agree on every rank: all skip alike
-            handles.append(engine.allreduce_async(buf, wire_op, name=label))
-        fused.append((buf, indices))
+    # The result's storage: the caller's tensor in place when it is one dense
+    # block, else a fresh contiguous copy (the input is never modified).
+    outs = [t.detach() if inplace and t.is_contiguous() else contiguous_copy(t)
+            for t in tensors]
+    specs = [TensorSpec(f"{label}.{i}", tuple(t.shape), t.dtype, str(t.device))
+             for i, t in enumerate(outs)]
+    fused = FusedCollective(
+        specs, engine=engine, name=label, threshold=_UNBOUNDED, order=range(len(specs)),
+        policy=ReducePolicy.for_collective(op, engine.size, prescale=pre, postscale=post),
+        array_ops=TorchOps(), agreed=True,
+    )
+    handles = [h for b in fused.plan if (h := fused.start(b.index, outs)) is not None]
 
     def finish() -> Any:
-        for buf, indices in fused:
-            scale_(buf, after)
-            offset = 0
-            for i in indices:
-                t = tensors[i]
-                piece = buf[offset:offset + t.numel()].view(t.shape)
-                offset += t.numel()
-                out = outputs[i]
-                if inplace:
-                    if out is None or out.data_ptr() != t.data_ptr():
-                        t.detach().copy_(piece)
-                    outputs[i] = t
-                elif out is None:
-                    outputs[i] = piece.clone()  # independent of the fused buffer
-        results = [o for o in outputs if o is not None]
+        for b in fused.plan:
+            fused.finish(b.index, outs)
+        if inplace:
+            for t, out in zip(tensors, outs, strict=True):
+                if out.data_ptr() != t.data_ptr():
+                    t.detach().copy_(out)
+            results = list(tensors)
+        else:
+            results = outs
         return tuple(results) if grouped else results[0]
 
     return TABLE.add(InFlight(handles, finish), key)
+
+
+_UNBOUNDED = 1 << 62
+"""Grouped collectives fuse everything of one dtype and device into one buffer."""
 
 
 # -- allgather ------------------------------------------------------------------
@@ -323,13 +310,14 @@ def reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any, presc
     engine = engine_of(process_set, what)
     key, _ = agree(engine, "reducescatter", tensors, name, process_set, op=op,
                    prescale=pre, postscale=post)
-    wire_op, after = plan_reduce(op, post, engine.size)
+    policy = ReducePolicy.for_collective(op, engine.size, prescale=pre, postscale=post)
+    ops = TorchOps()
     outs = []
     for t in tensors:
         buf = contiguous_copy(t)
-        scale_(buf, pre)
-        out = engine.reducescatter(buf, wire_op, name=name or "reducescatter")
-        scale_(out, after)
+        ops.scale_(buf, policy.prescale)
+        out = engine.reducescatter(buf, policy.engine_op, name=name or "reducescatter")
+        ops.scale_(out, policy.postscale)
         outs.append(out)
     return outs, key
 

@@ -1,11 +1,16 @@
 """Broadcast model and optimizer state, and pickled objects, as in ``horovod.torch``.
 
-``broadcast_parameters`` and ``broadcast_optimizer_state`` move tensors as raw
+``broadcast_parameters`` and ``broadcast_optimizer_state`` are thin callers of
+the core's ``FusedCollective`` with the broadcast hook: tensors travel as raw
 bytes packed into a few fusion buffers (one collective per buffer of at most
-the fusion threshold, per device), so a model of hundreds of tensors costs a
-handful of collectives, and every dtype (bool, complex, ...) travels exactly.
-A layout check first compares the ranks' tensor lists: a rank with another
-model gets an error naming the first differing tensor, on every rank.
+the fusion threshold), so a model of hundreds of tensors costs a handful of
+collectives, and every dtype (bool, complex, ...) travels exactly. Its
+agreement step first compares the ranks' tensor lists (and root ranks): a
+rank with another model gets an error naming the first differing tensor, on
+every rank.
+
+``root_rank`` is a job-wide rank everywhere, as in Horovod: with a process
+set it must be one of the set's members.
 """
 
 from __future__ import annotations
@@ -17,12 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from dp_plugin.collective import FusedCollective
 from dp_plugin.dtypes import SUPPORTED_DTYPES
 from dp_plugin.engines.base import Engine
 from dp_plugin.fusion import TensorSpec
-from dp_plugin.layout import check_layout
-from dp_plugin.torch.basics import engine as _global_engine
-from dp_plugin.torch.process_sets import ProcessSet, global_process_set
+from dp_plugin.hooks import broadcast_hook
+from dp_plugin.torch.process_sets import ProcessSet, engine_of, global_process_set, root_of
 
 
 def broadcast_parameters(params: Any, root_rank: int,
@@ -35,10 +40,10 @@ def broadcast_parameters(params: Any, root_rank: int,
     Collective: every rank passes the same tensors (names, shapes, dtypes),
     in the same order.
     """
-    eng = _engine_of(process_set, "hvd.broadcast_parameters()")
+    eng = engine_of(process_set, "hvd.broadcast_parameters()")
     named = _named_tensors(params)
-    _check_root(root_rank, eng, "broadcast_parameters")
-    _broadcast_tensors(eng, named, root_rank, "broadcast_parameters")
+    root = root_of(eng, root_rank, "broadcast_parameters")
+    _broadcast_tensors(eng, named, root, "broadcast_parameters")
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
@@ -69,17 +74,17 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
             f"broadcast_optimizer_state(model=...) expects a torch.nn.Module or None, got "
             f"{type(model).__name__}"
         )
-    eng = _engine_of(process_set, "hvd.broadcast_optimizer_state()")
-    _check_root(root_rank, eng, "broadcast_optimizer_state")
-    is_root = eng.rank == root_rank
+    eng = engine_of(process_set, "hvd.broadcast_optimizer_state()")
+    root = root_of(eng, root_rank, "broadcast_optimizer_state")
+    is_root = eng.rank == root
     tensors: list[torch.Tensor] = []
     skeleton = _strip(optimizer.state_dict(), tensors) if is_root else None
-    skeleton = _broadcast_object(eng, skeleton, root_rank, "broadcast_optimizer_state.skeleton")
+    skeleton = _broadcast_object(eng, skeleton, root, "broadcast_optimizer_state.skeleton")
     if not is_root:
         tensors = []
         _allocate(skeleton, tensors)
     named = [(f"optimizer_state.{i}", t) for i, t in enumerate(tensors)]
-    _broadcast_tensors(eng, named, root_rank, "broadcast_optimizer_state")
+    _broadcast_tensors(eng, named, root, "broadcast_optimizer_state")
     if not is_root:
         optimizer.load_state_dict(_fill(skeleton, tensors))
 
@@ -91,9 +96,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     Pickled with cloudpickle when installed (lambdas, local classes), else
     pickle. Collective: two broadcasts (length, then bytes).
     """
-    eng = _engine_of(process_set, "hvd.broadcast_object()")
-    _check_root(root_rank, eng, "broadcast_object")
-    return _broadcast_object(eng, obj, root_rank, type(obj).__name__ if name is None else name)
+    eng = engine_of(process_set, "hvd.broadcast_object()")
+    root = root_of(eng, root_rank, "broadcast_object")
+    return _broadcast_object(eng, obj, root, type(obj).__name__ if name is None else name)
 
 
 def allgather_object(obj: Any, name: str | None = None,
@@ -102,9 +107,9 @@ def allgather_object(obj: Any, name: str | None = None,
 
     Collective: two all-gathers (lengths, then bytes).
     """
-    eng = _engine_of(process_set, "hvd.allgather_object()")
+    eng = engine_of(process_set, "hvd.allgather_object()")
     name = type(obj).__name__ if name is None else name
-    device = _staging_device(eng)
+    device = torch.device(eng.buffer_device)
     payload = _to_bytes(_dumps(obj), device)
     sizes = eng.allgather(torch.tensor([payload.numel()], dtype=torch.int64, device=device),
                           name=f"{name}.sz")
@@ -122,52 +127,28 @@ def allgather_object(obj: Any, name: str | None = None,
 
 def _broadcast_tensors(eng: Engine, named: list[tuple[str, torch.Tensor]], root: int,
                        what: str) -> None:
-    device = _staging_device(eng)
-    # The layout check's own collective runs where the engine takes buffers.
-    specs = [_layout_spec(name, t, device.type) for name, t in named]
-    check_layout(eng, specs, what=f"tensors of {what}")
-    if eng.size == 1 or not named:
+    """Broadcast ``named`` tensors' bytes from ``root`` (a rank of ``eng``),
+    fused: one ``FusedCollective`` run with the broadcast hook."""
+    device = eng.buffer_device
+    # What the ranks compare: names, shapes and dtypes (where they are
+    # supported; other dtypes are compared by their bytes).
+    layout = [_layout_spec(name, t, device) for name, t in named]
+    if not named:
         return
-    limit = max(1, eng.config.fusion_threshold)
-    chunk: list[torch.Tensor] = []
-    nbytes = 0
-    index = 0
-    for _, t in named:
-        size = t.numel() * t.element_size()
-        if chunk and nbytes + size > limit:
-            _broadcast_chunk(eng, chunk, nbytes, root, device, f"{what}.chunk{index}")
-            chunk, nbytes, index = [], 0, index + 1
-        chunk.append(t)
-        nbytes += size
-    if chunk:
-        _broadcast_chunk(eng, chunk, nbytes, root, device, f"{what}.chunk{index}")
-
-
-def _broadcast_chunk(eng: Engine, tensors: list[torch.Tensor], nbytes: int, root: int,
-                     device: torch.device, name: str) -> None:
-    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    is_root = eng.rank == root
-    offset = 0
-    if is_root:
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            buf[offset:offset + n].copy_(_bytes_of(t.detach().contiguous()))
-            offset += n
-    eng.broadcast(buf, root, name=name)
-    if is_root:
-        return
-    offset = 0
+    wires = [_bytes_of(t) if t.is_contiguous() else
+             _bytes_of(t.detach().contiguous()) for _, t in named]
+    specs = [TensorSpec(name, (w.numel(),), "uint8", device)
+             for (name, _), w in zip(named, wires, strict=True)]
+    fused = FusedCollective(
+        specs, engine=eng, name=what, threshold=max(1, eng.config.fusion_threshold),
+        hook=broadcast_hook, order=range(len(specs)), root=root, layout=layout,
+        what=f"tensors of {what}",
+    )
     with torch.no_grad():
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            src = buf[offset:offset + n]
-            if t.is_contiguous():
-                _bytes_of(t).copy_(src)
-            else:
-                staged = torch.empty_like(t, memory_format=torch.contiguous_format)
-                _bytes_of(staged).copy_(src)
-                t.copy_(staged)
-            offset += n
+        fused.run(wires)
+        for (_, t), w in zip(named, wires, strict=True):
+            if not t.is_contiguous():  # the bytes went into a staged copy
+                t.copy_(w.view(t.dtype).view(t.shape))
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -284,7 +265,7 @@ def _local_device(device_type: str) -> torch.device:
 def _broadcast_object(eng: Engine, obj: Any, root: int, name: str) -> Any:
     if eng.size == 1:
         return obj
-    device = _staging_device(eng)
+    device = torch.device(eng.buffer_device)
     is_root = eng.rank == root
     payload = _to_bytes(_dumps(obj), device) if is_root else None
     length = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64,
@@ -317,36 +298,3 @@ def _to_bytes(data: bytes, device: torch.device) -> torch.Tensor:
 
 
 # -- process sets, devices, roots ------------------------------------------------------
-
-
-def _engine_of(process_set: ProcessSet, what: str) -> Engine:
-    eng = _global_engine(what)
-    if not isinstance(process_set, ProcessSet):
-        raise TypeError(
-            f"{what}: process_set must be an hvd.ProcessSet, got {type(process_set).__name__}; "
-            "pass hvd.global_process_set (the default) or one made by hvd.add_process_set(ranks)"
-        )
-    if process_set.process_set_id == 0:
-        return eng
-    if not process_set.included():
-        raise ValueError(
-            f"{what}: this rank ({eng.rank}) is not in {process_set!r}; call it only on the "
-            "ranks of the process set"
-        )
-    return process_set.engine()
-
-
-def _staging_device(eng: Engine) -> torch.device:
-    """Where the engine takes buffers: NCCL only moves CUDA memory, the others host memory."""
-    if eng.name == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _check_root(root_rank: Any, eng: Engine, what: str) -> None:
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int) \
-            or not 0 <= root_rank < eng.size:
-        raise ValueError(
-            f"{what}: root_rank must be an int in 0..{eng.size - 1} (a rank of the job or "
-            f"process set), got {root_rank!r}"
-        )

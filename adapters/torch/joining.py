@@ -5,16 +5,15 @@ every rank has joined it takes part in the ``DistributedOptimizer``
 reductions of the ranks still training, contributing zero gradients; then
 ``join()`` returns on every rank, with the rank that joined last.
 
-Design (no extra collective per step): every optimizer's scheduler carries
-one small extra tensor, ``JoinFlags``, registered first so that it sits in
-the *last* fusion bucket (which launches at ``synchronize()`` anyway). It has
-one slot per rank of the optimizer's process set. A training rank writes the
-op's "idle" value everywhere; a joined rank writes the "joined" value into
-its own slot. After the reduction every rank reads the same slots, so every
-rank knows which ranks have joined, and all agree on when everyone has. A
-joined rank loops over "zero steps" (the scheduler's step with only the
-flags marked ready, so every gradient contributes zeros) until its flags say
-everyone has joined.
+Design (no extra collective per step): every optimizer's scheduler has a
+*control slot* (``GradientScheduler.control``), a few elements reduced,
+unscaled, with its last fusion bucket. It has one element per rank of the
+optimizer's process set. A training rank leaves the op's "idle" value
+everywhere; a joined rank writes the "joined" value into its own element.
+After the reduction every rank reads the same values, so every rank knows
+which ranks have joined, and all agree on when everyone has. A joined rank
+loops over "zero steps" (``synchronize()`` with no gradient marked ready,
+so every gradient contributes zeros) until its flags say everyone has joined.
 
 Limits (documented in ``join``'s docstring): only ``DistributedOptimizer``
 steps are answered while joined.
@@ -30,70 +29,68 @@ from typing import Any, Protocol
 
 import torch
 from dp_plugin.engines.base import ReduceOp
-from dp_plugin.fusion import TensorSpec
 from dp_plugin.torch.basics import engine
-
-JOIN_FLAGS_NAME = "dp_plugin.join_flags"
 
 
 @dataclass(frozen=True)
 class _Code:
-    """What ranks write into a slot, and what the reduction of the slot then holds."""
+    """What ranks write into an element, and so what its reduction holds (the
+    control slot is not scaled, and one element has at most one "joined"
+    writer: its own rank)."""
 
-    idle_in: float
-    joined_in: float
-    idle_out: float
-    joined_out: float
+    idle: float
+    joined: float
 
 
-def _code(op: ReduceOp, predivide: float, size: int) -> _Code:
-    # One slot has at most one "joined" writer (its own rank); the others
-    # write the idle value, so the reduction of a slot is one of two values.
-    if op is ReduceOp.AVERAGE:
-        # The scheduler multiplies by 1/predivide before the sum and by
-        # predivide/size after it: write predivide, so that the wire carries
-        # exactly 1.0 (safe under fp16/bf16 compression).
-        return _Code(0.0, predivide, 0.0, predivide / size)
-    if op is ReduceOp.SUM or op is ReduceOp.MAX:
-        return _Code(0.0, 1.0, 0.0, 1.0)
+def _code(op: ReduceOp) -> _Code:
     if op is ReduceOp.MIN:
-        return _Code(0.0, -1.0, 0.0, -1.0)
-    return _Code(1.0, 2.0, 1.0, 2.0)  # PRODUCT
+        return _Code(0.0, -1.0)
+    if op is ReduceOp.PRODUCT:
+        return _Code(1.0, 2.0)
+    return _Code(0.0, 1.0)  # sum (average is a sum here), max
 
 
 class JoinFlags:
-    """The join slots one optimizer reduces with its gradients.
+    """The join elements of one optimizer's scheduler control slot.
 
-    ``ranks`` maps slot index -> global rank (the optimizer's process set);
-    ``slot`` is this process's slot. Every rank reads the same reduced
-    values, so every rank draws the same conclusions from them.
+    ``ranks`` maps element index -> global rank (the optimizer's process
+    set); ``slot`` is this process's element. Every rank reads the same
+    reduced values, so every rank draws the same conclusions from them.
 
-    A training step only keeps a device-side copy of the reduced slots
+    A training step only keeps a device-side copy of the reduced elements
     (``keep``: no host synchronization, nothing for a GPU to wait on); a
     join step reads them on the host (``decide``).
     """
 
-    def __init__(self, *, op: ReduceOp, predivide: float, ranks: Sequence[int], slot: int,
-                 dtype: Any, device: Any) -> None:
+    def __init__(self, scheduler: Any, *, op: ReduceOp, ranks: Sequence[int], slot: int,
+                 like: torch.Tensor) -> None:
+        self.scheduler = scheduler
         self.ranks = list(ranks)
         self.slot = slot
-        self._code = _code(op, predivide, len(self.ranks))
-        self.tensor = torch.empty(len(self.ranks), dtype=dtype, device=device)
-        self.spec = TensorSpec.of(JOIN_FLAGS_NAME, self.tensor)
-        self._previous = torch.empty_like(self.tensor)
+        self._code = _code(op)
+        self._like = like
+        self._previous = torch.empty_like(self._slot())
         self._has_previous = False
+        self.fill(joined=False)
 
-    def fill(self, joined: bool) -> torch.Tensor:
-        """The tensor to mark ready for this step."""
-        self.tensor.fill_(self._code.idle_in)
+    def _slot(self) -> torch.Tensor:
+        # Asked each time: the slot moves when the bucket plan is rebuilt.
+        slot: torch.Tensor = self.scheduler.control(self._like)
+        return slot
+
+    def fill(self, joined: bool) -> None:
+        """Write this rank's flags for the next step."""
+        slot = self._slot()
+        slot.fill_(self._code.idle)
         if joined:
-            self.tensor[self.slot] = self._code.joined_in
-        return self.tensor
+            slot[self.slot] = self._code.joined
 
     def keep(self) -> None:
-        """After a training step: remember its reduced slots (for a later ``decide``)."""
-        self._previous.copy_(self.tensor)
+        """After a training step: remember its reduced flags (for a later
+        ``decide``), then reset them to idle for the next step."""
+        self._previous.copy_(self._slot())
         self._has_previous = True
+        self.fill(joined=False)
 
     def decide(self) -> tuple[bool, int]:
         """After a join step: (has every rank joined?, global rank that joined last).
@@ -101,7 +98,7 @@ class JoinFlags:
         The last joiners are the ranks that joined in this step; of several,
         the highest rank is returned (they joined in the same step).
         """
-        joined = self._joined(self.tensor)
+        joined = self._joined(self._slot())
         before = self._joined(self._previous) if self._has_previous else [False] * len(joined)
         self.keep()
         if not all(joined):
@@ -114,7 +111,7 @@ class JoinFlags:
     def _joined(self, reduced: torch.Tensor) -> list[bool]:
         code = self._code
         values = reduced.detach().double().cpu().tolist()
-        return [abs(v - code.joined_out) < abs(v - code.idle_out) for v in values]
+        return [abs(v - code.joined) < abs(v - code.idle) for v in values]
 
 
 class Joinable(Protocol):

@@ -32,10 +32,9 @@ from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.scheduler import GradientScheduler
 from dp_plugin.torch import joining as _join
-from dp_plugin.torch.basics import engine as _global_engine
 from dp_plugin.torch.basics import shared_timeline
 from dp_plugin.torch.ops import Average, Compression, parse_op
-from dp_plugin.torch.process_sets import ProcessSet, global_process_set
+from dp_plugin.torch.process_sets import ProcessSet, engine_or_none, global_process_set
 
 _RACE_MESSAGE = (
     "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
@@ -141,7 +140,13 @@ def DistributedOptimizer(
             f"backward_passes_per_step must be an int > 0, got {backward_passes_per_step!r}"
         )
     compressor = _compressor(compression)
-    eng = _engine_of(process_set)
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(
+            f"DistributedOptimizer(process_set=...) expects an hvd.ProcessSet, got "
+            f"{type(process_set).__name__}; pass hvd.global_process_set (the default) or a set "
+            "registered with hvd.add_process_set(ranks)"
+        )
+    eng = engine_or_none(process_set, "hvd.DistributedOptimizer()")
     names = _parameter_names(optimizer.param_groups, named_parameters)
 
     cls = _distributed_class(type(optimizer))
@@ -166,7 +171,7 @@ def DistributedOptimizer(
 
 @dataclass(frozen=True, eq=False)
 class _Reducer:
-    """The scheduler of one optimizer and the join flags it carries (spec index 0)."""
+    """The scheduler of one optimizer and the join flags in its control slot."""
 
     scheduler: GradientScheduler
     flags: _join.JoinFlags
@@ -252,11 +257,10 @@ class _DistributedMixin:
         for i, p in enumerate(st.params):
             if not st.marked[i] and p.grad is not None:
                 # Horovod reduces an existing gradient whose hook did not fire.
-                sched.mark_ready(i + 1, self._dp_dense(i, p.grad))
-        sched.mark_ready(0, flags.fill(joined=False))
+                sched.mark_ready(i, self._dp_dense(i, p.grad))
         results = sched.synchronize()
         for i, p in enumerate(st.params):
-            reduced = results[i + 1]
+            reduced = results[i]
             sparse_dim = st.sparse_dims[i]
             if sparse_dim is not None:
                 p.grad = reduced.to_sparse(sparse_dim)
@@ -393,14 +397,7 @@ class _DistributedMixin:
         eng = st.engine
         if eng is None or eng.size == 1 or not params:
             return None
-        first = params[0]
-        flags = _join.JoinFlags(
-            op=st.op, predivide=st.predivide, ranks=_ranks_of(st.process_set, eng),
-            slot=eng.rank, dtype=first.dtype, device=first.device,
-        )
-        # The flags are registered first so that they land in the last
-        # bucket, which is launched at synchronize() anyway.
-        specs = [flags.spec]
+        specs = []
         for p in params:
             name = st.names.get(p) or new_names[p]
             try:
@@ -414,11 +411,14 @@ class _DistributedMixin:
         # nothing rank-local keeps it in step exactly when the order-matched
         # engines are, and a layout difference still meets in the layout
         # check and gets its clear error.
+        ranks = list(eng.global_ranks)
         scheduler = GradientScheduler(
             specs, engine=eng, op=st.op, compression=st.compressor,
             gradient_predivide_factor=st.predivide, backward_passes_per_step=st.passes,
-            timeline=shared_timeline, name="DistributedOptimizer",
+            timeline=shared_timeline, name="DistributedOptimizer", control_numel=len(ranks),
         )
+        flags = _join.JoinFlags(scheduler, op=st.op, ranks=ranks, slot=eng.rank,
+                                like=params[0])
         return _Reducer(scheduler, flags)
 
     def _dp_grad_ready(self, index: int, param: torch.Tensor) -> None:
@@ -427,7 +427,7 @@ class _DistributedMixin:
         grad = param.grad
         if st.reducer is None or grad is None:
             return
-        st.reducer.scheduler.mark_ready(index + 1, self._dp_dense(index, grad))
+        st.reducer.scheduler.mark_ready(index, self._dp_dense(index, grad))
         st.marked[index] = True
 
     def _dp_dense(self, index: int, grad: torch.Tensor) -> torch.Tensor:
@@ -463,8 +463,8 @@ class _DistributedMixin:
         reducer = self._dp.reducer
         if reducer is None:
             return True, -1
-        reducer.scheduler.mark_ready(0, reducer.flags.fill(joined=True))
-        reducer.scheduler.synchronize()  # every other tensor: zeros; results are dropped
+        reducer.flags.fill(joined=True)
+        reducer.scheduler.synchronize()  # every gradient: zeros; results are dropped
         return reducer.flags.decide()
 
 
@@ -504,30 +504,6 @@ def _compressor(compression: Any) -> Compressor:
             "hvd.Compression.fp16 or hvd.Compression.bf16 (dp_plugin compresses whole fusion "
             "buffers, so Horovod-style per-tensor compressor classes cannot be plugged in)"
         ) from None
-
-
-def _engine_of(process_set: ProcessSet) -> Engine | None:
-    """The engine that reduces over ``process_set``; None if this rank is not in it
-    (as in Horovod, the optimizer then steps on local gradients)."""
-    eng = _global_engine("hvd.DistributedOptimizer()")
-    if not isinstance(process_set, ProcessSet):
-        raise TypeError(
-            f"DistributedOptimizer(process_set=...) expects an hvd.ProcessSet, got "
-            f"{type(process_set).__name__}; pass hvd.global_process_set (the default) or a set "
-            "registered with hvd.add_process_set(ranks)"
-        )
-    if process_set.process_set_id == 0:
-        return eng
-    if not process_set.included():
-        return None
-    return process_set.engine()
-
-
-def _ranks_of(process_set: ProcessSet, eng: Engine) -> list[int]:
-    """Global rank of each rank of the optimizer's engine (slot order)."""
-    if process_set.process_set_id == 0:
-        return list(range(eng.size))
-    return sorted(process_set.ranks or [])
 
 
 def _parameter_names(

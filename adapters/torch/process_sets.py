@@ -224,6 +224,54 @@ def _take_id(set_id: int) -> None:
         _next_id += 1
 
 
+def engine_of(process_set: Any, what: str) -> Engine:
+    """The engine that runs ``process_set``'s collectives on this rank.
+
+    The one rule every caller uses: ``None`` or the global set means every
+    rank; anything else must be a registered ``ProcessSet`` that contains
+    this rank (else ``ValueError`` naming the rank and the set).
+    """
+    eng = engine_or_none(process_set, what)
+    if eng is None:
+        raise ValueError(
+            f"{what}: this rank ({_global_engine(what).rank}) is not in its process set "
+            f"{process_set!r}; call it only on the ranks of the process set"
+        )
+    return eng
+
+
+def engine_or_none(process_set: Any, what: str) -> Engine | None:
+    """``engine_of``, but None on a rank outside the set (``DistributedOptimizer``
+    then steps on local gradients, as in Horovod)."""
+    if process_set is None:
+        return _global_engine(what)
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(
+            f"{what}: process_set must be an hvd.ProcessSet, got {type(process_set).__name__}; "
+            "pass hvd.global_process_set (the default) or one made by hvd.add_process_set(ranks)"
+        )
+    if process_set.process_set_id == 0:
+        return _global_engine(what)
+    if process_set.process_set_id is not None and not process_set.included():
+        return None
+    return process_set.engine()
+
+
+def root_of(engine: Engine, root_rank: Any, what: str) -> int:
+    """Horovod's rule for every rooted function: ``root_rank`` is a job-wide
+    rank that must belong to the set ``engine`` runs; returns its rank
+    inside that set."""
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
+        raise TypeError(f"{what}: root_rank={root_rank!r} must be an int (a job-wide rank)")
+    members = list(engine.global_ranks)
+    if root_rank not in members:
+        raise ValueError(
+            f"{what}: root_rank {root_rank} is not a rank of the process set (its job-wide "
+            f"ranks are {members}); pass the job-wide rank of one of its members"
+        )
+    return members.index(root_rank)
+
+
 def _global_engine(what: str = "hvd.ProcessSet") -> Engine:
     # runtime.engine(), or the adapter's NotInitializedError (also a
     # ValueError, as Horovod's is) naming ``what``.

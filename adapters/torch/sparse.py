@@ -12,11 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from dp_plugin.arrays import TorchOps
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.torch.collectives import allgather_async
 from dp_plugin.torch.handles import TABLE
-from dp_plugin.torch.process_sets import global_process_set
-from dp_plugin.torch.submit import engine_of, resolve_op, scale_
+from dp_plugin.torch.process_sets import engine_of, global_process_set
+from dp_plugin.torch.submit import resolve_op
 
 
 class SparseAllreduceHandle:
@@ -40,7 +41,7 @@ class SparseAllreduceHandle:
                 if values.is_floating_point():
                     values = values / self._divisor
                 else:
-                    scale_(values, 1.0 / self._divisor)
+                    TorchOps().scale_(values, 1.0 / self._divisor)
             self._result = torch.sparse_coo_tensor(
                 indices.t(), values, self._like.size(), dtype=self._like.dtype,
                 device=self._like.device, check_invariants=False,  # built from valid parts

@@ -1,10 +1,10 @@
-"""Plumbing shared by the tensor collectives: engine, names, op and checks.
+"""Plumbing shared by the tensor collectives: names, op and checks.
 
 Every collective of ``dp_plugin.torch`` starts the same way: find the engine
-of its process set, resolve Horovod's ``op``/``average`` arguments, look for
-local mistakes (a name still in flight, an unsupported dtype, ...), and run
-the cross-rank agreement check (``agreement.check_agreement``), which raises
-on every rank alike. Only then does data move.
+of its process set (``process_sets.engine_of``), resolve Horovod's
+``op``/``average`` arguments, look for local mistakes (a name still in
+flight, an unsupported dtype, ...), and run the cross-rank agreement check
+(``agreement.check_agreement``), which raises on every rank alike. Only then does data move.
 """
 
 from __future__ import annotations
@@ -18,26 +18,11 @@ import torch
 from dp_plugin.dtypes import canonical_dtype
 from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.torch.agreement import Problem, Request, Table, check_agreement
-from dp_plugin.torch.basics import engine as global_engine
 from dp_plugin.torch.handles import TABLE
 from dp_plugin.torch.ops import parse_op
 
 # Collectives that concatenate or split along the first dimension.
 _NEEDS_FIRST_DIM = frozenset({"allgather", "alltoall", "reducescatter"})
-
-
-def engine_of(process_set: Any, what: str) -> Engine:
-    """The engine running ``process_set``'s collectives (None: every rank)."""
-    if process_set is None:
-        return global_engine(what)
-    engine_fn = getattr(process_set, "engine", None)
-    if not callable(engine_fn):
-        raise TypeError(
-            f"{what}: process_set={process_set!r} is not a dp_plugin.torch ProcessSet; pass "
-            "hvd.global_process_set (the default) or one made by hvd.add_process_set(ranks)"
-        )
-    engine: Engine = engine_fn()
-    return engine
 
 
 def resolve_op(op: Any, average: bool | None, what: str) -> ReduceOp:
@@ -119,28 +104,6 @@ def _tensor_problem(kind: str, t: torch.Tensor) -> tuple[Problem, str]:
     if kind in _NEEDS_FIRST_DIM and t.dim() == 0:
         return Problem.ZERO_DIM, f"the {kind} input is 0-dim (shape ())"
     return Problem.NONE, ""
-
-
-def scale_(buf: torch.Tensor, factor: float) -> None:
-    """Multiply ``buf`` in place by ``factor``.
-
-    Integer tensors are scaled as Horovod's ``ScaleBuffer`` does: in double
-    precision, then truncated toward zero (so Average of ints is the sum
-    divided by the size, truncated)."""
-    if factor == 1.0 or buf.numel() == 0:
-        return
-    if buf.is_floating_point():
-        buf.mul_(factor)
-    else:
-        buf.copy_((buf.to(torch.float64) * factor).to(buf.dtype))
-
-
-def plan_reduce(op: ReduceOp, postscale: float, size: int) -> tuple[ReduceOp, float]:
-    """(op the engine runs, factor applied after it). Average is a sum and a
-    ``postscale / size`` multiply, as in Horovod (one rounding, integers too)."""
-    if op is ReduceOp.AVERAGE:
-        return ReduceOp.SUM, postscale / size
-    return op, postscale
 
 
 def contiguous_copy(t: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from dp_plugin.torch.basics import engine as _global_engine
+from dp_plugin.torch.process_sets import engine_of
 from torch.autograd.function import Function
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -90,7 +90,7 @@ class SyncBatchNorm(_BatchNorm):
         running_var = self.running_var if track else None
         use_batch_stats = self.training or (running_mean is None and running_var is None)
         if self.training:
-            engine = _engine_of(self.process_set)
+            engine = engine_of(self.process_set, "hvd.SyncBatchNorm")
             if engine.size > 1:
                 out: torch.Tensor = _SyncBatchNormFunction.apply(
                     input, self.weight, self.bias, running_mean, running_var,
@@ -103,31 +103,10 @@ class SyncBatchNorm(_BatchNorm):
         )
 
 
-def _engine_of(process_set: Any) -> Any:
-    """The engine whose ranks share statistics: the process set's, else the global one."""
-    engine = _global_engine("hvd.SyncBatchNorm")  # raises before hvd.init()
-    if process_set is None:
-        return engine
-    if not callable(getattr(process_set, "engine", None)):
-        raise TypeError(
-            f"SyncBatchNorm(process_set=...) expects a dp_plugin.torch ProcessSet (or None for "
-            f"all ranks), got {type(process_set).__name__}"
-        )
-    if not process_set.included():
-        raise ValueError(
-            f"SyncBatchNorm: rank {engine.rank} is not in its process set {process_set!r}, so "
-            "it has no batch statistics to share; build this layer with a process set that "
-            "contains the rank (or process_set=None), or run it in eval mode here"
-        )
-    return process_set.engine()
-
-
 def _wire(engine: Any, t: torch.Tensor) -> torch.Tensor:
     """``t`` where ``engine`` can move it: NCCL takes device tensors; the
     other engines take host memory (the statistics are only 2C+1 numbers)."""
-    if t.device.type == "cpu" or engine.name == "nccl":
-        return t
-    return t.cpu()
+    return t.to(engine.buffer_device)
 
 
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -162,6 +162,11 @@ class Engine(ABC):
     def size(self) -> int:
         return self.topology.size
 
+    @property
+    def buffer_device(self) -> str:
+        """Where this engine takes buffers ('cpu', or 'cuda:N' for nccl)."""
+        return "cpu"
+
     # -- public API --------------------------------------------------------
     def allreduce_async(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM,
                         name: str = "allreduce") -> Handle:

@@ -436,6 +436,10 @@ class NcclEngine(TorchDistEngine):
     def _select_device(self) -> Any:
         return self._torch.device("cuda", self.topology.local_rank)
 
+    @property
+    def buffer_device(self) -> str:
+        return f"cuda:{self.topology.local_rank}"
+
     def _check_device(self, t: Any, what: str) -> None:
         if t.device.type != "cuda":
             raise TypeError(

@@ -54,6 +54,7 @@ from dp_plugin.torch.collectives import (
 )
 from dp_plugin.torch.handles import poll, synchronize
 from dp_plugin.torch.ops import Adasum, Average, Compression, Max, Min, Product, Sum
+from dp_plugin.torch.process_sets import ProcessSet
 from dp_plugin.torch.sparse import sparse_allreduce_async
 from tests.unit.fakes import make_thread_group, run_ranks, run_ranks_outcomes
 
@@ -312,7 +313,7 @@ def test_argument_errors_are_clear() -> None:
         grouped_allreduce([])
     with pytest.raises(TypeError, match="prescale_factor"):
         allreduce(torch.ones(2), prescale_factor="2")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"not a dp_plugin.torch ProcessSet"):
+    with pytest.raises(TypeError, match=r"process_set must be an hvd.ProcessSet, got int"):
         allreduce(torch.ones(2), process_set=3)
 
 
@@ -337,13 +338,19 @@ def test_use_before_init_raises() -> None:
 # -- several ranks: a thread group of fake engines -------------------------------------
 
 
-class _Set:
+class _Set(ProcessSet):
     """A stand-in process set: each thread-rank hands its own engine."""
 
     def __init__(self, engine: Engine) -> None:
+        super().__init__(list(range(engine.size)))
+        self.process_set_id = 1
         self._engine = engine
 
+    def included(self) -> bool:
+        return True
+
     def engine(self) -> Engine:
+        assert self._engine is not None
         return self._engine
 
 

@@ -518,7 +518,7 @@ def test_broadcast_parameters_mismatch_and_bad_input() -> None:
     assert all("differ across ranks" in str(e) for e in errors), errors
     with pytest.raises(ValueError, match="not a single tensor"):
         hvd.broadcast_parameters(torch.ones(2), 0)
-    with pytest.raises(ValueError, match="root_rank must be"):
+    with pytest.raises(ValueError, match="root_rank 3 is not a rank of the process set"):
         hvd.broadcast_parameters(linear_model().state_dict(), 3)
     with pytest.raises(ValueError, match=r"not a torch\.Tensor"):
         hvd.broadcast_parameters([("x", 1.0)], 0)
@@ -539,21 +539,40 @@ def test_one_rank_broadcasts_are_no_ops() -> None:
 # -- join flags ----------------------------------------------------------------------------
 
 
+class _ControlSlot:
+    """The part of a scheduler that JoinFlags uses: a control slot."""
+
+    def __init__(self, n: int) -> None:
+        self.slot = torch.zeros(n)
+
+    def control(self, like: Any = None) -> torch.Tensor:
+        return self.slot
+
+
 @pytest.mark.parametrize("op", list(ReduceOp))
 def test_join_flags_decode_every_op(op: ReduceOp) -> None:
-    """Simulate the reduction of the flags of 3 ranks, rank 2 joined."""
-    flags = [JoinFlags(op=op, predivide=4.0, ranks=[0, 1, 2], slot=r, dtype=torch.float32,
-                       device="cpu") for r in range(3)]
-    written = [f.fill(joined=(r == 2)).clone() for r, f in enumerate(flags)]
+    """Simulate the reduction of the control slots of 3 ranks, rank 2 joined."""
+    slots = [_ControlSlot(3) for _ in range(3)]
+    flags = [JoinFlags(slots[r], op=op, ranks=[0, 1, 2], slot=r, like=torch.ones(1))
+             for r in range(3)]
+    # The control slot travels unscaled, with the engine's op (a sum for average),
+    # possibly compressed to fp16.
     combine = {
         ReduceOp.SUM: lambda t: t.sum(0), ReduceOp.MAX: lambda t: t.amax(0),
         ReduceOp.MIN: lambda t: t.amin(0), ReduceOp.PRODUCT: lambda t: t.prod(0),
-        # the scheduler's average: x/f summed, times f/size
-        ReduceOp.AVERAGE: lambda t: (t / 4.0).to(torch.float16).float().sum(0) * 4.0 / 3,
+        ReduceOp.AVERAGE: lambda t: t.to(torch.float16).float().sum(0),
     }[op]
-    reduced = combine(torch.stack(written))
-    flags[0].tensor.copy_(reduced)
+
+    def reduce() -> None:
+        reduced = combine(torch.stack([s.slot.clone() for s in slots]))
+        for s in slots:
+            s.slot.copy_(reduced)
+
+    flags[2].fill(joined=True)
+    reduce()
     assert flags[0].decide() == (False, -1)
-    written = [f.fill(joined=True).clone() for f in flags]
-    flags[0].tensor.copy_(combine(torch.stack(written)))
+    for f in flags:
+        f.fill(joined=True)
+    reduce()
     assert flags[0].decide() == (True, 1)  # ranks 0 and 1 joined last; the highest wins
+    assert slots[0].slot.tolist() == [flags[0]._code.idle] * 3  # reset for the next step
