@@ -234,3 +234,18 @@ class FusedCollective:
                 "the ranks' collectives are out of step, so it cannot continue. Fix the cause "
                 "and restart the job"
             ) from self.broken
+
+
+def root_of(engine: Any, root_rank: Any, what: str) -> int:
+    """Horovod's rule for every rooted function: ``root_rank`` is a job-wide
+    rank that must belong to the ranks ``engine`` runs (a process set, or the
+    whole job); returns its rank within ``engine``."""
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
+        raise TypeError(f"{what}: root_rank={root_rank!r} must be an int (a job-wide rank)")
+    members = list(engine.global_ranks)
+    if root_rank not in members:
+        raise ValueError(
+            f"{what}: root_rank {root_rank} is not a rank of the process set (its job-wide "
+            f"ranks are {members}); pass the job-wide rank of one of its members"
+        )
+    return members.index(root_rank)

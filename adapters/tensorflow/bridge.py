@@ -48,11 +48,10 @@ from typing import Any
 import numpy as np
 
 import tensorflow as tf
-from dp_plugin import runtime
+from dp_plugin import agreement, runtime
 from dp_plugin.compression import Compressor
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.fusion import TensorSpec
-from dp_plugin.layout import check_layout
 from dp_plugin.scheduler import GradientScheduler
 
 _names = itertools.count()
@@ -176,8 +175,10 @@ class GradientBridge:
                 # fail here with LayoutMismatchError itself on every rank, before any
                 # step runs (inside the numpy op TensorFlow would re-wrap it). Every
                 # rank traces its train step at the same point; a layout is checked
-                # once (the scheduler's own first-step check repeats it, cheaply).
-                check_layout(engine, specs, what=f"gradients of {sched.name!r}")
+                # once, here (the scheduler does not repeat it).
+                agreement.agree(engine, specs, f"gradients of {sched.name!r}",
+                                sched.fused.settings)
+                sched.fused.agreed = True
                 self._schedulers[specs] = sched
             return sched
 

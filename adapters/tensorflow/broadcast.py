@@ -1,9 +1,10 @@
 """Broadcast of variables from a root rank: model weights, optimizer state.
 
-All variables travel as raw bytes in one buffer and one broadcast, so any
-dtype works (bool, uint32 seed states, int64 counters) and the cost is one
-collective plus a layout check. The layout check (names, shapes, dtypes,
-order) runs first, so that ranks holding different models get
+A thin caller of the core's ``FusedCollective`` with the broadcast hook: all
+variables travel as raw bytes in fusion buffers, so any dtype works (bool,
+uint32 seed states, int64 counters) and the cost is a few collectives plus
+the agreement step. That step (names, shapes, dtypes, order, root rank)
+runs first, so that ranks holding different models get
 ``LayoutMismatchError`` on every rank instead of corrupted weights.
 """
 
@@ -17,9 +18,10 @@ import numpy as np
 
 import tensorflow as tf
 from dp_plugin import runtime
+from dp_plugin.collective import FusedCollective, root_of
 from dp_plugin.dtypes import SUPPORTED_DTYPES
 from dp_plugin.fusion import TensorSpec
-from dp_plugin.layout import check_layout
+from dp_plugin.hooks import broadcast_hook
 
 
 @tf.autograph.experimental.do_not_convert
@@ -44,13 +46,7 @@ def broadcast_labelled(
     """``broadcast_variables`` with the labels that name the variables in layout errors
     (they must be the same on every rank)."""
     engine = runtime.engine()
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not (
-        0 <= root_rank < engine.size
-    ):
-        raise ValueError(
-            f"{what}: root_rank={root_rank!r} is not a rank of this job; expected an int in "
-            f"0..{engine.size - 1}"
-        )
+    root_of(engine, root_rank, what)
     if not variables:
         return None
     specs = tuple(_spec(label, v) for label, v in zip(labels, variables, strict=True))
@@ -84,20 +80,18 @@ def _spec(label: str, variable: Any) -> TensorSpec:
 def _exchange(
     engine: Any, specs: tuple[TensorSpec, ...], root: int, what: str, *arrays: np.ndarray
 ) -> list[np.ndarray]:
-    check_layout(engine, specs, what=f"variables of {what} (root rank {root})")
-    sizes = [a.nbytes for a in arrays]
-    buf = np.empty(sum(sizes), dtype=np.uint8)
-    offset = 0
-    for a, n in zip(arrays, sizes, strict=True):
-        buf[offset : offset + n] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        offset += n
-    engine.broadcast(buf, root, name=f"broadcast_variables.root{root}")
-    out = []
-    offset = 0
-    for a, n in zip(arrays, sizes, strict=True):
-        # Views of the fresh buffer: nothing else holds it, TensorFlow may adopt it.
-        out.append(buf[offset : offset + n].view(a.dtype).reshape(a.shape))
-        offset += n
+    # Fresh contiguous copies: TensorFlow may adopt the results, and its own
+    # buffers (which ``arrays`` may view) must not be written.
+    out = [np.array(a, order="C", copy=True) for a in arrays]
+    wires = [o.reshape(-1).view(np.uint8) for o in out]
+    fused = FusedCollective(
+        [TensorSpec(s.name, (w.size,), "uint8") for s, w in zip(specs, wires, strict=True)],
+        engine=engine, name=f"broadcast_variables.root{root}", hook=broadcast_hook,
+        threshold=max(1, engine.config.fusion_threshold), order=range(len(specs)),
+        root=root_of(engine, root, what), layout=specs,
+        what=f"variables of {what} (root rank {root})",
+    )
+    fused.run(wires)
     return out
 
 

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from dp_plugin.collective import FusedCollective
+from dp_plugin.collective import FusedCollective, root_of
 from dp_plugin.dtypes import SUPPORTED_DTYPES
 from dp_plugin.engines.base import Engine
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import broadcast_hook
-from dp_plugin.torch.process_sets import ProcessSet, engine_of, global_process_set, root_of
+from dp_plugin.torch.process_sets import ProcessSet, engine_of, global_process_set
 
 
 def broadcast_parameters(params: Any, root_rank: int,

@@ -257,21 +257,6 @@ def engine_or_none(process_set: Any, what: str) -> Engine | None:
     return process_set.engine()
 
 
-def root_of(engine: Engine, root_rank: Any, what: str) -> int:
-    """Horovod's rule for every rooted function: ``root_rank`` is a job-wide
-    rank that must belong to the set ``engine`` runs; returns its rank
-    inside that set."""
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
-        raise TypeError(f"{what}: root_rank={root_rank!r} must be an int (a job-wide rank)")
-    members = list(engine.global_ranks)
-    if root_rank not in members:
-        raise ValueError(
-            f"{what}: root_rank {root_rank} is not a rank of the process set (its job-wide "
-            f"ranks are {members}); pass the job-wide rank of one of its members"
-        )
-    return members.index(root_rank)
-
-
 def _global_engine(what: str = "hvd.ProcessSet") -> Engine:
     # runtime.engine(), or the adapter's NotInitializedError (also a
     # ValueError, as Horovod's is) naming ``what``.
