@@ -61,6 +61,7 @@ from dp_plugin.torch.collectives import (
     grouped_reducescatter_async,
     reducescatter_async,
 )
+from dp_plugin.torch.distributed_mixin import SynchronizationError
 from dp_plugin.torch.functions import (
     allgather_object,
     broadcast_object,
@@ -70,7 +71,7 @@ from dp_plugin.torch.functions import (
 from dp_plugin.torch.handles import poll, synchronize
 from dp_plugin.torch.joining import join
 from dp_plugin.torch.ops import Adasum, Average, Compression, Max, Min, Product, Sum
-from dp_plugin.torch.optimizer import DistributedOptimizer, SynchronizationError
+from dp_plugin.torch.optimizer import DistributedOptimizer
 from dp_plugin.torch.process_sets import (
     ProcessSet,
     add_process_set,

@@ -105,7 +105,7 @@ def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
     # block, else a fresh contiguous copy (the input is never modified).
     outs = [t.detach() if inplace and t.is_contiguous() else contiguous_copy(t)
             for t in tensors]
-    specs = [TensorSpec(f"{label}.{i}", tuple(t.shape), t.dtype, str(t.device))
+    specs = [TensorSpec(f"{label}.{i}", tuple(t.shape), str(t.dtype), str(t.device))
              for i, t in enumerate(outs)]
     fused = FusedCollective(
         specs, engine=engine, name=label, threshold=_UNBOUNDED, order=range(len(specs)),

@@ -15,36 +15,23 @@ backward still runs. ``step()`` first calls ``synchronize()``.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import threading
 import types
 import warnings
-import weakref
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 import torch
-from dp_plugin.compression import Compressor, get_compressor
-from dp_plugin.engines.base import Engine, ReduceOp
-from dp_plugin.errors import DPPluginError
-from dp_plugin.fusion import TensorSpec
-from dp_plugin.scheduler import GradientScheduler
+from dp_plugin.engines.base import ReduceOp
 from dp_plugin.torch import joining as _join
-from dp_plugin.torch.basics import shared_timeline
+from dp_plugin.torch.distributed_mixin import _DistributedMixin, _State
 from dp_plugin.torch.ops import Average, Compression, parse_op
-from dp_plugin.torch.process_sets import ProcessSet, engine_or_none, global_process_set
-
-_RACE_MESSAGE = (
-    "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
-    "optimizer.synchronize(). This is prohibited as it can cause a race condition."
+from dp_plugin.torch.optimizer_args import (
+    check_groups,
+    compressor_of,
+    parameter_names,
 )
-
-
-class SynchronizationError(DPPluginError, AssertionError):
-    """The optimizer was used out of order (e.g. ``zero_grad()`` between
-    ``backward()`` and ``step()``). Also an ``AssertionError``, as in Horovod."""
+from dp_plugin.torch.process_sets import ProcessSet, engine_or_none, global_process_set
 
 
 def DistributedOptimizer(
@@ -133,13 +120,13 @@ def DistributedOptimizer(
                       DeprecationWarning, stacklevel=2)
         if groups is None:
             groups = num_groups
-    _check_groups(groups)
+    check_groups(groups)
     if (isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int)
             or backward_passes_per_step <= 0):
         raise ValueError(
             f"backward_passes_per_step must be an int > 0, got {backward_passes_per_step!r}"
         )
-    compressor = _compressor(compression)
+    compressor = compressor_of(compression)
     if not isinstance(process_set, ProcessSet):
         raise TypeError(
             f"DistributedOptimizer(process_set=...) expects an hvd.ProcessSet, got "
@@ -147,7 +134,7 @@ def DistributedOptimizer(
             "registered with hvd.add_process_set(ranks)"
         )
     eng = engine_or_none(process_set, "hvd.DistributedOptimizer()")
-    names = _parameter_names(optimizer.param_groups, named_parameters)
+    names = parameter_names(optimizer.param_groups, named_parameters)
 
     cls = _distributed_class(type(optimizer))
     wrapped: Any = object.__new__(cls)  # the optimizer exists already: no __init__
@@ -169,315 +156,6 @@ def DistributedOptimizer(
     return wrapped
 
 
-@dataclass(frozen=True, eq=False)
-class _Reducer:
-    """The scheduler of one optimizer and the join flags in its control slot."""
-
-    scheduler: GradientScheduler
-    flags: _join.JoinFlags
-
-
-@dataclass(eq=False)
-class _State:
-    """Everything the mixin adds to the optimizer, under one attribute (``_dp``)."""
-
-    names: dict[torch.Tensor, str]
-    named: bool
-    compressor: Compressor
-    op: ReduceOp
-    predivide: float
-    passes: int
-    sparse_as_dense: bool
-    groups: Any
-    process_set: ProcessSet
-    engine: Engine | None
-    """None when this rank is outside the process set: nothing is reduced."""
-    params: list[torch.Tensor] = field(default_factory=list)
-    hooks: list[Any] = field(default_factory=list)
-    reducer: _Reducer | None = None
-    """None when nothing is reduced (one rank, outside the process set, no parameters)."""
-    marked: list[bool] = field(default_factory=list)
-    sparse_dims: list[int | None] = field(default_factory=list)
-    pending: bool = False
-    synchronized: bool = False
-    should_synchronize: bool = True
-
-
-class _DistributedMixin:
-    """Methods placed in front of the user's optimizer class in the MRO."""
-
-    _dp: _State
-    param_groups: list[dict[str, Any]]
-
-    # -- Horovod's public surface --------------------------------------------------
-    @property
-    def backward_passes_per_step(self) -> int:
-        return self._dp.passes
-
-    @backward_passes_per_step.setter
-    def backward_passes_per_step(self, passes: int) -> None:
-        self.set_backward_passes_per_step(passes)
-
-    @property
-    def op(self) -> ReduceOp:
-        return self._dp.op
-
-    @property
-    def gradient_predivide_factor(self) -> float:
-        return self._dp.predivide
-
-    @property
-    def sparse_as_dense(self) -> bool:
-        return self._dp.sparse_as_dense
-
-    @property
-    def process_set(self) -> ProcessSet:
-        return self._dp.process_set
-
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        """Accumulate ``passes`` backward passes per step from now on (all ranks alike)."""
-        if isinstance(passes, bool) or not isinstance(passes, int) or passes <= 0:
-            raise ValueError(f"backward_passes_per_step must be an int > 0, got {passes!r}")
-        self._dp_check_idle("set_backward_passes_per_step()")
-        self._dp.passes = passes
-        self._dp_register()
-
-    def synchronize(self) -> None:
-        """Wait for this step's gradient reduction; ``.grad`` then holds the result.
-
-        Synchronization point: every rank calls it once per step (``step()``
-        does, unless inside ``skip_synchronize()``).
-        """
-        st = self._dp
-        if st.reducer is None:
-            st.pending = False
-            st.synchronized = True
-            return
-        sched, flags = st.reducer.scheduler, st.reducer.flags
-        for i, p in enumerate(st.params):
-            if not st.marked[i] and p.grad is not None:
-                # Horovod reduces an existing gradient whose hook did not fire.
-                sched.mark_ready(i, self._dp_dense(i, p.grad))
-        results = sched.synchronize()
-        for i, p in enumerate(st.params):
-            reduced = results[i]
-            sparse_dim = st.sparse_dims[i]
-            if sparse_dim is not None:
-                p.grad = reduced.to_sparse(sparse_dim)
-            elif p.grad is None:
-                p.grad = reduced
-            elif p.grad is not reduced:
-                with torch.no_grad():
-                    p.grad.copy_(reduced)
-        flags.keep()
-        self._dp_reset_step()
-        st.synchronized = True
-
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Inside it, ``step()`` does not synchronize (call ``synchronize()`` before)."""
-        self._dp.should_synchronize = False
-        try:
-            yield
-        finally:
-            self._dp.should_synchronize = True
-
-    # -- torch.optim.Optimizer overrides -------------------------------------------
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        st = self._dp
-        if closure is not None and st.should_synchronize:
-            closure = self._dp_synchronized(closure)
-        elif st.should_synchronize:
-            if st.synchronized:
-                warnings.warn(
-                    "optimizer.step() called without optimizer.skip_synchronize() context "
-                    "after optimizer.synchronize(). This can cause training slowdown. You may "
-                    "want to consider using optimizer.skip_synchronize() context if you use "
-                    "optimizer.synchronize() in your code.", stacklevel=2,
-                )
-            self.synchronize()
-        st.synchronized = False
-        return super().step(closure)  # type: ignore[misc]
-
-    # torch wraps a class's step() for profiling and step hooks unless it is
-    # marked; the user's class's step() is already wrapped, so hooks run once.
-    step.hooked = True  # type: ignore[attr-defined]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._dp.pending:
-            raise SynchronizationError(_RACE_MESSAGE)
-        super().zero_grad(set_to_none)  # type: ignore[misc]
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._dp_check_idle("load_state_dict()")
-        super().load_state_dict(state_dict)  # type: ignore[misc]
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As ``torch.optim.Optimizer.add_param_group``; the new parameters are reduced too.
-
-        Every rank must add the same group. The next step checks the new
-        layout across ranks (one extra small collective).
-        """
-        st = getattr(self, "_dp", None)
-        if st is not None:
-            self._dp_check_idle("add_param_group()")
-        super().add_param_group(param_group)  # type: ignore[misc]
-        if st is not None:
-            try:
-                self._dp_register()
-            except BaseException:
-                self.param_groups.pop()  # as if it had never been added
-                raise
-
-    # -- internals -------------------------------------------------------------------
-    def _dp_synchronized(self, closure: Callable[[], Any]) -> Callable[[], Any]:
-        """``closure`` followed by ``synchronize()``: its backward is reduced each call."""
-
-        def synchronized_closure() -> Any:
-            loss = closure()
-            self.synchronize()
-            return loss
-
-        return synchronized_closure
-
-    def _dp_check_idle(self, what: str) -> None:
-        if self._dp.pending:
-            raise SynchronizationError(
-                f"optimizer.{what} was called after loss.backward() but before "
-                "optimizer.step() or optimizer.synchronize(); finish the step first "
-                "(the gradients of this step are being reduced)"
-            )
-
-    def _dp_register(self) -> None:
-        """(Re)build the hooks and the scheduler for the current param_groups.
-
-        Transactional: on an error (an unnamed or unsupported parameter) the
-        previous hooks and scheduler stay in place.
-        """
-        st = self._dp
-        params, names = self._dp_collect()
-        reducer = self._dp_reducer(params, names)
-        for handle in st.hooks:
-            handle.remove()
-        st.names.update(names)
-        st.params, st.reducer, st.hooks = params, reducer, []
-        self._dp_reset_step()
-        ref = weakref.ref(self)
-        for index, p in enumerate(params):
-            st.hooks.append(p.register_post_accumulate_grad_hook(_make_hook(ref, index)))
-
-    def _dp_collect(self) -> tuple[list[torch.Tensor], dict[torch.Tensor, str]]:
-        """The parameters to reduce (requiring grad, in group order) and names for new ones."""
-        st = self._dp
-        params: list[torch.Tensor] = []
-        new_names: dict[torch.Tensor, str] = {}
-        seen: set[int] = set()
-        for gi, group in enumerate(self.param_groups):
-            for pj, p in enumerate(group["params"]):
-                if not p.requires_grad or id(p) in seen:
-                    continue
-                seen.add(id(p))
-                params.append(p)
-                if p in st.names:
-                    continue
-                if st.named:
-                    raise ValueError(
-                        "named_parameters was given to DistributedOptimizer, but the parameter "
-                        f"param_groups[{gi}]['params'][{pj}] (shape {tuple(p.shape)}) added "
-                        "later has no name; pass every parameter in named_parameters (e.g. "
-                        "model.named_parameters())"
-                    )
-                new_names[p] = _default_name(group, gi, pj)
-        return params, new_names
-
-    def _dp_reducer(self, params: list[torch.Tensor],
-                    new_names: dict[torch.Tensor, str]) -> _Reducer | None:
-        """The scheduler (and join flags) for ``params``; None if nothing is reduced."""
-        st = self._dp
-        eng = st.engine
-        if eng is None or eng.size == 1 or not params:
-            return None
-        specs = []
-        for p in params:
-            name = st.names.get(p) or new_names[p]
-            try:
-                specs.append(TensorSpec.of(name, p))
-            except TypeError as exc:
-                raise TypeError(
-                    f"DistributedOptimizer cannot reduce parameter {name!r}: {exc}"
-                ) from None
-        # One name for every optimizer: the horovod engine matches collectives
-        # by name (plus a slot in program order), so a name that depends on
-        # nothing rank-local keeps it in step exactly when the order-matched
-        # engines are, and a layout difference still meets in the layout
-        # check and gets its clear error.
-        ranks = list(eng.global_ranks)
-        scheduler = GradientScheduler(
-            specs, engine=eng, op=st.op, compression=st.compressor,
-            gradient_predivide_factor=st.predivide, backward_passes_per_step=st.passes,
-            timeline=shared_timeline, name="DistributedOptimizer", control_numel=len(ranks),
-        )
-        flags = _join.JoinFlags(scheduler, op=st.op, ranks=ranks, slot=eng.rank,
-                                like=params[0])
-        return _Reducer(scheduler, flags)
-
-    def _dp_grad_ready(self, index: int, param: torch.Tensor) -> None:
-        st = self._dp
-        st.pending = True
-        grad = param.grad
-        if st.reducer is None or grad is None:
-            return
-        st.reducer.scheduler.mark_ready(index, self._dp_dense(index, grad))
-        st.marked[index] = True
-
-    def _dp_dense(self, index: int, grad: torch.Tensor) -> torch.Tensor:
-        if not grad.is_sparse:
-            return grad
-        st = self._dp
-        if not st.sparse_as_dense:
-            raise ValueError(
-                f"parameter {st.names[st.params[index]]!r} got a sparse gradient; dp_plugin "
-                "reduces gradients in dense fusion buffers. Pass sparse_as_dense=True to "
-                "DistributedOptimizer (or use a dense nn.Embedding, sparse=False)"
-            )
-        st.sparse_dims[index] = grad.sparse_dim()
-        return grad.to_dense()
-
-    def _dp_reset_step(self) -> None:
-        st = self._dp
-        st.marked = [False] * len(st.params)
-        st.sparse_dims = [None] * len(st.params)
-        st.pending = False
-
-    def _dp_join_ready(self) -> bool:
-        st = self._dp
-        if st.pending:
-            raise SynchronizationError(
-                "hvd.join() was called after loss.backward() but before optimizer.step() or "
-                "optimizer.synchronize(); finish the step first, then join"
-            )
-        return st.reducer is not None
-
-    def _dp_join_step(self) -> tuple[bool, int]:
-        """A step in which this rank contributes zero gradients and its joined flag."""
-        reducer = self._dp.reducer
-        if reducer is None:
-            return True, -1
-        reducer.flags.fill(joined=True)
-        reducer.scheduler.synchronize()  # every gradient: zeros; results are dropped
-        return reducer.flags.decide()
-
-
-def _make_hook(ref: weakref.ref[Any], index: int) -> Callable[[torch.Tensor], None]:
-    # Weak: a dropped optimizer must not keep reducing through old hooks.
-    def hook(param: torch.Tensor) -> None:
-        optimizer = ref()
-        if optimizer is not None:
-            optimizer._dp_grad_ready(index, param)
-
-    return hook
-
-
 _classes: dict[type, type[Any]] = {}
 _classes_lock = threading.Lock()
 
@@ -493,84 +171,3 @@ def _distributed_class(cls: type[torch.optim.Optimizer]) -> type[Any]:
                            "(see dp_plugin.torch.DistributedOptimizer)."
             _classes[cls] = made
         return made
-
-
-def _compressor(compression: Any) -> Compressor:
-    try:
-        return get_compressor(compression)
-    except ValueError:
-        raise ValueError(
-            f"compression={compression!r} is not supported; use hvd.Compression.none, "
-            "hvd.Compression.fp16 or hvd.Compression.bf16 (dp_plugin compresses whole fusion "
-            "buffers, so Horovod-style per-tensor compressor classes cannot be plugged in)"
-        ) from None
-
-
-def _parameter_names(
-    param_groups: list[dict[str, Any]], named_parameters: Iterable[tuple[str, torch.Tensor]] | None
-) -> dict[torch.Tensor, str]:
-    """Name of each parameter: from ``named_parameters`` (validated), else Horovod's default."""
-    if named_parameters is None:
-        return {p: _default_name(group, i, j)
-                for i, group in enumerate(param_groups) for j, p in enumerate(group["params"])}
-    named = list(named_parameters)
-    bad = [item for item in named if not isinstance(item, tuple) or len(item) != 2]
-    if bad:
-        raise ValueError(
-            "named_parameters should be a sequence of tuples (name, parameter), usually "
-            f"produced by model.named_parameters(); got {type(bad[0]).__name__} {bad[0]!r:.80}"
-        )
-    counts = collections.Counter(name for name, _ in named)
-    duplicates = sorted(name for name, count in counts.items() if count > 1)
-    if duplicates:
-        raise ValueError(
-            "Parameter names in named_parameters must be unique. Found duplicates: "
-            + ", ".join(duplicates)
-        )
-    names: dict[torch.Tensor, str] = {}
-    for name, p in sorted(named, key=lambda item: item[0]):
-        names.setdefault(p, name)
-    missing = [
-        f"param_groups[{i}]['params'][{j}] (shape {tuple(p.shape)})"
-        for i, group in enumerate(param_groups) for j, p in enumerate(group["params"])
-        if p not in names
-    ]
-    if missing:
-        raise ValueError(
-            "named_parameters was specified, but one or more model parameters were not "
-            f"named: {', '.join(missing)}. Pass every parameter of the optimizer, e.g. "
-            "named_parameters=model.named_parameters()"
-        )
-    return names
-
-
-def _default_name(group: dict[str, Any], i: int, j: int) -> str:
-    """Horovod's default name, or torch's own when the optimizer was given named
-    parameters (torch >= 2.6 keeps them in the group's ``param_names``)."""
-    names = group.get("param_names")
-    if names is not None and j < len(names):
-        return str(names[j])
-    return f"allreduce.noname.{i}.{j}"
-
-
-def _check_groups(groups: Any) -> None:
-    """Horovod's validation of ``groups``: an int > 0 or a list of lists of tensors."""
-    if groups is None:
-        return
-    if isinstance(groups, list):
-        seen: set[int] = set()
-        for group in groups:
-            for p in group:
-                if not isinstance(p, torch.Tensor):
-                    raise ValueError(
-                        f"groups must consist of torch.Tensor, got {type(p).__name__}"
-                    )
-                if id(p) in seen:
-                    raise ValueError("A parameter can only appear once in groups.")
-                seen.add(id(p))
-        return
-    if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
-        raise ValueError(
-            "groups should be a non-negative integer or a list of list of torch.Tensor, "
-            f"got {groups!r}"
-        )

@@ -1,0 +1,351 @@
+"""The methods a ``DistributedOptimizer`` adds to the user's optimizer class.
+
+``_DistributedMixin`` is placed first in the MRO of ``Distributed<Name>``
+(see ``optimizer.py``) and uses plain ``super()``. Everything it adds lives
+under one attribute, ``_dp`` (``_State``). Gradients go through ONE
+``GradientScheduler`` per optimizer: a post-accumulate-grad hook on every
+parameter that requires a gradient reports it ready, and complete fusion
+buckets are all-reduced while backward still runs; ``step()`` first calls
+``synchronize()``. ``hvd.join()`` flags travel in the scheduler's control slot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from dp_plugin.compression import Compressor
+from dp_plugin.engines.base import Engine, ReduceOp
+from dp_plugin.errors import DPPluginError
+from dp_plugin.fusion import TensorSpec
+from dp_plugin.scheduler import GradientScheduler
+from dp_plugin.torch import joining as _join
+from dp_plugin.torch.basics import shared_timeline
+from dp_plugin.torch.optimizer_args import default_name
+from dp_plugin.torch.process_sets import ProcessSet
+
+_RACE_MESSAGE = (
+    "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+    "optimizer.synchronize(). This is prohibited as it can cause a race condition."
+)
+
+
+class SynchronizationError(DPPluginError, AssertionError):
+    """The optimizer was used out of order (e.g. ``zero_grad()`` between
+    ``backward()`` and ``step()``). Also an ``AssertionError``, as in Horovod."""
+
+
+@dataclass(frozen=True, eq=False)
+class _Reducer:
+    """The scheduler of one optimizer and the join flags in its control slot."""
+
+    scheduler: GradientScheduler
+    flags: _join.JoinFlags
+
+
+@dataclass(eq=False)
+class _State:
+    """Everything the mixin adds to the optimizer, under one attribute (``_dp``)."""
+
+    names: dict[torch.Tensor, str]
+    named: bool
+    compressor: Compressor
+    op: ReduceOp
+    predivide: float
+    passes: int
+    sparse_as_dense: bool
+    groups: Any
+    process_set: ProcessSet
+    engine: Engine | None
+    """None when this rank is outside the process set: nothing is reduced."""
+    params: list[torch.Tensor] = field(default_factory=list)
+    hooks: list[Any] = field(default_factory=list)
+    reducer: _Reducer | None = None
+    """None when nothing is reduced (one rank, outside the process set, no parameters)."""
+    marked: list[bool] = field(default_factory=list)
+    sparse_dims: list[int | None] = field(default_factory=list)
+    pending: bool = False
+    synchronized: bool = False
+    should_synchronize: bool = True
+
+
+class _DistributedMixin:
+    """Methods placed in front of the user's optimizer class in the MRO."""
+
+    _dp: _State
+    param_groups: list[dict[str, Any]]
+
+    # -- Horovod's public surface --------------------------------------------------
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self._dp.passes
+
+    @backward_passes_per_step.setter
+    def backward_passes_per_step(self, passes: int) -> None:
+        self.set_backward_passes_per_step(passes)
+
+    @property
+    def op(self) -> ReduceOp:
+        return self._dp.op
+
+    @property
+    def gradient_predivide_factor(self) -> float:
+        return self._dp.predivide
+
+    @property
+    def sparse_as_dense(self) -> bool:
+        return self._dp.sparse_as_dense
+
+    @property
+    def process_set(self) -> ProcessSet:
+        return self._dp.process_set
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Accumulate ``passes`` backward passes per step from now on (all ranks alike)."""
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes <= 0:
+            raise ValueError(f"backward_passes_per_step must be an int > 0, got {passes!r}")
+        self._dp_check_idle("set_backward_passes_per_step()")
+        self._dp.passes = passes
+        self._dp_register()
+
+    def synchronize(self) -> None:
+        """Wait for this step's gradient reduction; ``.grad`` then holds the result.
+
+        Synchronization point: every rank calls it once per step (``step()``
+        does, unless inside ``skip_synchronize()``).
+        """
+        st = self._dp
+        if st.reducer is None:
+            st.pending = False
+            st.synchronized = True
+            return
+        sched, flags = st.reducer.scheduler, st.reducer.flags
+        for i, p in enumerate(st.params):
+            if not st.marked[i] and p.grad is not None:
+                # Horovod reduces an existing gradient whose hook did not fire.
+                sched.mark_ready(i, self._dp_dense(i, p.grad))
+        results = sched.synchronize()
+        for i, p in enumerate(st.params):
+            reduced = results[i]
+            sparse_dim = st.sparse_dims[i]
+            if sparse_dim is not None:
+                p.grad = reduced.to_sparse(sparse_dim)
+            elif p.grad is None:
+                p.grad = reduced
+            elif p.grad is not reduced:
+                with torch.no_grad():
+                    p.grad.copy_(reduced)
+        flags.keep()
+        self._dp_reset_step()
+        st.synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside it, ``step()`` does not synchronize (call ``synchronize()`` before)."""
+        self._dp.should_synchronize = False
+        try:
+            yield
+        finally:
+            self._dp.should_synchronize = True
+
+    # -- torch.optim.Optimizer overrides -------------------------------------------
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        st = self._dp
+        if closure is not None and st.should_synchronize:
+            closure = self._dp_synchronized(closure)
+        elif st.should_synchronize:
+            if st.synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context "
+                    "after optimizer.synchronize(). This can cause training slowdown. You may "
+                    "want to consider using optimizer.skip_synchronize() context if you use "
+                    "optimizer.synchronize() in your code.", stacklevel=2,
+                )
+            self.synchronize()
+        st.synchronized = False
+        return super().step(closure)  # type: ignore[misc]
+
+    # torch wraps a class's step() for profiling and step hooks unless it is
+    # marked; the user's class's step() is already wrapped, so hooks run once.
+    step.hooked = True  # type: ignore[attr-defined]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._dp.pending:
+            raise SynchronizationError(_RACE_MESSAGE)
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._dp_check_idle("load_state_dict()")
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.add_param_group``; the new parameters are reduced too.
+
+        Every rank must add the same group. The next step checks the new
+        layout across ranks (one extra small collective).
+        """
+        st = getattr(self, "_dp", None)
+        if st is not None:
+            self._dp_check_idle("add_param_group()")
+        super().add_param_group(param_group)  # type: ignore[misc]
+        if st is not None:
+            try:
+                self._dp_register()
+            except BaseException:
+                self.param_groups.pop()  # as if it had never been added
+                raise
+
+    # -- internals -------------------------------------------------------------------
+    def _dp_synchronized(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure`` followed by ``synchronize()``: its backward is reduced each call."""
+
+        def synchronized_closure() -> Any:
+            loss = closure()
+            self.synchronize()
+            return loss
+
+        return synchronized_closure
+
+    def _dp_check_idle(self, what: str) -> None:
+        if self._dp.pending:
+            raise SynchronizationError(
+                f"optimizer.{what} was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(); finish the step first "
+                "(the gradients of this step are being reduced)"
+            )
+
+    def _dp_register(self) -> None:
+        """(Re)build the hooks and the scheduler for the current param_groups.
+
+        Transactional: on an error (an unnamed or unsupported parameter) the
+        previous hooks and scheduler stay in place.
+        """
+        st = self._dp
+        params, names = self._dp_collect()
+        reducer = self._dp_reducer(params, names)
+        for handle in st.hooks:
+            handle.remove()
+        st.names.update(names)
+        st.params, st.reducer, st.hooks = params, reducer, []
+        self._dp_reset_step()
+        ref = weakref.ref(self)
+        for index, p in enumerate(params):
+            st.hooks.append(p.register_post_accumulate_grad_hook(_make_hook(ref, index)))
+
+    def _dp_collect(self) -> tuple[list[torch.Tensor], dict[torch.Tensor, str]]:
+        """The parameters to reduce (requiring grad, in group order) and names for new ones."""
+        st = self._dp
+        params: list[torch.Tensor] = []
+        new_names: dict[torch.Tensor, str] = {}
+        seen: set[int] = set()
+        for gi, group in enumerate(self.param_groups):
+            for pj, p in enumerate(group["params"]):
+                if not p.requires_grad or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                params.append(p)
+                if p in st.names:
+                    continue
+                if st.named:
+                    raise ValueError(
+                        "named_parameters was given to DistributedOptimizer, but the parameter "
+                        f"param_groups[{gi}]['params'][{pj}] (shape {tuple(p.shape)}) added "
+                        "later has no name; pass every parameter in named_parameters (e.g. "
+                        "model.named_parameters())"
+                    )
+                new_names[p] = default_name(group, gi, pj)
+        return params, new_names
+
+    def _dp_reducer(self, params: list[torch.Tensor],
+                    new_names: dict[torch.Tensor, str]) -> _Reducer | None:
+        """The scheduler (and join flags) for ``params``; None if nothing is reduced."""
+        st = self._dp
+        eng = st.engine
+        if eng is None or eng.size == 1 or not params:
+            return None
+        specs = []
+        for p in params:
+            name = st.names.get(p) or new_names[p]
+            try:
+                specs.append(TensorSpec.of(name, p))
+            except TypeError as exc:
+                raise TypeError(
+                    f"DistributedOptimizer cannot reduce parameter {name!r}: {exc}"
+                ) from None
+        # One name for every optimizer: the horovod engine matches collectives
+        # by name (plus a slot in program order), so a name that depends on
+        # nothing rank-local keeps it in step exactly when the order-matched
+        # engines are, and a layout difference still meets in the layout
+        # check and gets its clear error.
+        ranks = list(eng.global_ranks)
+        scheduler = GradientScheduler(
+            specs, engine=eng, op=st.op, compression=st.compressor,
+            gradient_predivide_factor=st.predivide, backward_passes_per_step=st.passes,
+            timeline=shared_timeline, name="DistributedOptimizer", control_numel=len(ranks),
+        )
+        flags = _join.JoinFlags(scheduler, op=st.op, ranks=ranks, slot=eng.rank,
+                                like=params[0])
+        return _Reducer(scheduler, flags)
+
+    def _dp_grad_ready(self, index: int, param: torch.Tensor) -> None:
+        st = self._dp
+        st.pending = True
+        grad = param.grad
+        if st.reducer is None or grad is None:
+            return
+        st.reducer.scheduler.mark_ready(index, self._dp_dense(index, grad))
+        st.marked[index] = True
+
+    def _dp_dense(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        if not grad.is_sparse:
+            return grad
+        st = self._dp
+        if not st.sparse_as_dense:
+            raise ValueError(
+                f"parameter {st.names[st.params[index]]!r} got a sparse gradient; dp_plugin "
+                "reduces gradients in dense fusion buffers. Pass sparse_as_dense=True to "
+                "DistributedOptimizer (or use a dense nn.Embedding, sparse=False)"
+            )
+        st.sparse_dims[index] = grad.sparse_dim()
+        return grad.to_dense()
+
+    def _dp_reset_step(self) -> None:
+        st = self._dp
+        st.marked = [False] * len(st.params)
+        st.sparse_dims = [None] * len(st.params)
+        st.pending = False
+
+    def _dp_join_ready(self) -> bool:
+        st = self._dp
+        if st.pending:
+            raise SynchronizationError(
+                "hvd.join() was called after loss.backward() but before optimizer.step() or "
+                "optimizer.synchronize(); finish the step first, then join"
+            )
+        return st.reducer is not None
+
+    def _dp_join_step(self) -> tuple[bool, int]:
+        """A step in which this rank contributes zero gradients and its joined flag."""
+        reducer = self._dp.reducer
+        if reducer is None:
+            return True, -1
+        reducer.flags.fill(joined=True)
+        reducer.scheduler.synchronize()  # every gradient: zeros; results are dropped
+        return reducer.flags.decide()
+
+
+def _make_hook(ref: weakref.ref[Any], index: int) -> Callable[[torch.Tensor], None]:
+    # Weak: a dropped optimizer must not keep reducing through old hooks.
+    def hook(param: torch.Tensor) -> None:
+        optimizer = ref()
+        if optimizer is not None:
+            optimizer._dp_grad_ready(index, param)
+
+    return hook
+
+

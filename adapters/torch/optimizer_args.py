@@ -1,0 +1,91 @@
+"""Validation of ``DistributedOptimizer``'s arguments, with Horovod's rules and messages."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from dp_plugin.compression import Compressor, get_compressor
+
+
+def compressor_of(compression: Any) -> Compressor:
+    try:
+        return get_compressor(compression)
+    except ValueError:
+        raise ValueError(
+            f"compression={compression!r} is not supported; use hvd.Compression.none, "
+            "hvd.Compression.fp16 or hvd.Compression.bf16 (dp_plugin compresses whole fusion "
+            "buffers, so Horovod-style per-tensor compressor classes cannot be plugged in)"
+        ) from None
+
+
+def parameter_names(
+    param_groups: list[dict[str, Any]], named_parameters: Iterable[tuple[str, torch.Tensor]] | None
+) -> dict[torch.Tensor, str]:
+    """Name of each parameter: from ``named_parameters`` (validated), else Horovod's default."""
+    if named_parameters is None:
+        return {p: default_name(group, i, j)
+                for i, group in enumerate(param_groups) for j, p in enumerate(group["params"])}
+    named = list(named_parameters)
+    bad = [item for item in named if not isinstance(item, tuple) or len(item) != 2]
+    if bad:
+        raise ValueError(
+            "named_parameters should be a sequence of tuples (name, parameter), usually "
+            f"produced by model.named_parameters(); got {type(bad[0]).__name__} {bad[0]!r:.80}"
+        )
+    counts = collections.Counter(name for name, _ in named)
+    duplicates = sorted(name for name, count in counts.items() if count > 1)
+    if duplicates:
+        raise ValueError(
+            "Parameter names in named_parameters must be unique. Found duplicates: "
+            + ", ".join(duplicates)
+        )
+    names: dict[torch.Tensor, str] = {}
+    for name, p in sorted(named, key=lambda item: item[0]):
+        names.setdefault(p, name)
+    missing = [
+        f"param_groups[{i}]['params'][{j}] (shape {tuple(p.shape)})"
+        for i, group in enumerate(param_groups) for j, p in enumerate(group["params"])
+        if p not in names
+    ]
+    if missing:
+        raise ValueError(
+            "named_parameters was specified, but one or more model parameters were not "
+            f"named: {', '.join(missing)}. Pass every parameter of the optimizer, e.g. "
+            "named_parameters=model.named_parameters()"
+        )
+    return names
+
+
+def default_name(group: dict[str, Any], i: int, j: int) -> str:
+    """Horovod's default name, or torch's own when the optimizer was given named
+    parameters (torch >= 2.6 keeps them in the group's ``param_names``)."""
+    names = group.get("param_names")
+    if names is not None and j < len(names):
+        return str(names[j])
+    return f"allreduce.noname.{i}.{j}"
+
+
+def check_groups(groups: Any) -> None:
+    """Horovod's validation of ``groups``: an int > 0 or a list of lists of tensors."""
+    if groups is None:
+        return
+    if isinstance(groups, list):
+        seen: set[int] = set()
+        for group in groups:
+            for p in group:
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError(
+                        f"groups must consist of torch.Tensor, got {type(p).__name__}"
+                    )
+                if id(p) in seen:
+                    raise ValueError("A parameter can only appear once in groups.")
+                seen.add(id(p))
+        return
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
+        raise ValueError(
+            "groups should be a non-negative integer or a list of list of torch.Tensor, "
+            f"got {groups!r}"
+        )
