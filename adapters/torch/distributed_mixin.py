@@ -65,6 +65,8 @@ class _State:
     """None when this rank is outside the process set: nothing is reduced."""
     params: list[torch.Tensor] = field(default_factory=list)
     hooks: list[Any] = field(default_factory=list)
+    comm_hook: Any = None
+    """A user's ``hook(state, bucket) -> Handle`` (``register_comm_hook``), or None."""
     reducer: _Reducer | None = None
     """None when nothing is reduced (one rank, outside the process set, no parameters)."""
     marked: list[bool] = field(default_factory=list)
@@ -104,6 +106,26 @@ class _DistributedMixin:
     @property
     def process_set(self) -> ProcessSet:
         return self._dp.process_set
+
+    def register_comm_hook(self, hook: Callable[..., Any]) -> None:
+        """Reduce each fusion bucket with ``hook(state, bucket) -> Handle``
+        instead of the default all-reduce (PyTorch DDP's ``register_comm_hook``).
+
+        ``bucket.buffer()`` holds the packed, pre-scaled gradients; after the
+        returned handle completes it must hold what every rank agrees on (the
+        average is finished by the post-scale on unpack). Hooks compose by
+        wrapping: ``dp_plugin.hooks.compression_wrapper(allreduce_hook, "bf16")``.
+        Replaces ``compression`` (wrap the hook to compress). Every rank must
+        register the same hook before the first step.
+        """
+        if not callable(hook):
+            raise TypeError(
+                f"register_comm_hook expects a callable hook(state, bucket) -> Handle, got "
+                f"{type(hook).__name__}; see dp_plugin.hooks.allreduce_hook"
+            )
+        self._dp_check_idle("register_comm_hook()")
+        self._dp.comm_hook = hook
+        self._dp_register()
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Accumulate ``passes`` backward passes per step from now on (all ranks alike)."""
@@ -287,6 +309,7 @@ class _DistributedMixin:
             specs, engine=eng, op=st.op, compression=st.compressor,
             gradient_predivide_factor=st.predivide, backward_passes_per_step=st.passes,
             timeline=shared_timeline, name="DistributedOptimizer", control_numel=len(ranks),
+            hook=st.comm_hook,
         )
         flags = _join.JoinFlags(scheduler, op=st.op, ranks=ranks, slot=eng.rank,
                                 like=params[0])

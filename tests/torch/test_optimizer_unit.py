@@ -319,6 +319,34 @@ def test_gradients_are_averaged_and_missing_ones_are_zeros(n: int) -> None:
     on_ranks(n, body)
 
 
+def test_registered_comm_hook_reduces_every_bucket() -> None:
+    """A user's hook replaces the default all-reduce; wrapping composes policies."""
+    from dp_plugin.hooks import allreduce_hook, compression_wrapper
+
+    calls: list[tuple[int, str]] = []
+
+    def counting(state: Any, bucket: Any) -> Any:
+        calls.append((bucket.index, bucket.dtype))
+        return allreduce_hook(state, bucket)
+
+    def body(rank: int, ps: ThreadSet) -> torch.Tensor:
+        params, weights = _param_model(rank)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(params.parameters(), lr=1.0),
+                                       named_parameters=params.named_parameters(),
+                                       process_set=ps)
+        opt.register_comm_hook(compression_wrapper(counting, "bf16"))
+        opt.zero_grad()
+        _loss(params, weights, rank).backward()
+        opt.synchronize()
+        with pytest.raises(TypeError, match="callable hook"):
+            opt.register_comm_hook("allreduce")  # type: ignore[arg-type]
+        return params["a"].grad.clone()
+
+    grads = on_ranks(2, body)
+    assert all(torch.equal(g, torch.full((3, 2), 1.5)) for g in grads)  # exact in bf16
+    assert calls and {dtype for _, dtype in calls} <= {"bfloat16"}  # the wrapper narrowed
+
+
 def test_parameter_used_on_one_rank_only_gets_the_average_everywhere() -> None:
     def body(rank: int, ps: ThreadSet) -> torch.Tensor:
         params, weights = _param_model(rank)
