@@ -146,10 +146,8 @@ def check_agreement(engine: Engine, requests: Sequence[Request]) -> Table:
     """
     if not requests:
         raise ValueError("a collective needs at least one tensor; got an empty list")
-    rows = torch.tensor([_row(r, len(requests)) for r in requests], dtype=torch.int64)
-    first = requests[0].tensor
-    if engine.name == "nccl" and first is not None and first.device.type == "cuda":
-        rows = rows.to(first.device)  # NCCL moves CUDA memory only
+    rows = torch.tensor([_row(r, len(requests)) for r in requests], dtype=torch.int64,
+                        device=engine.buffer_device)  # where the engine takes buffers
     table = engine.allgather(rows, name=_CHECK_NAME).cpu().tolist()
     blocks = _split_by_rank(table, engine.size)
     _raise_problems(blocks, requests)

@@ -11,6 +11,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from dp_plugin.arrays import TorchOps
+from dp_plugin.collective import FusedCollective
+from dp_plugin.fusion import TensorSpec
 from dp_plugin.torch.process_sets import engine_of
 from torch.autograd.function import Function
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -103,10 +106,23 @@ class SyncBatchNorm(_BatchNorm):
         )
 
 
-def _wire(engine: Any, t: torch.Tensor) -> torch.Tensor:
-    """``t`` where ``engine`` can move it: NCCL takes device tensors; the
-    other engines take host memory (the statistics are only 2C+1 numbers)."""
-    return t.to(engine.buffer_device)
+_fused: dict[tuple[Any, ...], FusedCollective] = {}
+
+
+def _sum(engine: Any, t: torch.Tensor, name: str) -> None:
+    """Sum ``t`` over the ranks of ``engine``, in place: one fused collective
+    (the statistics are a few numbers per channel). Kept per engine, name and
+    shape, so the ranks agree on the shape once and the buffer is reused."""
+    key = (id(engine), name, tuple(t.shape), t.dtype, t.device)
+    fused = _fused.get(key)
+    if fused is None or fused.engine is not engine:
+        if len(_fused) > 256:  # many shapes (or engines): start over
+            _fused.clear()
+        fused = _fused[key] = FusedCollective(
+            [TensorSpec.of(name, t)], engine=engine, name=name, threshold=1 << 62,
+            array_ops=TorchOps(), what=f"statistics of {name}",
+        )
+    fused.run([t])
 
 
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -151,8 +167,13 @@ class _SyncBatchNormFunction(Function):
         # formula: stable where sum-of-squares cancels. float64 on the wire
         # keeps counts exact and costs nothing at this size.
         row = torch.cat([mean.new_tensor([float(count)]), mean, m2]).to(torch.float64)
-        table = engine.allgather(_wire(engine, row.unsqueeze(0)),
-                                 name="sync_batch_norm.stats").to(x.device)
+        # Every rank's row, in rank order: each rank fills its own row of a
+        # zero table, and one fused sum makes the table whole everywhere.
+        table = torch.zeros(engine.size, row.numel(), dtype=torch.float64,
+                            device=engine.buffer_device)
+        table[engine.rank] = row
+        _sum(engine, table, "sync_batch_norm.stats")
+        table = table.to(x.device)
         counts = table[:, :1]
         total = float(counts.sum())
         if total <= 1:
@@ -207,8 +228,8 @@ class _SyncBatchNormFunction(Function):
         grad_input = None
         if need_input:
             engine = ctx.engine
-            sums = _wire(engine, torch.cat([sum_dy, sum_dy_xhat]).contiguous())
-            engine.allreduce_async(sums, "sum", name="sync_batch_norm.grads").wait()
+            sums = torch.cat([sum_dy, sum_dy_xhat]).to(engine.buffer_device)
+            _sum(engine, sums, "sync_batch_norm.grads")
             sums = sums.to(dy.device)
             mean_dy = _shaped(sums[:channels] / ctx.total, ndim)
             mean_dy_xhat = _shaped(sums[channels:] / ctx.total, ndim)
