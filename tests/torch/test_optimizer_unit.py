@@ -538,6 +538,47 @@ def test_broadcast_object_and_allgather_object() -> None:
         assert gathered == [("r", 0), ("r", 1), ("r", 2)]
 
 
+def test_rooted_functions_take_job_wide_roots_in_a_set_of_ranks_1_and_2() -> None:
+    """Horovod's rule: root_rank is a job-wide rank, also in a process set whose
+    members are not 0..k-1 (here job ranks 1 and 2 of 3, as thread-ranks 0, 1)."""
+
+    def body(rank: int, ps: ThreadSet) -> list[Any]:
+        ps.ranks = [1, 2]
+        ps.included = lambda: True  # type: ignore[method-assign]  # thread-ranks 0, 1
+        ps.engine().global_ranks = (1, 2)
+        job_rank = rank + 1
+        model = linear_model(seed=job_rank)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        backward(model, job_rank)
+        opt.step()  # momentum buffers that differ per rank
+        hvd.broadcast_parameters(model.state_dict(), root_rank=2, process_set=ps)
+        hvd.broadcast_optimizer_state(opt, root_rank=2, process_set=ps)
+        obj = hvd.broadcast_object({"from": job_rank}, root_rank=2, process_set=ps)
+        t = hvd.broadcast(torch.full((2,), float(job_rank)), root_rank=1, process_set=ps)
+        errors = []
+        for fn in (
+            lambda: hvd.broadcast_parameters(model.state_dict(), root_rank=0, process_set=ps),
+            lambda: hvd.broadcast_optimizer_state(opt, root_rank=0, process_set=ps),
+            lambda: hvd.broadcast_object(1, root_rank=0, process_set=ps),
+            lambda: hvd.broadcast(torch.ones(2), root_rank=0, process_set=ps),
+        ):
+            with pytest.raises(ValueError, match="not .*process set") as info:
+                fn()
+            errors.append(str(info.value))
+        momentum = [v["momentum_buffer"] for v in opt.state_dict()["state"].values()]
+        return [model.state_dict(), momentum, obj, t, errors]
+
+    results = on_ranks(2, body)
+    reference = linear_model(seed=2).state_dict()
+    for state, momentum, obj, t, errors in results:
+        # The root's weights arrived everywhere (it stepped: compare with rank 1's copy).
+        assert all(torch.equal(state[k], results[1][0][k]) for k in reference)
+        assert all(torch.equal(a, b) for a, b in zip(momentum, results[1][1], strict=True))
+        assert obj == {"from": 2}
+        assert torch.equal(t, torch.full((2,), 1.0))
+        assert len(errors) == 4 and all("0" in e for e in errors)
+
+
 def test_broadcast_parameters_mismatch_and_bad_input() -> None:
     def body(rank: int, ps: ThreadSet) -> None:
         hvd.broadcast_parameters(nn.Linear(2, 2 + rank).state_dict(), 0, process_set=ps)
