@@ -562,7 +562,7 @@ def test_rooted_functions_take_job_wide_roots_in_a_set_of_ranks_1_and_2() -> Non
             lambda: hvd.broadcast_object(1, root_rank=0, process_set=ps),
             lambda: hvd.broadcast(torch.ones(2), root_rank=0, process_set=ps),
         ):
-            with pytest.raises(ValueError, match="not .*process set") as info:
+            with pytest.raises(ValueError, match=r"not .*process set") as info:
                 fn()
             errors.append(str(info.value))
         momentum = [v["momentum_buffer"] for v in opt.state_dict()["state"].values()]
