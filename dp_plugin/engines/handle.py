@@ -50,23 +50,31 @@ class Handle(ABC):
         return True
 
     def done(self) -> bool:
-        if self.completed_at is None and self._test():
+        if self.completed_at is None and self._observe(self._test):
             self.completed_at = time.perf_counter()
         return self.completed_at is not None
 
     def wait(self) -> None:
         """Wait for completion; raise ``CollectiveTimeoutError`` after the timeout."""
         if self.completed_at is None:
-            try:
-                if not self._block(self.timeout_s):
-                    raise self.timeout_error()
-            except CollectiveTimeoutError:
-                if self._on_timeout is not None:
-                    self._on_timeout(self.description)
-                raise
+            if not self._observe(lambda: self._block(self.timeout_s)):
+                raise self._timed_out(self.timeout_error())
             self.completed_at = time.perf_counter()
         while self._finishers:
             self._finishers.pop(0)()
+
+    def _observe(self, probe: Callable[[], bool]) -> bool:
+        """``probe()``, reporting a timeout the library itself raised."""
+        try:
+            return probe()
+        except CollectiveTimeoutError as exc:
+            self._timed_out(exc)
+            raise
+
+    def _timed_out(self, error: CollectiveTimeoutError) -> CollectiveTimeoutError:
+        if self._on_timeout is not None:
+            self._on_timeout(self.description)
+        return error
 
     def timeout_error(self) -> CollectiveTimeoutError:
         """The error for this collective passing ``timeout_s`` (also used by

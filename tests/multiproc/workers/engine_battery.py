@@ -27,7 +27,7 @@ from dp_plugin.arrays import as_numpy, as_torch, is_torch, numpy_dtype
 from dp_plugin.config import Config
 from dp_plugin.engines import create_engine
 from dp_plugin.engines.base import Engine
-from dp_plugin.errors import CollectiveTimeoutError
+from dp_plugin.errors import CollectiveTimeoutError, DPPluginError
 from dp_plugin.launch import detect
 
 FLOATS = ("float16", "bfloat16", "float32", "float64")
@@ -240,6 +240,16 @@ def _error_of(fn: Callable[[], object]) -> str:
     raise AssertionError(f"{fn} did not raise")
 
 
+def _refusal(fn: Callable[[], object]) -> str:
+    try:
+        fn()
+    except DPPluginError as exc:
+        if isinstance(exc, CollectiveTimeoutError):
+            raise
+        return str(exc)
+    raise AssertionError(f"{fn} did not raise")
+
+
 def check_errors(engine: Engine) -> None:
     """Bad input fails with a clear message, identical on every rank, and
     leaves the engine usable."""
@@ -315,6 +325,11 @@ def run_timeout_case(engine: Engine, config: Config) -> None:
                 raise AssertionError(f"timeout error lacks {needle!r}: {message}") from exc
         if waited > config.timeout_s + 30:
             raise AssertionError(f"timed out only after {waited:.1f} s") from exc
+        # The timed-out all-reduce may still complete: the engine is broken.
+        broken = _refusal(engine.barrier)
+        for needle in ("bucket-7", "timed out", "Restart the job"):
+            if needle not in broken:
+                raise AssertionError(f"refusal after a timeout lacks {needle!r}: {broken}") from exc
         print(f"rank {rank} TIMEOUT-OK after {waited:.1f} s: {message}", flush=True)
         return
     raise AssertionError("the all-reduce finished although the last rank skipped it")
