@@ -14,6 +14,7 @@ import importlib
 import logging
 from typing import TYPE_CHECKING
 
+from dp_plugin.config import ENGINE_NAMES as _CONFIG_NAMES
 from dp_plugin.errors import EngineUnavailableError
 
 if TYPE_CHECKING:
@@ -31,8 +32,15 @@ _REGISTRY: dict[str, str] = {
     "local": "dp_plugin.engines.local:LocalEngine",
 }
 
-ENGINE_NAMES: tuple[str, ...] = tuple(_REGISTRY)
-"""Every concrete engine name (``auto`` is resolved by ``choose_engine``)."""
+ENGINE_NAMES: tuple[str, ...] = tuple(n for n in _CONFIG_NAMES if n != "auto")
+"""Every concrete engine name, in ``config.EngineName``'s order (the one
+list of names; ``auto`` is resolved by ``choose_engine``)."""
+
+if set(_REGISTRY) != set(ENGINE_NAMES):  # pragma: no cover - a programming error
+    raise ImportError(
+        f"engine registry {sorted(_REGISTRY)} does not match config.EngineName "
+        f"{sorted(ENGINE_NAMES)}: add or remove the engine in both"
+    )
 
 
 def engine_class(name: str) -> type[Engine]:

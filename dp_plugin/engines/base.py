@@ -12,17 +12,29 @@ Contract shared by all engines:
 - every blocking wait honours ``config.timeout_s`` and raises
   ``CollectiveTimeoutError`` naming the collective and the rank, instead of
   hanging;
-- ``alltoall``, ``reducescatter`` and ``subgroup`` first all-gather a small
-  header per rank (``exchange.py``), so a mistake on one rank raises the
-  same exception on every rank. The base class implements them on top of
-  all-gather and all-reduce; engines override the underscore methods where
-  their library has a native path.
+- ``allgather``, ``alltoall``, ``reducescatter`` and ``subgroup`` first
+  all-gather a small fixed-size header per rank (``exchange.py``, through
+  ``_exchange``), so a mistake on one rank raises the same exception on
+  every rank before any data moves. The base class implements alltoall,
+  reducescatter and subgroup on top of all-gather and all-reduce; engines
+  override the underscore methods where their library has a native path;
+- lifecycle lives here, not in the engines: a closed engine, one broken by
+  a timeout, and a subgroup whose parent is closed or broken refuse every
+  collective with a ``DPPluginError`` saying what to do (``_check_usable``).
+  A collective timeout marks the engine broken (``Handle.wait`` calls the
+  engine's ``_mark_broken``): the timed-out collective may still complete
+  and write into its buffer, and the ranks no longer agree on the order of
+  collectives. ``shutdown`` is idempotent; engines release their library's
+  resources in ``_close``;
+- subgroup engines are made by the engine's constructor with ``parent=``
+  (plus the library's group object), never by copying private fields;
+- ``buffer_device`` says where the engine takes buffers ("cpu", or
+  "cuda:<i>" for nccl): callers put control buffers and staging there.
 """
 
 from __future__ import annotations
 
 import enum
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,7 +46,9 @@ from dp_plugin.arrays import as_numpy, as_torch, is_torch
 from dp_plugin.config import Config
 from dp_plugin.dtypes import canonical_dtype, is_floating
 from dp_plugin.engines import exchange
-from dp_plugin.errors import CollectiveTimeoutError
+from dp_plugin.engines.handle import DoneHandle as DoneHandle
+from dp_plugin.engines.handle import Handle
+from dp_plugin.errors import DPPluginError
 from dp_plugin.launch import Topology
 
 
@@ -64,90 +78,34 @@ class Availability:
     reason: str
 
 
-class Handle(ABC):
-    """An in-flight collective. ``wait`` blocks until done or the timeout."""
-
-    def __init__(self, description: str, rank: int, timeout_s: float) -> None:
-        self.description = description
-        self.rank = rank
-        self.timeout_s = timeout_s
-        self.started_at = time.perf_counter()
-        self.completed_at: float | None = None
-        self._finishers: list[Any] = []
-
-    @abstractmethod
-    def _test(self) -> bool:
-        """Non-blocking: True once the collective has finished."""
-
-    def _block(self, timeout_s: float) -> bool:
-        """Block up to ``timeout_s``; True if finished. Override where the
-        library can block efficiently; the default polls ``_test``."""
-        deadline = time.perf_counter() + timeout_s
-        pause = 0.0
-        while not self._test():
-            if time.perf_counter() >= deadline:
-                return False
-            time.sleep(pause)
-            pause = min(pause * 2 + 2e-5, 1e-3)
-        return True
-
-    def done(self) -> bool:
-        if self.completed_at is None and self._test():
-            self.completed_at = time.perf_counter()
-        return self.completed_at is not None
-
-    def wait(self) -> None:
-        """Wait for completion; raise ``CollectiveTimeoutError`` after the timeout."""
-        if self.completed_at is None:
-            if not self._block(self.timeout_s):
-                raise self.timeout_error()
-            self.completed_at = time.perf_counter()
-        while self._finishers:
-            self._finishers.pop(0)()
-
-    def timeout_error(self) -> CollectiveTimeoutError:
-        """The error for this collective passing ``timeout_s`` (also used by
-        engines whose library reports the timeout itself)."""
-        return CollectiveTimeoutError(
-            f"rank {self.rank}: {self.description} did not finish within "
-            f"{self.timeout_s:g} s (DP_PLUGIN_TIMEOUT). Another rank has probably "
-            "stopped calling collectives, called them in a different order, or died; "
-            "check its log. If the step is legitimately this slow, raise "
-            "DP_PLUGIN_TIMEOUT."
-        )
-
-    def then(self, fn: Any) -> Handle:
-        """Run ``fn()`` once, in the waiting thread, after completion."""
-        self._finishers.append(fn)
-        return self
-
-
-class DoneHandle(Handle):
-    """A collective that completed synchronously."""
-
-    def __init__(self, description: str, rank: int, timeout_s: float) -> None:
-        super().__init__(description, rank, timeout_s)
-        self.completed_at = self.started_at
-
-    def _test(self) -> bool:
-        return True
-
-
 class Engine(ABC):
     """One collective library. Subclasses set ``name`` and implement the
-    underscore methods; the public methods validate input and add timeouts."""
+    underscore methods; the public methods check the engine is usable,
+    validate input and add timeouts.
+
+    ``parent`` is the engine a subgroup engine was split from (None for the
+    engine ``init`` made); a subgroup is usable only while its ancestors are.
+    """
 
     name: ClassVar[str]
     native_ops: ClassVar[frozenset[ReduceOp]] = frozenset(
         {ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT}
     )
+    _timeout_breaks_parent: ClassVar[bool] = False
+    """Whether a timeout in a subgroup also breaks the engine it came from
+    (set where they share library resources a pending collective may use)."""
 
-    def __init__(self, topology: Topology, config: Config) -> None:
+    def __init__(self, topology: Topology, config: Config, *,
+                 parent: Engine | None = None) -> None:
         self.topology = topology
         self.config = config
         self.global_ranks: tuple[int, ...] = tuple(range(topology.size))
         """The job-wide ranks of this engine's members, indexed by its own
         rank (``range(size)`` for the engine ``init`` made; see ``subgroup``)."""
+        self._parent = parent
+        self._closed = False
+        self._broken: str | None = None
+        """The collective that timed out, once one has."""
 
     @classmethod
     @abstractmethod
@@ -164,13 +122,61 @@ class Engine(ABC):
 
     @property
     def buffer_device(self) -> str:
-        """Where this engine takes buffers ('cpu', or 'cuda:N' for nccl)."""
+        """Where this engine takes buffers: "cpu", or "cuda:<i>" (nccl).
+        Control buffers and staging copies belong there."""
         return "cpu"
+
+    # -- lifecycle ---------------------------------------------------------
+    def shutdown(self) -> None:
+        """Release this engine's resources (idempotent; local, not
+        collective). Collectives raise afterwards. A subgroup engine
+        releases its group only, and must be shut down before its parent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._close()
+
+    @abstractmethod
+    def _close(self) -> None:
+        """Release the library's resources; called once, by ``shutdown``."""
+
+    def _mark_broken(self, description: str) -> None:
+        """Called when ``description`` timed out: refuse every later
+        collective here, and in the subgroups (they check their parents)."""
+        if self._broken is None:
+            self._broken = description
+        if self._parent is not None and self._timeout_breaks_parent:
+            self._parent._mark_broken(description)
+
+    def _check_usable(self, what: str) -> None:
+        """Raise ``DPPluginError`` if collectives cannot run on this engine."""
+        where = f"rank {self.rank}: {what}: the {self.name} engine"
+        if self._broken is not None:
+            raise DPPluginError(
+                f"{where} is unusable because an earlier collective timed out "
+                f"({self._broken}); it may still complete and write into its buffer, and the "
+                "ranks no longer agree on the order of collectives. Restart the job"
+            )
+        if self._closed:
+            again = ("create the subgroup again" if self._parent is not None
+                     else "call dp_plugin.init() again")
+            raise DPPluginError(f"{where} was shut down; {again}")
+        ancestor = self._parent
+        while ancestor is not None:
+            if ancestor._closed or ancestor._broken is not None:
+                state = ("was shut down" if ancestor._broken is None
+                         else f"is broken ({ancestor._broken} timed out)")
+                raise DPPluginError(
+                    f"{where} this subgroup came from {state}, which ended the subgroup too; "
+                    "create the subgroup again from a running engine"
+                )
+            ancestor = ancestor._parent
 
     # -- public API --------------------------------------------------------
     def allreduce_async(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM,
                         name: str = "allreduce") -> Handle:
         """Start an in-place all-reduce of the 1-D buffer ``buf``."""
+        self._check_usable(f"allreduce {name!r}")
         op = ReduceOp.parse(op)
         dtype = _check_flat(buf, f"allreduce {name!r}")
         if op is ReduceOp.AVERAGE and not is_floating(dtype):
@@ -186,6 +192,7 @@ class Engine(ABC):
 
     def broadcast_async(self, buf: Any, root: int, name: str = "broadcast") -> Handle:
         """Start an in-place broadcast of the 1-D buffer ``buf`` from ``root``."""
+        self._check_usable(f"broadcast {name!r}")
         self._check_root(root, name)
         _check_flat(buf, f"broadcast {name!r}")
         return self._broadcast_async(buf, root, name)
@@ -199,10 +206,21 @@ class Engine(ABC):
 
         The first dimension may differ between ranks; the others, and the
         dtype, must match. Returns a new buffer of the same kind as ``buf``.
+
+        Collective and a synchronization point. Every rank's header (dtype
+        and shape) is all-gathered and checked first, so a 0-d input, an
+        unsupported dtype or a mismatch on any rank raises the same
+        exception on every rank; then ``_allgather`` moves the rows.
         """
-        return self._allgather(buf, name)
+        what = f"allgather {name!r}"
+        self._check_usable(what)
+        header = exchange.Header(buf, 0)
+        table = self._exchange(header.row, what)
+        exchange.check_table(table, header, what, same_first_dim=False)
+        return self._allgather(buf, exchange.first_dims(table), name)
 
     def barrier(self) -> None:
+        self._check_usable("barrier")
         self._barrier()
 
     def alltoall(self, buf: Any, splits: Sequence[int] | None = None,
@@ -225,6 +243,7 @@ class Engine(ABC):
         all-gathered and checked before any data moves.
         """
         what = f"alltoall {name!r}"
+        self._check_usable(what)
         header = exchange.Header(buf, self.size)
         rows = int(buf.shape[0]) if len(buf.shape) else 0
         header.put_extras(exchange.as_splits(splits, rows, self.size, header))
@@ -250,6 +269,7 @@ class Engine(ABC):
         """
         op = ReduceOp.parse(op)
         what = f"reducescatter {name!r}"
+        self._check_usable(what)
         header = exchange.Header(buf, 1)
         header.put_extras([list(ReduceOp).index(op)])
         table = self._exchange(header.row, what)
@@ -282,11 +302,13 @@ class Engine(ABC):
         raise). Members get a new engine with ``rank``/``size`` relative to
         the group (group rank i is ``ranks[i]``; broadcast roots are group
         ranks) and ``global_ranks`` naming the job-wide ranks; non-members
-        get None. The new engine supports every collective; its
-        ``shutdown()`` releases the group only, never this engine's
+        get None. The new engine (made by ``_subgroup`` with ``parent=self``)
+        supports every collective while this engine is open and not broken;
+        its ``shutdown()`` releases the group only, never this engine's
         resources, and must happen before this engine's.
         """
         what = f"subgroup {name!r}"
+        self._check_usable(what)
         header = exchange.Header(None, 1 + self.size)
         members = exchange.check_members(ranks, self.size, header)
         mask = [1 if r in members else 0 for r in range(self.size)]
@@ -312,9 +334,6 @@ class Engine(ABC):
             child.global_ranks = tuple(self.global_ranks[m] for m in members)
         return child
 
-    @abstractmethod
-    def shutdown(self) -> None: ...
-
     # -- to implement ------------------------------------------------------
     @abstractmethod
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle: ...
@@ -323,15 +342,20 @@ class Engine(ABC):
     def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle: ...
 
     @abstractmethod
-    def _allgather(self, buf: Any, name: str) -> Any: ...
+    def _allgather(self, buf: Any, rows: list[int], name: str) -> Any:
+        """Concatenate every rank's ``buf`` along the first dimension.
+        ``rows[r]`` is rank r's first dimension; dtype and trailing shape
+        were validated and agreed by every rank. Returns a new buffer of
+        the same kind as ``buf``. Must not call ``allgather``."""
 
     @abstractmethod
     def _barrier(self) -> None: ...
 
     # -- may override where the library has a native path -------------------
     def _exchange(self, row: np.ndarray, what: str) -> np.ndarray:
-        """All-gather one fixed-length int64 row per rank: a (size, n) table."""
-        gathered = self.allgather(row[None, :], name=f"{what} (headers)")
+        """All-gather one fixed-length int64 row per rank: a (size, n) table.
+        Default: one ``_allgather`` of a single row per rank."""
+        gathered = self._allgather(row[None, :], [1] * self.size, f"{what} (headers)")
         return np.asarray(as_numpy(gathered))
 
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
@@ -400,15 +424,3 @@ def _divide(buf: Any, size: int) -> None:
     else:
         arr = as_numpy(buf)
         arr /= arr.dtype.type(size)
-
-
-def check_gatherable(buf: Any, what: str) -> str:
-    """Validate an all-gather input (at least 1-D, a supported dtype); return
-    its canonical dtype. Raises on the rank that passed it."""
-    shape = tuple(buf.shape)
-    if len(shape) == 0:
-        raise ValueError(
-            f"{what}: a 0-dim buffer has no first dimension to concatenate along; "
-            "reshape it to (1,) first"
-        )
-    return canonical_dtype(buf.dtype)

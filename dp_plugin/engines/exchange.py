@@ -1,4 +1,7 @@
-"""Agreement checks that precede alltoall, reducescatter and subgroup.
+"""Agreement checks that precede allgather, alltoall, reducescatter and subgroup.
+
+This is the engines' one encoding of "what every rank passed": no engine
+has its own.
 
 A mistake on one rank (wrong splits, another dtype, another member list)
 must raise on *every* rank, never leave the others waiting in a collective.
@@ -63,8 +66,8 @@ class Header:
         except TypeError as exc:
             self.fail(_BAD_DTYPE, str(exc))
         if not shape:
-            self.fail(_ZERO_DIM, "a 0-d buffer has no first dimension to split; reshape it "
-                      "to (1,)")
+            self.fail(_ZERO_DIM, "a 0-d buffer has no first dimension to split or "
+                      "concatenate along; reshape it to (1,)")
         elif len(shape) > MAX_DIMS:
             self.fail(_TOO_MANY_DIMS, f"the buffer has shape {shape}, more than {MAX_DIMS} "
                       "dimensions; reshape it")
@@ -113,23 +116,27 @@ def check_table(table: np.ndarray, header: Header, what: str, *,
     bad dtype and ``ValueError`` for every other problem, naming the ranks.
     """
     check_problems(table, header, what)
-    layouts = [_layout(row, same_first_dim) for row in table]
-    if any(layout != layouts[0] for layout in layouts):
-        expect = "the same shape" if same_first_dim else "the same dimensions after the first"
+    layouts = [_layout(row) for row in table]
+    skip = 0 if same_first_dim else 1
+    if any((d, s[skip:]) != (layouts[0][0], layouts[0][1][skip:]) for d, s in layouts):
+        expect = ("the same shape" if same_first_dim else
+                  "the same dimensions after the first (only the first may differ)")
         per_rank = ", ".join(f"rank {r}: {d}{list(s)}" for r, (d, s) in enumerate(layouts))
         raise ValueError(
             f"{what}: ranks passed different buffers ({per_rank}); every rank must pass the "
             f"same dtype and {expect}"
         )
     dtype, dims = layouts[0]
-    return dtype, tuple(int(d) for d in dims[1:])
+    return dtype, dims[1:]
 
 
-def _layout(row: np.ndarray, with_first: bool) -> tuple[str, tuple[int | str, ...]]:
-    dims: tuple[int | str, ...] = tuple(int(d) for d in row[3:3 + int(row[2])])
-    if not with_first:
-        dims = ("rows", *dims[1:])
-    return _DTYPES[int(row[1])], dims
+def _layout(row: np.ndarray) -> tuple[str, tuple[int, ...]]:
+    return _DTYPES[int(row[1])], tuple(int(d) for d in row[3:3 + int(row[2])])
+
+
+def first_dims(table: np.ndarray) -> list[int]:
+    """Every rank's first dimension, from a validated header table."""
+    return [int(d) for d in table[:, 3]]
 
 
 def extras(table: np.ndarray) -> np.ndarray:

@@ -12,10 +12,14 @@ Distributed contract (on top of ``dp_plugin.engines.base``):
   program order of calls and ``wait``s, so it agrees across ranks;
 - waits poll ``hvd.poll`` and raise ``CollectiveTimeoutError`` after
   ``config.timeout_s`` (``hvd.synchronize`` alone could block forever);
-  after a timeout the engine refuses further collectives, because the
-  pending operation may still complete later and write into its buffer;
-- errors Horovod detects across ranks (mismatched shapes or dtypes, a rank
-  that shut down) are raised on every rank as ``DPPluginError``.
+  after a timeout the engine is broken (base class) and refuses further
+  collectives, because the pending operation may still complete later and
+  write into its buffer;
+- ``allgather`` agrees on every rank's dtype and shape through the base
+  class's header exchange (one ``hvd.allgather`` of a row per rank), then
+  ``hvd.allgather`` moves the data;
+- errors Horovod detects across ranks (a rank that shut down, say) are
+  raised on every rank as ``DPPluginError``.
 
 dtypes (Horovod 0.28.1's torch extension, CPU): all-reduce kernels exist
 for float16, float32, float64, int32 and int64 only. int8, uint8 and int16
@@ -51,7 +55,7 @@ from dp_plugin.arrays import as_numpy, as_torch, is_torch
 from dp_plugin.config import Config
 from dp_plugin.dtypes import canonical_dtype
 from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp
-from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, EngineUnavailableError
+from dp_plugin.errors import DPPluginError, EngineUnavailableError
 from dp_plugin.launch import Topology
 
 # Canonical dtype -> dtype the all-reduce runs in, where Horovod has no kernel.
@@ -67,7 +71,7 @@ class _HorovodHandle(Handle):
 
     def __init__(self, engine: HorovodEngine, description: str, hvd_handle: int,
                  slot: tuple[str, int]) -> None:
-        super().__init__(description, engine.rank, engine.config.timeout_s)
+        super().__init__(description, engine.rank, engine.config.timeout_s, engine._mark_broken)
         self._engine = engine
         self._hvd_handle = hvd_handle
         self.result: Any = None
@@ -89,13 +93,6 @@ class _HorovodHandle(Handle):
             ) from exc
         finally:
             self._engine._release(slot)
-
-    def wait(self) -> None:
-        try:
-            super().wait()
-        except CollectiveTimeoutError:
-            self._engine._broken = self.description
-            raise
 
 
 class HorovodEngine(Engine):
@@ -136,8 +133,19 @@ class HorovodEngine(Engine):
                             + ("horovodrun" if topology.launcher == "horovodrun"
                                else "no launcher (one process)"))
 
-    def __init__(self, topology: Topology, config: Config) -> None:
-        super().__init__(topology, config)
+    def __init__(self, topology: Topology, config: Config, *,
+                 parent: HorovodEngine | None = None, process_set: Any = None) -> None:
+        """The job-wide engine (``hvd.init()`` unless Horovod runs already),
+        or with ``parent`` and ``process_set``: the engine of that set."""
+        super().__init__(topology, config, parent=parent)
+        self._in_flight: dict[str, set[int]] = {}
+        self._added_sets: dict[tuple[int, ...], Any] = {}
+        self._owns_init = False
+        if parent is not None:
+            self._hvd: Any = parent._hvd
+            self._torch: Any = parent._torch
+            self._process_set: Any = process_set
+            return
         try:
             import horovod.torch as hvd
             import torch
@@ -147,13 +155,9 @@ class HorovodEngine(Engine):
                 f"({type(exc).__name__}: {exc}); rebuild Horovod (`make install`) or choose "
                 "another engine with DP_PLUGIN_ENGINE"
             ) from exc
-        self._hvd: Any = hvd
-        self._torch: Any = torch
-        self._broken: str | None = None
-        self._in_flight: dict[str, set[int]] = {}
-        self._process_set: Any = hvd.global_process_set
-        self._parent: HorovodEngine | None = None  # set on subgroup engines
-        self._added_sets: dict[tuple[int, ...], Any] = {}
+        self._hvd = hvd
+        self._torch = torch
+        self._process_set = hvd.global_process_set
         self._owns_init = not hvd.is_initialized()
         if self._owns_init:
             # Horovod reads HOROVOD_DYNAMIC_PROCESS_SETS once, inside
@@ -163,7 +167,6 @@ class HorovodEngine(Engine):
             # unless the user said otherwise.
             os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
             hvd.init()
-        self._running = True
         if (hvd.rank(), hvd.size()) != (topology.rank, topology.size):
             raise EngineUnavailableError(
                 f"Horovod says this process is rank {hvd.rank()} of {hvd.size()}, but the "
@@ -174,7 +177,6 @@ class HorovodEngine(Engine):
 
     # -- collectives -------------------------------------------------------
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
-        self._check_usable()
         tensor = self._inplace_tensor(buf, f"allreduce {name!r}")
         dtype = canonical_dtype(tensor.dtype)
         wire_dtype = ALLREDUCE_WIRE_DTYPES.get(dtype)
@@ -191,7 +193,6 @@ class HorovodEngine(Engine):
         return handle
 
     def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle:
-        self._check_usable()
         tensor = self._bits(self._inplace_tensor(buf, f"broadcast {name!r}"))
         description = self.describe("broadcast", name, tensor.numel() * tensor.element_size())
         return self._start(
@@ -201,8 +202,8 @@ class HorovodEngine(Engine):
                                                     name=full, process_set=self._process_set),
         )
 
-    def _allgather(self, buf: Any, name: str) -> Any:
-        self._check_usable()
+    def _allgather(self, buf: Any, rows: list[int], name: str) -> Any:
+        # Horovod agrees on the row counts itself: ``rows`` is not needed.
         if not is_torch(buf) and not _torch_viewable(np.asarray(buf)):
             buf = np.asarray(buf).copy(order="C")  # only read: a copy is fine
         tensor = as_torch(buf).detach()
@@ -224,7 +225,6 @@ class HorovodEngine(Engine):
     def _barrier(self) -> None:
         # hvd.barrier() blocks in synchronize() without a timeout; a one-element
         # all-reduce is a barrier that honours it.
-        self._check_usable()
         token = self._torch.zeros(1, dtype=self._torch.int32)
         self._start(
             "barrier", "barrier", "horovod barrier",
@@ -232,17 +232,14 @@ class HorovodEngine(Engine):
                                                     process_set=self._process_set),
         ).wait()
 
-    def shutdown(self) -> None:
-        """Shut Horovod down if this engine started it (idempotent).
+    def _close(self) -> None:
+        """Shut Horovod down if this engine started it.
 
         Safe after a timeout: Horovod fails the pending operations. A
         subgroup engine only stops accepting collectives: removing a Horovod
         process set is collective over *all* ranks, which a members-only
         shutdown cannot be; the set stays registered (reused if the same
         ranks are asked for again) until Horovod shuts down."""
-        if not self._running:
-            return
-        self._running = False
         if self._owns_init and self._hvd.is_initialized():
             self._hvd.shutdown()
 
@@ -250,7 +247,6 @@ class HorovodEngine(Engine):
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
         """``hvd.alltoall_async`` of the rows as bytes (Horovod has no kernel
         for some dtypes; bytes are exact for all)."""
-        self._check_usable()
         torch = self._torch
         tensor = as_torch(np.ascontiguousarray(buf) if not is_torch(buf) else buf).detach()
         trailing = tuple(tensor.shape[1:])
@@ -274,7 +270,6 @@ class HorovodEngine(Engine):
         """``hvd.reducescatter_async`` for a sum in a dtype Horovod reduces
         (its split of the rows is the one ``Engine.reducescatter`` promises);
         anything else takes the generic all-reduce path."""
-        self._check_usable()
         tensor = as_torch(buf).detach()
         dtype = canonical_dtype(tensor.dtype)
         if op is not ReduceOp.SUM or dtype in ALLREDUCE_WIRE_DTYPES or tensor.numel() == 0:
@@ -295,7 +290,6 @@ class HorovodEngine(Engine):
         """A Horovod process set of the members (``hvd.add_process_set``,
         collective over all Horovod ranks), reused if it already exists."""
         what = f"subgroup {name!r}"
-        self._check_usable()
         if self._parent is not None:
             raise NotImplementedError(
                 f"{what}: a horovod subgroup cannot be split further (Horovod adds process "
@@ -305,13 +299,7 @@ class HorovodEngine(Engine):
         process_set = self._process_set_of(members, what)
         if topology is None:
             return None
-        child = HorovodEngine.__new__(type(self))
-        Engine.__init__(child, topology, self.config)
-        child._hvd, child._torch = self._hvd, self._torch
-        child._broken, child._in_flight, child._added_sets = None, {}, {}
-        child._process_set, child._parent = process_set, self
-        child._owns_init, child._running = False, True
-        return child
+        return type(self)(topology, self.config, parent=self, process_set=process_set)
 
     def _process_set_of(self, members: tuple[int, ...], what: str) -> Any:
         hvd = self._hvd
@@ -399,25 +387,6 @@ class HorovodEngine(Engine):
         if tensor.dtype == self._torch.bfloat16:
             return tensor.view(self._torch.int16)
         return tensor
-
-    def _check_usable(self) -> None:
-        parent = self._parent
-        if parent is not None and (parent._broken is not None or not parent._running):
-            raise DPPluginError(
-                f"rank {self.rank}: the horovod engine this subgroup came from was shut down "
-                "or is broken; create the subgroup again from a running engine"
-            )
-        if self._broken is not None:
-            raise DPPluginError(
-                f"rank {self.rank}: the horovod engine is unusable because an earlier "
-                f"collective timed out ({self._broken}); it may still complete and write "
-                "into its buffer. Restart the job"
-            )
-        if not self._running:
-            raise DPPluginError(
-                f"rank {self.rank}: the horovod engine was shut down; create a new one "
-                "(dp_plugin.init()) before calling collectives"
-            )
 
 
 def _torch_viewable(arr: np.ndarray) -> bool:

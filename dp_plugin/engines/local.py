@@ -5,7 +5,8 @@ one contribution is that contribution (sum, min, max, product and average
 alike), a broadcast from rank 0 leaves the buffer as it is, and an
 all-gather, an all-to-all and a reduce-scatter return a copy of this rank's
 buffer; the only process set is ``[0]``. Handles are complete when
-returned, so ``wait()`` never blocks.
+returned, so ``wait()`` never blocks. ``shutdown`` releases nothing, but
+collectives raise afterwards, as on every engine.
 """
 
 from __future__ import annotations
@@ -16,14 +17,7 @@ import numpy as np
 
 from dp_plugin.arrays import is_torch
 from dp_plugin.config import Config
-from dp_plugin.engines.base import (
-    Availability,
-    DoneHandle,
-    Engine,
-    Handle,
-    ReduceOp,
-    check_gatherable,
-)
+from dp_plugin.engines.base import Availability, DoneHandle, Engine, Handle, ReduceOp
 from dp_plugin.errors import EngineUnavailableError
 from dp_plugin.launch import Topology
 
@@ -35,11 +29,12 @@ class LocalEngine(Engine):
     # Average over one rank is the identity: no divide pass needed.
     native_ops = frozenset(ReduceOp)
 
-    def __init__(self, topology: Topology, config: Config) -> None:
+    def __init__(self, topology: Topology, config: Config, *,
+                 parent: LocalEngine | None = None) -> None:
         avail = self.availability(topology)
         if not avail.ok:
             raise EngineUnavailableError(avail.reason)
-        super().__init__(topology, config)
+        super().__init__(topology, config, parent=parent)
 
     @classmethod
     def availability(cls, topology: Topology) -> Availability:
@@ -52,7 +47,7 @@ class LocalEngine(Engine):
             )
         return Availability(True, "one process, no communication")
 
-    def shutdown(self) -> None:
+    def _close(self) -> None:
         """Nothing to release."""
 
     def _done(self, collective: str, name: str) -> Handle:
@@ -64,16 +59,12 @@ class LocalEngine(Engine):
     def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle:
         return self._done("broadcast", name)
 
-    def _allgather(self, buf: Any, name: str) -> Any:
-        check_gatherable(buf, f"allgather {name!r}")
+    def _allgather(self, buf: Any, rows: list[int], name: str) -> Any:
         # A copy, as on every other engine: the caller may reuse its input.
         return buf.clone() if is_torch(buf) else buf.copy()
 
     def _barrier(self) -> None:
         """A single rank is always at the barrier."""
-
-    def _exchange(self, row: np.ndarray, what: str) -> np.ndarray:
-        return row[None, :].copy()
 
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
         # Every row goes to rank 0, this rank: the result is a copy of buf.
@@ -82,4 +73,4 @@ class LocalEngine(Engine):
     def _subgroup(self, members: tuple[int, ...], topology: Topology | None,
                   name: str) -> Engine | None:
         # members can only be (0,): validated by Engine.subgroup.
-        return None if topology is None else LocalEngine(topology, self.config)
+        return None if topology is None else LocalEngine(topology, self.config, parent=self)

@@ -8,15 +8,19 @@ Distributed contract (on top of ``dp_plugin.engines.base``):
   MPI calls on ``COMM_WORLD`` can never match ours;
 - waits poll ``Request.Test`` (MPI makes progress only inside MPI calls) and
   raise ``CollectiveTimeoutError`` after ``config.timeout_s``;
-- after a timeout the engine is *broken*: the timed-out request may still
-  complete later and write into its buffer, and the ranks no longer agree
-  on the order of collectives, so every later collective raises at once.
+- after a timeout the engine is *broken* (base class): the timed-out
+  request may still complete later and write into its buffer, and the
+  ranks no longer agree on the order of collectives, so every later
+  collective raises at once. A timeout in a subgroup breaks the engine it
+  came from too (they share datatypes and ops).
   ``shutdown`` then leaks the communicator and reduction ops on purpose
   (freeing an op that a pending request may still call is unsafe); the
   process still exits normally (MPICH 5.0.2 finalizes with pending requests
   without blocking, checked with mismatched pending collectives).
 
-``alltoall`` is ``Ialltoallv`` on the rows' bytes, ``reducescatter`` is
+``allgather`` is ``Iallgatherv`` with the row counts the base class's
+header exchange agreed (that exchange is one ``Iallgatherv`` of a row per
+rank). ``alltoall`` is ``Ialltoallv`` on the rows' bytes, ``reducescatter`` is
 ``Ireduce_scatter`` with Horovod's row split, and ``subgroup`` is
 ``Comm.Split``; a subgroup engine shares this engine's datatypes and ops
 (freed by this engine's ``shutdown``) and may itself be split further.
@@ -37,9 +41,9 @@ import numpy as np
 
 from dp_plugin.arrays import as_numpy, as_torch, is_torch, numpy_dtype
 from dp_plugin.config import Config
-from dp_plugin.dtypes import SUPPORTED_DTYPES, canonical_dtype
+from dp_plugin.dtypes import canonical_dtype
 from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp
-from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, EngineUnavailableError
+from dp_plugin.errors import EngineUnavailableError
 from dp_plugin.launch import Topology
 
 # Canonical dtype -> name of the predefined MPI datatype (mpi4py attribute).
@@ -69,18 +73,13 @@ _FLOAT32_OPS: dict[ReduceOp, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     ReduceOp.PRODUCT: np.multiply,
 }
 
-# all-gather header: [rows, dtype code, ndim, trailing dims padded with -1].
-_MAX_TRAILING_DIMS = 8
-_HEADER_LEN = 3 + _MAX_TRAILING_DIMS
-_DTYPE_CODES = tuple(SUPPORTED_DTYPES)
-
 
 class _MPIHandle(Handle):
     """Requests of one collective; done when all of them are."""
 
     def __init__(self, engine: MPIEngine, description: str, requests: list[Any],
                  keepalive: tuple[Any, ...]) -> None:
-        super().__init__(description, engine.rank, engine.config.timeout_s)
+        super().__init__(description, engine.rank, engine.config.timeout_s, engine._mark_broken)
         self._engine = engine
         self._requests = requests
         # MPI writes into these until the requests complete: keep them alive.
@@ -91,13 +90,6 @@ class _MPIHandle(Handle):
             return False
         self._keepalive = None
         return True
-
-    def wait(self) -> None:
-        try:
-            super().wait()
-        except CollectiveTimeoutError:
-            self._engine._mark_broken(self.description)
-            raise
 
 
 class MPIEngine(Engine):
@@ -110,6 +102,9 @@ class MPIEngine(Engine):
     """
 
     name = "mpi"
+    # Subgroups share this engine's datatypes and ops, which a timed-out
+    # request may still use: the parent must not free them either.
+    _timeout_breaks_parent = True
     _use_native_halves: ClassVar[bool] = True
     """Use the library's float16/bfloat16 types when it has them. Tests set
     False to exercise the emulated path that an MPI without them needs."""
@@ -130,8 +125,19 @@ class MPIEngine(Engine):
                             + (f"{topology.launcher}'s mpiexec" if topology.is_mpi
                                else "no launcher (one process)"))
 
-    def __init__(self, topology: Topology, config: Config) -> None:
-        super().__init__(topology, config)
+    def __init__(self, topology: Topology, config: Config, *,
+                 parent: MPIEngine | None = None, comm: Any = None) -> None:
+        """The job-wide engine (duplicates ``COMM_WORLD``), or with ``parent``
+        and ``comm``: the subgroup engine on ``comm``, sharing the parent's
+        datatypes and ops (the job-wide engine frees them)."""
+        super().__init__(topology, config, parent=parent)
+        self._comm: Any = comm
+        if parent is not None:
+            self._MPI: Any = parent._MPI
+            self._types: dict[str, Any] = parent._types
+            self._half_types: dict[str, Any] = parent._half_types
+            self._half_ops: dict[tuple[str, ReduceOp], Any] = parent._half_ops
+            return
         try:
             from mpi4py import MPI
         except ImportError as exc:
@@ -140,10 +146,7 @@ class MPIEngine(Engine):
                 "mpi4py and an MPI (pip install mpi4py mpich) or choose another engine "
                 "with DP_PLUGIN_ENGINE"
             ) from exc
-        self._MPI: Any = MPI
-        self._broken: str | None = None
-        self._comm: Any = None
-        self._parent: MPIEngine | None = None  # set on subgroup engines
+        self._MPI = MPI
         world = MPI.COMM_WORLD
         if (world.Get_rank(), world.Get_size()) != (topology.rank, topology.size):
             library = " ".join(MPI.Get_library_version().splitlines()[0].split())
@@ -160,9 +163,9 @@ class MPIEngine(Engine):
         _MPIHandle(self, "mpi communicator duplication (engine start)", [request], ()).wait()
         self._comm = comm
         # Datatypes and ops this engine created, freed by shutdown.
-        self._half_types: dict[str, Any] = {}
-        self._half_ops: dict[tuple[str, ReduceOp], Any] = {}
-        self._types: dict[str, Any] = {}
+        self._half_types = {}
+        self._half_ops = {}
+        self._types = {}
         for dtype, attr in _MPI_TYPE_NAMES.items():
             native = getattr(MPI, attr, MPI.DATATYPE_NULL)
             emulate = dtype in _HALF_DTYPES and (
@@ -176,7 +179,6 @@ class MPIEngine(Engine):
 
     # -- collectives -------------------------------------------------------
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
-        self._check_usable()
         arr = _writable_view(buf, f"allreduce {name!r}")
         dtype = canonical_dtype(arr.dtype)
         mpi_op = self._op(dtype, op)
@@ -187,89 +189,58 @@ class MPIEngine(Engine):
         return _MPIHandle(self, description, [request], (buf, arr))
 
     def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle:
-        self._check_usable()
         arr = _writable_view(buf, f"broadcast {name!r}")
         dtype = canonical_dtype(arr.dtype)
         description = self.describe("broadcast", name, arr.nbytes)
         request = self._comm.Ibcast([_wire(arr), arr.size, self._types[dtype]], root=root)
         return _MPIHandle(self, description, [request], (buf, arr))
 
-    def _allgather(self, buf: Any, name: str) -> Any:
-        """Two steps: gather every rank's header (rows, dtype, trailing
-        shape), which every rank validates identically (so a mismatch raises
-        on all ranks), then ``Iallgatherv`` the rows."""
-        self._check_usable()
+    def _allgather(self, buf: Any, rows: list[int], name: str) -> Any:
+        """``Iallgatherv`` of the rows, with the agreed per-rank counts."""
         arr = as_numpy(buf)
         if not arr.flags.c_contiguous:
             arr = arr.copy(order="C")  # the input is only read: a copy is fine
-        header, local_problem = _header(arr)
-        headers = np.empty((self.size, _HEADER_LEN), dtype=np.int64)
-        _MPIHandle(
-            self, self.describe("allgather (shapes)", name),
-            [self._comm.Iallgather([header, self._MPI.INT64_T],
-                                   [headers, self._MPI.INT64_T])],
-            (header, headers),
-        ).wait()
-        dtype, trailing = _check_headers(headers, f"allgather {name!r}", local_problem)
+        trailing = arr.shape[1:]
         row_elems = int(np.prod(trailing, dtype=np.int64))
-        rows = headers[:, 0]
-        counts = [int(r) * row_elems for r in rows]
-        displs = [int(sum(counts[:r])) for r in range(self.size)]
-        out = np.empty((int(rows.sum()), *trailing), dtype=numpy_dtype(dtype))
-        mpi_type = self._types[dtype]
+        counts = [r * row_elems for r in rows]
+        out = np.empty((sum(rows), *trailing), dtype=arr.dtype)
+        mpi_type = self._types[canonical_dtype(arr.dtype)]
         _MPIHandle(
             self, self.describe("allgather", name, out.nbytes),
             [self._comm.Iallgatherv([_wire(arr), arr.size, mpi_type],
-                                    [_wire(out), (counts, displs), mpi_type])],
+                                    [_wire(out), (counts, _displacements(counts)), mpi_type])],
             (arr, out),
         ).wait()
         return as_torch(out) if is_torch(buf) else out
 
     def _barrier(self) -> None:
-        self._check_usable()
         _MPIHandle(self, "mpi barrier", [self._comm.Ibarrier()], ()).wait()
 
-    def shutdown(self) -> None:
-        """Free the communicator, datatypes and ops (local; idempotent).
+    def _close(self) -> None:
+        """Free the communicator, datatypes and ops (local).
 
         ``MPI_Finalize`` is left to mpi4py at interpreter exit, so the user
         may keep using MPI, or start the engine again, after this. A
         subgroup engine frees only its communicator: the datatypes and ops
-        belong to the engine it came from."""
+        belong to the engine it came from. A broken engine frees nothing."""
         if self._broken is not None:
             # A pending request may still use them: leak rather than crash.
             self._comm = None
             return
-        if self._parent is not None:
-            if self._comm is not None:
-                self._comm.Free()
-                self._comm = None
-            return
-        for op in self._half_ops.values():
-            op.Free()
-        self._half_ops.clear()
-        for datatype in self._half_types.values():
-            datatype.Free()
-        self._half_types.clear()
+        if self._parent is None:
+            for op in self._half_ops.values():
+                op.Free()
+            self._half_ops.clear()
+            for datatype in self._half_types.values():
+                datatype.Free()
+            self._half_types.clear()
         if self._comm is not None:
             self._comm.Free()
             self._comm = None
 
-    def _exchange(self, row: np.ndarray, what: str) -> np.ndarray:
-        # One fixed-size Iallgather instead of allgather's two steps.
-        self._check_usable()
-        table = np.empty((self.size, row.size), dtype=np.int64)
-        _MPIHandle(
-            self, self.describe("allgather", f"{what} (headers)"),
-            [self._comm.Iallgather([row, self._MPI.INT64_T], [table, self._MPI.INT64_T])],
-            (row, table),
-        ).wait()
-        return table
-
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
         """``Ialltoallv`` of the rows as bytes (exact for every dtype); the
         counts were agreed by the header exchange."""
-        self._check_usable()
         arr = as_numpy(buf)
         if not arr.flags.c_contiguous:
             arr = arr.copy(order="C")  # the input is only read: a copy is fine
@@ -291,7 +262,6 @@ class MPIEngine(Engine):
 
     def _reducescatter(self, buf: Any, op: ReduceOp, counts: list[int], name: str) -> Any:
         """``Ireduce_scatter`` with per-rank element counts."""
-        self._check_usable()
         arr = as_numpy(buf)
         if not arr.flags.c_contiguous:
             arr = arr.copy(order="C")
@@ -315,50 +285,14 @@ class MPIEngine(Engine):
         """``Comm.Split`` of this engine's communicator. Split is blocking,
         but every rank has just passed the header exchange (which honours
         the timeout), so all of them are here."""
-        self._check_usable()
         MPI = self._MPI
         color = 0 if topology is not None else MPI.UNDEFINED
         comm = self._comm.Split(color, self.rank)
         if topology is None:
             return None
-        child = MPIEngine.__new__(type(self))
-        Engine.__init__(child, topology, self.config)
-        child._MPI, child._broken, child._comm, child._parent = MPI, None, comm, self
-        # Shared with this engine, which frees them.
-        child._types, child._half_types, child._half_ops = (
-            self._types, self._half_types, self._half_ops)
-        return child
+        return type(self)(topology, self.config, parent=self, comm=comm)
 
     # -- internals ---------------------------------------------------------
-    def _mark_broken(self, description: str) -> None:
-        if self._broken is None:
-            self._broken = description
-        if self._parent is not None:
-            # Shared datatypes and ops may still be in use: the parent must
-            # not free them either.
-            self._parent._mark_broken(description)
-
-    def _check_usable(self) -> None:
-        parent = self._parent
-        if parent is not None and self._broken is None and (
-            parent._broken is not None or parent._comm is None
-        ):
-            raise DPPluginError(
-                f"rank {self.rank}: the mpi engine this subgroup came from was shut down "
-                "or is broken; create the subgroup again from a running engine"
-            )
-        if self._broken is not None:
-            raise DPPluginError(
-                f"rank {self.rank}: the mpi engine is unusable because an earlier collective "
-                f"timed out ({self._broken}); its request may still complete and the ranks no "
-                "longer agree on the order of collectives. Restart the job"
-            )
-        if self._comm is None:
-            raise DPPluginError(
-                f"rank {self.rank}: the mpi engine was shut down; create a new one "
-                "(dp_plugin.init()) before calling collectives"
-            )
-
     def _op(self, dtype: str, op: ReduceOp) -> Any:
         if dtype not in self._half_types:
             return getattr(self._MPI, _MPI_OP_NAMES[op])
@@ -410,59 +344,3 @@ def _wire(arr: np.ndarray) -> np.ndarray:
     cannot be exported, so half types travel as their 16-bit patterns (the
     MPI datatype passed alongside says how to reduce them)."""
     return arr.view(np.uint16) if canonical_dtype(arr.dtype) in _HALF_DTYPES else arr
-
-
-def _header(arr: np.ndarray) -> tuple[np.ndarray, str | None]:
-    """This rank's all-gather header, and a description of what is wrong
-    with its input (reported after the exchange, on every rank)."""
-    header = np.full(_HEADER_LEN, -1, dtype=np.int64)
-    try:
-        code = _DTYPE_CODES.index(canonical_dtype(arr.dtype))
-        problem = None
-    except TypeError as exc:
-        code, problem = -1, str(exc)
-    header[1] = code
-    header[2] = arr.ndim
-    if arr.ndim >= 1:
-        header[0] = arr.shape[0]
-        trailing = arr.shape[1:]
-        if len(trailing) <= _MAX_TRAILING_DIMS:
-            header[3:3 + len(trailing)] = trailing
-    return header, problem
-
-
-def _check_headers(headers: np.ndarray, what: str,
-                   local_problem: str | None) -> tuple[str, tuple[int, ...]]:
-    """Validate all ranks' headers; identical outcome on every rank."""
-    bad_dtype = [r for r in range(len(headers)) if headers[r, 1] < 0]
-    if bad_dtype:
-        raise TypeError(
-            f"{what}: rank(s) {bad_dtype} passed a dtype that cannot be gathered"
-            + (f" ({local_problem})" if local_problem else "")
-        )
-    ndims = headers[:, 2]
-    if (ndims == 0).any():
-        raise ValueError(
-            f"{what}: rank(s) {np.flatnonzero(ndims == 0).tolist()} passed a 0-d buffer; "
-            "all-gather concatenates along the first dimension, reshape it to (1,)"
-        )
-    if (ndims > _MAX_TRAILING_DIMS + 1).any():
-        raise ValueError(
-            f"{what}: rank(s) {np.flatnonzero(ndims > _MAX_TRAILING_DIMS + 1).tolist()} "
-            f"passed a buffer with more than {_MAX_TRAILING_DIMS + 1} dimensions; "
-            "reshape it to fewer dimensions"
-        )
-    layouts = [
-        (_DTYPE_CODES[int(h[1])], tuple(int(d) for d in h[3:3 + int(h[2]) - 1]))
-        for h in headers
-    ]
-    if any(layout != layouts[0] for layout in layouts):
-        per_rank = ", ".join(
-            f"rank {r}: {dtype}[{', '.join(['rows', *map(str, trailing)])}]"
-            for r, (dtype, trailing) in enumerate(layouts)
-        )
-        raise ValueError(
-            f"{what}: ranks passed buffers whose dtype or non-first dimensions differ "
-            f"({per_rank}); only the first dimension may differ between ranks"
-        )
-    return layouts[0]

@@ -10,9 +10,11 @@ alone at shutdown (a group the engine creates, it destroys).
 
 Distributed contract (on top of ``Engine``'s): every rank issues the same
 collectives in the same order on buffers of the same size and dtype;
-``allgather`` is a synchronization point and exchanges each rank's first
-dimension first, so uneven inputs are fine and a dtype or trailing-shape
-mismatch raises the same ``ValueError`` on every rank.
+``allgather`` (after the base class's header exchange, which allows uneven
+first dimensions) pads every rank's rows to the longest and runs one
+``all_gather``. A timeout breaks the engine (base class); ``shutdown``
+still destroys the group then, so teardown does not abort on the pending
+work. nccl takes CUDA buffers only (``buffer_device`` is its GPU).
 
 ``alltoall`` is ``all_to_all_single`` on the rows' bytes. ``reducescatter``
 is the base class's all-reduce-then-slice: Gloo's ``reduce_scatter`` work
@@ -33,42 +35,26 @@ import numpy as np
 
 from dp_plugin.arrays import as_numpy, as_torch, is_torch
 from dp_plugin.config import Config
-from dp_plugin.dtypes import SUPPORTED_DTYPES
 from dp_plugin.engines import rendezvous as rdv
-from dp_plugin.engines.base import (
-    Availability,
-    DoneHandle,
-    Engine,
-    Handle,
-    ReduceOp,
-    check_gatherable,
-)
+from dp_plugin.engines.base import Availability, DoneHandle, Engine, Handle, ReduceOp
 from dp_plugin.errors import DPPluginError, EngineUnavailableError
 from dp_plugin.launch import Topology
 
-_DTYPE_CODES = {name: i for i, name in enumerate(SUPPORTED_DTYPES)}
-_DTYPE_NAMES = {i: name for name, i in _DTYPE_CODES.items()}
-_MAX_DIMS = 8
-"""All-gather inputs with more dimensions are compared by size only."""
 
-
-class _WorkHandle(Handle):
-    """An in-flight torch.distributed ``Work``."""
-
-    def __init__(self, work: Any, description: str, rank: int, timeout_s: float) -> None:
-        super().__init__(description, rank, timeout_s)
-        self._work = work
-
-
-class _PollHandle(_WorkHandle):
-    """Poll ``Work.is_completed`` (with the base class's backoff, at most 1 ms
-    late), then ``wait`` to surface errors and, for NCCL, order the current
-    stream after the collective.
+class _PollHandle(Handle):
+    """An in-flight torch.distributed ``Work``. Poll ``Work.is_completed``
+    (with the base class's backoff, at most 1 ms late), then ``wait`` to
+    surface errors and, for NCCL, order the current stream after the
+    collective.
 
     Not ``future.then(callback)``: that callback runs Python on Gloo's thread,
     and a script that exits right after its last collective aborted ("terminate
     called without an active exception") in about 1 run in 5 at 3 ranks.
     """
+
+    def __init__(self, work: Any, engine: TorchDistEngine, description: str) -> None:
+        super().__init__(description, engine.rank, engine.config.timeout_s, engine._mark_broken)
+        self._work = work
 
     def _test(self) -> bool:
         if not self._work.is_completed():
@@ -95,33 +81,37 @@ class TorchDistEngine(Engine):
 
     backend: ClassVar[str]
     """torch.distributed backend name."""
-    handle_class: ClassVar[type[_WorkHandle]]
     # Neither Gloo nor NCCL moves int16: reduce it as int32 (exact, and the
     # wrap-around of the cast back matches int16 arithmetic); broadcast and
     # gather it as bytes.
     _WIDENED: ClassVar[dict[str, str]] = {"int16": "int32"}
 
-    def __init__(self, topology: Topology, config: Config) -> None:
-        avail = self.availability(topology)
-        if not avail.ok:
-            raise EngineUnavailableError(f"engine {self.name!r} cannot run here: {avail.reason}")
-        super().__init__(topology, config)
+    def __init__(self, topology: Topology, config: Config, *,
+                 parent: TorchDistEngine | None = None, group: Any = None) -> None:
+        """The job-wide engine (joins or creates the default group), or with
+        ``parent`` and ``group``: the subgroup engine of that group."""
+        if parent is None:
+            avail = self.availability(topology)
+            if not avail.ok:
+                raise EngineUnavailableError(
+                    f"engine {self.name!r} cannot run here: {avail.reason}")
+        super().__init__(topology, config, parent=parent)
         import torch
         import torch.distributed as dist
 
         self._torch: Any = torch
         self._dist: Any = dist
-        self._device: Any = self._select_device()
-        self._group: Any = None  # None: the default group
+        self._device: Any = self._select_device() if parent is None else parent._device
+        self._group: Any = group  # None: the default group
         self._owns_default = False
-        self._owns_group = False
-        self._closed = False
-        self._parent: TorchDistEngine | None = None  # set on subgroup engines
-        self.rendezvous_description = self._join_or_create_group()
+        self._owns_group = parent is not None
+        self._description = (self._join_or_create_group() if parent is None else
+                             f"a new {self.backend} group")
         if self._owns_default or self._owns_group:
             # A Gloo group destroyed during interpreter teardown while a
             # collective is still pending (after a timeout, say) aborts the
             # process ("terminate called ... IoException"); destroy it first.
+            # A subgroup registers after its parent: atexit runs LIFO.
             atexit.register(self.shutdown)
         self._reduce_ops = {
             ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -130,6 +120,19 @@ class TorchDistEngine(Engine):
             ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
             ReduceOp.AVERAGE: getattr(dist.ReduceOp, "AVG", None),
         }
+
+    @property
+    def rendezvous_description(self) -> str:
+        """How the group was formed (shown by the tests and ``make check``)."""
+        if self._parent is None:
+            return self._description
+        return f"{self._description} of job ranks {list(self.global_ranks)}"
+
+    @property
+    def buffer_device(self) -> str:
+        # The engine's device, which a subgroup inherits: the group's own
+        # local rank need not be this process's GPU.
+        return str(self._device)
 
     @classmethod
     def availability(cls, topology: Topology) -> Availability:
@@ -188,15 +191,12 @@ class TorchDistEngine(Engine):
         self._owns_default = True
         return meeting.description
 
-    def shutdown(self) -> None:
-        """Destroy the group this engine created (not a user's). Idempotent.
+    def _close(self) -> None:
+        """Destroy the group this engine created (not a user's), broken or not.
 
         A subgroup engine destroys only its own group; if the job-wide engine
         already destroyed the default group (which takes every group with
         it), there is nothing left to do."""
-        if self._closed:
-            return
-        self._closed = True
         atexit.unregister(self.shutdown)
         dist = self._dist
         if self._owns_group and dist.is_initialized():
@@ -209,7 +209,6 @@ class TorchDistEngine(Engine):
         """``dist.new_group`` over the members' job-wide ranks: collective
         over every process of the job, members or not."""
         what = f"subgroup {name!r}"
-        self._check_open(what)
         if self._parent is not None:
             # new_group needs every process of the job, but only this
             # subgroup's members are here.
@@ -226,16 +225,7 @@ class TorchDistEngine(Engine):
         )
         if topology is None:
             return None
-        child = type(self).__new__(type(self))
-        Engine.__init__(child, topology, self.config)
-        child._torch, child._dist, child._device = self._torch, self._dist, self._device
-        child._group = group
-        child._owns_default, child._owns_group, child._closed = False, True, False
-        child._parent = self
-        child._reduce_ops = self._reduce_ops
-        child.rendezvous_description = f"a new {self.backend} group of ranks {list(members)}"
-        atexit.register(child.shutdown)  # before the parent's (atexit runs LIFO)
-        return child
+        return type(self)(topology, self.config, parent=self, group=group)
 
     # -- collectives ---------------------------------------------------------------
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
@@ -264,16 +254,12 @@ class TorchDistEngine(Engine):
                                         async_op=True)
         return self._handle(work, desc)
 
-    def _allgather(self, buf: Any, name: str) -> Any:
-        what = f"allgather {name!r}"
-        dtype = check_gatherable(buf, what)
-        t = self._tensor(buf, what, flat=False)
+    def _allgather(self, buf: Any, rows: list[int], name: str) -> Any:
+        t = self._tensor(buf, f"allgather {name!r}", flat=False)
         torch = self._torch
-        specs = self._gather_specs(t, dtype, name)
-        rows = [int(r) for r in specs[:, 0]]
         trailing = tuple(t.shape[1:])
         longest = max(rows)
-        if longest == 0:
+        if longest == 0:  # rows are agreed: every rank skips alike
             result = t.new_empty((0, *trailing))
         else:
             send = t.contiguous()
@@ -295,16 +281,10 @@ class TorchDistEngine(Engine):
         self._handle(work, f"{self.name} barrier").wait()
 
     def _exchange(self, row: np.ndarray, what: str) -> np.ndarray:
-        # One fixed-size all_gather instead of allgather's two steps.
-        self._check_open(what)
-        torch = self._torch
-        mine = torch.from_numpy(row).to(self._device)
-        table = [torch.empty_like(mine) for _ in range(self.size)]
-        self._handle(
-            self._dist.all_gather(table, mine, group=self._group, async_op=True),
-            self.describe("allgather", f"{what} (headers)"),
-        ).wait()
-        return np.asarray(torch.stack(table).cpu().numpy())
+        # The header goes where the backend takes buffers (the GPU for nccl).
+        mine = self._torch.from_numpy(row[None, :]).to(self._device)
+        table = self._allgather(mine, [1] * self.size, f"{what} (headers)")
+        return np.asarray(table.cpu().numpy())
 
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
         """``all_to_all_single`` of each row as raw bytes: exact for every
@@ -329,21 +309,9 @@ class TorchDistEngine(Engine):
 
     # -- helpers -------------------------------------------------------------------
     def _handle(self, work: Any, description: str) -> Handle:
-        return self.handle_class(work, description, self.rank, self.config.timeout_s)
-
-    def _check_open(self, what: str) -> None:
-        if self._closed:
-            raise DPPluginError(
-                f"{what}: the {self.name} engine was shut down; call dp_plugin.init() again"
-            )
-        if self._parent is not None and self._parent._closed:
-            raise DPPluginError(
-                f"{what}: the {self.name} engine this subgroup came from was shut down, "
-                "which ended the subgroup too; call dp_plugin.init() and create it again"
-            )
+        return _PollHandle(work, self, description)
 
     def _tensor(self, buf: Any, what: str, flat: bool = True) -> Any:
-        self._check_open(what)
         t = as_torch(buf)
         self._check_device(t, what)
         if flat and not t.is_contiguous():
@@ -364,36 +332,12 @@ class TorchDistEngine(Engine):
             return t.view(self._torch.uint8)
         return t
 
-    def _gather_specs(self, t: Any, dtype: str, name: str) -> Any:
-        """Every rank's (rows, ndim, dtype, trailing dims) as a (size, 3 + 7) table,
-        after checking that all ranks agree on everything but the rows."""
-        torch = self._torch
-        spec = [int(t.shape[0]), t.dim(), _DTYPE_CODES[dtype]]
-        dims = [int(d) for d in t.shape[1:_MAX_DIMS]]
-        spec += dims + [-1] * (_MAX_DIMS - 1 - len(dims))
-        mine = torch.tensor(spec, dtype=torch.int64, device=self._device)
-        table = [torch.empty_like(mine) for _ in range(self.size)]
-        self._handle(
-            self._dist.all_gather(table, mine, group=self._group, async_op=True),
-            self.describe("allgather", f"{name} (first dimensions)"),
-        ).wait()
-        specs = torch.stack(table).cpu()
-        for r in range(1, self.size):
-            if not torch.equal(specs[r, 1:], specs[0, 1:]):
-                raise ValueError(
-                    f"allgather {name!r}: rank 0 passed {_describe_spec(specs[0])} but rank {r} "
-                    f"passed {_describe_spec(specs[r])}; every rank must pass the same dtype and "
-                    "the same dimensions after the first (only the first may differ)"
-                )
-        return specs
-
 
 class GlooEngine(TorchDistEngine):
     """torch.distributed with Gloo: CPU buffers (CUDA ones are staged by torch)."""
 
     name = "gloo"
     backend = "gloo"
-    handle_class = _PollHandle
 
     @classmethod
     def _backend_problem(cls, topology: Topology) -> str | None:
@@ -413,7 +357,6 @@ class NcclEngine(TorchDistEngine):
 
     name = "nccl"
     backend = "nccl"
-    handle_class = _PollHandle
     native_ops = frozenset(ReduceOp)
 
     @classmethod
@@ -436,24 +379,12 @@ class NcclEngine(TorchDistEngine):
     def _select_device(self) -> Any:
         return self._torch.device("cuda", self.topology.local_rank)
 
-    @property
-    def buffer_device(self) -> str:
-        return f"cuda:{self.topology.local_rank}"
-
     def _check_device(self, t: Any, what: str) -> None:
         if t.device.type != "cuda":
             raise TypeError(
                 f"{what}: the nccl engine needs CUDA buffers, got one on {t.device}; move it "
                 "to the GPU or use the gloo engine (DP_PLUGIN_ENGINE=gloo) for CPU buffers"
             )
-
-
-def _describe_spec(spec: Any) -> str:
-    rows, ndim, code = (int(v) for v in spec[:3])
-    dims = [int(d) for d in spec[3 : 3 + max(0, ndim - 1)]]
-    shape = ", ".join(str(d) for d in [rows, *dims])
-    more = ", ..." if ndim > _MAX_DIMS else ""
-    return f"a {_DTYPE_NAMES.get(code, '?')} buffer of shape ({shape}{more})"
 
 
 def _torch_version() -> str:

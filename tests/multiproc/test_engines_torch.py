@@ -72,6 +72,7 @@ def test_gloo_joins_a_user_group_and_leaves_it_alone() -> None:
 
     engine = create_engine("gloo", Topology.single(), Config(timeout_s=30))
     assert dist.is_initialized()
+    assert engine.buffer_device == "cpu"
     engine.shutdown()
     assert not dist.is_initialized()
 

@@ -61,10 +61,11 @@ class _Group:
 
     def submit(self, rank: int, seq: int, kind: str, name: str, buf: Any,
                signature: tuple[Any, ...], op: ReduceOp | None = None,
-               root: int = 0) -> _Collective:
+               root: int = 0, log: bool = True) -> _Collective:
         data = np.array(as_numpy(buf), copy=True)
         with self.lock:
-            self.logs[rank].append((kind, name, int(data.nbytes)))
+            if log:
+                self.logs[rank].append((kind, name, int(data.nbytes)))
             coll = self.pending.get(seq)
             if coll is None:
                 coll = self.pending[seq] = _Collective(kind, name, signature, rank)
@@ -97,7 +98,7 @@ class _Group:
             coll.result = acc
         elif coll.kind == "broadcast":
             coll.result = ordered[root]
-        elif coll.kind == "allgather":
+        elif coll.kind in ("allgather", "exchange"):
             coll.result = np.concatenate(ordered, axis=0)
         else:
             coll.result = np.empty(0)
@@ -143,7 +144,7 @@ class FakeEngine(Engine):
         """(kind, name, bytes) of every collective this rank started, in order."""
         return self.group.logs[self.rank]
 
-    def shutdown(self) -> None:
+    def _close(self) -> None:
         self.shut_down = True
 
     def go_silent(self) -> None:
@@ -152,10 +153,10 @@ class FakeEngine(Engine):
             self.group.absent.add(self.rank)
 
     def _start(self, kind: str, name: str, buf: Any, signature: tuple[Any, ...],
-               op: ReduceOp | None = None, root: int = 0) -> FakeHandle:
+               op: ReduceOp | None = None, root: int = 0, log: bool = True) -> FakeHandle:
         seq = self._seq
         self._seq += 1
-        coll = self.group.submit(self.rank, seq, kind, name, buf, signature, op, root)
+        coll = self.group.submit(self.rank, seq, kind, name, buf, signature, op, root, log)
         nbytes = int(as_numpy(buf).nbytes)
         return FakeHandle(coll, self.describe(kind, name, nbytes), self.rank,
                           self.config.timeout_s)
@@ -168,9 +169,19 @@ class FakeEngine(Engine):
         arr = as_numpy(buf)
         return self._start("broadcast", name, buf, (root, str(arr.dtype), arr.shape), root=root)
 
-    def _allgather(self, buf: Any, name: str) -> Any:
+    def _allgather(self, buf: Any, rows: list[int], name: str) -> Any:
         arr = as_numpy(buf)
         handle = self._start("allgather", name, buf, (str(arr.dtype), arr.shape[1:]))
+        return self._result(handle, buf)
+
+    def _exchange(self, row: np.ndarray, what: str) -> np.ndarray:
+        # The engines' header agreement before an all-gather is not one of the
+        # collectives the tests count: it is not logged.
+        handle = self._start("exchange", what, row[None, :], (row.size,), log=False)
+        return np.asarray(self._result(handle, row))
+
+    @staticmethod
+    def _result(handle: FakeHandle, buf: Any) -> Any:
         handle.wait()
         result = handle._coll.result
         assert result is not None

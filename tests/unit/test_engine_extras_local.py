@@ -219,6 +219,8 @@ def test_a_mistake_on_one_rank_raises_on_every_rank() -> None:
         ("rs-shape", "same shape"),
         ("rs-op", "different reduce ops"),
         ("members", "different members"),
+        ("ag-dtype", "rank 2: float64[4, 2]"),
+        ("ag-trailing", "only the first may differ"),
     ],
 )
 def test_mismatches_between_ranks_raise_everywhere(case: str, needle: str) -> None:
@@ -234,11 +236,35 @@ def test_mismatches_between_ranks_raise_everywhere(case: str, needle: str) -> No
             return engine.reducescatter(np.zeros(4 if odd else 3, np.float32))
         if case == "rs-op":
             return engine.reducescatter(np.zeros(3, np.float32), "min" if odd else "sum")
+        if case == "ag-dtype":  # uneven first dimensions are fine, dtypes must agree
+            rows = engine.rank + 2
+            return engine.allgather(np.zeros((rows, 2), np.float64 if odd else np.float32))
+        if case == "ag-trailing":
+            return engine.allgather(np.zeros((engine.rank, 3 if odd else 2), np.float32))
         return engine.subgroup([0] if odd else [0, 1])
 
-    for outcome in run_ranks_outcomes(engines, body):
+    outcomes = run_ranks_outcomes(engines, body)
+    for outcome in outcomes:
         assert isinstance(outcome, ValueError), outcome
         assert needle in str(outcome)
+    assert len({str(o) for o in outcomes}) == 1, "every rank must raise the same error"
+    if case.startswith("ag-"):  # all-gather names every rank's buffer and the fix
+        text = str(outcomes[0])
+        assert all(f"rank {r}: " in text for r in range(3)), text
+        assert "every rank must pass the same dtype" in text
+
+
+def test_allgather_of_uneven_rows_agrees_first() -> None:
+    engines = make_thread_group(3)
+
+    def body(engine: FakeEngine) -> Any:
+        return engine.allgather(np.full((engine.rank, 2), engine.rank, np.int32), name="ag")
+
+    expected = np.concatenate([np.full((r, 2), r, np.int32) for r in range(3)])
+    for outcome in run_ranks_outcomes(engines, body):
+        np.testing.assert_array_equal(outcome, expected)
+    # The header agreement is not counted with the data collectives.
+    assert all(e.log == [("allgather", "ag", 8 * e.rank)] for e in engines)  # rows x 2 x 4 B
 
 
 def test_an_engine_without_subgroups_says_so_on_every_rank() -> None:

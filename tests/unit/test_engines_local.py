@@ -7,9 +7,9 @@ import pytest
 
 from dp_plugin.config import Config
 from dp_plugin.engines import create_engine
-from dp_plugin.engines.base import ReduceOp
+from dp_plugin.engines.base import Handle, ReduceOp
 from dp_plugin.engines.local import LocalEngine
-from dp_plugin.errors import EngineUnavailableError
+from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, EngineUnavailableError
 from dp_plugin.launch import Topology
 
 torch = pytest.importorskip("torch")
@@ -82,7 +82,7 @@ def test_allgather_returns_a_copy_of_the_same_kind(kind: str) -> None:
 
 
 def test_allgather_rejects_a_0_dim_buffer() -> None:
-    with pytest.raises(ValueError, match="0-dim buffer"):
+    with pytest.raises(ValueError, match=r"0-d buffer .*reshape it to \(1,\)"):
         _engine().allgather(np.float32(1.0).reshape(()))
 
 
@@ -91,6 +91,66 @@ def test_barrier_and_shutdown_are_harmless_and_idempotent() -> None:
     engine.barrier()
     engine.shutdown()
     engine.shutdown()
+
+
+def test_buffers_live_on_the_cpu() -> None:
+    engine = _engine()
+    assert engine.buffer_device == "cpu"
+    group = engine.subgroup([0])
+    assert group is not None and group.buffer_device == "cpu"
+
+
+def test_a_closed_engine_refuses_every_collective() -> None:
+    engine = _engine()
+    engine.shutdown()
+    buf = np.ones(2, np.float32)
+    calls = {
+        "allreduce": lambda: engine.allreduce_async(buf, name="b0"),
+        "broadcast": lambda: engine.broadcast(buf, 0, name="b0"),
+        "allgather": lambda: engine.allgather(buf, name="b0"),
+        "barrier": engine.barrier,
+        "alltoall": lambda: engine.alltoall(buf, name="b0"),
+        "reducescatter": lambda: engine.reducescatter(buf, name="b0"),
+        "subgroup": lambda: engine.subgroup([0], name="b0"),
+    }
+    for what, call in calls.items():
+        with pytest.raises(DPPluginError, match="was shut down; call dp_plugin.init"
+                           r"\(\) again") as info:
+            call()
+        assert what in str(info.value) and "local engine" in str(info.value)
+
+
+class _NeverDone(Handle):
+    def _test(self) -> bool:
+        return False
+
+
+def test_a_timeout_breaks_the_engine_and_its_subgroups() -> None:
+    engine = _engine()
+    group = engine.subgroup([0], name="solo")
+    assert group is not None
+    handle = _NeverDone("local allreduce of 'bucket-3'", 0, 0.01, engine._mark_broken)
+    with pytest.raises(CollectiveTimeoutError, match="bucket-3"):
+        handle.wait()
+    with pytest.raises(DPPluginError, match="timed out") as info:
+        engine.barrier()
+    assert "bucket-3" in str(info.value) and "Restart the job" in str(info.value)
+    with pytest.raises(DPPluginError, match="create the subgroup again") as info:
+        group.allreduce_async(np.ones(2, np.float32))
+    assert "bucket-3" in str(info.value)
+    engine.shutdown()  # still possible: the engine releases what it safely can
+
+
+def test_a_subgroup_ends_with_its_parent() -> None:
+    engine = _engine()
+    group = engine.subgroup([0], name="solo")
+    assert group is not None
+    engine.shutdown()
+    with pytest.raises(DPPluginError, match=r"came from was shut down.*create the subgroup "
+                       "again"):
+        group.barrier()
+    group.shutdown()
+    group.shutdown()
 
 
 def test_more_than_one_rank_is_an_error_naming_the_size() -> None:

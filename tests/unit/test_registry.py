@@ -45,7 +45,10 @@ def test_registry_and_engine_classes_load_no_framework() -> None:
 
 
 def test_names_match_the_config_choices() -> None:
-    assert set(engines.ENGINE_NAMES) == set(CONFIG_ENGINE_NAMES) - {"auto"}
+    # config.EngineName is the one list: the registry holds exactly those
+    # names (checked at import too), in the same order.
+    assert tuple(n for n in CONFIG_ENGINE_NAMES if n != "auto") == engines.ENGINE_NAMES
+    assert set(engines._REGISTRY) == set(engines.ENGINE_NAMES)
 
 
 def test_unknown_name_lists_the_valid_ones() -> None:

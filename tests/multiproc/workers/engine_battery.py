@@ -27,7 +27,7 @@ from dp_plugin.arrays import as_numpy, as_torch, is_torch, numpy_dtype
 from dp_plugin.config import Config
 from dp_plugin.engines import create_engine
 from dp_plugin.engines.base import Engine
-from dp_plugin.errors import CollectiveTimeoutError
+from dp_plugin.errors import CollectiveTimeoutError, DPPluginError
 from dp_plugin.launch import detect
 
 FLOATS = ("float16", "bfloat16", "float32", "float64")
@@ -240,11 +240,25 @@ def _error_of(fn: Callable[[], object]) -> str:
     raise AssertionError(f"{fn} did not raise")
 
 
+def _refusal(fn: Callable[[], object]) -> str:
+    try:
+        fn()
+    except DPPluginError as exc:
+        if isinstance(exc, CollectiveTimeoutError):
+            raise
+        return str(exc)
+    raise AssertionError(f"{fn} did not raise")
+
+
 def check_errors(engine: Engine) -> None:
     """Bad input fails with a clear message, identical on every rank, and
     leaves the engine usable."""
-    size = engine.size
+    size, rank = engine.size, engine.rank
     flat = to_kind(np.ones(4, dtype=np.float32), Setup.kinds[0])
+    wide = 3 if rank == size - 1 else 2  # the last rank's rows are wider
+    uneven = to_kind(np.zeros((rank + 1, wide), dtype=np.float32), Setup.kinds[0])
+    ranks_named = [f"rank {r}: float32[{r + 1}, {3 if r == size - 1 else 2}]"
+                   for r in range(size)]
     cases = {
         "bad op": (lambda: engine.allreduce_async(flat, "mean"), ["'mean'", "average"]),
         "2-D buffer": (lambda: engine.allreduce_async(np.ones((2, 2), np.float32)),
@@ -253,6 +267,9 @@ def check_errors(engine: Engine) -> None:
                         ["average", "int32", "sum"]),
         "root too big": (lambda: engine.broadcast(flat, size), [f"{size}", "root"]),
         "root negative": (lambda: engine.broadcast(flat, -1), ["-1", "root"]),
+        "allgather mismatch": (lambda: engine.allgather(uneven, name="mismatch"),
+                               ["allgather 'mismatch'", "different buffers", *ranks_named,
+                                "only the first may differ"]),
     }
     messages = []
     for label, (fn, needles) in cases.items():
@@ -266,6 +283,11 @@ def check_errors(engine: Engine) -> None:
     everyone = everyone.reshape(size, -1)
     if not (everyone == everyone[0]).all():
         raise AssertionError(f"error messages differ between ranks; mine: {messages}")
+    # A 0-d all-gather input on the last rank only: every rank raises.
+    scalar = np.zeros((), np.float32) if rank == size - 1 else np.zeros(2, np.float32)
+    message = _error_of(lambda: engine.allgather(to_kind(scalar, Setup.kinds[0]), name="0d"))
+    if not message.startswith("ValueError") or f"rank(s) [{size - 1}]" not in message:
+        raise AssertionError(f"0-d all-gather input on rank {size - 1}: {message}")
     # Still usable after the errors.
     ok = to_kind(np.ones(4, dtype=np.float32), Setup.kinds[0])
     engine.allreduce_async(ok, "sum", name="after-errors").wait()
@@ -303,6 +325,11 @@ def run_timeout_case(engine: Engine, config: Config) -> None:
                 raise AssertionError(f"timeout error lacks {needle!r}: {message}") from exc
         if waited > config.timeout_s + 30:
             raise AssertionError(f"timed out only after {waited:.1f} s") from exc
+        # The timed-out all-reduce may still complete: the engine is broken.
+        broken = _refusal(engine.barrier)
+        for needle in ("bucket-7", "timed out", "Restart the job"):
+            if needle not in broken:
+                raise AssertionError(f"refusal after a timeout lacks {needle!r}: {broken}") from exc
         print(f"rank {rank} TIMEOUT-OK after {waited:.1f} s: {message}", flush=True)
         return
     raise AssertionError("the all-reduce finished although the last rank skipped it")
@@ -323,6 +350,9 @@ def main() -> None:
             Setup.kinds = ("torch",)
         config = Config.from_env()
         engine = create_engine(args.engine, topology, config)
+        want_device = Setup.device if args.device == "cuda" else "cpu"
+        if engine.buffer_device != want_device:
+            raise AssertionError(f"buffer_device {engine.buffer_device}, want {want_device}")
         via = getattr(engine, "rendezvous_description", "no rendezvous")
         print(f"rank {rank} engine {engine.name} under {topology.launcher}, size "
               f"{topology.size}, rendezvous: {via}", flush=True)

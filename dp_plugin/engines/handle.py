@@ -1,0 +1,104 @@
+"""Handles: in-flight collectives that honour the timeout.
+
+Every engine's collectives return a ``Handle``; ``wait`` blocks until the
+collective is done or ``timeout_s`` has passed, then raises
+``CollectiveTimeoutError`` naming the collective and the rank, and tells the
+engine (``on_timeout``, the engine's ``_mark_broken``) so that it refuses
+later collectives. ``dp_plugin.engines.base`` re-exports both classes.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+from dp_plugin.errors import CollectiveTimeoutError
+
+
+class Handle(ABC):
+    """An in-flight collective. ``wait`` blocks until done or the timeout.
+
+    ``on_timeout(description)`` runs when ``wait`` raises
+    ``CollectiveTimeoutError``; engines pass their ``_mark_broken``."""
+
+    def __init__(self, description: str, rank: int, timeout_s: float,
+                 on_timeout: Callable[[str], None] | None = None) -> None:
+        self.description = description
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self._on_timeout = on_timeout
+        self.started_at = time.perf_counter()
+        self.completed_at: float | None = None
+        self._finishers: list[Any] = []
+
+    @abstractmethod
+    def _test(self) -> bool:
+        """Non-blocking: True once the collective has finished."""
+
+    def _block(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s``; True if finished. Override where the
+        library can block efficiently; the default polls ``_test``."""
+        deadline = time.perf_counter() + timeout_s
+        pause = 0.0
+        while not self._test():
+            if time.perf_counter() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2 + 2e-5, 1e-3)
+        return True
+
+    def done(self) -> bool:
+        if self.completed_at is None and self._observe(self._test):
+            self.completed_at = time.perf_counter()
+        return self.completed_at is not None
+
+    def wait(self) -> None:
+        """Wait for completion; raise ``CollectiveTimeoutError`` after the timeout."""
+        if self.completed_at is None:
+            if not self._observe(lambda: self._block(self.timeout_s)):
+                raise self._timed_out(self.timeout_error())
+            self.completed_at = time.perf_counter()
+        while self._finishers:
+            self._finishers.pop(0)()
+
+    def _observe(self, probe: Callable[[], bool]) -> bool:
+        """``probe()``, reporting a timeout the library itself raised."""
+        try:
+            return probe()
+        except CollectiveTimeoutError as exc:
+            self._timed_out(exc)
+            raise
+
+    def _timed_out(self, error: CollectiveTimeoutError) -> CollectiveTimeoutError:
+        if self._on_timeout is not None:
+            self._on_timeout(self.description)
+        return error
+
+    def timeout_error(self) -> CollectiveTimeoutError:
+        """The error for this collective passing ``timeout_s`` (also used by
+        engines whose library reports the timeout itself)."""
+        return CollectiveTimeoutError(
+            f"rank {self.rank}: {self.description} did not finish within "
+            f"{self.timeout_s:g} s (DP_PLUGIN_TIMEOUT). Another rank has probably "
+            "stopped calling collectives, called them in a different order, or died; "
+            "check its log. If the step is legitimately this slow, raise "
+            "DP_PLUGIN_TIMEOUT."
+        )
+
+    def then(self, fn: Any) -> Handle:
+        """Run ``fn()`` once, in the waiting thread, after completion."""
+        self._finishers.append(fn)
+        return self
+
+
+class DoneHandle(Handle):
+    """A collective that completed synchronously."""
+
+    def __init__(self, description: str, rank: int, timeout_s: float) -> None:
+        super().__init__(description, rank, timeout_s)
+        self.completed_at = self.started_at
+
+    def _test(self) -> bool:
+        return True
