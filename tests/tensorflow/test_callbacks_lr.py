@@ -266,7 +266,8 @@ def test_optimizer_without_momentum_is_left_alone() -> None:
     ("kwargs", "error", "match"),
     [
         ({"initial_lr": None}, ValueError, r"`initial_lr` is required"),
-        ({"initial_lr": -0.1}, ValueError, r"initial_lr=-0.1 must be a positive"),
+        ({"initial_lr": -0.1}, ValueError, r"initial_lr must be a finite number > 0, got -0.1"),
+        ({"initial_lr": float("inf")}, ValueError, r"initial_lr must be a finite number > 0"),
         ({"initial_lr": "0.1"}, ValueError, r"initial_lr must be a finite number > 0, got '0.1'"),
         ({"multiplier": "half"}, TypeError, r"multiplier='half' is neither a number"),
         ({"start_epoch": -1}, ValueError, r"start_epoch must be an int >= 0, got -1"),
