@@ -16,22 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dp_plugin.launch import is_launcher_variable
+
 BINDIR = Path(sys.executable).parent
 """The venv's bin: mpiexec and horovodrun next to the interpreter."""
 
 Job = tuple[list[str], dict[str, str]]
-
-# What a launcher sets (this shell may itself run under one). Tuning variables
-# such as HOROVOD_CYCLE_TIME or DP_PLUGIN_FUSION_THRESHOLD are kept.
-_LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "HYDRA_", "SLURM_", "TORCHELASTIC_",
-                      "HOROVOD_GLOO_")
-_LAUNCHER_NAMES = frozenset({
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-    "MASTER_ADDR", "MASTER_PORT", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK",
-    "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME",
-    "HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS",
-})
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -41,8 +31,9 @@ def free_port() -> int:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without launcher variables, one thread per worker."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(_LAUNCHER_PREFIXES) and k not in _LAUNCHER_NAMES}
+    # This shell may itself run under a launcher; dp_plugin.launch owns the one
+    # list of launcher variables. Tuning variables (DP_PLUGIN_FUSION_THRESHOLD...) stay.
+    env = {k: v for k, v in os.environ.items() if not is_launcher_variable(k)}
     env.update(PATH=f"{BINDIR}:{env.get('PATH', '')}", OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1", **extra)
     return env

@@ -11,14 +11,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from dp_plugin.validate import (
+    check_choice,
+    check_int,
+    check_positive_float,
+    env_bool,
+    env_choice,
+    env_int,
+    env_positive_float,
+)
+
 EngineName = Literal["auto", "horovod", "gloo", "nccl", "mpi", "local"]
 ENGINE_NAMES: tuple[str, ...] = get_args(EngineName)
 
 DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
 DEFAULT_TIMEOUT_S = 300.0
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,25 +48,15 @@ class Config:
     """Re-plan buckets from the gradient ready order observed in the first step."""
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINE_NAMES:
-            raise ValueError(
-                f"engine {self.engine!r} is not known; valid engines: {', '.join(ENGINE_NAMES)} "
-                "(set DP_PLUGIN_ENGINE to one of them)"
-            )
-        if isinstance(self.fusion_threshold, bool) or not isinstance(self.fusion_threshold, int):
-            raise ValueError(
-                f"fusion_threshold must be an int number of bytes, got {self.fusion_threshold!r}"
-            )
-        if self.fusion_threshold <= 0:
-            raise ValueError(
-                f"fusion_threshold must be > 0 bytes, got {self.fusion_threshold}; "
-                f"use e.g. {DEFAULT_FUSION_THRESHOLD} (64 MiB), or 1 for one tensor per bucket"
-            )
-        if not self.timeout_s > 0:
-            raise ValueError(
-                f"timeout_s must be > 0 seconds, got {self.timeout_s!r}; "
-                f"the default is {DEFAULT_TIMEOUT_S:g}"
-            )
+        check_choice("engine", self.engine, ENGINE_NAMES, kind="engines",
+                     fix="set DP_PLUGIN_ENGINE to one of them")
+        check_int(
+            "fusion_threshold (bytes)", self.fusion_threshold, minimum=1,
+            fix=f"use e.g. {DEFAULT_FUSION_THRESHOLD} (64 MiB), or 1 for one tensor per bucket",
+        )
+        # Finite: an infinite timeout is a hang, and timedelta(seconds=inf) overflows.
+        check_positive_float("timeout_s", self.timeout_s, unit="seconds",
+                             fix=f"the default is {DEFAULT_TIMEOUT_S:g}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -72,67 +69,34 @@ class Config:
         env = os.environ if env is None else env
         kwargs: dict[str, object] = {}
 
-        engine = env.get("DP_PLUGIN_ENGINE")
-        if engine is not None:
-            engine = engine.strip().lower()
-            if engine not in ENGINE_NAMES:
-                raise ValueError(
-                    f"DP_PLUGIN_ENGINE={env['DP_PLUGIN_ENGINE']!r} is not a known engine; "
-                    f"valid values: {', '.join(ENGINE_NAMES)}"
-                )
-            kwargs["engine"] = engine
+        if "DP_PLUGIN_ENGINE" in env:
+            kwargs["engine"] = env_choice(env, "DP_PLUGIN_ENGINE", ENGINE_NAMES, kind="engine")
 
+        default = f"(default {DEFAULT_FUSION_THRESHOLD}, i.e. 64 MiB)"
         if "DP_PLUGIN_FUSION_THRESHOLD" in env:
-            kwargs["fusion_threshold"] = _int(env, "DP_PLUGIN_FUSION_THRESHOLD")
+            kwargs["fusion_threshold"] = env_int(
+                env, "DP_PLUGIN_FUSION_THRESHOLD", minimum=1, unit="bytes",
+                fix=f"set a positive number of bytes {default}",
+            )
         elif "HOROVOD_FUSION_THRESHOLD" in env:
-            value = _int(env, "HOROVOD_FUSION_THRESHOLD")
+            # Horovod's 0 means "no fusion": a 1-byte threshold, one tensor per bucket.
+            value = env_int(
+                env, "HOROVOD_FUSION_THRESHOLD", minimum=0, unit="bytes",
+                fix=f"set 0 (no fusion) or a positive number of bytes {default}",
+            )
             kwargs["fusion_threshold"] = 1 if value == 0 else value
-        if "fusion_threshold" in kwargs and int(kwargs["fusion_threshold"]) <= 0:  # type: ignore[call-overload]
-            name = (
-                "DP_PLUGIN_FUSION_THRESHOLD"
-                if "DP_PLUGIN_FUSION_THRESHOLD" in env
-                else "HOROVOD_FUSION_THRESHOLD"
-            )
-            raise ValueError(
-                f"{name}={env[name]!r} must be a positive number of bytes "
-                f"(default {DEFAULT_FUSION_THRESHOLD}, i.e. 64 MiB)"
-            )
 
         timeline = env.get("DP_PLUGIN_TIMELINE") or env.get("HOROVOD_TIMELINE")
         if timeline:
             kwargs["timeline"] = timeline
 
         if "DP_PLUGIN_TIMEOUT" in env:
-            raw = env["DP_PLUGIN_TIMEOUT"]
-            try:
-                timeout = float(raw)
-            except ValueError:
-                timeout = float("nan")
-            if not timeout > 0:
-                raise ValueError(
-                    f"DP_PLUGIN_TIMEOUT={raw!r} must be a positive number of seconds "
-                    f"(default {DEFAULT_TIMEOUT_S:g})"
-                )
-            kwargs["timeout_s"] = timeout
+            kwargs["timeout_s"] = env_positive_float(
+                env, "DP_PLUGIN_TIMEOUT", unit="seconds", fix=f"default {DEFAULT_TIMEOUT_S:g}"
+            )
 
         if "DP_PLUGIN_REBUILD_BUCKETS" in env:
-            kwargs["rebuild_buckets"] = _bool(env, "DP_PLUGIN_REBUILD_BUCKETS")
+            kwargs["rebuild_buckets"] = env_bool(env, "DP_PLUGIN_REBUILD_BUCKETS")
 
         return cls(**kwargs)  # type: ignore[arg-type]
 
-
-def _int(env: Mapping[str, str], name: str) -> int:
-    raw = env[name]
-    try:
-        return int(raw.strip())
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer number of bytes") from None
-
-
-def _bool(env: Mapping[str, str], name: str) -> bool:
-    raw = env[name].strip().lower()
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ValueError(f"{name}={env[name]!r} is not a boolean; use 1/0, true/false, yes/no, on/off")

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 from dp_plugin.errors import LaunchError
+from dp_plugin.validate import check_choice, check_int, env_int
 
 LAUNCHER_NAMES: tuple[str, ...] = (
     "horovodrun", "torchrun", "openmpi", "mpich", "intelmpi", "slurm", "single",
@@ -78,15 +79,10 @@ class Topology:
     hostname: str | None = None
 
     def __post_init__(self) -> None:
-        if self.launcher not in LAUNCHER_NAMES:
-            raise LaunchError(
-                f"Topology launcher {self.launcher!r} is not known; "
-                f"valid launchers: {', '.join(LAUNCHER_NAMES)}"
-            )
+        check_choice("Topology launcher", self.launcher, LAUNCHER_NAMES, kind="launchers",
+                     error=LaunchError)
         for name in ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise LaunchError(f"Topology {name} must be an int >= 0, got {value!r}")
+            check_int(f"Topology {name}", getattr(self, name), minimum=0, error=LaunchError)
         _check_consistent(
             _Val("size", self.size),
             _Val("rank", self.rank),
@@ -130,6 +126,12 @@ class Launcher(ABC):
     """How a user starts a job with it (for messages and ``make check``)."""
     fix: ClassVar[str]
     """The advice appended to every error about its variables."""
+    reads: ClassVar[tuple[str, ...]] = ()
+    """Every variable ``detect`` or ``topology`` may look up (markers included).
+    ``LAUNCHER_VARIABLE_NAMES`` is built from these; a unit test checks that
+    nothing else is looked up."""
+    read_prefixes: ClassVar[tuple[str, ...]] = ()
+    """Prefixes of variables whose mere presence ``detect`` looks for."""
 
     @classmethod
     def detect(cls, env: Mapping[str, str] | None = None) -> bool:
@@ -155,6 +157,11 @@ class Horovod(Launcher):
 
     name = "horovodrun"
     markers = ("HOROVOD_RANK", "HOROVOD_SIZE")
+    reads = (
+        "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+        "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_GLOO_RENDEZVOUS_ADDR",
+        "HOROVOD_GLOO_RENDEZVOUS_PORT", "HOROVOD_HOSTNAME",
+    )
     command = "horovodrun -np N python train.py"
     fix = (
         "horovodrun sets HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_RANK and HOROVOD_LOCAL_SIZE "
@@ -187,6 +194,10 @@ class Torchrun(Launcher):
 
     name = "torchrun"
     markers = ("RANK", "WORLD_SIZE")
+    reads = (
+        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+        "MASTER_ADDR", "MASTER_PORT",
+    )
     command = "torchrun --nproc_per_node N train.py"
     fix = (
         "torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE for every worker: "
@@ -214,6 +225,10 @@ class OpenMPI(Launcher):
 
     name = "openmpi"
     markers = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
+    reads = (
+        "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    )
     command = "mpirun -np N python train.py"
     fix = (
         "Open MPI's mpirun sets OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, "
@@ -243,6 +258,7 @@ class MPICH(Launcher):
 
     name = "mpich"
     markers = ("PMI_RANK", "PMI_SIZE")
+    reads = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "PMI_HOSTNAME")
     command = "mpiexec -n N python train.py"
     fix = (
         "MPICH's mpiexec (Hydra) sets PMI_RANK, PMI_SIZE, MPI_LOCALRANKID and MPI_LOCALNRANKS "
@@ -273,6 +289,7 @@ class IntelMPI(MPICH):
     """Intel MPI: Hydra-based, MPICH's variables plus I_MPI_* ones."""
 
     name = "intelmpi"
+    read_prefixes = ("I_MPI_",)
     fix = MPICH.fix.replace("MPICH's mpiexec (Hydra)", "Intel MPI's mpiexec (Hydra)")
 
     @classmethod
@@ -292,6 +309,12 @@ class Slurm(Launcher):
 
     name = "slurm"
     markers = ("SLURM_PROCID",)
+    reads = (
+        "SLURM_PROCID", "SLURM_STEP_ID", "SLURM_STEPID", "SLURM_NTASKS", "SLURM_LOCALID",
+        "SLURM_NODEID", "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_STEP_TASKS_PER_NODE",
+        "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "MASTER_ADDR", "MASTER_PORT",
+        "SLURMD_NODENAME",
+    )
     command = "srun --ntasks N python train.py"
     fix = (
         "srun sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID, SLURM_NNODES and "
@@ -395,6 +418,50 @@ LAUNCHERS: tuple[type[Launcher], ...] = (
 )
 """Every launcher, in detection priority order (see the module docstring)."""
 
+# -- the one list of launcher variables ---------------------------------------
+# Test harnesses and benchmarks strip these from a child's environment (the
+# shell that starts them may itself run under a launcher), and check that a
+# test leaked none of them. Beyond what the classes above read, the launchers
+# set variables that make torch, Horovod or an MPI library believe they run
+# inside a job; those are listed here.
+
+_SET_BUT_NOT_READ: frozenset[str] = frozenset({
+    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE",  # torchrun
+    "HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS",  # horovodrun
+})
+_SET_PREFIXES: tuple[str, ...] = (
+    "TORCHELASTIC_",  # torchrun
+    "HOROVOD_GLOO_",  # horovodrun (rendezvous, interface, timeout)
+    "OMPI_", "PMIX_",  # Open MPI
+    "PMI_", "HYDRA_",  # MPICH / Hydra, Intel MPI, srun --mpi=pmi2
+    "SLURM_",  # SLURM
+)
+
+LAUNCHER_VARIABLE_NAMES: frozenset[str] = frozenset(
+    name for cls in LAUNCHERS for name in cls.reads
+) | _SET_BUT_NOT_READ
+"""Variables that say "a launcher started this process": everything a
+``Launcher`` reads, and what the launchers set beyond that."""
+
+LAUNCHER_VARIABLE_PREFIXES: tuple[str, ...] = tuple(dict.fromkeys(
+    (*(p for cls in LAUNCHERS for p in cls.read_prefixes), *_SET_PREFIXES)
+))
+"""Prefixes of launcher variables (``OMPI_``, ``SLURM_``, ``I_MPI_``, ...)."""
+
+
+def is_launcher_variable(name: str) -> bool:
+    """True if a launcher sets ``name`` or launch detection reads it.
+
+    Tuning variables (``DP_PLUGIN_*``, ``HOROVOD_FUSION_THRESHOLD``, ...) are not.
+    """
+    return name in LAUNCHER_VARIABLE_NAMES or name.startswith(LAUNCHER_VARIABLE_PREFIXES)
+
+
+def launcher_variables(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The launcher variables present in ``env`` (default ``os.environ``)."""
+    env = os.environ if env is None else env
+    return {k: v for k, v in env.items() if is_launcher_variable(k)}
+
 
 def detected_launcher(env: Mapping[str, str] | None = None) -> type[Launcher]:
     """The first launcher in ``LAUNCHERS`` whose markers are in ``env``."""
@@ -463,14 +530,8 @@ class _Reader:
         return LaunchError(f"{message}; {self.launcher.fix}")
 
     def _parse(self, name: str, minimum: int) -> _Val:
-        raw = self.env[name]
-        try:
-            value = int(raw.strip(), 10)
-        except ValueError:
-            raise self.error(f"{name}={raw!r} is not an integer") from None
-        if value < minimum:
-            raise self.error(f"{name}={raw!r} must be an integer >= {minimum}")
-        return _Val(name, value, raw)
+        value = env_int(self.env, name, minimum=minimum, fix=self.launcher.fix, error=LaunchError)
+        return _Val(name, value, self.env[name])
 
     def required(self, name: str, minimum: int = 0) -> _Val:
         if name not in self.env:

@@ -28,6 +28,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import IO, Any
 
+from dp_plugin.validate import check_choice, check_int
+
 Lane = str | int
 """A track in the trace: a name ('step', 'pack', 'allreduce', 'unpack') or a raw tid."""
 
@@ -54,8 +56,7 @@ class Timeline:
     enabled = True
 
     def __init__(self, path: str, rank: int) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"timeline rank must be an int >= 0, got {rank!r}")
+        check_int("timeline rank", rank, minimum=0)
         if not path:
             raise ValueError(
                 "timeline path is empty; set DP_PLUGIN_TIMELINE to a file path such as "
@@ -284,8 +285,7 @@ class StatsHistory:
     """The last ``maxlen`` steps' ``StepStats`` with simple summaries."""
 
     def __init__(self, maxlen: int = 1000) -> None:
-        if isinstance(maxlen, bool) or not isinstance(maxlen, int) or maxlen < 1:
-            raise ValueError(f"StatsHistory maxlen must be an int >= 1, got {maxlen!r}")
+        check_int("StatsHistory maxlen", maxlen, minimum=1)
         self._steps: deque[StepStats] = deque(maxlen=maxlen)
         self._dropped = 0
 
@@ -309,13 +309,8 @@ class StatsHistory:
         """Mean of ``field`` over the kept steps, leaving out the first
         ``skip_first`` steps ever recorded (warm-up: buffers, plan rebuild).
         NaN when no step is left."""
-        if field not in _NUMERIC_FIELDS:
-            raise ValueError(
-                f"StepStats has no numeric field {field!r}; valid fields: "
-                f"{', '.join(_NUMERIC_FIELDS)}"
-            )
-        if skip_first < 0:
-            raise ValueError(f"skip_first must be >= 0, got {skip_first}")
+        check_choice("StepStats numeric field", field, _NUMERIC_FIELDS, kind="fields")
+        check_int("skip_first", skip_first, minimum=0)
         kept = list(self._steps)[max(0, skip_first - self._dropped):]
         if not kept:
             return math.nan

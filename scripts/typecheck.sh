@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # mypy over the package as it is installed: dp_plugin/ plus the adapters at
-# dp_plugin/torch and dp_plugin/tensorflow. Run on the source tree instead,
+# dp_plugin/torch, dp_plugin/tensorflow and dp_plugin/keras. Run on the source tree instead,
 # mypy would take adapters/torch for the real `torch` package and hide it.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

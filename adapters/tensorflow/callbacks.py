@@ -28,12 +28,7 @@ from dp_plugin.tensorflow.optimizer import (
     relocate_to_loss_scale_optimizer,
     uninstall,
 )
-
-
-def _check_root(root_rank: Any, who: str) -> int:
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or root_rank < 0:
-        raise ValueError(f"{who}: root_rank must be an int >= 0, got {root_rank!r}")
-    return root_rank
+from dp_plugin.validate import check_int
 
 
 def _checked_model(model: Any, who: str) -> Any:
@@ -86,7 +81,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def __init__(self, root_rank: int = 0) -> None:
         super().__init__()
-        self.root_rank = _check_root(root_rank, self._who)
+        self.root_rank = check_int("root_rank", root_rank, minimum=0, where=self._who)
         self._pending = False
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import keras
 
 import tensorflow as tf
+from dp_plugin.validate import check_int, check_positive_float
 
 Multiplier = Callable[[float], float]
 
@@ -97,17 +98,17 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
                 f"{name}: parameter `initial_lr` is required; pass the learning rate the "
                 "schedule starts from (usually the base learning rate times dp.size())"
             )
-        _check_positive_number(initial_lr, "initial_lr", name)
-        _check_epoch(start_epoch, "start_epoch", name)
+        check_positive_float("initial_lr", initial_lr, where=name)
+        check_int("start_epoch", start_epoch, minimum=0, where=name)
         if end_epoch is not None:
-            _check_epoch(end_epoch, "end_epoch", name)
+            check_int("end_epoch", end_epoch, minimum=0, where=name)
             if end_epoch <= start_epoch:
                 raise ValueError(
                     f"{name}: end_epoch={end_epoch} must be greater than start_epoch="
                     f"{start_epoch} (end_epoch is exclusive), or None for no end"
                 )
         if steps_per_epoch is not None:
-            _check_positive_int(steps_per_epoch, "steps_per_epoch", name)
+            check_int("steps_per_epoch", steps_per_epoch, minimum=1, where=name)
         self.multiplier: Multiplier
         if callable(multiplier):
             self.multiplier = multiplier
@@ -274,7 +275,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         steps_per_epoch: int | None = None,
         verbose: int = 0,
     ) -> None:
-        _check_positive_int(warmup_epochs, "warmup_epochs", type(self).__name__)
+        check_int("warmup_epochs", warmup_epochs, minimum=1, where=type(self).__name__)
         super().__init__(
             initial_lr, self._warmup_multiplier, start_epoch=0, end_epoch=warmup_epochs,
             staircase=False, momentum_correction=momentum_correction,
@@ -370,20 +371,3 @@ def _world_rank() -> int:
 
     return int(dp.rank())
 
-
-def _check_positive_number(value: Any, what: str, who: str) -> None:
-    if (
-        isinstance(value, bool) or not isinstance(value, numbers.Real)
-        or not float(value) > 0 or float(value) == float("inf")
-    ):
-        raise ValueError(f"{who}: {what}={value!r} must be a positive, finite number")
-
-
-def _check_positive_int(value: Any, what: str, who: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{who}: {what}={value!r} must be an integer >= 1")
-
-
-def _check_epoch(value: Any, what: str, who: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"{who}: {what}={value!r} must be an epoch number, an integer >= 0")

@@ -15,12 +15,16 @@ Launchers:
   lines ``[mpiexec] ``).
 - ``horovodrun``: ``horovodrun --gloo -np N -H localhost:N`` (prefixes ``[R]<stdout>:``).
 
+Workers run one case per launch (``--case NAME``, see workers/_fail_fast.py);
+``worker_cases`` lists a worker's cases for ``pytest.mark.parametrize``.
+
 ``RunResult.returncodes`` holds one exit code per worker for ``env`` and the
 launcher's single exit code otherwise (launchers fail when any worker fails).
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import re
@@ -37,34 +41,26 @@ from typing import IO
 
 import psutil
 
+from dp_plugin.launch import (
+    LAUNCHER_VARIABLE_NAMES,
+    LAUNCHER_VARIABLE_PREFIXES,
+    is_launcher_variable,
+    launcher_variables,
+)
+
 LAUNCHERS = ("env", "torchrun", "mpirun", "horovodrun")
 
 BIN_DIR = Path(sys.executable).parent
 """The venv's bin: torchrun, mpiexec and horovodrun are taken from here."""
 
-# Variables that say "a launcher started this process". If any leaks in from
-# the shell that runs pytest, a worker would believe it is someone else.
-LAUNCHER_VARIABLE_NAMES = frozenset({
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
-    "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
-    "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME", "HOROVOD_CONTROLLER",
-    "HOROVOD_CPU_OPERATIONS",
-})
-LAUNCHER_VARIABLE_PREFIXES = (
-    "TORCHELASTIC_", "OMPI_", "PMI_", "PMIX_", "HYDRA_", "HOROVOD_GLOO_", "SLURM_",
-)
-
-
-def is_launcher_variable(name: str) -> bool:
-    return name in LAUNCHER_VARIABLE_NAMES or name.startswith(LAUNCHER_VARIABLE_PREFIXES)
-
-
-def launcher_variables(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The launcher variables present in ``env`` (default ``os.environ``)."""
-    env = os.environ if env is None else env
-    return {k: v for k, v in env.items() if is_launcher_variable(k)}
+# Variables that say "a launcher started this process" (dp_plugin.launch owns
+# the one list). If any leaks in from the shell that runs pytest, a worker
+# would believe it is someone else.
+__all__ = [
+    "LAUNCHERS", "LAUNCHER_VARIABLE_NAMES", "LAUNCHER_VARIABLE_PREFIXES", "RunResult",
+    "assert_ranks_ok", "free_port", "is_launcher_variable", "launcher_variables", "run_workers",
+    "worker_cases",
+]
 
 
 def free_port() -> int:
@@ -136,6 +132,24 @@ def run_workers(
             jobs.append((cmd, base_env, ""))
         return _run(jobs, rank_files, Path(tmp), timeout, check,
                     f"{launcher} x{nprocs} {Path(script).name}")
+
+
+def worker_cases(script: str | Path) -> list[str]:
+    """The case names of a worker: the keys of its module-level ``CASES`` dict
+    literal (see workers/_fail_fast.py), read without importing the worker
+    (which would load torch or TensorFlow into the pytest process)."""
+    tree = ast.parse(Path(script).read_text(), filename=str(script))
+    for node in tree.body:
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
+        if any(isinstance(t, ast.Name) and t.id == "CASES" for t in targets):
+            value = node.value  # type: ignore[union-attr]
+            if isinstance(value, ast.Dict) and all(
+                isinstance(k, ast.Constant) and isinstance(k.value, str) for k in value.keys
+            ):
+                return [k.value for k in value.keys]  # type: ignore[union-attr]
+            break
+    raise ValueError(f"{script} has no module-level CASES = {{'name': function, ...}} literal")
 
 
 def assert_ranks_ok(result: RunResult, nprocs: int, marker: str = "OK") -> None:

@@ -1,6 +1,6 @@
 """alltoall, reducescatter and subgroups on the real engines.
 
-One launch per (engine, world size) runs tests/multiproc/workers/engine_extras.py:
+One launch per (engine, world size, case of tests/multiproc/workers/engine_extras.py):
 even, uneven and zero-row all-to-alls (numpy and torch, several dtypes),
 reduce-scatters with Horovod's split of uneven first dimensions, two
 disjoint subgroups running collectives at the same time followed by a
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc.harness import assert_ranks_ok, run_workers
+from tests.multiproc.harness import assert_ranks_ok, run_workers, worker_cases
 
 WORKER = Path(__file__).parent / "workers" / "engine_extras.py"
 # Generous but finite: a broken collective fails the run instead of hanging it.
@@ -34,7 +34,9 @@ ENV = {"DP_PLUGIN_TIMEOUT": "60"}
     ],
     ids=["gloo-2", "gloo-3", "mpi-2", "mpi-3", "horovod-2"],
 )
-def test_engine_extras(launcher: str, engine: str, nprocs: int, extra: list[str]) -> None:
-    result = run_workers(launcher, nprocs, WORKER, ["--engine", engine, *extra], env=ENV,
-                         timeout=120)
+@pytest.mark.parametrize("case", worker_cases(WORKER))
+def test_engine_extras(case: str, launcher: str, engine: str, nprocs: int,
+                       extra: list[str]) -> None:
+    result = run_workers(launcher, nprocs, WORKER, ["--engine", engine, "--case", case, *extra],
+                         env=ENV, timeout=120)
     assert_ranks_ok(result, nprocs)

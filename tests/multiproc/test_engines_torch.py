@@ -1,9 +1,10 @@
 """gloo and nccl engines in real processes, under every launcher.
 
-One launch runs the whole battery (tests/multiproc/workers/engine_battery.py):
-every op x dtype against a numpy reference, empty and > 8 MiB buffers,
-several all-reduces in flight, broadcasts, uneven all-gathers, barrier and
-error messages. World size 3 catches pairing bugs that 2 hides.
+Each case of the battery (tests/multiproc/workers/engine_battery.py) is a
+launch of its own: ``collectives`` (every op x dtype against a numpy
+reference, empty and > 8 MiB buffers, several all-reduces in flight,
+broadcasts, uneven all-gathers), ``errors`` (messages, barrier), ``timeout``.
+World size 3 catches pairing bugs that 2 hides.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc.harness import assert_ranks_ok, run_workers
+from tests.multiproc.harness import assert_ranks_ok, run_workers, worker_cases
 
 BATTERY = Path(__file__).parent / "workers" / "engine_battery.py"
+CASES = [c for c in worker_cases(BATTERY) if c != "timeout"]
 # Generous but finite: a broken collective fails the run instead of hanging it.
 ENV = {"DP_PLUGIN_TIMEOUT": "60"}
 
@@ -30,8 +32,10 @@ ENV = {"DP_PLUGIN_TIMEOUT": "60"}
     ],
     ids=["env-2", "env-3", "torchrun-2", "horovodrun-2", "mpirun-2"],
 )
-def test_gloo_battery(launcher: str, nprocs: int, rendezvous: str) -> None:
-    result = run_workers(launcher, nprocs, BATTERY, ["--engine", "gloo"], env=ENV, timeout=180)
+@pytest.mark.parametrize("case", CASES)
+def test_gloo_battery(case: str, launcher: str, nprocs: int, rendezvous: str) -> None:
+    result = run_workers(launcher, nprocs, BATTERY, ["--engine", "gloo", "--case", case],
+                         env=ENV, timeout=180)
     assert_ranks_ok(result, nprocs)
     assert result.output.count(rendezvous) == nprocs, result.output
 
@@ -40,7 +44,7 @@ def test_gloo_timeout_names_collective_and_rank_and_exits() -> None:
     """The last rank skips an all-reduce: the others raise
     CollectiveTimeoutError (checked in the worker) and every process exits 0."""
     result = run_workers(
-        "env", 3, BATTERY, ["--engine", "gloo", "--timeout-case"],
+        "env", 3, BATTERY, ["--engine", "gloo", "--case", "timeout"],
         env={"DP_PLUGIN_TIMEOUT": "2"}, timeout=90,
     )
     assert_ranks_ok(result, 3, marker="TIMEOUT-OK")
@@ -49,13 +53,15 @@ def test_gloo_timeout_names_collective_and_rank_and_exits() -> None:
 
 
 @pytest.mark.gpu
-def test_nccl_battery() -> None:
+@pytest.mark.parametrize("case", CASES)
+def test_nccl_battery(case: str) -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: the nccl engine needs one GPU per rank")
     nprocs = min(2, torch.cuda.device_count())
     result = run_workers(
-        "env", nprocs, BATTERY, ["--engine", "nccl", "--device", "cuda"], env=ENV, timeout=300
+        "env", nprocs, BATTERY, ["--engine", "nccl", "--device", "cuda", "--case", case], env=ENV,
+        timeout=300,
     )
     assert_ranks_ok(result, nprocs)
 

@@ -1,11 +1,10 @@
 """Keras 3 training across 2 real workers equals one process on the global batch.
 
-One launch per launcher runs many cases (TensorFlow starts slowly); see
-workers/keras_train.py. Under the torchrun-style environment (gloo engine)
-every case runs; under horovodrun (Horovod's ring) and mpirun (MPI) the
-three equivalence cases the issue names: ``model.fit`` with the default
-strategy and with MirroredStrategy over 2 logical CPUs, and a custom loop
-with DistributedGradientTape.
+One launch per (launcher, case of workers/keras_train.py). Under the
+torchrun-style environment (gloo engine) every case runs; under horovodrun
+(Horovod's ring) and mpirun (MPI) the three equivalence cases the issue
+names: ``model.fit`` with the default strategy and with MirroredStrategy
+over 2 logical CPUs, and a custom loop with DistributedGradientTape.
 """
 
 from __future__ import annotations
@@ -14,23 +13,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc.harness import assert_ranks_ok, run_workers
+from tests.multiproc.harness import assert_ranks_ok, run_workers, worker_cases
 
 WORKER = Path(__file__).parent / "workers" / "keras_train.py"
 ENV = {"DP_PLUGIN_TIMEOUT": "60", "TF_CPP_MIN_LOG_LEVEL": "2"}
-CORE_CASES = "fit,mirrored,tape"
+CORE_CASES = ("fit", "mirrored", "tape")
 RUNS = [
-    ("env", "gloo", "fit,mirrored,optimizer,features,passes,mixed,tape,tape_mirrored"),
-    ("horovodrun", "horovod", CORE_CASES),
-    ("mpirun", "mpi", CORE_CASES),
+    *(pytest.param("env", "gloo", case, id=f"{case}-env") for case in worker_cases(WORKER)),
+    *(pytest.param(launcher, engine, case, id=f"{case}-{launcher}")
+      for launcher, engine in (("horovodrun", "horovod"), ("mpirun", "mpi"))
+      for case in CORE_CASES),
 ]
 
 
-@pytest.mark.parametrize(("launcher", "engine", "cases"), RUNS, ids=[r[0] for r in RUNS])
-def test_keras_training_matches_single_process(launcher: str, engine: str, cases: str) -> None:
+@pytest.mark.parametrize(("launcher", "engine", "case"), RUNS)
+def test_keras_training_matches_single_process(launcher: str, engine: str, case: str) -> None:
     env = {**ENV, "DP_PLUGIN_ENGINE": engine}
-    result = run_workers(launcher, 2, WORKER, args=["--cases", cases], env=env, timeout=240)
+    result = run_workers(launcher, 2, WORKER, args=["--case", case], env=env, timeout=240)
     assert_ranks_ok(result, 2)
-    for case in cases.split(","):
-        assert_ranks_ok(result, 2, marker=f"case {case} ok")
     assert f"engine {engine}," in result.output

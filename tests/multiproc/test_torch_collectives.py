@@ -1,7 +1,7 @@
 """dp_plugin.torch tensor collectives in real processes, on real engines.
 
-One launch per (launcher, engine, size) runs the whole battery of
-``workers/torch_collectives.py``: every collective against a local reference
+One launch per (launcher, engine, size, case of ``workers/torch_collectives.py``):
+every collective against a local reference
 from deterministic per-rank inputs, autograd through each, process sets, and
 rank-dependent mistakes that must raise the same error on every rank (then a
 last all-reduce shows the ranks are still in step). Each rank prints
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc.harness import assert_ranks_ok, run_workers
+from tests.multiproc.harness import assert_ranks_ok, run_workers, worker_cases
 
 WORKER = Path(__file__).parent / "workers" / "torch_collectives.py"
 
-CASES = [
+RUNS = [
     ("env", "gloo", 2),
     ("env", "gloo", 3),
     ("mpirun", "mpi", 2),
@@ -27,10 +27,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("launcher", "engine", "nprocs"), CASES)
-def test_torch_collectives_match_reference(launcher: str, engine: str, nprocs: int) -> None:
+@pytest.mark.parametrize(("launcher", "engine", "nprocs"), RUNS)
+@pytest.mark.parametrize("case", worker_cases(WORKER))
+def test_torch_collectives_match_reference(case: str, launcher: str, engine: str,
+                                           nprocs: int) -> None:
     result = run_workers(
-        launcher, nprocs, WORKER, args=["--engine", engine],
+        launcher, nprocs, WORKER, args=["--engine", engine, "--case", case],
         env={"DP_PLUGIN_TIMEOUT": "60"}, timeout=240,
     )
     assert_ranks_ok(result, nprocs)

@@ -18,15 +18,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc.harness import assert_ranks_ok, run_workers
+from tests.multiproc.harness import assert_ranks_ok, run_workers, worker_cases
 
 WORKERS = Path(__file__).parent / "workers"
+SYNC_BN = WORKERS / "torch_sync_bn.py"
+COMPILE_AMP = WORKERS / "torch_compile_amp.py"
 ENV = {"DP_PLUGIN_TIMEOUT": "60", "DP_PLUGIN_ENGINE": "gloo"}
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
-def test_sync_batch_norm_matches_global_batch_norm(nprocs: int) -> None:
-    result = run_workers("env", nprocs, WORKERS / "torch_sync_bn.py", env=ENV, timeout=120)
+@pytest.mark.parametrize("case", worker_cases(SYNC_BN))
+def test_sync_batch_norm_matches_global_batch_norm(case: str, nprocs: int) -> None:
+    result = run_workers("env", nprocs, SYNC_BN, args=["--case", case], env=ENV, timeout=120)
     assert_ranks_ok(result, nprocs)
 
 
@@ -35,13 +38,16 @@ def test_sync_batch_norm_matches_global_batch_norm(nprocs: int) -> None:
 )
 def test_compiled_model_matches_single_process(backend: str) -> None:
     result = run_workers(
-        "env", 2, WORKERS / "torch_compile_amp.py",
-        args=["--mode", "compile", "--backend", backend], env=ENV, timeout=240,
+        "env", 2, COMPILE_AMP, args=["--case", "compile", "--backend", backend], env=ENV,
+        timeout=240,
     )
     assert_ranks_ok(result, 2)
 
 
+# Each worker case is one test above or below.
+assert worker_cases(COMPILE_AMP) == ["compile", "amp"]
+
+
 def test_amp_grad_scaler_keeps_ranks_identical() -> None:
-    result = run_workers("env", 2, WORKERS / "torch_compile_amp.py", args=["--mode", "amp"],
-                         env=ENV, timeout=120)
+    result = run_workers("env", 2, COMPILE_AMP, args=["--case", "amp"], env=ENV, timeout=120)
     assert_ranks_ok(result, 2)

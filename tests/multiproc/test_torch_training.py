@@ -1,6 +1,6 @@
 """dp_plugin.torch end to end: real processes, real launchers and engines.
 
-- ``torch_equivalence.py``: DistributedOptimizer (SGD with momentum, Adam,
+- ``torch_equivalence.py``, one launch per case: DistributedOptimizer (SGD with momentum, Adam,
   backward_passes_per_step=2, float32 Adam) after broadcast_parameters and
   broadcast_optimizer_state ends bitwise identical on all ranks and within
   1e-5 of a single-process run; ``join()`` with uneven data.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc.harness import assert_ranks_ok, run_workers
+from tests.multiproc.harness import assert_ranks_ok, run_workers, worker_cases
 
 WORKERS = Path(__file__).parent / "workers"
 EQUIVALENCE = WORKERS / "torch_equivalence.py"
@@ -24,7 +24,7 @@ TYPICAL = WORKERS / "typical_horovod_script.py"
 DP_IMPORT = "import dp_plugin.torch as hvd"
 HOROVOD_IMPORT = "import horovod.torch as hvd"
 
-CASES = [
+RUNS = [
     ("env", "gloo", 2),
     ("env", "gloo", 3),
     ("torchrun", "gloo", 2),
@@ -34,10 +34,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("launcher", "engine", "nprocs"), CASES)
-def test_training_matches_single_process(launcher: str, engine: str, nprocs: int) -> None:
+@pytest.mark.parametrize(("launcher", "engine", "nprocs"), RUNS)
+@pytest.mark.parametrize("case", worker_cases(EQUIVALENCE))
+def test_training_matches_single_process(case: str, launcher: str, engine: str,
+                                         nprocs: int) -> None:
     result = run_workers(
-        launcher, nprocs, EQUIVALENCE,
+        launcher, nprocs, EQUIVALENCE, args=["--case", case],
         env={"DP_PLUGIN_ENGINE": engine, "DP_PLUGIN_TIMEOUT": "60"}, timeout=240,
     )
     assert_ranks_ok(result, nprocs)

@@ -266,12 +266,13 @@ def test_optimizer_without_momentum_is_left_alone() -> None:
     ("kwargs", "error", "match"),
     [
         ({"initial_lr": None}, ValueError, r"`initial_lr` is required"),
-        ({"initial_lr": -0.1}, ValueError, r"initial_lr=-0.1 must be a positive"),
-        ({"initial_lr": "0.1"}, ValueError, r"initial_lr='0.1' must be a positive"),
+        ({"initial_lr": -0.1}, ValueError, r"initial_lr must be a finite number > 0, got -0.1"),
+        ({"initial_lr": float("inf")}, ValueError, r"initial_lr must be a finite number > 0"),
+        ({"initial_lr": "0.1"}, ValueError, r"initial_lr must be a finite number > 0, got '0.1'"),
         ({"multiplier": "half"}, TypeError, r"multiplier='half' is neither a number"),
-        ({"start_epoch": -1}, ValueError, r"start_epoch=-1 must be an epoch number"),
+        ({"start_epoch": -1}, ValueError, r"start_epoch must be an int >= 0, got -1"),
         ({"start_epoch": 2, "end_epoch": 2}, ValueError, r"end_epoch=2 must be greater"),
-        ({"steps_per_epoch": 0}, ValueError, r"steps_per_epoch=0 must be an integer >= 1"),
+        ({"steps_per_epoch": 0}, ValueError, r"steps_per_epoch must be an int >= 1, got 0"),
     ],
 )
 def test_schedule_rejects_bad_arguments(kwargs: dict, error: type[Exception],
@@ -283,7 +284,8 @@ def test_schedule_rejects_bad_arguments(kwargs: dict, error: type[Exception],
 
 @pytest.mark.parametrize("warmup_epochs", [0, 2.5, True])
 def test_warmup_rejects_bad_epochs(warmup_epochs: object) -> None:
-    with pytest.raises(ValueError, match=r"warmup_epochs=.* must be an integer >= 1"):
+    match = r"LearningRateWarmupCallback: warmup_epochs must be an int >= 1, got "
+    with pytest.raises(ValueError, match=match):
         LearningRateWarmupCallback(initial_lr=0.1, warmup_epochs=warmup_epochs)  # type: ignore[arg-type]
 
 

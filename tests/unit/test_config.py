@@ -129,7 +129,7 @@ def test_threshold_must_be_positive(env: dict[str, str], shown: str) -> None:
     assert "positive" in message and str(DEFAULT_FUSION_THRESHOLD) in message
 
 
-@pytest.mark.parametrize("raw", ["0", "-3", "soon", "nan", ""])
+@pytest.mark.parametrize("raw", ["0", "-3", "soon", "nan", "", "inf"])
 def test_bad_timeout_names_variable_and_value(raw: str) -> None:
     message = _message({"DP_PLUGIN_TIMEOUT": raw})
     assert f"DP_PLUGIN_TIMEOUT={raw!r}" in message
@@ -159,11 +159,13 @@ def test_config_is_frozen_keyword_only_and_slotted() -> None:
     ("kwargs", "words"),
     [
         ({"engine": "bogus"}, ["'bogus'", "DP_PLUGIN_ENGINE", *ENGINE_NAMES]),
-        ({"fusion_threshold": 0}, ["fusion_threshold", "> 0"]),
+        ({"fusion_threshold": 0}, ["fusion_threshold", ">= 1", "got 0"]),
         ({"fusion_threshold": True}, ["fusion_threshold", "True"]),
         ({"fusion_threshold": 1.5}, ["fusion_threshold", "1.5"]),
         ({"timeout_s": 0.0}, ["timeout_s", "0.0"]),
         ({"timeout_s": float("nan")}, ["timeout_s", "nan"]),
+        ({"timeout_s": float("inf")}, ["timeout_s", "inf", "finite"]),
+        ({"timeout_s": "300"}, ["timeout_s", "'300'"]),
     ],
 )
 def test_direct_construction_is_validated(kwargs: dict[str, object], words: list[str]) -> None:

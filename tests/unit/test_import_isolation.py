@@ -2,6 +2,9 @@
 
 import subprocess
 import sys
+from pathlib import Path
+
+CORE = Path(__file__).resolve().parents[2] / "dp_plugin"
 
 HEAVY = ("torch", "tensorflow", "keras", "mpi4py", "horovod")
 
@@ -30,4 +33,17 @@ def test_importing_every_core_module_loads_no_framework() -> None:
         "dp_plugin.engines", "dp_plugin.engines.local", "dp_plugin.engines.torch_dist",
         "dp_plugin.engines.mpi", "dp_plugin.engines.horovod",
     ]
+    assert _loaded_after("\n".join(f"import {m}" for m in modules)) == set()
+
+
+def test_every_module_in_the_core_directory_loads_no_framework() -> None:
+    """Walks dp_plugin/ itself, so a new core module (or one such as the old
+    dp_plugin/keras.py, which imported the TensorFlow adapter) cannot escape
+    the check by missing from the list above."""
+    modules = sorted(
+        "dp_plugin." + ".".join(path.relative_to(CORE).with_suffix("").parts)
+        for path in CORE.rglob("*.py")
+        if path.name != "__init__.py"
+    )
+    assert "dp_plugin.launch" in modules
     assert _loaded_after("\n".join(f"import {m}" for m in modules)) == set()

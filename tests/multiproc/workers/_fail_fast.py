@@ -1,10 +1,33 @@
-"""How a multi-process test worker ends when something fails."""
+"""How every multi-process test worker runs ONE case and ends.
+
+A worker module defines its cases in one literal dict at module level::
+
+    CASES = {"allreduce": check_allreduce, "errors": check_errors}
+
+    if __name__ == "__main__":
+        run_cases(CASES, setup=start_engine, teardown=stop_engine)
+
+and is started by the launcher with ``--case NAME`` (``--list-cases`` prints
+the names). ``run_cases`` is the one place with the ending every test relies
+on: the case's exception is printed with the rank and the process exits 1 at
+once (``fail_fast``) so that the other ranks fail their next collective
+instead of waiting for this one; a passing case prints ``rank R OK``.
+
+The pytest side reads the names from the ``CASES`` literal without importing
+the worker (``tests.multiproc.harness.worker_cases``), so keep it a literal
+dict with string keys.
+"""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def fail_fast(rank: object) -> None:
@@ -19,3 +42,48 @@ def fail_fast(rank: object) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)
+
+
+def _launcher_rank() -> object:
+    """This process's rank as the launcher gave it ("?" if it cannot be read)."""
+    from dp_plugin.launch import detect
+
+    try:
+        return detect().rank
+    except Exception:
+        return "?"
+
+
+def run_cases(
+    cases: Mapping[str, Callable[[T], object]],
+    argv: Sequence[str] | None = None,
+    *,
+    parser: argparse.ArgumentParser | None = None,
+    setup: Callable[[argparse.Namespace], T] | None = None,
+    teardown: Callable[[T], object] | None = None,
+) -> None:
+    """Parse ``--case NAME`` (plus ``parser``'s own options), run that case, end.
+
+    ``setup(args)`` (default: the parsed ``args`` themselves) gives the value
+    each case and ``teardown`` receive, e.g. a started engine. Any exception
+    in setup, case or teardown ends the process through ``fail_fast``; on
+    success ``rank R OK`` is printed and the function returns.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--list-cases" in argv:  # before parsing: the worker's own options may be required
+        print("\n".join(cases), flush=True)
+        return
+    parser = parser or argparse.ArgumentParser()
+    parser.add_argument("--case", required=True, choices=list(cases),
+                        help="the one case to run (see --list-cases)")
+    parser.add_argument("--list-cases", action="store_true", help="print the case names")
+    args = parser.parse_args(argv)
+    rank = _launcher_rank()
+    try:
+        context: Any = setup(args) if setup is not None else args
+        cases[args.case](context)
+        if teardown is not None:
+            teardown(context)
+    except BaseException:
+        fail_fast(rank)
+    print(f"rank {rank} OK", flush=True)

@@ -2,9 +2,10 @@
 
 Run under any launcher (see tests/multiproc/harness.py)::
 
-    python engine_battery.py --engine gloo            # prints "rank R OK"
-    DP_PLUGIN_TIMEOUT=2 python engine_battery.py --engine gloo --timeout-case
-                                                      # prints "rank R TIMEOUT-OK"
+    python engine_battery.py --engine gloo --case collectives   # prints "rank R OK"
+    DP_PLUGIN_TIMEOUT=2 python engine_battery.py --engine gloo --case timeout
+                                                # prints "rank R TIMEOUT-OK", then "rank R OK"
+    python engine_battery.py --list-cases
 
 Inputs are deterministic per rank, so every rank can compute the expected
 result of a collective from all ranks' inputs without communicating. Any
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from _fail_fast import fail_fast
+from _fail_fast import run_cases
 
 from dp_plugin.arrays import as_numpy, as_torch, is_torch, numpy_dtype
 from dp_plugin.config import Config
@@ -294,19 +295,24 @@ def check_errors(engine: Engine) -> None:
     check_equal("allreduce after errors", ok, np.full(4, size, np.float32), "float32", "sum")
 
 
-def run_battery(engine: Engine) -> None:
-    checks: list[Callable[[Engine], object]] = [
-        check_allreduce_all_ops, check_empty, check_large, check_many_in_flight,
-        check_broadcast, check_allgather, check_errors,
-    ]
-    for check in checks:
+def case_collectives(engine: Engine) -> None:
+    """All-reduce of every op x dtype, empty and > 8 MiB buffers, several in
+    flight; broadcasts from every root; uneven all-gathers."""
+    for check in (check_allreduce_all_ops, check_empty, check_large, check_many_in_flight,
+                  check_broadcast, check_allgather):
         check(engine)
         engine.barrier()
 
 
-def run_timeout_case(engine: Engine, config: Config) -> None:
+def case_errors(engine: Engine) -> None:
+    check_errors(engine)
+
+
+def case_timeout(engine: Engine) -> None:
     """The last rank skips one all-reduce; every other rank must time out
-    with an error naming the collective and itself, then exit promptly."""
+    with an error naming the collective and itself, then exit promptly.
+    Run with a short DP_PLUGIN_TIMEOUT; prints ``rank R TIMEOUT-OK``."""
+    config = engine.config
     rank, size = engine.rank, engine.size
     engine.barrier()
     if rank == size - 1:
@@ -335,37 +341,40 @@ def run_timeout_case(engine: Engine, config: Config) -> None:
     raise AssertionError("the all-reduce finished although the last rank skipped it")
 
 
-def main() -> None:
+CASES = {
+    "collectives": case_collectives,
+    "errors": case_errors,
+    "timeout": case_timeout,
+}
+
+
+def start_engine(args: argparse.Namespace, engine_class: type[Engine] | None = None) -> Engine:
+    """The engine ``--engine`` names (or ``engine_class``), announced with its rendezvous."""
+    topology = detect()
+    if args.device == "cuda":
+        Setup.device = f"cuda:{topology.local_rank}"
+        Setup.kinds = ("torch",)
+    config = Config.from_env()
+    if engine_class is None:
+        engine = create_engine(args.engine, topology, config)
+    else:
+        engine = engine_class(topology, config)  # type: ignore[call-arg]
+    want_device = Setup.device if args.device == "cuda" else "cpu"
+    if engine.buffer_device != want_device:
+        raise AssertionError(f"buffer_device {engine.buffer_device}, want {want_device}")
+    via = getattr(engine, "rendezvous_description", "no rendezvous")
+    print(f"rank {topology.rank} engine {engine.name} under {topology.launcher}, size "
+          f"{topology.size}, rendezvous: {via}", flush=True)
+    return engine
+
+
+def battery_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--engine", required=True)
-    parser.add_argument("--timeout-case", action="store_true")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    args = parser.parse_args()
-    rank = "?"
-    try:
-        topology = detect()
-        rank = str(topology.rank)
-        if args.device == "cuda":
-            Setup.device = f"cuda:{topology.local_rank}"
-            Setup.kinds = ("torch",)
-        config = Config.from_env()
-        engine = create_engine(args.engine, topology, config)
-        want_device = Setup.device if args.device == "cuda" else "cpu"
-        if engine.buffer_device != want_device:
-            raise AssertionError(f"buffer_device {engine.buffer_device}, want {want_device}")
-        via = getattr(engine, "rendezvous_description", "no rendezvous")
-        print(f"rank {rank} engine {engine.name} under {topology.launcher}, size "
-              f"{topology.size}, rendezvous: {via}", flush=True)
-        if args.timeout_case:
-            run_timeout_case(engine, config)
-        else:
-            run_battery(engine)
-        engine.shutdown()
-    except BaseException:
-        fail_fast(rank)
-    if not args.timeout_case:
-        print(f"rank {rank} OK", flush=True)
+    return parser
 
 
 if __name__ == "__main__":
-    main()
+    run_cases(CASES, parser=battery_parser(), setup=start_engine,
+              teardown=lambda engine: engine.shutdown())

@@ -2,7 +2,8 @@
 
 Run under any launcher (see tests/multiproc/harness.py)::
 
-    python engine_extras.py --engine gloo      # prints "rank R OK"
+    python engine_extras.py --engine gloo --case alltoall_reducescatter   # "rank R OK"
+    python engine_extras.py --list-cases
 
 Every input is a function of (rank, row, column), so each rank computes the
 expected result without communicating. Any failure prints a traceback and
@@ -14,18 +15,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from _fail_fast import fail_fast
+from _fail_fast import run_cases
 
 from dp_plugin import runtime
 from dp_plugin.arrays import as_numpy, is_torch, numpy_dtype
 from dp_plugin.engines.base import Engine
-from dp_plugin.launch import detect
 
 KINDS = ("numpy", "torch")
 
@@ -324,37 +323,38 @@ def run_process_sets(engine: Engine) -> None:
     global_sum_check(engine, "after-process-set-reset")
 
 
-def main() -> None:
+class Ctx(NamedTuple):
+    engine: Engine
+    nested: bool
+
+
+def start(args: argparse.Namespace) -> Ctx:
+    os.environ["DP_PLUGIN_ENGINE"] = args.engine
+    # The process-set API runs on the runtime's engine.
+    return Ctx(runtime.init(), args.nested)
+
+
+def case_alltoall_reducescatter(ctx: Ctx) -> None:
+    """The collectives, then input mistakes on one rank raising on every rank."""
+    run_alltoall(ctx.engine)
+    run_reducescatter(ctx.engine)
+    run_errors(ctx.engine)
+
+
+def case_subgroups_process_sets(ctx: Ctx) -> None:
+    run_subgroups(ctx.engine, ctx.nested)
+    run_process_sets(ctx.engine)
+
+
+CASES = {
+    "alltoall_reducescatter": case_alltoall_reducescatter,
+    "subgroups_process_sets": case_subgroups_process_sets,
+}
+
+
+if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--engine", required=True)
     parser.add_argument("--nested", action="store_true",
                         help="the engine supports subgroups of subgroups")
-    args = parser.parse_args()
-    rank = "?"
-    try:
-        topology = detect()
-        rank = str(topology.rank)
-        started = time.perf_counter()
-        os.environ["DP_PLUGIN_ENGINE"] = args.engine
-        engine = runtime.init()  # the process-set API runs on the runtime's engine
-        phases: list[tuple[str, Callable[[], None]]] = [
-            ("alltoall", lambda: run_alltoall(engine)),
-            ("reducescatter", lambda: run_reducescatter(engine)),
-            ("errors", lambda: run_errors(engine)),
-            ("subgroups", lambda: run_subgroups(engine, args.nested)),
-            ("process sets", lambda: run_process_sets(engine)),
-        ]
-        took = [f"start {time.perf_counter() - started:.2f}s"]
-        for label, phase in phases:
-            began = time.perf_counter()
-            phase()
-            took.append(f"{label} {time.perf_counter() - began:.2f}s")
-        runtime.shutdown()
-        print(f"rank {rank} times: {', '.join(took)}", flush=True)
-    except BaseException:
-        fail_fast(rank)
-    print(f"rank {rank} OK", flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    run_cases(CASES, parser=parser, setup=start, teardown=lambda ctx: runtime.shutdown())

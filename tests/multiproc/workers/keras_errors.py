@@ -2,9 +2,11 @@
 
 Run under any launcher (see tests/multiproc/harness.py)::
 
-    python keras_errors.py       # prints "rank R OK"
+    python keras_errors.py --case layout_mismatch     # prints "rank R OK"
+    python keras_errors.py --list-cases
 
-Cases, in one launch (TensorFlow starts slowly):
+Two cases (TensorFlow starts slowly, so each launch checks several errors):
+``layout_mismatch`` runs 1-3 below, ``strategies`` runs 4-5.
 
 1. callback: the last rank builds a wider hidden layer; ``fit`` with
    ``DistributedCallback`` must raise ``LayoutMismatchError`` on every rank
@@ -29,7 +31,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from _fail_fast import fail_fast
+from _fail_fast import run_cases
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -131,22 +133,33 @@ def case_passes() -> None:
            lambda: model.fit(x, y, batch_size=8, verbose=0, callbacks=[callback]))
 
 
-def main() -> None:
-    dp.init()
-    for case in (case_callback, case_bridge, case_tape, case_passes, case_strategy):
-        case()
+def case_layout_mismatch(_: object) -> None:
+    case_callback()
+    case_bridge()
+    case_tape()
+
+
+def case_strategies(_: object) -> None:
+    case_passes()
+    case_strategy()
+
+
+CASES = {
+    "layout_mismatch": case_layout_mismatch,
+    "strategies": case_strategies,
+}
+
+
+def still_in_step(_: object) -> None:
+    """After the errors a barrier and one all-reduce: the ranks are still in step."""
     eng = runtime.engine()
     eng.barrier()
     buf = np.ones(3, dtype=np.float32)
     eng.allreduce_async(buf, "sum", name="still_in_step").wait()
     if not np.array_equal(buf, np.full(3, dp.size(), dtype=np.float32)):
         raise AssertionError(f"ranks out of step after the errors: {buf}")
-    print(f"rank {dp.rank()} OK")
     dp.shutdown()
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        fail_fast("?")  # the launcher prefixes each line with the rank
+    run_cases(CASES, setup=lambda _: dp.init(), teardown=still_in_step)

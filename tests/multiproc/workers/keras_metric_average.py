@@ -2,9 +2,11 @@
 
 Run under any launcher (see tests/multiproc/harness.py)::
 
-    python keras_metric_average.py      # prints "rank R OK"
+    python keras_metric_average.py --case metric_average     # prints "rank R OK"
+    python keras_metric_average.py --list-cases
 
-Three cases in one launch (TensorFlow starts slowly):
+Two cases (TensorFlow starts slowly): ``metric_average`` runs 1-3 below,
+``horovod_callbacks`` runs 4.
 
 1. average: every rank fits a tiny model on its own data (seeded by rank),
    with validation data, ``metrics=["mae"]`` and an extra vector-valued log
@@ -34,7 +36,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from _fail_fast import fail_fast
+from _fail_fast import run_cases
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -181,26 +183,34 @@ def check_together(rank: int, size: int) -> None:
     assert (losses == losses[0]).all(), losses
 
 
-def main() -> None:
-    rank = "?"
-    try:
-        dp.init()
-        rank = str(dp.rank())
-        size = dp.size()
-        if size < 2:
-            raise RuntimeError(f"run this worker on 2 or more ranks, got {size}")
-        check_average(dp.rank(), size)
-        check_different_names(dp.rank())
-        check_non_numeric(dp.rank())
-        check_together(dp.rank(), size)
-        token = np.ones(1, dtype=np.float64)
-        runtime.engine().allreduce_async(token, "sum", name="still in step").wait()
-        assert token[0] == size, token
-        dp.shutdown()
-    except BaseException:
-        fail_fast(rank)
-    print(f"rank {rank} OK", flush=True)
+def case_metric_average(_: object) -> None:
+    check_average(dp.rank(), dp.size())
+    check_different_names(dp.rank())
+    check_non_numeric(dp.rank())
+
+
+def case_horovod_callbacks(_: object) -> None:
+    check_together(dp.rank(), dp.size())
+
+
+CASES = {
+    "metric_average": case_metric_average,
+    "horovod_callbacks": case_horovod_callbacks,
+}
+
+
+def start(_: object) -> None:
+    dp.init()
+    if dp.size() < 2:
+        raise RuntimeError(f"run this worker on 2 or more ranks, got {dp.size()}")
+
+
+def still_in_step(_: object) -> None:
+    token = np.ones(1, dtype=np.float64)
+    runtime.engine().allreduce_async(token, "sum", name="still in step").wait()
+    assert token[0] == dp.size(), token
+    dp.shutdown()
 
 
 if __name__ == "__main__":
-    main()
+    run_cases(CASES, setup=start, teardown=still_in_step)

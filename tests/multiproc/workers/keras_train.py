@@ -2,17 +2,20 @@
 
 Run under any launcher (see tests/multiproc/harness.py)::
 
-    python keras_train.py --cases fit,mirrored,tape     # prints "rank R OK"
+    python keras_train.py --case fit     # prints "rank R OK"
+    python keras_train.py --list-cases
 
 The process first splits its CPU into two logical devices (so that
-MirroredStrategy has two replicas), then runs the requested cases. Each rank
+MirroredStrategy has two replicas), then runs the requested case. Each rank
 starts from a model initialised with its own seed; after training, the final
 weights must be bitwise identical on all ranks (a digest is all-gathered)
 and, on rank 0, within 1e-5 of a single-process run from rank 0's initial
 weights on the concatenated global batches (rank r's batch of step s is rows
 ``[s*G + r*B, s*G + (r+1)*B)`` of the global data, ``G = B * size``).
 
-``dp.shard`` is checked first (rank r gets elements r, r + size, ...). Cases:
+``dp.shard`` is checked first (rank r gets elements r, r + size, ...).
+Cases, one per launch (``fit_variants`` runs optimizer, features, passes
+and mixed below, one after the other; TensorFlow starts slowly):
 - fit: ``model.fit`` with ``DistributedCallback``, default strategy; the
   optimizer's momentum starts from rank-dependent values, so the broadcast of
   the optimizer state is checked too.
@@ -38,14 +41,12 @@ fail their next collective after DP_PLUGIN_TIMEOUT instead of hanging).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
-from _fail_fast import fail_fast
+from _fail_fast import run_cases
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -67,8 +68,6 @@ LOCAL_BATCH = 8
 STEPS = 4
 LR = 0.05
 TOL = 1e-5
-ALL_CASES = ("fit", "mirrored", "optimizer", "features", "passes", "mixed", "tape",
-             "tape_mirrored")
 
 
 # -- data and models -----------------------------------------------------------
@@ -351,43 +350,37 @@ class _null_scope:
         return None
 
 
-CASES: dict[str, Callable[[], None]] = {
-    "fit": case_fit,
-    "mirrored": lambda: case_fit(mirrored()),
-    "optimizer": lambda: case_fit(wrap="optimizer"),
-    "features": case_features,
-    "passes": case_passes,
-    "mixed": case_mixed,
-    "tape": case_tape,
-    "tape_mirrored": lambda: case_tape(mirrored()),
+def case_fit_variants() -> None:
+    """``model.fit`` beyond the plain callback: the optimizer wrapper, fit's
+    features, local accumulation, mixed precision."""
+    case_fit(wrap="optimizer")
+    case_features()
+    case_passes()
+    case_mixed()
+
+
+CASES: dict[str, Callable[[object], None]] = {
+    "fit": lambda _: case_fit(),
+    "mirrored": lambda _: case_fit(mirrored()),
+    "tape": lambda _: case_tape(),
+    "tape_mirrored": lambda _: case_tape(mirrored()),
+    "fit_variants": lambda _: case_fit_variants(),
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", default=",".join(ALL_CASES))
-    args = parser.parse_args()
-    cases = [c for c in args.cases.split(",") if c]
-    unknown = sorted(set(cases) - set(CASES))
-    if unknown:
-        raise SystemExit(f"unknown cases {unknown}; valid: {', '.join(CASES)}")
+def start(_: object) -> None:
     dp.init()
     print(f"rank {dp.rank()} engine {runtime.engine().name}, {dp.size()} ranks, "
           f"local {dp.local_rank()}/{dp.local_size()}")
     shard = list(dp.shard(tf.data.Dataset.range(7)).as_numpy_iterator())
     if shard != list(range(dp.rank(), 7, dp.size())):
         raise AssertionError(f"shard: rank {dp.rank()} got elements {shard}")
-    for name in cases:
-        start = time.perf_counter()
-        CASES[name]()
-        print(f"rank {dp.rank()} case {name} ok ({time.perf_counter() - start:.1f} s)")
+
+
+def finish(_: object) -> None:
     runtime.engine().barrier()
-    print(f"rank {dp.rank()} OK")
     dp.shutdown()
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        fail_fast("?")  # the launcher prefixes each line with the rank
+    run_cases(CASES, setup=start, teardown=finish)

@@ -2,17 +2,17 @@
 
 Run under any launcher (see tests/multiproc/harness.py)::
 
-    python scheduler_worker.py --engine gloo              # prints "rank R OK"
-    python scheduler_worker.py --engine mpi --mismatch    # prints "rank R MISMATCH-OK"
+    python scheduler_worker.py --engine gloo --case reference   # prints "rank R OK"
+    python scheduler_worker.py --engine mpi --case mismatch     # "rank R MISMATCH-OK", "rank R OK"
 
-One process runs many cases (numpy and torch tensors; average with a
+``reference`` runs many schedules (numpy and torch tensors; average with a
 predivide factor, sum over integers too, fp16/bf16 compression, gradient
 accumulation, a missing gradient, per-rank readiness order), each for
 several steps over ~20 tensors of mixed dtypes and shapes with a threshold
 that forces many buckets. Inputs are deterministic per (rank, step, tensor),
 so every rank computes the expected result locally.
 
-``--mismatch``: the last rank registers one tensor with another shape; every
+``mismatch``: the last rank registers one tensor with another shape; every
 rank must raise ``LayoutMismatchError`` naming it. Any failure prints a
 traceback and exits 1 at once (``os._exit``): the other ranks then fail
 their next collective (``DP_PLUGIN_TIMEOUT``) instead of waiting.
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from _fail_fast import fail_fast
+from _fail_fast import run_cases
 
 from dp_plugin.arrays import as_numpy, as_torch, numpy_dtype
 from dp_plugin.config import Config
@@ -63,7 +63,7 @@ class Case:
     """Spec index that the last rank never marks ready (it contributes zeros)."""
 
 
-CASES = [
+SCHEDULES = [
     Case("average", FLOATS, kwargs={"gradient_predivide_factor": 2.0}),
     Case("sum-mixed", MIXED, op="sum"),
     Case("sum-scaled", FLOATS, op="sum", kwargs={"prescale_factor": 0.5,
@@ -168,7 +168,7 @@ def run_case(engine: Engine, case: Case, kind: str) -> None:
 
 def run_all(engine: Engine) -> None:
     for kind in ("numpy", "torch"):
-        for case in CASES:
+        for case in SCHEDULES:
             run_case(engine, case, kind)
     engine.barrier()
 
@@ -197,28 +197,26 @@ def run_mismatch(engine: Engine) -> str:
     raise AssertionError("no LayoutMismatchError although the last rank's layout differs")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--engine", required=True)
-    parser.add_argument("--mismatch", action="store_true")
-    args = parser.parse_args()
-    rank = "?"
-    try:
-        topology = detect()
-        rank = str(topology.rank)
-        engine = create_engine(args.engine, topology, Config.from_env())
-        if args.mismatch:
-            message = run_mismatch(engine)
-        else:
-            run_all(engine)
-        engine.shutdown()
-    except BaseException:
-        fail_fast(rank)
-    if args.mismatch:
-        print(f"rank {rank} MISMATCH-OK: {message}", flush=True)
-    else:
-        print(f"rank {rank} OK", flush=True)
+def case_reference(engine: Engine) -> None:
+    run_all(engine)
+
+
+def case_mismatch(engine: Engine) -> None:
+    message = run_mismatch(engine)
+    print(f"rank {engine.rank} MISMATCH-OK: {message}", flush=True)
+
+
+CASES = {
+    "reference": case_reference,
+    "mismatch": case_mismatch,
+}
+
+
+def start(args: argparse.Namespace) -> Engine:
+    return create_engine(args.engine, detect(), Config.from_env())
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--engine", required=True)
+    run_cases(CASES, parser=parser, setup=start, teardown=lambda engine: engine.shutdown())

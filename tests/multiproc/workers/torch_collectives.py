@@ -2,17 +2,19 @@
 
 Run under any launcher (see tests/multiproc/harness.py)::
 
-    python torch_collectives.py --engine gloo     # prints "rank R OK"
+    python torch_collectives.py --engine gloo --case collectives    # prints "rank R OK"
+    python torch_collectives.py --list-cases
 
 Inputs are deterministic per (rank, case), so every rank computes the
 expected result of every collective locally, from all ranks' inputs. One
-launch runs, in order: allreduce (every op, dtypes, 0-dim, empty,
-non-contiguous, pre/post scale, in place, async, grouped, fp16 compression),
-allgather (uneven), broadcast (every root), alltoall (uneven splits),
-reducescatter (Horovod's split rule), sparse allreduce, barrier, autograd
-through each collective, process sets when the engine supports them, and
-then rank-dependent mistakes (shape, dtype, root, splits, group size, name,
-a duplicate name on one rank, different collectives), which must raise the
+launch runs one case. ``collectives``: allreduce (every op, dtypes, 0-dim,
+empty, non-contiguous, pre/post scale, in place, async, grouped, fp16
+compression), allgather (uneven), broadcast (every root), alltoall (uneven
+splits), reducescatter (Horovod's split rule), sparse allreduce, barrier and
+process sets when the engine supports them; ``autograd`` through each
+collective; ``mistakes``: rank-dependent mistakes (shape,
+dtype, root, splits, group size, name, a duplicate name on one rank,
+different collectives), which must raise the
 same error on every rank and leave the engine usable: a final all-reduce
 proves the ranks still agree. Any failure prints a traceback and exits 1 at
 once (``os._exit``): the other ranks then fail their next collective
@@ -30,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _fail_fast import fail_fast
+from _fail_fast import run_cases
 
 import dp_plugin.torch.ops as ops
 from dp_plugin.torch.agreement import DuplicateNameError, MismatchError
@@ -414,26 +416,30 @@ def check_process_sets() -> None:
     remove_process_set(pset)
 
 
-def main() -> None:
+def case_collectives(_: object) -> None:
+    check_allreduce()
+    check_grouped_and_compression()
+    check_gather_broadcast()
+    check_alltoall_reducescatter()
+    check_sparse_and_barrier()
+    check_process_sets()
+
+
+CASES = {
+    "collectives": case_collectives,
+    "autograd": lambda _: check_autograd(),
+    "mistakes": lambda _: check_mistakes(),
+}
+
+
+def start(args: argparse.Namespace) -> None:
     global RANK, SIZE
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--engine", required=True)
-    args = parser.parse_args()
-    rank = "?"
-    try:
-        os.environ["DP_PLUGIN_ENGINE"] = args.engine
-        hvd_init()
-        RANK, SIZE = hvd_rank(), hvd_size()
-        rank = str(RANK)
-        for section in (check_allreduce, check_grouped_and_compression, check_gather_broadcast,
-                        check_alltoall_reducescatter, check_sparse_and_barrier, check_autograd,
-                        check_process_sets, check_mistakes):
-            section()
-        hvd_shutdown()
-    except BaseException:
-        fail_fast(rank)
-    print(f"rank {rank} OK", flush=True)
+    os.environ["DP_PLUGIN_ENGINE"] = args.engine
+    hvd_init()
+    RANK, SIZE = hvd_rank(), hvd_size()
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--engine", required=True)
+    run_cases(CASES, parser=parser, setup=start, teardown=lambda _: hvd_shutdown())

@@ -2,8 +2,8 @@
 
 Run under any launcher (see tests/multiproc/harness.py)::
 
-    python torch_compile_amp.py --mode compile [--backend aot_eager]  # "rank R OK"
-    python torch_compile_amp.py --mode amp                            # "rank R OK"
+    python torch_compile_amp.py --case compile [--backend aot_eager]  # "rank R OK"
+    python torch_compile_amp.py --case amp                            # "rank R OK"
 
 ``compile``: every rank starts from other random weights, broadcasts rank
 0's, compiles the model with ``torch.compile(model, backend=...)`` and
@@ -40,7 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _fail_fast import fail_fast
+from _fail_fast import run_cases
 from torch import nn
 
 import dp_plugin.torch as hvd
@@ -177,25 +177,19 @@ def run_amp() -> None:
                 flat_params(reference), 2e-2)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mode", choices=("compile", "amp"), required=True)
-    parser.add_argument("--backend", default="aot_eager", help="torch.compile backend")
-    args = parser.parse_args()
-    rank = "?"
-    try:
-        torch.set_num_threads(1)
-        hvd.init()
-        rank = str(hvd.rank())
-        if args.mode == "compile":
-            run_compile(args.backend)
-        else:
-            run_amp()
-        hvd.shutdown()
-    except BaseException:
-        fail_fast(rank)
-    print(f"rank {rank} OK", flush=True)
+CASES = {
+    "compile": lambda args: run_compile(args.backend),
+    "amp": lambda args: run_amp(),
+}
+
+
+def start(args: argparse.Namespace) -> argparse.Namespace:
+    torch.set_num_threads(1)
+    hvd.init()
+    return args
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--backend", default="aot_eager", help="torch.compile backend")
+    run_cases(CASES, parser=parser, setup=start, teardown=lambda _: hvd.shutdown())

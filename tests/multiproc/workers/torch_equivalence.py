@@ -1,9 +1,10 @@
 """Worker: DistributedOptimizer training equals single-process training.
 
 Run under any launcher (see tests/multiproc/harness.py); the engine comes
-from DP_PLUGIN_ENGINE. Prints ``rank R OK`` when every case passed.
+from DP_PLUGIN_ENGINE. One launch runs one case (``--case NAME``,
+``--list-cases``) and prints ``rank R OK`` when it passed.
 
-Each case: every rank builds the model from its *own* seed, then
+``optimizers``: for each optimizer set-up, every rank builds the model from its *own* seed, then
 ``broadcast_parameters`` + ``broadcast_optimizer_state`` (the other ranks
 also start with other hyper-parameters, which the broadcast must fix) make
 them agree; the ranks train several steps on their shard of each global
@@ -14,7 +15,7 @@ after the broadcast) trained on the concatenated global batch with the plain
 optimizer. The model has an unused parameter, which must get a zero gradient
 on every rank and stay unchanged.
 
-The ``join`` case: rank r trains 3 + r steps, then calls ``hvd.join()``;
+``join_process_set``: rank r trains 3 + r steps, then calls ``hvd.join()``;
 the joined ranks contribute zero gradients to the remaining steps. Every
 rank replays the expected run locally (all ranks' data is deterministic) and
 the last rank's parameters must match it; ``join()`` must return the last
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from _fail_fast import fail_fast
+from _fail_fast import run_cases
 from torch import nn
 
 import dp_plugin.torch as hvd
@@ -75,7 +76,7 @@ def adam(params: Any, rank: int) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=0.01 * (rank + 1), betas=(0.9, 0.999 - 0.001 * rank))
 
 
-CASES = [
+OPTIMIZERS = [
     Case("sgd-momentum", sgd),
     Case("adam", adam),
     Case("sgd-accumulate", sgd, passes=2),
@@ -214,26 +215,32 @@ def run_process_set(rank: int, size: int) -> None:
     hvd.remove_process_set(ps)
 
 
-def main() -> None:
-    rank: Any = "?"
-    try:
-        torch.set_num_threads(1)
-        hvd.init()
-        rank, size = hvd.rank(), hvd.size()
-        for case in CASES:
-            run_case(case, rank, size)
-        run_join(rank, size)
-        if size >= 3:
-            run_process_set(rank, size)
-        # No DistributedOptimizer left: join() is a barrier that agrees on a rank.
-        last = hvd.join()
-        if hvd.allgather_object(last) != [last] * size or not 0 <= last < size:
-            raise AssertionError(f"join() without optimizers returned {last}")
-        hvd.shutdown()
-    except BaseException:
-        fail_fast(rank)
-    print(f"rank {rank} OK", flush=True)
+def case_optimizers(_: object) -> None:
+    for case in OPTIMIZERS:
+        run_case(case, hvd.rank(), hvd.size())
+
+
+def case_join_process_set(_: object) -> None:
+    rank, size = hvd.rank(), hvd.size()
+    run_join(rank, size)
+    if size >= 3:
+        run_process_set(rank, size)
+    # No DistributedOptimizer left: join() is a barrier that agrees on a rank.
+    last = hvd.join()
+    if hvd.allgather_object(last) != [last] * size or not 0 <= last < size:
+        raise AssertionError(f"join() without optimizers returned {last}")
+
+
+CASES = {
+    "optimizers": case_optimizers,
+    "join_process_set": case_join_process_set,
+}
+
+
+def start(args: object) -> None:
+    torch.set_num_threads(1)
+    hvd.init()
 
 
 if __name__ == "__main__":
-    main()
+    run_cases(CASES, setup=start, teardown=lambda _: hvd.shutdown())

@@ -2,7 +2,8 @@
 
 Run under any launcher (see tests/multiproc/harness.py)::
 
-    python torch_sync_bn.py          # prints "rank R OK"
+    python torch_sync_bn.py --case batch_norm     # prints "rank R OK"
+    python torch_sync_bn.py --list-cases
 
 Every rank builds the same global batch (a fixed seed), takes its own rows
 (per-rank sizes are uneven, one rank may hold none) and runs forward and
@@ -20,7 +21,8 @@ SyncBatchNorm layer trains for a few steps with
 interleaves with the optimizer's bucket all-reduces) and must match the
 same model with ``nn.BatchNorm1d`` trained on the global batch in one
 process. Finally a global batch of one sample must raise ``ValueError`` on
-every rank.
+every rank. Cases (one per launch): ``batch_norm`` (the shardings, the
+process set, the one-sample error) and ``training``.
 
 Any failure prints a traceback and exits 1 at once (``os._exit``): the other
 ranks then fail their next collective (``DP_PLUGIN_TIMEOUT``).
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from _fail_fast import fail_fast
+from _fail_fast import run_cases
 from torch import nn
 
 import dp_plugin.torch as hvd
@@ -54,7 +56,7 @@ class Case:
     dtype: torch.dtype = torch.float32
 
 
-CASES = [
+SHARDINGS = [
     Case("2d-uneven", (5, 4), 3, rows=(3, 5, 2)),
     Case("1d-features", (), 6, rows=(7, 2, 4)),
     Case("1d-sequence-cma", (9,), 4, rows=(2, 3, 1), momentum=None),
@@ -143,7 +145,7 @@ def check_process_set(rank: int, size: int) -> None:
     members = [0, size - 1]
     ps = hvd.add_process_set(members)
     if rank in members:
-        run_case(CASES[0], members.index(rank), len(members), process_set=ps)
+        run_case(SHARDINGS[0], members.index(rank), len(members), process_set=ps)
     else:
         try:
             hvd.SyncBatchNorm(3, process_set=ps)(torch.randn(4, 3))
@@ -201,22 +203,27 @@ def check_too_few_values(rank: int) -> None:
     hvd.allgather_object(None)  # every rank raised and is still in step
 
 
-def main() -> None:
-    rank = "?"
-    try:
-        torch.set_num_threads(1)
-        hvd.init()
-        rank = str(hvd.rank())
-        for case in CASES:
-            run_case(case, hvd.rank(), hvd.size())
-        check_process_set(hvd.rank(), hvd.size())
-        run_training(hvd.rank(), hvd.size())
-        check_too_few_values(hvd.rank())
-        hvd.shutdown()
-    except BaseException:
-        fail_fast(rank)
-    print(f"rank {rank} OK", flush=True)
+def case_batch_norm(_: object) -> None:
+    for case in SHARDINGS:
+        run_case(case, hvd.rank(), hvd.size())
+    check_process_set(hvd.rank(), hvd.size())
+    check_too_few_values(hvd.rank())
+
+
+def case_training(_: object) -> None:
+    run_training(hvd.rank(), hvd.size())
+
+
+CASES = {
+    "batch_norm": case_batch_norm,
+    "training": case_training,
+}
+
+
+def start(args: object) -> None:
+    torch.set_num_threads(1)
+    hvd.init()
 
 
 if __name__ == "__main__":
-    main()
+    run_cases(CASES, setup=start, teardown=lambda _: hvd.shutdown())

@@ -1,0 +1,93 @@
+"""Every worker runs one case per launch through workers/_fail_fast.run_cases.
+
+The checks of run_cases itself use a tiny worker that imports no framework,
+so they cost an interpreter start per rank, not a torch import.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.multiproc.harness import assert_ranks_ok, run_workers, worker_cases
+
+WORKERS = Path(__file__).resolve().parent / "workers"
+# A user-style training script, not a test worker: it has no cases.
+NOT_CASE_WORKERS = {"_fail_fast.py", "typical_horovod_script.py"}
+CASE_WORKERS = sorted(p for p in WORKERS.glob("*.py") if p.name not in NOT_CASE_WORKERS)
+
+TINY = f'''
+import sys
+sys.path.insert(0, {str(WORKERS)!r})
+from _fail_fast import run_cases
+from dp_plugin.launch import detect
+
+def bad(args):
+    if detect().rank == 1:
+        raise ValueError("case bad fails on rank 1")
+
+CASES = {{"good": lambda args: print("ran good", args.greeting), "bad": bad}}
+
+if __name__ == "__main__":
+    import argparse
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--greeting", required=True)
+    run_cases(CASES, parser=parser)
+'''
+
+
+@pytest.mark.parametrize("worker", CASE_WORKERS, ids=[p.stem for p in CASE_WORKERS])
+def test_worker_declares_cases_and_runs_them_through_run_cases(worker: Path) -> None:
+    cases = worker_cases(worker)
+    assert cases and len(cases) == len(set(cases)), cases
+    tree = ast.parse(worker.read_text())
+    calls = {node.func.id for node in ast.walk(tree)
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    assert "run_cases" in calls, f"{worker.name} must end through run_cases"
+    assert "fail_fast" not in calls, f"{worker.name}: leave fail_fast to run_cases"
+
+
+def test_worker_cases_refuses_a_worker_without_a_cases_literal(tmp_path: Path) -> None:
+    script = tmp_path / "w.py"
+    script.write_text("CASES = dict(a=print)\n")
+    with pytest.raises(ValueError, match="no module-level CASES"):
+        worker_cases(script)
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Path:
+    script = tmp_path / "tiny_worker.py"
+    script.write_text(TINY)
+    return script
+
+
+def test_list_cases_needs_no_launcher_and_no_other_option(tiny: Path) -> None:
+    out = subprocess.run([sys.executable, str(tiny), "--list-cases"], capture_output=True,
+                         text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["good", "bad"] == worker_cases(tiny)
+
+
+def test_one_case_runs_and_every_rank_prints_ok(tiny: Path) -> None:
+    result = run_workers("env", 2, tiny, ["--case", "good", "--greeting", "hi"], timeout=60)
+    assert_ranks_ok(result, 2)
+    assert result.output.count("ran good hi") == 2, result.output
+
+
+def test_a_failing_case_exits_1_at_once_with_the_rank_and_traceback(tiny: Path) -> None:
+    result = run_workers("env", 2, tiny, ["--case", "bad", "--greeting", "hi"], timeout=60,
+                         check=False)
+    assert result.returncodes == [0, 1], result.output
+    assert "rank 1 FAILED" in result.output and "case bad fails on rank 1" in result.output
+    assert_ranks_ok(result, 1)  # rank 0 is unaffected
+    assert "rank 1 OK" not in result.output
+
+
+def test_an_unknown_case_is_refused_on_every_rank(tiny: Path) -> None:
+    result = run_workers("env", 2, tiny, ["--case", "nope", "--greeting", "hi"], timeout=60,
+                         check=False)
+    assert result.returncodes == [2, 2], result.output
+    assert "invalid choice: 'nope'" in result.output
