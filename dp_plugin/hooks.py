@@ -22,7 +22,6 @@ the same way on every path and every engine and costs no extra pass.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +30,7 @@ from dp_plugin.arrays import ArrayOps
 from dp_plugin.compression import Compressor, get_compressor
 from dp_plugin.dtypes import is_floating
 from dp_plugin.engines.base import Handle, ReduceOp
+from dp_plugin.validate import check_positive_float
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,9 +56,9 @@ class ReducePolicy:
              what: str = "tensor") -> ReducePolicy:
         """Validate the arguments against the tensors' ``dtypes`` and build the policy."""
         op = ReduceOp.parse(op)
-        predivide = positive("gradient_predivide_factor", predivide)
-        prescale = positive("prescale_factor", prescale)
-        postscale = positive("postscale_factor", postscale)
+        predivide = check_positive_float("gradient_predivide_factor", predivide)
+        prescale = check_positive_float("prescale_factor", prescale)
+        postscale = check_positive_float("postscale_factor", postscale)
         ints = [d for d in dtypes if not is_floating(d)]
         if op is ReduceOp.AVERAGE:
             if ints:
@@ -102,15 +102,6 @@ class ReducePolicy:
 
 
 NO_SCALING = ReducePolicy(op=ReduceOp.SUM, engine_op=ReduceOp.SUM, prescale=1.0, postscale=1.0)
-
-
-def positive(name: str, value: float) -> float:
-    """``value`` as a float, if it is a finite number > 0 (else ``ValueError``)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-    return float(value)
 
 
 @dataclass(eq=False)

@@ -25,6 +25,7 @@ from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import CommHook, ReducePolicy
 from dp_plugin.timeline import StatsHistory, StepStats, open_timeline, union_length
+from dp_plugin.validate import check_int
 
 _ACCUMULATION_ERROR = (
     "Gradients were computed more than backward_passes_per_step times before call to "
@@ -147,9 +148,7 @@ class GradientScheduler:
                     f"specs[{i}] must be a dp_plugin.fusion.TensorSpec, got "
                     f"{type(spec).__name__}; build them with TensorSpec.of(name, tensor)"
                 )
-        passes = backward_passes_per_step
-        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-            raise ValueError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
+        passes = check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)
         self.backward_passes_per_step = passes
         floating = [s for s in self.specs if not _floating(s)]
         policy = ReducePolicy.make(

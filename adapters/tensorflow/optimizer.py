@@ -43,18 +43,15 @@ from dp_plugin.engines.base import ReduceOp
 from dp_plugin.tensorflow.bridge import GradientBridge, next_bridge_name
 from dp_plugin.tensorflow.compat import UnsupportedStrategyError, check_keras
 from dp_plugin.tensorflow.ops import Average, Compression, parse_compression, parse_gradient_op
+from dp_plugin.validate import check_int, check_positive_float
 
 
 def check_passes(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what}: backward_passes_per_step must be an int >= 1, got {value!r}")
-    return value
+    return check_int("backward_passes_per_step", value, minimum=1, where=what)
 
 
 def check_predivide(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ValueError(f"{what}: gradient_predivide_factor must be a number > 0, got {value!r}")
-    return float(value)
+    return check_positive_float("gradient_predivide_factor", value, where=what)
 
 
 class DistributedApply:

@@ -28,6 +28,7 @@ from dp_plugin.torch import joining as _join
 from dp_plugin.torch.basics import shared_timeline
 from dp_plugin.torch.optimizer_args import default_name
 from dp_plugin.torch.process_sets import ProcessSet
+from dp_plugin.validate import check_int
 
 _RACE_MESSAGE = (
     "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
@@ -129,8 +130,7 @@ class _DistributedMixin:
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Accumulate ``passes`` backward passes per step from now on (all ranks alike)."""
-        if isinstance(passes, bool) or not isinstance(passes, int) or passes <= 0:
-            raise ValueError(f"backward_passes_per_step must be an int > 0, got {passes!r}")
+        passes = check_int("backward_passes_per_step", passes, minimum=1)
         self._dp_check_idle("set_backward_passes_per_step()")
         self._dp.passes = passes
         self._dp_register()

@@ -32,6 +32,7 @@ from dp_plugin.torch.optimizer_args import (
     parameter_names,
 )
 from dp_plugin.torch.process_sets import ProcessSet, engine_or_none, global_process_set
+from dp_plugin.validate import check_int
 
 
 def DistributedOptimizer(
@@ -121,11 +122,8 @@ def DistributedOptimizer(
         if groups is None:
             groups = num_groups
     check_groups(groups)
-    if (isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int)
-            or backward_passes_per_step <= 0):
-        raise ValueError(
-            f"backward_passes_per_step must be an int > 0, got {backward_passes_per_step!r}"
-        )
+    backward_passes_per_step = check_int("backward_passes_per_step", backward_passes_per_step,
+                                         minimum=1)
     compressor = compressor_of(compression)
     if not isinstance(process_set, ProcessSet):
         raise TypeError(
