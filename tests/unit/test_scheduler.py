@@ -576,8 +576,10 @@ def _one_rank() -> FakeEngine:
     [
         ({"op": "mean"}, ValueError, r"'mean' is not known; valid ops: sum, average"),
         ({"compression": "zip"}, ValueError, r"'zip' is not known; valid values: none"),
-        ({"gradient_predivide_factor": 0}, ValueError, r"gradient_predivide_factor must be a finite number > 0, got 0"),
-        ({"prescale_factor": -1.0}, ValueError, r"prescale_factor must be a finite number > 0, got -1.0"),
+        ({"gradient_predivide_factor": 0}, ValueError,
+         r"gradient_predivide_factor must be a finite number > 0, got 0"),
+        ({"prescale_factor": -1.0}, ValueError,
+         r"prescale_factor must be a finite number > 0, got -1.0"),
         ({"postscale_factor": float("nan")}, ValueError, r"postscale_factor must be a finite"),
         ({"backward_passes_per_step": 0}, ValueError, r"backward_passes_per_step must be an int"),
         ({"backward_passes_per_step": 1.5}, ValueError, r">= 1, got 1.5"),
