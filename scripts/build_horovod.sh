@@ -4,7 +4,7 @@
 # Horovod, torch and Python versions, so a second install takes seconds.
 #
 # Why a patch: Horovod 0.28.1 compiles its torch extension as C++14, and torch
-# >= 2.1 headers need C++17 (see ../shared/DESIGN.md). Raising
+# >= 2.1 headers need C++17 (they use C++17 library features). Raising
 # CMAKE_CXX_STANDARD to 17 in two CMakeLists.txt is enough.
 set -euo pipefail
 
