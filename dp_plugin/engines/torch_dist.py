@@ -31,9 +31,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from dp_plugin import netif
 from dp_plugin.arrays import as_numpy, as_torch, is_torch
 from dp_plugin.config import Config
-from dp_plugin import netif
 from dp_plugin.dtypes import SUPPORTED_DTYPES
 from dp_plugin.engines import rendezvous as rdv
 from dp_plugin.engines.base import (
