@@ -31,11 +31,13 @@ from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.scheduler import GradientScheduler
+from dp_plugin.timeline import StatsHistory
 from dp_plugin.torch import joining as _join
 from dp_plugin.torch.basics import engine as _global_engine
 from dp_plugin.torch.basics import shared_timeline
 from dp_plugin.torch.ops import Average, Compression, parse_op
 from dp_plugin.torch.process_sets import ProcessSet, global_process_set
+from dp_plugin.torch.sparse import SparseGradients
 
 _RACE_MESSAGE = (
     "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
@@ -100,7 +102,9 @@ def DistributedOptimizer(
     validated but are only hints: dp_plugin's planner already fuses
     gradients deterministically into buckets of ``DP_PLUGIN_FUSION_THRESHOLD``
     bytes; ``sparse_as_dense`` reduces sparse gradients as dense tensors
-    (required for sparse gradients); ``process_set`` reduces over that set's
+    (without it, each sparse gradient is reduced on its own outside the
+    buckets by an all-gather of indices and values, as in Horovod);
+    ``process_set`` reduces over that set's
     ranks only (on the other ranks the optimizer steps on local gradients,
     as in Horovod).
 
@@ -193,6 +197,8 @@ class _State:
     """None when nothing is reduced (one rank, outside the process set, no parameters)."""
     marked: list[bool] = field(default_factory=list)
     sparse_dims: list[int | None] = field(default_factory=list)
+    sparse: SparseGradients = field(default_factory=SparseGradients)
+    """Sparse gradients reduced outside the buckets (``sparse_as_dense=False``)."""
     pending: bool = False
     synchronized: bool = False
     should_synchronize: bool = True
@@ -229,6 +235,13 @@ class _DistributedMixin:
     def process_set(self) -> ProcessSet:
         return self._dp.process_set
 
+    def comm_stats(self) -> StatsHistory | None:
+        """Per-step communication stats of the gradient reduction (``StepStats``:
+        bytes, all-reduce time, exposed time not hidden behind backward); None
+        when nothing is reduced (one rank). Restarts when the buckets are re-planned."""
+        reducer = self._dp.reducer
+        return None if reducer is None else reducer.scheduler.stats
+
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Accumulate ``passes`` backward passes per step from now on (all ranks alike)."""
         if isinstance(passes, bool) or not isinstance(passes, int) or passes <= 0:
@@ -252,10 +265,15 @@ class _DistributedMixin:
         for i, p in enumerate(st.params):
             if not st.marked[i] and p.grad is not None:
                 # Horovod reduces an existing gradient whose hook did not fire.
-                sched.mark_ready(i + 1, self._dp_dense(i, p.grad))
+                dense = self._dp_dense(i, p.grad)
+                if dense is not None:
+                    sched.mark_ready(i + 1, dense)
         sched.mark_ready(0, flags.fill(joined=False))
         results = sched.synchronize()
+        st.sparse.reduce(st.params, st.names, st.op, st.process_set)
         for i, p in enumerate(st.params):
+            if st.sparse.owns(p):
+                continue  # reduced above, outside the buckets
             reduced = results[i + 1]
             sparse_dim = st.sparse_dims[i]
             if sparse_dim is not None:
@@ -268,6 +286,9 @@ class _DistributedMixin:
         flags.keep()
         self._dp_reset_step()
         st.synchronized = True
+        if st.sparse.changed:  # take the new sparse parameters out of the buckets
+            st.sparse.changed = False
+            self._dp_register()
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -404,7 +425,7 @@ class _DistributedMixin:
         for p in params:
             name = st.names.get(p) or new_names[p]
             try:
-                specs.append(TensorSpec.of(name, p))
+                specs.append(TensorSpec.of(name, st.sparse.dense_stand_in(p)))
             except TypeError as exc:
                 raise TypeError(
                     f"DistributedOptimizer cannot reduce parameter {name!r}: {exc}"
@@ -427,19 +448,19 @@ class _DistributedMixin:
         grad = param.grad
         if st.reducer is None or grad is None:
             return
-        st.reducer.scheduler.mark_ready(index + 1, self._dp_dense(index, grad))
+        dense = self._dp_dense(index, grad)
+        if dense is not None:
+            st.reducer.scheduler.mark_ready(index + 1, dense)
         st.marked[index] = True
 
-    def _dp_dense(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+    def _dp_dense(self, index: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """The gradient for the dense buckets; None if it is reduced as sparse."""
         if not grad.is_sparse:
             return grad
         st = self._dp
         if not st.sparse_as_dense:
-            raise ValueError(
-                f"parameter {st.names[st.params[index]]!r} got a sparse gradient; dp_plugin "
-                "reduces gradients in dense fusion buffers. Pass sparse_as_dense=True to "
-                "DistributedOptimizer (or use a dense nn.Embedding, sparse=False)"
-            )
+            st.sparse.add(st.params[index], grad)
+            return None
         st.sparse_dims[index] = grad.sparse_dim()
         return grad.to_dense()
 
@@ -465,6 +486,8 @@ class _DistributedMixin:
             return True, -1
         reducer.scheduler.mark_ready(0, reducer.flags.fill(joined=True))
         reducer.scheduler.synchronize()  # every other tensor: zeros; results are dropped
+        st = self._dp
+        st.sparse.reduce(st.params, st.names, st.op, st.process_set, contribute=False)
         return reducer.flags.decide()
 
 
