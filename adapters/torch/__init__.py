@@ -47,6 +47,7 @@ from dp_plugin.torch.basics import (
     start_timeline,
     stop_timeline,
 )
+from dp_plugin.torch.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from dp_plugin.torch.collectives import (
     allgather_async,
     allreduce_async,
@@ -84,6 +85,7 @@ from dp_plugin.torch.sync_batch_norm import SyncBatchNorm
 __all__ = [
     "Adasum",
     "Average",
+    "CheckpointError",
     "Compression",
     "DistributedOptimizer",
     "HorovodInternalError",
@@ -133,6 +135,7 @@ __all__ = [
     "is_homogeneous",
     "is_initialized",
     "join",
+    "load_checkpoint",
     "local_rank",
     "local_size",
     "mpi_built",
@@ -145,6 +148,7 @@ __all__ = [
     "reducescatter_async",
     "remove_process_set",
     "rocm_built",
+    "save_checkpoint",
     "shutdown",
     "size",
     "sparse_allreduce_async",

@@ -24,10 +24,12 @@ from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.scheduler import GradientScheduler
+from dp_plugin.timeline import StatsHistory
 from dp_plugin.torch import joining as _join
 from dp_plugin.torch.basics import shared_timeline
 from dp_plugin.torch.optimizer_args import default_name
 from dp_plugin.torch.process_sets import ProcessSet
+from dp_plugin.torch.sparse import SparseGradients
 from dp_plugin.validate import check_int
 
 _RACE_MESSAGE = (
@@ -72,6 +74,8 @@ class _State:
     """None when nothing is reduced (one rank, outside the process set, no parameters)."""
     marked: list[bool] = field(default_factory=list)
     sparse_dims: list[int | None] = field(default_factory=list)
+    sparse: SparseGradients = field(default_factory=SparseGradients)
+    """Sparse gradients reduced outside the buckets (``sparse_as_dense=False``)."""
     pending: bool = False
     synchronized: bool = False
     should_synchronize: bool = True
@@ -107,6 +111,13 @@ class _DistributedMixin:
     @property
     def process_set(self) -> ProcessSet:
         return self._dp.process_set
+
+    def comm_stats(self) -> StatsHistory | None:
+        """Per-step communication stats of the gradient reduction (``StepStats``:
+        bytes, all-reduce time, exposed time not hidden behind backward); None
+        when nothing is reduced (one rank). Restarts when the buckets are re-planned."""
+        reducer = self._dp.reducer
+        return None if reducer is None else reducer.scheduler.stats
 
     def register_comm_hook(self, hook: Callable[..., Any]) -> None:
         """Reduce each fusion bucket with ``hook(state, bucket) -> Handle``
@@ -150,9 +161,14 @@ class _DistributedMixin:
         for i, p in enumerate(st.params):
             if not st.marked[i] and p.grad is not None:
                 # Horovod reduces an existing gradient whose hook did not fire.
-                sched.mark_ready(i, self._dp_dense(i, p.grad))
+                dense = self._dp_dense(i, p.grad)
+                if dense is not None:
+                    sched.mark_ready(i, dense)
         results = sched.synchronize()
+        st.sparse.reduce(st.params, st.names, st.op, st.process_set)
         for i, p in enumerate(st.params):
+            if st.sparse.owns(p):
+                continue  # reduced above, outside the buckets
             reduced = results[i]
             sparse_dim = st.sparse_dims[i]
             if sparse_dim is not None:
@@ -165,6 +181,9 @@ class _DistributedMixin:
         flags.keep()
         self._dp_reset_step()
         st.synchronized = True
+        if st.sparse.changed:  # take the new sparse parameters out of the buckets
+            st.sparse.changed = False
+            self._dp_register()
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -294,7 +313,7 @@ class _DistributedMixin:
         for p in params:
             name = st.names.get(p) or new_names[p]
             try:
-                specs.append(TensorSpec.of(name, p))
+                specs.append(TensorSpec.of(name, st.sparse.dense_stand_in(p)))
             except TypeError as exc:
                 raise TypeError(
                     f"DistributedOptimizer cannot reduce parameter {name!r}: {exc}"
@@ -321,19 +340,19 @@ class _DistributedMixin:
         grad = param.grad
         if st.reducer is None or grad is None:
             return
-        st.reducer.scheduler.mark_ready(index, self._dp_dense(index, grad))
+        dense = self._dp_dense(index, grad)
+        if dense is not None:
+            st.reducer.scheduler.mark_ready(index, dense)
         st.marked[index] = True
 
-    def _dp_dense(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+    def _dp_dense(self, index: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """The gradient for the dense buckets; None if it is reduced as sparse."""
         if not grad.is_sparse:
             return grad
         st = self._dp
         if not st.sparse_as_dense:
-            raise ValueError(
-                f"parameter {st.names[st.params[index]]!r} got a sparse gradient; dp_plugin "
-                "reduces gradients in dense fusion buffers. Pass sparse_as_dense=True to "
-                "DistributedOptimizer (or use a dense nn.Embedding, sparse=False)"
-            )
+            st.sparse.add(st.params[index], grad)
+            return None
         st.sparse_dims[index] = grad.sparse_dim()
         return grad.to_dense()
 
@@ -359,6 +378,8 @@ class _DistributedMixin:
             return True, -1
         reducer.flags.fill(joined=True)
         reducer.scheduler.synchronize()  # every gradient: zeros; results are dropped
+        st = self._dp
+        st.sparse.reduce(st.params, st.names, st.op, st.process_set, contribute=False)
         return reducer.flags.decide()
 
 

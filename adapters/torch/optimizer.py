@@ -87,7 +87,9 @@ def DistributedOptimizer(
     validated but are only hints: dp_plugin's planner already fuses
     gradients deterministically into buckets of ``DP_PLUGIN_FUSION_THRESHOLD``
     bytes; ``sparse_as_dense`` reduces sparse gradients as dense tensors
-    (required for sparse gradients); ``process_set`` reduces over that set's
+    (without it, each sparse gradient is reduced on its own outside the
+    buckets by an all-gather of indices and values, as in Horovod);
+    ``process_set`` reduces over that set's
     ranks only (on the other ranks the optimizer steps on local gradients,
     as in Horovod).
 

@@ -83,3 +83,81 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: Any,
     size = engine_of(process_set, what).size
     return SparseAllreduceHandle(t, h_indices, h_values,
                                  size if op is ReduceOp.AVERAGE else 1)
+
+
+class SparseGradients:
+    """The sparse gradients of one ``DistributedOptimizer`` with ``sparse_as_dense=False``.
+
+    Horovod's way: each sparse gradient is reduced on its own by an
+    all-gather of indices and values (``sparse_allreduce_async``), outside the
+    dense fusion buffers. A parameter is known as sparse from the first step
+    in which its gradient is sparse; from then on its slot in the dense
+    buckets is an empty placeholder (``dense_stand_in``), so the table never
+    travels densely again (in that first step it still travels as zeros).
+
+    Distributed contract: every rank sees the same parameters' gradients turn
+    sparse in the same step (true for an ``nn.Embedding(sparse=True)`` that
+    every rank uses). The reductions start at ``reduce()``, i.e. at
+    ``synchronize()``, in registration order, so no rank can order them
+    differently. A rank without a gradient for a known sparse parameter in a
+    step contributes an empty one.
+    """
+
+    def __init__(self) -> None:
+        self.known: dict[torch.Tensor, tuple[int, int]] = {}
+        """Parameter -> (sparse_dim, dense_dim) of its sparse gradients."""
+        self.grads: dict[torch.Tensor, torch.Tensor] = {}
+        """This step's sparse gradient per parameter."""
+        self.changed = False
+        """A parameter turned sparse this step: the dense buckets must be re-planned."""
+
+    def add(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Take ``grad`` (the parameter's accumulated sparse ``.grad``) for this step."""
+        if param not in self.known:
+            self.known[param] = (grad.sparse_dim(), grad.dense_dim())
+            self.changed = True
+        self.grads[param] = grad
+
+    def owns(self, param: torch.Tensor) -> bool:
+        return param in self.known
+
+    def dense_stand_in(self, param: torch.Tensor) -> torch.Tensor:
+        """What the dense scheduler registers for ``param``: an empty tensor once
+        it is known to be sparse (nothing travels in the buckets), else itself."""
+        return param.detach().new_empty(0) if param in self.known else param
+
+    def reduce(self, params: list[torch.Tensor], names: dict[torch.Tensor, str], op: Any,
+               process_set: Any, contribute: bool = True) -> None:
+        """Reduce every known sparse gradient over ``process_set`` (registration order)
+        and store the result as the parameter's ``.grad``. With
+        ``contribute=False`` (a joined rank) this rank sends empty gradients and
+        keeps nothing."""
+        if self.known and op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+            raise ValueError(
+                f"DistributedOptimizer: op={op.name.capitalize()} cannot reduce sparse "
+                "gradients; use op=hvd.Average or op=hvd.Sum, or sparse_as_dense=True"
+            )
+        started = []
+        for p in params:
+            dims = self.known.get(p)
+            if dims is None:
+                continue
+            grad = self.grads.get(p) if contribute else None
+            if grad is None:
+                grad = _empty_sparse(p, *dims)
+            name = f"DistributedOptimizer.sparse.{names[p]}"
+            started.append((p, sparse_allreduce_async(grad, name, op, process_set)))
+        for p, handle in started:
+            reduced = handle()
+            if contribute:
+                p.grad = reduced
+        self.grads.clear()
+
+
+def _empty_sparse(param: torch.Tensor, sparse_dim: int, dense_dim: int) -> torch.Tensor:
+    """A sparse gradient of ``param`` with no non-zeros (a rank that did not use it)."""
+    shape = tuple(param.shape)
+    indices = torch.empty((sparse_dim, 0), dtype=torch.long, device=param.device)
+    values = torch.empty((0, *shape[sparse_dim:sparse_dim + dense_dim]), dtype=param.dtype,
+                         device=param.device)
+    return torch.sparse_coo_tensor(indices, values, shape)

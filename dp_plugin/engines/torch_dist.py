@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from dp_plugin import netif
 from dp_plugin.arrays import as_numpy, as_torch, is_torch
 from dp_plugin.config import Config
 from dp_plugin.engines import rendezvous as rdv
@@ -177,6 +178,8 @@ class TorchDistEngine(Engine):
             self._group = dist.new_group(backend=self.backend, timeout=timeout)
             self._owns_group = True
             return f"a new {self.backend} group beside the user's {dist.get_backend()} group"
+        if self.backend == "gloo":  # multi-host: advertise the interface that reaches the peers
+            netif.gloo_interface()
         meeting = rdv.rendezvous(self.topology, self.config)
         kwargs: dict[str, Any] = {}
         if meeting.store is not None:

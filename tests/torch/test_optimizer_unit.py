@@ -419,7 +419,7 @@ def test_add_param_group_after_wrapping_reduces_the_new_parameters() -> None:
     on_ranks(2, body)
 
 
-def test_sparse_gradients_need_sparse_as_dense() -> None:
+def test_sparse_gradients_reduce_alike_with_and_without_sparse_as_dense() -> None:
     def make(rank: int, ps: ThreadSet, dense: bool) -> tuple[nn.Embedding, Any]:
         torch.manual_seed(0)
         emb = nn.Embedding(6, 2, sparse=True)
@@ -427,23 +427,39 @@ def test_sparse_gradients_need_sparse_as_dense() -> None:
                                        process_set=ps, sparse_as_dense=dense)
         return emb, opt
 
-    def without(rank: int, ps: ThreadSet) -> None:
-        emb, _ = make(rank, ps, False)
-        emb(torch.tensor([rank])).sum().backward()
+    def run(rank: int, ps: ThreadSet, dense: bool) -> list[torch.Tensor]:
+        emb, opt = make(rank, ps, dense)
+        grads = []
+        for step in range(3):  # step 1 re-plans the buckets without the table
+            opt.zero_grad()
+            emb(torch.tensor([rank, 2 + step])).sum().backward()
+            opt.synchronize()
+            assert emb.weight.grad.is_sparse
+            grads.append(emb.weight.grad.to_dense())
+            with opt.skip_synchronize():
+                opt.step()
+        return grads
 
-    errors = errors_on_ranks(2, without)
-    assert all("sparse_as_dense=True" in str(e) for e in errors), errors
+    for dense in (False, True):
+        results = on_ranks(2, lambda rank, ps, dense=dense: run(rank, ps, dense))
+        for step, grad in enumerate(results[0]):
+            expected = torch.zeros(6, 2)
+            expected[:2] = 0.5
+            expected[2 + step] += 1.0  # both ranks looked it up: average of 1 and 1
+            assert torch.equal(grad, expected), (dense, step, grad)
+        assert all(torch.equal(a, b) for a, b in zip(results[0], results[1], strict=True))
 
-    def with_dense(rank: int, ps: ThreadSet) -> torch.Tensor:
-        emb, opt = make(rank, ps, True)
+
+def test_sparse_gradients_refuse_min_max() -> None:
+    def body(rank: int, ps: ThreadSet) -> None:
+        emb = nn.Embedding(4, 2, sparse=True)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0),
+                                       process_set=ps, op=hvd.Max)
         emb(torch.tensor([rank])).sum().backward()
         opt.synchronize()
-        assert emb.weight.grad.is_sparse
-        return emb.weight.grad.to_dense()
 
-    expected = torch.zeros(6, 2)
-    expected[:2] = 0.5
-    assert all(torch.equal(g, expected) for g in on_ranks(2, with_dense))
+    errors = errors_on_ranks(2, body)
+    assert all("cannot reduce sparse" in str(e) for e in errors), errors
 
 
 def test_ranks_with_different_models_get_a_layout_error_not_a_hang() -> None:

@@ -1,0 +1,131 @@
+"""dp_plugin.torch.save_checkpoint / load_checkpoint in one process.
+
+Refusals (truncated, corrupted, foreign, missing, other version) and
+atomicity: a writer killed in the middle of a save leaves the previous
+checkpoint loadable. The multi-rank path (RNG states per rank, rank 0 reads
+and broadcasts) is exercised by the BERT example's resume test.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import dp_plugin.torch as hvd
+from dp_plugin.torch import checkpoint
+
+
+def _state(value: float) -> dict[str, object]:
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.fill_(value)
+    return {"model": model.state_dict(), "step": int(value)}
+
+
+def test_round_trip_restores_state_and_every_rng(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "ckpt.pt"
+    torch.manual_seed(1)
+    np.random.seed(2)
+    random.seed(3)
+    hvd.save_checkpoint(path, **_state(7.0))
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    torch.manual_seed(99)
+    np.random.seed(99)
+    random.seed(99)
+    state = hvd.load_checkpoint(path)
+    assert state["step"] == 7 and torch.equal(state["model"]["weight"], torch.full((2, 3), 7.0))
+    got = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(got[0], expected[0]) and np.array_equal(got[1], expected[1])
+    assert got[2] == expected[2]
+    assert [p.name for p in path.parent.iterdir()] == ["ckpt.pt"]  # no temporary left
+
+
+def test_restore_rng_false_leaves_generators_alone(tmp_path: Path) -> None:
+    hvd.save_checkpoint(tmp_path / "c.pt", step=1)
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    hvd.load_checkpoint(tmp_path / "c.pt", restore_rng=False)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "foreign", "torch_save", "version",
+                                    "empty"])
+def test_damaged_or_foreign_files_are_refused(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / "ckpt.pt"
+    hvd.save_checkpoint(path, **_state(1.0))
+    raw = bytearray(path.read_bytes())
+    if damage == "truncate":
+        path.write_bytes(raw[:-10])
+        match = "truncated"
+    elif damage == "flip":
+        raw[-5] ^= 0xFF
+        path.write_bytes(raw)
+        match = "checksum"
+    elif damage == "foreign":
+        path.write_text("not a checkpoint at all, just some text that is long enough")
+        match = "not a dp_plugin checkpoint"
+    elif damage == "torch_save":
+        torch.save(_state(1.0), path)
+        match = "not a dp_plugin checkpoint"
+    elif damage == "version":
+        raw[6] = 99
+        path.write_bytes(raw)
+        match = "format version 99"
+    else:
+        path.write_bytes(b"")
+        match = "not a dp_plugin checkpoint"
+    with pytest.raises(hvd.CheckpointError, match=match):
+        hvd.load_checkpoint(path)
+
+
+def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(hvd.CheckpointError, match="does not exist"):
+        hvd.load_checkpoint(tmp_path / "nope.pt")
+
+
+def test_a_writer_killed_during_the_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    """A child process saves checkpoint 1, then starts checkpoint 2 and is
+    SIGKILLed after half of its bytes reached the temporary file."""
+    path = tmp_path / "ckpt.pt"
+    script = textwrap.dedent(f"""
+        import os, signal
+        import torch
+        import dp_plugin.torch as hvd
+        from dp_plugin.torch import checkpoint
+
+        hvd.save_checkpoint({str(path)!r}, weights=torch.ones(1000), step=1)
+        real_fdopen = os.fdopen
+
+        class Dying:
+            def __init__(self, f):
+                self.f = f
+            def __enter__(self):
+                return self
+            def __exit__(self, *exc):
+                return False
+            def write(self, data):
+                if len(data) < 100:  # the header: let it through
+                    return self.f.write(data)
+                self.f.write(data[: len(data) // 2])
+                self.f.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        checkpoint.os.fdopen = lambda fd, mode: Dying(real_fdopen(fd, mode))
+        hvd.save_checkpoint({str(path)!r}, weights=torch.zeros(1000), step=2)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr.decode()
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "ckpt.pt"]
+    assert leftovers and all(n.startswith(".ckpt.pt.") for n in leftovers), leftovers
+    state = hvd.load_checkpoint(path)
+    assert state["step"] == 1 and torch.equal(state["weights"], torch.ones(1000))
+    # A half-written temporary is refused too, if someone tries it.
+    with pytest.raises(hvd.CheckpointError):
+        checkpoint.read_verified(tmp_path / leftovers[0])
