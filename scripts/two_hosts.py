@@ -15,8 +15,10 @@ two real machines:
   host's namespace instead of ssh.
 
 Everything is torn down in every case: success, failure, timeout, Ctrl-C or
-SIGTERM (deleting a namespace deletes its end of the veth pair and the pair
-with it). Needs root (``ip netns add``). No traffic leaves the two namespaces.
+SIGTERM: every process left in a namespace is killed (torchrun's workers
+run in sessions of their own), then the namespace is deleted, which deletes
+its end of the veth pair and the pair with it. Needs root (``ip netns
+add``). No traffic leaves the two namespaces.
 
     sudo .venv/bin/python scripts/two_hosts.py                  # torchrun, 1 worker per host
     sudo .venv/bin/python scripts/two_hosts.py --launcher mpirun --nproc-per-host 2
@@ -108,6 +110,18 @@ class Hosts:
 
     def close(self) -> None:
         for ns in reversed(self.created):
+            # Every process still inside (torchrun puts its workers in sessions
+            # of their own, out of reach of a process-group kill), then the
+            # namespace: a process left inside would keep it alive, unnamed.
+            for _ in range(50):
+                pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                                      text=True).stdout.split()
+                if not pids:
+                    break
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError, ValueError):
+                        os.kill(int(pid), signal.SIGKILL)
+                time.sleep(0.1)
             subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
         self.created.clear()
         # If the pair was made but never moved into a namespace, it is still here.
@@ -202,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         stop.set()
         raise KeyboardInterrupt(f"signal {signum}")
 
-    signal.signal(signal.SIGTERM, on_signal)
+    # Also SIGINT: a shell starts background jobs with it ignored, and Ctrl-C
+    # must tear down in every case.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, on_signal)
     code = 1
     try:
         try:

@@ -19,7 +19,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "resnet_digits.py"
 # float64: one step's gradients agree across world sizes to ~1e-14, but in
 # float32 the 1e-7 rounding differences grow through early training to a few
 # points of accuracy after a short run (the trajectory is chaotic there).
-ARGS = ["--epochs", "3", "--global-batch", "96", "--width", "8", "--image-size", "8",
+ARGS = ["--epochs", "2", "--global-batch", "96", "--width", "8", "--image-size", "8",
         "--threads", "1", "--sync-bn", "--warmup-epochs", "1", "--double"]
 
 
@@ -35,5 +35,6 @@ def test_accuracy_agrees_across_1_2_and_3_workers() -> None:
         assert found, result.output
         accuracy[nprocs] = float(found[0])
         assert f"global batch 96 = {nprocs} x {96 // nprocs}" in result.output
+    print(f"held-out accuracy by number of workers: {accuracy}")
     assert min(accuracy.values()) > 0.5, accuracy
     assert max(accuracy.values()) - min(accuracy.values()) <= 0.01, accuracy
