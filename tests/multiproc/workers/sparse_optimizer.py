@@ -1,6 +1,6 @@
 """Worker: sparse embedding gradients, reduced sparse and as dense, equal a single process.
 
-    python sparse_optimizer.py          # prints "rank R OK"
+    python sparse_optimizer.py --case sparse_vs_dense   # prints "rank R OK"
 
 Each rank trains the same model (two sparse ``nn.Embedding`` tables, one
 dense layer) from the same initial weights twice: with
@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 
 import torch
-from _fail_fast import fail_fast
+from _fail_fast import run_cases
 from torch import nn
 
 import dp_plugin.torch as hvd
@@ -59,7 +59,7 @@ def train(opt_factory, model: Model, batches, rank: int, size: int) -> list[torc
     return [p.detach().clone() for p in model.parameters()], opt
 
 
-def main() -> None:
+def case_sparse_vs_dense(_: object) -> None:
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     batches = global_batches(size)
@@ -90,12 +90,10 @@ def main() -> None:
         if (ref - Model().state_dict()[name]).abs().max().item() == 0:
             raise AssertionError(f"{name} did not train")
     hvd.shutdown()
-    print(f"rank {rank} OK", flush=True)
 
+
+CASES = {"sparse_vs_dense": case_sparse_vs_dense}
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        main()
-    except BaseException:
-        fail_fast(os.environ.get("RANK", "?"))
+    run_cases(CASES)
