@@ -158,11 +158,16 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister ``process_set``; True if it was registered (the global set
-    cannot be removed). Collective like ``add_process_set``. The set's
-    engine is shut down on its members; the object may be added again."""
+    cannot be removed). Collective like ``add_process_set``: a job-wide
+    barrier first, so that no rank releases the set (or exits, which ends a
+    Horovod job) while its members still run collectives on it. The set's
+    engine is then shut down on its members; the object may be added again."""
     set_id = process_set.process_set_id
     if set_id is None or set_id == 0 or _registered.get(set_id) is not process_set:
         return False
+    eng = _global_engine("hvd.remove_process_set()")
+    if eng.size > 1:
+        eng.barrier()
     del _registered[set_id]
     _free_ids.append(set_id)
     process_set._invalidate()
