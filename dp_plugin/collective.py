@@ -35,6 +35,9 @@ from dp_plugin.fusion import TensorSpec, plan_buckets
 from dp_plugin.hooks import NO_SCALING, CommHook, HookState, ReducePolicy, hook_for
 from dp_plugin.timeline import NullTimeline
 
+UNBOUNDED = 1 << 62
+"""A fusion threshold no buffer reaches: one bucket per dtype and device."""
+
 
 class FusedCollective:
     """Fused collectives over a fixed list of tensors (see the module docstring).
@@ -151,13 +154,13 @@ class FusedCollective:
     def start(self, index: int, tensors: Sequence[Any]) -> Handle | None:
         """Pack bucket ``index`` from ``tensors`` (indexed by spec) and start its
         collective. Returns the handle (None for an empty bucket)."""
-        self._check_usable()
+        self.check_usable()
         buf = self.buffers[index]
         if buf.numel == 0:
             return None  # nothing to move; every rank skips it alike (same plan)
         if not self.agreed:
             self.agreed = True
-            self._guard(lambda: agreement.agree(self.engine, self.layout, self.what,
+            self.guard(lambda: agreement.agree(self.engine, self.layout, self.what,
                                                 self.settings))
         ops = self.backend(tensors[buf.bucket.members[0]] if buf.bucket.members else None)
         t0 = time.perf_counter()
@@ -165,7 +168,7 @@ class FusedCollective:
         allow_direct = self.compressor.wire_dtype(buf.bucket.dtype) == buf.bucket.dtype
         grad_bucket = buf.pack(ops, members, self.policy.prescale, allow_direct)
         t1 = time.perf_counter()
-        handle: Handle = self._guard(lambda: self.hook(self.state, grad_bucket), buf)
+        handle: Handle = self.guard(lambda: self.hook(self.state, grad_bucket), buf)
         # The engine's timeout message quotes the description: make it name the bucket.
         handle.description = f"{handle.description} [{buf.describe()}]"
         self._handles[index] = handle
@@ -178,12 +181,12 @@ class FusedCollective:
 
     def done(self, index: int) -> bool:
         handle = self._handles[index]
-        return handle is None or bool(self._guard(handle.done, self.buffers[index]))
+        return handle is None or bool(self.guard(handle.done, self.buffers[index]))
 
     def wait(self, index: int) -> None:
         handle = self._handles[index]
         if handle is not None:
-            self._guard(handle.wait, self.buffers[index])
+            self.guard(handle.wait, self.buffers[index])
 
     def finish(self, index: int, tensors: Sequence[Any]) -> Handle | None:
         """Wait for bucket ``index`` and unpack it into ``tensors``; returns its
@@ -215,7 +218,7 @@ class FusedCollective:
             self.finish(b.index, tensors)
 
     # -- errors -------------------------------------------------------------------------
-    def _guard(self, fn: Any, buf: FusionBuffer | None = None) -> Any:
+    def guard(self, fn: Any, buf: FusionBuffer | None = None) -> Any:
         """Run a step of the protocol; on failure the object is unusable: the
         ranks no longer agree on what comes next, so later calls re-raise
         instead of starting collectives that could only mismatch or hang."""
@@ -227,10 +230,13 @@ class FusedCollective:
                 exc.add_note(f"while reducing {buf.describe()}")
             raise
 
-    def _check_usable(self) -> None:
+    def check_usable(self, subject: str | None = None) -> None:
+        """Raise if an earlier collective failed; ``subject`` names the caller
+        in the message (default: this collective's name)."""
         if self.broken is not None:
+            who = f"{self.name!r}" if subject is None else subject
             raise DPPluginError(
-                f"{self.name!r} failed earlier ({type(self.broken).__name__}: {self.broken}); "
+                f"{who} failed earlier ({type(self.broken).__name__}: {self.broken}); "
                 "the ranks' collectives are out of step, so it cannot continue. Fix the cause "
                 "and restart the job"
             ) from self.broken

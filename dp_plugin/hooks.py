@@ -51,19 +51,21 @@ class ReducePolicy:
     postscale: float
 
     @classmethod
-    def make(cls, op: ReduceOp | str, size: int, dtypes: Sequence[str] = (), *,
-             predivide: float = 1.0, prescale: float = 1.0, postscale: float = 1.0,
-             what: str = "tensor") -> ReducePolicy:
-        """Validate the arguments against the tensors' ``dtypes`` and build the policy."""
+    def make(cls, op: ReduceOp | str, size: int, tensors: Sequence[tuple[str, str]] = (), *,
+             predivide: float = 1.0, prescale: float = 1.0,
+             postscale: float = 1.0) -> ReducePolicy:
+        """Validate the arguments against the ``(name, dtype)`` of every tensor
+        and build the policy."""
         op = ReduceOp.parse(op)
         predivide = check_positive_float("gradient_predivide_factor", predivide)
         prescale = check_positive_float("prescale_factor", prescale)
         postscale = check_positive_float("postscale_factor", postscale)
-        ints = [d for d in dtypes if not is_floating(d)]
+        ints = [(name, dtype) for name, dtype in tensors if not is_floating(dtype)]
         if op is ReduceOp.AVERAGE:
             if ints:
                 raise TypeError(
-                    f"{what} is {ints[0]}, but op='average' needs floating tensors; use "
+                    f"tensor {ints[0][0]!r} is {ints[0][1]}, but op='average' needs floating "
+                    "tensors; use "
                     "op='sum' for integer tensors, or register only floating ones"
                 )
             return cls(op=op, engine_op=ReduceOp.SUM, prescale=prescale / predivide,
@@ -76,7 +78,8 @@ class ReducePolicy:
         if op is ReduceOp.SUM:
             if ints and (prescale != 1.0 or postscale != 1.0):
                 raise TypeError(
-                    f"{what} is {ints[0]}, which cannot be scaled by prescale_factor="
+                    f"tensor {ints[0][0]!r} is {ints[0][1]}, which cannot be scaled by "
+                    "prescale_factor="
                     f"{prescale:g} / postscale_factor={postscale:g}; leave both at 1.0 for "
                     "integer tensors"
                 )

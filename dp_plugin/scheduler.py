@@ -150,11 +150,10 @@ class GradientScheduler:
                 )
         passes = check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)
         self.backward_passes_per_step = passes
-        floating = [s for s in self.specs if not _floating(s)]
         policy = ReducePolicy.make(
-            op, engine.size, [s.dtype for s in self.specs], predivide=gradient_predivide_factor,
-            prescale=prescale_factor, postscale=postscale_factor,
-            what=f"tensor {floating[0].name!r}" if floating else "tensor",
+            op, engine.size, [(s.name, s.dtype) for s in self.specs],
+            predivide=gradient_predivide_factor, prescale=prescale_factor,
+            postscale=postscale_factor,
         )
         self.op = policy.op
         threshold = engine.config.fusion_threshold if fusion_threshold is None \
@@ -198,7 +197,7 @@ class GradientScheduler:
         bucket order. May run collectives (see the class docstring).
         """
         with self._lock:
-            self._raise_if_broken()
+            self.fused.check_usable(f"scheduler {self.name!r}")
             spec = self._spec(index)
             index = int(index)
             self._check_tensor(spec, tensor)
@@ -229,7 +228,7 @@ class GradientScheduler:
         Synchronization point; resets the pass counters.
         """
         with self._lock:
-            self._raise_if_broken()
+            self.fused.check_usable(f"scheduler {self.name!r}")
             st = self._state
             start = time.perf_counter()
             st.syncing = True
@@ -371,20 +370,6 @@ class GradientScheduler:
             if self.engine.size > 1:
                 self.engine.broadcast(order, 0, name=f"{self.name}.bucket_order")
 
-        self.fused._guard(share)
+        self.fused.guard(share)
         self.fused.replan(to_host(order).tolist())
         self.rebuilt = True
-
-    def _raise_if_broken(self) -> None:
-        if self.fused.broken is not None:
-            raise DPPluginError(
-                f"scheduler {self.name!r} failed earlier ({type(self.fused.broken).__name__}: "
-                f"{self.fused.broken}); the ranks' collectives are out of step, so it cannot "
-                "continue. Fix the cause and restart the job"
-            ) from self.fused.broken
-
-
-def _floating(spec: TensorSpec) -> bool:
-    from dp_plugin.dtypes import is_floating
-
-    return is_floating(spec.dtype)

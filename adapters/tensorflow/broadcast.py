@@ -46,11 +46,11 @@ def broadcast_labelled(
     """``broadcast_variables`` with the labels that name the variables in layout errors
     (they must be the same on every rank)."""
     engine = runtime.engine()
-    root_of(engine, root_rank, what)
+    root = root_of(engine, root_rank, what)
     if not variables:
         return None
     specs = tuple(_spec(label, v) for label, v in zip(labels, variables, strict=True))
-    exchange = functools.partial(_exchange, engine, specs, root_rank, what)
+    exchange = functools.partial(_exchange, engine, specs, root_rank, root, what)
     if tf.executing_eagerly():
         values = exchange(*[np.asarray(tf.convert_to_tensor(v)) for v in variables])
         for v, value in zip(variables, values, strict=True):
@@ -78,18 +78,20 @@ def _spec(label: str, variable: Any) -> TensorSpec:
 
 
 def _exchange(
-    engine: Any, specs: tuple[TensorSpec, ...], root: int, what: str, *arrays: np.ndarray
+    engine: Any, specs: tuple[TensorSpec, ...], root_rank: int, root: int, what: str,
+    *arrays: np.ndarray,
 ) -> list[np.ndarray]:
+    """The numpy callback: ``root_rank`` is job-wide (it names the collective),
+    ``root`` the same rank within ``engine``."""
     # Fresh contiguous copies: TensorFlow may adopt the results, and its own
     # buffers (which ``arrays`` may view) must not be written.
     out = [np.array(a, order="C", copy=True) for a in arrays]
     wires = [o.reshape(-1).view(np.uint8) for o in out]
     fused = FusedCollective(
         [TensorSpec(s.name, (w.size,), "uint8") for s, w in zip(specs, wires, strict=True)],
-        engine=engine, name=f"broadcast_variables.root{root}", hook=broadcast_hook,
+        engine=engine, name=f"broadcast_variables.root{root_rank}", hook=broadcast_hook,
         threshold=max(1, engine.config.fusion_threshold), order=range(len(specs)),
-        root=root_of(engine, root, what), layout=specs,
-        what=f"variables of {what} (root rank {root})",
+        root=root, layout=specs, what=f"variables of {what} (root rank {root_rank})",
     )
     fused.run(wires)
     return out

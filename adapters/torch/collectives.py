@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from dp_plugin.arrays import TorchOps
-from dp_plugin.collective import FusedCollective
+from dp_plugin.collective import UNBOUNDED, FusedCollective
 from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
@@ -108,7 +108,7 @@ def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
     specs = [TensorSpec(f"{label}.{i}", tuple(t.shape), str(t.dtype), str(t.device))
              for i, t in enumerate(outs)]
     fused = FusedCollective(
-        specs, engine=engine, name=label, threshold=_UNBOUNDED, order=range(len(specs)),
+        specs, engine=engine, name=label, threshold=UNBOUNDED, order=range(len(specs)),
         policy=ReducePolicy.for_collective(op, engine.size, prescale=pre, postscale=post),
         array_ops=TorchOps(), agreed=True,
     )
@@ -127,10 +127,6 @@ def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
         return tuple(results) if grouped else results[0]
 
     return TABLE.add(InFlight(handles, finish), key)
-
-
-_UNBOUNDED = 1 << 62
-"""Grouped collectives fuse everything of one dtype and device into one buffer."""
 
 
 # -- allgather ------------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from dp_plugin.arrays import TorchOps
-from dp_plugin.collective import FusedCollective
+from dp_plugin.collective import UNBOUNDED, FusedCollective
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.torch.process_sets import engine_of
 from torch.autograd.function import Function
@@ -119,7 +119,7 @@ def _sum(engine: Any, t: torch.Tensor, name: str) -> None:
         if len(_fused) > 256:  # many shapes (or engines): start over
             _fused.clear()
         fused = _fused[key] = FusedCollective(
-            [TensorSpec.of(name, t)], engine=engine, name=name, threshold=1 << 62,
+            [TensorSpec.of(name, t)], engine=engine, name=name, threshold=UNBOUNDED,
             array_ops=TorchOps(), what=f"statistics of {name}",
         )
     fused.run([t])
