@@ -12,6 +12,10 @@ fused collective therefore agrees once, before its first data moves:
 2. only if the digests differ do the ranks gather the full descriptions, to
    say which tensor or which setting differs, and on which ranks.
 
+``compare`` is that exchange for any JSON-able description (the tensor
+collectives of the adapters describe their requests with it); ``agree`` is
+it for a fused collective's layout and settings.
+
 Distributed contract: ``agree`` is a collective. Every rank calls it at the
 same point; every rank then sees the same digests, so every rank takes the
 same branch and, on a difference, every rank raises the same
@@ -24,7 +28,7 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -45,15 +49,70 @@ def _entries(specs: Sequence[TensorSpec]) -> list[list[Any]]:
     return [[s.name, list(s.shape), s.dtype, s.device.split(":")[0]] for s in specs]
 
 
+def _described(specs: Sequence[TensorSpec], settings: Settings | None) -> list[Any]:
+    return [_entries(specs), {k: repr(v) for k, v in sorted((settings or {}).items())}]
+
+
 def serialize(specs: Sequence[TensorSpec], settings: Settings | None = None) -> bytes:
-    """Canonical bytes of a layout and its settings."""
-    shown = {k: repr(v) for k, v in sorted((settings or {}).items())}
-    return json.dumps([_entries(specs), shown], separators=(",", ":")).encode()
+    """Canonical bytes of a layout and its settings (what ``agree`` digests)."""
+    return json.dumps(_described(specs, settings), separators=(",", ":")).encode()
 
 
 def fingerprint(specs: Sequence[TensorSpec], settings: Settings | None = None) -> bytes:
     """A ``DIGEST_SIZE``-byte digest of ``serialize(specs, settings)``."""
     return hashlib.sha256(serialize(specs, settings)).digest()
+
+
+class Compared(NamedTuple):
+    """What ``compare`` found: every rank's numbers, and every rank's
+    description when (and only when) the descriptions differ."""
+
+    described: list[Any] | None
+    numbers: list[list[int]]
+
+
+_HEAD = 2 + DIGEST_SIZE // 8
+"""Header words per rank: count of numbers, length of the description, digest."""
+
+
+def compare(engine: Any, tag: str, described: Any, numbers: Sequence[int] = ()) -> Compared:
+    """The one agreement exchange: do all ranks describe the same thing?
+
+    ``described`` is this rank's JSON-able description of what it is about
+    to do; ``numbers`` are per-rank integers the caller needs from every rank
+    (e.g. first dimensions of an uneven all-gather), carried in the same
+    message. One all-gather of ``[len(numbers), len(description), digest,
+    numbers]`` per rank; only when the digests differ, a second all-gather of
+    the descriptions themselves, so the caller can say who differs and how.
+    Collective over ``engine``'s ranks; every rank gets the same result.
+    """
+    payload = json.dumps(described, separators=(",", ":")).encode()
+    if engine.size == 1:
+        return Compared(None, [list(numbers)])
+    tag = re.sub(r"[^\w.-]+", "_", tag)  # collective names: no spaces or quotes
+    device = engine.buffer_device
+    digest = np.frombuffer(hashlib.sha256(payload).digest(), dtype="<i8")
+    head = np.array([len(numbers), len(payload), *digest, *numbers], dtype=np.int64)
+    table = to_host(engine.allgather(to_device(head, device), name=f"{tag}.agree"))
+    rows, at = [], 0
+    while at + _HEAD <= len(table) and len(rows) < engine.size:
+        rows.append(table[at:at + _HEAD + int(table[at])])
+        at += len(rows[-1])
+    if len(rows) != engine.size or at != len(table):
+        raise LayoutMismatchError(
+            f"the agreement of {tag} received {len(table)} malformed words from "
+            f"{engine.size} ranks; some rank runs another version of dp_plugin"
+        )
+    numbers_of = [row[_HEAD:].tolist() for row in rows]
+    if all((row[1:_HEAD] == rows[0][1:_HEAD]).all() for row in rows):
+        return Compared(None, numbers_of)
+    mine = np.frombuffer(payload, dtype=np.uint8).copy()
+    blob = to_host(engine.allgather(to_device(mine, device), name=f"{tag}.detail"))
+    described_of, start = [], 0
+    for row in rows:
+        described_of.append(json.loads(blob[start:start + int(row[1])].tobytes().decode()))
+        start += int(row[1])
+    return Compared(described_of, numbers_of)
 
 
 def agree(engine: Any, specs: Sequence[TensorSpec], what: str = "gradients",
@@ -63,31 +122,12 @@ def agree(engine: Any, specs: Sequence[TensorSpec], what: str = "gradients",
 
     ``what`` names the tensors in the message ("the {what} registered for
     all-reduce differ across ranks") and tags the collectives' names.
-    Collective: one all-gather when everything matches, three otherwise.
+    Collective: one all-gather when everything matches, two otherwise.
     """
-    if engine.size == 1:
+    described = compare(engine, what, _described(specs, settings)).described
+    if described is None:
         return
-    tag = re.sub(r"[^\w.-]+", "_", what)  # collective names: no spaces or quotes
-    device = engine.buffer_device
-
-    def gather(arr: np.ndarray, name: str) -> np.ndarray:
-        return to_host(engine.allgather(to_device(arr, device), name=f"{tag}.{name}"))
-
-    digest = np.frombuffer(fingerprint(specs, settings), dtype=np.uint8).copy()
-    digests = gather(digest, "layout_digest").reshape(engine.size, DIGEST_SIZE)
-    if (digests == digests[0]).all():
-        return
-
-    payload = np.frombuffer(serialize(specs, settings), dtype=np.uint8).copy()
-    lengths = gather(np.array([payload.size], dtype=np.int64), "layout_sizes")
-    blob = gather(payload, "layouts")
-    described: list[list[Any]] = []
-    start = 0
-    for length in lengths.tolist():
-        described.append(json.loads(blob[start : start + length].tobytes().decode()))
-        start += length
-    layouts = [d[0] for d in described]
-    message = describe_mismatch(layouts, what, engine.rank)
+    message = describe_mismatch([d[0] for d in described], what, engine.rank)
     if message is None:
         message = describe_settings([d[1] for d in described], what, engine.rank)
     raise LayoutMismatchError(message)

@@ -17,7 +17,13 @@ from typing import Any
 import torch
 from dp_plugin.dtypes import canonical_dtype
 from dp_plugin.engines.base import Engine, ReduceOp
-from dp_plugin.torch.agreement import Problem, Request, Table, check_agreement
+from dp_plugin.torch.agreement import (
+    DuplicateNameError,
+    Problem,
+    Request,
+    Table,
+    check_agreement,
+)
 from dp_plugin.torch.handles import TABLE
 from dp_plugin.torch.ops import parse_op
 
@@ -74,18 +80,23 @@ def agree(engine: Engine, kind: str, tensors: Sequence[torch.Tensor], name: str 
           **fields: Any) -> tuple[Hashable | None, Table]:
     """Run the agreement check for one collective over ``tensors``.
 
-    Adds this rank's local problems (name in flight, unsupported dtype, 0-dim
-    input where a first dimension is needed) to ``problem``; raises on every
-    rank if any rank has a problem or the ranks disagree. Returns the name
-    key to register with the handle once the collective is started, and the
-    gathered descriptors.
+    A name still in flight on this rank raises ``DuplicateNameError`` here
+    alone, before anything is sent (Horovod's rule; the job stays usable).
+    Adds this rank's other local problems (unsupported dtype, 0-dim input
+    where a first dimension is needed) to ``problem``; raises on every rank
+    if any rank has a problem or the ranks disagree. Returns the name key to
+    register with the handle once the collective is started, and every
+    rank's first dimensions.
     """
     key = name_key(process_set, name)
-    if problem is Problem.NONE and key is not None and TABLE.name_in_flight(key):
-        problem, detail = Problem.DUPLICATE_NAME, (
-            f"a collective named {name!r} is in flight; Horovod: 'Requested to allreduce, "
-            "allgather, or broadcast a tensor with the same name as another tensor that is "
-            "currently being processed'"
+    if key is not None and TABLE.name_in_flight(key):
+        raise DuplicateNameError(
+            f"Duplicate name {name!r}: a {kind} was started with a name that is still in "
+            "flight on this rank (an earlier *_async call with this name was not synchronized "
+            "yet); Horovod: 'Requested to allreduce, allgather, or broadcast a tensor with the "
+            "same name as another tensor that is currently being processed'. synchronize() "
+            "the earlier handle first or use another name. Only this rank raises; nothing "
+            "was sent"
         )
     requests = []
     for t in tensors:

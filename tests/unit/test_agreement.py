@@ -47,7 +47,8 @@ def test_matching_layouts_pass(n: int) -> None:
     engines = make_thread_group(n)
     run_ranks(engines, lambda e: agree(e, model()))
     # One all-gather of the digest when they match; nothing at all for one rank.
-    expected = [] if n == 1 else [("allgather", "gradients.layout_digest", DIGEST_SIZE)]
+    # (count, length, digest): 2 int64 words and the 32-byte digest, per rank.
+    expected = [] if n == 1 else [("allgather", "gradients.agree", 16 + DIGEST_SIZE)]
     assert all(e.log == expected for e in engines)
 
 
@@ -62,7 +63,7 @@ def _mismatch(n: int, layouts: dict[int, list[TensorSpec]]) -> list[BaseExceptio
     # Every rank ran the same collectives, so none could have been left waiting.
     calls = [[(kind, name) for kind, name, _ in e.log] for e in engines]
     assert all(c == calls[0] for c in calls)
-    assert len(calls[0]) == 3  # digest, then layout sizes, then layouts
+    assert len(calls[0]) == 2  # digest and lengths, then the descriptions
     return outcomes
 
 
