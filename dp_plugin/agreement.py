@@ -94,7 +94,8 @@ def compare(engine: Any, tag: str, described: Any, numbers: Sequence[int] = ()) 
     digest = np.frombuffer(hashlib.sha256(payload).digest(), dtype="<i8")
     head = np.array([len(numbers), len(payload), *digest, *numbers], dtype=np.int64)
     table = to_host(engine.allgather(to_device(head, device), name=f"{tag}.agree"))
-    rows, at = [], 0
+    rows: list[np.ndarray] = []
+    at = 0
     while at + _HEAD <= len(table) and len(rows) < engine.size:
         rows.append(table[at:at + _HEAD + int(table[at])])
         at += len(rows[-1])
@@ -108,7 +109,8 @@ def compare(engine: Any, tag: str, described: Any, numbers: Sequence[int] = ()) 
         return Compared(None, numbers_of)
     mine = np.frombuffer(payload, dtype=np.uint8).copy()
     blob = to_host(engine.allgather(to_device(mine, device), name=f"{tag}.detail"))
-    described_of, start = [], 0
+    described_of: list[Any] = []
+    start = 0
     for row in rows:
         described_of.append(json.loads(blob[start:start + int(row[1])].tobytes().decode()))
         start += int(row[1])
