@@ -30,6 +30,7 @@ import torch
 from dp_plugin.arrays import TorchOps
 from dp_plugin.collective import UNBOUNDED, FusedCollective
 from dp_plugin.engines.base import Engine, ReduceOp
+from dp_plugin.engines.exchange import Header, as_splits
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.torch.agreement import Problem, Request, check_agreement, first_dims
@@ -240,27 +241,12 @@ def exchange(tensor: torch.Tensor, splits: Any, name: str | None, process_set: A
 
 def _parse_splits(splits: Any, t: torch.Tensor,
                   size: int) -> tuple[list[int] | None, Problem, str]:
-    rows = int(t.shape[0]) if t.dim() else 0
-    if splits is None:
-        if t.dim() and rows % size:
-            return None, Problem.BAD_SPLITS, (
-                f"no splits were given and the first dimension {rows} does not divide by "
-                f"{size} ranks; pass splits (rows for each rank)"
-            )
-        return None, Problem.NONE, ""
-    raw = splits.tolist() if hasattr(splits, "tolist") else splits
-    counts = list(raw) if isinstance(raw, (list, tuple)) else [raw]
-    if any(isinstance(c, bool) or not isinstance(c, int) for c in counts):
-        detail = f"splits {counts!r} must be ints"
-    elif len(counts) != size:
-        detail = f"splits {counts} has {len(counts)} entries for {size} ranks"
-    elif any(c < 0 for c in counts):
-        detail = f"splits {counts} contains a negative count"
-    elif sum(counts) != rows:
-        detail = f"splits {counts} sums to {sum(counts)}, not the first dimension {rows}"
-    else:
+    """The engine's own splits rule (``exchange.as_splits``), as a problem code."""
+    header = Header(None, 0)
+    counts = as_splits(splits, int(t.shape[0]) if t.dim() else 0, size, header)
+    if header.ok:
         return counts, Problem.NONE, ""
-    return None, Problem.BAD_SPLITS, detail
+    return None, Problem.BAD_SPLITS, header.detail or ""
 
 
 # -- reducescatter --------------------------------------------------------------

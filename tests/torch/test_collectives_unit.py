@@ -301,7 +301,7 @@ def test_argument_errors_are_clear() -> None:
         broadcast(torch.ones(2), root_rank=0.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="sums to 2"):
         alltoall(torch.ones(3), splits=[2])
-    with pytest.raises(ValueError, match="2 entries for 1 ranks"):
+    with pytest.raises(ValueError, match="has 2 entries but there are 1 ranks"):
         alltoall(torch.ones(3), splits=[2, 1])
     with pytest.raises(ValueError, match=r"supports op=hvd.Average and op=hvd.Sum"):
         reducescatter(torch.ones(3), op=Max)
