@@ -69,6 +69,11 @@ def _torch() -> Any:
     return torch
 
 
+def device_of(tensor: Any) -> str:
+    """Where ``tensor`` lives: "cpu", or torch's device string."""
+    return str(tensor.device) if is_torch(tensor) else "cpu"
+
+
 def spec_of(tensor: Any) -> tuple[tuple[int, ...], str, str]:
     """(shape, canonical dtype, device) of a numpy array or torch tensor."""
     if is_torch(tensor):

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from dp_plugin.arrays import ArrayOps, spec_of
+from dp_plugin.arrays import ArrayOps, device_of
 from dp_plugin.fusion import Bucket, TensorSpec
 from dp_plugin.hooks import GradBucket
 
@@ -74,7 +74,7 @@ class FusionBuffer:
         returned ``GradBucket`` is what the hook reduces."""
         self._direct = None
         if allow_direct and len(tensors) == 1 and not self.control_numel \
-                and spec_of(tensors[0])[2] == self.bucket.device:
+                and device_of(tensors[0]) == self.bucket.device:
             self._direct = ops.flat_alias(tensors[0])
         if self._direct is not None:
             if prescale != 1.0:

@@ -169,8 +169,7 @@ class FusedCollective:
         grad_bucket = buf.pack(ops, members, self.policy.prescale, allow_direct)
         t1 = time.perf_counter()
         handle: Handle = self.guard(lambda: self.hook(self.state, grad_bucket), buf)
-        # The engine's timeout message quotes the description: make it name the bucket.
-        handle.description = f"{handle.description} [{buf.describe()}]"
+        handle.context = buf.describe  # the engine's timeout message names the bucket
         self._handles[index] = handle
         self._pack_spans[index] = (t0, t1)
         return handle

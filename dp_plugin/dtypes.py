@@ -6,6 +6,8 @@ Frameworks spell dtypes differently (``torch.float32``, ``np.float32``,
 
 from __future__ import annotations
 
+import contextlib
+
 SUPPORTED_DTYPES: dict[str, int] = {
     "float16": 2,
     "bfloat16": 2,
@@ -22,11 +24,20 @@ SUPPORTED_DTYPES: dict[str, int] = {
 FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 
+_KNOWN: dict[object, str] = {}
+"""dtype object -> canonical name, for the ones seen before (this runs on
+every gradient of every step)."""
+
+
 def canonical_dtype(dtype: object) -> str:
     """Return the canonical name of a numpy, torch or tensorflow dtype (or a name).
 
     Raises ``TypeError`` naming the dtype and the supported ones.
     """
+    try:
+        return _KNOWN[dtype]
+    except (KeyError, TypeError):  # not seen yet, or unhashable
+        pass
     name = str(dtype)
     for prefix in ("torch.", "<dtype: '"):
         if name.startswith(prefix):
@@ -41,6 +52,8 @@ def canonical_dtype(dtype: object) -> str:
             f"{', '.join(SUPPORTED_DTYPES)}. Cast the tensor (e.g. bool -> uint8, "
             "complex -> two float tensors) or leave it out of the reduction"
         )
+    with contextlib.suppress(TypeError):
+        _KNOWN[dtype] = name
     return name
 
 

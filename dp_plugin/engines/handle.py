@@ -25,13 +25,21 @@ class Handle(ABC):
 
     def __init__(self, description: str, rank: int, timeout_s: float,
                  on_timeout: Callable[[str], None] | None = None) -> None:
-        self.description = description
+        self._description = description
+        self.context: Callable[[], str] | None = None
+        """More about what is moved (e.g. which bucket), for the messages;
+        called only when a message needs it."""
         self.rank = rank
         self.timeout_s = timeout_s
         self._on_timeout = on_timeout
         self.started_at = time.perf_counter()
         self.completed_at: float | None = None
         self._finishers: list[Any] = []
+
+    @property
+    def description(self) -> str:
+        extra = "" if self.context is None else f" [{self.context()}]"
+        return self._description + extra
 
     @abstractmethod
     def _test(self) -> bool:
