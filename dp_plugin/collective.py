@@ -151,6 +151,16 @@ class FusedCollective:
         return buf.control
 
     # -- data path -------------------------------------------------------------------
+    def agree(self) -> None:
+        """Run the agreement check now, if it has not run (collective; ``start``
+        runs it before the first bucket otherwise). Callers whose buckets
+        start at rank-dependent times (inside backward hooks) call it at a
+        point every rank reaches in the same order: it blocks."""
+        if not self.agreed:
+            self.agreed = True
+            self.guard(lambda: agreement.agree(self.engine, self.layout, self.what,
+                                                self.settings))
+
     def start(self, index: int, tensors: Sequence[Any]) -> Handle | None:
         """Pack bucket ``index`` from ``tensors`` (indexed by spec) and start its
         collective. Returns the handle (None for an empty bucket)."""
@@ -158,10 +168,7 @@ class FusedCollective:
         buf = self.buffers[index]
         if buf.numel == 0:
             return None  # nothing to move; every rank skips it alike (same plan)
-        if not self.agreed:
-            self.agreed = True
-            self.guard(lambda: agreement.agree(self.engine, self.layout, self.what,
-                                                self.settings))
+        self.agree()
         ops = self.backend(tensors[buf.bucket.members[0]] if buf.bucket.members else None)
         t0 = time.perf_counter()
         members = [tensors[i] for i in buf.bucket.members]

@@ -65,7 +65,10 @@ class _State:
     groups: Any
     process_set: ProcessSet
     engine: Engine | None
-    """None when this rank is outside the process set: nothing is reduced."""
+    """The optimizer's own channel of the set's engine (``Engine.channel``);
+    None when this rank is outside the process set: nothing is reduced."""
+    label: str = "DistributedOptimizer"
+    """Names its collectives; unique per optimizer in the process."""
     params: list[torch.Tensor] = field(default_factory=list)
     hooks: list[Any] = field(default_factory=list)
     comm_hook: Any = None
@@ -318,18 +321,21 @@ class _DistributedMixin:
                 raise TypeError(
                     f"DistributedOptimizer cannot reduce parameter {name!r}: {exc}"
                 ) from None
-        # One name for every optimizer: the horovod engine matches collectives
-        # by name (plus a slot in program order), so a name that depends on
-        # nothing rank-local keeps it in step exactly when the order-matched
-        # engines are, and a layout difference still meets in the layout
-        # check and gets its clear error.
+        # The label is unique per optimizer: the horovod engine matches
+        # collectives by name (its channel is the engine itself), so two
+        # optimizers' buckets must not share names.
         ranks = list(eng.global_ranks)
         scheduler = GradientScheduler(
             specs, engine=eng, op=st.op, compression=st.compressor,
             gradient_predivide_factor=st.predivide, backward_passes_per_step=st.passes,
-            timeline=shared_timeline, name="DistributedOptimizer", control_numel=len(ranks),
+            timeline=shared_timeline, name=st.label, control_numel=len(ranks),
             hook=st.comm_hook,
         )
+        # Agree on the layout here (the optimizer is made, or a group added, at
+        # the same point on every rank), not in the first gradient hook, whose
+        # time differs between ranks; a blocking collective there could wait
+        # for a rank that is itself waiting in a SyncBatchNorm all-reduce.
+        scheduler.fused.agree()
         flags = _join.JoinFlags(scheduler, op=st.op, ranks=ranks, slot=eng.rank,
                                 like=params[0])
         return _Reducer(scheduler, flags)

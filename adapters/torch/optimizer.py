@@ -135,6 +135,12 @@ def DistributedOptimizer(
         )
     eng = engine_or_none(process_set, "hvd.DistributedOptimizer()")
     names = parameter_names(optimizer.param_groups, named_parameters)
+    label = f"DistributedOptimizer.{0 if eng is None else eng.channels_made}"
+    # Its own communicator (collective: every rank of the set constructs the
+    # optimizer at the same point): buckets start when gradients are ready,
+    # which differs between ranks when some parameter is unused on one of
+    # them, and must not cross SyncBatchNorm's or the user's collectives.
+    channel = None if eng is None else eng.channel(label)
 
     cls = _distributed_class(type(optimizer))
     wrapped: Any = object.__new__(cls)  # the optimizer exists already: no __init__
@@ -149,7 +155,7 @@ def DistributedOptimizer(
         names=names, named=named_parameters is not None, compressor=compressor, op=reduce_op,
         predivide=float(gradient_predivide_factor), passes=backward_passes_per_step,
         sparse_as_dense=bool(sparse_as_dense), groups=groups, process_set=process_set,
-        engine=eng,
+        engine=channel, label=label,
     )
     wrapped._dp_register()
     _join.register(wrapped)

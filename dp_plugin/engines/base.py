@@ -106,6 +106,9 @@ class Engine(ABC):
         self._closed = False
         self._broken: str | None = None
         """The collective that timed out, once one has."""
+        self._channels: list[Engine] = []
+        self.channels_made = 0
+        """How many ``channel`` calls this engine answered (names streams)."""
 
     @classmethod
     @abstractmethod
@@ -134,6 +137,8 @@ class Engine(ABC):
         if self._closed:
             return
         self._closed = True
+        for child in self._channels:
+            child.shutdown()
         self._close()
 
     @abstractmethod
@@ -334,6 +339,29 @@ class Engine(ABC):
             child.global_ranks = tuple(self.global_ranks[m] for m in members)
         return child
 
+    def channel(self, name: str = "channel") -> Engine:
+        """A communicator of its own over this engine's ranks, for a stream of
+        collectives whose timing differs between ranks (an optimizer's
+        gradient buckets: a parameter unused on one rank makes its bucket
+        start at the step's end there and mid-backward elsewhere). Its
+        collectives never meet those of this engine or of another channel, so
+        each stream only has to be in order by itself.
+
+        Collective over this engine's ranks (it creates a group): every rank
+        calls it at the same point. Released by ``shutdown`` of either.
+        Engines that match collectives by name (horovod), or have one rank,
+        return themselves: names must then differ per stream.
+        """
+        self._check_usable(f"channel {name!r}")
+        self.channels_made += 1
+        if self.size == 1:
+            return self
+        child = self._channel(name)
+        if child is not self:
+            child.global_ranks = self.global_ranks
+            self._channels.append(child)
+        return child
+
     # -- to implement ------------------------------------------------------
     @abstractmethod
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle: ...
@@ -389,6 +417,12 @@ class Engine(ABC):
         # A copy, so the result does not keep the whole reduced buffer alive.
         mine = mine.clone() if torch_buf else mine.copy()
         return mine.reshape((counts[self.rank], *buf.shape[1:]))
+
+    def _channel(self, name: str) -> Engine:
+        """A new communicator over the same ranks. Default: a subgroup of all."""
+        child = self.subgroup(list(range(self.size)), name)
+        assert child is not None  # every rank is a member
+        return child
 
     def _subgroup(self, members: tuple[int, ...], topology: Topology | None,
                   name: str) -> Engine | None:

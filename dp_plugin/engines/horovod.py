@@ -285,6 +285,10 @@ class HorovodEngine(Engine):
         out = handle.result
         return out if is_torch(buf) else as_numpy(out)
 
+    def _channel(self, name: str) -> Engine:
+        """Horovod matches collectives by name, not by order: no new group."""
+        return self
+
     def _subgroup(self, members: tuple[int, ...], topology: Topology | None,
                   name: str) -> Engine | None:
         """A Horovod process set of the members (``hvd.add_process_set``,

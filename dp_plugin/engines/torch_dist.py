@@ -207,6 +207,15 @@ class TorchDistEngine(Engine):
         elif self._owns_default and dist.is_initialized():
             dist.destroy_process_group()
 
+    def _channel(self, name: str) -> Engine:
+        """``dist.new_group`` over this engine's ranks, made by them alone
+        (``use_local_synchronization``), so a process set's engine has one too."""
+        group = self._dist.new_group(
+            ranks=list(self.global_ranks), timeout=timedelta(seconds=self.config.timeout_s),
+            backend=self.backend, use_local_synchronization=True,
+        )
+        return type(self)(self.topology, self.config, parent=self, group=group)
+
     def _subgroup(self, members: tuple[int, ...], topology: Topology | None,
                   name: str) -> Engine | None:
         """``dist.new_group`` over the members' job-wide ranks: collective

@@ -479,7 +479,12 @@ def test_duplicate_name_on_one_rank_raises_there_alone_and_the_job_goes_on() -> 
         assert torch.equal(again, torch.full((3,), 3.0))
         return seen
 
-    outcomes = run_ranks_outcomes(make_thread_group(3), lambda e: body(e.rank, _Set(e)),
+    def own_names(e: Engine) -> _Set:
+        ps = _Set(e)
+        ps.process_set_id = 10 + e.rank  # thread-ranks share the handle table
+        return ps
+
+    outcomes = run_ranks_outcomes(make_thread_group(3), lambda e: body(e.rank, own_names(e)),
                                   timeout=30)
     assert outcomes[0] == outcomes[1] == [], outcomes
     (message,) = outcomes[2]

@@ -191,6 +191,12 @@ class FakeEngine(Engine):
     def _barrier(self) -> None:
         self._start("barrier", "barrier", np.empty(0, np.uint8), ()).wait()
 
+    def _channel(self, name: str) -> Engine:
+        # One stream, so the tests can read every collective in ``log``;
+        # separate communicators are tested on real engines
+        # (tests/multiproc/test_torch_unused.py).
+        return self
+
 
 def make_thread_group(
     n: int, *, config: Config | None = None, absent: Iterable[int] = ()
