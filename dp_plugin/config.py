@@ -23,6 +23,8 @@ from dp_plugin.validate import (
 
 EngineName = Literal["auto", "horovod", "gloo", "nccl", "mpi", "local"]
 ENGINE_NAMES: tuple[str, ...] = get_args(EngineName)
+CheckFinite = Literal["off", "skip", "raise"]
+CHECK_FINITE_MODES: tuple[str, ...] = get_args(CheckFinite)
 
 DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
 DEFAULT_TIMEOUT_S = 300.0
@@ -47,6 +49,9 @@ class Config:
     rebuild_buckets: bool = True
     """Re-plan buckets from the gradient ready order observed in the first step."""
 
+    check_finite: CheckFinite = "off"
+    """After the gradient all-reduce: ``skip`` the step or ``raise`` on inf/nan."""
+
     def __post_init__(self) -> None:
         check_choice("engine", self.engine, ENGINE_NAMES, kind="engines",
                      fix="set DP_PLUGIN_ENGINE to one of them")
@@ -57,6 +62,8 @@ class Config:
         # Finite: an infinite timeout is a hang, and timedelta(seconds=inf) overflows.
         check_positive_float("timeout_s", self.timeout_s, unit="seconds",
                              fix=f"the default is {DEFAULT_TIMEOUT_S:g}")
+        check_choice("check_finite", self.check_finite, CHECK_FINITE_MODES, kind="modes",
+                     fix="set DP_PLUGIN_CHECK_FINITE to one of them")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -97,6 +104,13 @@ class Config:
 
         if "DP_PLUGIN_REBUILD_BUCKETS" in env:
             kwargs["rebuild_buckets"] = env_bool(env, "DP_PLUGIN_REBUILD_BUCKETS")
+
+        if "DP_PLUGIN_CHECK_FINITE" in env:
+            kwargs["check_finite"] = env_choice(
+                env, "DP_PLUGIN_CHECK_FINITE", CHECK_FINITE_MODES, kind="mode",
+                fix="'skip' skips a step whose reduced gradients hold inf or nan, 'raise' "
+                    "raises; the default is off",
+            )
 
         return cls(**kwargs)  # type: ignore[arg-type]
 

@@ -34,3 +34,7 @@ class CollectiveTimeoutError(DPPluginError):
 
 class EngineUnavailableError(DPPluginError):
     """The requested engine cannot run under this launcher or installation."""
+
+
+class NonFiniteGradientError(DPPluginError):
+    """A reduced gradient holds inf or nan and ``DP_PLUGIN_CHECK_FINITE=raise``."""
