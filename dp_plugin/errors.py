@@ -20,6 +20,11 @@ class NotInitializedError(DPPluginError):
         )
 
 
+class ConfigError(DPPluginError, ValueError):
+    """A setting (a ``DP_PLUGIN_*`` variable or a ``Config`` field) is malformed.
+    Also a ``ValueError``: the value is wrong, whoever passed it."""
+
+
 class LaunchError(DPPluginError):
     """A launcher variable is malformed or inconsistent with the others."""
 
