@@ -28,7 +28,9 @@ CheckFinite = Literal["off", "skip", "raise"]
 CHECK_FINITE_MODES: tuple[str, ...] = get_args(CheckFinite)
 
 DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
-DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUT_S = 1800.0
+"""30 minutes, torch.distributed's default for gloo: a rank-0-only evaluation or
+checkpoint between steps must not kill the job (docs/configuration.md)."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """A week: longer is no timeout at all (and overflows some engines' clocks)."""
 MAX_THRESHOLD = 1 << 40

@@ -6,8 +6,8 @@ what was expected and, when the caller passes one, how to fix it::
     check_int("backward_passes_per_step", 0, minimum=1)
     # ValueError: backward_passes_per_step must be an int >= 1, got 0
 
-    env_positive_float(os.environ, "DP_PLUGIN_TIMEOUT", unit="seconds", fix="the default is 300")
-    # ValueError: DP_PLUGIN_TIMEOUT='soon' must be a positive number of seconds; the default is 300
+    env_positive_float(os.environ, "DP_PLUGIN_TIMEOUT", unit="seconds", fix="the default is 1800")
+    # ValueError: DP_PLUGIN_TIMEOUT='soon' must be a positive number of seconds; the default is 1800
 
 ``where`` prefixes the message with who checks (``"DistributedOptimizer"``);
 ``error`` chooses the exception class (``LaunchError`` in launch detection).

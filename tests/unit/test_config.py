@@ -209,3 +209,8 @@ def test_direct_construction_refuses_what_from_env_refuses(kwargs: dict[str, obj
 
     with pytest.raises(ConfigError, match=word):
         Config(**kwargs)  # type: ignore[arg-type]
+
+
+def test_default_timeout_is_torch_gloo_default_thirty_minutes() -> None:
+    # A rank-0-only evaluation or checkpoint must not kill the job (docs/configuration.md).
+    assert Config().timeout_s == DEFAULT_TIMEOUT_S == 1800.0
