@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from dp_plugin.errors import ConfigError
 from dp_plugin.validate import (
     check_choice,
     check_int,
@@ -23,9 +24,17 @@ from dp_plugin.validate import (
 
 EngineName = Literal["auto", "horovod", "gloo", "nccl", "mpi", "local"]
 ENGINE_NAMES: tuple[str, ...] = get_args(EngineName)
+CheckFinite = Literal["off", "skip", "raise"]
+CHECK_FINITE_MODES: tuple[str, ...] = get_args(CheckFinite)
 
 DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
-DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUT_S = 1800.0
+"""30 minutes, torch.distributed's default for gloo: a rank-0-only evaluation or
+checkpoint between steps must not kill the job (docs/configuration.md)."""
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""A week: longer is no timeout at all (and overflows some engines' clocks)."""
+MAX_THRESHOLD = 1 << 40
+"""1 TiB: no fusion buffer is bigger; a larger value is a typo."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,16 +56,32 @@ class Config:
     rebuild_buckets: bool = True
     """Re-plan buckets from the gradient ready order observed in the first step."""
 
+    check_finite: CheckFinite = "off"
+    """After the gradient all-reduce: ``skip`` the step or ``raise`` on inf/nan."""
+
     def __post_init__(self) -> None:
+        error = ConfigError
         check_choice("engine", self.engine, ENGINE_NAMES, kind="engines",
-                     fix="set DP_PLUGIN_ENGINE to one of them")
+                     fix="set DP_PLUGIN_ENGINE to one of them", error=error)
         check_int(
             "fusion_threshold (bytes)", self.fusion_threshold, minimum=1,
             fix=f"use e.g. {DEFAULT_FUSION_THRESHOLD} (64 MiB), or 1 for one tensor per bucket",
+            error=error,
         )
+        if self.fusion_threshold > MAX_THRESHOLD:
+            raise error(f"fusion_threshold (bytes) must be <= {MAX_THRESHOLD} (1 TiB), got "
+                        f"{self.fusion_threshold!r}; use e.g. {DEFAULT_FUSION_THRESHOLD} (64 MiB)")
+        if self.timeline is not None and (
+                not isinstance(self.timeline, str) or not self.timeline or "\x00" in self.timeline):
+            raise error(f"timeline must be None or a non-empty file path without NUL "
+                        f"characters, got {self.timeline!r}; set DP_PLUGIN_TIMELINE to a path")
         # Finite: an infinite timeout is a hang, and timedelta(seconds=inf) overflows.
-        check_positive_float("timeout_s", self.timeout_s, unit="seconds",
-                             fix=f"the default is {DEFAULT_TIMEOUT_S:g}")
+        check_positive_float("timeout_s", self.timeout_s, unit="seconds", maximum=MAX_TIMEOUT_S,
+                             fix=f"the default is {DEFAULT_TIMEOUT_S:g}", error=error)
+        if not isinstance(self.rebuild_buckets, bool):
+            raise error(f"rebuild_buckets must be True or False, got {self.rebuild_buckets!r}")
+        check_choice("check_finite", self.check_finite, CHECK_FINITE_MODES, kind="modes",
+                     fix="set DP_PLUGIN_CHECK_FINITE to one of them", error=error)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -70,33 +95,48 @@ class Config:
         kwargs: dict[str, object] = {}
 
         if "DP_PLUGIN_ENGINE" in env:
-            kwargs["engine"] = env_choice(env, "DP_PLUGIN_ENGINE", ENGINE_NAMES, kind="engine")
+            kwargs["engine"] = env_choice(env, "DP_PLUGIN_ENGINE", ENGINE_NAMES, kind="engine",
+                                          error=ConfigError)
 
         default = f"(default {DEFAULT_FUSION_THRESHOLD}, i.e. 64 MiB)"
         if "DP_PLUGIN_FUSION_THRESHOLD" in env:
             kwargs["fusion_threshold"] = env_int(
-                env, "DP_PLUGIN_FUSION_THRESHOLD", minimum=1, unit="bytes",
-                fix=f"set a positive number of bytes {default}",
+                env, "DP_PLUGIN_FUSION_THRESHOLD", minimum=1, maximum=MAX_THRESHOLD, unit="bytes",
+                fix=f"set a positive number of bytes {default}", error=ConfigError,
             )
         elif "HOROVOD_FUSION_THRESHOLD" in env:
             # Horovod's 0 means "no fusion": a 1-byte threshold, one tensor per bucket.
             value = env_int(
-                env, "HOROVOD_FUSION_THRESHOLD", minimum=0, unit="bytes",
+                env, "HOROVOD_FUSION_THRESHOLD", minimum=0, maximum=MAX_THRESHOLD, unit="bytes",
                 fix=f"set 0 (no fusion) or a positive number of bytes {default}",
+                error=ConfigError,
             )
             kwargs["fusion_threshold"] = 1 if value == 0 else value
 
-        timeline = env.get("DP_PLUGIN_TIMELINE") or env.get("HOROVOD_TIMELINE")
-        if timeline:
-            kwargs["timeline"] = timeline
+        for name in ("DP_PLUGIN_TIMELINE", "HOROVOD_TIMELINE"):
+            if env.get(name):
+                if "\x00" in env[name]:
+                    raise ConfigError(f"{name}={env[name]!r} holds a NUL character; set it to "
+                                      "a file path (or empty for no timeline)")
+                kwargs["timeline"] = env[name]
+                break
 
         if "DP_PLUGIN_TIMEOUT" in env:
             kwargs["timeout_s"] = env_positive_float(
-                env, "DP_PLUGIN_TIMEOUT", unit="seconds", fix=f"default {DEFAULT_TIMEOUT_S:g}"
+                env, "DP_PLUGIN_TIMEOUT", unit="seconds", maximum=MAX_TIMEOUT_S,
+                fix=f"default {DEFAULT_TIMEOUT_S:g}", error=ConfigError,
             )
 
         if "DP_PLUGIN_REBUILD_BUCKETS" in env:
-            kwargs["rebuild_buckets"] = env_bool(env, "DP_PLUGIN_REBUILD_BUCKETS")
+            kwargs["rebuild_buckets"] = env_bool(env, "DP_PLUGIN_REBUILD_BUCKETS",
+                                                 error=ConfigError)
+
+        if "DP_PLUGIN_CHECK_FINITE" in env:
+            kwargs["check_finite"] = env_choice(
+                env, "DP_PLUGIN_CHECK_FINITE", CHECK_FINITE_MODES, kind="mode",
+                fix="'skip' skips a step whose reduced gradients hold inf or nan, 'raise' "
+                    "raises; the default is off", error=ConfigError,
+            )
 
         return cls(**kwargs)  # type: ignore[arg-type]
 

@@ -20,6 +20,11 @@ class NotInitializedError(DPPluginError):
         )
 
 
+class ConfigError(DPPluginError, ValueError):
+    """A setting (a ``DP_PLUGIN_*`` variable or a ``Config`` field) is malformed.
+    Also a ``ValueError``: the value is wrong, whoever passed it."""
+
+
 class LaunchError(DPPluginError):
     """A launcher variable is malformed or inconsistent with the others."""
 
@@ -34,3 +39,7 @@ class CollectiveTimeoutError(DPPluginError):
 
 class EngineUnavailableError(DPPluginError):
     """The requested engine cannot run under this launcher or installation."""
+
+
+class NonFiniteGradientError(DPPluginError):
+    """A reduced gradient holds inf or nan and ``DP_PLUGIN_CHECK_FINITE=raise``."""

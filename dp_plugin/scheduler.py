@@ -108,7 +108,8 @@ class GradientScheduler:
     ``compression`` is 'none', 'fp16', 'bf16' or a ``Compressor``; ``hook``
     replaces the default all-reduce hook (``dp_plugin.hooks``); ``name``
     prefixes the collectives' names; ``control_numel`` reserves a control
-    slot (``control()``) reduced with the last bucket.
+    slot (``control()``) reduced with the last bucket; ``settings`` (name ->
+    value) are the caller's settings the first step compares across ranks.
 
     Calls are serialised by a lock, so ``mark_ready`` may come from autograd's
     worker threads; one step must still end (``synchronize()``) before the
@@ -132,6 +133,7 @@ class GradientScheduler:
         array_ops: ArrayOps | None = None,
         hook: CommHook | None = None,
         control_numel: int = 0,
+        settings: dict[str, Any] | None = None,
     ) -> None:
         if engine is None:
             from dp_plugin import runtime
@@ -166,7 +168,7 @@ class GradientScheduler:
             self.specs, engine=engine, name=name, threshold=threshold, policy=policy,
             compression=compression, hook=hook, control_numel=control_numel,
             settings={"backward_passes_per_step": passes,
-                      "rebuild_buckets": self.rebuild_buckets},
+                      "rebuild_buckets": self.rebuild_buckets, **(settings or {})},
             timeline=self._timeline, array_ops=array_ops,
             what=f"tensors of scheduler {name!r}",
         )

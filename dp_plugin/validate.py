@@ -6,8 +6,8 @@ what was expected and, when the caller passes one, how to fix it::
     check_int("backward_passes_per_step", 0, minimum=1)
     # ValueError: backward_passes_per_step must be an int >= 1, got 0
 
-    env_positive_float(os.environ, "DP_PLUGIN_TIMEOUT", unit="seconds", fix="the default is 300")
-    # ValueError: DP_PLUGIN_TIMEOUT='soon' must be a positive number of seconds; the default is 300
+    env_positive_float(os.environ, "DP_PLUGIN_TIMEOUT", unit="seconds", fix="the default is 1800")
+    # ValueError: DP_PLUGIN_TIMEOUT='soon' must be a positive number of seconds; the default is 1800
 
 ``where`` prefixes the message with who checks (``"DistributedOptimizer"``);
 ``error`` chooses the exception class (``LaunchError`` in launch detection).
@@ -79,22 +79,27 @@ def check_int(
 
 
 def check_positive_float(
-    name: str, value: object, *, unit: str = "", where: str = "", fix: str = "",
-    error: type[Exception] = ValueError,
+    name: str, value: object, *, unit: str = "", maximum: float | None = None, where: str = "",
+    fix: str = "", error: type[Exception] = ValueError,
 ) -> float:
-    """``value`` (an int or float, not bool) as a finite ``float`` > 0.
+    """``value`` (an int or float, not bool) as a finite ``float`` > 0 (and <= ``maximum``).
 
     ``check_positive_float("cycle_time_s", 0)`` raises
     ``ValueError("cycle_time_s must be a finite number > 0, got 0")``.
     """
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    number = math.nan
     if ok:
-        number = float(value)  # type: ignore[arg-type]
-        ok = math.isfinite(number) and number > 0
+        try:
+            number = float(value)  # type: ignore[arg-type]
+        except OverflowError:  # an int beyond float's range
+            number = math.inf
+        ok = math.isfinite(number) and number > 0 and (maximum is None or number <= maximum)
     if not ok:
         unit_text = f" ({unit})" if unit else ""
+        most = f" and <= {maximum:g}" if maximum is not None else ""
         raise error(_message(
-            where, f"{name} must be a finite number > 0{unit_text}, got {value!r}", fix
+            where, f"{name} must be a finite number > 0{most}{unit_text}, got {value!r}", fix
         ))
     return number
 
@@ -119,35 +124,40 @@ def check_choice(
 # -- environment variables: the message shows NAME='raw text' ----------------------
 
 def env_int(
-    env: Mapping[str, str], name: str, *, minimum: int | None = None, unit: str = "",
-    fix: str = "", error: type[Exception] = ValueError,
+    env: Mapping[str, str], name: str, *, minimum: int | None = None,
+    maximum: int | None = None, unit: str = "", fix: str = "",
+    error: type[Exception] = ValueError,
 ) -> int:
     """``env[name]`` parsed as a base-10 integer (surrounding spaces allowed)."""
     raw = env[name]
     unit_text = f" number of {unit}" if unit else ""
     try:
         value = int(raw.strip(), 10)
-    except ValueError:
+    except ValueError:  # also more digits than int() parses
         raise error(_message("", f"{name}={raw!r} is not an integer{unit_text}", fix)) from None
     if minimum is not None and value < minimum:
         raise error(_message("", f"{name}={raw!r} must be an integer >= {minimum}", fix))
+    if maximum is not None and value > maximum:
+        raise error(_message("", f"{name}={raw!r} must be an integer <= {maximum}", fix))
     return value
 
 
 def env_positive_float(
-    env: Mapping[str, str], name: str, *, unit: str = "", fix: str = "",
-    error: type[Exception] = ValueError,
+    env: Mapping[str, str], name: str, *, unit: str = "", maximum: float | None = None,
+    fix: str = "", error: type[Exception] = ValueError,
 ) -> float:
-    """``env[name]`` parsed as a finite number > 0 (``inf`` and ``nan`` refused)."""
+    """``env[name]`` parsed as a finite number > 0 and <= ``maximum`` (``inf`` and
+    ``nan`` refused)."""
     raw = env[name]
     try:
         value = float(raw)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
+    if not (math.isfinite(value) and value > 0 and (maximum is None or value <= maximum)):
         unit_text = f" of {unit}" if unit else ""
+        most = f" at most {maximum:g}" if maximum is not None else ""
         raise error(_message(
-            "", f"{name}={raw!r} must be a positive number{unit_text} (finite)", fix
+            "", f"{name}={raw!r} must be a positive number{unit_text} (finite){most}", fix
         ))
     return value
 

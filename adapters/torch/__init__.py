@@ -9,6 +9,7 @@ purpose is one. ``horovod.torch.elastic`` has no counterpart.
 """
 
 from dp_plugin.errors import DPPluginError as HorovodInternalError
+from dp_plugin.errors import NonFiniteGradientError
 from dp_plugin.torch.autograd_ops import (
     allgather,
     allreduce,
@@ -91,6 +92,7 @@ __all__ = [
     "HorovodInternalError",
     "Max",
     "Min",
+    "NonFiniteGradientError",
     "NotInitializedError",
     "ProcessSet",
     "Product",

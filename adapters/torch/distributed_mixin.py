@@ -27,6 +27,7 @@ from dp_plugin.scheduler import GradientScheduler
 from dp_plugin.timeline import StatsHistory
 from dp_plugin.torch import joining as _join
 from dp_plugin.torch.basics import shared_timeline
+from dp_plugin.torch.finite import FiniteFlags, SkippedStep
 from dp_plugin.torch.optimizer_args import default_name
 from dp_plugin.torch.process_sets import ProcessSet
 from dp_plugin.torch.sparse import SparseGradients
@@ -45,10 +46,12 @@ class SynchronizationError(DPPluginError, AssertionError):
 
 @dataclass(frozen=True, eq=False)
 class _Reducer:
-    """The scheduler of one optimizer and the join flags in its control slot."""
+    """The scheduler of one optimizer and the flags in its control slot."""
 
     scheduler: GradientScheduler
     flags: _join.JoinFlags
+    finite: FiniteFlags | None = None
+    """The ``DP_PLUGIN_CHECK_FINITE`` flags; None when the check is off."""
 
 
 @dataclass(eq=False)
@@ -82,6 +85,8 @@ class _State:
     pending: bool = False
     synchronized: bool = False
     should_synchronize: bool = True
+    skip_step: bool = False
+    """The last reduction held inf/nan and ``DP_PLUGIN_CHECK_FINITE=skip``."""
 
 
 class _DistributedMixin:
@@ -164,6 +169,7 @@ class _DistributedMixin:
         for i, p in enumerate(st.params):
             if not st.marked[i] and p.grad is not None:
                 # Horovod reduces an existing gradient whose hook did not fire.
+                self._dp_note_finite(p.grad)
                 dense = self._dp_dense(i, p.grad)
                 if dense is not None:
                     sched.mark_ready(i, dense)
@@ -184,6 +190,9 @@ class _DistributedMixin:
         flags.keep()
         self._dp_reset_step()
         st.synchronized = True
+        finite = st.reducer.finite
+        if finite is not None:  # may raise (on every rank alike)
+            st.skip_step = finite.decide([(st.names[p], p.grad) for p in st.params])
         if st.sparse.changed:  # take the new sparse parameters out of the buckets
             st.sparse.changed = False
             self._dp_register()
@@ -212,7 +221,13 @@ class _DistributedMixin:
                 )
             self.synchronize()
         st.synchronized = False
-        return super().step(closure)  # type: ignore[misc]
+        if st.skip_step:  # DP_PLUGIN_CHECK_FINITE=skip: every rank skips this step
+            st.skip_step = False
+            return None
+        try:
+            return super().step(closure)  # type: ignore[misc]
+        except SkippedStep as skipped:
+            return skipped.loss
 
     # torch wraps a class's step() for profiling and step hooks unless it is
     # marked; the user's class's step() is already wrapped, so hooks run once.
@@ -251,6 +266,9 @@ class _DistributedMixin:
         def synchronized_closure() -> Any:
             loss = closure()
             self.synchronize()
+            if self._dp.skip_step:  # abort the user's step before it updates anything
+                self._dp.skip_step = False
+                raise SkippedStep(loss)
             return loss
 
         return synchronized_closure
@@ -325,11 +343,14 @@ class _DistributedMixin:
         # collectives by name (its channel is the engine itself), so two
         # optimizers' buckets must not share names.
         ranks = list(eng.global_ranks)
+        check = eng.config.check_finite
+        # The control slot: the join flags, then (if checked) the finite flags.
         scheduler = GradientScheduler(
             specs, engine=eng, op=st.op, compression=st.compressor,
             gradient_predivide_factor=st.predivide, backward_passes_per_step=st.passes,
-            timeline=shared_timeline, name=st.label, control_numel=len(ranks),
-            hook=st.comm_hook,
+            timeline=shared_timeline, name=st.label,
+            control_numel=len(ranks) * (1 if check == "off" else 2),
+            hook=st.comm_hook, settings={"DP_PLUGIN_CHECK_FINITE": check},
         )
         # Agree on the layout here (the optimizer is made, or a group added, at
         # the same point on every rank), not in the first gradient hook, whose
@@ -338,7 +359,10 @@ class _DistributedMixin:
         scheduler.fused.agree()
         flags = _join.JoinFlags(scheduler, op=st.op, ranks=ranks, slot=eng.rank,
                                 like=params[0])
-        return _Reducer(scheduler, flags)
+        finite = None if check == "off" else FiniteFlags(
+            scheduler, mode=check, op=st.op, ranks=ranks, slot=eng.rank, offset=len(ranks),
+            like=params[0])
+        return _Reducer(scheduler, flags, finite)
 
     def _dp_grad_ready(self, index: int, param: torch.Tensor) -> None:
         st = self._dp
@@ -346,10 +370,18 @@ class _DistributedMixin:
         grad = param.grad
         if st.reducer is None or grad is None:
             return
+        self._dp_note_finite(grad)
         dense = self._dp_dense(index, grad)
         if dense is not None:
             st.reducer.scheduler.mark_ready(index, dense)
         st.marked[index] = True
+
+    def _dp_note_finite(self, grad: torch.Tensor) -> None:
+        """Mark this rank in the finite flags if ``grad`` holds inf/nan (before it
+        is handed to the scheduler: the flags travel with the last bucket)."""
+        reducer = self._dp.reducer
+        if reducer is not None and reducer.finite is not None:
+            reducer.finite.note(grad)
 
     def _dp_dense(self, index: int, grad: torch.Tensor) -> torch.Tensor | None:
         """The gradient for the dense buckets; None if it is reduced as sparse."""
@@ -383,9 +415,12 @@ class _DistributedMixin:
         if reducer is None:
             return True, -1
         reducer.flags.fill(joined=True)
-        reducer.scheduler.synchronize()  # every gradient: zeros; results are dropped
+        results = reducer.scheduler.synchronize()  # every gradient: zeros; results dropped
         st = self._dp
         st.sparse.reduce(st.params, st.names, st.op, st.process_set, contribute=False)
+        if reducer.finite is not None:  # raise where the training ranks raise
+            reducer.finite.decide([(st.names[p], g) for p, g in zip(st.params, results,
+                                                                     strict=True)])
         return reducer.flags.decide()
 
 

@@ -33,7 +33,7 @@ from dp_plugin.torch.basics import engine
 
 
 @dataclass(frozen=True)
-class _Code:
+class FlagCode:
     """What ranks write into an element, and so what its reduction holds (the
     control slot is not scaled, and one element has at most one "joined"
     writer: its own rank)."""
@@ -42,12 +42,12 @@ class _Code:
     joined: float
 
 
-def _code(op: ReduceOp) -> _Code:
+def code_for(op: ReduceOp) -> FlagCode:
     if op is ReduceOp.MIN:
-        return _Code(0.0, -1.0)
+        return FlagCode(0.0, -1.0)
     if op is ReduceOp.PRODUCT:
-        return _Code(1.0, 2.0)
-    return _Code(0.0, 1.0)  # sum (average is a sum here), max
+        return FlagCode(1.0, 2.0)
+    return FlagCode(0.0, 1.0)  # sum (average is a sum here), max
 
 
 class JoinFlags:
@@ -67,7 +67,7 @@ class JoinFlags:
         self.scheduler = scheduler
         self.ranks = list(ranks)
         self.slot = slot
-        self._code = _code(op)
+        self._code = code_for(op)
         self._like = like
         self._previous = torch.empty_like(self._slot())
         self._has_previous = False
@@ -75,8 +75,9 @@ class JoinFlags:
 
     def _slot(self) -> torch.Tensor:
         # Asked each time: the slot moves when the bucket plan is rebuilt.
+        # Its first len(ranks) elements are ours (the finite flags follow).
         slot: torch.Tensor = self.scheduler.control(self._like)
-        return slot
+        return slot[:len(self.ranks)]
 
     def fill(self, joined: bool) -> None:
         """Write this rank's flags for the next step."""

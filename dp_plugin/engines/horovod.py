@@ -55,6 +55,7 @@ from dp_plugin.arrays import as_numpy, as_torch, is_torch
 from dp_plugin.config import Config
 from dp_plugin.dtypes import canonical_dtype
 from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp
+from dp_plugin.engines.deadline import bounded_on
 from dp_plugin.errors import DPPluginError, EngineUnavailableError
 from dp_plugin.launch import Topology
 
@@ -166,7 +167,7 @@ class HorovodEngine(Engine):
             # Process sets cannot be known before init, so enable them
             # unless the user said otherwise.
             os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
-            hvd.init()
+            bounded_on(self, hvd.init, "hvd.init() (Horovod's rendezvous of every rank)")
         if (hvd.rank(), hvd.size()) != (topology.rank, topology.size):
             raise EngineUnavailableError(
                 f"Horovod says this process is rank {hvd.rank()} of {hvd.size()}, but the "
@@ -313,7 +314,8 @@ class HorovodEngine(Engine):
         if known is not None:
             return known
         try:
-            process_set = hvd.add_process_set(list(members))
+            process_set = bounded_on(self, lambda: hvd.add_process_set(list(members)),
+                                     f"hvd.add_process_set({list(members)})")
         except ValueError as exc:
             if "duplicate" not in str(exc):
                 # Every rank gets the same refusal (e.g. dynamic process sets off).

@@ -43,6 +43,7 @@ from dp_plugin.arrays import as_numpy, as_torch, is_torch, numpy_dtype
 from dp_plugin.config import Config
 from dp_plugin.dtypes import canonical_dtype
 from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp
+from dp_plugin.engines.deadline import bounded_on
 from dp_plugin.errors import EngineUnavailableError
 from dp_plugin.launch import Topology
 
@@ -282,12 +283,14 @@ class MPIEngine(Engine):
 
     def _subgroup(self, members: tuple[int, ...], topology: Topology | None,
                   name: str) -> Engine | None:
-        """``Comm.Split`` of this engine's communicator. Split is blocking,
-        but every rank has just passed the header exchange (which honours
-        the timeout), so all of them are here."""
+        """``Comm.Split`` of this engine's communicator. Every rank has just
+        passed the header exchange (which honours the timeout), but one may
+        still stall or die before Split, which blocks and has no timeout of
+        its own: it runs under ``bounded_on``."""
         MPI = self._MPI
         color = 0 if topology is not None else MPI.UNDEFINED
-        comm = self._comm.Split(color, self.rank)
+        comm = bounded_on(self, lambda: self._comm.Split(color, self.rank),
+                          f"mpi Comm.Split ({name!r})")
         if topology is None:
             return None
         return type(self)(topology, self.config, parent=self, comm=comm)

@@ -38,6 +38,7 @@ from dp_plugin.arrays import as_numpy, as_torch, is_torch
 from dp_plugin.config import Config
 from dp_plugin.engines import rendezvous as rdv
 from dp_plugin.engines.base import Availability, DoneHandle, Engine, Handle, ReduceOp
+from dp_plugin.engines.deadline import bounded_on
 from dp_plugin.errors import DPPluginError, EngineUnavailableError
 from dp_plugin.launch import Topology
 
@@ -202,10 +203,14 @@ class TorchDistEngine(Engine):
         it), there is nothing left to do."""
         atexit.unregister(self.shutdown)
         dist = self._dist
+        # destroy_process_group may wait for the other ranks' pending work
+        # (NCCL) and takes no timeout: bound it like a collective.
         if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group(self._group)
+            bounded_on(self, lambda: dist.destroy_process_group(self._group),
+                       "torch.distributed.destroy_process_group (subgroup)")
         elif self._owns_default and dist.is_initialized():
-            dist.destroy_process_group()
+            bounded_on(self, dist.destroy_process_group,
+                       "torch.distributed.destroy_process_group")
 
     def _channel(self, name: str) -> Engine:
         """``dist.new_group`` over this engine's ranks, made by them alone

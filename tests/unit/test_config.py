@@ -173,3 +173,44 @@ def test_direct_construction_is_validated(kwargs: dict[str, object], words: list
         Config(**kwargs)  # type: ignore[arg-type]
     for word in words:
         assert word in str(info.value)
+
+
+# -- found by the property-based tests (tests/unit/test_fuzz_config_launch.py) ----------
+
+
+@pytest.mark.parametrize(("env", "words"), [
+    # Accepted before, then crashed in timedelta(seconds=1e300) at engine start.
+    ({"DP_PLUGIN_TIMEOUT": "1e300"}, ["DP_PLUGIN_TIMEOUT='1e300'", "at most 604800"]),
+    ({"DP_PLUGIN_FUSION_THRESHOLD": "1" + "0" * 30}, ["DP_PLUGIN_FUSION_THRESHOLD", "<= "]),
+    ({"HOROVOD_FUSION_THRESHOLD": "9" * 5000}, ["HOROVOD_FUSION_THRESHOLD", "not an integer"]),
+    ({"DP_PLUGIN_TIMELINE": "/tmp/a\x00b"}, ["DP_PLUGIN_TIMELINE", "NUL"]),
+    ({"DP_PLUGIN_REBUILD_BUCKETS": "0.0"}, ["DP_PLUGIN_REBUILD_BUCKETS='0.0'", "1/0"]),
+])
+def test_bad_values_raise_config_error_naming_the_variable(env: dict[str, str],
+                                                           words: list[str]) -> None:
+    from dp_plugin.errors import ConfigError, DPPluginError
+
+    with pytest.raises(ConfigError) as info:
+        Config.from_env(env)
+    assert isinstance(info.value, DPPluginError) and isinstance(info.value, ValueError)
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(("kwargs", "word"), [
+    ({"rebuild_buckets": "no"}, "rebuild_buckets"),  # was silently truthy
+    ({"timeline": 3}, "timeline"),
+    ({"timeout_s": 10 ** 400}, "timeout_s"),  # was an OverflowError from float()
+    ({"fusion_threshold": 1 << 50}, "fusion_threshold"),
+])
+def test_direct_construction_refuses_what_from_env_refuses(kwargs: dict[str, object],
+                                                           word: str) -> None:
+    from dp_plugin.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=word):
+        Config(**kwargs)  # type: ignore[arg-type]
+
+
+def test_default_timeout_is_torch_gloo_default_thirty_minutes() -> None:
+    # A rank-0-only evaluation or checkpoint must not kill the job (docs/configuration.md).
+    assert Config().timeout_s == DEFAULT_TIMEOUT_S == 1800.0

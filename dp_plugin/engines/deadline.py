@@ -1,0 +1,56 @@
+"""A bound on the waits a library gives no timeout: run it in a helper thread.
+
+``MPI_Comm_split``, ``hvd.init()``, ``hvd.add_process_set`` and
+``torch.distributed.destroy_process_group`` block until every rank arrives
+and take no timeout. ``bounded(fn, what=..., rank=..., timeout_s=...)`` runs
+``fn`` in a daemon thread and waits at most ``timeout_s``: its result, its
+exception, or ``CollectiveTimeoutError`` naming the wait, the rank and what
+to check. A thread that never returns is left behind (a daemon: it does not
+keep the process alive); the engine is broken after such a timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from dp_plugin.errors import CollectiveTimeoutError
+
+T = TypeVar("T")
+
+
+def bounded(fn: Callable[[], T], *, what: str, rank: int, timeout_s: float,
+            check: str = "") -> T:
+    """``fn()``, or ``CollectiveTimeoutError`` if it takes longer than ``timeout_s``."""
+    outcome: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as exc:  # handed to the waiting thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=body, name=f"dp_plugin: {what}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        hint = check or ("another rank has probably not reached the same call (it died, "
+                         "stalls, or runs a different code path); check its log")
+        raise CollectiveTimeoutError(
+            f"rank {rank}: {what} did not finish within {timeout_s:g} s (DP_PLUGIN_TIMEOUT): "
+            f"{hint}. If it is legitimately this slow, raise DP_PLUGIN_TIMEOUT."
+        )
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def bounded_on(engine: Any, fn: Callable[[], T], what: str) -> T:
+    """``bounded`` with ``engine``'s rank and timeout; a timeout breaks ``engine``
+    (its library may still be inside the call, so nothing else may run there)."""
+    try:
+        return bounded(fn, what=what, rank=engine.rank, timeout_s=engine.config.timeout_s)
+    except CollectiveTimeoutError:
+        engine._mark_broken(what)
+        raise

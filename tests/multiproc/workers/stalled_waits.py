@@ -1,0 +1,63 @@
+"""Worker: a rank that never arrives at a wait the library gives no timeout.
+
+Rank 0 must get ``CollectiveTimeoutError`` naming the wait within
+DP_PLUGIN_TIMEOUT (plus a margin the pytest side checks from the printed
+time); the stalled last rank sleeps past that and then leaves with exit 0.
+Cases:
+- ``mpi_split``: the last rank passes subgroup's header exchange, then stalls
+  before ``MPI_Comm_split`` (mpirun, engine mpi).
+- ``hvd_add_process_set``: the last rank stalls inside ``hvd.add_process_set``
+  (horovodrun, engine horovod).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from _fail_fast import run_cases
+
+from dp_plugin import runtime
+from dp_plugin.errors import CollectiveTimeoutError
+
+
+def _stall() -> None:
+    time.sleep(runtime.engine().config.timeout_s + 15)
+    print(f"rank {runtime.engine().rank} OK (stalled)", flush=True)
+    os._exit(0)
+
+
+def _expect_timeout(fn: Any, needle: str) -> None:
+    start = time.monotonic()
+    try:
+        fn()
+    except CollectiveTimeoutError as exc:
+        elapsed = time.monotonic() - start
+        if needle not in str(exc):
+            raise AssertionError(f"the error does not name {needle!r}: {exc}") from exc
+        print(f"rank 0 timed out after {elapsed:.1f} s: {exc}", flush=True)
+        print("rank 0 OK", flush=True)
+        os._exit(0)  # the stalled rank is still inside the library: no clean teardown
+    raise AssertionError("no CollectiveTimeoutError")
+
+
+def case_mpi_split(engine: Any) -> None:
+    if engine.rank == engine.size - 1:
+        type(engine)._subgroup = lambda *args: _stall()  # passes the exchange, not Split
+    _expect_timeout(lambda: engine.subgroup([0, engine.size - 1], name="pair"),
+                    "mpi Comm.Split ('pair')")
+
+
+def case_hvd_add_process_set(engine: Any) -> None:
+    if engine.rank == engine.size - 1:
+        engine._hvd.add_process_set = lambda ranks: _stall()
+    # [0]: not every rank (that is Horovod's global set), yet collective over all.
+    _expect_timeout(lambda: engine.subgroup([0], name="first"), "hvd.add_process_set([0])")
+
+
+CASES = {"mpi_split": case_mpi_split, "hvd_add_process_set": case_hvd_add_process_set}
+
+
+if __name__ == "__main__":
+    run_cases(CASES, setup=lambda _: runtime.init())
