@@ -23,6 +23,7 @@ import argparse
 import ast
 import importlib
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -56,8 +57,9 @@ NOTES: dict[str, tuple[str, str]] = {
     "DistributedOptimizer": (DIFF, "`groups`/`num_groups` are validated hints only (the "
                              "planner fuses gradients into `DP_PLUGIN_FUSION_THRESHOLD` "
                              "buckets); `op=Adasum` is not supported"),
-    "join": (DIFF, "answers `DistributedOptimizer` steps of the ranks still training; see "
-             "the join section of the page for other collectives"),
+    "join": (DIFF, "a joined rank answers the `DistributedOptimizer` steps of the ranks "
+             "still training; their other collectives (allreduce, allgather, broadcast) are "
+             "not answered yet and fail with an error instead of completing"),
     "synchronize": (DIFF, "an unknown or already-synchronized handle raises `ValueError` "
                     "(Horovod returns None)"),
     "horovod.torch:broadcast_optimizer_state": (
@@ -128,6 +130,10 @@ method: `opt.variables()` becomes `opt.variables`.
   deterministically into buckets of `DP_PLUGIN_FUSION_THRESHOLD` bytes.
 - **Adasum is not supported** (`op=Adasum` raises `NotImplementedError`): use
   `op=Average`, which converges the same for synchronous SGD.
+- **`join()`** answers the `DistributedOptimizer` steps of the ranks still
+  training, but not yet their tensor collectives (`allreduce`, `allgather`,
+  `broadcast`, grouped forms): those fail with a clear error (never a hang)
+  where Horovod lets them complete with the joined ranks contributing zeros.
 - **`horovod.*.elastic` has no counterpart**: restart with the new size and
   resume from a checkpoint.
 - **`broadcast_optimizer_state`** sends the root's whole state (tensors fused
@@ -147,10 +153,12 @@ method: `opt.variables()` becomes `opt.variables`.
 
 def public_names(module: str) -> tuple[list[str], bool, str]:
     """(sorted public names, imported?, import error) of a Horovod module."""
-    spec = importlib.util.find_spec(module)
-    if spec is None or spec.origin is None:
-        raise SystemExit(f"{module} is not installed; run `make install` first")
-    tree = ast.parse(Path(spec.origin).read_text(), filename=spec.origin)
+    # Located without importing it: a parent package may not import (Keras 3).
+    top = importlib.util.find_spec("horovod")
+    if top is None or top.origin is None:
+        raise SystemExit("horovod is not installed; run `make install` first")
+    source = Path(top.origin).parent.joinpath(*module.split(".")[1:], "__init__.py")
+    tree = ast.parse(source.read_text(), filename=str(source))
     names: set[str] = set()
     for node in _top_level(tree.body):
         if isinstance(node, ast.ImportFrom):
@@ -166,7 +174,8 @@ def public_names(module: str) -> tuple[list[str], bool, str]:
         importlib.import_module(module)
         imported = True
     except Exception as exc:  # any import failure is reported in the page
-        imported, error = False, f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
+        first = re.sub(r"/\S+/", "", str(exc).splitlines()[0])  # no machine paths
+        imported, error = False, f"{type(exc).__name__}: {first}"[:160]
     return sorted(n for n in names if not n.startswith("_")), imported, error
 
 
