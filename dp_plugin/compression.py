@@ -1,61 +1,128 @@
-"""Wire compression of packed buffers: none, fp16, bf16.
+"""Wire compression: Horovod's ``Compressor`` interface, and its use on fusion buffers.
 
-Horovod's shape (``compress`` before the all-reduce, ``decompress`` after), but
-on whole fusion buffers and without allocation: the scheduler owns a
-persistent wire buffer per bucket of dtype ``wire_dtype(bucket dtype)`` and a
-compressor only casts between the two (``ArrayOps.cast_into``). When the wire
-dtype equals the bucket dtype no wire buffer exists and nothing is copied.
+Horovod's public interface is kept exactly: a compressor is a class (or an
+object) with ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor,
+ctx) -> tensor``; ``Compression.none`` / ``.fp16`` / ``.bf16`` are such
+classes, callable on torch tensors, numpy arrays and TensorFlow tensors, and
+users subclass ``Compressor`` (or one of them) with their own pair.
 
-Like Horovod's ``Compression.fp16``, only floating buffers wider than the
-wire type are narrowed; integer and already-narrow buffers pass through
-unchanged (bf16 does not "compress" fp16, which has the same width).
+On the fused paths (``DistributedOptimizer``, the Keras bridge, grouped
+collectives) two kinds of compressor are told apart by ``get_compressor``:
+
+- the built-in casts (``_CastCompressor``): the scheduler owns a persistent
+  wire buffer per bucket of dtype ``wire_dtype(bucket dtype)`` and only casts
+  between the two (``compress_into`` / ``decompress_into``), allocating
+  nothing per step. Like Horovod's ``Compression.fp16``, only floating
+  buffers wider than the wire type are narrowed;
+- any other compressor (a user's, or a subclass of a built-in that overrides
+  ``compress`` / ``decompress``) is wrapped in ``TensorCompressor``: its
+  ``compress`` is called on the bucket's packed 1-D buffer, the returned
+  tensor is reduced, and ``decompress``'s result is copied back into the
+  bucket. Unlike Horovod, the compressor sees one fusion bucket (several
+  gradients, flattened, already pre-scaled) rather than each gradient.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar
 
-from dp_plugin.arrays import ArrayOps
 from dp_plugin.dtypes import SUPPORTED_DTYPES, canonical_dtype, is_floating
 
 
-@runtime_checkable
-class Compressor(Protocol):
-    """A wire format for fusion buffers."""
+class Compressor:
+    """Interface for compressing and decompressing a tensor (Horovod's).
 
-    name: str
+    Subclass it and override both static methods. ``name`` (used by the
+    cross-rank settings check) defaults to the class's qualified name.
+    """
 
-    def wire_dtype(self, dtype: str) -> str:
-        """Dtype the all-reduce runs in for a bucket of ``dtype``."""
-        ...
+    name: ClassVar[str] = "compressor"
 
-    def compress(self, ops: ArrayOps, wire: Any, flat: Any) -> None:
-        """Fill ``wire`` from the packed buffer ``flat`` (same length)."""
-        ...
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" not in vars(cls):
+            cls.name = f"{cls.__module__}.{cls.__qualname__}"
 
-    def decompress(self, ops: ArrayOps, flat: Any, wire: Any) -> None:
-        """Fill ``flat`` from the reduced ``wire`` buffer (same length)."""
-        ...
+    @staticmethod
+    def compress(tensor: Any) -> tuple[Any, Any]:
+        """Compress a tensor; return it with the context needed to decompress it."""
+        raise NotImplementedError(
+            "Compressor.compress(tensor) -> (tensor, ctx) is abstract; override it (and "
+            "decompress) in your subclass"
+        )
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        """Decompress the tensor with the context ``compress`` returned."""
+        raise NotImplementedError(
+            "Compressor.decompress(tensor, ctx) is abstract; override it (and compress) in "
+            "your subclass"
+        )
+
+    @classmethod
+    def wire_dtype(cls, dtype: str) -> str:
+        """Dtype the reduction runs in for a buffer of ``dtype`` (unknown: itself)."""
+        return canonical_dtype(dtype)
 
 
-class _CastCompressor:
-    """Narrow floating buffers to ``_wire`` by a plain cast."""
+def _cast(tensor: Any, dtype: Any) -> Any:
+    """``tensor`` converted to ``dtype`` (a canonical name or the framework's dtype)."""
+    module = type(tensor).__module__
+    if module.startswith("torch"):
+        import torch
 
-    name = "cast"
-    _wire: str | None = None
+        return tensor.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    if module.startswith(("tensorflow", "keras")):
+        import tensorflow as tf
 
-    def wire_dtype(self, dtype: str) -> str:
+        return tf.cast(tensor, dtype)
+    import numpy as np
+
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        raise TypeError("numpy has no bfloat16; use Compression.fp16 for numpy arrays")
+    return np.asarray(tensor).astype(dtype)
+
+
+class _CastCompressor(Compressor):
+    """Narrow floating tensors to ``_wire`` by a plain cast."""
+
+    name: ClassVar[str] = "cast"
+    _wire: ClassVar[str | None] = None
+
+    @classmethod
+    def wire_dtype(cls, dtype: str) -> str:
         dtype = canonical_dtype(dtype)
-        wire = self._wire
+        wire = cls._wire
         if wire is None or not is_floating(dtype):
             return dtype
         return wire if SUPPORTED_DTYPES[dtype] > SUPPORTED_DTYPES[wire] else dtype
 
-    def compress(self, ops: ArrayOps, wire: Any, flat: Any) -> None:
+    @classmethod
+    def compress(cls, tensor: Any) -> tuple[Any, Any]:
+        """The tensor in the wire dtype, and its own dtype as the context
+        (``None`` when it was not narrowed)."""
+        try:
+            wire = cls.wire_dtype(tensor.dtype)
+        except TypeError:  # a dtype the reduction rejects later, with its own message
+            return tensor, None
+        if wire == canonical_dtype(tensor.dtype):
+            return tensor, None
+        return _cast(tensor, wire), tensor.dtype
+
+    @classmethod
+    def decompress(cls, tensor: Any, ctx: Any) -> Any:
+        """The tensor back in the dtype ``compress`` recorded."""
+        return tensor if ctx is None else _cast(tensor, ctx)
+
+    @classmethod
+    def compress_into(cls, ops: Any, wire: Any, flat: Any) -> None:
+        """Fill the bucket's ``wire`` buffer from the packed ``flat`` (same length)."""
         if wire is not flat:
             ops.cast_into(wire, flat)
 
-    def decompress(self, ops: ArrayOps, flat: Any, wire: Any) -> None:
+    @classmethod
+    def decompress_into(cls, ops: Any, flat: Any, wire: Any) -> None:
+        """Fill ``flat`` from the reduced ``wire`` buffer (same length)."""
         if wire is not flat:
             ops.cast_into(flat, wire)
 
@@ -64,20 +131,20 @@ class _CastCompressor:
 
 
 class NoneCompressor(_CastCompressor):
-    """No compression: the all-reduce runs in the gradients' own dtype (the default)."""
+    """No compression: the reduction runs in the tensors' own dtype (the default)."""
 
     name = "none"
 
 
 class FP16Compressor(_CastCompressor):
-    """float32/float64 buckets travel as float16 (halves the bytes; loses range)."""
+    """float32/float64 tensors travel as float16 (halves the bytes; loses range)."""
 
     name = "fp16"
     _wire = "float16"
 
 
 class BF16Compressor(_CastCompressor):
-    """float32/float64 buckets travel as bfloat16 (float32's range, 8 bits of mantissa)."""
+    """float32/float64 tensors travel as bfloat16 (float32's range, 8 bits of mantissa)."""
 
     name = "bf16"
     _wire = "bfloat16"
@@ -88,11 +155,43 @@ COMPRESSORS: dict[str, type[_CastCompressor]] = {
 }
 
 
-def get_compressor(name_or_obj: str | Compressor | None) -> Compressor:
-    """A compressor by name ('none', 'fp16', 'bf16'), or the object itself.
+class TensorCompressor(Compressor):
+    """A Horovod-style compressor (class or object) applied to whole fusion buffers."""
 
-    ``None`` means 'none'. Anything else raises ``ValueError`` listing the
-    valid names.
+    def __init__(self, user: Any) -> None:
+        self.user = user
+        owner = user if isinstance(user, type) else type(user)
+        self.name = getattr(owner, "name", None) or f"{owner.__module__}.{owner.__qualname__}"  # type: ignore[misc]
+
+    def compress(self, tensor: Any) -> tuple[Any, Any]:  # type: ignore[override]
+        return self.user.compress(tensor)
+
+    def decompress(self, tensor: Any, ctx: Any) -> Any:  # type: ignore[override]
+        return self.user.decompress(tensor, ctx)
+
+    def __repr__(self) -> str:
+        return f"TensorCompressor({self.user!r})"
+
+
+def _is_cast(klass: type) -> bool:
+    """A built-in cast class, or a subclass that keeps its compress/decompress."""
+    for base in klass.__mro__:
+        if base in COMPRESSORS.values() or base is _CastCompressor:
+            return True
+        if "compress" in vars(base) or "decompress" in vars(base):
+            return False
+    return False
+
+
+def get_compressor(name_or_obj: str | Compressor | type[Compressor] | None) -> Compressor:
+    """A compressor from a name ('none', 'fp16', 'bf16'), a compressor class
+    (Horovod passes ``Compression.fp16``, a class) or object.
+
+    ``None`` means 'none'. Built-in casts (and subclasses that do not
+    override compress/decompress) come back as instances of their class;
+    any other object or class with callable ``compress`` and ``decompress``
+    comes back wrapped in ``TensorCompressor``. Anything else raises
+    ``ValueError`` listing what is accepted.
     """
     if name_or_obj is None:
         return NoneCompressor()
@@ -101,14 +200,19 @@ def get_compressor(name_or_obj: str | Compressor | None) -> Compressor:
         if cls is None:
             raise ValueError(
                 f"compression {name_or_obj!r} is not known; valid values: "
-                f"{', '.join(COMPRESSORS)} (or a Compressor object)"
+                f"{', '.join(COMPRESSORS)} (or a Compressor class with compress and decompress)"
             )
         return cls()
-    if isinstance(name_or_obj, type) and issubclass(name_or_obj, _CastCompressor):
-        return name_or_obj()  # Horovod passes classes (Compression.fp16); accept them too
-    if isinstance(name_or_obj, Compressor):
+    if isinstance(name_or_obj, (_CastCompressor, TensorCompressor)):
         return name_or_obj
+    klass = name_or_obj if isinstance(name_or_obj, type) else type(name_or_obj)
+    if _is_cast(klass):
+        return klass() if isinstance(name_or_obj, type) else name_or_obj
+    if callable(getattr(name_or_obj, "compress", None)) and callable(
+            getattr(name_or_obj, "decompress", None)):
+        return TensorCompressor(name_or_obj)
     raise ValueError(
-        f"compression {name_or_obj!r} is neither a name ({', '.join(COMPRESSORS)}) nor an "
-        "object with name, wire_dtype, compress and decompress"
+        f"compression {name_or_obj!r} is neither a name ({', '.join(COMPRESSORS)}) nor a "
+        "compressor: pass hvd.Compression.none/fp16/bf16, or a class with static "
+        "compress(tensor) -> (tensor, ctx) and decompress(tensor, ctx)"
     )

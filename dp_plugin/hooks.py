@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dp_plugin.arrays import ArrayOps
-from dp_plugin.compression import Compressor, get_compressor
-from dp_plugin.dtypes import is_floating
+from dp_plugin.compression import Compressor, _CastCompressor, get_compressor
+from dp_plugin.dtypes import canonical_dtype, is_floating
 from dp_plugin.engines.base import Handle, ReduceOp
 from dp_plugin.validate import check_positive_float
 
@@ -152,15 +152,27 @@ def broadcast_hook(state: HookState, bucket: GradBucket) -> Handle:
 
 
 def compression_wrapper(hook: CommHook, compressor: Compressor | str) -> CommHook:
-    """``hook`` run on a copy of the bucket in the compressor's wire dtype.
+    """``hook`` run on the bucket in the compressor's wire form.
 
-    The wire buffer is allocated once per bucket (``bucket.scratch``) and
-    the cast back happens when the handle is waited on. Buckets the
-    compressor does not narrow (integers, already-narrow floats) go to
-    ``hook`` unchanged.
+    A built-in cast (fp16, bf16) uses a wire buffer allocated once per bucket
+    (``bucket.scratch``) and casts back when the handle is waited on; buckets
+    it does not narrow (integers, already-narrow floats) go to ``hook``
+    unchanged. Any other compressor (Horovod-style ``compress`` /
+    ``decompress``, see ``dp_plugin.compression``) gets the packed 1-D buffer;
+    what its ``compress`` returns is reduced, and ``decompress``'s result is
+    copied back into the bucket.
     """
     comp = get_compressor(compressor)
+    if isinstance(comp, _CastCompressor):
+        wrapped = _cast_wrapper(hook, comp)
+    else:
+        wrapped = _tensor_wrapper(hook, comp)
+    wrapped.__name__ = f"{comp.name}_{getattr(hook, '__name__', 'hook')}"
+    wrapped.__qualname__ = wrapped.__name__
+    return wrapped
 
+
+def _cast_wrapper(hook: CommHook, comp: _CastCompressor) -> CommHook:
     def compressed(state: HookState, bucket: GradBucket) -> Handle:
         wire_dtype = comp.wire_dtype(bucket.dtype)
         if wire_dtype == bucket.dtype:
@@ -171,13 +183,44 @@ def compression_wrapper(hook: CommHook, compressor: Compressor | str) -> CommHoo
         if wire is None:
             wire = bucket.ops.empty(int(flat.shape[0]), wire_dtype, bucket.device)
             bucket.scratch[key] = wire
-        comp.compress(bucket.ops, wire, flat)
+        comp.compress_into(bucket.ops, wire, flat)
         inner = GradBucket(bucket.index, wire_dtype, bucket.device, bucket.names, bucket.ops,
                            wire, bucket.label, bucket.scratch)
-        return hook(state, inner).then(lambda: comp.decompress(bucket.ops, flat, wire))
+        return hook(state, inner).then(lambda: comp.decompress_into(bucket.ops, flat, wire))
 
-    compressed.__name__ = f"{comp.name}_{getattr(hook, '__name__', 'hook')}"
-    compressed.__qualname__ = compressed.__name__
+    return compressed
+
+
+def _tensor_wrapper(hook: CommHook, comp: Compressor) -> CommHook:
+    def compressed(state: HookState, bucket: GradBucket) -> Handle:
+        flat = bucket.buffer()
+        wire, ctx = comp.compress(flat)
+        try:
+            wire_dtype = canonical_dtype(wire.dtype)
+        except (AttributeError, TypeError) as exc:
+            raise TypeError(
+                f"compressor {comp.name}: compress() returned {type(wire).__name__} "
+                f"({exc}); it must return (tensor, ctx) with a tensor of a reducible dtype"
+            ) from None
+        inner = GradBucket(bucket.index, wire_dtype, bucket.device, bucket.names, bucket.ops,
+                           wire, bucket.label, bucket.scratch)
+
+        def restore() -> None:
+            out = comp.decompress(wire, ctx)
+            if out is flat:
+                return
+            numel = int(flat.shape[0])
+            got = out.reshape(-1)
+            if int(got.shape[0]) != numel:
+                raise ValueError(
+                    f"compressor {comp.name}: decompress() returned {int(got.shape[0])} "
+                    f"elements for a bucket of {numel}; it must restore the tensor "
+                    "compress() was given"
+                )
+            bucket.ops.cast_into(flat, got)
+
+        return hook(state, inner).then(restore)
+
     return compressed
 
 

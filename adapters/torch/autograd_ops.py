@@ -27,8 +27,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from dp_plugin.compression import get_compressor
-from dp_plugin.dtypes import canonical_dtype
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.torch.collectives import (
     allreduce_async,
@@ -56,13 +54,6 @@ def _compress(compression: Any, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """(tensor on the wire, context for ``_decompress``); differentiable."""
     if compression is None or compression is _NONE:
         return t, None
-    if hasattr(compression, "wire_dtype"):  # dp_plugin's compressors (hvd.Compression.*)
-        try:
-            wire = get_compressor(compression).wire_dtype(canonical_dtype(t.dtype))
-        except TypeError:  # an unsupported dtype: the agreement check reports it
-            return t, None
-        target = getattr(torch, wire)
-        return (t, None) if target == t.dtype else (t.to(target), t.dtype)
     if callable(getattr(compression, "compress", None)) and callable(
             getattr(compression, "decompress", None)):
         compressed, ctx = compression.compress(t)
@@ -75,8 +66,8 @@ def _compress(compression: Any, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
 
 
 def _decompress(compression: Any, t: torch.Tensor, ctx: Any) -> torch.Tensor:
-    if compression is None or compression is _NONE or hasattr(compression, "wire_dtype"):
-        return t if ctx is None else t.to(ctx)
+    if compression is None or compression is _NONE:
+        return t
     out: torch.Tensor = compression.decompress(t, ctx)
     return out
 

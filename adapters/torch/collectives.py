@@ -14,22 +14,25 @@ Distributed contract:
 - allreduce is asynchronous: the call returns with the engine's all-reduce in
   flight, and ``synchronize`` waits, applies the post-scale and copies back.
   Grouped allreduces are fused into one flat buffer per dtype and device.
-  allgather, broadcast, alltoall and reducescatter are blocking in the engine
-  interface, so they run to completion inside the ``*_async`` call (the
-  handle is complete when returned). Either way the collectives are issued
-  in program order, identically on every rank;
+  allgather and reducescatter are asynchronous too where the engine's library
+  is (gloo, nccl, mpi): the call returns after the agreement check with the
+  data in flight, and ``poll`` says when it has arrived. broadcast and
+  alltoall run to completion inside the ``*_async`` call (the handle is
+  complete when returned). Either way the collectives are issued in program
+  order, identically on every rank;
 - inputs are never modified except by the in-place variants (``*_``); non-
   contiguous inputs are copied (in-place variants copy the result back).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from dp_plugin.arrays import TorchOps
 from dp_plugin.collective import UNBOUNDED, FusedCollective
-from dp_plugin.engines.base import Engine, ReduceOp
+from dp_plugin.engines.base import Engine, Handle, ReduceOp
 from dp_plugin.engines.exchange import Header, as_splits
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
@@ -136,30 +139,42 @@ def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: Any = global_process_set) -> int:
     """Concatenate ``tensor`` from every rank along the first dimension (which
-    may differ between ranks). Runs at the call; ``synchronize`` returns the
-    result."""
-    outs, _, key = gather(check_tensors(tensor, "allgather_async"), name, process_set,
-                          "allgather_async")
-    return TABLE.add(Ready(outs[0]), key)
+    may differ between ranks). The rows move in the background (gloo, nccl,
+    mpi): ``poll`` says when; ``synchronize`` returns the result."""
+    handles, finish, _, key = start_gather(check_tensors(tensor, "allgather_async"), name,
+                                           process_set, "allgather_async")
+    return TABLE.add(InFlight(handles, lambda: finish()[0]), key)
 
 
 def grouped_allgather_async(tensors: list[torch.Tensor], name: str | None = None,
                             process_set: Any = global_process_set) -> int:
     """``allgather_async`` of each tensor of a list; ``synchronize`` returns a tuple."""
-    outs, _, key = gather(check_tensors(tensors, "grouped_allgather_async"), name, process_set,
-                          "grouped_allgather_async")
-    return TABLE.add(Ready(tuple(outs)), key)
+    handles, finish, _, key = start_gather(check_tensors(tensors, "grouped_allgather_async"),
+                                           name, process_set, "grouped_allgather_async")
+    return TABLE.add(InFlight(handles, lambda: tuple(finish())), key)
 
 
 def gather(tensors: list[torch.Tensor], name: str | None, process_set: Any,
            what: str) -> tuple[list[torch.Tensor], list[list[int]], Any]:
-    """Run the all-gathers; return the outputs, every rank's first dimension
-    per tensor (for the gradient), and the name key."""
+    """Run the all-gathers to completion; return the outputs, every rank's
+    first dimension per tensor (for the gradient), and the name key."""
+    handles, finish, dims, key = start_gather(tensors, name, process_set, what)
+    for h in handles:
+        h.wait()
+    return finish(), dims, key
+
+
+def start_gather(tensors: list[torch.Tensor], name: str | None, process_set: Any,
+                 what: str) -> tuple[list[Handle], Callable[[], list[torch.Tensor]],
+                                     list[list[int]], Any]:
+    """Start the all-gathers: (handles, function returning the outputs once
+    they are done, first dimensions, name key)."""
     engine = engine_of(process_set, what)
     key, table = agree(engine, "allgather", tensors, name, process_set)
     label = name or "allgather"
-    outs = [engine.allgather(t.detach().contiguous(), name=label) for t in tensors]
-    return outs, [first_dims(table, i) for i in range(len(tensors))], key
+    started = [engine.allgather_async(t.detach().contiguous(), name=label) for t in tensors]
+    return ([h for h, _ in started], lambda: [result() for _, result in started],
+            [first_dims(table, i) for i in range(len(tensors))], key)
 
 
 # -- broadcast ------------------------------------------------------------------
@@ -257,11 +272,12 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
                         postscale_factor: float = 1.0) -> int:
     """Reduce ``tensor`` (same shape on every rank) and give each rank a block
     of rows: ``rows // size`` each, the first ``rows % size`` ranks one more
-    (Horovod's rule). ``op``: Average (default) or Sum. Runs at the call."""
-    outs, key = reduce_scatter(check_tensors(tensor, "reducescatter_async"), name, op,
-                               prescale_factor, postscale_factor, process_set,
-                               "reducescatter_async")
-    return TABLE.add(Ready(outs[0]), key)
+    (Horovod's rule). ``op``: Average (default) or Sum. The reduction runs in
+    the background (gloo, nccl, mpi); ``synchronize`` returns the block."""
+    handles, finish, key = start_reduce_scatter(
+        check_tensors(tensor, "reducescatter_async"), name, op, prescale_factor,
+        postscale_factor, process_set, "reducescatter_async")
+    return TABLE.add(InFlight(handles, lambda: finish()[0]), key)
 
 
 def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = None,
@@ -272,15 +288,29 @@ def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = 
     """``reducescatter_async`` of each tensor of a list; ``synchronize``
     returns a tuple."""
     what = "grouped_reducescatter_async"
-    outs, key = reduce_scatter(check_tensors(tensors, what), name, op, prescale_factor,
-                               postscale_factor, process_set, what)
-    return TABLE.add(Ready(tuple(outs)), key)
+    handles, finish, key = start_reduce_scatter(check_tensors(tensors, what), name, op,
+                                                prescale_factor, postscale_factor,
+                                                process_set, what)
+    return TABLE.add(InFlight(handles, lambda: tuple(finish())), key)
 
 
 def reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any, prescale: Any,
                    postscale: Any, process_set: Any,
                    what: str) -> tuple[list[torch.Tensor], Any]:
-    """Run the reduce-scatters; return the outputs and the name key."""
+    """Run the reduce-scatters to completion; return the outputs and the name key."""
+    handles, finish, key = start_reduce_scatter(tensors, name, op, prescale, postscale,
+                                                process_set, what)
+    for h in handles:
+        h.wait()
+    return finish(), key
+
+
+def start_reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any,
+                         prescale: Any, postscale: Any, process_set: Any,
+                         what: str) -> tuple[list[Handle], Callable[[], list[torch.Tensor]],
+                                             Any]:
+    """Start the reduce-scatters: (handles, function returning the scaled
+    outputs once they are done, name key)."""
     op = resolve_op(op, None, what)
     if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError(
@@ -294,14 +324,22 @@ def reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any, presc
                    prescale=pre, postscale=post)
     policy = ReducePolicy.for_collective(op, engine.size, prescale=pre, postscale=post)
     ops = TorchOps()
-    outs = []
+    started = []
     for t in tensors:
         buf = contiguous_copy(t)
         ops.scale_(buf, policy.prescale)
-        out = engine.reducescatter(buf, policy.engine_op, name=name or "reducescatter")
-        ops.scale_(out, policy.postscale)
-        outs.append(out)
-    return outs, key
+        started.append(engine.reducescatter_async(buf, policy.engine_op,
+                                                  name=name or "reducescatter"))
+
+    def finish() -> list[torch.Tensor]:
+        outs = []
+        for _, result in started:
+            out = result()
+            ops.scale_(out, policy.postscale)
+            outs.append(out)
+        return outs
+
+    return [h for h, _ in started], finish, key
 
 
 # -- barrier --------------------------------------------------------------------

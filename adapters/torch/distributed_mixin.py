@@ -61,6 +61,8 @@ class _State:
     names: dict[torch.Tensor, str]
     named: bool
     compressor: Compressor
+    compression: Any
+    """The ``compression`` argument as the user gave it."""
     op: ReduceOp
     predivide: float
     passes: int
@@ -119,6 +121,18 @@ class _DistributedMixin:
     @property
     def process_set(self) -> ProcessSet:
         return self._dp.process_set
+
+    @property
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
+        """Parameter -> name, as Horovod's attribute: from ``named_parameters``,
+        else ``allreduce.noname.<group>.<index>`` (parameters added later
+        with ``add_param_group`` get theirs when added)."""
+        return self._dp.names
+
+    @property
+    def _compression(self) -> Any:
+        """The ``compression`` argument, as given (Horovod's attribute)."""
+        return self._dp.compression
 
     def comm_stats(self) -> StatsHistory | None:
         """Per-step communication stats of the gradient reduction (``StepStats``:

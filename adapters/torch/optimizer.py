@@ -152,7 +152,8 @@ def DistributedOptimizer(
         {k: v for k, v in vars(optimizer).items() if k not in shadowed}
     )
     wrapped._dp = _State(
-        names=names, named=named_parameters is not None, compressor=compressor, op=reduce_op,
+        names=names, named=named_parameters is not None, compressor=compressor,
+        compression=compression, op=reduce_op,
         predivide=float(gradient_predivide_factor), passes=backward_passes_per_step,
         sparse_as_dense=bool(sparse_as_dense), groups=groups, process_set=process_set,
         engine=channel, label=label,

@@ -16,8 +16,8 @@ def compressor_of(compression: Any) -> Compressor:
     except ValueError:
         raise ValueError(
             f"compression={compression!r} is not supported; use hvd.Compression.none, "
-            "hvd.Compression.fp16 or hvd.Compression.bf16 (dp_plugin compresses whole fusion "
-            "buffers, so Horovod-style per-tensor compressor classes cannot be plugged in)"
+            "hvd.Compression.fp16, hvd.Compression.bf16 or a compressor class with static "
+            "compress(tensor) -> (tensor, ctx) and decompress(tensor, ctx)"
         ) from None
 
 
@@ -60,11 +60,12 @@ def parameter_names(
 
 
 def default_name(group: dict[str, Any], i: int, j: int) -> str:
-    """Horovod's default name, or torch's own when the optimizer was given named
-    parameters (torch >= 2.6 keeps them in the group's ``param_names``)."""
-    names = group.get("param_names")
-    if names is not None and j < len(names):
-        return str(names[j])
+    """Horovod's name for parameter ``j`` of param group ``i`` when no
+    ``named_parameters`` were given: ``allreduce.noname.<i>.<j>``. Horovod's
+    rule is kept even when torch >= 2.6 has the group's ``param_names``
+    (Horovod predates them), so names (and a horovod engine's collective
+    names) are the same as under Horovod."""
+    del group
     return f"allreduce.noname.{i}.{j}"
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -50,6 +50,10 @@ from dp_plugin.engines.handle import DoneHandle as DoneHandle
 from dp_plugin.engines.handle import Handle
 from dp_plugin.errors import DPPluginError
 from dp_plugin.launch import Topology
+
+Started = tuple[Handle, Callable[[], Any]]
+"""A collective in flight and the function that returns its output once
+the handle is done (``allgather_async``, ``reducescatter_async``)."""
 
 
 class ReduceOp(enum.Enum):
@@ -217,12 +221,21 @@ class Engine(ABC):
         unsupported dtype or a mismatch on any rank raises the same
         exception on every rank; then ``_allgather`` moves the rows.
         """
+        handle, result = self.allgather_async(buf, name)
+        handle.wait()
+        return result()
+
+    def allgather_async(self, buf: Any, name: str = "allgather") -> Started:
+        """``allgather`` started: the header exchange runs now (a mistake
+        raises here, on every rank), the rows move in the background where
+        the engine can (torch.distributed, MPI). Returns ``(handle,
+        result)``: wait for ``handle``, then ``result()`` is the output."""
         what = f"allgather {name!r}"
         self._check_usable(what)
         header = exchange.Header(buf, 0)
         table = self._exchange(header.row, what)
         exchange.check_table(table, header, what, same_first_dim=False)
-        return self._allgather(buf, exchange.first_dims(table), name)
+        return self._allgather_start(buf, exchange.first_dims(table), name)
 
     def barrier(self) -> None:
         self._check_usable("barrier")
@@ -272,6 +285,15 @@ class Engine(ABC):
         Collective and a synchronization point; a shape, dtype or op mismatch
         between ranks raises the same exception on every rank.
         """
+        handle, result = self.reducescatter_async(buf, op, name)
+        handle.wait()
+        return result()
+
+    def reducescatter_async(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM,
+                            name: str = "reducescatter") -> Started:
+        """``reducescatter`` started: the header exchange runs now, the
+        reduction in the background where the engine can. Returns
+        ``(handle, result)`` as ``allgather_async``."""
         op = ReduceOp.parse(op)
         what = f"reducescatter {name!r}"
         self._check_usable(what)
@@ -292,10 +314,16 @@ class Engine(ABC):
             )
         counts = exchange.reducescatter_counts(int(buf.shape[0]), self.size)
         if op in self.native_ops:
-            return self._reducescatter(buf, op, counts, name)
-        out = self._reducescatter(buf, ReduceOp.SUM, counts, name)
-        _divide(out, self.size)
-        return out
+            return self._reducescatter_start(buf, op, counts, name)
+        handle, result = self._reducescatter_start(buf, ReduceOp.SUM, counts, name)
+        size = self.size
+
+        def averaged() -> Any:
+            out = result()
+            _divide(out, size)
+            return out
+
+        return handle, averaged
 
     def subgroup(self, ranks: Sequence[int], name: str = "process_set") -> Engine | None:
         """An engine whose collectives run among ``ranks`` only.
@@ -406,17 +434,47 @@ class Engine(ABC):
     def _reducescatter(self, buf: Any, op: ReduceOp, counts: list[int], name: str) -> Any:
         """Reduce with ``op`` (native for this engine) and return this rank's
         ``counts[rank]`` rows. Generic path: all-reduce a copy, then slice."""
+        handle, result = self._reducescatter_by_allreduce(buf, op, counts, name)
+        handle.wait()
+        return result()
+
+    def _reducescatter_by_allreduce(self, buf: Any, op: ReduceOp, counts: list[int],
+                                    name: str) -> Started:
+        """The generic reduce-scatter, started: an all-reduce of a copy in
+        flight; the result slices this rank's rows out of it."""
         torch_buf = is_torch(buf)
         flat: Any = buf.detach().reshape(-1).clone() if torch_buf else (
             np.array(as_numpy(buf).reshape(-1), copy=True))
         if flat.shape[0]:  # same shape everywhere: every rank skips alike
-            self._allreduce_async(flat, op, name).wait()
+            handle = self._allreduce_async(flat, op, name)
+        else:
+            handle = DoneHandle(self.describe("reducescatter", name, 0), self.rank,
+                                self.config.timeout_s)
         row = int(np.prod(buf.shape[1:], dtype=np.int64))
         start = sum(counts[:self.rank]) * row
-        mine = flat[start:start + counts[self.rank] * row]
-        # A copy, so the result does not keep the whole reduced buffer alive.
-        mine = mine.clone() if torch_buf else mine.copy()
-        return mine.reshape((counts[self.rank], *buf.shape[1:]))
+        shape = (counts[self.rank], *buf.shape[1:])
+
+        def result() -> Any:
+            mine = flat[start:start + counts[self.rank] * row]
+            # A copy, so the result does not keep the whole reduced buffer alive.
+            mine = mine.clone() if torch_buf else mine.copy()
+            return mine.reshape(shape)
+
+        return handle, result
+
+    def _allgather_start(self, buf: Any, rows: list[int], name: str) -> Started:
+        """Start ``_allgather``; engines with a non-blocking library call
+        override it. Default: the rows move now (the handle is done)."""
+        out = self._allgather(buf, rows, name)
+        return DoneHandle(self.describe("allgather", name), self.rank,
+                          self.config.timeout_s), lambda: out
+
+    def _reducescatter_start(self, buf: Any, op: ReduceOp, counts: list[int],
+                             name: str) -> Started:
+        """Start ``_reducescatter``; default: it runs now (the handle is done)."""
+        out = self._reducescatter(buf, op, counts, name)
+        return DoneHandle(self.describe("reducescatter", name), self.rank,
+                          self.config.timeout_s), lambda: out
 
     def _channel(self, name: str) -> Engine:
         """A new communicator over the same ranks. Default: a subgroup of all."""

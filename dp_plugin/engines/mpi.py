@@ -42,7 +42,7 @@ import numpy as np
 from dp_plugin.arrays import as_numpy, as_torch, is_torch, numpy_dtype
 from dp_plugin.config import Config
 from dp_plugin.dtypes import canonical_dtype
-from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp
+from dp_plugin.engines.base import Availability, DoneHandle, Engine, Handle, ReduceOp, Started
 from dp_plugin.engines.deadline import bounded_on
 from dp_plugin.errors import EngineUnavailableError
 from dp_plugin.launch import Topology
@@ -197,6 +197,11 @@ class MPIEngine(Engine):
         return _MPIHandle(self, description, [request], (buf, arr))
 
     def _allgather(self, buf: Any, rows: list[int], name: str) -> Any:
+        handle, result = self._allgather_start(buf, rows, name)
+        handle.wait()
+        return result()
+
+    def _allgather_start(self, buf: Any, rows: list[int], name: str) -> Started:
         """``Iallgatherv`` of the rows, with the agreed per-rank counts."""
         arr = as_numpy(buf)
         if not arr.flags.c_contiguous:
@@ -206,13 +211,13 @@ class MPIEngine(Engine):
         counts = [r * row_elems for r in rows]
         out = np.empty((sum(rows), *trailing), dtype=arr.dtype)
         mpi_type = self._types[canonical_dtype(arr.dtype)]
-        _MPIHandle(
+        handle = _MPIHandle(
             self, self.describe("allgather", name, out.nbytes),
             [self._comm.Iallgatherv([_wire(arr), arr.size, mpi_type],
                                     [_wire(out), (counts, _displacements(counts)), mpi_type])],
             (arr, out),
-        ).wait()
-        return as_torch(out) if is_torch(buf) else out
+        )
+        return handle, lambda: as_torch(out) if is_torch(buf) else out
 
     def _barrier(self) -> None:
         _MPIHandle(self, "mpi barrier", [self._comm.Ibarrier()], ()).wait()
@@ -262,6 +267,12 @@ class MPIEngine(Engine):
         return as_torch(out) if is_torch(buf) else out
 
     def _reducescatter(self, buf: Any, op: ReduceOp, counts: list[int], name: str) -> Any:
+        handle, result = self._reducescatter_start(buf, op, counts, name)
+        handle.wait()
+        return result()
+
+    def _reducescatter_start(self, buf: Any, op: ReduceOp, counts: list[int],
+                             name: str) -> Started:
         """``Ireduce_scatter`` with per-rank element counts."""
         arr = as_numpy(buf)
         if not arr.flags.c_contiguous:
@@ -270,6 +281,8 @@ class MPIEngine(Engine):
         trailing = arr.shape[1:]
         row = int(np.prod(trailing, dtype=np.int64))
         out = np.empty((counts[self.rank], *trailing), dtype=arr.dtype)
+        description = self.describe("reducescatter", name, arr.nbytes)
+        handle: Handle
         if arr.size:  # same shape everywhere: every rank skips alike
             mpi_type = self._types[dtype]
             request = self._comm.Ireduce_scatter(
@@ -277,9 +290,10 @@ class MPIEngine(Engine):
                 [_wire(out.reshape(-1)), out.size, mpi_type],
                 [c * row for c in counts], self._op(dtype, op),
             )
-            _MPIHandle(self, self.describe("reducescatter", name, arr.nbytes), [request],
-                       (arr, out)).wait()
-        return as_torch(out) if is_torch(buf) else out
+            handle = _MPIHandle(self, description, [request], (arr, out))
+        else:
+            handle = DoneHandle(description, self.rank, self.config.timeout_s)
+        return handle, lambda: as_torch(out) if is_torch(buf) else out
 
     def _subgroup(self, members: tuple[int, ...], topology: Topology | None,
                   name: str) -> Engine | None:

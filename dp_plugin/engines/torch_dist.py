@@ -37,7 +37,14 @@ from dp_plugin import netif
 from dp_plugin.arrays import as_numpy, as_torch, is_torch
 from dp_plugin.config import Config
 from dp_plugin.engines import rendezvous as rdv
-from dp_plugin.engines.base import Availability, DoneHandle, Engine, Handle, ReduceOp
+from dp_plugin.engines.base import (
+    Availability,
+    DoneHandle,
+    Engine,
+    Handle,
+    ReduceOp,
+    Started,
+)
 from dp_plugin.engines.deadline import bounded_on
 from dp_plugin.errors import DPPluginError, EngineUnavailableError
 from dp_plugin.launch import Topology
@@ -272,25 +279,40 @@ class TorchDistEngine(Engine):
         return self._handle(work, desc)
 
     def _allgather(self, buf: Any, rows: list[int], name: str) -> Any:
+        handle, result = self._allgather_start(buf, rows, name)
+        handle.wait()
+        return result()
+
+    def _allgather_start(self, buf: Any, rows: list[int], name: str) -> Started:
         t = self._tensor(buf, f"allgather {name!r}", flat=False)
         torch = self._torch
         trailing = tuple(t.shape[1:])
         longest = max(rows)
         if longest == 0:  # rows are agreed: every rank skips alike
-            result = t.new_empty((0, *trailing))
-        else:
-            send = t.contiguous()
-            if send.shape[0] != longest:  # pad to the longest: all_gather needs equal sizes
-                send = t.new_zeros((longest, *trailing))
-                send[: t.shape[0]] = t
-            parts = [torch.empty_like(send) for _ in range(self.size)]
-            self._handle(
-                self._dist.all_gather([self._wire(p) for p in parts], self._wire(send),
-                                      group=self._group, async_op=True),
-                self.describe("allgather", name, send.numel() * send.element_size()),
-            ).wait()
-            result = torch.cat([p[:n] for p, n in zip(parts, rows, strict=True)])
-        return result if is_torch(buf) else as_numpy(result)
+            empty = t.new_empty((0, *trailing))
+            return (DoneHandle(self.describe("allgather", name, 0), self.rank,
+                               self.config.timeout_s),
+                    lambda: empty if is_torch(buf) else as_numpy(empty))
+        send = t.contiguous()
+        if send.shape[0] != longest:  # pad to the longest: all_gather needs equal sizes
+            send = t.new_zeros((longest, *trailing))
+            send[: t.shape[0]] = t
+        parts = [torch.empty_like(send) for _ in range(self.size)]
+        handle = self._handle(
+            self._dist.all_gather([self._wire(p) for p in parts], self._wire(send),
+                                  group=self._group, async_op=True),
+            self.describe("allgather", name, send.numel() * send.element_size()),
+        )
+
+        def result() -> Any:
+            out = torch.cat([p[:n] for p, n in zip(parts, rows, strict=True)])
+            return out if is_torch(buf) else as_numpy(out)
+
+        return handle, result
+
+    def _reducescatter_start(self, buf: Any, op: ReduceOp, counts: list[int],
+                             name: str) -> Started:
+        return self._reducescatter_by_allreduce(buf, op, counts, name)
 
     def _barrier(self) -> None:
         token = self._torch.zeros(1, dtype=self._torch.int32, device=self._device)

@@ -661,3 +661,27 @@ def test_join_flags_decode_every_op(op: ReduceOp) -> None:
     reduce()
     assert flags[0].decide() == (True, 1)  # ranks 0 and 1 joined last; the highest wins
     assert slots[0].slot.tolist() == [flags[0]._code.idle] * 3  # reset for the next step
+
+
+def test_unnamed_parameters_get_horovods_names() -> None:
+    """Horovod's rule: ``allreduce.noname.<group>.<index>``, in ``_parameter_names``,
+    also when torch keeps ``param_names`` (Horovod 0.28.1 ignores them)."""
+    model, extra = linear_model(), nn.Linear(2, 2)
+    params = list(model.parameters())
+    sgd = torch.optim.SGD([{"params": params[:1]}, {"params": params[1:]}], lr=0.1)
+    opt = hvd.DistributedOptimizer(sgd)
+    names = opt._parameter_names
+    assert [names[p] for p in params] == ["allreduce.noname.0.0"] + [
+        f"allreduce.noname.1.{j}" for j in range(len(params) - 1)]
+    opt.add_param_group({"params": extra.parameters()})
+    assert opt._parameter_names[extra.weight] == "allreduce.noname.2.0"
+    named = hvd.DistributedOptimizer(torch.optim.SGD(model.named_parameters(), lr=0.1))
+    assert named._parameter_names[params[0]] == "allreduce.noname.0.0"
+    assert named._compression is hvd.Compression.none
+    given = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters(),
+                                     compression=hvd.Compression.fp16)
+    assert given._parameter_names[params[0]] == "0.weight"
+    assert given._compression is hvd.Compression.fp16
+    backward(model)
+    given.step()

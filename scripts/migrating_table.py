@@ -1,0 +1,256 @@
+"""Write docs/migrating.md: every public name of Horovod 0.28.1's modules, and dp_plugin's answer.
+
+    python scripts/migrating_table.py            # regenerate docs/migrating.md
+    python scripts/migrating_table.py --check    # fail if the committed file is stale
+
+For each pair (``horovod.torch`` / ``dp_plugin.torch``, ``horovod.tensorflow``
+/ ``dp_plugin.tensorflow``, ``horovod.tensorflow.keras`` / ``dp_plugin.keras``)
+the public names of the Horovod module are the names its ``__init__.py``
+binds at top level (``def``, ``class``, assignments and ``from horovod... import``),
+minus private ones and Horovod's internal utilities (``horovod.common.util``).
+They are read with ``ast`` from the installed source, and the module is also
+imported when it can be (under Keras 3 some cannot; the page says which).
+
+Each name is *supported* when the dp_plugin module has it, *supported with a
+difference* when ``NOTES`` says so, and *not supported* only with a reason in
+``NOTES``. A Horovod name that dp_plugin lacks and ``NOTES`` does not explain
+is an error: the script fails, so the page cannot silently go stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "migrating.md"
+
+PAIRS = [
+    ("horovod.torch", "dp_plugin.torch"),
+    ("horovod.tensorflow", "dp_plugin.tensorflow"),
+    ("horovod.tensorflow.keras", "dp_plugin.keras"),
+]
+
+# Horovod helpers that its modules import for their own use, not API.
+INTERNAL_SOURCES = ("horovod.common.util",)
+
+DIFF, UNSUPPORTED = "difference", "unsupported"
+
+# name (any module) or "module:name" (one module) -> (kind, text). Keep each
+# text one sentence: what differs (or why it is missing) and what to do.
+NOTES: dict[str, tuple[str, str]] = {
+    "elastic": (UNSUPPORTED, "elastic training (hosts joining and leaving a running job) is "
+                "out of scope; restart the job with the new size and resume from a checkpoint "
+                "(`save_checkpoint`/`load_checkpoint`)"),
+    "Adasum": (DIFF, "accepted as a name, but `op=Adasum` raises `NotImplementedError`; use "
+               "`op=Average`"),
+    "HorovodInternalError": (DIFF, "is dp_plugin's base error `DPPluginError`: every error "
+                             "dp_plugin raises on purpose is one"),
+    "Compression": (DIFF, "adds `Compression.bf16`; on `DistributedOptimizer` a compressor "
+                    "sees a whole fusion bucket (1-D, several gradients) instead of each "
+                    "gradient"),
+    "DistributedOptimizer": (DIFF, "`groups`/`num_groups` are validated hints only (the "
+                             "planner fuses gradients into `DP_PLUGIN_FUSION_THRESHOLD` "
+                             "buckets); `op=Adasum` is not supported"),
+    "join": (DIFF, "a joined rank answers the `DistributedOptimizer` steps of the ranks "
+             "still training; their other collectives (allreduce, allgather, broadcast) are "
+             "not answered yet and fail with an error instead of completing"),
+    "synchronize": (DIFF, "an unknown or already-synchronized handle raises `ValueError` "
+                    "(Horovod returns None)"),
+    "horovod.torch:broadcast_optimizer_state": (
+        DIFF, "also works for LBFGS and optimizers whose state is created lazily, without "
+        "Horovod's zero-gradient dummy step"),
+    "mpi_threads_supported": (DIFF, "answers for dp_plugin's MPI engine (mpi4py's thread "
+                              "level), False without it"),
+    "horovod.tensorflow:LocalGradientAggregationHelper": (
+        UNSUPPORTED, "an internal class of Horovod's TF1 optimizer; use "
+        "`backward_passes_per_step` of `DistributedOptimizer`/`DistributedGradientTape`"),
+    "horovod.tensorflow:handle_average_backwards_compatibility": (
+        UNSUPPORTED, "an internal helper of Horovod's `average=` deprecation; pass `op=`"),
+    "horovod.tensorflow:check_num_rank_power_of_2": (
+        UNSUPPORTED, "an Adasum helper, and Adasum is not supported"),
+    "horovod.tensorflow:vars_to_refs": (UNSUPPORTED, "an internal TF1 helper; not needed "
+                                        "with TF2 variables"),
+    "horovod.tensorflow:refs_to_vars": (UNSUPPORTED, "an internal TF1 helper; not needed "
+                                        "with TF2 variables"),
+}
+
+PROSE = """\
+# Coming from Horovod
+
+dp_plugin keeps Horovod 0.28.1's Python API: change the import and keep the
+script.
+
+| Horovod | dp_plugin |
+|---|---|
+| `import horovod.torch as hvd` | `import dp_plugin.torch as hvd` |
+| `import horovod.tensorflow as hvd` | `import dp_plugin.tensorflow as hvd` |
+| `import horovod.tensorflow.keras as hvd` | `import dp_plugin.keras as hvd` |
+
+`from horovod.torch.compression import Compressor` becomes
+`from dp_plugin.torch.compression import Compressor`.
+Launch as before (`horovodrun`, `mpirun`, `torchrun`, `srun`); no Horovod
+installation is needed (see [configuration.md](configuration.md)).
+
+## The one change Keras 3 forces
+
+Horovod's Keras guide told every user to write
+
+```python
+model.compile(optimizer=opt, loss=..., experimental_run_tf_function=False)
+```
+
+Keras 3 (TensorFlow >= 2.16) removed that argument and `compile()` rejects
+it. Delete it: `model.compile(optimizer=opt, loss=...)`. dp_plugin's
+`DistributedOptimizer` works inside Keras 3's compiled train step, so
+nothing replaces it. Likewise `opt.variables` is a property in Keras 3, not a
+method: `opt.variables()` becomes `opt.variables`.
+
+## Remaining differences, and why
+
+- **Errors at the call, on every rank.** Every tensor collective first checks
+  that the ranks agree (names, shapes, dtypes, ops, roots); a mismatch raises
+  the same error on every rank at the call, where Horovod raises at
+  `synchronize` or stalls. Why: a mistake must never hang a job.
+- **`synchronize(handle)` twice raises** `ValueError` (Horovod returns None):
+  a second wait on the same handle is always a bug.
+- **Names are released at `synchronize`**, not when the background thread
+  finishes: program order, so every rank agrees on which names are in flight.
+- **Compressors on `DistributedOptimizer` see fusion buckets.** A
+  Horovod-style `Compressor` subclass works on both `hvd.allreduce` (per
+  tensor, as Horovod) and `DistributedOptimizer`, where it receives the packed
+  1-D buffer of several gradients: gradients are fused before they travel.
+  Element-wise compressors (casts, quantisation) behave the same.
+- **`groups` / `num_groups` are hints.** The planner already fuses gradients
+  deterministically into buckets of `DP_PLUGIN_FUSION_THRESHOLD` bytes.
+- **Adasum is not supported** (`op=Adasum` raises `NotImplementedError`): use
+  `op=Average`, which converges the same for synchronous SGD.
+- **`join()`** answers the `DistributedOptimizer` steps of the ranks still
+  training, but not yet their tensor collectives (`allreduce`, `allgather`,
+  `broadcast`, grouped forms): those fail with a clear error (never a hang)
+  where Horovod lets them complete with the joined ranks contributing zeros.
+- **`horovod.*.elastic` has no counterpart**: restart with the new size and
+  resume from a checkpoint.
+- **`broadcast_optimizer_state`** sends the root's whole state (tensors fused
+  as raw bytes, the rest pickled) and loads it on the others, so it needs no
+  dummy step and works for every `torch.optim` optimizer, LBFGS included
+  (Horovod refuses LBFGS).
+- **`DistributedOptimizer` without `named_parameters`** names parameters
+  `allreduce.noname.<group>.<index>`, as Horovod, and exposes them in
+  `optimizer._parameter_names`.
+- **Process sets** need no `HOROVOD_DYNAMIC_PROCESS_SETS`; sets built from an
+  mpi4py communicator are not supported (pass the ranks).
+- **`SyncBatchNorm`** also runs on CPU tensors and tolerates empty shards.
+- **Build flags** (`nccl_built()`, `mpi_enabled()` ...) answer for
+  dp_plugin's engines, not for a Horovod build.
+"""
+
+
+def public_names(module: str) -> tuple[list[str], bool, str]:
+    """(sorted public names, imported?, import error) of a Horovod module."""
+    # Located without importing it: a parent package may not import (Keras 3).
+    top = importlib.util.find_spec("horovod")
+    if top is None or top.origin is None:
+        raise SystemExit("horovod is not installed; run `make install` first")
+    source = Path(top.origin).parent.joinpath(*module.split(".")[1:], "__init__.py")
+    tree = ast.parse(source.read_text(), filename=str(source))
+    names: set[str] = set()
+    for node in _top_level(tree.body):
+        if isinstance(node, ast.ImportFrom):
+            source = "." * node.level + (node.module or "")
+            if source.startswith("horovod") and not source.startswith(INTERNAL_SOURCES):
+                names.update(a.asname or a.name for a in node.names)
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    error = ""
+    try:
+        importlib.import_module(module)
+        imported = True
+    except Exception as exc:  # any import failure is reported in the page
+        first = re.sub(r"/\S+/", "", str(exc).splitlines()[0])  # no machine paths
+        imported, error = False, f"{type(exc).__name__}: {first}"[:160]
+    return sorted(n for n in names if not n.startswith("_")), imported, error
+
+
+def _top_level(body: list[ast.stmt]) -> list[ast.stmt]:
+    """Statements of the module body, with those inside top-level if/try blocks."""
+    out: list[ast.stmt] = []
+    for node in body:
+        if isinstance(node, ast.If):
+            out += _top_level(node.body) + _top_level(node.orelse)
+        elif isinstance(node, ast.Try):
+            out += _top_level(node.body) + _top_level(node.orelse)
+            for handler in node.handlers:
+                out += _top_level(handler.body)
+        else:
+            out.append(node)
+    return out
+
+
+def note_for(module: str, name: str) -> tuple[str, str] | None:
+    return NOTES.get(f"{module}:{name}") or NOTES.get(name)
+
+
+def table(horovod: str, ours: str, problems: list[str]) -> str:
+    names, imported, error = public_names(horovod)
+    dp = importlib.import_module(ours)
+    how = ("imported" if imported else
+           f"read from its `__init__.py` source with `ast`: it does not import here ({error})")
+    lines = [f"## `{horovod}` -> `{ours}`", "",
+             f"{len(names)} public names (`{horovod}` {how}).", "",
+             "| Name | dp_plugin |", "|---|---|"]
+    for name in names:
+        note = note_for(horovod, name)
+        if hasattr(dp, name):
+            if note is not None and note[0] == UNSUPPORTED:
+                problems.append(f"{ours}.{name} exists, but NOTES calls it unsupported")
+            cell = "supported" if note is None else f"supported; difference: {note[1]}"
+        elif note is not None and note[0] == UNSUPPORTED:
+            cell = f"**not supported**: {note[1]}"
+        else:
+            problems.append(f"{horovod}.{name} is neither in {ours} nor explained in NOTES")
+            continue
+        lines.append(f"| `{name}` | {cell} |")
+    return "\n".join(lines) + "\n"
+
+
+def render() -> str:
+    problems: list[str] = []
+    sys.path.insert(0, str(ROOT))
+    parts = [PROSE, "# Every public name\n",
+             "Generated by `scripts/migrating_table.py` from the installed Horovod 0.28.1 "
+             "and dp_plugin; do not edit by hand (a test fails when it is stale).\n"]
+    parts += [table(horovod, ours, problems) for horovod, ours in PAIRS]
+    if problems:
+        raise SystemExit("migrating_table: the page would not be true:\n  " + "\n  ".join(problems)
+                         + "\nadd the names to dp_plugin or explain them in NOTES")
+    return "\n".join(parts)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="compare with docs/migrating.md instead of writing it")
+    args = parser.parse_args()
+    text = render()
+    if args.check:
+        if not DOC.exists() or DOC.read_text() != text:
+            print(f"{DOC.relative_to(ROOT)} is stale: run python scripts/migrating_table.py",
+                  file=sys.stderr)
+            return 1
+        print(f"{DOC.relative_to(ROOT)} is up to date")
+        return 0
+    DOC.write_text(text)
+    print(f"wrote {DOC.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
