@@ -93,6 +93,7 @@ from dp_plugin.tensorflow.tape import DistributedGradientTape
 __all__ = [
     "Adasum",
     "Average",
+    "BestModelCheckpoint",
     "BroadcastGlobalVariablesCallback",
     "Compression",
     "DistributedCallback",
@@ -108,6 +109,7 @@ __all__ = [
     "ProcessSet",
     "Product",
     "Sum",
+    "SyncBatchNormalization",
     "UnsupportedKerasError",
     "UnsupportedStrategyError",
     "add_process_set",
@@ -136,6 +138,7 @@ __all__ = [
     "is_homogeneous",
     "is_initialized",
     "join",
+    "load_model",
     "local_rank",
     "local_size",
     "mpi_built",
