@@ -40,6 +40,11 @@ from dp_plugin.tensorflow.basics import (
     size,
 )
 from dp_plugin.tensorflow.broadcast import broadcast_variables
+from dp_plugin.tensorflow.callbacks import BroadcastGlobalVariablesCallback, DistributedCallback
+from dp_plugin.tensorflow.callbacks_lr import (
+    LearningRateScheduleCallback,
+    LearningRateWarmupCallback,
+)
 from dp_plugin.tensorflow.checkpoint import BestModelCheckpoint, load_model
 from dp_plugin.tensorflow.collectives import (
     allgather,
@@ -50,11 +55,6 @@ from dp_plugin.tensorflow.collectives import (
     grouped_allreduce,
     grouped_reducescatter,
     reducescatter,
-)
-from dp_plugin.tensorflow.callbacks import BroadcastGlobalVariablesCallback, DistributedCallback
-from dp_plugin.tensorflow.callbacks_lr import (
-    LearningRateScheduleCallback,
-    LearningRateWarmupCallback,
 )
 from dp_plugin.tensorflow.compat import UnsupportedKerasError, UnsupportedStrategyError
 from dp_plugin.tensorflow.data import shard

@@ -50,10 +50,10 @@ def run_op(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
     """``fn`` on numpy values: called directly when eager, a ``tf.numpy_function``
     op (with ``shapes`` set on its outputs) inside ``tf.function``."""
     if tf.executing_eagerly():
-        outs = fn(*[np.asarray(t) for t in inputs])
+        arrays = fn(*[np.asarray(t) for t in inputs])
         return [tf.convert_to_tensor(np.asarray(o, dtype=tf.as_dtype(d).as_numpy_dtype))
-                for o, d in zip(outs, dtypes, strict=True)]
-    outs = tf.numpy_function(fn, list(inputs), list(dtypes), stateful=True, name=name)
+                for o, d in zip(arrays, dtypes, strict=True)]
+    outs: Any = tf.numpy_function(fn, list(inputs), list(dtypes), stateful=True, name=name)
     outs = list(outs) if isinstance(outs, list | tuple) else [outs]
     for out, shape in zip(outs, shapes, strict=True):
         out.set_shape(shape)

@@ -255,7 +255,7 @@ def check_sparse(_: Any) -> None:
             loss = tf.reduce_sum(model(x))
         grads = tape.gradient(loss, model.trainable_variables)
         assert isinstance(grads[0], tf.IndexedSlices)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
 
     step(tf.reshape(ids, [1, 2]))
     close(model.weights[0].numpy(), before - np.array(averaged), "optimizer step")
