@@ -20,10 +20,16 @@ Also: ``DistributedOptimizer`` (compile() without the callback) with
 ``BroadcastGlobalVariablesCallback``; ``DistributedGradientTape`` and
 ``broadcast_variables`` for custom loops; ``MetricAverageCallback``,
 ``LearningRateWarmupCallback``, ``LearningRateScheduleCallback``.
+Horovod's tensor API too: ``allreduce``, ``allgather``, ``broadcast``,
+``alltoall``, ``reducescatter`` (and grouped variants, with gradients, eager
+or in ``tf.function``), ``broadcast_object``, ``allgather_object``,
+``barrier``, ``join``, process sets, ``SyncBatchNormalization``, the
+``callbacks`` namespace and ``load_model``.
 Supported Keras: see ``compat.SUPPORTED_KERAS_SPEC``.
 """
 
 from dp_plugin.errors import LayoutMismatchError, NotInitializedError
+from dp_plugin.tensorflow import callbacks
 from dp_plugin.tensorflow.basics import (
     init,
     is_initialized,
@@ -39,16 +45,55 @@ from dp_plugin.tensorflow.callbacks_lr import (
     LearningRateScheduleCallback,
     LearningRateWarmupCallback,
 )
+from dp_plugin.tensorflow.checkpoint import BestModelCheckpoint, load_model
+from dp_plugin.tensorflow.collectives import (
+    allgather,
+    allreduce,
+    alltoall,
+    broadcast,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_reducescatter,
+    reducescatter,
+)
 from dp_plugin.tensorflow.compat import UnsupportedKerasError, UnsupportedStrategyError
 from dp_plugin.tensorflow.data import shard
+from dp_plugin.tensorflow.functions import (
+    allgather_object,
+    barrier,
+    broadcast_global_variables,
+    broadcast_object,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    is_homogeneous,
+    join,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+)
 from dp_plugin.tensorflow.metric_average import MetricAverageCallback
 from dp_plugin.tensorflow.ops import Adasum, Average, Compression, Max, Min, Product, Sum
 from dp_plugin.tensorflow.optimizer import DistributedOptimizer
+from dp_plugin.tensorflow.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
+from dp_plugin.tensorflow.sync_batch_norm import SyncBatchNormalization
 from dp_plugin.tensorflow.tape import DistributedGradientTape
 
 __all__ = [
     "Adasum",
     "Average",
+    "BestModelCheckpoint",
     "BroadcastGlobalVariablesCallback",
     "Compression",
     "DistributedCallback",
@@ -61,16 +106,49 @@ __all__ = [
     "MetricAverageCallback",
     "Min",
     "NotInitializedError",
+    "ProcessSet",
     "Product",
     "Sum",
+    "SyncBatchNormalization",
     "UnsupportedKerasError",
     "UnsupportedStrategyError",
+    "add_process_set",
+    "allgather",
+    "allgather_object",
+    "allreduce",
+    "alltoall",
+    "barrier",
+    "broadcast",
+    "broadcast_global_variables",
+    "broadcast_object",
     "broadcast_variables",
+    "callbacks",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allreduce",
+    "grouped_reducescatter",
     "init",
+    "is_homogeneous",
     "is_initialized",
+    "join",
+    "load_model",
     "local_rank",
     "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
     "rank",
+    "reducescatter",
+    "remove_process_set",
+    "rocm_built",
     "shard",
     "shutdown",
     "size",

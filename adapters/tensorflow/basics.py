@@ -7,21 +7,31 @@ mpirun); no TensorFlow extension is involved.
 
 from __future__ import annotations
 
+from typing import Any
+
 from dp_plugin import runtime
 from dp_plugin.config import Config
+from dp_plugin.tensorflow import process_sets
+from dp_plugin.tensorflow.process_sets import add_process_set
 
 
-def init(config: Config | None = None) -> None:
+def init(config: Config | None = None, process_sets: Any = None) -> None:
     """Start the engine the launcher calls for. Collective: every rank calls it once.
 
     ``config`` defaults to ``Config.from_env()`` (``DP_PLUGIN_*`` variables).
-    Calling it again is harmless.
+    Calling it again is harmless. ``process_sets`` (Horovod's): a list of
+    ``ProcessSet`` to register now, in order, or None / ``"dynamic"``.
     """
     runtime.init(config)
+    if process_sets is None or process_sets == "dynamic":
+        return
+    for process_set in process_sets:
+        add_process_set(process_set)
 
 
 def shutdown() -> None:
     """Release the engine (collective for gloo and MPI). ``init()`` may follow."""
+    process_sets.reset()
     runtime.shutdown()
 
 

@@ -25,7 +25,8 @@ from dp_plugin.hooks import broadcast_hook
 
 
 @tf.autograph.experimental.do_not_convert
-def broadcast_variables(variables: Sequence[Any], root_rank: int = 0) -> Any:
+def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, process_set: Any = None,
+                        inplace: bool = False) -> Any:
     """Set every rank's ``variables`` to ``root_rank``'s values. Collective.
 
     Eagerly, the variables hold the root's values on return (``None`` is
@@ -33,19 +34,26 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int = 0) -> Any:
     ops and the returned op groups them (Horovod's custom-loop pattern,
     ``if first_batch: dp.broadcast_variables(model.variables, 0)``, works).
     Keras variables and ``tf.Variable``s (also mirrored ones) are accepted.
+    ``process_set`` limits it to a set's ranks (``root_rank`` is job-wide);
+    ``inplace`` is accepted for Horovod compatibility (the values are always
+    assigned into the variables).
     """
+    from dp_plugin.tensorflow.process_sets import engine_of
+
     variables = list(variables)
     labels = [f"{i}:{getattr(v, 'name', '?')}" for i, v in enumerate(variables)]
-    return broadcast_labelled(variables, labels, root_rank, what="broadcast_variables")
+    return broadcast_labelled(variables, labels, root_rank, what="broadcast_variables",
+                              engine=engine_of(process_set, "broadcast_variables"))
 
 
 @tf.autograph.experimental.do_not_convert
 def broadcast_labelled(
-    variables: Sequence[Any], labels: Sequence[str], root_rank: int, what: str
+    variables: Sequence[Any], labels: Sequence[str], root_rank: int, what: str,
+    engine: Any = None,
 ) -> Any:
     """``broadcast_variables`` with the labels that name the variables in layout errors
-    (they must be the same on every rank)."""
-    engine = runtime.engine()
+    (they must be the same on every rank); ``engine`` defaults to the running one."""
+    engine = runtime.engine() if engine is None else engine
     root = root_of(engine, root_rank, what)
     if not variables:
         return None

@@ -1,5 +1,9 @@
 """Keras callbacks: ``DistributedCallback`` and ``BroadcastGlobalVariablesCallback``.
 
+Also the ``callbacks`` namespace of Horovod's Keras API: ``dp.callbacks.X``
+names every callback (``MetricAverageCallback``, ``LearningRateWarmupCallback``,
+``LearningRateScheduleCallback``, ``BestModelCheckpoint`` are re-exported here).
+
 ``model.fit(..., callbacks=[dp.DistributedCallback()])`` is the one-line
 way to train across workers: at the start of every ``fit`` it installs the
 cross-worker reduction into the model's optimizer (``optimizer`` module) so
@@ -17,7 +21,13 @@ import keras
 from dp_plugin import runtime
 from dp_plugin.errors import DPPluginError, NotInitializedError
 from dp_plugin.tensorflow.broadcast import broadcast_model_state
+from dp_plugin.tensorflow.callbacks_lr import (
+    LearningRateScheduleCallback,
+    LearningRateWarmupCallback,
+)
+from dp_plugin.tensorflow.checkpoint import BestModelCheckpoint
 from dp_plugin.tensorflow.compat import check_keras, check_strategy
+from dp_plugin.tensorflow.metric_average import MetricAverageCallback
 from dp_plugin.tensorflow.ops import Average, Compression, parse_compression, parse_gradient_op
 from dp_plugin.tensorflow.optimizer import (
     check_passes,
@@ -79,8 +89,14 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     _who = "BroadcastGlobalVariablesCallback"
 
-    def __init__(self, root_rank: int = 0) -> None:
+    def __init__(self, root_rank: int = 0, device: str = "",
+                 local_variables: Any = None) -> None:
         super().__init__()
+        if local_variables is not None:
+            raise NotImplementedError(
+                f"{self._who}: local_variables is not supported (every model weight and "
+                "optimizer variable is broadcast); leave it None")
+        self.device = device
         self.root_rank = check_int("root_rank", root_rank, minimum=0, where=self._who)
         self._pending = False
 
@@ -150,6 +166,7 @@ class DistributedCallback(BroadcastGlobalVariablesCallback):
         backward_passes_per_step: int = 1,
         gradient_predivide_factor: float = 1.0,
         average_aggregated_gradients: bool = False,
+        sparse_as_dense: bool = False,
     ) -> None:
         super().__init__(root_rank)
         # Validated now, so a bad argument fails where it is written.
@@ -161,6 +178,7 @@ class DistributedCallback(BroadcastGlobalVariablesCallback):
             compression=compression, op=op, backward_passes_per_step=backward_passes_per_step,
             gradient_predivide_factor=gradient_predivide_factor,
             average_aggregated_gradients=average_aggregated_gradients,
+            sparse_as_dense=sparse_as_dense,
         )
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
@@ -189,3 +207,9 @@ class DistributedCallback(BroadcastGlobalVariablesCallback):
             uninstall(target)
         install(optimizer, hook)
         return True
+
+
+__all__ = [
+    "BestModelCheckpoint", "BroadcastGlobalVariablesCallback", "DistributedCallback",
+    "LearningRateScheduleCallback", "LearningRateWarmupCallback", "MetricAverageCallback",
+]

@@ -43,6 +43,7 @@ from dp_plugin.engines.base import ReduceOp
 from dp_plugin.tensorflow.bridge import GradientBridge, next_bridge_name
 from dp_plugin.tensorflow.compat import UnsupportedStrategyError, check_keras
 from dp_plugin.tensorflow.ops import Average, Compression, parse_compression, parse_gradient_op
+from dp_plugin.tensorflow.sparse import reduce_gradients
 from dp_plugin.validate import check_int, check_positive_float
 
 
@@ -77,8 +78,10 @@ class DistributedApply:
         owner: str,
         backward_passes_per_step: int = 1,
         average_aggregated_gradients: bool = False,
+        sparse_as_dense: bool = False,
     ) -> None:
         self.optimizer = optimizer
+        self.sparse_as_dense = bool(sparse_as_dense)
         self.bridge = bridge
         self.owner = owner
         """Who installed it: 'DistributedOptimizer' or 'DistributedCallback'."""
@@ -95,6 +98,7 @@ class DistributedApply:
             )
             and self.backward_passes_per_step == other.backward_passes_per_step
             and self.average_aggregated_gradients == other.average_aggregated_gradients
+            and self.sparse_as_dense == other.sparse_as_dense
         )
 
     @tf.autograph.experimental.do_not_convert
@@ -116,7 +120,8 @@ class DistributedApply:
             self.optimizer, "_trainable_variables", None
         )
         labels = [_label(i, known) for i in present]
-        reduced = self.bridge.reduce([grads[i] for i in present], labels)
+        reduced = reduce_gradients(self.bridge, [grads[i] for i in present], labels,
+                                   self.sparse_as_dense)
         out = list(grads)
         for i, r in zip(present, reduced, strict=True):
             out[i] = r
@@ -252,6 +257,7 @@ def make_hook(
     gradient_predivide_factor: float,
     average_aggregated_gradients: bool = False,
     name: str | None = None,
+    sparse_as_dense: bool = False,
 ) -> DistributedApply:
     """Validate the arguments and build (not install) a hook for ``optimizer``."""
     parsed_op: ReduceOp = parse_gradient_op(op, owner)
@@ -267,6 +273,7 @@ def make_hook(
     return DistributedApply(
         optimizer, bridge, owner=owner, backward_passes_per_step=passes,
         average_aggregated_gradients=average_aggregated_gradients,
+        sparse_as_dense=sparse_as_dense,
     )
 
 
@@ -294,8 +301,8 @@ def DistributedOptimizer(
       divide before the sum and multiply back after, as Horovod.
     - ``backward_passes_per_step`` / ``average_aggregated_gradients``: local
       accumulation (see ``DistributedApply``; one replica per worker).
-    - ``sparse_as_dense``: accepted for Horovod compatibility; sparse
-      gradients are always reduced dense.
+    - ``sparse_as_dense``: ``tf.IndexedSlices`` gradients (embeddings) are
+      all-gathered as in Horovod by default; True all-reduces them dense.
     - ``name``: prefix of the collectives' names (the same on every rank).
     - Mixed precision: wrap the ``LossScaleOptimizer``, or let ``compile()``
       wrap this one and add ``BroadcastGlobalVariablesCallback`` or
@@ -306,7 +313,6 @@ def DistributedOptimizer(
     Distributed contract: every rank wraps the same optimizer type with the
     same arguments and runs the same steps.
     """
-    del sparse_as_dense  # always dense
     who = "DistributedOptimizer"
     check_keras()
     if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -326,6 +332,7 @@ def DistributedOptimizer(
         backward_passes_per_step=backward_passes_per_step,
         gradient_predivide_factor=gradient_predivide_factor,
         average_aggregated_gradients=average_aggregated_gradients, name=name,
+        sparse_as_dense=sparse_as_dense,
     )
     install(optimizer, hook)
     return optimizer

@@ -10,6 +10,7 @@ import tensorflow as tf
 from dp_plugin.tensorflow.bridge import GradientBridge, next_bridge_name
 from dp_plugin.tensorflow.ops import Average, Compression, parse_compression, parse_gradient_op
 from dp_plugin.tensorflow.optimizer import check_predivide
+from dp_plugin.tensorflow.sparse import reduce_gradients
 
 # Custom loops make a new tape every step: the bridge (and with it the
 # scheduler, its fusion buffers and the traced numpy op's target) is shared
@@ -32,8 +33,9 @@ class DistributedGradientTape:
     Works eagerly and inside ``tf.function``. Gradients are averaged by
     default (``op=dp.Sum`` sums), optionally compressed on the wire
     (``compression``) and pre-divided (``gradient_predivide_factor``), with
-    the core's fusion buckets. Sparse gradients come back dense
-    (``sparse_as_dense`` is accepted for Horovod compatibility). Other tape
+    the core's fusion buckets. Sparse gradients (``tf.IndexedSlices``) are
+    all-gathered as in Horovod, or all-reduced dense with
+    ``sparse_as_dense=True`` (see ``sparse.py``). Other tape
     methods (``watch``, ``jacobian``, ...) pass through to the wrapped tape.
 
     Under ``MirroredStrategy`` (inside ``strategy.run``), the replicas'
@@ -56,7 +58,6 @@ class DistributedGradientTape:
         gradient_predivide_factor: float = 1.0,
     ) -> None:
         who = "DistributedGradientTape"
-        del sparse_as_dense  # always dense
         if isinstance(gradtape, DistributedGradientTape):
             raise ValueError(
                 f"{who}: the tape is already a DistributedGradientTape; wrapping it twice "
@@ -65,6 +66,7 @@ class DistributedGradientTape:
         if not isinstance(gradtape, tf.GradientTape):
             raise TypeError(f"{who} wraps a tf.GradientTape, got {type(gradtape).__name__}")
         self._tape = gradtape
+        self._sparse_as_dense = bool(sparse_as_dense)
         self._bridge = _shared_bridge(
             parse_gradient_op(op, who), parse_compression(compression, who),
             check_predivide(gradient_predivide_factor, who),
@@ -87,7 +89,8 @@ class DistributedGradientTape:
         flat_grads = tf.nest.flatten(grads)
         present = [i for i, g in enumerate(flat_grads) if g is not None]
         labels = [f"{i}:{getattr(flat_sources[i], 'name', '?')}" for i in present]
-        reduced = self._bridge.reduce([flat_grads[i] for i in present], labels)
+        reduced = reduce_gradients(self._bridge, [flat_grads[i] for i in present], labels,
+                                   self._sparse_as_dense)
         for i, r in zip(present, reduced, strict=True):
             flat_grads[i] = r
         return tf.nest.pack_sequence_as(grads, flat_grads)

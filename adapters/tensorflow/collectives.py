@@ -1,0 +1,349 @@
+"""Tensor collectives on ``tf.Tensor`` / ``tf.Variable`` / numpy values, as ``horovod.tensorflow``.
+
+``allreduce``, ``grouped_allreduce``, ``allgather``, ``grouped_allgather``,
+``broadcast``, ``alltoall``, ``reducescatter`` and ``grouped_reducescatter``
+work eagerly and inside ``tf.function`` (where they become one
+``tf.numpy_function`` op each, with the output shapes and dtypes set), and
+have Horovod 0.28.1's gradients:
+
+- allreduce: the gradient is all-reduced with the same op and scale factors;
+- allgather: the gradient is averaged over the ranks, and each rank keeps
+  the rows its input contributed;
+- broadcast: the gradient is averaged over the ranks on the root, zero elsewhere;
+- alltoall: the gradient travels back (alltoall with the received splits);
+- reducescatter: the gradient is all-gathered (times the set size for Sum,
+  times the scale factors).
+
+Data goes through the core: all-reduces through ``FusedCollective`` (one
+fused buffer per dtype, the agreement check first, so a shape or dtype
+mismatch raises on every rank), the rest through the engine's own
+collectives, which check every rank's header before moving data.
+
+Distributed contract: every rank of the process set calls the same
+collectives in the same order with matching inputs. Inside ``tf.function``
+an error raised on the data path reaches the caller wrapped by TensorFlow
+(``InvalidArgumentError`` / ``UnknownError`` whose message carries ours).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+import tensorflow as tf
+from dp_plugin import runtime
+from dp_plugin.collective import UNBOUNDED, FusedCollective, root_of
+from dp_plugin.engines.base import ReduceOp
+from dp_plugin.fusion import TensorSpec
+from dp_plugin.hooks import ReducePolicy
+from dp_plugin.horovod_names import Adasum
+from dp_plugin.tensorflow import broadcast as _bcast
+from dp_plugin.tensorflow.ops import Compression, parse_compression
+from dp_plugin.tensorflow.process_sets import engine_of, global_process_set
+from dp_plugin.validate import check_positive_float
+
+
+def run_op(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
+           dtypes: Sequence[Any], shapes: Sequence[Any], name: str) -> list[Any]:
+    """``fn`` on numpy values: called directly when eager, a ``tf.numpy_function``
+    op (with ``shapes`` set on its outputs) inside ``tf.function``."""
+    if tf.executing_eagerly():
+        arrays = fn(*[np.asarray(t) for t in inputs])
+        return [tf.convert_to_tensor(np.asarray(o, dtype=tf.as_dtype(d).as_numpy_dtype))
+                for o, d in zip(arrays, dtypes, strict=True)]
+    outs: Any = tf.numpy_function(fn, list(inputs), list(dtypes), stateful=True, name=name)
+    outs = list(outs) if isinstance(outs, list | tuple) else [outs]
+    for out, shape in zip(outs, shapes, strict=True):
+        out.set_shape(shape)
+    return outs
+
+
+def _differentiable(forward: Callable[..., list[Any]],
+                    backward: Callable[..., list[Any]], xs: list[Any]) -> list[Any]:
+    """``forward(*xs)`` with ``backward(*dys)`` as its gradient (floating inputs only;
+    others have no gradient in TensorFlow either)."""
+    if not all(x.dtype.is_floating for x in xs):
+        return forward(*xs)
+
+    @tf.custom_gradient
+    def op(*args: Any) -> Any:
+        ys = forward(*args)
+        return ys, lambda *dys: backward(*[tf.zeros_like(y) if d is None else d
+                                           for y, d in zip(ys, dys, strict=True)])
+
+    return list(op(*xs))
+
+
+def _writable(array: np.ndarray) -> np.ndarray:
+    """``array`` as the engines take it: C-contiguous and writable (TensorFlow's
+    buffers are read-only views; copied only then)."""
+    return np.require(array, requirements=["C", "W"])
+
+
+def _tensors(values: Any, what: str) -> list[Any]:
+    if not isinstance(values, list | tuple):
+        raise TypeError(f"{what} takes a list of tensors, got {type(values).__name__}")
+    return [tf.convert_to_tensor(v) for v in values]
+
+
+def resolve_op(op: Any, average: Any, what: str) -> ReduceOp:
+    """Horovod's ``op=None`` (Average) and deprecated ``average=`` flag."""
+    if op is Adasum:
+        raise NotImplementedError(f"{what}: op=Adasum is not supported by dp_plugin; use "
+                                  "Average, Sum, Min, Max or Product")
+    if average is not None:
+        if op is not None:
+            raise ValueError(f"{what}: pass op= or the deprecated average=, not both")
+        return ReduceOp.AVERAGE if average else ReduceOp.SUM
+    return ReduceOp.AVERAGE if op is None else ReduceOp.parse(op)
+
+
+# -- allreduce ----------------------------------------------------------------------
+
+
+def allreduce(tensor: Any, average: Any = None, device_dense: str = "",
+              device_sparse: str = "", compression: Any = Compression.none, op: Any = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              name: str | None = None, process_set: Any = global_process_set,
+              ignore_name_scope: bool = False) -> Any:
+    """Reduce ``tensor`` over the process set (Average by default): a new tensor of the
+    same shape and dtype. A ``tf.IndexedSlices`` is all-gathered (values and indices;
+    values divided by the set size for Average), as Horovod does."""
+    what = "allreduce"
+    op = resolve_op(op, average, what)
+    if isinstance(tensor, tf.IndexedSlices):
+        return reduce_indexed_slices(tensor, op, prescale_factor, postscale_factor,
+                                     process_set, what)
+    return grouped_allreduce([tensor], None, compression=compression, op=op,
+                             prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                             name=name or what, process_set=process_set)[0]
+
+
+def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense: str = "",
+                      device_sparse: str = "", compression: Any = Compression.none,
+                      op: Any = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, process_set: Any = global_process_set,
+                      ignore_name_scope: bool = False, name: str | None = None) -> list[Any]:
+    """``allreduce`` of a list, fused into one collective per dtype."""
+    what = "grouped_allreduce"
+    op = resolve_op(op, average, what)
+    if any(isinstance(t, tf.IndexedSlices) for t in tensors):
+        return [reduce_indexed_slices(t, op, prescale_factor, postscale_factor, process_set,
+                                      what) if isinstance(t, tf.IndexedSlices)
+                else allreduce(t, compression=compression, op=op, process_set=process_set,
+                               prescale_factor=prescale_factor,
+                               postscale_factor=postscale_factor) for t in tensors]
+    xs = _tensors(tensors, what)
+    pre = check_positive_float("prescale_factor", prescale_factor, where=what)
+    post = check_positive_float("postscale_factor", postscale_factor, where=what)
+    compressor = parse_compression(compression, what)
+    engine_of(process_set, what)  # not a member: fails here, while tracing
+    label = name or what
+
+    def reduce(*arrays: np.ndarray) -> list[np.ndarray]:
+        engine = engine_of(process_set, what)
+        outs = [np.array(a, order="C", copy=True) for a in arrays]
+        specs = [TensorSpec(f"{label}.{i}", o.shape, o.dtype.name) for i, o in enumerate(outs)]
+        FusedCollective(
+            specs, engine=engine, name=label, threshold=UNBOUNDED, order=range(len(specs)),
+            policy=ReducePolicy.for_collective(op, engine.size, prescale=pre, postscale=post),
+            compression=compressor, what=f"tensors of {what} {label!r}",
+        ).run(outs)
+        return outs
+
+    def forward(*args: Any) -> list[Any]:
+        return run_op(reduce, args, [x.dtype for x in args], [x.shape for x in args], what)
+
+    return _differentiable(forward, forward, xs) if xs else []
+
+
+def reduce_indexed_slices(slices: Any, op: ReduceOp, prescale: float, postscale: float,
+                          process_set: Any, what: str) -> Any:
+    """Horovod's sparse all-reduce: all-gather values and indices (an IndexedSlices
+    whose duplicate indices add up); Average divides the values by the set size."""
+    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise NotImplementedError(
+            f"{what}: only Sum and Average are supported with tf.IndexedSlices, got "
+            f"op={op.value!r}; pass sparse_as_dense=True or convert with tf.convert_to_tensor")
+    if prescale != 1.0 or postscale != 1.0:
+        raise NotImplementedError(
+            f"{what}: prescale_factor/postscale_factor are not supported with tf.IndexedSlices "
+            f"(got {prescale}, {postscale}); scale the values yourself")
+    values, indices = grouped_allgather([slices.values, slices.indices],
+                                        process_set=process_set)
+    if op is ReduceOp.AVERAGE:
+        values = values / tf.cast(engine_of(process_set, what).size, values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+
+
+# -- allgather ---------------------------------------------------------------------
+
+
+def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: Any = global_process_set) -> Any:
+    """Concatenate every rank's ``tensor`` along the first dimension (which may differ)."""
+    return grouped_allgather([tensor], name=name or "allgather", process_set=process_set)[0]
+
+
+def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
+                      ignore_name_scope: bool = False,
+                      process_set: Any = global_process_set) -> list[Any]:
+    """``allgather`` of each tensor of a list."""
+    what = "grouped_allgather"
+    xs = _tensors(tensors, what)
+    engine_of(process_set, what)
+    label = name or what
+    for x in xs:
+        if x.shape.rank == 0:
+            raise ValueError(f"{what}: a scalar cannot be all-gathered; reshape it to [1]")
+    n = len(xs)
+
+    def gather(*arrays: np.ndarray) -> list[np.ndarray]:
+        engine = engine_of(process_set, what)
+        outs = [np.asarray(engine.allgather(_writable(a), name=f"{label}.{i}"))
+                for i, a in enumerate(arrays)]
+        firsts = np.asarray(engine.allgather(np.array([[a.shape[0] for a in arrays]], np.int64),
+                                             name=f"{label}.rows"))
+        return [*outs, firsts]
+
+    def run(*args: Any) -> list[Any]:
+        return run_op(gather, args, [*(x.dtype for x in args), tf.int64],
+                      [*([None, *x.shape[1:]] for x in args), [None, n]], what)
+
+    rows: list[Any] = []
+
+    def forward(*args: Any) -> list[Any]:
+        *outs, firsts = run(*args)
+        rows.append(firsts)
+        return outs
+
+    def backward(*dys: Any) -> list[Any]:
+        me = engine_of(process_set, what).rank
+        firsts = rows[-1]
+        reduced = grouped_allreduce(list(dys), op=ReduceOp.AVERAGE, process_set=process_set,
+                                    name=f"{label}.grad")
+        out = []
+        for i, dy in enumerate(reduced):
+            start = tf.reduce_sum(firsts[:me, i])
+            out.append(dy[start:start + firsts[me, i]])
+        return out
+
+    return _differentiable(forward, backward, xs)
+
+
+# -- broadcast ----------------------------------------------------------------------
+
+
+def broadcast(tensor: Any, root_rank: int, name: str | None = None,
+              ignore_name_scope: bool = False, process_set: Any = global_process_set) -> Any:
+    """``root_rank``'s ``tensor`` on every rank of the set (``root_rank`` is job-wide)."""
+    what = "broadcast"
+    (x,) = _tensors([tensor], what)
+    root_of(engine_of(process_set, what), root_rank, what)
+
+    def bcast(array: np.ndarray) -> list[np.ndarray]:
+        engine = engine_of(process_set, what)
+        root = root_of(engine, root_rank, what)
+        spec = _bcast._spec(name or what, array)
+        return _bcast._exchange(engine, (spec,), root_rank, root, what, array)
+
+    def forward(arg: Any) -> list[Any]:
+        return run_op(bcast, [arg], [arg.dtype], [arg.shape], what)
+
+    def backward(dy: Any) -> list[Any]:
+        (reduced,) = grouped_allreduce([dy], op=ReduceOp.AVERAGE, process_set=process_set,
+                                       name=f"{name or what}.grad")
+        return [reduced if runtime.rank() == root_rank else reduced * 0]
+
+    return _differentiable(forward, backward, [x])[0]
+
+
+# -- alltoall, reducescatter -------------------------------------------------------
+
+
+def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
+             ignore_name_scope: bool = False, process_set: Any = global_process_set) -> Any:
+    """Send ``splits[j]`` rows (default: equal parts) to rank j; return the rows
+    received, in rank order, and (when ``splits`` is given) how many came from each rank."""
+    what = "alltoall"
+    (x,) = _tensors([tensor], what)
+    size = engine_of(process_set, what).size
+    given = splits is not None
+    s = (tf.cast(tf.reshape(tf.convert_to_tensor(splits), [-1]), tf.int64) if given
+         else tf.constant([], tf.int64))
+
+    def exchange(array: np.ndarray, sp: np.ndarray) -> list[np.ndarray]:
+        engine = engine_of(process_set, what)
+        received, counts = engine.alltoall(_writable(array),
+                                           [int(c) for c in sp] if given else None,
+                                           name=name or what)
+        return [np.asarray(received), np.asarray(counts, np.int64)]
+
+    def run(arg: Any, sp: Any) -> list[Any]:
+        return run_op(exchange, [arg, sp], [arg.dtype, tf.int64],
+                      [[None, *arg.shape[1:]], [size]], what)
+
+    received_splits: list[Any] = []
+
+    def forward(arg: Any) -> list[Any]:
+        out, rsplits = run(arg, s)
+        received_splits.append(rsplits)
+        return [out]
+
+    def backward(dy: Any) -> list[Any]:
+        back, _ = alltoall(dy, received_splits[-1], name=f"{name or what}.grad",
+                           process_set=process_set)
+        return [back]
+
+    (out,) = _differentiable(forward, backward, [x])
+    rsplits = received_splits[-1]
+    return (out, tf.cast(rsplits, tf.int32)) if given else out
+
+
+def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compression.none,
+                  op: Any = ReduceOp.AVERAGE, name: str | None = None,
+                  process_set: Any = global_process_set, ignore_name_scope: bool = False,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+    """Reduce ``tensor`` over the set (Average by default) and return this rank's block of
+    rows: ``rows // size`` each, the first ``rows % size`` ranks one more."""
+    return grouped_reducescatter([tensor], op=op, name=name or "reducescatter",
+                                 process_set=process_set, prescale_factor=prescale_factor,
+                                 postscale_factor=postscale_factor)[0]
+
+
+def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
+                          compression: Any = Compression.none, op: Any = ReduceOp.AVERAGE,
+                          name: str | None = None, process_set: Any = global_process_set,
+                          ignore_name_scope: bool = False, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[Any]:
+    """``reducescatter`` of each tensor of a list."""
+    what = "reducescatter"
+    op = resolve_op(op, None, what)
+    xs = _tensors(tensors, what)
+    pre = check_positive_float("prescale_factor", prescale_factor, where=what)
+    post = check_positive_float("postscale_factor", postscale_factor, where=what)
+    size = engine_of(process_set, what).size
+    label = name or what
+
+    def scatter(*arrays: np.ndarray) -> list[np.ndarray]:
+        engine = engine_of(process_set, what)
+        outs = []
+        for i, a in enumerate(arrays):
+            scaled = a if pre == 1.0 else (a * pre).astype(a.dtype)
+            out = np.asarray(engine.reducescatter(_writable(scaled), op,
+                                                  name=f"{label}.{i}"))
+            outs.append(out if post == 1.0 else (out * post).astype(a.dtype))
+        return outs
+
+    def forward(*args: Any) -> list[Any]:
+        return run_op(scatter, args, [x.dtype for x in args],
+                      [[None, *x.shape[1:]] for x in args], what)
+
+    def backward(*dys: Any) -> list[Any]:
+        factor = (size if op is ReduceOp.SUM else 1) * pre * post
+        return [allgather(dy * factor if factor != 1 else dy, name=f"{label}.grad.{i}",
+                          process_set=process_set) for i, dy in enumerate(dys)]
+
+    return _differentiable(forward, backward, xs)

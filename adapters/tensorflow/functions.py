@@ -1,0 +1,196 @@
+"""Object collectives, barrier, join, topology and build queries, as ``horovod.tensorflow``.
+
+``broadcast_object`` / ``allgather_object`` pickle Python objects and move
+the bytes with the engine's broadcast / all-gather. ``*_built()`` answer
+for dp_plugin's engines as the TensorFlow adapter uses them: tensors are
+staged through host (numpy) memory, so no CUDA/ROCm/NCCL path exists here;
+Gloo is the core's ``gloo`` engine (torch.distributed's), MPI the ``mpi``
+engine (mpi4py) or Horovod's when the ``horovod`` engine runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import pickle
+import time
+from typing import Any
+
+import numpy as np
+
+import tensorflow as tf
+from dp_plugin import runtime
+from dp_plugin.collective import root_of
+from dp_plugin.tensorflow.process_sets import engine_of, global_process_set
+
+# -- objects ---------------------------------------------------------------------
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None,
+                     process_set: Any = global_process_set) -> Any:
+    """``root_rank``'s ``obj`` on every rank of the set (pickled). Collective."""
+    what = "broadcast_object"
+    engine = engine_of(process_set, what)
+    root = root_of(engine, root_rank, what)
+    label = name or type(obj).__name__
+    if engine.size == 1:
+        return obj
+    payload = _dumps(obj) if engine.rank == root else np.zeros(0, np.uint8)
+    length = np.array([payload.size], np.int64)
+    engine.broadcast(length, root, name=f"{label}.sz")
+    data = payload if engine.rank == root else np.empty(int(length[0]), np.uint8)
+    if data.size:
+        engine.broadcast(data, root, name=f"{label}.t")
+    return obj if engine.rank == root else pickle.loads(data.tobytes())
+
+
+def allgather_object(obj: Any, session: Any = None, name: str | None = None,
+                     process_set: Any = global_process_set) -> list[Any]:
+    """Every rank's ``obj``, in rank order of the set (pickled). Collective."""
+    what = "allgather_object"
+    engine = engine_of(process_set, what)
+    label = name or type(obj).__name__
+    payload = _dumps(obj)
+    lengths = np.asarray(engine.allgather(np.array([payload.size], np.int64),
+                                          name=f"{label}.sz"))
+    data = np.asarray(engine.allgather(payload, name=f"{label}.t"))
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    return [pickle.loads(data[offsets[r]:offsets[r + 1]].tobytes()) for r in range(engine.size)]
+
+
+def _dumps(obj: Any) -> np.ndarray:
+    buf = io.BytesIO()
+    pickle.dump(obj, buf)
+    return np.frombuffer(buf.getvalue(), dtype=np.uint8).copy()
+
+
+# -- synchronization -----------------------------------------------------------------
+
+
+def barrier(process_set: Any = global_process_set) -> None:
+    """Return once every rank of the set has called it."""
+    engine_of(process_set, "barrier").barrier()
+
+
+def join() -> Any:
+    """Wait until every rank has called ``join()``; return (an int32 tensor) the rank
+    that called it last. Unlike Horovod, a joined rank does not serve the other
+    ranks' collectives meanwhile: every rank must run the same collectives before
+    joining (see docs/keras.md)."""
+    engine = runtime.engine()
+    stamps = np.asarray(engine.allgather(np.array([time.time_ns()], np.int64), name="join"))
+    return tf.constant(int(np.argmax(stamps)), dtype=tf.int32)
+
+
+def broadcast_global_variables(root_rank: int) -> Any:
+    """Horovod's TF1-era broadcast of the global-variable collection, which does not
+    exist in TensorFlow 2 / Keras 3 (Horovod raises in eager mode too)."""
+    raise RuntimeError(
+        f"broadcast_global_variables({root_rank}): TensorFlow 2 has no collection of global "
+        "variables to broadcast. Use dp.broadcast_variables(model.variables, root_rank) and "
+        "dp.broadcast_variables(optimizer.variables, root_rank), or add "
+        "dp.callbacks.BroadcastGlobalVariablesCallback(root_rank) to model.fit"
+    )
+
+
+# -- topology --------------------------------------------------------------------------
+
+
+def cross_size() -> int:
+    """Number of hosts."""
+    return runtime.topology().cross_size
+
+
+def cross_rank() -> int:
+    """Index of this process's host."""
+    return runtime.topology().cross_rank
+
+
+def is_homogeneous() -> bool:
+    """True when every host runs the same number of processes."""
+    topo = runtime.topology()
+    return topo.local_size * topo.cross_size == topo.size
+
+
+# -- what is built, what runs ------------------------------------------------------------
+
+
+def gloo_built() -> bool:
+    """True when the ``gloo`` engine can run (torch.distributed with Gloo is installed)."""
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_gloo_available())
+
+
+def mpi_built() -> bool:
+    """True when mpi4py is installed (the ``mpi`` engine). Does not start MPI."""
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def nccl_built() -> int:
+    """0: the TensorFlow adapter stages tensors through host memory, never NCCL."""
+    return 0
+
+
+def cuda_built() -> bool:
+    """False: the TensorFlow adapter has no GPU data path (tensors go through host memory)."""
+    return False
+
+
+def rocm_built() -> bool:
+    """False: no ROCm data path."""
+    return False
+
+
+def ddl_built() -> bool:
+    """False: IBM DDL is not supported."""
+    return False
+
+
+def ccl_built() -> bool:
+    """False: oneCCL is not supported."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """True when the running engine moves data with Gloo (False before ``init()``)."""
+    if not runtime.is_initialized():
+        return False
+    engine = runtime.engine()
+    if engine.name == "horovod":
+        return bool(_horovod().gloo_enabled())
+    return engine.name == "gloo"
+
+
+def mpi_enabled() -> bool:
+    """True when the running engine moves data with MPI (False before ``init()``)."""
+    if not runtime.is_initialized():
+        return False
+    engine = runtime.engine()
+    if engine.name == "horovod":
+        return bool(_horovod().mpi_enabled())
+    return engine.name == "mpi"
+
+
+def mpi_threads_supported() -> bool:
+    """Whether MPI runs with ``MPI_THREAD_MULTIPLE``; ``ValueError`` unless MPI is enabled."""
+    engine = runtime.engine()
+    if not mpi_enabled():
+        raise ValueError(
+            f"mpi_threads_supported(): MPI is not enabled (the running engine is "
+            f"{engine.name!r}); launch with mpirun and DP_PLUGIN_ENGINE=mpi (or auto)"
+        )
+    if engine.name == "horovod":
+        return bool(_horovod().mpi_threads_supported())
+    from mpi4py import MPI
+
+    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+
+
+def _horovod() -> Any:
+    # The horovod engine runs Horovod's torch extension (dp_plugin.engines.horovod).
+    import horovod.torch
+
+    return horovod.torch

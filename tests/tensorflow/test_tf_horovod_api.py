@@ -1,0 +1,127 @@
+"""Horovod's TensorFlow / Keras names in one process (local engine).
+
+The multi-rank behaviour of the same functions is in
+tests/multiproc/test_tf_collectives.py and test_tf_horovod_script.py.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import dp_plugin.keras as hvd_keras
+import dp_plugin.tensorflow as dp
+from dp_plugin import runtime
+from dp_plugin.config import Config
+from dp_plugin.tensorflow.optimizer import hook_of
+
+CALLBACKS = ("BroadcastGlobalVariablesCallback", "MetricAverageCallback",
+             "LearningRateWarmupCallback", "LearningRateScheduleCallback", "BestModelCheckpoint")
+X = np.random.default_rng(0).normal(size=(16, 3)).astype(np.float32)
+Y = X.sum(axis=1, keepdims=True)
+
+
+@pytest.fixture(autouse=True)
+def _local_runtime() -> Iterator[None]:
+    runtime.shutdown()
+    runtime.init(Config(engine="local"), env={})
+    yield
+    dp.shutdown()
+
+
+def model() -> keras.Model:
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+
+
+@pytest.mark.parametrize("module", [dp, hvd_keras])
+def test_callbacks_namespace_names_every_horovod_callback(module: object) -> None:
+    for name in CALLBACKS:
+        assert getattr(module.callbacks, name) is getattr(dp, name)  # type: ignore[attr-defined]
+
+
+def test_load_model_restores_the_optimizer_distributed(tmp_path: Path) -> None:
+    m = model()
+    m.compile(optimizer=dp.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+    m.fit(X, Y, epochs=1, verbose=0)
+    m.save(tmp_path / "m.keras")
+    restored = hvd_keras.load_model(tmp_path / "m.keras", compression=dp.Compression.fp16)
+    assert hook_of(restored.optimizer) is not None, "load_model must wrap the optimizer"
+    assert int(restored.optimizer.iterations) == int(m.optimizer.iterations) == 1
+    for a, b in zip(m.get_weights(), restored.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    restored.fit(X, Y, epochs=1, verbose=0)  # trains with the reduction installed
+    assert int(restored.optimizer.iterations) == 2
+    with pytest.raises(ValueError, match="legacy"):
+        dp.load_model(tmp_path / "m.keras", legacy_opts=True)
+
+
+def test_best_model_checkpoint_keeps_the_best_and_needs_a_path(tmp_path: Path) -> None:
+    m = model()
+    m.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="no filepath"):
+        m.fit(X, Y, validation_data=(X, Y), verbose=0,
+              callbacks=[dp.callbacks.BestModelCheckpoint()])
+    best = dp.callbacks.BestModelCheckpoint(filepath=str(tmp_path / "best.keras"))
+    assert best.save_best_only and best.monitor == "val_loss"
+    m.fit(X, Y, validation_data=(X, Y), epochs=2, verbose=0, callbacks=[best])
+    assert (tmp_path / "best.keras").exists()
+
+
+def test_keras_module_tensor_functions_return_numpy_eagerly() -> None:
+    out = hvd_keras.allreduce([1.0, 2.0], op=dp.Sum)
+    assert isinstance(out, np.ndarray) and out.tolist() == [1.0, 2.0]
+    assert hvd_keras.allgather(np.ones((2, 1))).shape == (2, 1)
+    assert hvd_keras.broadcast(3.0, 0) == 3.0
+    assert hvd_keras.reducescatter(np.ones((3, 2), np.float32)).shape == (3, 2)
+    assert isinstance(dp.allreduce([1.0]), tf.Tensor)
+
+
+def test_build_and_topology_queries_in_one_process() -> None:
+    assert not (dp.gloo_enabled() or dp.mpi_enabled())
+    assert (dp.cross_size(), dp.cross_rank(), dp.is_homogeneous()) == (1, 0, True)
+    assert dp.nccl_built() == 0 and not dp.cuda_built()
+    with pytest.raises(ValueError, match="MPI is not enabled"):
+        dp.mpi_threads_supported()
+
+
+def test_errors_name_the_value_and_the_fix() -> None:
+    with pytest.raises(RuntimeError, match="broadcast_variables"):
+        dp.broadcast_global_variables(0)
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        dp.allreduce(tf.ones([1]), op=dp.Adasum)
+    slices = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), tf.constant([3, 2]))
+    with pytest.raises(NotImplementedError, match="Sum and Average"):
+        dp.allreduce(slices, op=dp.Max)
+    with pytest.raises(NotImplementedError, match="prescale"):
+        dp.allreduce(slices, prescale_factor=2.0)
+    with pytest.raises(TypeError, match="process_set must be"):
+        dp.allreduce(tf.ones([1]), process_set=[0])
+    with pytest.raises(ValueError, match="not registered"):
+        dp.allreduce(tf.ones([1]), process_set=dp.ProcessSet([0]))
+    with pytest.raises(ValueError, match="root_rank 3"):
+        dp.broadcast(tf.ones([1]), 3)
+    with pytest.raises(ValueError, match="scalar"):
+        dp.allgather(tf.constant(1.0))
+    with pytest.raises(ValueError, match="synchronized"):
+        dp.SyncBatchNormalization(synchronized=True)
+    with pytest.raises(NotImplementedError, match="local_variables"):
+        dp.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=[1])
+
+
+def test_sync_batch_norm_is_batch_norm_in_one_process_and_saves(tmp_path: Path) -> None:
+    x = np.random.default_rng(1).normal(size=(8, 3)).astype(np.float32)
+    sync, plain = dp.SyncBatchNormalization(), keras.layers.BatchNormalization()
+    np.testing.assert_allclose(sync(x, training=True), plain(x, training=True), rtol=1e-6)
+    m = keras.Sequential([keras.Input((3,)), dp.SyncBatchNormalization()])
+    m.save(tmp_path / "bn.keras")
+    assert isinstance(keras.models.load_model(tmp_path / "bn.keras").layers[0],
+                      dp.SyncBatchNormalization)
