@@ -72,6 +72,22 @@ NOTES: dict[str, tuple[str, str]] = {
         "`backward_passes_per_step` of `DistributedOptimizer`/`DistributedGradientTape`"),
     "horovod.tensorflow:handle_average_backwards_compatibility": (
         UNSUPPORTED, "an internal helper of Horovod's `average=` deprecation; pass `op=`"),
+    "horovod.tensorflow:BroadcastGlobalVariablesHook": (
+        UNSUPPORTED, "a TF1 `SessionRunHook`; TF2 has no sessions: use "
+        "`BroadcastGlobalVariablesCallback` (Keras) or `broadcast_variables(model.variables, 0)`"),
+    "horovod.tensorflow:PartialDistributedGradientTape": (
+        UNSUPPORTED, "not yet: use `DistributedGradientTape` and reduce only the gradients "
+        "of the shared layers (local layers' gradients stay as the tape returns them)"),
+    "horovod.tensorflow:start_timeline": (
+        UNSUPPORTED, "not in the TensorFlow adapter: set `DP_PLUGIN_TIMELINE` (or "
+        "`HOROVOD_TIMELINE`) before `init()` for a Chrome trace of every rank"),
+    "horovod.tensorflow:stop_timeline": (
+        UNSUPPORTED, "see `start_timeline`: the timeline runs for the whole job"),
+    "horovod.tensorflow.keras:start_timeline": (
+        UNSUPPORTED, "not in the Keras adapter: set `DP_PLUGIN_TIMELINE` (or "
+        "`HOROVOD_TIMELINE`) before `init()` for a Chrome trace of every rank"),
+    "horovod.tensorflow.keras:stop_timeline": (
+        UNSUPPORTED, "see `start_timeline`: the timeline runs for the whole job"),
     "horovod.tensorflow:check_num_rank_power_of_2": (
         UNSUPPORTED, "an Adasum helper, and Adasum is not supported"),
     "horovod.tensorflow:vars_to_refs": (UNSUPPORTED, "an internal TF1 helper; not needed "

@@ -78,6 +78,15 @@ from dp_plugin.tensorflow.functions import (
     nccl_built,
     rocm_built,
 )
+from dp_plugin.tensorflow.graph_ops import (
+    broadcast_,
+    broadcast_object_fn,
+    local_rank_op,
+    local_size_op,
+    process_set_included_op,
+    rank_op,
+    size_op,
+)
 from dp_plugin.tensorflow.metric_average import MetricAverageCallback
 from dp_plugin.tensorflow.ops import Adasum, Average, Compression, Max, Min, Product, Sum
 from dp_plugin.tensorflow.optimizer import DistributedOptimizer
@@ -119,8 +128,10 @@ __all__ = [
     "alltoall",
     "barrier",
     "broadcast",
+    "broadcast_",
     "broadcast_global_variables",
     "broadcast_object",
+    "broadcast_object_fn",
     "broadcast_variables",
     "callbacks",
     "ccl_built",
@@ -140,16 +151,21 @@ __all__ = [
     "join",
     "load_model",
     "local_rank",
+    "local_rank_op",
     "local_size",
+    "local_size_op",
     "mpi_built",
     "mpi_enabled",
     "mpi_threads_supported",
     "nccl_built",
+    "process_set_included_op",
     "rank",
+    "rank_op",
     "reducescatter",
     "remove_process_set",
     "rocm_built",
     "shard",
     "shutdown",
     "size",
+    "size_op",
 ]

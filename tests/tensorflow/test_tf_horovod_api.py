@@ -125,3 +125,15 @@ def test_sync_batch_norm_is_batch_norm_in_one_process_and_saves(tmp_path: Path) 
     m.save(tmp_path / "bn.keras")
     assert isinstance(keras.models.load_model(tmp_path / "bn.keras").layers[0],
                       dp.SyncBatchNormalization)
+
+
+def test_graph_helpers_answer_for_the_running_process() -> None:
+    assert int(dp.rank_op()) == 0 and int(dp.size_op()) == 1
+    assert int(dp.local_rank_op()) == 0 and int(dp.local_size_op()) == 1
+    assert int(dp.process_set_included_op()) == 1
+    with pytest.raises(ValueError, match="process_set_id=7 is not a registered process set"):
+        dp.size_op(process_set_id=7)
+    assert dp.broadcast_object_fn(root_rank=0)({"epoch": 3}) == {"epoch": 3}
+    v = tf.Variable([1.0, 2.0])
+    dp.broadcast_([v], root_rank=0)
+    assert v.numpy().tolist() == [1.0, 2.0]
