@@ -24,6 +24,7 @@ was awaited, never a hang.
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 import time
 import urllib.error
@@ -102,17 +103,19 @@ def rendezvous(topology: Topology, config: Config) -> Rendezvous:
 
         return Rendezvous(store=dist.HashStore(), init_method=None,
                           description="single process, in-memory store")
-    if launcher == "torchrun":
-        return Rendezvous(
-            store=None, init_method="env://",
-            description=f"env:// at {topology.rendezvous_addr}:{topology.rendezvous_port}",
-        )
-    if launcher == "slurm":
-        host, port = str(topology.rendezvous_addr), int(topology.rendezvous_port or 0)
-        store = _tcp_store(host, port, topology, config, is_master=topology.rank == 0)
-        return Rendezvous(store=store, init_method=None,
-                          description=f"TCPStore at MASTER_ADDR/PORT {host}:{port}")
     generation = next(_generation)
+    if launcher in ("torchrun", "slurm"):
+        # What env:// does, plus a prefix per init(): the store server is
+        # shared within the process (multi-tenant) and outlives a shutdown
+        # after a failure, so a second init() would otherwise read the first
+        # one's keys — gloo then dials addresses that no longer listen.
+        host, port = str(topology.rendezvous_addr), int(topology.rendezvous_port or 0)
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts it
+        store = _tcp_store(host, port, topology, config,
+                           is_master=topology.rank == 0 and not agent)
+        how = "env:// at" if launcher == "torchrun" else "TCPStore at MASTER_ADDR/PORT"
+        return Rendezvous(store=_prefixed(store, generation), init_method=None,
+                          description=f"{how} {host}:{port}")
     exchange = _exchange_via_horovod if launcher == "horovodrun" else _exchange_via_mpi
     if topology.rank == 0:
         host = _advertised_host(topology)
@@ -124,7 +127,7 @@ def rendezvous(topology: Topology, config: Config) -> Rendezvous:
         host, _, port_text = address.rpartition(":")
         store = _tcp_store(host, int(port_text), topology, config, is_master=False)
     via = "Horovod's rendezvous server" if launcher == "horovodrun" else "an MPI broadcast"
-    return Rendezvous(store=store, init_method=None,
+    return Rendezvous(store=_prefixed(store, generation), init_method=None,
                       description=f"TCPStore at {address}, announced through {via}")
 
 
@@ -138,8 +141,15 @@ def _tcp_store(host: str, port: int, topology: Topology, config: Config, *,
         host, port, topology.size, is_master,
         timeout=timedelta(seconds=config.timeout_s),
         # Port 0 on the master: the OS picks a free port, read back as .port.
-        wait_for_workers=False,
+        wait_for_workers=False, multi_tenant=port != 0,
     )
+
+
+def _prefixed(store: Any, generation: int) -> Any:
+    """``store`` seen under a prefix of its own for this ``init()``."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(f"dp_plugin.init{generation}", store)
 
 
 def _advertised_host(topology: Topology) -> str:

@@ -262,12 +262,34 @@ def case_shutdown_after_failure(_: object) -> None:
     hvd.shutdown()
 
 
+def case_shutdown_after_failed_join(_: object) -> None:
+    """Rank 0 joins (with an optimizer) while rank 1 calls a collective join
+    does not answer: both fail; shutdown returns in time and init works again."""
+    hvd.init()
+    rank = hvd.rank()
+    model = nn.Linear(3, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    try:
+        if rank == 0:
+            hvd.join()
+        else:
+            hvd.allgather(torch.ones(2, 3))
+    except Exception as exc:  # the failure is the point of the case
+        print(f"rank {rank}: failed as meant: {type(exc).__name__}")
+    del opt
+    shutdown_returns()
+    init_and_check()
+    hvd.shutdown()
+
+
 CASES = {
     "compressor": case_compressor,
     "state_partial": case_state_partial,
     "state_every_optimizer": case_state_every_optimizer,
     "async_gather": case_async_gather,
     "shutdown_after_failure": case_shutdown_after_failure,
+    "shutdown_after_failed_join": case_shutdown_after_failed_join,
 }
 
 if __name__ == "__main__":
