@@ -2,7 +2,7 @@
 
 ``_DistributedMixin`` is placed first in the MRO of ``Distributed<Name>``
 (see ``optimizer.py``) and uses plain ``super()``. Everything it adds lives
-under one attribute, ``_dp`` (``_State``). Gradients go through ONE
+under one attribute, ``_dp`` (``optimizer_state.OptimizerState``). Gradients go through ONE
 ``GradientScheduler`` per optimizer: a post-accumulate-grad hook on every
 parameter that requires a gradient reports it ready, and complete fusion
 buckets are all-reduced while backward still runs; ``step()`` first calls
@@ -15,22 +15,16 @@ import contextlib
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from dp_plugin.compression import Compressor
-from dp_plugin.engines.base import Engine, ReduceOp
+from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import DPPluginError
-from dp_plugin.fusion import TensorSpec
-from dp_plugin.scheduler import GradientScheduler
 from dp_plugin.timeline import StatsHistory
-from dp_plugin.torch import joining as _join
-from dp_plugin.torch.basics import shared_timeline
-from dp_plugin.torch.finite import FiniteFlags, SkippedStep
+from dp_plugin.torch.finite import SkippedStep
 from dp_plugin.torch.optimizer_args import default_name
+from dp_plugin.torch.optimizer_state import OptimizerState, build_reducer
 from dp_plugin.torch.process_sets import ProcessSet
-from dp_plugin.torch.sparse import SparseGradients
 from dp_plugin.validate import check_int
 
 _RACE_MESSAGE = (
@@ -44,57 +38,10 @@ class SynchronizationError(DPPluginError, AssertionError):
     ``backward()`` and ``step()``). Also an ``AssertionError``, as in Horovod."""
 
 
-@dataclass(frozen=True, eq=False)
-class _Reducer:
-    """The scheduler of one optimizer and the flags in its control slot."""
-
-    scheduler: GradientScheduler
-    flags: _join.JoinFlags
-    finite: FiniteFlags | None = None
-    """The ``DP_PLUGIN_CHECK_FINITE`` flags; None when the check is off."""
-
-
-@dataclass(eq=False)
-class _State:
-    """Everything the mixin adds to the optimizer, under one attribute (``_dp``)."""
-
-    names: dict[torch.Tensor, str]
-    named: bool
-    compressor: Compressor
-    compression: Any
-    """The ``compression`` argument as the user gave it."""
-    op: ReduceOp
-    predivide: float
-    passes: int
-    sparse_as_dense: bool
-    groups: Any
-    process_set: ProcessSet
-    engine: Engine | None
-    """The optimizer's own channel of the set's engine (``Engine.channel``);
-    None when this rank is outside the process set: nothing is reduced."""
-    label: str = "DistributedOptimizer"
-    """Names its collectives; unique per optimizer in the process."""
-    params: list[torch.Tensor] = field(default_factory=list)
-    hooks: list[Any] = field(default_factory=list)
-    comm_hook: Any = None
-    """A user's ``hook(state, bucket) -> Handle`` (``register_comm_hook``), or None."""
-    reducer: _Reducer | None = None
-    """None when nothing is reduced (one rank, outside the process set, no parameters)."""
-    marked: list[bool] = field(default_factory=list)
-    sparse_dims: list[int | None] = field(default_factory=list)
-    sparse: SparseGradients = field(default_factory=SparseGradients)
-    """Sparse gradients reduced outside the buckets (``sparse_as_dense=False``)."""
-    pending: bool = False
-    synchronized: bool = False
-    should_synchronize: bool = True
-    skip_step: bool = False
-    """The last reduction held inf/nan and ``DP_PLUGIN_CHECK_FINITE=skip``."""
-
-
 class _DistributedMixin:
     """Methods placed in front of the user's optimizer class in the MRO."""
 
-    _dp: _State
+    _dp: OptimizerState
     param_groups: list[dict[str, Any]]
 
     # -- Horovod's public surface --------------------------------------------------
@@ -303,7 +250,7 @@ class _DistributedMixin:
         """
         st = self._dp
         params, names = self._dp_collect()
-        reducer = self._dp_reducer(params, names)
+        reducer = build_reducer(self._dp, params, names)
         for handle in st.hooks:
             handle.remove()
         st.names.update(names)
@@ -336,47 +283,6 @@ class _DistributedMixin:
                     )
                 new_names[p] = default_name(group, gi, pj)
         return params, new_names
-
-    def _dp_reducer(self, params: list[torch.Tensor],
-                    new_names: dict[torch.Tensor, str]) -> _Reducer | None:
-        """The scheduler (and join flags) for ``params``; None if nothing is reduced."""
-        st = self._dp
-        eng = st.engine
-        if eng is None or eng.size == 1 or not params:
-            return None
-        specs = []
-        for p in params:
-            name = st.names.get(p) or new_names[p]
-            try:
-                specs.append(TensorSpec.of(name, st.sparse.dense_stand_in(p)))
-            except TypeError as exc:
-                raise TypeError(
-                    f"DistributedOptimizer cannot reduce parameter {name!r}: {exc}"
-                ) from None
-        # The label is unique per optimizer: the horovod engine matches
-        # collectives by name (its channel is the engine itself), so two
-        # optimizers' buckets must not share names.
-        ranks = list(eng.global_ranks)
-        check = eng.config.check_finite
-        # The control slot: the join flags, then (if checked) the finite flags.
-        scheduler = GradientScheduler(
-            specs, engine=eng, op=st.op, compression=st.compressor,
-            gradient_predivide_factor=st.predivide, backward_passes_per_step=st.passes,
-            timeline=shared_timeline, name=st.label,
-            control_numel=len(ranks) * (1 if check == "off" else 2),
-            hook=st.comm_hook, settings={"DP_PLUGIN_CHECK_FINITE": check},
-        )
-        # Agree on the layout here (the optimizer is made, or a group added, at
-        # the same point on every rank), not in the first gradient hook, whose
-        # time differs between ranks; a blocking collective there could wait
-        # for a rank that is itself waiting in a SyncBatchNorm all-reduce.
-        scheduler.fused.agree()
-        flags = _join.JoinFlags(scheduler, op=st.op, ranks=ranks, slot=eng.rank,
-                                like=params[0])
-        finite = None if check == "off" else FiniteFlags(
-            scheduler, mode=check, op=st.op, ranks=ranks, slot=eng.rank, offset=len(ranks),
-            like=params[0])
-        return _Reducer(scheduler, flags, finite)
 
     def _dp_grad_ready(self, index: int, param: torch.Tensor) -> None:
         st = self._dp

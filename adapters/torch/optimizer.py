@@ -24,13 +24,14 @@ from typing import Any
 import torch
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.torch import joining as _join
-from dp_plugin.torch.distributed_mixin import _DistributedMixin, _State
+from dp_plugin.torch.distributed_mixin import _DistributedMixin
 from dp_plugin.torch.ops import Average, Compression, parse_op
 from dp_plugin.torch.optimizer_args import (
     check_groups,
     compressor_of,
     parameter_names,
 )
+from dp_plugin.torch.optimizer_state import OptimizerState
 from dp_plugin.torch.process_sets import ProcessSet, engine_or_none, global_process_set
 from dp_plugin.validate import check_int
 
@@ -151,7 +152,7 @@ def DistributedOptimizer(
     wrapped.__dict__.update(
         {k: v for k, v in vars(optimizer).items() if k not in shadowed}
     )
-    wrapped._dp = _State(
+    wrapped._dp = OptimizerState(
         names=names, named=named_parameters is not None, compressor=compressor,
         compression=compression, op=reduce_op,
         predivide=float(gradient_predivide_factor), passes=backward_passes_per_step,

@@ -34,52 +34,23 @@ Contract shared by all engines:
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
-from dp_plugin.arrays import as_numpy, as_torch, is_torch
+from dp_plugin.arrays import as_numpy
 from dp_plugin.config import Config
 from dp_plugin.dtypes import canonical_dtype, is_floating
-from dp_plugin.engines import exchange
+from dp_plugin.engines import exchange, generic
 from dp_plugin.engines.handle import DoneHandle as DoneHandle
 from dp_plugin.engines.handle import Handle
+from dp_plugin.engines.types import Availability as Availability
+from dp_plugin.engines.types import ReduceOp as ReduceOp
+from dp_plugin.engines.types import Started as Started
 from dp_plugin.errors import DPPluginError
 from dp_plugin.launch import Topology
-
-Started = tuple[Handle, Callable[[], Any]]
-"""A collective in flight and the function that returns its output once
-the handle is done (``allgather_async``, ``reducescatter_async``)."""
-
-
-class ReduceOp(enum.Enum):
-    SUM = "sum"
-    AVERAGE = "average"
-    MIN = "min"
-    MAX = "max"
-    PRODUCT = "product"
-
-    @classmethod
-    def parse(cls, op: ReduceOp | str) -> ReduceOp:
-        if isinstance(op, ReduceOp):
-            return op
-        try:
-            return cls(str(op).lower())
-        except ValueError:
-            valid = ", ".join(o.value for o in cls)
-            raise ValueError(f"reduce op {op!r} is not known; valid ops: {valid}") from None
-
-
-@dataclass(frozen=True)
-class Availability:
-    """Whether an engine can run here, and why (shown by ``make check``)."""
-
-    ok: bool
-    reason: str
 
 
 class Engine(ABC):
@@ -197,7 +168,7 @@ class Engine(ABC):
             return self._allreduce_async(buf, op, name)
         handle = self._allreduce_async(buf, ReduceOp.SUM, name)
         size = self.size
-        return handle.then(lambda: _divide(buf, size))
+        return handle.then(lambda: generic.divide(buf, size))
 
     def broadcast_async(self, buf: Any, root: int, name: str = "broadcast") -> Handle:
         """Start an in-place broadcast of the 1-D buffer ``buf`` from ``root``."""
@@ -232,10 +203,7 @@ class Engine(ABC):
         result)``: wait for ``handle``, then ``result()`` is the output."""
         what = f"allgather {name!r}"
         self._check_usable(what)
-        header = exchange.Header(buf, 0)
-        table = self._exchange(header.row, what)
-        exchange.check_table(table, header, what, same_first_dim=False)
-        return self._allgather_start(buf, exchange.first_dims(table), name)
+        return self._allgather_start(buf, exchange.agreed_rows(self, buf, what), name)
 
     def barrier(self) -> None:
         self._check_usable("barrier")
@@ -262,12 +230,7 @@ class Engine(ABC):
         """
         what = f"alltoall {name!r}"
         self._check_usable(what)
-        header = exchange.Header(buf, self.size)
-        rows = int(buf.shape[0]) if len(buf.shape) else 0
-        header.put_extras(exchange.as_splits(splits, rows, self.size, header))
-        table = self._exchange(header.row, what)
-        exchange.check_table(table, header, what, same_first_dim=False)
-        counts = exchange.extras(table)
+        counts = exchange.agreed_splits(self, buf, splits, what)
         received = self._alltoall(buf, counts, name)
         return received, [int(c) for c in counts[:, self.rank]]
 
@@ -297,16 +260,7 @@ class Engine(ABC):
         op = ReduceOp.parse(op)
         what = f"reducescatter {name!r}"
         self._check_usable(what)
-        header = exchange.Header(buf, 1)
-        header.put_extras([list(ReduceOp).index(op)])
-        table = self._exchange(header.row, what)
-        dtype, _ = exchange.check_table(table, header, what, same_first_dim=True)
-        ops = [list(ReduceOp)[int(i)].value for i in exchange.extras(table)[:, 0]]
-        if len(set(ops)) > 1:
-            raise ValueError(
-                f"{what}: ranks passed different reduce ops ({', '.join(ops)} for ranks 0.."
-                f"{self.size - 1}); every rank must pass the same op"
-            )
+        dtype = exchange.agreed_op(self, buf, list(ReduceOp).index(op), list(ReduceOp), what)
         if op is ReduceOp.AVERAGE and not is_floating(dtype):
             raise TypeError(
                 f"{what}: op=average is not defined for {dtype} buffers; use op='sum' and "
@@ -320,7 +274,7 @@ class Engine(ABC):
 
         def averaged() -> Any:
             out = result()
-            _divide(out, size)
+            generic.divide(out, size)
             return out
 
         return handle, averaged
@@ -342,26 +296,7 @@ class Engine(ABC):
         """
         what = f"subgroup {name!r}"
         self._check_usable(what)
-        header = exchange.Header(None, 1 + self.size)
-        members = exchange.check_members(ranks, self.size, header)
-        mask = [1 if r in members else 0 for r in range(self.size)]
-        header.put_extras([exchange.host_key(self.topology), *mask])
-        table = self._exchange(header.row, what)
-        exchange.check_problems(table, header, what)
-        masks = exchange.extras(table)[:, 1:]
-        if (masks != masks[0]).any():
-            per_rank = "; ".join(
-                f"rank {r}: {np.flatnonzero(m).tolist()}" for r, m in enumerate(masks)
-            )
-            raise ValueError(
-                f"{what}: ranks asked for different members ({per_rank}); every rank must "
-                "pass the same ranks"
-            )
-        hosts = [int(h) for h in exchange.extras(table)[:, 0]]
-        topology = (
-            exchange.group_topology(self.topology, members, self.rank, hosts)
-            if self.rank in members else None
-        )
+        members, topology = exchange.agreed_members(self, ranks, what)
         child = self._subgroup(members, topology, name)
         if child is not None:
             child.global_ranks = tuple(self.global_ranks[m] for m in members)
@@ -417,50 +352,15 @@ class Engine(ABC):
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
         """``counts[i, j]``: rows rank i sends to rank j (validated, agreed by
         all ranks). Return the rows this rank receives, in rank order.
-
-        Generic path: all-gather every rank's buffer and keep the blocks
-        addressed to this rank (moves ``size`` times the data)."""
-        gathered = self.allgather(buf, name=name)
-        me = self.rank
-        starts = np.concatenate([[0], np.cumsum(counts.sum(axis=1))])
-        rows = [
-            np.arange(first, first + int(counts[src, me]), dtype=np.int64)
-            for src, first in enumerate(int(starts[s] + counts[s, :me].sum())
-                                        for s in range(self.size))
-        ]
-        index = np.concatenate(rows)
-        return gathered[as_torch(index)] if is_torch(gathered) else gathered[index]
+        Generic path: ``generic.alltoall_by_allgather``."""
+        return generic.alltoall_by_allgather(self, buf, counts, name)
 
     def _reducescatter(self, buf: Any, op: ReduceOp, counts: list[int], name: str) -> Any:
         """Reduce with ``op`` (native for this engine) and return this rank's
         ``counts[rank]`` rows. Generic path: all-reduce a copy, then slice."""
-        handle, result = self._reducescatter_by_allreduce(buf, op, counts, name)
+        handle, result = generic.reducescatter_by_allreduce(self, buf, op, counts, name)
         handle.wait()
         return result()
-
-    def _reducescatter_by_allreduce(self, buf: Any, op: ReduceOp, counts: list[int],
-                                    name: str) -> Started:
-        """The generic reduce-scatter, started: an all-reduce of a copy in
-        flight; the result slices this rank's rows out of it."""
-        torch_buf = is_torch(buf)
-        flat: Any = buf.detach().reshape(-1).clone() if torch_buf else (
-            np.array(as_numpy(buf).reshape(-1), copy=True))
-        if flat.shape[0]:  # same shape everywhere: every rank skips alike
-            handle = self._allreduce_async(flat, op, name)
-        else:
-            handle = DoneHandle(self.describe("reducescatter", name, 0), self.rank,
-                                self.config.timeout_s)
-        row = int(np.prod(buf.shape[1:], dtype=np.int64))
-        start = sum(counts[:self.rank]) * row
-        shape = (counts[self.rank], *buf.shape[1:])
-
-        def result() -> Any:
-            mine = flat[start:start + counts[self.rank] * row]
-            # A copy, so the result does not keep the whole reduced buffer alive.
-            mine = mine.clone() if torch_buf else mine.copy()
-            return mine.reshape(shape)
-
-        return handle, result
 
     def _allgather_start(self, buf: Any, rows: list[int], name: str) -> Started:
         """Start ``_allgather``; engines with a non-blocking library call
@@ -508,11 +408,3 @@ def _check_flat(buf: Any, what: str) -> str:
     if len(shape) != 1:
         raise ValueError(f"{what}: expected a 1-D buffer, got shape {shape}; flatten it first")
     return canonical_dtype(buf.dtype)
-
-
-def _divide(buf: Any, size: int) -> None:
-    if hasattr(buf, "div_"):
-        buf.div_(size)
-    else:
-        arr = as_numpy(buf)
-        arr /= arr.dtype.type(size)

@@ -251,3 +251,64 @@ def group_topology(parent: Topology, members: Sequence[int], me: int,
         rendezvous_port=parent.rendezvous_port,
         hostname=parent.hostname,
     )
+
+
+# -- the exchanges themselves (called by ``Engine``'s public methods) ----------------
+
+
+def agreed_rows(engine: Any, buf: Any, what: str) -> list[int]:
+    """Every rank's first dimension, once the headers agree (allgather)."""
+    header = Header(buf, 0)
+    table = engine._exchange(header.row, what)
+    check_table(table, header, what, same_first_dim=False)
+    return first_dims(table)
+
+
+def agreed_splits(engine: Any, buf: Any, splits: Any, what: str) -> np.ndarray:
+    """``counts[i, j]``: rows rank i sends to rank j, once valid and agreed (alltoall)."""
+    header = Header(buf, engine.size)
+    rows = int(buf.shape[0]) if len(buf.shape) else 0
+    header.put_extras(as_splits(splits, rows, engine.size, header))
+    table = engine._exchange(header.row, what)
+    check_table(table, header, what, same_first_dim=False)
+    return extras(table)
+
+
+def agreed_op(engine: Any, buf: Any, op_code: int, ops: Sequence[Any], what: str) -> str:
+    """The common dtype, once shapes, dtypes and the reduce op agree (reducescatter)."""
+    header = Header(buf, 1)
+    header.put_extras([op_code])
+    table = engine._exchange(header.row, what)
+    dtype, _ = check_table(table, header, what, same_first_dim=True)
+    names = [ops[int(i)].value for i in extras(table)[:, 0]]
+    if len(set(names)) > 1:
+        raise ValueError(
+            f"{what}: ranks passed different reduce ops ({', '.join(names)} for ranks 0.."
+            f"{engine.size - 1}); every rank must pass the same op"
+        )
+    return dtype
+
+
+def agreed_members(engine: Any, ranks: Any,
+                   what: str) -> tuple[tuple[int, ...], Topology | None]:
+    """The subgroup's members and this rank's place in it (None outside it),
+    once every rank passed the same valid list."""
+    header = Header(None, 1 + engine.size)
+    members = check_members(ranks, engine.size, header)
+    mask = [1 if r in members else 0 for r in range(engine.size)]
+    header.put_extras([host_key(engine.topology), *mask])
+    table = engine._exchange(header.row, what)
+    check_problems(table, header, what)
+    masks = extras(table)[:, 1:]
+    if (masks != masks[0]).any():
+        per_rank = "; ".join(
+            f"rank {r}: {np.flatnonzero(m).tolist()}" for r, m in enumerate(masks)
+        )
+        raise ValueError(
+            f"{what}: ranks asked for different members ({per_rank}); every rank must "
+            "pass the same ranks"
+        )
+    hosts = [int(h) for h in extras(table)[:, 0]]
+    topology = (group_topology(engine.topology, members, engine.rank, hosts)
+                if engine.rank in members else None)
+    return members, topology

@@ -36,6 +36,7 @@ import numpy as np
 from dp_plugin import netif
 from dp_plugin.arrays import as_numpy, as_torch, is_torch
 from dp_plugin.config import Config
+from dp_plugin.engines import generic
 from dp_plugin.engines import rendezvous as rdv
 from dp_plugin.engines.base import (
     Availability,
@@ -312,7 +313,7 @@ class TorchDistEngine(Engine):
 
     def _reducescatter_start(self, buf: Any, op: ReduceOp, counts: list[int],
                              name: str) -> Started:
-        return self._reducescatter_by_allreduce(buf, op, counts, name)
+        return generic.reducescatter_by_allreduce(self, buf, op, counts, name)
 
     def _barrier(self) -> None:
         token = self._torch.zeros(1, dtype=self._torch.int32, device=self._device)
