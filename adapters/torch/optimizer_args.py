@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import collections
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from dp_plugin.compression import Compressor, get_compressor
+from dp_plugin.engines.base import ReduceOp
+from dp_plugin.torch.ops import parse_op
+from dp_plugin.torch.process_sets import ProcessSet
+from dp_plugin.validate import check_int
 
 
 def compressor_of(compression: Any) -> Compressor:
@@ -90,3 +95,30 @@ def check_groups(groups: Any) -> None:
             "groups should be a non-negative integer or a list of list of torch.Tensor, "
             f"got {groups!r}"
         )
+
+def checked_arguments(op: Any, gradient_predivide_factor: float, num_groups: int, groups: Any,
+                      backward_passes_per_step: Any, compression: Any,
+                      process_set: Any) -> tuple[ReduceOp, Any, int, Any]:
+    """``DistributedOptimizer``'s arguments, validated: (op, groups, passes,
+    compressor). Every mistake raises naming the argument and the fix."""
+    reduce_op = parse_op(op, "DistributedOptimizer")
+    if gradient_predivide_factor != 1.0 and reduce_op is not ReduceOp.AVERAGE:
+        raise ValueError(
+            f"gradient_predivide_factor={gradient_predivide_factor!r} is only supported with "
+            f"op=hvd.Average, got op={op!r}; leave it at 1.0"
+        )
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups`.",
+                      DeprecationWarning, stacklevel=3)
+        if groups is None:
+            groups = num_groups
+    check_groups(groups)
+    passes = check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)
+    compressor = compressor_of(compression)
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(
+            f"DistributedOptimizer(process_set=...) expects an hvd.ProcessSet, got "
+            f"{type(process_set).__name__}; pass hvd.global_process_set (the default) or a set "
+            "registered with hvd.add_process_set(ranks)"
+        )
+    return reduce_op, groups, passes, compressor
