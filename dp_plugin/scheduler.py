@@ -140,16 +140,8 @@ class GradientScheduler:
 
             engine = runtime.engine()
         self.engine = engine
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty string, got {name!r}")
         self.name = name
-        self.specs: tuple[TensorSpec, ...] = tuple(specs)
-        for i, spec in enumerate(self.specs):
-            if not isinstance(spec, TensorSpec):
-                raise TypeError(
-                    f"specs[{i}] must be a dp_plugin.fusion.TensorSpec, got "
-                    f"{type(spec).__name__}; build them with TensorSpec.of(name, tensor)"
-                )
+        self.specs: tuple[TensorSpec, ...] = _checked_specs(name, specs)
         passes = check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)
         self.backward_passes_per_step = passes
         policy = ReducePolicy.make(
@@ -375,3 +367,15 @@ class GradientScheduler:
         self.fused.guard(share)
         self.fused.replan(to_host(order).tolist())
         self.rebuilt = True
+
+
+def _checked_specs(name: Any, specs: Sequence[Any]) -> tuple[TensorSpec, ...]:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, TensorSpec):
+            raise TypeError(
+                f"specs[{i}] must be a dp_plugin.fusion.TensorSpec, got "
+                f"{type(spec).__name__}; build them with TensorSpec.of(name, tensor)"
+            )
+    return tuple(specs)

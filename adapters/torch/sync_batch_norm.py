@@ -135,6 +135,44 @@ def _shaped(v: torch.Tensor, ndim: int) -> torch.Tensor:
     return v.view(1, -1, *([1] * (ndim - 2)))
 
 
+def _global_stats(engine: Any, xa: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Mean and M2 (sum of squared deviations) per channel over every rank's
+    ``xa``, and the total count; one fused collective. Every rank gets the
+    same numbers, so a too-small global batch raises on every rank."""
+    channels = xa.shape[1]
+    dims = [d for d in range(xa.dim()) if d != 1]
+    count = xa.numel() // channels if channels else 0
+    if count:
+        mean = xa.mean(dims)
+        m2 = (xa - _shaped(mean, xa.dim())).square().sum(dims)
+    else:  # an empty shard contributes nothing (its count is 0)
+        mean = xa.new_zeros(channels)
+        m2 = xa.new_zeros(channels)
+    # Per-rank (count, mean, M2), combined with Chan et al.'s pairwise
+    # formula: stable where sum-of-squares cancels. float64 on the wire
+    # keeps counts exact and costs nothing at this size.
+    row = torch.cat([mean.new_tensor([float(count)]), mean, m2]).to(torch.float64)
+    # Every rank's row, in rank order: each rank fills its own row of a
+    # zero table, and one fused sum makes the table whole everywhere.
+    table = torch.zeros(engine.size, row.numel(), dtype=torch.float64,
+                        device=engine.buffer_device)
+    table[engine.rank] = row
+    _sum(engine, table, "sync_batch_norm.stats")
+    table = table.to(xa.device)
+    counts = table[:, :1]
+    total = float(counts.sum())
+    if total <= 1:
+        raise ValueError(
+            f"SyncBatchNorm in training mode needs more than 1 value per channel over all "
+            f"ranks, got {total:g} (per-rank counts "
+            f"{[int(c) for c in counts.view(-1).tolist()]}); use a larger batch or eval mode"
+        )
+    means, m2s = table[:, 1:1 + channels], table[:, 1 + channels:]
+    g_mean = (counts * means).sum(0) / total
+    g_m2 = (m2s + counts * (means - g_mean).square()).sum(0)
+    return g_mean, g_m2, total
+
+
 class _SyncBatchNormFunction(Function):
     """Forward: global mean/variance from every rank's (count, mean, M2).
     Backward: global sums of dy and dy*x_hat, then the usual BN input grad."""
@@ -152,40 +190,9 @@ class _SyncBatchNormFunction(Function):
         engine: Any,
     ) -> torch.Tensor:
         x = input.contiguous()
-        channels = x.shape[1]
-        dims = [d for d in range(x.dim()) if d != 1]
         acc = _stat_dtype(x.dtype)
         xa = x.to(acc)
-        count = x.numel() // channels if channels else 0
-        if count:
-            mean = xa.mean(dims)
-            m2 = (xa - _shaped(mean, x.dim())).square().sum(dims)
-        else:  # an empty shard contributes nothing (its count is 0)
-            mean = xa.new_zeros(channels)
-            m2 = xa.new_zeros(channels)
-        # Per-rank (count, mean, M2), combined with Chan et al.'s pairwise
-        # formula: stable where sum-of-squares cancels. float64 on the wire
-        # keeps counts exact and costs nothing at this size.
-        row = torch.cat([mean.new_tensor([float(count)]), mean, m2]).to(torch.float64)
-        # Every rank's row, in rank order: each rank fills its own row of a
-        # zero table, and one fused sum makes the table whole everywhere.
-        table = torch.zeros(engine.size, row.numel(), dtype=torch.float64,
-                            device=engine.buffer_device)
-        table[engine.rank] = row
-        _sum(engine, table, "sync_batch_norm.stats")
-        table = table.to(x.device)
-        counts = table[:, :1]
-        total = float(counts.sum())
-        if total <= 1:
-            # Every rank sees the same table, so every rank raises.
-            raise ValueError(
-                f"SyncBatchNorm in training mode needs more than 1 value per channel over all "
-                f"ranks, got {total:g} (per-rank counts "
-                f"{[int(c) for c in counts.view(-1).tolist()]}); use a larger batch or eval mode"
-            )
-        means, m2s = table[:, 1:1 + channels], table[:, 1 + channels:]
-        g_mean = (counts * means).sum(0) / total
-        g_m2 = (m2s + counts * (means - g_mean).square()).sum(0)
+        g_mean, g_m2, total = _global_stats(engine, xa)
         var = g_m2 / total
         invstd = torch.rsqrt(var + eps).to(acc)
         g_mean = g_mean.to(acc)
