@@ -16,8 +16,9 @@ import pytest
 from tests.multiproc.harness import assert_ranks_ok, run_workers, worker_cases
 
 WORKERS = Path(__file__).resolve().parent / "workers"
-# A user-style training script, not a test worker: it has no cases.
-NOT_CASE_WORKERS = {"_fail_fast.py", "typical_horovod_script.py"}
+# User-style training scripts (Horovod programs with only the import
+# changed), not test workers: they have no cases.
+NOT_CASE_WORKERS = {"_fail_fast.py", "typical_horovod_script.py", "horovod_keras_script.py"}
 CASE_WORKERS = sorted(p for p in WORKERS.glob("*.py") if p.name not in NOT_CASE_WORKERS)
 
 TINY = f'''
