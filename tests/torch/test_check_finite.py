@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,22 +14,11 @@ import torch
 from torch import nn
 
 import dp_plugin.torch as hvd
-from dp_plugin import runtime
 from dp_plugin.config import Config
-from dp_plugin.engines.base import Engine
 from dp_plugin.errors import LayoutMismatchError, NonFiniteGradientError
-from dp_plugin.torch import process_sets
+from tests.torch.local_runtime import local_engine  # noqa: F401 - autouse fixture
 from tests.torch.test_optimizer_unit import ThreadSet
 from tests.unit.fakes import make_thread_group, run_ranks_outcomes
-
-
-@pytest.fixture(autouse=True)
-def local_engine() -> Iterator[Engine]:
-    hvd.shutdown()
-    engine = runtime.init(Config(engine="local"), env={})
-    process_sets._setup_initial_process_sets(None)
-    yield engine
-    hvd.shutdown()
 
 
 def _params() -> nn.ParameterDict:

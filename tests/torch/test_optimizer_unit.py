@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,22 +18,12 @@ import torch
 from torch import nn
 
 import dp_plugin.torch as hvd
-from dp_plugin import runtime
-from dp_plugin.config import Config
 from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.errors import DPPluginError
 from dp_plugin.torch import process_sets
 from dp_plugin.torch.joining import JoinFlags
+from tests.torch.local_runtime import local_engine  # noqa: F401 - autouse fixture
 from tests.unit.fakes import make_thread_group, run_ranks, run_ranks_outcomes
-
-
-@pytest.fixture(autouse=True)
-def local_engine() -> Iterator[Engine]:
-    hvd.shutdown()
-    engine = runtime.init(Config(engine="local"), env={})
-    process_sets._setup_initial_process_sets(None)
-    yield engine
-    hvd.shutdown()
 
 
 class ThreadSet(process_sets.ProcessSet):

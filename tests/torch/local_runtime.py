@@ -1,0 +1,23 @@
+"""A fixture for single-process dp_plugin.torch tests: the local engine,
+started fresh for each test (import ``local_engine`` into a test module)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+import dp_plugin.torch as hvd
+from dp_plugin import runtime
+from dp_plugin.config import Config
+from dp_plugin.engines.base import Engine
+from dp_plugin.torch import process_sets
+
+
+@pytest.fixture(autouse=True)
+def local_engine() -> Iterator[Engine]:
+    hvd.shutdown()
+    engine = runtime.init(Config(engine="local"), env={})
+    process_sets._setup_initial_process_sets(None)
+    yield engine
+    hvd.shutdown()
