@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from dp_plugin.arrays import as_numpy, as_torch, is_torch
-from dp_plugin.errors import LayoutMismatchError
+from dp_plugin.errors import JoinedRankError, LayoutMismatchError
 from dp_plugin.fusion import TensorSpec
 
 DIGEST_SIZE = 32
@@ -64,57 +63,187 @@ def fingerprint(specs: Sequence[TensorSpec], settings: Settings | None = None) -
 
 
 class Compared(NamedTuple):
-    """What ``compare`` found: every rank's numbers, and every rank's
-    description when (and only when) the descriptions differ."""
+    """What ``compare`` found: every rank's numbers, every rank's description
+    when (and only when) the descriptions differ, and the ranks that have
+    joined (``join()``; they describe nothing and their numbers are empty)."""
 
     described: list[Any] | None
     numbers: list[list[int]]
+    joined: tuple[int, ...] = ()
 
+
+AGREE_NAME = "dp_plugin.agree"
+"""One engine name for every agreement, whatever the caller: two ranks in
+different collectives still meet here (a name-matching engine such as
+Horovod's would otherwise wait on two names forever) and see the difference."""
+
+INLINE = 8
+"""Numbers carried in the first exchange; more travel with the details."""
 
 _HEAD = 2 + DIGEST_SIZE // 8
 """Header words per rank: count of numbers, length of the description, digest."""
 
+_WIDTH = _HEAD + INLINE
 
-def compare(engine: Any, tag: str, described: Any, numbers: Sequence[int] = ()) -> Compared:
+JOINED = -1
+"""The description length of a joined rank's row; its third word counts
+the collectives it has answered since it joined."""
+
+
+def compare(engine: Any, tag: str, described: Any, numbers: Sequence[int] = (), *,
+            accept_joined: bool = False) -> Compared:
     """The one agreement exchange: do all ranks describe the same thing?
 
     ``described`` is this rank's JSON-able description of what it is about
-    to do; ``numbers`` are per-rank integers the caller needs from every rank
-    (e.g. first dimensions of an uneven all-gather), carried in the same
-    message. One all-gather of ``[len(numbers), len(description), digest,
-    numbers]`` per rank; only when the digests differ, a second all-gather of
-    the descriptions themselves, so the caller can say who differs and how.
-    Collective over ``engine``'s ranks; every rank gets the same result.
+    to do, ``tag`` names the caller; ``numbers`` are per-rank integers the
+    caller needs from every rank (e.g. first dimensions of an uneven
+    all-gather). One all-reduce of a ``size x (6 + 8)`` table, each rank
+    filling its row with ``[len(numbers), len(description), digest,
+    numbers]``; only when the digests differ, a rank has joined or there
+    are more than 8 numbers, a second exchange (an all-gather) of the
+    descriptions themselves, so the caller can say who differs and how.
+
+    A joined rank (``Listener``) answers with a row of its own; unless
+    ``accept_joined`` (the caller can run with a joined rank contributing
+    nothing), every rank then raises ``JoinedRankError``. Collective over
+    ``engine``'s ranks; every rank gets the same result.
     """
-    payload = json.dumps(described, separators=(",", ":")).encode()
+    payload = json.dumps([tag, accept_joined, described], separators=(",", ":")).encode()
     if engine.size == 1:
         return Compared(None, [list(numbers)])
-    tag = re.sub(r"[^\w.-]+", "_", tag)  # collective names: no spaces or quotes
-    device = engine.buffer_device
     digest = np.frombuffer(hashlib.sha256(payload).digest(), dtype="<i8")
-    head = np.array([len(numbers), len(payload), *digest, *numbers], dtype=np.int64)
-    table = to_host(engine.allgather(to_device(head, device), name=f"{tag}.agree"))
-    rows: list[np.ndarray] = []
-    at = 0
-    while at + _HEAD <= len(table) and len(rows) < engine.size:
-        rows.append(table[at:at + _HEAD + int(table[at])])
-        at += len(rows[-1])
-    if len(rows) != engine.size or at != len(table):
+    row = np.zeros(_WIDTH, dtype=np.int64)
+    row[:_HEAD] = [len(numbers), len(payload), *digest]
+    inline = list(numbers)[:INLINE]
+    row[_HEAD:_HEAD + len(inline)] = inline
+    table = _exchange_rows(engine, row)
+    heard = _conclude(engine, table, payload, numbers)
+    if heard.joined and not all(env[1] for env in heard.envelopes if env is not None):
+        raise JoinedRankError(_refusal(heard))
+    return Compared(None if heard.same else heard.described, heard.numbers, heard.joined)
+
+
+class Heard(NamedTuple):
+    """One agreement as every rank sees it."""
+
+    envelopes: list[Any | None]
+    """Per rank ``[tag, accept_joined, described]``; None for joined ranks,
+    and for every rank when the first exchange showed agreement."""
+    numbers: list[list[int]]
+    joined: tuple[int, ...]
+    same: bool
+    """Do the active (not joined) ranks describe the same thing?"""
+    answered: list[int]
+    """Per joined rank (others: 0), the collectives it answered since it joined."""
+
+    @property
+    def described(self) -> list[Any]:
+        return [None if env is None else env[2] for env in self.envelopes]
+
+
+class Listener:
+    """A joined rank's standing answer to the next agreement on ``engine``.
+
+    Posted without blocking; ``done()`` polls it; ``heard()`` returns what
+    the other ranks asked for (``Heard``; every rank joined when its
+    ``envelopes`` are all None). ``answered`` goes into this rank's row, so
+    that once everyone has joined every rank can tell who joined last.
+    """
+
+    def __init__(self, engine: Any, answered: int) -> None:
+        self.engine = engine
+        row = np.zeros(_WIDTH, dtype=np.int64)
+        row[1], row[2] = JOINED, answered
+        self._buf = _table_buffer(engine, row)
+        self.handle = engine.allreduce_async(self._buf, "sum", name=AGREE_NAME)
+
+    def done(self) -> bool:
+        return bool(self.handle.done())
+
+    def heard(self) -> Heard:
+        """The agreement the other ranks ran (collective: it may exchange details)."""
+        self.handle.wait()
+        table = to_host(self._buf).reshape(self.engine.size, _WIDTH)
+        heard = _conclude(self.engine, table, b"", ())
+        if not heard.same:
+            raise JoinedRankError(
+                f"rank {self.engine.rank} has joined, and the other ranks called "
+                f"different collectives while it was joined ({_tags(heard)}); they raise "
+                "an error saying which"
+            )
+        if heard.joined and len(heard.joined) < self.engine.size and \
+                not all(env[1] for env in heard.envelopes if env is not None):
+            raise JoinedRankError(_refusal(heard))
+        return heard
+
+
+def _table_buffer(engine: Any, row: np.ndarray) -> Any:
+    table = np.zeros((engine.size, _WIDTH), dtype=np.int64)
+    table[engine.rank] = row
+    return to_device(table.reshape(-1), engine.buffer_device)
+
+
+def _exchange_rows(engine: Any, row: np.ndarray) -> np.ndarray:
+    buf = _table_buffer(engine, row)
+    engine.allreduce_async(buf, "sum", name=AGREE_NAME).wait()
+    return to_host(buf).reshape(engine.size, _WIDTH)
+
+
+def _conclude(engine: Any, table: np.ndarray, payload: bytes,
+              numbers: Sequence[int]) -> Heard:
+    """Read the table; fetch the details when some rank needs them (collective)."""
+    joined = tuple(r for r in range(engine.size) if table[r, 1] == JOINED)
+    active = [r for r in range(engine.size) if r not in joined]
+    answered = [int(table[r, 2]) if r in joined else 0 for r in range(engine.size)]
+    counts = [0 if r in joined else int(table[r, 0]) for r in range(engine.size)]
+    if any(c < 0 for c in counts) or any(table[r, 1] < 0 for r in active):
         raise LayoutMismatchError(
-            f"the agreement of {tag} received {len(table)} malformed words from "
-            f"{engine.size} ranks; some rank runs another version of dp_plugin"
+            f"rank {engine.rank}: the agreement received a malformed table from ranks "
+            f"{sorted(active)}; some rank runs another version of dp_plugin"
         )
-    numbers_of = [row[_HEAD:].tolist() for row in rows]
-    if all((row[1:_HEAD] == rows[0][1:_HEAD]).all() for row in rows):
-        return Compared(None, numbers_of)
-    mine = np.frombuffer(payload, dtype=np.uint8).copy()
-    blob = to_host(engine.allgather(to_device(mine, device), name=f"{tag}.detail"))
-    described_of: list[Any] = []
-    start = 0
-    for row in rows:
-        described_of.append(json.loads(blob[start:start + int(row[1])].tobytes().decode()))
-        start += int(row[1])
-    return Compared(described_of, numbers_of)
+    numbers_of = [table[r, _HEAD:_HEAD + min(c, INLINE)].tolist()
+                  for r, c in enumerate(counts)]
+    same = all((table[r, 1:_HEAD] == table[active[0], 1:_HEAD]).all() for r in active) \
+        if active else True
+    if not active or (same and not joined and max(counts) <= INLINE):
+        return Heard([None] * engine.size, numbers_of, joined, same, answered)
+    extra = np.asarray(list(numbers)[INLINE:], dtype="<i8").view(np.uint8)
+    mine = np.concatenate([extra, np.frombuffer(payload, dtype=np.uint8)])
+    blob = to_host(engine.allgather(to_device(mine, engine.buffer_device),
+                                    name=f"{AGREE_NAME}.detail"))
+    envelopes: list[Any | None] = []
+    at = 0
+    for r, count in enumerate(counts):
+        if r in joined:
+            envelopes.append(None)
+            continue
+        n_extra = 8 * max(count - INLINE, 0)
+        numbers_of[r] += blob[at:at + n_extra].copy().view("<i8").tolist()
+        length = int(table[r, 1])
+        envelopes.append(json.loads(blob[at + n_extra:at + n_extra + length].tobytes()))
+        at += n_extra + length
+    tags = {envelopes[r][0] for r in active}  # type: ignore[index]
+    if len(tags) > 1:
+        raise LayoutMismatchError(
+            f"rank {engine.rank}: ranks called different collectives at the same point: "
+            + "; ".join(f"rank {r} in {envelopes[r][0]}" for r in active)  # type: ignore[index]
+            + ". Every rank must call the same collectives in the same order"
+        )
+    return Heard(envelopes, numbers_of, joined, same, answered)
+
+
+def _tags(heard: Heard) -> str:
+    return ", ".join(sorted({env[0] for env in heard.envelopes if env is not None}))
+
+
+def _refusal(heard: Heard) -> str:
+    ranks = ", ".join(map(str, heard.joined))
+    return (
+        f"rank(s) {ranks} have called join(), and {_tags(heard)} cannot run while a rank is "
+        "joined: a joined rank answers only allreduce, allgather, broadcast, reducescatter, "
+        "barrier (and their grouped forms) and DistributedOptimizer steps. Call it before "
+        "join(), or after join() has returned on every rank. Every rank raises this error"
+    )
 
 
 def agree(engine: Any, specs: Sequence[TensorSpec], what: str = "gradients",

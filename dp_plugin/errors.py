@@ -43,3 +43,8 @@ class EngineUnavailableError(DPPluginError):
 
 class NonFiniteGradientError(DPPluginError):
     """A reduced gradient holds inf or nan and ``DP_PLUGIN_CHECK_FINITE=raise``."""
+
+
+class JoinedRankError(DPPluginError):
+    """A collective that a joined rank (``join()``) cannot answer was called
+    while that rank was joined; raised on every rank, the joined one included."""

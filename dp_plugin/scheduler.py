@@ -50,6 +50,7 @@ class StepState:
     """Buckets below this index are known to have finished (see ``_poll``)."""
     started_at: float | None = None
     syncing: bool = False
+    sync_start: float = 0.0
     late_launch_s: float = 0.0
     """Time spent launching buckets inside ``synchronize()`` (not overlapped)."""
     bytes: int = 0
@@ -221,18 +222,10 @@ class GradientScheduler:
         tensor (updated in place) or the zeros tensor made for a missing one.
         Synchronization point; resets the pass counters.
         """
+        self.launch_all()
         with self._lock:
-            self.fused.check_usable(f"scheduler {self.name!r}")
             st = self._state
-            start = time.perf_counter()
-            st.syncing = True
-            ops = self.fused.backend()
-            for i, spec in enumerate(self.specs):
-                if st.tensors[i] is None:
-                    st.tensors[i] = ops.zeros(spec.shape, spec.dtype, spec.device)
-                if not st.ready[i]:
-                    self._set_ready(i)
-            self._launch_ready()
+            start = st.sync_start
             exposed = st.late_launch_s
             for b in self.plan:
                 before = time.perf_counter()
@@ -247,6 +240,31 @@ class GradientScheduler:
                 self._rebuild(st.ready_order)
             self._state = StepState(st.step + 1, len(self.specs), len(self.plan))
             return result
+
+    def launch_all(self) -> None:
+        """Start every bucket not started yet (tensors never marked ready
+        contribute zeros); ``synchronize()`` then only waits. A rank that
+        must not block (one that has joined, answering other collectives
+        meanwhile) calls this, polls ``all_done()``, then ``synchronize()``."""
+        with self._lock:
+            st = self._state
+            if st.syncing:
+                return
+            self.fused.check_usable(f"scheduler {self.name!r}")
+            st.sync_start = time.perf_counter()
+            st.syncing = True
+            ops = self.fused.backend()
+            for i, spec in enumerate(self.specs):
+                if st.tensors[i] is None:
+                    st.tensors[i] = ops.zeros(spec.shape, spec.dtype, spec.device)
+                if not st.ready[i]:
+                    self._set_ready(i)
+            self._launch_ready()
+
+    def all_done(self) -> bool:
+        """Non-blocking, after ``launch_all()``: has every bucket's collective finished?"""
+        with self._lock:
+            return all(self.fused.done(b.index) for b in self.plan)
 
     def view_for(self, index: int, like: Any = None) -> Any:
         """A tensor shaped like spec ``index`` that lives inside its fusion buffer.

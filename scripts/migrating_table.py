@@ -57,9 +57,14 @@ NOTES: dict[str, tuple[str, str]] = {
     "DistributedOptimizer": (DIFF, "`groups`/`num_groups` are validated hints only (the "
                              "planner fuses gradients into `DP_PLUGIN_FUSION_THRESHOLD` "
                              "buckets); `op=Adasum` is not supported"),
-    "join": (DIFF, "a joined rank answers the `DistributedOptimizer` steps of the ranks "
-             "still training; their other collectives (allreduce, allgather, broadcast) are "
-             "not answered yet and fail with an error instead of completing"),
+    "horovod.torch:join": (DIFF, "answers `DistributedOptimizer` steps and allreduce, "
+                           "allgather, broadcast, reducescatter, barrier (grouped too) as "
+                           "Horovod does; `broadcast_parameters`/`broadcast_object`-style "
+                           "helpers and `SyncBatchNorm` raise `JoinedRankError` on every rank "
+                           "instead of being answered"),
+    "join": (DIFF, "a synchronization point that returns the rank that called it last; a "
+             "joined rank does not answer the other ranks' collectives meanwhile (TensorFlow "
+             "collectives run without the agreement step a joined rank listens to)"),
     "synchronize": (DIFF, "an unknown or already-synchronized handle raises `ValueError` "
                     "(Horovod returns None)"),
     "horovod.torch:broadcast_optimizer_state": (
@@ -146,10 +151,12 @@ method: `opt.variables()` becomes `opt.variables`.
   deterministically into buckets of `DP_PLUGIN_FUSION_THRESHOLD` bytes.
 - **Adasum is not supported** (`op=Adasum` raises `NotImplementedError`): use
   `op=Average`, which converges the same for synchronous SGD.
-- **`join()`** answers the `DistributedOptimizer` steps of the ranks still
-  training, but not yet their tensor collectives (`allreduce`, `allgather`,
-  `broadcast`, grouped forms): those fail with a clear error (never a hang)
-  where Horovod lets them complete with the joined ranks contributing zeros.
+- **`join()`** (PyTorch) answers the others' optimizer steps and tensor
+  collectives as Horovod does; helpers such as `broadcast_parameters` or
+  `broadcast_object` called while a rank is joined raise `JoinedRankError`
+  on every rank. In `dp_plugin.tensorflow` / `dp_plugin.keras`, `join()` is a
+  synchronization point only: every rank must run the same collectives
+  before joining.
 - **`horovod.*.elastic` has no counterpart**: restart with the new size and
   resume from a checkpoint.
 - **`broadcast_optimizer_state`** sends the root's whole state (tensors fused

@@ -32,7 +32,7 @@ from typing import Any
 from dp_plugin.agreement import compare
 from dp_plugin.dtypes import SUPPORTED_DTYPES
 from dp_plugin.engines.base import Engine, ReduceOp
-from dp_plugin.errors import DPPluginError
+from dp_plugin.errors import DPPluginError, JoinedRankError
 
 
 class MismatchError(DPPluginError, ValueError):
@@ -123,17 +123,50 @@ def check_agreement(engine: Engine, requests: Sequence[Request]) -> Table:
     if not requests:
         raise ValueError("a collective needs at least one tensor; got an empty list")
     mine = [_describe(r) for r in requests]
-    got = compare(engine, _CHECK_NAME, mine, [_first_dim(r) for r in requests])
+    got = compare(engine, _CHECK_NAME, mine, [_first_dim(r) for r in requests],
+                  accept_joined=requests[0].kind in JOINABLE)
     if got.described is None and any(r.problem for r in requests):
         _raise_problems([mine] * engine.size, requests)  # the same problem everywhere
     if got.described is not None:
-        _raise_problems(got.described, requests)
-        _raise_mismatch(got.described, requests)
+        _raise_problems([b for b in got.described if b is not None], requests)
+        _raise_mismatch([b for b in got.described if b is not None], requests)
         raise MismatchError(  # the digests differ, the descriptions do not
             "the agreement check's digests differ across ranks although the requests agree; "
             "the collective engine corrupted data (report this as a bug)"
         )
+    if got.joined:
+        _check_root_active(engine, mine[0], got.joined)
+        # A joined rank contributes nothing: no rows to an all-gather.
+        return [numbers or [0] * len(requests) for numbers in got.numbers]
     return got.numbers
+
+
+JOINABLE = frozenset({"allreduce", "allgather", "broadcast", "reducescatter", "barrier"})
+"""The collectives a joined rank (``hvd.join()``) answers, contributing
+nothing (zeros to a reduction, no rows to an all-gather)."""
+
+
+def joined_view(engine: Engine, heard: Any) -> tuple[list[dict[str, Any]], Table]:
+    """On a joined rank: the request the others agreed on (one description
+    per tensor) and their first dimensions, or the error they all raise."""
+    blocks = [b for b in heard.described if b is not None]
+    _raise_problems(blocks, [])
+    _check_root_active(engine, blocks[0][0], heard.joined)
+    return blocks[0], [numbers or [0] * len(blocks[0]) for numbers in heard.numbers]
+
+
+def _check_root_active(engine: Engine, described: dict[str, Any],
+                       joined: Sequence[int]) -> None:
+    if described["kind"] != "broadcast":
+        return
+    members = list(getattr(engine, "global_ranks", range(engine.size)))
+    root = described["root"]
+    if members.index(root) in joined:
+        raise JoinedRankError(
+            f"broadcast{'' if described['name'] is None else ' ' + repr(described['name'])}: "
+            f"its root_rank {root} has called join() and has no tensor to send; broadcast "
+            "from a rank that has not joined. Every rank raises this error"
+        )
 
 
 def first_dims(table: Table, index: int) -> list[int]:

@@ -104,19 +104,11 @@ def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
     engine = engine_of(process_set, what)
     key, _ = agree(engine, "allreduce", tensors, name, process_set,
                    op=op, prescale=pre, postscale=post)
-    label = name or what.rstrip("_").removesuffix("_async")
     # The result's storage: the caller's tensor in place when it is one dense
     # block, else a fresh contiguous copy (the input is never modified).
     outs = [t.detach() if inplace and t.is_contiguous() else contiguous_copy(t)
             for t in tensors]
-    specs = [TensorSpec(f"{label}.{i}", tuple(t.shape), str(t.dtype), str(t.device))
-             for i, t in enumerate(outs)]
-    fused = FusedCollective(
-        specs, engine=engine, name=label, threshold=UNBOUNDED, order=range(len(specs)),
-        policy=ReducePolicy.for_collective(op, engine.size, prescale=pre, postscale=post),
-        array_ops=TorchOps(), agreed=True,
-    )
-    handles = [h for b in fused.plan if (h := fused.start(b.index, outs)) is not None]
+    fused, handles = start_fused_allreduce(engine, outs, name, op, pre, post)
 
     def finish() -> Any:
         for b in fused.plan:
@@ -131,6 +123,22 @@ def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
         return tuple(results) if grouped else results[0]
 
     return TABLE.add(InFlight(handles, finish), key)
+
+
+def start_fused_allreduce(engine: Engine, outs: list[torch.Tensor], name: str | None,
+                          op: ReduceOp, pre: float, post: float
+                          ) -> tuple[FusedCollective, list[Handle]]:
+    """Start the agreed all-reduce of ``outs`` in place (a joined rank runs
+    it too, on zeros): one bucket per dtype and device."""
+    label = name or "allreduce"
+    specs = [TensorSpec(f"{label}.{i}", tuple(t.shape), str(t.dtype), str(t.device))
+             for i, t in enumerate(outs)]
+    fused = FusedCollective(
+        specs, engine=engine, name=label, threshold=UNBOUNDED, order=range(len(specs)),
+        policy=ReducePolicy.for_collective(op, engine.size, prescale=pre, postscale=post),
+        array_ops=TorchOps(), agreed=True,
+    )
+    return fused, [h for b in fused.plan if (h := fused.start(b.index, outs)) is not None]
 
 
 # -- allgather ------------------------------------------------------------------
@@ -324,12 +332,7 @@ def start_reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any,
                    prescale=pre, postscale=post)
     policy = ReducePolicy.for_collective(op, engine.size, prescale=pre, postscale=post)
     ops = TorchOps()
-    started = []
-    for t in tensors:
-        buf = contiguous_copy(t)
-        ops.scale_(buf, policy.prescale)
-        started.append(engine.reducescatter_async(buf, policy.engine_op,
-                                                  name=name or "reducescatter"))
+    started = start_reducescatters(engine, [contiguous_copy(t) for t in tensors], policy, name)
 
     def finish() -> list[torch.Tensor]:
         outs = []
@@ -340,6 +343,19 @@ def start_reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any,
         return outs
 
     return [h for h, _ in started], finish, key
+
+
+def start_reducescatters(engine: Engine, bufs: list[torch.Tensor], policy: ReducePolicy,
+                         name: str | None) -> list[Any]:
+    """Start the agreed reduce-scatter of each of ``bufs`` (pre-scaled in place;
+    a joined rank runs it too, on zeros)."""
+    ops = TorchOps()
+    started = []
+    for buf in bufs:
+        ops.scale_(buf, policy.prescale)
+        started.append(engine.reducescatter_async(buf, policy.engine_op,
+                                                  name=name or "reducescatter"))
+    return started
 
 
 # -- barrier --------------------------------------------------------------------

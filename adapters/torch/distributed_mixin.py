@@ -135,7 +135,7 @@ class _DistributedMixin:
                 if dense is not None:
                     sched.mark_ready(i, dense)
         results = sched.synchronize()
-        st.sparse.reduce(st.params, st.names, st.op, st.process_set)
+        st.sparse.reduce(st.params, st.names, st.op, st.engine)
         for i, p in enumerate(st.params):
             if st.sparse.owns(p):
                 continue  # reduced above, outside the buckets
@@ -329,19 +329,29 @@ class _DistributedMixin:
             )
         return st.reducer is not None
 
-    def _dp_join_step(self) -> tuple[bool, int]:
-        """A step in which this rank contributes zero gradients and its joined flag."""
+    def _dp_join_start(self) -> None:
+        """Start a step in which this rank contributes zero gradients and its
+        joined flag (``join``); poll ``_dp_join_polled``, then ``_dp_join_finish``."""
         reducer = self._dp.reducer
-        if reducer is None:
-            return True, -1
+        assert reducer is not None  # _dp_join_ready said so
         reducer.flags.fill(joined=True)
+        reducer.scheduler.launch_all()
+
+    def _dp_join_polled(self) -> bool:
+        reducer = self._dp.reducer
+        return reducer is None or reducer.scheduler.all_done()
+
+    def _dp_join_finish(self) -> bool:
+        """End the zero step; has every rank of the optimizer's set joined?"""
+        reducer = self._dp.reducer
+        assert reducer is not None
         results = reducer.scheduler.synchronize()  # every gradient: zeros; results dropped
         st = self._dp
-        st.sparse.reduce(st.params, st.names, st.op, st.process_set, contribute=False)
+        st.sparse.reduce(st.params, st.names, st.op, st.engine, contribute=False)
         if reducer.finite is not None:  # raise where the training ranks raise
             reducer.finite.decide([(st.names[p], g) for p, g in zip(st.params, results,
                                                                      strict=True)])
-        return reducer.flags.decide()
+        return reducer.flags.decide()[0]
 
 
 def _make_hook(ref: weakref.ref[Any], index: int) -> Callable[[torch.Tensor], None]:

@@ -15,8 +15,9 @@ which ranks have joined, and all agree on when everyone has. A joined rank
 loops over "zero steps" (``synchronize()`` with no gradient marked ready,
 so every gradient contributes zeros) until its flags say everyone has joined.
 
-Limits (documented in ``join``'s docstring): only ``DistributedOptimizer``
-steps are answered while joined.
+Other collectives are answered by ``join_service`` (through the agreement's
+``Listener``); ``join`` polls both without blocking, so the others may step
+and call collectives in any order.
 """
 
 from __future__ import annotations
@@ -28,8 +29,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from dp_plugin.agreement import Listener
 from dp_plugin.engines.base import ReduceOp
+from dp_plugin.errors import CollectiveTimeoutError
 from dp_plugin.torch.basics import engine
+from dp_plugin.torch.join_service import answer
+from dp_plugin.torch.process_sets import member_engines
 
 
 @dataclass(frozen=True)
@@ -121,8 +126,14 @@ class Joinable(Protocol):
     def _dp_join_ready(self) -> bool:
         """True if it reduces on this rank; raises if a step is half done."""
 
-    def _dp_join_step(self) -> tuple[bool, int]:
-        """One zero step: (has every rank joined?, the rank that joined last)."""
+    def _dp_join_start(self) -> None:
+        """Start one zero step (without blocking)."""
+
+    def _dp_join_polled(self) -> bool:
+        """Has the zero step's communication finished?"""
+
+    def _dp_join_finish(self) -> bool:
+        """End the zero step: has every rank joined?"""
 
 
 _optimizers: list[weakref.ref[Any]] = []
@@ -135,27 +146,32 @@ def register(optimizer: Joinable) -> None:
 
 
 def join(device: int = -1) -> int:
-    """Wait, answering the other ranks' optimizer steps, until every rank has joined.
+    """Wait, answering the other ranks' collectives, until every rank has joined.
 
     Call it on a rank that has run out of data. Until every rank has called
-    ``join()``, this rank takes part in every ``DistributedOptimizer`` step
-    of the others with zero gradients (averages still divide by the full
-    size, as in Horovod); its own parameters are not updated meanwhile, so
+    ``join()``, this rank takes part, contributing nothing, in what the
+    others run (Horovod's semantics):
+
+    - every ``DistributedOptimizer`` step, with zero gradients (averages
+      still divide by the full size, as in Horovod);
+    - ``allreduce`` (zeros; for Min/Max/Product the op's identity),
+      ``allgather`` (no rows), ``broadcast`` (receives; a joined root is an
+      error on every rank), ``reducescatter`` (zeros), ``barrier``, and
+      their grouped and in-place forms, on the global process set and on
+      every process set this rank belongs to.
+
+    Anything else the training ranks call meanwhile (``alltoall``,
+    ``broadcast_parameters``, ``broadcast_object``, ``SyncBatchNorm`` in
+    training mode, ...) raises ``JoinedRankError`` on every rank, this one
+    included. This rank's own parameters are not updated while it waits, so
     broadcast parameters from a rank that trained to the end if you keep
-    training afterwards. Returns, on every rank, the rank that joined last.
+    training afterwards. Returns, on every rank, the rank that joined last
+    (of ranks that joined at the same point, the highest).
 
-    Collective. Limits: while a rank is joined, only ``DistributedOptimizer``
-    steps are answered. Any other collective the training ranks issue in the
-    meantime (``hvd.allreduce``, ``broadcast``, ``SyncBatchNorm`` in training
-    mode, ...) is not matched and fails on those ranks with a mismatch error
-    or after ``DP_PLUGIN_TIMEOUT`` (a clear error, not a silent hang). With
-    several optimizers, every rank must call ``join()`` at the same point
-    of its step (after all optimizers have stepped). Without any
-    ``DistributedOptimizer`` it is a barrier that returns the rank whose
-    call arrived last by wall-clock time.
-
-    ``device`` is accepted for compatibility: zero gradients are made on
-    each parameter's own device.
+    Collective. Each wait for the others is bounded by ``DP_PLUGIN_TIMEOUT``
+    (``CollectiveTimeoutError`` when nothing arrives for that long).
+    ``device`` is accepted for compatibility: zeros are made on each
+    tensor's own device.
     """
     if isinstance(device, bool) or not isinstance(device, int):
         raise TypeError(f"join(device=...) must be an int device index (-1 for CPU), got "
@@ -164,24 +180,72 @@ def join(device: int = -1) -> int:
     if eng.size == 1:
         return 0
     live: list[Joinable] = [opt for opt in (r() for r in _optimizers) if opt is not None]
-    pending = [opt for opt in live if opt._dp_join_ready()]
-    if not pending:
-        return _join_without_optimizer(eng)
-    last = -1
-    while pending:
-        still = []
-        for opt in pending:
-            done, last_joined = opt._dp_join_step()
-            if not done:
-                still.append(opt)
-            elif last < 0:
-                last = last_joined  # the first (oldest) optimizer's answer
-        pending = still
-    return last
+    optimizers = [opt for opt in live if opt._dp_join_ready()]
+    return _Joined(eng, member_engines(), optimizers).run()
 
 
-def _join_without_optimizer(eng: Any) -> int:
-    arrival = torch.zeros(eng.size, dtype=torch.float64)
-    arrival[eng.rank] = time.time()
-    eng.allreduce_async(arrival, ReduceOp.SUM, name="dp_plugin.join").wait()
-    return int(torch.argmax(arrival).item())
+class _Joined:
+    """One ``join()`` call: listeners on this rank's engines, zero steps of
+    its optimizers, polled until every rank has joined."""
+
+    def __init__(self, eng: Any, engines: list[Any], optimizers: list[Joinable]) -> None:
+        self.eng = eng
+        self.answered = 0
+        self.listening: dict[int, tuple[Any, Listener]] = {
+            i: (e, Listener(e, 0)) for i, e in enumerate(engines)}
+        self.stepping = list(optimizers)
+        for opt in self.stepping:
+            opt._dp_join_start()
+        self.last = -1
+
+    def run(self) -> int:
+        timeout = self.eng.config.timeout_s
+        deadline = time.monotonic() + timeout
+        pause = 0.0
+        while self.listening or self.stepping:
+            if self._poll():
+                deadline, pause = time.monotonic() + timeout, 0.0
+            elif time.monotonic() > deadline:
+                raise CollectiveTimeoutError(
+                    f"rank {self.eng.rank}: hvd.join() heard nothing from the other ranks for "
+                    f"{timeout:g} s (DP_PLUGIN_TIMEOUT): a rank that has not joined neither "
+                    "stepped a DistributedOptimizer nor called a collective in that time; "
+                    "check that every rank calls hvd.join() when its data runs out"
+                )
+            else:
+                time.sleep(pause)
+                pause = min(pause * 2 + 1e-4, 2e-3)
+        return self.last
+
+    def _poll(self) -> bool:
+        progressed = False
+        for index, (e, listener) in list(self.listening.items()):
+            if not listener.done():
+                continue
+            progressed = True
+            heard = listener.heard()
+            if len(heard.joined) == e.size:  # everyone has joined
+                del self.listening[index]
+                if index == 0:
+                    self.last = _last_joined(heard.answered)
+                continue
+            answer(e, heard)
+            self.answered += 1
+            self.listening[index] = (e, Listener(e, self.answered))
+        for opt in list(self.stepping):
+            if not opt._dp_join_polled():
+                continue
+            progressed = True
+            if opt._dp_join_finish():
+                self.stepping.remove(opt)
+            else:
+                self.answered += 1
+                opt._dp_join_start()
+        return progressed
+
+
+def _last_joined(answered: list[int]) -> int:
+    """The rank that joined last: it has answered the fewest collectives
+    (of several, the highest rank)."""
+    fewest = min(answered)
+    return max(r for r, n in enumerate(answered) if n == fewest)

@@ -262,6 +262,15 @@ def engine_or_none(process_set: Any, what: str) -> Engine | None:
     return process_set.engine()
 
 
+def member_engines() -> list[Engine]:
+    """The global engine, then the engine of every registered set this rank is in."""
+    engines = [_global_engine("hvd.join()")]
+    for process_set in _registered.values():
+        if process_set.process_set_id != 0 and process_set.included():
+            engines.append(process_set.engine())
+    return engines
+
+
 def _global_engine(what: str = "hvd.ProcessSet") -> Engine:
     # runtime.engine(), or the adapter's NotInitializedError (also a
     # ValueError, as Horovod's is) naming ``what``.

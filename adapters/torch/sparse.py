@@ -37,16 +37,23 @@ class SparseAllreduceHandle:
     def __call__(self) -> torch.Tensor:
         if self._result is None:
             indices, values = (TABLE.synchronize(h) for h in self._handles)
-            if self._divisor != 1:
-                if values.is_floating_point():
-                    values = values / self._divisor
-                else:
-                    TorchOps().scale_(values, 1.0 / self._divisor)
-            self._result = torch.sparse_coo_tensor(
-                indices.t(), values, self._like.size(), dtype=self._like.dtype,
-                device=self._like.device, check_invariants=False,  # built from valid parts
-            ).coalesce()
+            self._result = _assemble(self._like, indices, values, self._divisor)
         return self._result
+
+
+def _assemble(like: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
+              divisor: int) -> torch.Tensor:
+    """The coalesced sum (or, with ``divisor``, average) of every rank's
+    gathered non-zeros: duplicate indices add up."""
+    if divisor != 1:
+        if values.is_floating_point():
+            values = values / divisor
+        else:
+            TorchOps().scale_(values, 1.0 / divisor)
+    return torch.sparse_coo_tensor(
+        indices.t(), values, like.size(), dtype=like.dtype, device=like.device,
+        check_invariants=False,  # built from valid parts
+    ).coalesce()
 
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: Any,
@@ -89,7 +96,7 @@ class SparseGradients:
     """The sparse gradients of one ``DistributedOptimizer`` with ``sparse_as_dense=False``.
 
     Horovod's way: each sparse gradient is reduced on its own by an
-    all-gather of indices and values (``sparse_allreduce_async``), outside the
+    all-gather of indices and values on the optimizer's channel, outside the
     dense fusion buffers. A parameter is known as sparse from the first step
     in which its gradient is sparse; from then on its slot in the dense
     buckets is an empty placeholder (``dense_stand_in``), so the table never
@@ -127,11 +134,16 @@ class SparseGradients:
         return param.detach().new_empty(0) if param in self.known else param
 
     def reduce(self, params: list[torch.Tensor], names: dict[torch.Tensor, str], op: Any,
-               process_set: Any, contribute: bool = True) -> None:
-        """Reduce every known sparse gradient over ``process_set`` (registration order)
-        and store the result as the parameter's ``.grad``. With
-        ``contribute=False`` (a joined rank) this rank sends empty gradients and
-        keeps nothing."""
+               engine: Any, contribute: bool = True) -> None:
+        """Reduce every known sparse gradient over ``engine`` (the optimizer's
+        channel; registration order) and store the result as the parameter's
+        ``.grad``. With ``contribute=False`` (a joined rank) this rank sends
+        empty gradients and keeps nothing.
+
+        The optimizer's layout agreement covers these parameters, so the
+        all-gathers go straight to the channel, not through the tensor
+        collectives' agreement on the process set's engine (which a joined
+        rank keeps listening to)."""
         if self.known and op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
             raise ValueError(
                 f"DistributedOptimizer: op={op.name.capitalize()} cannot reduce sparse "
@@ -145,12 +157,19 @@ class SparseGradients:
             grad = self.grads.get(p) if contribute else None
             if grad is None:
                 grad = _empty_sparse(p, *dims)
+            t = grad.detach().coalesce()
             name = f"DistributedOptimizer.sparse.{names[p]}"
-            started.append((p, sparse_allreduce_async(grad, name, op, process_set)))
-        for p, handle in started:
-            reduced = handle()
+            rows = {"indices": t.indices().t().contiguous(), "values": t.values().contiguous()}
+            parts = [engine.allgather_async(part, name=f"{name}.{what}")
+                     for what, part in rows.items()]
+            started.append((p, t, parts))
+        divisor = engine.size if op is ReduceOp.AVERAGE else 1
+        for p, t, parts in started:
+            for handle, _ in parts:
+                handle.wait()
+            indices, values = (result() for _, result in parts)
             if contribute:
-                p.grad = reduced
+                p.grad = _assemble(t, indices, values, divisor)
         self.grads.clear()
 
 

@@ -221,11 +221,14 @@ class TorchDistEngine(Engine):
                        "torch.distributed.destroy_process_group")
 
     def _channel(self, name: str) -> Engine:
-        """``dist.new_group`` over this engine's ranks, made by them alone
-        (``use_local_synchronization``), so a process set's engine has one too."""
+        """``dist.new_group`` over this engine's ranks. A process set's engine
+        makes it with its members alone (``use_local_synchronization``); the
+        job-wide engine without: torch's hashed-name groups over every rank
+        never connect once a group that some ranks are not in exists (seen
+        with torch 2.13 / gloo: a hang)."""
         group = self._dist.new_group(
             ranks=list(self.global_ranks), timeout=timedelta(seconds=self.config.timeout_s),
-            backend=self.backend, use_local_synchronization=True,
+            backend=self.backend, use_local_synchronization=self._parent is not None,
         )
         return type(self)(self.topology, self.config, parent=self, group=group)
 

@@ -46,9 +46,9 @@ def test_fingerprint_ignores_device_index_only() -> None:
 def test_matching_layouts_pass(n: int) -> None:
     engines = make_thread_group(n)
     run_ranks(engines, lambda e: agree(e, model()))
-    # One all-gather of the digest when they match; nothing at all for one rank.
-    # (count, length, digest): 2 int64 words and the 32-byte digest, per rank.
-    expected = [] if n == 1 else [("allgather", "gradients.agree", 16 + DIGEST_SIZE)]
+    # One all-reduce of the rows when they match; nothing at all for one rank.
+    # Per rank (count, length, digest, 8 inline numbers): 2 + 4 + 8 int64 words.
+    expected = [] if n == 1 else [("allreduce", "dp_plugin.agree", n * (16 + DIGEST_SIZE + 64))]
     assert all(e.log == expected for e in engines)
 
 

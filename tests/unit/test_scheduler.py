@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from dp_plugin import runtime
+from dp_plugin.agreement import AGREE_NAME
 from dp_plugin.arrays import NumpyOps, as_numpy, numpy_dtype
 from dp_plugin.config import Config
 from dp_plugin.errors import (
@@ -112,7 +113,8 @@ def run_steps(
 
 
 def calls(engine: FakeEngine) -> list[tuple[str, str]]:
-    return [(kind, name) for kind, name, _ in engine.log]
+    """The engine's collectives; the agreement's all-reduce of rows shows as 'agree'."""
+    return [("agree" if name == AGREE_NAME else kind, name) for kind, name, _ in engine.log]
 
 
 def shuffled(rank: int, step: int, count: int = len(SHAPES)) -> list[int]:
