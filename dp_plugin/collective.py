@@ -261,3 +261,26 @@ def root_of(engine: Any, root_rank: Any, what: str) -> int:
             f"ranks are {members}); pass the job-wide rank of one of its members"
         )
     return members.index(root_rank)
+
+
+def agreed_root(engine: Any, root_rank: Any, what: str) -> int:
+    """``root_of`` checked on every rank at once (one small all-gather of each
+    rank's ``root_rank``): a bad or differing root on one rank raises on every
+    rank at the call, instead of leaving the others waiting in the broadcast
+    until DP_PLUGIN_TIMEOUT. Collective over ``engine``'s ranks."""
+    try:
+        root, problem = root_of(engine, root_rank, what), None
+    except (TypeError, ValueError) as exc:
+        root, problem = -1, exc
+    described = agreement.compare(engine, f"{what}.root", repr(root_rank)).described
+    if described is not None:
+        per_rank = "; ".join(f"rank {engine.global_ranks[r]}: {value}"
+                             for r, value in enumerate(described))
+        raise ValueError(
+            f"rank {engine.global_ranks[engine.rank]}: {what}: the ranks passed different "
+            f"root_rank values ({per_rank}) (Horovod: mismatched broadcast root ranks); pass "
+            "the same job-wide root_rank on every rank"
+        )
+    if problem is not None:
+        raise problem
+    return root

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from dp_plugin.collective import FusedCollective, root_of
+from dp_plugin.collective import FusedCollective, agreed_root
 from dp_plugin.dtypes import SUPPORTED_DTYPES
 from dp_plugin.engines.base import Engine
 from dp_plugin.fusion import TensorSpec
@@ -42,7 +42,7 @@ def broadcast_parameters(params: Any, root_rank: int,
     """
     eng = engine_of(process_set, "hvd.broadcast_parameters()")
     named = _named_tensors(params)
-    root = root_of(eng, root_rank, "broadcast_parameters")
+    root = agreed_root(eng, root_rank, "broadcast_parameters")
     _broadcast_tensors(eng, named, root, "broadcast_parameters")
 
 
@@ -75,7 +75,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
             f"{type(model).__name__}"
         )
     eng = engine_of(process_set, "hvd.broadcast_optimizer_state()")
-    root = root_of(eng, root_rank, "broadcast_optimizer_state")
+    root = agreed_root(eng, root_rank, "broadcast_optimizer_state")
     is_root = eng.rank == root
     tensors: list[torch.Tensor] = []
     skeleton = _strip(optimizer.state_dict(), tensors) if is_root else None
@@ -97,7 +97,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     pickle. Collective: two broadcasts (length, then bytes).
     """
     eng = engine_of(process_set, "hvd.broadcast_object()")
-    root = root_of(eng, root_rank, "broadcast_object")
+    root = agreed_root(eng, root_rank, "broadcast_object")
     return _broadcast_object(eng, obj, root, type(obj).__name__ if name is None else name)
 
 
@@ -110,9 +110,10 @@ def allgather_object(obj: Any, name: str | None = None,
     eng = engine_of(process_set, "hvd.allgather_object()")
     name = type(obj).__name__ if name is None else name
     device = torch.device(eng.buffer_device)
-    payload = _to_bytes(_dumps(obj), device)
-    sizes = eng.allgather(torch.tensor([payload.numel()], dtype=torch.int64, device=device),
-                          name=f"{name}.sz")
+    payload, problem = _pickled(obj, device)
+    sizes = eng.allgather(torch.tensor([-1 if problem else payload.numel()], dtype=torch.int64,
+                                       device=device), name=f"{name}.sz")
+    _raise_if_unpickled(eng, sizes.cpu().tolist(), problem, f"allgather_object {name!r}")
     gathered = eng.allgather(payload, name=f"{name}.t").cpu()
     out: list[Any] = []
     start = 0
@@ -267,14 +268,39 @@ def _broadcast_object(eng: Engine, obj: Any, root: int, name: str) -> Any:
         return obj
     device = torch.device(eng.buffer_device)
     is_root = eng.rank == root
-    payload = _to_bytes(_dumps(obj), device) if is_root else None
-    length = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64,
-                          device=device)
+    payload, problem = _pickled(obj, device) if is_root else (None, None)
+    length = torch.tensor([-1 if problem else 0 if payload is None else payload.numel()],
+                          dtype=torch.int64, device=device)
     eng.broadcast(length, root, name=f"{name}.sz")
+    sizes = [-1 if r == root and length.item() < 0 else 0 for r in range(eng.size)]
+    _raise_if_unpickled(eng, sizes, problem, f"broadcast_object {name!r}")
     if payload is None:
         payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
     eng.broadcast(payload, root, name=f"{name}.t")
     return obj if is_root else _loads(payload.cpu())
+
+
+def _pickled(obj: Any, device: torch.device) -> tuple[torch.Tensor, Exception | None]:
+    """``obj``'s pickle as a uint8 tensor, or the pickling error (told to the
+    other ranks by a length of -1, so that they raise too)."""
+    try:
+        return _to_bytes(_dumps(obj), device), None
+    except Exception as exc:
+        return torch.empty(0, dtype=torch.uint8), exc
+
+
+def _raise_if_unpickled(eng: Engine, sizes: list[int], problem: Exception | None,
+                        what: str) -> None:
+    """Raise on every rank if some rank (length -1) could not pickle its object."""
+    failed = [eng.global_ranks[r] for r, n in enumerate(sizes) if n < 0]
+    if not failed:
+        return
+    text = (f"rank {eng.global_ranks[eng.rank]}: {what}: rank(s) {failed} could not pickle "
+            "the object")
+    if problem is not None:
+        raise TypeError(f"{text}: {type(problem).__name__}: {problem}; make it picklable "
+                        "(cloudpickle handles lambdas and local classes)") from problem
+    raise TypeError(f"{text}; see the error on that rank")
 
 
 def _dumps(obj: Any) -> bytes:

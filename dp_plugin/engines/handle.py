@@ -4,7 +4,10 @@ Every engine's collectives return a ``Handle``; ``wait`` blocks until the
 collective is done or ``timeout_s`` has passed, then raises
 ``CollectiveTimeoutError`` naming the collective and the rank, and tells the
 engine (``on_timeout``, the engine's ``_mark_broken``) so that it refuses
-later collectives. ``dp_plugin.engines.base`` re-exports both classes.
+later collectives. With a ``WaitBoard`` (``waits.py``) a wait longer than
+half the timeout leaves a note for the other ranks, and the timeout error
+says what every other rank was waiting in. ``dp_plugin.engines.base``
+re-exports both classes.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
+from dp_plugin.engines.waits import WaitBoard
 from dp_plugin.errors import CollectiveTimeoutError
 
 
@@ -24,8 +28,10 @@ class Handle(ABC):
     ``CollectiveTimeoutError``; engines pass their ``_mark_broken``."""
 
     def __init__(self, description: str, rank: int, timeout_s: float,
-                 on_timeout: Callable[[str], None] | None = None) -> None:
+                 on_timeout: Callable[[str], None] | None = None,
+                 board: WaitBoard | None = None) -> None:
         self._description = description
+        self.board = board
         self.context: Callable[[], str] | None = None
         """More about what is moved (e.g. which bucket), for the messages;
         called only when a message needs it."""
@@ -65,11 +71,27 @@ class Handle(ABC):
     def wait(self) -> None:
         """Wait for completion; raise ``CollectiveTimeoutError`` after the timeout."""
         if self.completed_at is None:
-            if not self._observe(lambda: self._block(self.timeout_s)):
+            if not self._observe(self._block_with_note):
                 raise self._timed_out(self.timeout_error())
             self.completed_at = time.perf_counter()
         while self._finishers:
             self._finishers.pop(0)()
+
+    def _block_with_note(self) -> bool:
+        """``_block`` for the timeout; past half of it, with a note on the board."""
+        if self.board is None:
+            return self._block(self.timeout_s)
+        if self._block(self.timeout_s / 2):
+            return True
+        self.board.post(self.description)
+        done = self._block(self.timeout_s / 2)
+        if done:
+            self.board.clear()
+        return done
+
+    def report(self) -> str:
+        """What the other ranks were waiting in ("" without a board)."""
+        return "" if self.board is None else self.board.report(self.description)
 
     def _observe(self, probe: Callable[[], bool]) -> bool:
         """``probe()``, reporting a timeout the library itself raised."""
@@ -89,9 +111,9 @@ class Handle(ABC):
         engines whose library reports the timeout itself)."""
         return CollectiveTimeoutError(
             f"rank {self.rank}: {self.description} did not finish within "
-            f"{self.timeout_s:g} s (DP_PLUGIN_TIMEOUT). Another rank has probably "
-            "stopped calling collectives, called them in a different order, or died; "
-            "check its log. If the step is legitimately this slow, raise "
+            f"{self.timeout_s:g} s (DP_PLUGIN_TIMEOUT).{self.report()} Another rank has "
+            "probably stopped calling collectives, called them in a different order, or "
+            "died; check its log. If the step is legitimately this slow, raise "
             "DP_PLUGIN_TIMEOUT."
         )
 

@@ -47,6 +47,7 @@ from dp_plugin.engines.base import (
     Started,
 )
 from dp_plugin.engines.deadline import bounded_on
+from dp_plugin.engines.waits import WaitBoard
 from dp_plugin.errors import DPPluginError, EngineUnavailableError
 from dp_plugin.launch import Topology
 
@@ -63,7 +64,8 @@ class _PollHandle(Handle):
     """
 
     def __init__(self, work: Any, engine: TorchDistEngine, description: str) -> None:
-        super().__init__(description, engine.rank, engine.config.timeout_s, engine._mark_broken)
+        super().__init__(description, engine.rank, engine.config.timeout_s, engine._mark_broken,
+                         engine.wait_board())
         self._work = work
 
     def _test(self) -> bool:
@@ -81,8 +83,9 @@ def _library_error(handle: Handle, exc: Exception) -> DPPluginError:
     if "timed out" in text.lower() or "timeout" in text.lower():
         return handle.timeout_error()
     return DPPluginError(
-        f"rank {handle.rank}: {handle.description} failed: {text}. Another rank has probably "
-        "died or closed its connection; check the other ranks' logs"
+        f"rank {handle.rank}: {handle.description} failed: {text.strip().rstrip('.')}."
+        f"{handle.report()} Another rank has probably died or closed its connection; check "
+        "the other ranks' logs"
     )
 
 
@@ -113,6 +116,7 @@ class TorchDistEngine(Engine):
         self._dist: Any = dist
         self._device: Any = self._select_device() if parent is None else parent._device
         self._group: Any = group  # None: the default group
+        self._board: WaitBoard | None = None
         self._owns_default = False
         self._owns_group = parent is not None
         self._description = (self._join_or_create_group() if parent is None else
@@ -351,6 +355,16 @@ class TorchDistEngine(Engine):
         return out if is_torch(buf) else as_numpy(out)
 
     # -- helpers -------------------------------------------------------------------
+    def wait_board(self) -> WaitBoard | None:
+        """Notes of long waits in the default group's store (``waits.py``)."""
+        if self._board is None:
+            try:
+                store = self._dist.distributed_c10d._get_default_store()
+            except Exception:  # no default group (torch internals moved): no notes
+                return None
+            self._board = WaitBoard(store, self.global_ranks[self.rank], self.global_ranks)
+        return self._board
+
     def _handle(self, work: Any, description: str) -> Handle:
         return _PollHandle(work, self, description)
 

@@ -86,12 +86,17 @@ def run_workers(
     env: Mapping[str, str] | None = None,
     timeout: float = 120.0,
     check: bool = True,
+    hosts: Sequence[tuple[str, str]] | None = None,
 ) -> RunResult:
     """Run ``script`` on ``nprocs`` ranks under ``launcher`` and wait for all.
 
     Raises ``AssertionError`` with the collected output when the run takes
     longer than ``timeout`` seconds (the process tree is killed: a hang) or,
     with ``check=True``, when any exit code is nonzero.
+
+    ``hosts`` (``env`` only): one ``(network namespace, address)`` per rank;
+    each rank runs inside its namespace (``ip netns exec``) and rank 0's
+    address is MASTER_ADDR, as on several hosts (see test_faults.py).
     """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher {launcher!r} is not known; valid launchers: {LAUNCHERS}")
@@ -103,6 +108,8 @@ def run_workers(
     with tempfile.TemporaryDirectory(prefix="dp_plugin_run_") as tmp:
         jobs: list[tuple[list[str], dict[str, str], str]] = []
         rank_files: list[tuple[Path, str]] = []
+        if hosts is not None and (launcher != "env" or len(hosts) != nprocs):
+            raise ValueError("hosts= needs the env launcher and one (namespace, address) per rank")
         if launcher == "env":
             port = str(free_port())
             for rank in range(nprocs):
@@ -111,7 +118,13 @@ def run_workers(
                     RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
                     LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                 )
-                jobs.append(([python, script, *args], rank_env, f"[rank {rank}] "))
+                cmd = [python, script, *args]
+                if hosts is not None:  # one rank per host: local rank 0 of 1
+                    rank_env.update(MASTER_ADDR=hosts[0][1], LOCAL_RANK="0",
+                                    LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank),
+                                    GROUP_WORLD_SIZE=str(nprocs))
+                    cmd = ["ip", "netns", "exec", hosts[rank][0], *cmd]
+                jobs.append((cmd, rank_env, f"[rank {rank}] "))
         elif launcher == "torchrun":
             cmd = [str(BIN_DIR / "torchrun"), "--nnodes", "1", "--nproc_per_node", str(nprocs),
                    "--master_addr", "127.0.0.1", "--master_port", str(free_port()),

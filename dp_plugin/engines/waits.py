@@ -1,0 +1,105 @@
+"""Wait reports: when a collective fails or times out, say what every rank was doing.
+
+Order-matched engines (gloo, nccl, mpi) cannot tell which rank is missing
+from a collective: a rank that died, one that stalls outside any collective
+and one waiting in a *different* collective look the same from here. Like
+Horovod's stall report ("tensors submitted by a subset of ranks ... missing
+ranks"), a ``WaitBoard`` lets each rank leave a note in a place every rank
+can read (torch.distributed's key-value store for gloo and nccl):
+
+- a wait that lasts longer than half of ``DP_PLUGIN_TIMEOUT`` posts "rank R
+  waits in <collective> since <time>" (nothing is written for waits that end
+  sooner, so a healthy job never touches the store) and clears it when the
+  wait ends;
+- when a collective times out or fails, the rank reads every rank's note and
+  the error says, per rank: waiting in the same collective, waiting in a
+  different one (the ranks called collectives in different orders), or no
+  note (died, stalls outside dp_plugin, or cannot reach the store).
+
+Every store access is bounded by ``REPORT_S``: a store that is gone (its
+host died) or unreachable (a cut link) costs at most that, and the report
+then says so. No framework imports: the store is duck-typed (``set``,
+``check``, ``get``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from dp_plugin.engines.deadline import bounded
+from dp_plugin.errors import CollectiveTimeoutError
+
+REPORT_S = 1.5
+"""The longest a rank spends posting or reading notes."""
+
+_PREFIX = "dp_plugin/waits/"
+_NO_NOTE = ("no note: it died, stalls outside dp_plugin's collectives (data loading, a "
+            "lock, a debugger) or cannot reach the store")
+
+
+class WaitBoard:
+    """Notes of the ranks ``ranks`` (job-wide) in ``store``; this process is ``me``."""
+
+    def __init__(self, store: Any, me: int, ranks: Sequence[int]) -> None:
+        self._store = store
+        self._me = me
+        self._ranks = tuple(ranks)
+
+    def post(self, description: str) -> None:
+        self._quietly(lambda: self._store.set(self._key(self._me),
+                                              f"{time.time():.3f}|{description}"))
+
+    def clear(self) -> None:
+        self._quietly(lambda: self._store.set(self._key(self._me), ""))
+
+    def report(self, description: str) -> str:
+        """One sentence per other rank: what it was waiting in, if anything."""
+        try:
+            notes = bounded(self._read, what="reading the wait notes", rank=self._me,
+                            timeout_s=REPORT_S)
+        except Exception as exc:
+            reason = ("it did not answer within "
+                      f"{REPORT_S:g} s" if isinstance(exc, CollectiveTimeoutError) else str(exc))
+            return (f" What the other ranks were doing is unknown: the store that carries "
+                    f"their notes failed ({reason}); its host (rank 0, or the launcher) may "
+                    "have died or be unreachable.")
+        now = time.time()
+        parts, silent = [], []
+        for rank in self._ranks:
+            if rank == self._me:
+                continue
+            note = notes.get(rank, "")
+            if not note:
+                silent.append(rank)
+                parts.append(f"rank {rank}: {_NO_NOTE}")
+                continue
+            since, _, theirs = note.partition("|")
+            where = ("the same collective" if theirs == description
+                     else f"a different collective, {theirs}")
+            parts.append(f"rank {rank}: waiting {max(0.0, now - float(since)):.1f} s in {where}")
+        if not parts:
+            return ""
+        advice = (f" Check the log of rank(s) {silent} first." if silent else
+                  " Every rank waits, in different collectives: the ranks issued "
+                  "collectives in different orders; look for code that runs on some ranks "
+                  "only (a rank-0-only collective, a skipped optimizer step, an early break).")
+        return " What the other ranks were doing: " + "; ".join(parts) + "." + advice
+
+    def _read(self) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for rank in self._ranks:
+            key = self._key(rank)
+            if rank != self._me and self._store.check([key]):
+                out[rank] = bytes(self._store.get(key)).decode(errors="replace")
+        return out
+
+    def _key(self, rank: int) -> str:
+        return f"{_PREFIX}{rank}"
+
+    def _quietly(self, fn: Any) -> None:
+        # A note is a courtesy: never fail a wait for it.
+        with contextlib.suppress(Exception):
+            bounded(fn, what="posting a wait note", rank=self._me, timeout_s=REPORT_S)

@@ -1,0 +1,69 @@
+"""Wait notes (dp_plugin/engines/waits.py) with an in-memory store."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from dp_plugin.engines import waits
+from dp_plugin.engines.waits import WaitBoard
+
+
+class DictStore:
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+
+class DeadStore:
+    def __init__(self, block: bool) -> None:
+        self.block = block
+        self.release = threading.Event()
+
+    def _fail(self, *args: Any) -> Any:
+        if self.block:
+            self.release.wait(5)
+        raise RuntimeError("Connection refused")
+
+    set = check = get = _fail
+
+
+def test_report_names_silent_same_and_different_ranks() -> None:
+    store = DictStore()
+    boards = [WaitBoard(store, r, range(4)) for r in range(4)]
+    boards[1].post("allreduce 'a'")
+    boards[2].post("allgather 'b'")
+    boards[3].post("allreduce 'a'")
+    boards[3].clear()  # its wait ended
+    text = boards[0].report("allreduce 'a'")
+    assert "rank 1: waiting" in text and "in the same collective" in text, text
+    assert "rank 2: waiting" in text and "a different collective, allgather 'b'" in text, text
+    assert "rank 3: no note" in text and "Check the log of rank(s) [3] first" in text, text
+    assert "rank 0:" not in text, text
+
+
+def test_every_rank_waiting_elsewhere_points_at_the_order() -> None:
+    store = DictStore()
+    boards = [WaitBoard(store, r, range(2)) for r in range(2)]
+    boards[1].post("broadcast 'x'")
+    assert "different orders" in boards[0].report("allreduce 'a'")
+
+
+def test_a_dead_or_unreachable_store_costs_at_most_the_report_bound(monkeypatch: Any) -> None:
+    monkeypatch.setattr(waits, "REPORT_S", 0.2)
+    for block in (False, True):
+        store = DeadStore(block)
+        board = WaitBoard(store, 0, range(2))
+        board.post("allreduce 'a'")  # never raises
+        text = board.report("allreduce 'a'")
+        store.release.set()
+        assert "is unknown" in text, text
+        assert ("did not answer within 0.2 s" if block else "Connection refused") in text, text
