@@ -108,13 +108,17 @@ def rendezvous(topology: Topology, config: Config) -> Rendezvous:
         # What env:// does, plus a prefix per init(): the store server is
         # shared within the process (multi-tenant) and outlives a shutdown
         # after a failure, so a second init() would otherwise read the first
-        # one's keys — gloo then dials addresses that no longer listen.
+        # one's keys — gloo then dials addresses that no longer listen. The
+        # same holds across torchrun's restarts (--max-restarts): its agent
+        # keeps the store, and the restarted workers start counting inits
+        # from zero again, so the attempt number is part of the prefix.
         host, port = str(topology.rendezvous_addr), int(topology.rendezvous_port or 0)
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts it
         store = _tcp_store(host, port, topology, config,
                            is_master=topology.rank == 0 and not agent)
         how = "env:// at" if launcher == "torchrun" else "TCPStore at MASTER_ADDR/PORT"
-        return Rendezvous(store=_prefixed(store, generation), init_method=None,
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return Rendezvous(store=_prefixed(store, f"{attempt}.{generation}"), init_method=None,
                           description=f"{how} {host}:{port}")
     exchange = _exchange_via_horovod if launcher == "horovodrun" else _exchange_via_mpi
     if topology.rank == 0:
@@ -145,7 +149,7 @@ def _tcp_store(host: str, port: int, topology: Topology, config: Config, *,
     )
 
 
-def _prefixed(store: Any, generation: int) -> Any:
+def _prefixed(store: Any, generation: int | str) -> Any:
     """``store`` seen under a prefix of its own for this ``init()``."""
     import torch.distributed as dist
 

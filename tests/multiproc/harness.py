@@ -86,17 +86,22 @@ def run_workers(
     env: Mapping[str, str] | None = None,
     timeout: float = 120.0,
     check: bool = True,
+    launcher_args: Sequence[str] = (),
 ) -> RunResult:
     """Run ``script`` on ``nprocs`` ranks under ``launcher`` and wait for all.
 
     Raises ``AssertionError`` with the collected output when the run takes
     longer than ``timeout`` seconds (the process tree is killed: a hang) or,
-    with ``check=True``, when any exit code is nonzero.
+    with ``check=True``, when any exit code is nonzero. ``launcher_args`` go
+    to the launcher before the script (e.g. torchrun's ``--max-restarts 1``);
+    launcher ``env`` has none.
     """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher {launcher!r} is not known; valid launchers: {LAUNCHERS}")
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if launcher_args and launcher == "env":
+        raise ValueError("launcher_args need a real launcher; launcher 'env' has none")
     script = str(Path(script).resolve())
     base_env = _clean_env(env)
     python = sys.executable
@@ -115,20 +120,20 @@ def run_workers(
         elif launcher == "torchrun":
             cmd = [str(BIN_DIR / "torchrun"), "--nnodes", "1", "--nproc_per_node", str(nprocs),
                    "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                   "--tee", "3", script, *args]
+                   "--tee", "3", *launcher_args, script, *args]
             jobs.append((cmd, base_env, ""))
         elif launcher == "mpirun":
             # Hydra's -prepend-rank tags every write(), not every line, and
             # splits a print into fragments; each rank writes a file instead.
             redirect = (f'exec "$0" "$@" > "{tmp}/rank.${{PMI_RANK:-$OMPI_COMM_WORLD_RANK}}.txt" '
                         "2>&1")
-            cmd = [str(BIN_DIR / "mpiexec"), "-n", str(nprocs), "sh", "-c", redirect,
-                   python, script, *args]
+            cmd = [str(BIN_DIR / "mpiexec"), "-n", str(nprocs), *launcher_args, "sh", "-c",
+                   redirect, python, script, *args]
             jobs.append((cmd, base_env, "[mpiexec] "))
             rank_files = [(Path(tmp) / f"rank.{r}.txt", f"[rank {r}] ") for r in range(nprocs)]
         else:
             cmd = [str(BIN_DIR / "horovodrun"), "--gloo", "-np", str(nprocs),
-                   "-H", f"localhost:{nprocs}", python, script, *args]
+                   "-H", f"localhost:{nprocs}", *launcher_args, python, script, *args]
             jobs.append((cmd, base_env, ""))
         return _run(jobs, rank_files, Path(tmp), timeout, check,
                     f"{launcher} x{nprocs} {Path(script).name}")
