@@ -23,6 +23,7 @@ was awaited, never a hang.
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import os
 import socket
@@ -157,13 +158,15 @@ def _tcp_store(host: str, port: int, topology: Topology, config: Config, *,
 def _listening_socket(host: str, port: int) -> tuple[int, int] | None:
     """(port, fd) of a socket listening on ``host`` only, for the store
     server: torch's own listens on every interface. ``host`` is the address
-    the other ranks are told (127.0.0.1 on one host, the launcher's address
-    otherwise). None when ``host`` is not an address of this machine (a NAT
-    or alias name): the store then listens on every interface, as torch's."""
+    the other ranks are told (127.0.0.1 on one host, rank 0's address
+    otherwise). None when ``host`` is a name (another host may resolve it to
+    another address than this one does) or not an address of this machine
+    (NAT): the store then listens on every interface, as torch's."""
     try:
+        ipaddress.ip_address(host)
         family, kind, proto, _, sockaddr = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM)[0]
-    except (socket.gaierror, UnicodeError):
+    except (ValueError, socket.gaierror, UnicodeError):
         return None
     sock = socket.socket(family, kind, proto)
     try:

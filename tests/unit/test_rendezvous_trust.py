@@ -88,6 +88,9 @@ def test_the_store_server_listens_on_the_advertised_address_only() -> None:
     assert ("0.0.0.0", store.port) not in listening and ("::", store.port) not in listening
     with socket.create_connection(("127.0.0.1", store.port), timeout=5):
         pass
+    # A name (others may resolve it differently) or a foreign address: torch's default.
+    assert rendezvous._listening_socket("localhost", 0) is None
+    assert rendezvous._listening_socket("192.0.2.1", 0) is None  # TEST-NET-1, not ours
 
 
 def test_gloo_listens_on_loopback_when_every_rank_is_on_this_host() -> None:
