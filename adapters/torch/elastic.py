@@ -1,13 +1,14 @@
 """Elastic restart: ``hvd.elastic.TorchState`` and ``@hvd.elastic.run``.
 
-    state = hvd.elastic.TorchState(model, optimizer, scheduler=sched, epoch=0, batch=0,
+    state = hvd.elastic.TorchState(model, optimizer, scheduler=sched, batch=0,
                                    commit_path="ckpt/elastic.pt")
 
     @hvd.elastic.run
     def train(state):
-        for state.batch in range(state.batch, steps):
-            ...one training step...
-            if state.batch % 5 == 4:
+        while state.batch < steps:
+            ...the training step of batch number state.batch...
+            state.batch += 1            # the position after this step
+            if state.batch % 500 == 0:
                 state.commit()
 
     train(state)          # under `torchrun --max-restarts 3 --nproc_per_node N train.py`
