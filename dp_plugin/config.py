@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from dp_plugin.errors import ConfigError
@@ -33,6 +33,9 @@ DEFAULT_TIMEOUT_S = 1800.0
 checkpoint between steps must not kill the job (docs/configuration.md)."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """A week: longer is no timeout at all (and overflows some engines' clocks)."""
+MIN_SECRET = 16
+"""Shortest accepted DP_PLUGIN_JOB_SECRET (characters)."""
+
 MAX_THRESHOLD = 1 << 40
 """1 TiB: no fusion buffer is bigger; a larger value is a typo."""
 
@@ -59,6 +62,9 @@ class Config:
     check_finite: CheckFinite = "off"
     """After the gradient all-reduce: ``skip`` the step or ``raise`` on inf/nan."""
 
+    job_secret: str | None = field(default=None, repr=False)
+    """Signs rank 0's store address in Horovod's rendezvous server (never printed)."""
+
     def __post_init__(self) -> None:
         error = ConfigError
         check_choice("engine", self.engine, ENGINE_NAMES, kind="engines",
@@ -82,6 +88,16 @@ class Config:
             raise error(f"rebuild_buckets must be True or False, got {self.rebuild_buckets!r}")
         check_choice("check_finite", self.check_finite, CHECK_FINITE_MODES, kind="modes",
                      fix="set DP_PLUGIN_CHECK_FINITE to one of them", error=error)
+        secret = self.job_secret
+        if secret is not None and (not isinstance(secret, str) or len(secret) < MIN_SECRET
+                                   or not secret.isascii() or not secret.isprintable()
+                                   or any(c.isspace() for c in secret)):
+            length = len(secret) if isinstance(secret, str) else type(secret).__name__
+            raise error(  # the value itself is never printed
+                f"DP_PLUGIN_JOB_SECRET must be at least {MIN_SECRET} printable ASCII characters "
+                f"without spaces (got {length} characters); use e.g. "
+                "DP_PLUGIN_JOB_SECRET=$(openssl rand -hex 16), the same on every rank"
+            )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -137,6 +153,9 @@ class Config:
                 fix="'skip' skips a step whose reduced gradients hold inf or nan, 'raise' "
                     "raises; the default is off", error=ConfigError,
             )
+
+        if "DP_PLUGIN_JOB_SECRET" in env:
+            kwargs["job_secret"] = env["DP_PLUGIN_JOB_SECRET"]
 
         return cls(**kwargs)  # type: ignore[arg-type]
 

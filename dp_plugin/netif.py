@@ -87,11 +87,20 @@ def is_loopback(address: str) -> bool:
     return False
 
 
-def gloo_interface(environ: MutableMapping[str, str] = os.environ) -> str | None:
+def gloo_interface(environ: MutableMapping[str, str] = os.environ, *,
+                   single_host: bool = False) -> str | None:
     """Set ``GLOO_SOCKET_IFNAME`` in ``environ`` to the interface that routes to
     the rendezvous address, unless it is set already or the rendezvous is on
-    loopback (one host). Returns the interface set, or None if nothing was set."""
+    loopback (one host). ``single_host`` (every rank on this host): the
+    loopback interface, so that Gloo's sockets listen on 127.0.0.1 only.
+    Returns the interface set, or None if nothing was set."""
     if environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    if single_host:
+        loopback = [n for n, a in interface_addresses().items() if a == "127.0.0.1"]
+        if loopback:
+            environ["GLOO_SOCKET_IFNAME"] = loopback[0]
+            return loopback[0]
         return None
     for variable in RENDEZVOUS_ADDRESS_VARIABLES:
         address = environ.get(variable, "").strip()

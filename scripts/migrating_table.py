@@ -34,6 +34,7 @@ PAIRS = [
     ("horovod.torch", "dp_plugin.torch"),
     ("horovod.tensorflow", "dp_plugin.tensorflow"),
     ("horovod.tensorflow.keras", "dp_plugin.keras"),
+    ("horovod.torch.elastic", "dp_plugin.torch.elastic"),
 ]
 
 # Horovod helpers that its modules import for their own use, not API.
@@ -47,6 +48,19 @@ NOTES: dict[str, tuple[str, str]] = {
     "elastic": (UNSUPPORTED, "elastic training (hosts joining and leaving a running job) is "
                 "out of scope; restart the job with the new size and resume from a checkpoint "
                 "(`save_checkpoint`/`load_checkpoint`)"),
+    "horovod.torch:elastic": (DIFF, "recovers by restarting processes under `torchrun "
+                              "--max-restarts` (commits go to `commit_path` on disk), not by "
+                              "re-forming the surviving workers in place; horovodrun's elastic "
+                              "mode is refused (see docs/elastic.md)"),
+    "horovod.torch.elastic:run": (DIFF, "a failure ends the process and the launcher "
+                                  "(`torchrun --max-restarts`) restarts every worker; each "
+                                  "start resumes from the last commit on disk"),
+    "horovod.torch.elastic:TorchState": (DIFF, "takes `commit_path=` (required under "
+                                         "`torchrun --max-restarts`); also tracks LR schedulers "
+                                         "and anything with `state_dict`, and every rank's RNG "
+                                         "states"),
+    "horovod.torch.elastic:run_fn": (UNSUPPORTED, "Horovod's internal retry loop behind `run`; "
+                                     "use `run`"),
     "Adasum": (DIFF, "accepted as a name, but `op=Adasum` raises `NotImplementedError`; use "
                "`op=Average`"),
     "HorovodInternalError": (DIFF, "is dp_plugin's base error `DPPluginError`: every error "
@@ -157,8 +171,12 @@ method: `opt.variables()` becomes `opt.variables`.
   on every rank. In `dp_plugin.tensorflow` / `dp_plugin.keras`, `join()` is a
   synchronization point only: every rank must run the same collectives
   before joining.
-- **`horovod.*.elastic` has no counterpart**: restart with the new size and
-  resume from a checkpoint.
+- **`horovod.torch.elastic` restarts processes.** `hvd.elastic.TorchState`,
+  `ElasticSampler` and `@hvd.elastic.run` keep Horovod's API, but recovery is
+  torchrun's `--max-restarts`: every commit is also written to disk and each
+  restart resumes from it (see [elastic.md](elastic.md)); horovodrun's elastic
+  mode is refused. `horovod.tensorflow.elastic` and `horovod.tensorflow.keras.elastic`
+  have no counterpart: restart with the new size and resume from a checkpoint.
 - **`broadcast_optimizer_state`** sends the root's whole state (tensors fused
   as raw bytes, the rest pickled) and loads it on the others, so it needs no
   dummy step and works for every `torch.optim` optimizer, LBFGS included

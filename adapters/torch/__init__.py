@@ -5,11 +5,14 @@ the names below are horovod.torch's public API, with its signatures and
 semantics (differences are stated in each function's docstring).
 ``HorovodInternalError`` (Horovod's error for a failed collective) is
 dp_plugin's base error, ``DPPluginError``: every error dp_plugin raises on
-purpose is one. ``horovod.torch.elastic`` has no counterpart.
+purpose is one. ``hvd.elastic`` is ``horovod.torch.elastic``'s API
+(``TorchState``, ``ElasticSampler``, ``run``) for restarts under
+``torchrun --max-restarts``; see docs/elastic.md.
 """
 
 from dp_plugin.errors import DPPluginError as HorovodInternalError
 from dp_plugin.errors import NonFiniteGradientError
+from dp_plugin.torch import elastic
 from dp_plugin.torch.autograd_ops import (
     allgather,
     allreduce,
@@ -122,6 +125,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "elastic",
     "global_process_set",
     "gloo_built",
     "gloo_enabled",

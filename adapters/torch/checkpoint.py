@@ -38,7 +38,7 @@ import random
 import struct
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -72,12 +72,23 @@ def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> Path:
     return target
 
 
+@overload
+def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = ...,
+                    restore_rng: bool = ..., weights_only: bool = ...,
+                    missing_ok: Literal[False] = ...) -> dict[str, Any]: ...
+@overload
+def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = ...,
+                    restore_rng: bool = ..., weights_only: bool = ...,
+                    missing_ok: bool) -> dict[str, Any] | None: ...
 def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu",
-                    restore_rng: bool = True, weights_only: bool = True) -> dict[str, Any]:
+                    restore_rng: bool = True, weights_only: bool = True,
+                    missing_ok: bool = False) -> dict[str, Any] | None:
     """Read the checkpoint at ``path`` (rank 0 reads, every rank receives it),
     restore this rank's RNG states unless ``restore_rng=False`` and return
     the state passed to ``save_checkpoint``. Collective. Raises
-    ``CheckpointError`` on every rank if rank 0 cannot use the file.
+    ``CheckpointError`` on every rank if rank 0 cannot use the file; with
+    ``missing_ok=True`` a file that does not exist (on rank 0) returns None
+    on every rank instead (a first start, before any checkpoint).
     ``weights_only`` is ``torch.load``'s (keep True unless the state holds
     arbitrary Python objects from a trusted source)."""
     target = Path(path)
@@ -86,7 +97,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu",
     problem: str | None = None
     if not distributed or basics.rank() == 0:
         try:
-            payload = read_verified(target)
+            payload = None if missing_ok and not target.exists() else read_verified(target)
         except CheckpointError as exc:
             problem = str(exc)
     if distributed:
@@ -94,7 +105,8 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu",
                                             name="dp_plugin.checkpoint.load")
     if problem is not None:
         raise CheckpointError(problem)
-    assert payload is not None
+    if payload is None:
+        return None
     blob = torch.load(io.BytesIO(payload), map_location=map_location, weights_only=weights_only)
     if restore_rng:
         rngs = blob["rng"]

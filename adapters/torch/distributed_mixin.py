@@ -200,8 +200,22 @@ class _DistributedMixin:
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, but the loaded groups and state go into the objects this
+        optimizer shares with the one it wraps: torch rebinds ``param_groups``
+        and ``state``, which would leave an LR scheduler built on the plain
+        optimizer setting learning rates nobody reads any more."""
         self._dp_check_idle("load_state_dict()")
+        groups, state = self.param_groups, vars(self)["state"]
         super().load_state_dict(state_dict)  # type: ignore[misc]
+        if self.param_groups is not groups and len(self.param_groups) == len(groups):
+            for old, new in zip(groups, self.param_groups, strict=True):
+                old.clear()
+                old.update(new)
+            self.param_groups = groups
+        if vars(self)["state"] is not state:
+            state.clear()
+            state.update(vars(self)["state"])
+            vars(self)["state"] = state
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.add_param_group``; the new parameters are reduced too.

@@ -23,6 +23,7 @@ was awaited, never a hang.
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import os
 import socket
@@ -34,6 +35,7 @@ from datetime import timedelta
 from typing import Any
 
 from dp_plugin.config import Config
+from dp_plugin.engines import job_secret
 from dp_plugin.errors import CollectiveTimeoutError, EngineUnavailableError
 from dp_plugin.launch import Topology
 
@@ -108,13 +110,17 @@ def rendezvous(topology: Topology, config: Config) -> Rendezvous:
         # What env:// does, plus a prefix per init(): the store server is
         # shared within the process (multi-tenant) and outlives a shutdown
         # after a failure, so a second init() would otherwise read the first
-        # one's keys — gloo then dials addresses that no longer listen.
+        # one's keys — gloo then dials addresses that no longer listen. The
+        # same holds across torchrun's restarts (--max-restarts): its agent
+        # keeps the store, and the restarted workers start counting inits
+        # from zero again, so the attempt number is part of the prefix.
         host, port = str(topology.rendezvous_addr), int(topology.rendezvous_port or 0)
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts it
         store = _tcp_store(host, port, topology, config,
                            is_master=topology.rank == 0 and not agent)
         how = "env:// at" if launcher == "torchrun" else "TCPStore at MASTER_ADDR/PORT"
-        return Rendezvous(store=_prefixed(store, generation), init_method=None,
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return Rendezvous(store=_prefixed(store, f"{attempt}.{generation}"), init_method=None,
                           description=f"{how} {host}:{port}")
     exchange = _exchange_via_horovod if launcher == "horovodrun" else _exchange_via_mpi
     if topology.rank == 0:
@@ -137,15 +143,44 @@ def _tcp_store(host: str, port: int, topology: Topology, config: Config, *,
                is_master: bool) -> Any:
     import torch.distributed as dist
 
-    return dist.TCPStore(
-        host, port, topology.size, is_master,
-        timeout=timedelta(seconds=config.timeout_s),
-        # Port 0 on the master: the OS picks a free port, read back as .port.
-        wait_for_workers=False, multi_tenant=port != 0,
-    )
+    listen = _listening_socket(host, port) if is_master else None
+    extra: dict[str, Any] = {}
+    # A fixed port: the server is shared within the process (multi-tenant).
+    # Port 0 on the master: the OS picks a free port, read back as .port.
+    extra["multi_tenant"] = port != 0
+    if listen is not None:
+        port, extra["master_listen_fd"] = listen
+    return dist.TCPStore(host, port, topology.size, is_master,
+                         timeout=timedelta(seconds=config.timeout_s), wait_for_workers=False,
+                         **extra)
 
 
-def _prefixed(store: Any, generation: int) -> Any:
+def _listening_socket(host: str, port: int) -> tuple[int, int] | None:
+    """(port, fd) of a socket listening on ``host`` only, for the store
+    server: torch's own listens on every interface. ``host`` is the address
+    the other ranks are told (127.0.0.1 on one host, rank 0's address
+    otherwise). None when ``host`` is a name (another host may resolve it to
+    another address than this one does) or not an address of this machine
+    (NAT): the store then listens on every interface, as torch's."""
+    try:
+        ipaddress.ip_address(host)
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM)[0]
+    except (ValueError, socket.gaierror, UnicodeError):
+        return None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        return None
+    bound = int(sock.getsockname()[1])
+    return bound, sock.detach()  # the store owns the descriptor now
+
+
+def _prefixed(store: Any, generation: int | str) -> Any:
     """``store`` seen under a prefix of its own for this ``init()``."""
     import torch.distributed as dist
 
@@ -170,10 +205,12 @@ def _advertised_host(topology: Topology) -> str:
 def _exchange_via_horovod(topology: Topology, config: Config, generation: int,
                           address: str | None) -> str:
     """Rank 0 PUTs ``address``; the others GET it, polling until it appears."""
-    url = (f"http://{topology.rendezvous_addr}:{topology.rendezvous_port}/"
-           f"{HOROVOD_SCOPE}/torch_store_{generation}")
+    server = f"{topology.rendezvous_addr}:{topology.rendezvous_port}"
+    url = f"http://{server}/{HOROVOD_SCOPE}/torch_store_{generation}"
+    context = f"{server}|{generation}"
     if address is not None:
-        request = urllib.request.Request(url, data=address.encode(), method="PUT")
+        published = job_secret.sign(config.job_secret, context, address)
+        request = urllib.request.Request(url, data=published.encode(), method="PUT")
         with urllib.request.urlopen(request, timeout=config.timeout_s) as response:
             if response.status != 200:
                 raise EngineUnavailableError(
@@ -188,7 +225,11 @@ def _exchange_via_horovod(topology: Topology, config: Config, generation: int,
     while time.monotonic() < deadline:
         try:
             with urllib.request.urlopen(url, timeout=max(0.1, deadline - time.monotonic())) as r:
-                return str(r.read().decode())
+                value = r.read().decode(errors="replace")
+            trusted, why = job_secret.verify(config.job_secret, context, value)
+            if trusted is not None:
+                return trusted
+            last_error = f"the value there is refused: {why}"  # rank 0 may still overwrite it
         except urllib.error.HTTPError as exc:
             if exc.code != 404:  # 404: rank 0 has not published yet
                 raise EngineUnavailableError(

@@ -192,7 +192,8 @@ class TorchDistEngine(Engine):
             self._owns_group = True
             return f"a new {self.backend} group beside the user's {dist.get_backend()} group"
         if self.backend == "gloo":  # multi-host: advertise the interface that reaches the peers
-            netif.gloo_interface()
+            topo = self.topology  # one host: listen on loopback only
+            netif.gloo_interface(single_host=topo.local_size == topo.size)
         meeting = rdv.rendezvous(self.topology, self.config)
         kwargs: dict[str, Any] = {}
         if meeting.store is not None:

@@ -87,6 +87,7 @@ def run_workers(
     timeout: float = 120.0,
     check: bool = True,
     hosts: Sequence[tuple[str, str]] | None = None,
+    launcher_args: Sequence[str] = (),
 ) -> RunResult:
     """Run ``script`` on ``nprocs`` ranks under ``launcher`` and wait for all.
 
@@ -97,11 +98,15 @@ def run_workers(
     ``hosts`` (``env`` only): one ``(network namespace, address)`` per rank;
     each rank runs inside its namespace (``ip netns exec``) and rank 0's
     address is MASTER_ADDR, as on several hosts (see test_faults.py).
+    ``launcher_args`` go to the launcher before the script (e.g. torchrun's
+    ``--max-restarts 1``); launcher ``env`` has none.
     """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher {launcher!r} is not known; valid launchers: {LAUNCHERS}")
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if launcher_args and launcher == "env":
+        raise ValueError("launcher_args need a real launcher; launcher 'env' has none")
     script = str(Path(script).resolve())
     base_env = _clean_env(env)
     python = sys.executable
@@ -128,20 +133,20 @@ def run_workers(
         elif launcher == "torchrun":
             cmd = [str(BIN_DIR / "torchrun"), "--nnodes", "1", "--nproc_per_node", str(nprocs),
                    "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                   "--tee", "3", script, *args]
+                   "--tee", "3", *launcher_args, script, *args]
             jobs.append((cmd, base_env, ""))
         elif launcher == "mpirun":
             # Hydra's -prepend-rank tags every write(), not every line, and
             # splits a print into fragments; each rank writes a file instead.
             redirect = (f'exec "$0" "$@" > "{tmp}/rank.${{PMI_RANK:-$OMPI_COMM_WORLD_RANK}}.txt" '
                         "2>&1")
-            cmd = [str(BIN_DIR / "mpiexec"), "-n", str(nprocs), "sh", "-c", redirect,
-                   python, script, *args]
+            cmd = [str(BIN_DIR / "mpiexec"), "-n", str(nprocs), *launcher_args, "sh", "-c",
+                   redirect, python, script, *args]
             jobs.append((cmd, base_env, "[mpiexec] "))
             rank_files = [(Path(tmp) / f"rank.{r}.txt", f"[rank {r}] ") for r in range(nprocs)]
         else:
             cmd = [str(BIN_DIR / "horovodrun"), "--gloo", "-np", str(nprocs),
-                   "-H", f"localhost:{nprocs}", python, script, *args]
+                   "-H", f"localhost:{nprocs}", *launcher_args, python, script, *args]
             jobs.append((cmd, base_env, ""))
         return _run(jobs, rank_files, Path(tmp), timeout, check,
                     f"{launcher} x{nprocs} {Path(script).name}")

@@ -40,6 +40,16 @@ def test_gloo_battery(case: str, launcher: str, nprocs: int, rendezvous: str) ->
     assert result.output.count(rendezvous) == nprocs, result.output
 
 
+def test_gloo_under_horovodrun_with_a_job_secret() -> None:
+    """DP_PLUGIN_JOB_SECRET on every rank: rank 0 signs the store address it
+    publishes in Horovod's rendezvous server and the others verify it."""
+    result = run_workers("horovodrun", 2, BATTERY, ["--engine", "gloo", "--case", "errors"],
+                         env={**ENV, "DP_PLUGIN_JOB_SECRET": "a" * 32}, timeout=180)
+    assert_ranks_ok(result, 2)
+    assert result.output.count("announced through Horovod's rendezvous server") == 2, \
+        result.output
+
+
 def test_gloo_timeout_names_collective_and_rank_and_exits() -> None:
     """The last rank skips an all-reduce: the others raise
     CollectiveTimeoutError (checked in the worker) and every process exits 0."""

@@ -114,6 +114,23 @@ def test_state_dict_round_trip_and_load_into_a_new_wrapper() -> None:
             assert torch.equal(loaded["state"][key][name], value)
 
 
+def test_load_state_dict_keeps_sharing_groups_and_state_with_the_plain_optimizer() -> None:
+    """torch's load_state_dict rebinds param_groups and state; an LR scheduler
+    built on the plain optimizer must still steer the wrapper afterwards."""
+    model = linear_model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(base, step_size=1, gamma=0.5)
+    opt = hvd.DistributedOptimizer(base)
+    opt.zero_grad()
+    backward(model)
+    opt.step()
+    opt.load_state_dict(opt.state_dict())
+    assert opt.param_groups is base.param_groups and opt.state is base.state
+    scheduler.step()
+    assert opt.param_groups[0]["lr"] == 0.05
+    assert all("momentum_buffer" in base.state[p] for p in model.parameters())
+
+
 def test_step_hooks_of_the_users_optimizer_run_once_per_step() -> None:
     model = linear_model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))

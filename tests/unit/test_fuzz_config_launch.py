@@ -21,7 +21,7 @@ from tests.unit.test_launch import horovodrun, intelmpi, mpich, openmpi, srun, t
 CONFIG_VARIABLES = (
     "DP_PLUGIN_ENGINE", "DP_PLUGIN_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD",
     "DP_PLUGIN_TIMELINE", "HOROVOD_TIMELINE", "DP_PLUGIN_TIMEOUT",
-    "DP_PLUGIN_REBUILD_BUCKETS", "DP_PLUGIN_CHECK_FINITE",
+    "DP_PLUGIN_REBUILD_BUCKETS", "DP_PLUGIN_CHECK_FINITE", "DP_PLUGIN_JOB_SECRET",
 )
 FUZZ = settings(max_examples=200, deadline=None)
 

@@ -1,0 +1,89 @@
+"""Worker: ``hvd.elastic`` under ``torchrun --max-restarts 1``, 3 workers.
+
+A tiny model with dropout (each rank's RNG matters), SGD with momentum (the
+optimizer state matters) and a StepLR scheduler trains for ``STEPS`` steps;
+the batch of step ``s`` on rank ``r`` is drawn from a generator seeded with
+``(s, r)``, so the data order does not depend on the process's history.
+``state.commit()`` runs every ``COMMIT_EVERY`` steps.
+
+``uninterrupted``: the run as it is. ``killed``: on the first attempt rank 1
+SIGKILLs itself right after step ``KILL_AFTER``; torchrun restarts all three
+workers and ``run`` resumes them from the commit of step 5.
+
+At the end rank 0 writes the raw bytes of every weight to ``--out``/weights.bin
+(the test compares both runs' files) and every rank checks that the ranks
+hold the same weights. Each attempt prints ``rank R attempt A starts at step S``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import signal
+from pathlib import Path
+
+import torch
+from _fail_fast import run_cases
+from torch import nn
+
+import dp_plugin.torch as hvd
+
+STEPS = 12
+COMMIT_EVERY = 5
+KILL_AFTER = 7
+KILLED_RANK = 1
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + hvd.rank())
+    return torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+
+
+def _train(out: Path, kill: bool) -> None:
+    hvd.init()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.25), nn.Linear(16, 4))
+    torch.manual_seed(100 + hvd.rank())  # dropout masks differ between ranks
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(base, step_size=3, gamma=0.5)
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model, opt, scheduler=scheduler, batch=0,
+                                   commit_path=out / "commit.pt")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.TorchState) -> None:
+        print(f"rank {hvd.rank()} attempt {attempt} starts at step {state.batch}", flush=True)
+        for step in range(state.batch, STEPS):
+            x, y = _batch(step)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            scheduler.step()
+            state.batch = step + 1
+            if state.batch % COMMIT_EVERY == 0:
+                state.commit()
+            if kill and attempt == 0 and state.batch == KILL_AFTER and hvd.rank() == KILLED_RANK:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    train(state)
+    weights = b"".join(t.detach().contiguous().numpy().tobytes()
+                       for t in model.state_dict().values())
+    digests = hvd.allgather_object(hashlib.sha256(weights).hexdigest())
+    if len(set(digests)) != 1:
+        raise AssertionError(f"the ranks' final weights differ: {digests}")
+    if hvd.rank() == 0:
+        (out / "weights.bin").write_bytes(weights)
+    hvd.shutdown()
+
+
+CASES = {
+    "uninterrupted": lambda args: _train(Path(args.out), kill=False),
+    "killed": lambda args: _train(Path(args.out), kill=True),
+}
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True, help="directory for the commit and weights")
+    run_cases(CASES, parser=parser)

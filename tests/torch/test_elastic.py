@@ -1,0 +1,129 @@
+"""hvd.elastic in one process: commit/restore, commits on disk, resume, refusals.
+
+The multi-process proof (a worker killed under torchrun --max-restarts,
+bitwise-identical result) is tests/multiproc/test_torch_elastic.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import dp_plugin.torch as hvd
+from dp_plugin.errors import LaunchError
+from tests.torch.local_runtime import local_engine  # noqa: F401 - autouse fixture
+
+
+def _objects(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, object]:
+    torch.manual_seed(seed)
+    model = nn.Linear(3, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    return model, opt, scheduler
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, scheduler: object) -> None:
+    opt.zero_grad()
+    model(torch.randn(4, 3)).square().sum().backward()
+    opt.step()
+    scheduler.step()  # type: ignore[attr-defined]
+
+
+def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    return [p.detach().clone() for p in model.parameters()] + momentum
+
+
+def test_restore_returns_to_the_last_commit_rng_included() -> None:
+    model, opt, scheduler = _objects()
+    state = hvd.elastic.TorchState(model, opt, scheduler=scheduler, epoch=0, batch=0)
+    _step(model, opt, scheduler)
+    state.batch = 1
+    state.commit()
+    kept, lr = _snapshot(model, opt), opt.param_groups[0]["lr"]
+    after = torch.rand(3)
+    _step(model, opt, scheduler)
+    state.batch, state.epoch = 2, 7
+    state.restore()
+    assert (state.batch, state.epoch) == (1, 0)
+    assert all(torch.equal(a, b) for a, b in zip(_snapshot(model, opt), kept, strict=True))
+    assert opt.param_groups[0]["lr"] == lr == 0.05
+    assert torch.equal(torch.rand(3), after)  # the generator is back at the commit too
+
+
+def test_a_commit_on_disk_resumes_fresh_objects_through_run(tmp_path: Path) -> None:
+    path = tmp_path / "elastic.pt"
+    model, opt, scheduler = _objects(seed=1)
+    state = hvd.elastic.TorchState(model, opt, scheduler=scheduler, batch=0, commit_path=path)
+    for state.batch in range(1, 4):
+        _step(model, opt, scheduler)
+    state.commit()
+    kept, after = _snapshot(model, opt), torch.rand(5)
+
+    # A new process would build everything afresh (another seed: other weights).
+    model2, opt2, scheduler2 = _objects(seed=2)
+    state2 = hvd.elastic.TorchState(model2, opt2, scheduler=scheduler2, batch=0,
+                                    commit_path=path)
+    seen: list[int] = []
+
+    @hvd.elastic.run
+    def train(s: hvd.elastic.TorchState) -> str:
+        seen.append(s.batch)
+        return "done"
+
+    assert train(state2) == "done" and seen == [3]
+    assert all(torch.equal(a, b) for a, b in zip(_snapshot(model2, opt2), kept, strict=True))
+    assert scheduler2.state_dict() == scheduler.state_dict()
+    assert torch.equal(torch.rand(5), after)
+
+
+def test_run_without_a_commit_starts_from_the_current_state(tmp_path: Path) -> None:
+    model, opt, scheduler = _objects()
+    state = hvd.elastic.TorchState(model, opt, scheduler=scheduler, batch=0,
+                                   commit_path=tmp_path / "none_yet.pt")
+    assert hvd.elastic.run(lambda s: s.batch)(state) == 0
+    assert not (tmp_path / "none_yet.pt").exists()
+
+
+def test_a_foreign_or_different_commit_is_refused(tmp_path: Path) -> None:
+    model, opt, scheduler = _objects()
+    other = tmp_path / "plain.pt"
+    hvd.save_checkpoint(other, model=model.state_dict())
+    state = hvd.elastic.TorchState(model, opt, batch=0, commit_path=other)
+    with pytest.raises(hvd.CheckpointError, match="not an elastic commit"):
+        state.load()
+    path = tmp_path / "elastic.pt"
+    hvd.elastic.TorchState(model, opt, batch=0, commit_path=path).commit()
+    changed = hvd.elastic.TorchState(model, opt, scheduler=scheduler, batch=0, commit_path=path)
+    with pytest.raises(hvd.CheckpointError, match="another script"):
+        changed.load()
+
+
+def test_launchers_run_cannot_serve_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt, _ = _objects()
+    state = hvd.elastic.TorchState(model, opt)
+    train = hvd.elastic.run(lambda s: None)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    with pytest.raises(LaunchError, match=r"TORCHELASTIC_MAX_RESTARTS=3.*commit_path"):
+        train(state)
+    monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS")
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    with pytest.raises(LaunchError,
+                       match=r"elastic mode .* is not supported.*torchrun --max-restarts"):
+        train(state)
+
+
+def test_elastic_sampler_resumes_the_epoch_where_it_stopped() -> None:
+    data = list(range(10))
+    sampler = hvd.elastic.ElasticSampler(data, shuffle=True, seed=3)
+    order = list(sampler)
+    assert sorted(order) == data and len(sampler) == 10
+    sampler.record_batch(0, 4)
+    resumed = hvd.elastic.ElasticSampler(data, shuffle=True, seed=3)
+    resumed.load_state_dict(sampler.state_dict())
+    assert list(resumed) == order[4:]
+    resumed.set_epoch(1)
+    assert sorted(resumed) == data and list(resumed) != order
