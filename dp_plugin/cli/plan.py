@@ -60,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     link = parser.add_argument_group("link (a sweep result or both numbers)")
     link.add_argument("--sweep", type=Path, help="results.json written by dp-plugin bench")
     link.add_argument("--engine", help="engine in the sweep (default: the first one)")
+    link.add_argument("--fit-size", type=int,
+                      help="fit on the sweep's rows at this world size (default: the largest)")
     link.add_argument("--alpha-us", type=float, help="latency per ring step, microseconds")
     link.add_argument("--bandwidth-gbit", type=_positive(float),
                       help="link bandwidth, Gbit/s")
@@ -74,8 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def link_from_sweep(path: Path, engine: str | None) -> tuple[Link, str]:
-    """Fit the link on the sweep's largest world size for ``engine``."""
+def link_from_sweep(path: Path, engine: str | None,
+                    fit_size: int | None = None) -> tuple[Link, str]:
+    """Fit the link on the sweep's rows for ``engine`` at ``fit_size`` workers
+    (default: the largest world size it has)."""
     try:
         data = json.loads(path.read_text())
         rows = data["sweep"]
@@ -88,14 +92,18 @@ def link_from_sweep(path: Path, engine: str | None) -> tuple[Link, str]:
     if not mine:
         raise SystemExit(f"--engine {engine!r}: the sweep in {path} has no rows for it at "
                          f"2 or more workers; it has {', '.join(engines) or 'no engines'}")
-    n = max(r["size"] for r in mine)
+    sizes = sorted({r["size"] for r in mine})
+    n = sizes[-1] if fit_size is None else fit_size
+    if n not in sizes:
+        raise SystemExit(f"--fit-size {fit_size}: the sweep has {engine} at world sizes "
+                         f"{', '.join(map(str, sizes))} only")
     link = fit_link([(r["bytes"], r["time_s"]) for r in mine if r["size"] == n], n)
     return link, f"fitted on {engine} at {n} workers from {path}"
 
 
 def resolve_link(args: argparse.Namespace) -> tuple[Link, str]:
     if args.sweep is not None:
-        return link_from_sweep(args.sweep, args.engine)
+        return link_from_sweep(args.sweep, args.engine, args.fit_size)
     if args.alpha_us is None or args.bandwidth_gbit is None:
         raise SystemExit("dp-plugin plan: give --sweep RESULTS.json, or both --alpha-us and "
                          "--bandwidth-gbit (e.g. --alpha-us 10 --bandwidth-gbit 25)")

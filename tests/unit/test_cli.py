@@ -215,3 +215,27 @@ def test_plots_are_small_pngs(tmp_path: Path) -> None:
     for path in draw_plots(result, tmp_path):
         data = path.read_bytes()
         assert data[:4] == b"\x89PNG" and len(data) < 100_000
+
+
+def test_plan_fits_the_link_from_a_sweep_file(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from dp_plugin.cli import main
+
+    true = Link(alpha=1e-4, beta=1e8)
+    rows = [{"engine": "gloo", "size": n, "bytes": s, "time_s": ring_allreduce_time(s, n, true)}
+            for n in (2, 3) for s in (4096, 2**20, 2**26)]
+    sweep = tmp_path / "results.json"
+    sweep.write_text(json.dumps({"sweep": rows}))
+    assert main(["plan", "--model", "resnet50", "--compute-ms", "100", "--sweep", str(sweep),
+                 "--fit-size", "2", "--workers", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["beta_bytes_s"] == pytest.approx(1e8, rel=0.01)
+    assert out["alpha_s"] == pytest.approx(1e-4, rel=0.05)
+    with pytest.raises(SystemExit, match="world sizes 2, 3 only"):
+        main(["plan", "--model", "resnet50", "--compute-ms", "100", "--sweep", str(sweep),
+              "--fit-size", "5"])
+    with pytest.raises(SystemExit, match="no rows for it"):
+        main(["plan", "--model", "resnet50", "--compute-ms", "100", "--sweep", str(sweep),
+              "--engine", "mpi"])
