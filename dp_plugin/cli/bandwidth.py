@@ -72,6 +72,8 @@ def loopback_tcp_time(nbytes: int, reps: int, warmup: int) -> float:
     with socket.create_server(("127.0.0.1", 0)) as server:
         sender = socket.create_connection(server.getsockname()[:2])
         receiver, _ = server.accept()
+    for s in (sender, receiver):  # no Nagle: the one-byte reply must not wait for an ACK
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sink = bytearray(min(nbytes, 4 << 20))
     rounds = warmup + reps
 

@@ -19,7 +19,7 @@ GB = 1e9
 def human(nbytes: float) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
-            return f"{nbytes / scale:g} {unit}"
+            return f"{nbytes / scale:.4g} {unit}"
     return f"{nbytes:g} B"
 
 
