@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt setup.py scripts/build_horovod.sh
+$(STAMP): requirements.txt setup.py pyproject.toml scripts/build_horovod.sh dp_plugin/cli/build_horovod.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
@@ -29,7 +29,7 @@ test-multiproc: install
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest tests/multiproc $(PYTEST_ARGS)
 
 check: install
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m dp_plugin.check
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m dp_plugin check
 
 lint: install
 	$(VENV)/bin/ruff check dp_plugin adapters tests examples benchmarks

@@ -1,0 +1,52 @@
+"""The ``dp-plugin`` command (also ``python -m dp_plugin``).
+
+Subcommands, one module each, imported only when chosen so that
+``dp-plugin check`` starts fast and ``dp-plugin plan`` needs no torch:
+
+- ``check``: frameworks, engines and launchers this installation has;
+- ``build-horovod``: build Horovod 0.28.1 against the installed torch;
+- ``bench``: all-reduce sweep per engine and world size, tables and plots;
+- ``plan``: alpha-beta model of bucketed ring all-reduce at scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+SUBCOMMANDS: dict[str, str] = {
+    "check": "dp_plugin.cli.check",
+    "build-horovod": "dp_plugin.cli.build_horovod",
+    "bench": "dp_plugin.cli.bench",
+    "plan": "dp_plugin.cli.plan",
+}
+"""name -> module; each module has ``HELP``, ``add_arguments(parser)`` and ``run(args)``."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dp-plugin", description="dp_plugin: check, build Horovod, benchmark, plan.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, module_name in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=module.HELP, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(module=module)
+    return parser
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parsed arguments; bad input exits with status 2 and argparse's message."""
+    return build_parser().parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    try:
+        return int(args.module.run(args) or 0)
+    except KeyboardInterrupt:
+        sys.stderr.write("dp-plugin: interrupted\n")
+        return 130

@@ -1,0 +1,146 @@
+"""Alpha-beta model of ring all-reduce with bucketed overlap (``dp-plugin plan``).
+
+A link has a per-message latency ``alpha`` (s) and a bandwidth ``beta``
+(bytes/s). A ring all-reduce of ``S`` bytes on ``n`` workers takes
+``2 (n - 1)`` steps, each sending ``S / n`` bytes::
+
+    T(S, n) = 2 (n - 1) alpha + 2 (n - 1) / n * S / beta
+
+A training step is modelled as forward, then backward, during which the
+gradients become ready in reverse definition order, evenly spaced in time
+(one tensor per equal slice of backward; ``ready_by="bytes"`` spaces them
+by size instead). Gradients are packed into buckets of at most ``threshold``
+bytes in ready order (a larger tensor forms a bucket of its own); a bucket
+starts when its last gradient is ready and the previous bucket is done (one
+all-reduce at a time, as in Horovod and dp_plugin). The step ends when both
+compute and the last all-reduce are done. Scaling efficiency is the
+single-worker step (compute only) over the step at ``n`` workers
+(weak scaling, fixed per-worker batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dp_plugin.cli.bandwidth import bus_factor
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Link:
+    alpha: float
+    """Latency per ring step, seconds."""
+    beta: float
+    """Bandwidth, bytes/s."""
+
+    def __post_init__(self) -> None:
+        if self.alpha < 0 or self.beta <= 0:
+            raise ValueError(f"a link needs alpha >= 0 s and beta > 0 bytes/s, got "
+                             f"alpha={self.alpha!r}, beta={self.beta!r}")
+
+
+def ring_allreduce_time(nbytes: float, n: int, link: Link) -> float:
+    """``2 (n - 1) alpha + 2 (n - 1) / n * S / beta``; 0 for one worker."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) * link.alpha + bus_factor(n) * nbytes / link.beta
+
+
+def fit_link(points: Sequence[tuple[float, float]], n: int) -> Link:
+    """A link from a sweep at ``n`` workers: ``[(bytes, seconds), ...]``.
+
+    beta is the best bus bandwidth of the sweep (reached by the large sizes),
+    alpha what remains of the smallest size's time once its bytes are paid,
+    split over the ring's ``2 (n - 1)`` steps.
+    """
+    if n < 2 or not points:
+        raise ValueError(f"fitting a link needs a sweep at 2 or more workers, got n={n} "
+                         f"and {len(points)} point(s)")
+    beta = max(bus_factor(n) * s / t for s, t in points)
+    small_s, small_t = min(points)
+    alpha = max(0.0, small_t - bus_factor(n) * small_s / beta) / (2 * (n - 1))
+    return Link(alpha=alpha, beta=beta)
+
+
+def buckets(sizes: Sequence[int], threshold: int) -> list[tuple[int, int]]:
+    """Greedy buckets over ``sizes`` (ready order): ``[(last index, bytes), ...]``."""
+    out: list[tuple[int, int]] = []
+    current = 0
+    for i, size in enumerate(sizes):
+        if current and current + size > threshold:
+            out.append((i - 1, current))
+            current = 0
+        current += size
+    if current:
+        out.append((len(sizes) - 1, current))
+    return out
+
+
+@dataclass(frozen=True)
+class Prediction:
+    workers: int
+    threshold: int
+    buckets: int
+    compute_s: float
+    comm_s: float
+    """Sum of all-reduce times."""
+    step_s: float
+
+    @property
+    def exposed_s(self) -> float:
+        return self.step_s - self.compute_s
+
+    @property
+    def efficiency(self) -> float:
+        return self.compute_s / self.step_s
+
+
+def ready_times(sizes: Sequence[int], backward_s: float, ready_by: str) -> list[float]:
+    """Ready time of each gradient (ready order) from the start of backward."""
+    if ready_by == "tensors":
+        return [backward_s * (i + 1) / len(sizes) for i in range(len(sizes))]
+    if ready_by == "bytes":
+        total, seen, out = sum(sizes), 0, []
+        for s in sizes:
+            seen += s
+            out.append(backward_s * seen / total)
+        return out
+    raise ValueError(f"ready_by must be 'tensors' or 'bytes', got {ready_by!r}")
+
+
+def predict(sizes: Sequence[int], compute_s: float, n: int, link: Link, threshold: int,
+            backward_fraction: float = 2 / 3, ready_by: str = "tensors") -> Prediction:
+    """Step time at ``n`` workers; ``sizes`` are gradient bytes in definition order."""
+    if not sizes or compute_s <= 0 or not 0 < backward_fraction <= 1 or threshold < 1:
+        raise ValueError(f"need gradients, compute > 0 s, 0 < backward fraction <= 1 and "
+                         f"threshold >= 1 byte; got {len(sizes)} gradients, compute "
+                         f"{compute_s!r} s, fraction {backward_fraction!r}, threshold "
+                         f"{threshold!r}")
+    order = list(reversed(sizes))
+    backward = compute_s * backward_fraction
+    start_backward = compute_s - backward
+    ready = ready_times(order, backward, ready_by)
+    plan = buckets(order, threshold)
+    end = comm = 0.0
+    for last, nbytes in plan:
+        t = ring_allreduce_time(nbytes, n, link)
+        end = max(end, start_backward + ready[last]) + t
+        comm += t
+    return Prediction(workers=n, threshold=threshold, buckets=len(plan), compute_s=compute_s,
+                      comm_s=comm, step_s=max(compute_s, end))
+
+
+CANDIDATE_THRESHOLDS = tuple(2**k * MiB // 4 for k in range(12))
+"""256 KiB to 512 MiB, doubling."""
+
+
+def best_threshold(sizes: Sequence[int], compute_s: float, n: int, link: Link,
+                   backward_fraction: float = 2 / 3, ready_by: str = "tensors") -> Prediction:
+    """The candidate threshold with the shortest step; on a tie (within 0.5%), the
+    largest: fewer buckets cost less in practice than the model counts."""
+    preds = [predict(sizes, compute_s, n, link, t, backward_fraction, ready_by)
+             for t in CANDIDATE_THRESHOLDS]
+    fastest = min(p.step_s for p in preds)
+    return max((p for p in preds if p.step_s <= fastest * 1.005), key=lambda p: p.threshold)

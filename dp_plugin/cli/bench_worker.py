@@ -1,0 +1,112 @@
+"""One worker of ``dp-plugin bench``, started under a launcher by ``bench.py``.
+
+Times the engine's all-reduce of one float32 buffer per size (a barrier
+before each repetition, median of the repetitions), then, per model shape
+list, the fused all-reduce of every gradient through ``GradientScheduler``
+(default fusion threshold, averaging, as a training step does) against one
+raw all-reduce of the same bytes. Rank 0 prints ``PROGRESS`` after each item
+and one ``RESULT {json}`` line at the end.
+
+    python -m dp_plugin.cli.bench_worker --sizes 4096,65536 --reps 10 --warmup 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def reps_for(nbytes: int, reps: int) -> int:
+    """Fewer repetitions for large buffers: ``reps`` up to 16 MiB, at least 3."""
+    return max(3, min(reps, reps * (16 << 20) // max(nbytes, 1)))
+
+
+def _timer(engine: Any) -> Callable[[Callable[[], None], int, int], float]:
+    def time_it(fn: Callable[[], None], reps: int, warmup: int) -> float:
+        times = []
+        for i in range(warmup + reps):
+            engine.barrier()
+            t0 = time.perf_counter()
+            fn()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    return time_it
+
+
+def _fused(engine: Any, model: str, reps: int, warmup: int) -> dict[str, Any]:
+    import torch
+
+    from dp_plugin.cli.shapes import model_shapes
+    from dp_plugin.fusion import TensorSpec
+    from dp_plugin.scheduler import GradientScheduler
+
+    grads = [torch.full(shape, 1.0) for _, shape in model_shapes(model)]
+    specs = [TensorSpec.of(f"g{i}", g) for i, g in enumerate(grads)]
+    sched = GradientScheduler(specs, engine=engine, op="average", name=f"bench_{model}")
+
+    def step() -> None:
+        for i in reversed(range(len(grads))):
+            sched.mark_ready(i, grads[i])
+        sched.synchronize()
+
+    time_it = _timer(engine)
+    nbytes = sum(4 * g.numel() for g in grads)
+    step()  # the plan settles from the observed ready order
+    fused = time_it(step, reps, warmup)
+    buckets = len(sched.plan)
+    sched.close()
+    grads.clear()  # free them before the raw buffer of the same size
+    raw = torch.ones(nbytes // 4)
+    raw_s = time_it(lambda: engine.allreduce_async(raw, "sum", name="raw").wait(), reps, warmup)
+    return {"model": model, "bytes": nbytes, "tensors": len(specs), "buckets": buckets,
+            "fused_s": fused, "raw_s": raw_s}
+
+
+def worker(sizes: list[int], reps: int, warmup: int, models: list[str]) -> None:
+    import torch
+
+    import dp_plugin
+
+    torch.set_num_threads(1)
+    engine = dp_plugin.init()
+    lead = engine.rank == 0
+    time_it = _timer(engine)
+    sweep = []
+    for nbytes in sizes:
+        buf = torch.ones(max(1, nbytes // 4))
+        def once(b: Any = buf) -> None:
+            engine.allreduce_async(b, "sum", name="sweep").wait()
+
+        t = time_it(once, reps_for(nbytes, reps), warmup)
+        sweep.append({"bytes": nbytes, "time_s": t})
+        if lead:
+            print("PROGRESS", flush=True)
+    fused = []
+    for model in models:
+        fused.append(_fused(engine, model, max(3, reps // 4), 1))
+        if lead:
+            print("PROGRESS", flush=True)
+    if lead:
+        print("RESULT " + json.dumps({"engine": engine.name, "size": engine.size,
+                                      "sweep": sweep, "models": fused}), flush=True)
+    dp_plugin.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--sizes", required=True)
+    ap.add_argument("--reps", type=int, required=True)
+    ap.add_argument("--warmup", type=int, required=True)
+    ap.add_argument("--models", default="")
+    args = ap.parse_args(argv)
+    worker([int(s) for s in args.sizes.split(",")], args.reps, args.warmup,
+           [m for m in args.models.split(",") if m])
+
+
+if __name__ == "__main__":
+    main()

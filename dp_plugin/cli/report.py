@@ -1,0 +1,108 @@
+"""``dp-plugin bench`` output: a markdown table and PNG plots (matplotlib).
+
+Plots need the ``bench`` extra (``pip install 'dp_plugin[bench]'``); without
+matplotlib the markdown is still written and the command says how to get
+the plots.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from dp_plugin.cli.bandwidth import algbw, busbw
+
+GB = 1e9
+
+
+def human(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.4g} {unit}"
+    return f"{nbytes:g} B"
+
+
+def _series(result: dict[str, Any]) -> dict[tuple[str, int], list[dict[str, Any]]]:
+    out: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for row in result["sweep"]:
+        out.setdefault((row["engine"], row["size"]), []).append(row)
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    series = _series(result)
+    refs = {r["bytes"]: r for r in result["references"]}
+    head = "| size | " + " | ".join(f"{e} x{n} time / algbw / busbw" for e, n in series)
+    lines = [head + " | loopback TCP | memcpy |",
+             "|---:|" + "---:|" * (len(series) + 2)]
+    for i, size in enumerate(result["sizes"]):
+        cells = []
+        for (_, n), rows in series.items():
+            t = rows[i]["time_s"]
+            cells.append(f"{t * 1e3:.3f} ms / {algbw(size, t) / GB:.3f} / "
+                         f"{busbw(size, t, n) / GB:.3f}")
+        ref = refs.get(size)
+        extra = ([f"{algbw(size, ref[key]) / GB:.3f}" for key in ("loopback_tcp_s", "memcpy_s")]
+                 if ref else ["-", "-"])
+        lines.append(f"| {human(size)} | " + " | ".join(cells + extra) + " |")
+    lines.append("\nBandwidths in GB/s (10^9 bytes/s); busbw = algbw x 2(n-1)/n.")
+    if result["models"]:
+        lines += ["", "| model | engine | workers | gradients | buckets | fused | raw (same "
+                  "bytes) | fused busbw / raw busbw |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for m in result["models"]:
+            lines.append(f"| {m['model']} | {m['engine']} | {m['size']} | {m['tensors']} "
+                         f"({human(m['bytes'])}) | {m['buckets']} | {m['fused_s'] * 1e3:.1f} ms "
+                         f"| {m['raw_s'] * 1e3:.1f} ms | {m['raw_s'] / m['fused_s']:.2f} |")
+    for name, why in result.get("skipped", {}).items():
+        lines.append(f"\nNot run: {name} ({why}).")
+    return "\n".join(lines) + "\n"
+
+
+def draw_plots(result: dict[str, Any], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = _series(result)
+    refs = result["references"]
+    written = []
+    for kind in ("busbw", "time"):
+        fig, ax = plt.subplots(figsize=(6, 3.6), dpi=80)
+        for (engine, n), rows in series.items():
+            xs = [r["bytes"] for r in rows]
+            ys = [busbw(r["bytes"], r["time_s"], n) / GB if kind == "busbw"
+                  else r["time_s"] * 1e3 for r in rows]
+            ax.plot(xs, ys, marker="o", markersize=3, label=f"{engine} x{n}")
+        if kind == "busbw" and refs:
+            xs = [r["bytes"] for r in refs]
+            for key, label in (("loopback_tcp_s", "loopback TCP"), ("memcpy_s", "memcpy")):
+                ax.plot(xs, [algbw(r["bytes"], r[key]) / GB for r in refs], linestyle="--",
+                        label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("bytes per rank")
+        ax.set_ylabel("bus bandwidth, GB/s" if kind == "busbw" else "all-reduce time, ms")
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / f"{kind}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write(result: dict[str, Any], out: Path, plots: bool = True) -> list[Path]:
+    """results.md and, when matplotlib imports, busbw.png and time.png."""
+    md = out / "results.md"
+    md.write_text(markdown(result))
+    written = [md]
+    if plots:
+        try:
+            written += draw_plots(result, out)
+        except ImportError:
+            print("dp-plugin bench: matplotlib is not installed, no plots; "
+                  "pip install 'dp_plugin[bench]'", file=sys.stderr)
+    return written
