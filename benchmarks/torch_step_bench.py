@@ -28,9 +28,11 @@ The dp_plugin and horovod rows run the same training function; only the
     python benchmarks/torch_step_bench.py --configs dp_plugin,ddp
     python benchmarks/torch_step_bench.py --configs ddp,dp_plugin,dp_plugin:fusion=8
 
-A configuration may end in ``:fusion=MiB`` to run it with that fusion
-threshold (DP_PLUGIN_FUSION_THRESHOLD, or HOROVOD_FUSION_THRESHOLD for
-``horovod``) instead of the default.
+A configuration may end in options, each ``:name=value``: ``fusion=MiB``
+(DP_PLUGIN_FUSION_THRESHOLD, or HOROVOD_FUSION_THRESHOLD for ``horovod``;
+64 gives the plan of dp_plugin before issue 10: one 64 MiB bucket),
+``views=0|1`` (DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW), ``cycle=ms``
+(HOROVOD_CYCLE_TIME) and ``dps=0|1`` (HOROVOD_DYNAMIC_PROCESS_SETS).
 
 Without a launcher it starts itself once per configuration and round,
 interleaved (A B C ... A B C ...), and prints a table: median step time over
@@ -177,20 +179,34 @@ def _scheduler_stats(sched: Any, warmup: int) -> dict[str, Any]:
 
 # -- launching ---------------------------------------------------------------
 
+OPTIONS = {
+    # option -> (variable, what the value means, how to turn it into the variable's value)
+    "fusion": ("DP_PLUGIN_FUSION_THRESHOLD", "MiB", lambda v: str(int(float(v) * 2**20))),
+    "views": ("DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW", "0 or 1", str),
+    "cycle": ("HOROVOD_CYCLE_TIME", "ms", str),
+    "dps": ("HOROVOD_DYNAMIC_PROCESS_SETS", "0 or 1", str),
+}
+
+
 def parse_config(spec: str) -> tuple[str, dict[str, str]]:
-    """``name[:fusion=MiB]`` -> (name, extra environment)."""
-    name, _, option = spec.partition(":")
+    """``name[:option=value]...`` -> (name, extra environment); see ``OPTIONS``."""
+    name, *options = spec.split(":")
+    valid = ", ".join(f"{k}=<{v[1]}>" for k, v in OPTIONS.items())
     if name not in CONFIGS:
         raise SystemExit(f"unknown configuration {spec!r}; valid: {', '.join(CONFIGS)}, "
-                         "optionally followed by ':fusion=MiB'")
-    if not option:
-        return name, {}
-    key, _, value = option.partition("=")
-    if key != "fusion" or not value.replace(".", "", 1).isdigit() or name in ("ddp", "floor"):
-        raise SystemExit(f"{spec!r}: the only option is ':fusion=MiB' (a number), for "
-                         "dp_plugin, dp_plugin@hvd and horovod")
-    variable = "HOROVOD_FUSION_THRESHOLD" if name == "horovod" else "DP_PLUGIN_FUSION_THRESHOLD"
-    return name, {variable: str(int(float(value) * 2**20))}
+                         f"optionally followed by ':option=value' ({valid})")
+    env: dict[str, str] = {}
+    for option in options:
+        key, _, value = option.partition("=")
+        if key not in OPTIONS or not value.replace(".", "", 1).isdigit() \
+                or name in ("ddp", "floor"):
+            raise SystemExit(f"{spec!r}: options are {valid} (numbers), for dp_plugin, "
+                             "dp_plugin@hvd and horovod")
+        variable, _, convert = OPTIONS[key]
+        if key == "fusion" and name == "horovod":
+            variable = "HOROVOD_FUSION_THRESHOLD"
+        env[variable] = convert(value)
+    return name, env
 
 
 def launch(spec: str, nprocs: int, steps: int, warmup: int, timeout: float) -> dict[str, Any]:

@@ -44,7 +44,8 @@ class FusedCollective:
 
     ``policy`` scales (``ReducePolicy``; none by default); ``hook`` moves a
     packed bucket (default: all-reduce, compressed per ``compression``);
-    ``threshold`` caps a bucket's bytes; ``order`` is the expected ready
+    ``threshold`` caps a bucket's bytes (``first_threshold`` the first
+    bucket's, see ``plan_buckets``); ``order`` is the expected ready
     order (default: reverse registration); ``control_numel`` adds a control
     slot to the last bucket (see ``FusionBuffer``); ``settings`` are
     compared across ranks with ``layout`` (what the ranks compare; default
@@ -60,6 +61,7 @@ class FusedCollective:
         engine: Any,
         name: str,
         threshold: int,
+        first_threshold: int | None = None,
         policy: ReducePolicy = NO_SCALING,
         compression: Any = "none",
         hook: CommHook | None = None,
@@ -78,6 +80,7 @@ class FusedCollective:
         self.specs = tuple(specs)
         self.layout = self.specs if layout is None else tuple(layout)
         self.threshold = threshold
+        self.first_threshold = first_threshold
         self.policy = policy
         self.compressor = get_compressor(compression)
         self.hook: CommHook = hook_for(self.compressor) if hook is None else hook
@@ -85,7 +88,8 @@ class FusedCollective:
         self.control_numel = control_numel
         self.what = what or f"tensors of {name!r}"
         self.settings = {
-            "fusion threshold": threshold, "compression": self.compressor.name,
+            "fusion threshold": threshold, "first bucket threshold": first_threshold,
+            "compression": self.compressor.name,
             "op": policy.op.value, "prescale": policy.prescale, "postscale": policy.postscale,
             "root": root, **(settings or {}),
         }
@@ -95,7 +99,8 @@ class FusedCollective:
         """True once the ranks agreed (or the caller already made them agree)."""
         self.broken: BaseException | None = None
         self.plan_version = -1
-        self.install(plan_buckets(self.specs, threshold, order=order))
+        self.install(plan_buckets(self.specs, threshold, order=order,
+                                  first_threshold=first_threshold))
 
     # -- plan ---------------------------------------------------------------------
     def install(self, plan: list[Any]) -> None:
@@ -117,7 +122,8 @@ class FusedCollective:
 
     def replan(self, order: Sequence[int]) -> bool:
         """Re-plan for the ready order ``order``; True if the buckets changed."""
-        plan = plan_buckets(self.specs, self.threshold, order=order)
+        plan = plan_buckets(self.specs, self.threshold, order=order,
+                            first_threshold=self.first_threshold)
         if [b.members for b in plan] == [b.members for b in self.plan]:
             return False
         control = self.buffers[-1].control if self.buffers else None
@@ -143,6 +149,14 @@ class FusedCollective:
         buf = self.buffers[self.bucket_of[index]]
         member = buf.bucket.members.index(index)
         return buf.view(self.backend(like), member).reshape(self.specs[index].shape)
+
+    def packs(self, index: int) -> bool:
+        """True if spec ``index`` is copied into a fusion buffer (False when
+        its bucket is one member reduced where it lies, see ``FusionBuffer``)."""
+        buf = self.buffers[self.bucket_of[index]]
+        b = buf.bucket
+        return len(b.members) > 1 or bool(buf.control_numel) \
+            or self.compressor.wire_dtype(b.dtype) != b.dtype
 
     def control(self, like: Any = None) -> Any:
         """The control slot (in the last bucket's buffer)."""

@@ -27,7 +27,11 @@ ENGINE_NAMES: tuple[str, ...] = get_args(EngineName)
 CheckFinite = Literal["off", "skip", "raise"]
 CHECK_FINITE_MODES: tuple[str, ...] = get_args(CheckFinite)
 
-DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
+DEFAULT_FUSION_THRESHOLD = 25 * 1024 * 1024
+"""25 MiB, PyTorch DDP's default bucket: few collectives, yet several per step for
+models of tens of MB, so communication overlaps backward (BENCHMARKS.md)."""
+DEFAULT_FIRST_BUCKET_THRESHOLD = 1024 * 1024
+"""1 MiB, DDP's first bucket: the first gradients of backward start travelling early."""
 DEFAULT_TIMEOUT_S = 1800.0
 """30 minutes, torch.distributed's default for gloo: a rank-0-only evaluation or
 checkpoint between steps must not kill the job (docs/configuration.md)."""
@@ -50,6 +54,14 @@ class Config:
     fusion_threshold: int = DEFAULT_FUSION_THRESHOLD
     """Largest fusion buffer in bytes (a bigger tensor gets a bucket of its own)."""
 
+    first_bucket_threshold: int | None = DEFAULT_FIRST_BUCKET_THRESHOLD
+    """Cap of the gradient scheduler's first bucket (the smaller of this and
+    ``fusion_threshold`` applies); None: as large as the others. ``from_env``
+    sets None when the user sets a fusion threshold (as DDP with ``bucket_cap_mb``)."""
+
+    gradient_as_bucket_view: bool = True
+    """``DistributedOptimizer`` makes ``.grad`` a view of the fusion buffer (no copies)."""
+
     timeline: str | None = None
     """Chrome-trace output path; ``{rank}`` is replaced, else ``.rankN`` is inserted."""
 
@@ -71,12 +83,19 @@ class Config:
                      fix="set DP_PLUGIN_ENGINE to one of them", error=error)
         check_int(
             "fusion_threshold (bytes)", self.fusion_threshold, minimum=1,
-            fix=f"use e.g. {DEFAULT_FUSION_THRESHOLD} (64 MiB), or 1 for one tensor per bucket",
+            fix=f"use e.g. {DEFAULT_FUSION_THRESHOLD} (25 MiB), or 1 for one tensor per bucket",
             error=error,
         )
         if self.fusion_threshold > MAX_THRESHOLD:
             raise error(f"fusion_threshold (bytes) must be <= {MAX_THRESHOLD} (1 TiB), got "
-                        f"{self.fusion_threshold!r}; use e.g. {DEFAULT_FUSION_THRESHOLD} (64 MiB)")
+                        f"{self.fusion_threshold!r}; use e.g. {DEFAULT_FUSION_THRESHOLD} (25 MiB)")
+        if self.first_bucket_threshold is not None:
+            check_int("first_bucket_threshold (bytes)", self.first_bucket_threshold, minimum=1,
+                      fix=f"use e.g. {DEFAULT_FIRST_BUCKET_THRESHOLD} (1 MiB), or None for a "
+                          "first bucket as large as the others", error=error)
+        for flag in ("gradient_as_bucket_view", "rebuild_buckets"):
+            if not isinstance(getattr(self, flag), bool):
+                raise error(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.timeline is not None and (
                 not isinstance(self.timeline, str) or not self.timeline or "\x00" in self.timeline):
             raise error(f"timeline must be None or a non-empty file path without NUL "
@@ -84,8 +103,6 @@ class Config:
         # Finite: an infinite timeout is a hang, and timedelta(seconds=inf) overflows.
         check_positive_float("timeout_s", self.timeout_s, unit="seconds", maximum=MAX_TIMEOUT_S,
                              fix=f"the default is {DEFAULT_TIMEOUT_S:g}", error=error)
-        if not isinstance(self.rebuild_buckets, bool):
-            raise error(f"rebuild_buckets must be True or False, got {self.rebuild_buckets!r}")
         check_choice("check_finite", self.check_finite, CHECK_FINITE_MODES, kind="modes",
                      fix="set DP_PLUGIN_CHECK_FINITE to one of them", error=error)
         secret = self.job_secret
@@ -114,7 +131,7 @@ class Config:
             kwargs["engine"] = env_choice(env, "DP_PLUGIN_ENGINE", ENGINE_NAMES, kind="engine",
                                           error=ConfigError)
 
-        default = f"(default {DEFAULT_FUSION_THRESHOLD}, i.e. 64 MiB)"
+        default = f"(default {DEFAULT_FUSION_THRESHOLD}, i.e. 25 MiB)"
         if "DP_PLUGIN_FUSION_THRESHOLD" in env:
             kwargs["fusion_threshold"] = env_int(
                 env, "DP_PLUGIN_FUSION_THRESHOLD", minimum=1, maximum=MAX_THRESHOLD, unit="bytes",
@@ -128,6 +145,8 @@ class Config:
                 error=ConfigError,
             )
             kwargs["fusion_threshold"] = 1 if value == 0 else value
+        if "fusion_threshold" in kwargs:  # the user's size, for every bucket (as DDP)
+            kwargs["first_bucket_threshold"] = None
 
         for name in ("DP_PLUGIN_TIMELINE", "HOROVOD_TIMELINE"):
             if env.get(name):
@@ -146,6 +165,10 @@ class Config:
         if "DP_PLUGIN_REBUILD_BUCKETS" in env:
             kwargs["rebuild_buckets"] = env_bool(env, "DP_PLUGIN_REBUILD_BUCKETS",
                                                  error=ConfigError)
+
+        if "DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW" in env:
+            kwargs["gradient_as_bucket_view"] = env_bool(
+                env, "DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW", error=ConfigError)
 
         if "DP_PLUGIN_CHECK_FINITE" in env:
             kwargs["check_finite"] = env_choice(

@@ -11,6 +11,10 @@ Rules (issue 2, "Fusion and scheduling"):
 - close the open bucket before a tensor would push it past the threshold; a
   tensor larger than the threshold therefore gets a bucket of its own (plus
   any empty tensors that follow it);
+- the first bucket of each (dtype, device) may have a smaller cap of its own
+  (``first_threshold``, PyTorch DDP's 1 MiB first bucket): the gradients
+  backward produces first then start travelling early instead of waiting
+  for a whole large bucket;
 - number buckets in the order they were opened.
 """
 
@@ -105,21 +109,22 @@ def default_order(count: int) -> list[int]:
 
 
 def plan_buckets(
-    specs: Sequence[TensorSpec], threshold: int, order: Iterable[int] | None = None
+    specs: Sequence[TensorSpec], threshold: int, order: Iterable[int] | None = None,
+    first_threshold: int | None = None,
 ) -> list[Bucket]:
     """Group ``specs`` into buckets of at most ``threshold`` bytes.
 
     ``order`` is the expected ready order (spec indices, a permutation of
     ``range(len(specs))``); it defaults to reverse registration order.
+    ``first_threshold`` caps the first bucket of each (dtype, device)
+    instead (the smaller of the two applies; None: no separate cap).
     Deterministic: identical inputs give identical plans on every rank.
     """
-    if isinstance(threshold, bool) or not isinstance(threshold, int):
-        raise ValueError(f"fusion threshold must be an int number of bytes, got {threshold!r}")
-    if threshold <= 0:
-        raise ValueError(
-            f"fusion threshold must be > 0 bytes, got {threshold}; use e.g. 67108864 (64 MiB), "
-            "or 1 for one tensor per bucket"
-        )
+    _check_threshold("fusion threshold", threshold)
+    first = threshold
+    if first_threshold is not None:
+        _check_threshold("first bucket threshold", first_threshold)
+        first = min(first_threshold, threshold)
     _check_unique_names(specs)
     walk = default_order(len(specs)) if order is None else _check_permutation(order, len(specs))
 
@@ -127,11 +132,14 @@ def plan_buckets(
     open_: dict[tuple[str, str], tuple[int, list[int], int]] = {}
     members_of: list[list[int]] = []
     kind_of: list[tuple[str, str]] = []
+    opened: Counter[tuple[str, str]] = Counter()  # buckets opened per kind so far
     for i in walk:
         spec = specs[i]
         key = (spec.dtype, spec.device)
         current = open_.get(key)
-        if current is not None and spec.nbytes and current[2] + spec.nbytes > threshold:
+        # The first bucket of this kind is still open while it is the only one.
+        cap = first if opened[key] == 1 else threshold
+        if current is not None and spec.nbytes and current[2] + spec.nbytes > cap:
             # Close it: this tensor would push it past the threshold. (An
             # empty tensor never does; it joins whatever bucket is open.)
             current = None
@@ -139,6 +147,7 @@ def plan_buckets(
             current = (len(members_of), [], 0)
             members_of.append(current[1])
             kind_of.append(key)
+            opened[key] += 1
         current[1].append(i)
         open_[key] = (current[0], current[1], current[2] + spec.nbytes)
 
@@ -151,6 +160,16 @@ def plan_buckets(
             numel += specs[i].numel
         buckets.append(Bucket(index, dtype, device, tuple(members), tuple(offsets), numel))
     return buckets
+
+
+def _check_threshold(what: str, threshold: object) -> None:
+    if isinstance(threshold, bool) or not isinstance(threshold, int):
+        raise ValueError(f"{what} must be an int number of bytes, got {threshold!r}")
+    if threshold <= 0:
+        raise ValueError(
+            f"{what} must be > 0 bytes, got {threshold}; use e.g. 26214400 (25 MiB), "
+            "or 1 for one tensor per bucket"
+        )
 
 
 def _check_unique_names(specs: Sequence[TensorSpec]) -> None:

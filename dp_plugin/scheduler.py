@@ -104,7 +104,9 @@ class GradientScheduler:
     ``postscale*f/size`` after it (``f`` is ``gradient_predivide_factor``).
 
     Arguments: ``engine`` defaults to the one ``dp_plugin.init()`` started;
-    ``fusion_threshold`` (bytes) to ``engine.config.fusion_threshold``;
+    ``fusion_threshold`` (bytes) to ``engine.config.fusion_threshold``, with
+    the first bucket capped at ``engine.config.first_bucket_threshold`` (an
+    explicit ``fusion_threshold`` applies to every bucket);
     ``timeline`` to the Chrome trace named by ``engine.config.timeline``;
     ``compression`` is 'none', 'fp16', 'bf16' or a ``Compressor``; ``hook``
     replaces the default all-reduce hook (``dp_plugin.hooks``); ``name``
@@ -151,14 +153,18 @@ class GradientScheduler:
             postscale=postscale_factor,
         )
         self.op = policy.op
-        threshold = engine.config.fusion_threshold if fusion_threshold is None \
-            else fusion_threshold
+        # An explicit threshold is used for every bucket; the configured one
+        # comes with the configured (small) first bucket.
+        threshold, first = (engine.config.fusion_threshold,
+                            engine.config.first_bucket_threshold) \
+            if fusion_threshold is None else (fusion_threshold, None)
         self.rebuild_buckets = bool(engine.config.rebuild_buckets)
         self._timeline = (
             open_timeline(engine.config.timeline, engine.rank) if timeline is None else timeline
         )
         self.fused = FusedCollective(
-            self.specs, engine=engine, name=name, threshold=threshold, policy=policy,
+            self.specs, engine=engine, name=name, threshold=threshold, first_threshold=first,
+            policy=policy,
             compression=compression, hook=hook, control_numel=control_numel,
             settings={"backward_passes_per_step": passes,
                       "rebuild_buckets": self.rebuild_buckets, **(settings or {})},
@@ -281,6 +287,31 @@ class GradientScheduler:
         with self._lock:
             self._spec(index)
             return self.fused.view(int(index), like)
+
+    def adopt(self, index: int, tensor: Any) -> Any:
+        """``tensor`` (this step's gradient of spec ``index``) moved into its
+        slice of the fusion buffer; returns that view, shaped like the spec.
+
+        For an adapter that keeps the view as the gradient's storage (DDP's
+        ``gradient_as_bucket_view``): call it before ``mark_ready``; the bucket
+        is then reduced without its pack and unpack copies, and a gradient
+        that stays the view costs no copy at all in later steps. Returns
+        ``tensor`` itself when it already is the view, when its bucket reduces
+        it in place anyway (a one-member bucket), or when the tensor was
+        already marked ready this step (its bucket may be in flight).
+        """
+        with self._lock:
+            spec = self._spec(index)
+            index = int(index)
+            self._check_tensor(spec, tensor)
+            if self._state.passes[index] or not self.fused.packs(index):
+                return tensor
+            ops = self.fused.backend(tensor)
+            view = self.fused.view(index, tensor)
+            if ops.shares_memory(view, tensor):
+                return tensor
+            ops.pack(view.reshape(-1), tensor)
+            return view
 
     def control(self, like: Any = None) -> Any:
         """The control slot: ``control_numel`` elements reduced (unscaled) with

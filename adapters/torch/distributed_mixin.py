@@ -307,7 +307,16 @@ class _DistributedMixin:
         self._dp_note_finite(grad)
         dense = self._dp_dense(index, grad)
         if dense is not None:
-            st.reducer.scheduler.mark_ready(index, dense)
+            sched = st.reducer.scheduler
+            if dense is grad and _viewable(grad, st.engine):
+                # gradient_as_bucket_view: .grad becomes its slice of the fusion
+                # buffer (one copy now, if it was not already); the bucket then
+                # needs no pack or unpack copy, and a gradient zeroed in place
+                # (zero_grad(set_to_none=False)) stays the view: no copy at all.
+                dense = sched.adopt(index, grad)
+                if dense is not grad:
+                    param.grad = dense
+            sched.mark_ready(index, dense)
         st.marked[index] = True
 
     def _dp_note_finite(self, grad: torch.Tensor) -> None:
@@ -366,6 +375,17 @@ class _DistributedMixin:
             reducer.finite.decide([(st.names[p], g) for p, g in zip(st.params, results,
                                                                      strict=True)])
         return reducer.flags.decide()[0]
+
+
+def _viewable(grad: torch.Tensor, engine: Any) -> bool:
+    """May ``grad`` become a view of the fusion buffer? Not when the user
+    turned it off, nor for a gradient that is part of a graph
+    (``backward(create_graph=True)``: autograd replaces it out of place), nor
+    for one laid out unlike a flat slice (a channels-last parameter's):
+    docs/torch.md, "Gradients as views of the fusion buffer"."""
+    return bool(engine is not None and engine.config.gradient_as_bucket_view
+                and not grad.requires_grad and grad.layout == torch.strided
+                and grad.is_contiguous())
 
 
 def _make_hook(ref: weakref.ref[Any], index: int) -> Callable[[torch.Tensor], None]:

@@ -37,6 +37,9 @@ Horovod process set (``hvd.add_process_set``, collective over all Horovod
 ranks; collectives then pass ``process_set=``), which needs
 HOROVOD_DYNAMIC_PROCESS_SETS=1 at ``hvd.init()``: the engine sets it when it
 initializes Horovod itself. Only the job-wide engine can add process sets.
+It also sets HOROVOD_CYCLE_TIME (``DEFAULT_CYCLE_TIME_MS``) unless the user
+did: a longer background cycle suits the few large collectives dp_plugin
+starts per step.
 
 Average is SUM followed by a division in the buffer dtype (the base class),
 not ``hvd.Average``: every engine then rounds the same way, so results do
@@ -62,6 +65,9 @@ from dp_plugin.launch import Topology
 # Canonical dtype -> dtype the all-reduce runs in, where Horovod has no kernel.
 ALLREDUCE_WIRE_DTYPES = {"int8": "int32", "uint8": "int32", "int16": "int32",
                          "bfloat16": "float32"}
+
+DEFAULT_CYCLE_TIME_MS = "5"
+"""HOROVOD_CYCLE_TIME when the engine initializes Horovod and the user set none."""
 
 _HVD_OPS = {ReduceOp.SUM: "Sum", ReduceOp.MIN: "Min", ReduceOp.MAX: "Max",
             ReduceOp.PRODUCT: "Product"}
@@ -167,6 +173,10 @@ class HorovodEngine(Engine):
             # Process sets cannot be known before init, so enable them
             # unless the user said otherwise.
             os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+            # dp_plugin hands Horovod a few large, pre-fused collectives per
+            # step: Horovod's 1 ms background cycle only steals cores from
+            # backward (BENCHMARKS.md); a user's HOROVOD_CYCLE_TIME wins.
+            os.environ.setdefault("HOROVOD_CYCLE_TIME", DEFAULT_CYCLE_TIME_MS)
             bounded_on(self, hvd.init, "hvd.init() (Horovod's rendezvous of every rank)")
         if (hvd.rank(), hvd.size()) != (topology.rank, topology.size):
             raise EngineUnavailableError(

@@ -7,18 +7,22 @@ import dataclasses
 import pytest
 
 from dp_plugin.config import (
+    DEFAULT_FIRST_BUCKET_THRESHOLD,
     DEFAULT_FUSION_THRESHOLD,
     DEFAULT_TIMEOUT_S,
     ENGINE_NAMES,
     Config,
 )
+from dp_plugin.errors import ConfigError
 
 
 def test_defaults_from_an_empty_environment() -> None:
     config = Config.from_env({})
     assert config == Config()
     assert config.engine == "auto"
-    assert config.fusion_threshold == DEFAULT_FUSION_THRESHOLD == 64 * 1024 * 1024
+    assert config.fusion_threshold == DEFAULT_FUSION_THRESHOLD == 25 * 1024 * 1024
+    assert config.first_bucket_threshold == DEFAULT_FIRST_BUCKET_THRESHOLD == 1024 * 1024
+    assert config.gradient_as_bucket_view is True
     assert config.timeline is None
     assert config.timeout_s == DEFAULT_TIMEOUT_S > 0
     assert config.rebuild_buckets is True
@@ -38,7 +42,7 @@ def test_plugin_names() -> None:
         "DP_PLUGIN_REBUILD_BUCKETS": "0",
     })
     assert config == Config(engine="gloo", fusion_threshold=1 << 20, timeline="/tmp/t.json",
-                            timeout_s=12.5, rebuild_buckets=False)
+                            timeout_s=12.5, rebuild_buckets=False, first_bucket_threshold=None)
 
 
 @pytest.mark.parametrize("name", ENGINE_NAMES)
@@ -214,3 +218,22 @@ def test_direct_construction_refuses_what_from_env_refuses(kwargs: dict[str, obj
 def test_default_timeout_is_torch_gloo_default_thirty_minutes() -> None:
     # A rank-0-only evaluation or checkpoint must not kill the job (docs/configuration.md).
     assert Config().timeout_s == DEFAULT_TIMEOUT_S == 1800.0
+
+
+@pytest.mark.parametrize("variable", ["DP_PLUGIN_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"])
+def test_a_users_threshold_applies_to_every_bucket_including_the_first(variable: str) -> None:
+    # As DDP with bucket_cap_mb: the small first bucket is the default's only.
+    config = Config.from_env({variable: str(8 << 20)})
+    assert config.fusion_threshold == 8 << 20
+    assert config.first_bucket_threshold is None
+
+
+def test_gradient_as_bucket_view_can_be_turned_off() -> None:
+    assert Config.from_env({"DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW": "0"}).gradient_as_bucket_view \
+        is False
+    with pytest.raises(ConfigError, match=r"DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW.*'maybe'"):
+        Config.from_env({"DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW": "maybe"})
+    with pytest.raises(ConfigError, match="gradient_as_bucket_view must be True or False, got 1"):
+        Config(gradient_as_bucket_view=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"first_bucket_threshold.*got 0"):
+        Config(first_bucket_threshold=0)

@@ -173,3 +173,27 @@ def test_duplicate_names_are_rejected() -> None:
 def test_specs_must_be_tensor_specs() -> None:
     with pytest.raises(TypeError, match=r"specs\[0\] must be a TensorSpec"):
         plan_buckets([("w", (1,), "float32")], 100)  # type: ignore[list-item]
+
+
+def test_first_bucket_has_a_cap_of_its_own_per_kind() -> None:
+    # Reverse registration order: 5, 4, 3, 2, 1, 0 (4 float32 elements = 16 bytes each).
+    specs = [TensorSpec(f"w{i}", (4,), "float32") for i in range(6)]
+    plan = plan_buckets(specs, 48, first_threshold=16)
+    assert [b.members for b in plan] == [(5,), (4, 3, 2), (1, 0)]
+    # Per (dtype, device): each kind's first bucket is small.
+    mixed = specs + [TensorSpec(f"d{i}", (2,), "float64") for i in range(3)]
+    plan = plan_buckets(mixed, 48, first_threshold=16)
+    assert [b.members for b in plan] == [(8,), (7, 6), (5,), (4, 3, 2), (1, 0)]
+    # The smaller of the two caps applies; None means no separate cap.
+    assert plan_buckets(specs, 16, first_threshold=48) == plan_buckets(specs, 16)
+    assert plan_buckets(specs, 48, first_threshold=None) == plan_buckets(specs, 48)
+    # It follows the ready order it is given (the rebuilt plan keeps it).
+    plan = plan_buckets(specs, 48, order=[0, 1, 2, 3, 4, 5], first_threshold=16)
+    assert [b.members for b in plan] == [(0,), (1, 2, 3), (4, 5)]
+
+
+@pytest.mark.parametrize("first", [0, -1, 1.5, True])
+def test_first_threshold_must_be_a_positive_int(first: object) -> None:
+    specs = [TensorSpec("w", (4,), "float32")]
+    with pytest.raises(ValueError, match=f"first bucket threshold .*{first!r}"):
+        plan_buckets(specs, 48, first_threshold=first)  # type: ignore[arg-type]

@@ -479,6 +479,29 @@ def test_rebuild_disabled_or_single_rank() -> None:
     assert all(kind != "broadcast" for kind, _ in calls(engines[0]))
 
 
+def test_configured_first_bucket_is_small_and_survives_the_rebuild() -> None:
+    specs = [TensorSpec(f"w{i}", (4,), "float32") for i in range(6)]
+    config = Config(timeout_s=30.0, fusion_threshold=48, first_bucket_threshold=16)
+    orders = {0: [0, 1, 2, 3, 4, 5], 1: [5, 4, 3, 2, 1, 0]}
+    engines = make_thread_group(2, config=config)
+
+    def body(e: FakeEngine) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        sched = GradientScheduler(specs, engine=e)
+        before = [b.members for b in sched.plan]
+        for i in orders[e.rank]:
+            sched.mark_ready(i, values(e.rank, 0, i, specs[i]))
+        sched.synchronize()
+        return before, [b.members for b in sched.plan]
+
+    for before, after in run_ranks(engines, body):
+        assert before == [(5,), (4, 3, 2), (1, 0)]  # reverse registration order
+        assert after == [(0,), (1, 2, 3), (4, 5)]  # rank 0's observed order
+    # An explicit threshold applies to every bucket, the first included.
+    sched = GradientScheduler(specs, engine=make_thread_group(1, config=config)[0],
+                              fusion_threshold=48)
+    assert [b.members for b in sched.plan] == [(5, 4, 3), (2, 1, 0)]
+
+
 # -- statistics and timeline -------------------------------------------------
 
 def test_stats_and_timeline(tmp_path: Any) -> None:
