@@ -64,7 +64,7 @@ class Launcher(ABC):
     """The advice appended to every error about its variables."""
     reads: ClassVar[tuple[str, ...]] = ()
     """Every variable ``detect`` or ``topology`` may look up (markers included).
-    ``LAUNCHER_VARIABLE_NAMES`` is built from these; a unit test checks that
+    ``launch_variables.LAUNCHER_VARIABLE_NAMES`` is built from these; a unit test checks that
     nothing else is looked up."""
     read_prefixes: ClassVar[tuple[str, ...]] = ()
     """Prefixes of variables whose mere presence ``detect`` looks for."""
@@ -354,51 +354,6 @@ LAUNCHERS: tuple[type[Launcher], ...] = (
 )
 """Every launcher, in detection priority order (see the module docstring)."""
 
-# -- the one list of launcher variables ---------------------------------------
-# Test harnesses and benchmarks strip these from a child's environment (the
-# shell that starts them may itself run under a launcher), and check that a
-# test leaked none of them. Beyond what the classes above read, the launchers
-# set variables that make torch, Horovod or an MPI library believe they run
-# inside a job; those are listed here.
-
-_SET_BUT_NOT_READ: frozenset[str] = frozenset({
-    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE",  # torchrun
-    "HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS",  # horovodrun
-})
-_SET_PREFIXES: tuple[str, ...] = (
-    "TORCHELASTIC_",  # torchrun
-    "HOROVOD_GLOO_",  # horovodrun (rendezvous, interface, timeout)
-    "OMPI_", "PMIX_",  # Open MPI
-    "PMI_", "HYDRA_",  # MPICH / Hydra, Intel MPI, srun --mpi=pmi2
-    "SLURM_",  # SLURM
-)
-
-LAUNCHER_VARIABLE_NAMES: frozenset[str] = frozenset(
-    name for cls in LAUNCHERS for name in cls.reads
-) | _SET_BUT_NOT_READ
-"""Variables that say "a launcher started this process": everything a
-``Launcher`` reads, and what the launchers set beyond that."""
-
-LAUNCHER_VARIABLE_PREFIXES: tuple[str, ...] = tuple(dict.fromkeys(
-    (*(p for cls in LAUNCHERS for p in cls.read_prefixes), *_SET_PREFIXES)
-))
-"""Prefixes of launcher variables (``OMPI_``, ``SLURM_``, ``I_MPI_``, ...)."""
-
-
-def is_launcher_variable(name: str) -> bool:
-    """True if a launcher sets ``name`` or launch detection reads it.
-
-    Tuning variables (``DP_PLUGIN_*``, ``HOROVOD_FUSION_THRESHOLD``, ...) are not.
-    """
-    return name in LAUNCHER_VARIABLE_NAMES or name.startswith(LAUNCHER_VARIABLE_PREFIXES)
-
-
-def launcher_variables(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The launcher variables present in ``env`` (default ``os.environ``)."""
-    env = os.environ if env is None else env
-    return {k: v for k, v in env.items() if is_launcher_variable(k)}
-
-
 def detected_launcher(env: Mapping[str, str] | None = None) -> type[Launcher]:
     """The first launcher in ``LAUNCHERS`` whose markers are in ``env``."""
     env = os.environ if env is None else env
@@ -432,5 +387,3 @@ def parse_tasks_per_node(raw: str, name: str = "SLURM_STEP_TASKS_PER_NODE") -> l
         counts.extend([int(m.group(1))] * int(m.group(2) or 1))
     return counts
 
-
-# -- reading and checking ----------------------------------------------------

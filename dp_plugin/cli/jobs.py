@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dp_plugin.launch import is_launcher_variable
+from dp_plugin.launch_variables import is_launcher_variable
 
 BINDIR = Path(sys.executable).parent
 """The environment's bin: mpiexec and horovodrun next to the interpreter."""

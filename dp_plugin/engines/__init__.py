@@ -26,8 +26,8 @@ log = logging.getLogger("dp_plugin")
 
 _REGISTRY: dict[str, str] = {
     "horovod": "dp_plugin.engines.horovod:HorovodEngine",
-    "gloo": "dp_plugin.engines.torch_dist:GlooEngine",
-    "nccl": "dp_plugin.engines.torch_dist:NcclEngine",
+    "gloo": "dp_plugin.engines.gloo_nccl:GlooEngine",
+    "nccl": "dp_plugin.engines.gloo_nccl:NcclEngine",
     "mpi": "dp_plugin.engines.mpi:MPIEngine",
     "local": "dp_plugin.engines.local:LocalEngine",
 }

@@ -41,7 +41,7 @@ from typing import IO
 
 import psutil
 
-from dp_plugin.launch import (
+from dp_plugin.launch_variables import (
     LAUNCHER_VARIABLE_NAMES,
     LAUNCHER_VARIABLE_PREFIXES,
     is_launcher_variable,
@@ -53,8 +53,8 @@ LAUNCHERS = ("env", "torchrun", "mpirun", "horovodrun")
 BIN_DIR = Path(sys.executable).parent
 """The venv's bin: torchrun, mpiexec and horovodrun are taken from here."""
 
-# Variables that say "a launcher started this process" (dp_plugin.launch owns
-# the one list). If any leaks in from the shell that runs pytest, a worker
+# Variables that say "a launcher started this process" (dp_plugin.launch_variables
+# owns the one list). If any leaks in from the shell that runs pytest, a worker
 # would believe it is someone else.
 __all__ = [
     "LAUNCHERS", "LAUNCHER_VARIABLE_NAMES", "LAUNCHER_VARIABLE_PREFIXES", "RunResult",

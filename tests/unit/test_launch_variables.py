@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 
 from dp_plugin import launch
-from dp_plugin.launch import (
+from dp_plugin.launch import LAUNCHERS, detect
+from dp_plugin.launch_variables import (
     LAUNCHER_VARIABLE_NAMES,
     LAUNCHER_VARIABLE_PREFIXES,
-    LAUNCHERS,
-    detect,
     is_launcher_variable,
     launcher_variables,
 )
@@ -147,7 +146,7 @@ def test_harness_and_benchmarks_use_the_one_list() -> None:
     # benchmarks/_launch.py only re-exports it.
     root = Path(__file__).resolve().parents[2]
     source = (root / "dp_plugin" / "cli" / "jobs.py").read_text()
-    assert "from dp_plugin.launch import is_launcher_variable" in source
+    assert "from dp_plugin.launch_variables import is_launcher_variable" in source
     assert "HOROVOD_RANK" not in source  # no list of its own
     shim = (root / "benchmarks" / "_launch.py").read_text()
     assert "from dp_plugin.cli.jobs import" in shim and "HOROVOD_RANK" not in shim
