@@ -33,7 +33,9 @@ class GlooEngine(TorchDistEngine):
 
 class NcclEngine(TorchDistEngine):
     """torch.distributed with NCCL: CUDA buffers, one GPU per rank
-    (``cuda:local_rank``). Average uses NCCL's native AVG."""
+    (``cuda:local_rank``). Average uses NCCL's native AVG. CPU buffers
+    (``hvd.allreduce(torch.tensor(x))``, ``barrier``, Keras' numpy buffers)
+    are copied to the GPU, reduced there and copied back (``_staged``)."""
 
     name = "nccl"
     backend = "nccl"
@@ -60,8 +62,8 @@ class NcclEngine(TorchDistEngine):
         return self._torch.device("cuda", self.topology.local_rank)
 
     def _check_device(self, t: Any, what: str) -> None:
-        if t.device.type != "cuda":
+        if t.device.type not in ("cuda", "cpu"):
             raise TypeError(
-                f"{what}: the nccl engine needs CUDA buffers, got one on {t.device}; move it "
-                "to the GPU or use the gloo engine (DP_PLUGIN_ENGINE=gloo) for CPU buffers"
+                f"{what}: the nccl engine takes CUDA buffers (CPU ones are staged through "
+                f"this rank's GPU), got one on {t.device}; move it to the GPU or to the CPU"
             )

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 from abc import abstractmethod
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -262,7 +263,7 @@ class TorchDistEngine(Engine):
 
     # -- collectives ---------------------------------------------------------------
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
-        t = self._tensor(buf, f"allreduce {name!r}")
+        t, back = self._staged(self._tensor(buf, f"allreduce {name!r}"))
         desc = self.describe("allreduce", name, t.numel() * t.element_size())
         if t.numel() == 0:  # every rank has the same size: all skip alike
             return DoneHandle(desc, self.rank, self.config.timeout_s)
@@ -270,13 +271,13 @@ class TorchDistEngine(Engine):
         wide = self._WIDENED.get(str(t.dtype).removeprefix("torch."))
         if wide is None:
             work = self._dist.all_reduce(t, reduce_op, group=self._group, async_op=True)
-            return self._handle(work, desc)
+            return self._handle(work, desc).then(back)
         staged = t.to(getattr(self._torch, wide))
         work = self._dist.all_reduce(staged, reduce_op, group=self._group, async_op=True)
-        return self._handle(work, desc).then(lambda: t.copy_(staged))
+        return self._handle(work, desc).then(lambda: (t.copy_(staged), back()))
 
     def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle:
-        t = self._tensor(buf, f"broadcast {name!r}")
+        t, back = self._staged(self._tensor(buf, f"broadcast {name!r}"))
         desc = self.describe("broadcast", name, t.numel() * t.element_size())
         if t.numel() == 0:
             return DoneHandle(desc, self.rank, self.config.timeout_s)
@@ -285,7 +286,7 @@ class TorchDistEngine(Engine):
         else:  # root is a rank of this group, not of the job
             work = self._dist.broadcast(self._wire(t), group=self._group, group_src=root,
                                         async_op=True)
-        return self._handle(work, desc)
+        return self._handle(work, desc).then(back)
 
     def _allgather(self, buf: Any, rows: list[int], name: str) -> Any:
         handle, result = self._allgather_start(buf, rows, name)
@@ -293,7 +294,8 @@ class TorchDistEngine(Engine):
         return result()
 
     def _allgather_start(self, buf: Any, rows: list[int], name: str) -> Started:
-        t = self._tensor(buf, f"allgather {name!r}", flat=False)
+        given = self._tensor(buf, f"allgather {name!r}", flat=False)
+        t, _ = self._staged(given)
         torch = self._torch
         trailing = tuple(t.shape[1:])
         longest = max(rows)
@@ -314,7 +316,7 @@ class TorchDistEngine(Engine):
         )
 
         def result() -> Any:
-            out = torch.cat([p[:n] for p, n in zip(parts, rows, strict=True)])
+            out = torch.cat([p[:n] for p, n in zip(parts, rows, strict=True)]).to(given.device)
             return out if is_torch(buf) else as_numpy(out)
 
         return handle, result
@@ -337,7 +339,8 @@ class TorchDistEngine(Engine):
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
         """``all_to_all_single`` of each row as raw bytes: exact for every
         dtype, and no backend dtype support needed."""
-        t = self._tensor(buf, f"alltoall {name!r}", flat=False)
+        given = self._tensor(buf, f"alltoall {name!r}", flat=False)
+        t, _ = self._staged(given)
         torch = self._torch
         trailing = tuple(t.shape[1:])
         row_elems = int(np.prod(trailing, dtype=np.int64))
@@ -353,6 +356,7 @@ class TorchDistEngine(Engine):
                 group=self._group, async_op=True,
             )
             self._handle(work, self.describe("alltoall", name, send.numel())).wait()
+        out = out.to(given.device)
         return out if is_torch(buf) else as_numpy(out)
 
     # -- helpers -------------------------------------------------------------------
@@ -384,11 +388,24 @@ class TorchDistEngine(Engine):
     def _check_device(self, t: Any, what: str) -> None:
         """Raise if the backend cannot take tensors on ``t``'s device."""
 
+    def _staged(self, t: Any) -> tuple[Any, Callable[[], Any]]:
+        """``t`` where the backend takes buffers, and what copies a result
+        back into ``t``: itself and nothing for gloo (which stages CUDA
+        tensors itself); a device copy for a CPU tensor under nccl."""
+        if t.device == self._device or self._device.type == "cpu":
+            return t, _nothing
+        staged = t.to(self._device)
+        return staged, lambda: t.copy_(staged)
+
     def _wire(self, t: Any) -> Any:
         """``t`` as the backend can move it: int16 travels as bytes (a view)."""
         if t.dtype == self._torch.int16:
             return t.view(self._torch.uint8)
         return t
+
+
+def _nothing() -> None:
+    return None
 
 
 def _torch_version() -> str:

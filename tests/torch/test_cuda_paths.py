@@ -87,6 +87,29 @@ def test_allreduce_cuda_tensor(nccl_one_rank: Any) -> None:
     torch.testing.assert_close(leaf.grad, 2 * x)
 
 
+def test_nccl_stages_cpu_buffers(nccl_one_rank: Any) -> None:
+    """Issue 9 item 3: CPU tensors and numpy buffers under nccl are copied to the
+    GPU, moved there and copied back (Horovod's ``metric_average`` pattern)."""
+    import numpy as np
+
+    from dp_plugin import runtime
+
+    hvd = nccl_one_rank
+    eng = runtime.engine()
+    x = torch.arange(4.0)
+    eng.allreduce_async(x, "sum", name="cpu.sum").wait()
+    assert x.device.type == "cpu" and torch.equal(x, torch.arange(4.0))
+    a = np.arange(3, dtype=np.float32)
+    eng.allreduce_async(a, "sum", name="numpy.sum").wait()
+    assert np.array_equal(a, np.arange(3, dtype=np.float32))
+    rows = eng.allgather(torch.ones(2, 3), name="cpu.gather")
+    assert rows.device.type == "cpu" and rows.shape == (2, 3)
+    eng.broadcast(x, 0, name="cpu.bcast")
+    hvd.barrier()
+    out = hvd.allreduce(torch.tensor([2.0]), op=hvd.Sum)
+    assert out.device.type == "cpu" and out.item() == 2.0
+
+
 def test_scheduler_reduces_cuda_buffers(nccl_one_rank: Any) -> None:
     from dp_plugin import runtime
     from dp_plugin.fusion import TensorSpec
