@@ -40,6 +40,9 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MIN_SECRET = 16
 """Shortest accepted DP_PLUGIN_JOB_SECRET (characters)."""
 
+DEFAULT_TIMELINE_MAX_BYTES = 1 << 30
+"""1 GiB of events per rank's trace file: hours of steps, and still loadable in Perfetto."""
+
 MAX_THRESHOLD = 1 << 40
 """1 TiB: no fusion buffer is bigger; a larger value is a typo."""
 
@@ -64,6 +67,9 @@ class Config:
 
     timeline: str | None = None
     """Chrome-trace output path; ``{rank}`` is replaced, else ``.rankN`` is inserted."""
+
+    timeline_max_bytes: int = DEFAULT_TIMELINE_MAX_BYTES
+    """Largest size of a rank's trace file in bytes (0: no limit); later events are dropped."""
 
     timeout_s: float = DEFAULT_TIMEOUT_S
     """Seconds a collective may take before it raises instead of hanging."""
@@ -100,6 +106,9 @@ class Config:
                 not isinstance(self.timeline, str) or not self.timeline or "\x00" in self.timeline):
             raise error(f"timeline must be None or a non-empty file path without NUL "
                         f"characters, got {self.timeline!r}; set DP_PLUGIN_TIMELINE to a path")
+        check_int("timeline_max_bytes", self.timeline_max_bytes, minimum=0,
+                  fix=f"set DP_PLUGIN_TIMELINE_MAX_BYTES to a number of bytes (default "
+                      f"{DEFAULT_TIMELINE_MAX_BYTES}, i.e. 1 GiB), or 0 for no limit", error=error)
         # Finite: an infinite timeout is a hang, and timedelta(seconds=inf) overflows.
         check_positive_float("timeout_s", self.timeout_s, unit="seconds", maximum=MAX_TIMEOUT_S,
                              fix=f"the default is {DEFAULT_TIMEOUT_S:g}", error=error)
@@ -155,6 +164,13 @@ class Config:
                                       "a file path (or empty for no timeline)")
                 kwargs["timeline"] = env[name]
                 break
+
+        if "DP_PLUGIN_TIMELINE_MAX_BYTES" in env:
+            kwargs["timeline_max_bytes"] = env_int(
+                env, "DP_PLUGIN_TIMELINE_MAX_BYTES", minimum=0, unit="bytes",
+                fix=f"default {DEFAULT_TIMELINE_MAX_BYTES} (1 GiB); 0 means no limit",
+                error=ConfigError,
+            )
 
         if "DP_PLUGIN_TIMEOUT" in env:
             kwargs["timeout_s"] = env_positive_float(

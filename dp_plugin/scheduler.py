@@ -160,7 +160,8 @@ class GradientScheduler:
             if fusion_threshold is None else (fusion_threshold, None)
         self.rebuild_buckets = bool(engine.config.rebuild_buckets)
         self._timeline = (
-            open_timeline(engine.config.timeline, engine.rank) if timeline is None else timeline
+            open_timeline(engine.config.timeline, engine.rank,
+                          engine.config.timeline_max_bytes) if timeline is None else timeline
         )
         self.fused = FusedCollective(
             self.specs, engine=engine, name=name, threshold=threshold, first_threshold=first,

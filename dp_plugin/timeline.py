@@ -9,8 +9,11 @@ a run that crashed still opens in Perfetto (ui.perfetto.dev) and
 chrome://tracing. Load several ranks' files together to compare them: the
 process id of every event is the rank.
 
-Events are streamed through a buffered file and flushed at the end of each
-step (``flush()``), so a long run costs no memory and no rewrites.
+Events are streamed through a buffer of whole lines, flushed at the end of
+each step (``flush()``), so a long run costs no memory and no rewrites, and a
+crash leaves only whole events. Every handle on one file in a process shares
+one writer; the file's size is bounded (``DP_PLUGIN_TIMELINE_MAX_BYTES``);
+a symbolic link at the path is refused. See ``dp_plugin.trace_writer``.
 
 Recording is local to a rank: nothing here communicates, and ranks may
 record different events.
@@ -18,22 +21,19 @@ record different events.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import threading
-import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
-from typing import IO, Any
+from typing import Any
 
+from dp_plugin import trace_writer
+from dp_plugin.config import DEFAULT_TIMELINE_MAX_BYTES
 from dp_plugin.validate import check_choice, check_int
 
 Lane = str | int
 """A track in the trace: a name ('step', 'pack', 'allreduce', 'unpack') or a raw tid."""
-
-_FILE_BUFFER = 1 << 20  # bytes; flush() at each step boundary empties it
 
 
 def rank_path(path: str, rank: int) -> str:
@@ -45,18 +45,24 @@ def rank_path(path: str, rank: int) -> str:
 
 
 class Timeline:
-    """Writes one rank's Chrome trace.
+    """A handle on one rank's Chrome trace (``dp_plugin.trace_writer``).
 
-    Times are ``time.perf_counter()`` seconds; they are stored as
-    microseconds since this timeline was created. Thread-safe: engine
-    completion callbacks may record from other threads. After ``close()``
-    recording does nothing, so a late callback cannot break a shutdown.
+    Handles on the same file in one process share its single writer, so
+    several schedulers may record into one file; the file is closed when
+    the last handle is. ``max_bytes`` bounds the events written (0: no
+    limit; the first handle's value holds). Times are
+    ``time.perf_counter()`` seconds, stored as microseconds since the file
+    was opened. Thread-safe: engine completion callbacks may record from
+    other threads. After ``close()`` this handle records nothing, so a late
+    callback cannot break a shutdown.
     """
 
     enabled = True
 
-    def __init__(self, path: str, rank: int) -> None:
+    def __init__(self, path: str, rank: int, max_bytes: int = DEFAULT_TIMELINE_MAX_BYTES) -> None:
         check_int("timeline rank", rank, minimum=0)
+        check_int("timeline max_bytes", max_bytes, minimum=0,
+                  fix="set DP_PLUGIN_TIMELINE_MAX_BYTES to a number of bytes, 0 for no limit")
         if not path:
             raise ValueError(
                 "timeline path is empty; set DP_PLUGIN_TIMELINE to a file path such as "
@@ -64,28 +70,13 @@ class Timeline:
             )
         self.rank = rank
         self.path = rank_path(path, rank)
-        self._origin = time.perf_counter()
-        self._lock = threading.Lock()
-        self._lanes: dict[str, int] = {}
-        self._used_tids: set[int] = set()
-        self._first = True
+        self._writer = trace_writer.acquire(self.path, rank, max_bytes)
         self._closed = False
-        try:
-            parent = os.path.dirname(self.path)
-            if parent:
-                os.makedirs(parent, exist_ok=True)
-            self._file: IO[str] = open(  # noqa: SIM115 - held open until close()
-                self.path, "w", encoding="utf-8", buffering=_FILE_BUFFER
-            )
-        except OSError as exc:
-            raise OSError(
-                f"cannot write the timeline file {self.path!r} ({exc.strerror or exc}); set "
-                "DP_PLUGIN_TIMELINE (or HOROVOD_TIMELINE) to a writable path, or unset it"
-            ) from exc
-        self._file.write("[\n")
-        self._metadata("process_name", 0, {"name": f"rank {rank}"})
-        self._metadata("process_sort_index", 0, {"sort_index": rank})
-        self._file.flush()
+
+    @property
+    def dropped(self) -> int:
+        """Events of this file not written because it reached its size limit."""
+        return self._writer.dropped
 
     # -- recording -------------------------------------------------------
 
@@ -100,7 +91,7 @@ class Timeline:
                 "pass perf_counter() readings taken in order"
             )
         event: dict[str, Any] = {
-            "name": name, "cat": cat, "ph": "X", "ts": self._us(start),
+            "name": name, "cat": cat, "ph": "X", "ts": start,
             "dur": round((end - start) * 1e6, 3), "pid": self.rank,
         }
         self._emit(event, tid, args)
@@ -111,35 +102,31 @@ class Timeline:
     ) -> None:
         """A point in time (ph 'i', thread scope) at ``t`` (perf_counter seconds)."""
         event: dict[str, Any] = {
-            "name": name, "cat": cat, "ph": "i", "s": "t", "ts": self._us(t), "pid": self.rank,
+            "name": name, "cat": cat, "ph": "i", "s": "t", "ts": t, "pid": self.rank,
         }
         self._emit(event, tid, args)
 
     def counter(self, name: str, values: Mapping[str, float], t: float) -> None:
         """A counter sample (ph 'C'): one series per key of ``values``, at ``t``."""
         event: dict[str, Any] = {
-            "name": name, "ph": "C", "ts": self._us(t), "pid": self.rank, "tid": 0,
-            "args": dict(values),
+            "name": name, "ph": "C", "ts": t, "pid": self.rank, "tid": 0, "args": dict(values),
         }
-        with self._lock:
-            self._write(event)
+        self._emit(event, None, None)
 
     def flush(self) -> None:
         """Push buffered events to the file (the scheduler calls it after each step)."""
-        with self._lock:
+        writer = self._writer
+        with writer.lock:
             if not self._closed:
-                self._file.flush()
+                writer.flush()
 
     def close(self) -> None:
-        """Write the closing ``]`` and close the file. Safe to call again."""
-        with self._lock:
+        """Release this handle; the last one writes the closing ``]``. Safe to call again."""
+        with self._writer.lock:
             if self._closed:
                 return
             self._closed = True
-            try:
-                self._file.write("\n]\n")
-            finally:
-                self._file.close()
+        trace_writer.release(self._writer)
 
     def __enter__(self) -> Timeline:
         return self
@@ -149,47 +136,18 @@ class Timeline:
 
     # -- internals -------------------------------------------------------
 
-    def _us(self, t: float) -> float:
-        return round((t - self._origin) * 1e6, 3)
-
-    def _emit(self, event: dict[str, Any], tid: Lane, args: Mapping[str, Any] | None) -> None:
+    def _emit(self, event: dict[str, Any], tid: Lane | None,
+              args: Mapping[str, Any] | None) -> None:
         if args:
             event["args"] = dict(args)
-        with self._lock:
+        writer = self._writer
+        with writer.lock:
             if self._closed:
                 return
-            event["tid"] = self._tid(tid)
-            self._write(event)
-
-    def _tid(self, lane: Lane) -> int:
-        """Named lanes get small ids in first-use order, and a name in the viewer."""
-        if isinstance(lane, int) and not isinstance(lane, bool):
-            self._used_tids.add(lane)
-            return lane
-        name = str(lane)
-        tid = self._lanes.get(name)
-        if tid is None:
-            tid = len(self._lanes) + 1
-            while tid in self._used_tids:
-                tid += 1
-            self._lanes[name] = tid
-            self._used_tids.add(tid)
-            self._metadata("thread_name", tid, {"name": name})
-            self._metadata("thread_sort_index", tid, {"sort_index": tid})
-        return tid
-
-    def _metadata(self, kind: str, tid: int, args: dict[str, Any]) -> None:
-        self._write({"name": kind, "ph": "M", "pid": self.rank, "tid": tid, "args": args})
-
-    def _write(self, event: dict[str, Any]) -> None:
-        # The separator goes before each event, never after the last one, so
-        # a file cut short is valid JSON once ']' is appended.
-        if self._closed:
-            return
-        if not self._first:
-            self._file.write(",\n")
-        self._first = False
-        self._file.write(json.dumps(event, separators=(",", ":")))
+            event["ts"] = writer.us(event["ts"])
+            if tid is not None:
+                event["tid"] = writer.tid(tid)
+            writer.write(event)
 
 
 class NullTimeline:
@@ -226,9 +184,11 @@ class NullTimeline:
         pass
 
 
-def open_timeline(path: str | None, rank: int) -> Timeline | NullTimeline:
+def open_timeline(
+    path: str | None, rank: int, max_bytes: int = DEFAULT_TIMELINE_MAX_BYTES,
+) -> Timeline | NullTimeline:
     """A ``Timeline`` writing ``path`` for ``rank``, or a ``NullTimeline`` if no path."""
-    return Timeline(path, rank) if path else NullTimeline()
+    return Timeline(path, rank, max_bytes) if path else NullTimeline()
 
 
 # -- per-step stats ----------------------------------------------------------

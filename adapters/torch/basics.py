@@ -269,7 +269,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     eng = engine("hvd.start_timeline()")
     if not isinstance(file_path, str) or not file_path:
         raise ValueError(f"start_timeline: file_path must be a non-empty string, got {file_path!r}")
-    _timeline.start(file_path, eng.rank, mark_cycles)
+    _timeline.start(file_path, eng.rank, mark_cycles, eng.config.timeline_max_bytes)
 
 
 def stop_timeline() -> None:
@@ -299,10 +299,12 @@ class _TimelineSlot:
         with self._lock:
             if not path or path.upper() == "DYNAMIC" or self.current.enabled:
                 return
-        self.start(path, eng.rank, False)
+        self.start(path, eng.rank, False, eng.config.timeline_max_bytes)
 
-    def start(self, path: str, rank: int, mark_cycles: bool) -> None:
-        new = open_timeline(path, rank)
+    def start(self, path: str, rank: int, mark_cycles: bool, max_bytes: int) -> None:
+        # One writer per file per process (dp_plugin.trace_writer): a file
+        # already open (e.g. by a core scheduler) is shared, not truncated.
+        new = open_timeline(path, rank, max_bytes)
         with self._lock:
             old, self.current = self.current, new
             self.mark_cycles = bool(mark_cycles)

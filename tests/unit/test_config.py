@@ -206,6 +206,7 @@ def test_bad_values_raise_config_error_naming_the_variable(env: dict[str, str],
     ({"timeline": 3}, "timeline"),
     ({"timeout_s": 10 ** 400}, "timeout_s"),  # was an OverflowError from float()
     ({"fusion_threshold": 1 << 50}, "fusion_threshold"),
+    ({"timeline_max_bytes": -1}, "DP_PLUGIN_TIMELINE_MAX_BYTES"),
 ])
 def test_direct_construction_refuses_what_from_env_refuses(kwargs: dict[str, object],
                                                            word: str) -> None:
@@ -213,6 +214,19 @@ def test_direct_construction_refuses_what_from_env_refuses(kwargs: dict[str, obj
 
     with pytest.raises(ConfigError, match=word):
         Config(**kwargs)  # type: ignore[arg-type]
+
+
+def test_timeline_max_bytes_from_env() -> None:
+    from dp_plugin.config import DEFAULT_TIMELINE_MAX_BYTES
+    from dp_plugin.errors import ConfigError
+
+    assert Config().timeline_max_bytes == DEFAULT_TIMELINE_MAX_BYTES == 1 << 30
+    env = {"DP_PLUGIN_TIMELINE_MAX_BYTES": "4096"}
+    assert Config.from_env(env).timeline_max_bytes == 4096
+    assert Config.from_env({"DP_PLUGIN_TIMELINE_MAX_BYTES": "0"}).timeline_max_bytes == 0
+    for bad in ("-1", "1MB", ""):
+        with pytest.raises(ConfigError, match=f"DP_PLUGIN_TIMELINE_MAX_BYTES={bad!r}"):
+            Config.from_env({"DP_PLUGIN_TIMELINE_MAX_BYTES": bad})
 
 
 def test_default_timeout_is_torch_gloo_default_thirty_minutes() -> None:

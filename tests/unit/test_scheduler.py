@@ -536,6 +536,34 @@ def test_stats_and_timeline(tmp_path: Any) -> None:
             assert cats.count(cat) == 2 * len(nonempty)
 
 
+def test_two_schedulers_share_one_trace_file(tmp_path: Any) -> None:
+    """Two schedulers (two optimizers) on one DP_PLUGIN_TIMELINE: one writer per
+    file, so the file is strict JSON holding both schedulers' steps."""
+    specs = make_specs(["float32"])
+    path = tmp_path / "trace.json"
+    engines = make_thread_group(2, config=Config(timeout_s=30.0, timeline=str(path)))
+
+    def body(e: FakeEngine) -> None:
+        first = GradientScheduler(specs, engine=e, fusion_threshold=24, name="a")
+        second = GradientScheduler(specs, engine=e, fusion_threshold=24, name="b")
+        for step in range(2):
+            for sched in (first, second):
+                for i in range(len(specs)):
+                    sched.mark_ready(i, values(e.rank, step, i, specs[i]))
+                sched.synchronize()
+        first.close()
+        second.close()
+
+    run_ranks(engines, body)
+    for rank in range(2):
+        events = json.loads((tmp_path / f"trace.rank{rank}.json").read_text())
+        steps = [ev for ev in events if ev.get("ph") == "X" and ev.get("cat") == "step"]
+        assert len(steps) == 4
+        assert [ev for ev in events if ev.get("name") == "process_name"] == [
+            {"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
+             "args": {"name": f"rank {rank}"}}]
+
+
 # -- errors ----------------------------------------------------------------
 
 def test_layout_mismatch_raises_on_every_rank() -> None:

@@ -236,3 +236,96 @@ def test_stats_history() -> None:
         history.mean("latency")
     with pytest.raises(ValueError, match="maxlen"):
         StatsHistory(maxlen=0)
+
+
+# -- one writer per file, bounded size, crash safety, no symlinks ------------------
+
+def test_handles_on_one_file_share_one_writer(tmp_path: Path) -> None:
+    """Two timelines on one path (two schedulers, or a scheduler and the torch
+    adapter's timeline) used to truncate and overwrite each other's bytes."""
+    first = open_timeline(str(tmp_path / "t.json"), 0)
+    second = Timeline(str(tmp_path / "t.json"), 0)
+    t = time.perf_counter()
+    for i in range(50):
+        first.span(f"a{i}", "c", t, t + 1e-3, tid="step")
+        second.span(f"b{i}", "c", t, t + 1e-3, tid="allreduce")
+        first.flush()
+    first.close()
+    first.close()  # again: must not release the other handle's reference
+    second.instant("after", "c", t)
+    second.close()
+    events = json.loads((tmp_path / "t.rank0.json").read_text(encoding="utf-8"))  # strict
+    names = [e["name"] for e in events if e["ph"] in ("X", "i")]
+    assert names[:-1] == [n for i in range(50) for n in (f"a{i}", f"b{i}")]
+    assert names[-1] == "after"
+    assert len(by_phase(events, "M")) == 2 + 3 * 2  # process name/sort; step, allreduce, main
+    with pytest.raises(ValueError, match="already written by this process for rank 11"), \
+            open_timeline(str(tmp_path / "x{rank}.json"), 11):  # x11.json
+        Timeline(str(tmp_path / "x1{rank}.json"), 1)  # x11.json too
+
+
+def test_size_is_bounded_with_one_note(tmp_path: Path) -> None:
+    path = tmp_path / "t.rank0.json"
+    t = time.perf_counter()
+    with Timeline(str(tmp_path / "t.json"), 0, max_bytes=4000) as tl:
+        with pytest.warns(RuntimeWarning, match="DP_PLUGIN_TIMELINE_MAX_BYTES=4000") as caught:
+            for i in range(500):
+                tl.span(f"s{i}", "c", t, t + 1e-3, args={"i": i})
+        assert len(caught) == 1  # once, not per dropped event
+        assert tl.dropped > 400
+    events = json.loads(path.read_text(encoding="utf-8"))
+    notes = [e for e in events if e["name"] == "timeline truncated"]
+    assert len(notes) == 1 and "dropped" in notes[0]["args"]["message"]
+    assert events[-1] is notes[0] or events[-1] == notes[0]
+    assert path.stat().st_size <= 4000 + 500  # the note's own line
+    with pytest.raises(ValueError, match="max_bytes must be an int >= 0, got -1"):
+        Timeline(str(tmp_path / "u.json"), 0, max_bytes=-1)
+
+
+_CRASHING_WRITER = """
+import os, sys, time
+from dp_plugin.timeline import Timeline
+optimizer, batchnorm = Timeline(sys.argv[1], 0), Timeline(sys.argv[1], 0)
+t = time.perf_counter()
+for i in range(int(sys.argv[2])):
+    rec = optimizer if i % 2 else batchnorm
+    rec.span(f"step{i}", "cat", t, t + 1e-3, args={"pad": "x" * 97})
+    if i % 1000 == 999:
+        optimizer.flush()
+os._exit(3)  # a crash: no close(), no atexit, no buffer flush
+"""
+
+
+def test_trace_is_valid_after_a_crash(tmp_path: Path) -> None:
+    """Two recorders on one file (an optimizer and SyncBatchNorm), killed
+    mid-run (no close, events recorded since the last flush): the file holds
+    only whole events, in order, and parses with Chrome's rule for an
+    unterminated array (strip a trailing comma, add ']'). Two writers used to
+    overwrite each other's bytes."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _CRASHING_WRITER, str(tmp_path / "t.json"), "20500"],
+        timeout=120, capture_output=True, text=True,
+    )
+    assert proc.returncode == 3, proc.stderr
+    text = (tmp_path / "t.rank0.json").read_text(encoding="utf-8")
+    assert not text.rstrip().endswith("]")  # really unterminated
+    spans = [e["name"] for e in read_trace(tmp_path / "t.rank0.json") if e["ph"] == "X"]
+    assert spans == [f"step{i}" for i in range(len(spans))]  # a prefix, nothing torn
+    assert len(spans) >= 20000
+
+
+def test_a_symlink_at_the_path_is_refused(tmp_path: Path) -> None:
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me", encoding="utf-8")
+    (tmp_path / "t.rank0.json").symlink_to(victim)
+    with pytest.raises(OSError, match=r"refusing to write the timeline file .*t\.rank0\.json.*"
+                                      r"symbolic link"):
+        Timeline(str(tmp_path / "t.json"), 0)
+    assert victim.read_text(encoding="utf-8") == "keep me"
+    (tmp_path / "dangling.rank0.json").symlink_to(tmp_path / "nowhere.json")
+    with pytest.raises(OSError, match="symbolic link"):
+        open_timeline(str(tmp_path / "dangling.json"), 0)
+    assert not (tmp_path / "nowhere.json").exists()
