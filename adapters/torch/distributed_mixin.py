@@ -22,6 +22,7 @@ from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import DPPluginError
 from dp_plugin.timeline import StatsHistory
 from dp_plugin.torch.finite import SkippedStep
+from dp_plugin.torch.misuse import check_open, check_requires_grad
 from dp_plugin.torch.optimizer_args import default_name
 from dp_plugin.torch.optimizer_state import OptimizerState, build_reducer
 from dp_plugin.torch.process_sets import ProcessSet
@@ -108,6 +109,20 @@ class _DistributedMixin:
         self._dp.comm_hook = hook
         self._dp_register()
 
+    def refresh_parameters(self) -> None:
+        """Re-plan which parameters are reduced after ``requires_grad`` changed.
+
+        A parameter that did not require a gradient when the optimizer was
+        wrapped has no hook and no bucket; unfreezing it later makes
+        ``synchronize()`` raise until this is called. Collective: every rank
+        calls it at the same point, between steps (the new layout is checked
+        across ranks). Freezing needs no refresh: a frozen parameter keeps
+        being reduced, contributing zeros.
+        """
+        check_open(self._dp, "refresh_parameters()")
+        self._dp_check_idle("refresh_parameters()")
+        self._dp_register()
+
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Accumulate ``passes`` backward passes per step from now on (all ranks alike)."""
         passes = check_int("backward_passes_per_step", passes, minimum=1)
@@ -122,8 +137,10 @@ class _DistributedMixin:
         does, unless inside ``skip_synchronize()``).
         """
         st = self._dp
+        check_open(st, "synchronize()")
         if st.reducer is None:
             st.pending = False
+            check_requires_grad(st, self.param_groups)
             st.synchronized = True
             return
         sched, flags = st.reducer.scheduler, st.reducer.flags
@@ -136,6 +153,14 @@ class _DistributedMixin:
                     sched.mark_ready(i, dense)
         results = sched.synchronize()
         st.sparse.reduce(st.params, st.names, st.op, st.engine)
+        try:  # after this step's collectives, before any update
+            check_requires_grad(st, self.param_groups)
+        except DPPluginError:  # the step is dropped: the next one starts clean
+            flags.keep()
+            if st.reducer.finite is not None:
+                st.reducer.finite.reset()
+            self._dp_reset_step()
+            raise
         for i, p in enumerate(st.params):
             if st.sparse.owns(p):
                 continue  # reduced above, outside the buckets
@@ -269,6 +294,7 @@ class _DistributedMixin:
             handle.remove()
         st.names.update(names)
         st.params, st.reducer, st.hooks = params, reducer, []
+        st.reduced = {id(p) for p in params}
         self._dp_reset_step()
         ref = weakref.ref(self)
         for index, p in enumerate(params):
@@ -300,6 +326,8 @@ class _DistributedMixin:
 
     def _dp_grad_ready(self, index: int, param: torch.Tensor) -> None:
         st = self._dp
+        if st.engine is not None and st.engine.closed:
+            return  # a wrapper left over from before hvd.shutdown(): step() raises
         st.pending = True
         grad = param.grad
         if st.reducer is None or grad is None:
@@ -345,6 +373,8 @@ class _DistributedMixin:
 
     def _dp_join_ready(self) -> bool:
         st = self._dp
+        if st.engine is not None and st.engine.closed:
+            return False  # left over from before hvd.shutdown(); nothing to answer
         if st.pending:
             raise SynchronizationError(
                 "hvd.join() was called after loss.backward() but before optimizer.step() or "

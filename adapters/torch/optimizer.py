@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from dp_plugin.torch import joining as _join
 from dp_plugin.torch.distributed_mixin import _DistributedMixin
+from dp_plugin.torch.misuse import warn_if_ddp
 from dp_plugin.torch.ops import Average, Compression
 from dp_plugin.torch.optimizer_args import checked_arguments, parameter_names
 from dp_plugin.torch.optimizer_state import OptimizerState
@@ -65,7 +66,10 @@ def DistributedOptimizer(
             f"DistributedOptimizer expects a torch.optim.Optimizer, got "
             f"{type(optimizer).__name__}; create the optimizer first, then wrap it"
         )
-    if isinstance(optimizer, _DistributedMixin):
+    if isinstance(optimizer, _DistributedMixin) and _stale(optimizer):
+        for handle in optimizer._dp.hooks:  # its engine was shut down: wrap it anew
+            handle.remove()
+    elif isinstance(optimizer, _DistributedMixin):
         raise ValueError(
             f"{type(optimizer).__name__} is already a DistributedOptimizer; wrap the plain "
             "optimizer only once (two wrappers would reduce every gradient twice)"
@@ -74,7 +78,10 @@ def DistributedOptimizer(
         op, gradient_predivide_factor, num_groups, groups, backward_passes_per_step,
         compression, process_set)
     eng = engine_or_none(process_set, "hvd.DistributedOptimizer()")
-    names = parameter_names(optimizer.param_groups, named_parameters)
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)  # read twice
+    names = parameter_names(optimizer.param_groups, named_parameters)  # validates them
+    warn_if_ddp(named_parameters)
     label = f"DistributedOptimizer.{0 if eng is None else eng.channels_made}"
     wrapped = _wrap(optimizer)
     wrapped._dp = OptimizerState(
@@ -92,9 +99,17 @@ def DistributedOptimizer(
     return wrapped
 
 
+def _stale(optimizer: Any) -> bool:
+    """A wrapper whose engine was shut down (kept across shutdown()/init())."""
+    engine = optimizer._dp.engine
+    return engine is not None and engine.closed
+
+
 def _wrap(optimizer: torch.optim.Optimizer) -> Any:
     """A ``Distributed<Class>`` instance sharing ``optimizer``'s attributes."""
-    cls = _distributed_class(type(optimizer))
+    plain = type(optimizer).__bases__[1] if isinstance(optimizer, _DistributedMixin) \
+        else type(optimizer)
+    cls = _distributed_class(plain)
     wrapped: Any = object.__new__(cls)  # the optimizer exists already: no __init__
     # Take over the optimizer's attributes (shared, not copied), minus
     # instance attributes that would shadow the mixin's methods (an LR

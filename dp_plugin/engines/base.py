@@ -105,6 +105,16 @@ class Engine(ABC):
         return "cpu"
 
     # -- lifecycle ---------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """True once ``shutdown`` ran (here or, for a subgroup, on a parent)."""
+        engine: Engine | None = self
+        while engine is not None:
+            if engine._closed:
+                return True
+            engine = engine._parent
+        return False
+
     def shutdown(self) -> None:
         """Release this engine's resources (idempotent; local, not
         collective). Collectives raise afterwards. A subgroup engine

@@ -1,0 +1,78 @@
+"""Checks that turn a misuse of ``DistributedOptimizer`` into a clear error
+(or warning) instead of replicas that silently diverge.
+
+- ``check_requires_grad``: a parameter unfrozen after wrapping has no hook
+  and no bucket, so its gradient would stay local. Frozen after wrapping is
+  fine: it stays in its bucket and contributes zeros, alike on every rank.
+- ``check_open``: a wrapper kept across ``hvd.shutdown()``/``hvd.init()``
+  holds a closed communicator.
+- ``warn_if_ddp``: the parameters of a model wrapped in torch's
+  ``DistributedDataParallel`` would be averaged twice.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from dp_plugin.errors import DPPluginError
+from dp_plugin.torch.optimizer_args import default_name
+
+
+def check_open(st: Any, what: str) -> None:
+    """Raise if the engine the optimizer ``st`` was wrapped under was shut down."""
+    engine = st.engine
+    if engine is not None and engine.closed:
+        raise DPPluginError(
+            f"optimizer.{what}: this DistributedOptimizer was created before "
+            "hvd.shutdown(), and its communicator closed with that engine; a new "
+            "hvd.init() does not reopen it. Fix: after hvd.init(), wrap again on every "
+            "rank: optimizer = hvd.DistributedOptimizer(optimizer, ...) (the old wrapper "
+            "may be passed; its state and param_groups are kept), then "
+            "hvd.broadcast_parameters and hvd.broadcast_optimizer_state"
+        )
+
+
+def check_requires_grad(st: Any, param_groups: list[dict[str, Any]]) -> None:
+    """Raise if a parameter without a hook (``st.reduced``) now requires a
+    gradient. Every rank that changed ``requires_grad`` raises at the same
+    ``synchronize()``, after that step's collectives."""
+    for gi, group in enumerate(param_groups):
+        for pj, p in enumerate(group["params"]):
+            if p.requires_grad and id(p) not in st.reduced:
+                name = st.names.get(p, default_name(group, gi, pj))
+                raise DPPluginError(
+                    f"parameter {name!r} (param_groups[{gi}]['params'][{pj}], shape "
+                    f"{tuple(p.shape)}) requires a gradient now but did not when the "
+                    "DistributedOptimizer was wrapped, so its gradient is not averaged "
+                    "across ranks and the replicas would silently diverge. Fix: call "
+                    "optimizer.refresh_parameters() on every rank after changing "
+                    "requires_grad (between steps), or set requires_grad before wrapping "
+                    "(freezing later needs nothing: a frozen parameter contributes zeros)"
+                )
+
+
+_DDP_PREFIX = "module."
+
+
+def warn_if_ddp(named: Iterable[tuple[str, torch.Tensor]] | None) -> None:
+    """Warn when ``named_parameters`` look like a ``DistributedDataParallel``'s.
+
+    torch's DDP leaves no mark on the parameters it reduces (its reducer
+    hooks the gradient accumulators in C++), so the signal is the names:
+    ``DDP.named_parameters()`` prefixes every one with ``module.``.
+    """
+    if named is None:
+        return
+    names = [name for name, _ in named]
+    if names and all(name.startswith(_DDP_PREFIX) for name in names):
+        warnings.warn(
+            "every name in named_parameters starts with 'module.', as those of a model "
+            "wrapped in torch.nn.parallel.DistributedDataParallel: if it is, DDP already "
+            "averages the gradients and DistributedOptimizer would reduce them a second "
+            "time. Fix: use one of the two, e.g. pass the plain model "
+            "(model.module.named_parameters()) and do not wrap it in DDP",
+            stacklevel=3,
+        )
