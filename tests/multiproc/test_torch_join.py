@@ -20,7 +20,7 @@ ENV = {"DP_PLUGIN_TIMEOUT": "20"}
 @pytest.mark.multiproc
 @pytest.mark.parametrize("case", worker_cases(WORKER))
 def test_join_gloo(case: str) -> None:
-    n = 3 if case == "collectives" else 2
+    n = 3 if case in ("collectives", "outside_set") else 2
     result = run_workers("env", n, WORKER, args=["--case", case],
                          env={**ENV, "DP_PLUGIN_ENGINE": "gloo"}, timeout=180)
     assert_ranks_ok(result, n)

@@ -11,6 +11,11 @@
 - ``refused``: rank 0 joins, rank 1 calls ``alltoall``, which a joined rank
   cannot answer: both raise ``JoinedRankError`` at once.
 - ``joined_root``: rank 0 joins, rank 1 broadcasts from root 0: both raise.
+- ``different_rates`` (issue 9 item 6): two optimizers stepping at different
+  rates (a GAN's discriminator 3x per generator step); rank 0 joins after one
+  round, rank 1 trains two more: each gradient is its own half, every time.
+- ``outside_set``: an optimizer over the process set [1, 2] of 3 ranks;
+  rank 0, outside it, joins at once and must not take part in its steps.
 """
 
 from __future__ import annotations
@@ -124,8 +129,62 @@ def case_joined_root(_: object) -> None:
     hvd.shutdown()
 
 
+def gan_round(rank: int, disc: tuple[nn.Linear, torch.optim.Optimizer],
+              gen: tuple[nn.Linear, torch.optim.Optimizer], size: int,
+              training: range) -> None:
+    """3 discriminator steps, then 1 generator step; each grad is [rank, 1] / size
+    summed over the ``training`` ranks (the joined ones add zeros)."""
+    want = torch.tensor([[float(sum(training)) / size, len(training) / size]],
+                        dtype=torch.float64)
+    for model, opt in (disc, disc, disc, gen):
+        one_step(opt, model, rank)
+        grad = model.weight.grad
+        assert grad is not None
+        check(torch.allclose(grad, want, rtol=0, atol=1e-12), f"grad {grad} != {want}")
+
+
+def case_different_rates(_: object) -> None:
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    pairs = []
+    for label in ("disc", "gen"):
+        model = nn.Linear(2, 1, bias=False).double()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=[(f"{label}.w", model.weight)])
+        pairs.append((model, opt))
+    gan_round(rank, pairs[0], pairs[1], size, range(size))  # everyone trains
+    if rank > 0:
+        for _ in range(2):
+            gan_round(rank, pairs[0], pairs[1], size, range(1, size))  # rank 0 adds zeros
+    last = hvd.join()
+    check(last == size - 1, f"join() returned {last}, expected {size - 1}")
+    hvd.shutdown()
+
+
+def case_outside_set(_: object) -> None:
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    ps = hvd.add_process_set([1, 2])
+    model = nn.Linear(2, 1, bias=False).double()
+    torch.nn.init.ones_(model.weight)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), process_set=ps)
+    if rank > 0:
+        for _ in range(2):
+            one_step(opt, model, rank)
+            grad = model.weight.grad
+            want = torch.tensor([[1.5, 1.0]], dtype=torch.float64)  # ([1,1] + [2,1]) / 2
+            check(grad is not None and torch.equal(grad, want), f"set grad {grad} != {want}")
+    last = hvd.join()
+    check(last == size - 1, f"join() returned {last}, expected {size - 1}")
+    weights = hvd.allgather(model.weight.detach())
+    check(torch.equal(weights[1], weights[2]), f"the set's ranks differ: {weights}")
+    hvd.shutdown()
+
+
 CASES = {"collectives": case_collectives, "refused": case_refused,
-         "joined_root": case_joined_root}
+         "joined_root": case_joined_root, "different_rates": case_different_rates,
+         "outside_set": case_outside_set}
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
