@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import numpy as np
 from _launch import clean_env, horovodrun_job, mpiexec_job, run_jobs, torchrun_jobs
+
+from dp_plugin.cli.bench_worker import median_timer
 
 TOTAL_BYTES = 64 * 2**20
 N_TENSORS = 100
@@ -60,15 +60,10 @@ def worker(reps: int, warmup: int) -> None:
     specs = [TensorSpec.of(f"t{i}", g) for i, g in enumerate(grads)]
     raw = torch.ones(TOTAL_BYTES // 4)
 
+    timer = median_timer(engine)
+
     def time_it(fn) -> float:
-        times = []
-        for i in range(warmup + reps):
-            engine.barrier()
-            t0 = time.perf_counter()
-            fn()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return timer(fn, reps, warmup)
 
     def run_sched(sched: GradientScheduler) -> None:
         for i in reversed(range(len(grads))):

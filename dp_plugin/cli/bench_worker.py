@@ -25,7 +25,9 @@ def reps_for(nbytes: int, reps: int) -> int:
     return max(3, min(reps, reps * (16 << 20) // max(nbytes, 1)))
 
 
-def _timer(engine: Any) -> Callable[[Callable[[], None], int, int], float]:
+def median_timer(engine: Any) -> Callable[[Callable[[], None], int, int], float]:
+    """``time_it(fn, reps, warmup)``: the median time of ``fn`` over ``reps`` runs
+    after ``warmup``, each started together on every rank (a barrier first)."""
     def time_it(fn: Callable[[], None], reps: int, warmup: int) -> float:
         times = []
         for i in range(warmup + reps):
@@ -54,7 +56,7 @@ def _fused(engine: Any, model: str, reps: int, warmup: int) -> dict[str, Any]:
             sched.mark_ready(i, grads[i])
         sched.synchronize()
 
-    time_it = _timer(engine)
+    time_it = median_timer(engine)
     nbytes = sum(4 * g.numel() for g in grads)
     step()  # the plan settles from the observed ready order
     fused = time_it(step, reps, warmup)
@@ -75,7 +77,7 @@ def worker(sizes: list[int], reps: int, warmup: int, models: list[str]) -> None:
     torch.set_num_threads(1)
     engine = dp_plugin.init()
     lead = engine.rank == 0
-    time_it = _timer(engine)
+    time_it = median_timer(engine)
     sweep = []
     for nbytes in sizes:
         buf = torch.ones(max(1, nbytes // 4))
