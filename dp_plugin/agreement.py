@@ -118,8 +118,7 @@ def compare(engine: Any, tag: str, described: Any, numbers: Sequence[int] = (), 
     row[_HEAD:_HEAD + len(inline)] = inline
     table = _exchange_rows(engine, row)
     heard = _conclude(engine, table, payload, numbers)
-    if heard.joined and not all(env[1] for env in heard.envelopes if env is not None):
-        raise JoinedRankError(_refusal(heard))
+    _refuse_unless_accepted(heard)
     return Compared(None if heard.same else heard.described, heard.numbers, heard.joined)
 
 
@@ -171,9 +170,7 @@ class Listener:
                 f"different collectives while it was joined ({_tags(heard)}); they raise "
                 "an error saying which"
             )
-        if heard.joined and len(heard.joined) < self.engine.size and \
-                not all(env[1] for env in heard.envelopes if env is not None):
-            raise JoinedRankError(_refusal(heard))
+        _refuse_unless_accepted(heard)
         return heard
 
 
@@ -234,6 +231,14 @@ def _conclude(engine: Any, table: np.ndarray, payload: bytes,
 
 def _tags(heard: Heard) -> str:
     return ", ".join(sorted({env[0] for env in heard.envelopes if env is not None}))
+
+
+def _refuse_unless_accepted(heard: Heard) -> None:
+    """Raise ``JoinedRankError`` if a rank has joined and the active ranks'
+    caller cannot run with it (nothing to refuse once everyone has joined:
+    there is no active rank, no envelope)."""
+    if heard.joined and not all(env[1] for env in heard.envelopes if env is not None):
+        raise JoinedRankError(_refusal(heard))
 
 
 def _refusal(heard: Heard) -> str:

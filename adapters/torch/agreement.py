@@ -146,13 +146,13 @@ JOINABLE = frozenset({"allreduce", "allgather", "broadcast", "reducescatter", "b
 nothing (zeros to a reduction, no rows to an all-gather)."""
 
 
-def joined_view(engine: Engine, heard: Any) -> tuple[list[dict[str, Any]], Table]:
+def joined_view(engine: Engine, heard: Any) -> list[dict[str, Any]]:
     """On a joined rank: the request the others agreed on (one description
-    per tensor) and their first dimensions, or the error they all raise."""
+    per tensor), or the error they all raise."""
     blocks = [b for b in heard.described if b is not None]
     _raise_problems(blocks, [])
     _check_root_active(engine, blocks[0][0], heard.joined)
-    return blocks[0], [numbers or [0] * len(blocks[0]) for numbers in heard.numbers]
+    return blocks[0]
 
 
 def _check_root_active(engine: Engine, described: dict[str, Any],

@@ -31,7 +31,7 @@ from dp_plugin.torch.collectives import start_fused_allreduce, start_reducescatt
 
 def answer(engine: Engine, heard: Heard) -> None:
     """Run, contributing nothing, the collective the other ranks agreed on (blocks)."""
-    described, _ = joined_view(engine, heard)
+    described = joined_view(engine, heard)
     kind, name = described[0]["kind"], described[0]["name"]
     if kind == "barrier":
         return
