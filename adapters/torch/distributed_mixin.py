@@ -22,8 +22,9 @@ from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import DPPluginError
 from dp_plugin.timeline import StatsHistory
 from dp_plugin.torch.finite import SkippedStep
-from dp_plugin.torch.misuse import check_open, check_requires_grad
+from dp_plugin.torch.misuse import check_open, check_requires_grad, unfrozen
 from dp_plugin.torch.optimizer_args import default_name
+from dp_plugin.torch.optimizer_control import SynchronizationError, _ControlSlotMixin
 from dp_plugin.torch.optimizer_state import OptimizerState, build_reducer
 from dp_plugin.torch.process_sets import ProcessSet
 from dp_plugin.validate import check_int
@@ -34,12 +35,7 @@ _RACE_MESSAGE = (
 )
 
 
-class SynchronizationError(DPPluginError, AssertionError):
-    """The optimizer was used out of order (e.g. ``zero_grad()`` between
-    ``backward()`` and ``step()``). Also an ``AssertionError``, as in Horovod."""
-
-
-class _DistributedMixin:
+class _DistributedMixin(_ControlSlotMixin):
     """Methods placed in front of the user's optimizer class in the MRO."""
 
     _dp: OptimizerState
@@ -140,9 +136,11 @@ class _DistributedMixin:
         check_open(st, "synchronize()")
         if st.reducer is None:
             st.pending = False
-            check_requires_grad(st, self.param_groups)
+            check_requires_grad(unfrozen(st, self.param_groups))
             st.synchronized = True
             return
+        if not st.pending:  # no hook fired this step: look for unfrozen parameters now
+            self._dp_note_unfrozen()
         sched, flags = st.reducer.scheduler, st.reducer.flags
         for i, p in enumerate(st.params):
             if not st.marked[i] and p.grad is not None:
@@ -154,7 +152,7 @@ class _DistributedMixin:
         results = sched.synchronize()
         st.sparse.reduce(st.params, st.names, st.op, st.engine)
         try:  # after this step's collectives, before any update
-            check_requires_grad(st, self.param_groups)
+            self._dp_check_unfrozen()
         except DPPluginError:  # the step is dropped: the next one starts clean
             flags.keep()
             if st.reducer.finite is not None:
@@ -328,6 +326,8 @@ class _DistributedMixin:
         st = self._dp
         if st.engine is not None and st.engine.closed:
             return  # a wrapper left over from before hvd.shutdown(): step() raises
+        if not st.pending:  # the step's first gradient: before any bucket launches
+            self._dp_note_unfrozen()
         st.pending = True
         grad = param.grad
         if st.reducer is None or grad is None:
@@ -347,13 +347,6 @@ class _DistributedMixin:
             sched.mark_ready(index, dense)
         st.marked[index] = True
 
-    def _dp_note_finite(self, grad: torch.Tensor) -> None:
-        """Mark this rank in the finite flags if ``grad`` holds inf/nan (before it
-        is handed to the scheduler: the flags travel with the last bucket)."""
-        reducer = self._dp.reducer
-        if reducer is not None and reducer.finite is not None:
-            reducer.finite.note(grad)
-
     def _dp_dense(self, index: int, grad: torch.Tensor) -> torch.Tensor | None:
         """The gradient for the dense buckets; None if it is reduced as sparse."""
         if not grad.is_sparse:
@@ -370,42 +363,6 @@ class _DistributedMixin:
         st.marked = [False] * len(st.params)
         st.sparse_dims = [None] * len(st.params)
         st.pending = False
-
-    def _dp_join_ready(self) -> bool:
-        st = self._dp
-        if st.engine is not None and st.engine.closed:
-            return False  # left over from before hvd.shutdown(); nothing to answer
-        if st.pending:
-            raise SynchronizationError(
-                "hvd.join() was called after loss.backward() but before optimizer.step() or "
-                "optimizer.synchronize(); finish the step first, then join"
-            )
-        return st.reducer is not None
-
-    def _dp_join_start(self) -> None:
-        """Start a step in which this rank contributes zero gradients and its
-        joined flag (``join``); poll ``_dp_join_polled``, then ``_dp_join_finish``."""
-        reducer = self._dp.reducer
-        assert reducer is not None  # _dp_join_ready said so
-        reducer.flags.fill(joined=True)
-        reducer.scheduler.launch_all()
-
-    def _dp_join_polled(self) -> bool:
-        reducer = self._dp.reducer
-        return reducer is None or reducer.scheduler.all_done()
-
-    def _dp_join_finish(self) -> bool:
-        """End the zero step; has every rank of the optimizer's set joined?"""
-        reducer = self._dp.reducer
-        assert reducer is not None
-        results = reducer.scheduler.synchronize()  # every gradient: zeros; results dropped
-        st = self._dp
-        st.sparse.reduce(st.params, st.names, st.op, st.engine, contribute=False)
-        if reducer.finite is not None:  # raise where the training ranks raise
-            reducer.finite.decide([(st.names[p], g) for p, g in zip(st.params, results,
-                                                                     strict=True)])
-        return reducer.flags.decide()[0]
-
 
 def _viewable(grad: torch.Tensor, engine: Any) -> bool:
     """May ``grad`` become a view of the fusion buffer? Not when the user

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import NonFiniteGradientError
-from dp_plugin.torch.joining import code_for
+from dp_plugin.torch.rank_marks import RankMarks
 
 log = logging.getLogger("dp_plugin")
 
@@ -59,38 +59,23 @@ class FiniteFlags:
         if mode not in MODES:
             raise ValueError(f"check_finite mode {mode!r} is not known; valid modes: "
                              f"{', '.join(MODES)}")
-        self.scheduler = scheduler
         self.mode = mode
-        self.ranks = list(ranks)
         self.slot = slot
-        self.offset = offset
-        self._code = code_for(op)
-        self._like = like
+        self.marks = RankMarks(scheduler, op=op, ranks=ranks, slot=slot, offset=offset,
+                               like=like)
         self.step = 0
-        self.reset()
-
-    def _elements(self) -> torch.Tensor:
-        # Asked each time: the control slot moves when the bucket plan is rebuilt.
-        control: torch.Tensor = self.scheduler.control(self._like)
-        return control[self.offset:self.offset + len(self.ranks)]
 
     def reset(self) -> None:
-        self._elements().fill_(self._code.idle)
+        self.marks.reset()
 
     def note(self, grad: torch.Tensor) -> None:
         """Before ``grad`` goes to the scheduler: mark this rank if it is not finite."""
         values = grad._values() if grad.is_sparse else grad
-        bad = ~torch.isfinite(values).all()
-        mine = self._elements()[self.slot]
-        marked = torch.full_like(mine, self._code.joined)
-        mine.copy_(torch.where(bad.to(mine.device), marked, mine))
+        self.marks.mark(~torch.isfinite(values).all())
 
     def bad_ranks(self) -> list[int]:
         """After the reduction: the global ranks whose gradients were not finite."""
-        code = self._code
-        values = self._elements().detach().double().cpu().tolist()
-        return [rank for rank, v in zip(self.ranks, values, strict=True)
-                if abs(v - code.joined) < abs(v - code.idle)]
+        return self.marks.marked()
 
     def decide(self, named: Sequence[tuple[str, torch.Tensor | None]]) -> bool:
         """After the reduction, on every rank alike: True to skip this step.

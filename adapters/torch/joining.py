@@ -80,7 +80,7 @@ class JoinFlags:
 
     def _slot(self) -> torch.Tensor:
         # Asked each time: the slot moves when the bucket plan is rebuilt.
-        # Its first len(ranks) elements are ours (the finite flags follow).
+        # Its first len(ranks) elements are ours (the unfrozen and finite marks follow).
         slot: torch.Tensor = self.scheduler.control(self._like)
         return slot[:len(self.ranks)]
 

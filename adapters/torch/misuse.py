@@ -1,9 +1,12 @@
 """Checks that turn a misuse of ``DistributedOptimizer`` into a clear error
 (or warning) instead of replicas that silently diverge.
 
-- ``check_requires_grad``: a parameter unfrozen after wrapping has no hook
-  and no bucket, so its gradient would stay local. Frozen after wrapping is
-  fine: it stays in its bucket and contributes zeros, alike on every rank.
+- ``unfrozen`` / ``check_requires_grad``: a parameter unfrozen after
+  wrapping has no hook and no bucket, so its gradient would stay local. Each
+  rank marks itself in the optimizer's control slot (``RankMarks``) when it
+  finds one, so a change on some ranks only still raises on every rank.
+  Frozen after wrapping is fine: it stays in its bucket and contributes
+  zeros, alike on every rank.
 - ``check_open``: a wrapper kept across ``hvd.shutdown()``/``hvd.init()``
   holds a closed communicator.
 - ``warn_if_ddp``: the parameters of a model wrapped in torch's
@@ -35,23 +38,37 @@ def check_open(st: Any, what: str) -> None:
         )
 
 
-def check_requires_grad(st: Any, param_groups: list[dict[str, Any]]) -> None:
-    """Raise if a parameter without a hook (``st.reduced``) now requires a
-    gradient. Every rank that changed ``requires_grad`` raises at the same
-    ``synchronize()``, after that step's collectives."""
+def unfrozen(st: Any, param_groups: list[dict[str, Any]]) -> list[str]:
+    """Descriptions of the parameters without a hook (not in ``st.reduced``)
+    that now require a gradient: unfrozen after wrapping."""
+    found = []
     for gi, group in enumerate(param_groups):
         for pj, p in enumerate(group["params"]):
             if p.requires_grad and id(p) not in st.reduced:
                 name = st.names.get(p, default_name(group, gi, pj))
-                raise DPPluginError(
-                    f"parameter {name!r} (param_groups[{gi}]['params'][{pj}], shape "
-                    f"{tuple(p.shape)}) requires a gradient now but did not when the "
-                    "DistributedOptimizer was wrapped, so its gradient is not averaged "
-                    "across ranks and the replicas would silently diverge. Fix: call "
-                    "optimizer.refresh_parameters() on every rank after changing "
-                    "requires_grad (between steps), or set requires_grad before wrapping "
-                    "(freezing later needs nothing: a frozen parameter contributes zeros)"
-                )
+                found.append(f"{name!r} (param_groups[{gi}]['params'][{pj}], shape "
+                             f"{tuple(p.shape)})")
+    return found
+
+
+def check_requires_grad(mine: list[str], ranks: list[int] | None = None) -> None:
+    """Raise if a parameter was unfrozen after wrapping: here (``mine``, from
+    ``unfrozen``) or on any of ``ranks`` (every rank learns these from the
+    control slot, so every rank raises at the same ``synchronize()``)."""
+    if not mine and not ranks:
+        return
+    where = f" on rank {', '.join(map(str, ranks))}" if ranks else ""
+    what = (f"parameter {', '.join(mine)}" if mine
+            else "a parameter (named in that rank's error)")
+    raise DPPluginError(
+        f"{what}{where} requires a gradient now but did not when the "
+        "DistributedOptimizer was wrapped, so its gradient would not be averaged "
+        "across ranks and the replicas would silently diverge; this step is dropped on "
+        "every rank. Fix: set requires_grad alike on every rank, then call "
+        "optimizer.refresh_parameters() on every rank (between steps), or set "
+        "requires_grad before wrapping (freezing later needs nothing: a frozen "
+        "parameter contributes zeros)"
+    )
 
 
 _DDP_PREFIX = "module."

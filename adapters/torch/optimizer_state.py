@@ -17,6 +17,7 @@ from dp_plugin.torch.basics import shared_timeline
 from dp_plugin.torch.finite import FiniteFlags
 from dp_plugin.torch.joining import JoinFlags
 from dp_plugin.torch.process_sets import ProcessSet
+from dp_plugin.torch.rank_marks import RankMarks
 from dp_plugin.torch.sparse import SparseGradients
 
 
@@ -26,6 +27,8 @@ class Reducer:
 
     scheduler: GradientScheduler
     flags: JoinFlags
+    unfrozen: RankMarks
+    """Ranks that found a parameter unfrozen after wrapping (``misuse.unfrozen``)."""
     finite: FiniteFlags | None = None
     """The ``DP_PLUGIN_CHECK_FINITE`` flags; None when the check is off."""
 
@@ -89,14 +92,15 @@ def build_reducer(st: OptimizerState, params: list[torch.Tensor],
             ) from None
     ranks = list(eng.global_ranks)
     check = eng.config.check_finite
-    # The control slot: the join flags, then (if checked) the finite flags.
+    # The control slot: the join flags, the unfrozen marks, then (if
+    # checked) the finite flags; one element per rank each.
     # The label is unique per optimizer: the horovod engine matches
     # collectives by name (its channel is the engine itself).
     scheduler = GradientScheduler(
         specs, engine=eng, op=st.op, compression=st.compressor,
         gradient_predivide_factor=st.predivide, backward_passes_per_step=st.passes,
         timeline=shared_timeline, name=st.label,
-        control_numel=len(ranks) * (1 if check == "off" else 2),
+        control_numel=len(ranks) * (2 if check == "off" else 3),
         hook=st.comm_hook, settings={"DP_PLUGIN_CHECK_FINITE": check},
     )
     # Agree on the layout here (the optimizer is made, or a group added, at
@@ -105,7 +109,9 @@ def build_reducer(st: OptimizerState, params: list[torch.Tensor],
     # for a rank that is itself waiting in a SyncBatchNorm all-reduce.
     scheduler.fused.agree()
     flags = JoinFlags(scheduler, op=st.op, ranks=ranks, slot=eng.rank, like=params[0])
+    unfrozen = RankMarks(scheduler, op=st.op, ranks=ranks, slot=eng.rank, offset=len(ranks),
+                         like=params[0])
     finite = None if check == "off" else FiniteFlags(
-        scheduler, mode=check, op=st.op, ranks=ranks, slot=eng.rank, offset=len(ranks),
+        scheduler, mode=check, op=st.op, ranks=ranks, slot=eng.rank, offset=2 * len(ranks),
         like=params[0])
-    return Reducer(scheduler, flags, finite)
+    return Reducer(scheduler, flags, unfrozen, finite)

@@ -12,6 +12,7 @@ from tests.multiproc.harness import assert_ranks_ok, run_workers, worker_cases
 WORKER = Path(__file__).parent / "workers" / "one_rank_errors.py"
 RUNS = [("env", "gloo", case) for case in worker_cases(WORKER)] + [
     ("mpirun", "mpi", "root_cannot_pickle"),
+    ("mpirun", "mpi", "unfrozen_on_one_rank"),
 ]
 
 

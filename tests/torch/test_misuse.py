@@ -80,6 +80,35 @@ def test_unfreezing_after_wrapping_raises_on_every_rank_until_refreshed() -> Non
     assert torch.equal(first, second)
 
 
+def test_unfreezing_on_one_rank_only_raises_on_every_rank() -> None:
+    """Rank 1 alone unfreezes a parameter: both ranks raise at the same step
+    (rank 0 learns it from the control slot instead of waiting for a
+    collective rank 1 never issues), nothing is updated, and training goes
+    on in step once rank 1 freezes it again."""
+    def body(rank: int, ps: ThreadSet) -> tuple[str, torch.Tensor]:
+        model = _model(rank)
+        model[0].weight.requires_grad_(False)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       process_set=ps)
+        _train_step(model, opt, rank, 0)
+        if rank == 1:
+            model[0].weight.requires_grad_(True)
+        before = _flat(model)
+        with pytest.raises(DPPluginError, match=r"on rank 1 requires a gradient") as err:
+            _train_step(model, opt, rank, 1)
+        assert torch.equal(_flat(model), before)
+        model[0].weight.requires_grad_(False)
+        model[0].weight.grad = None
+        for step in range(2, 4):
+            _train_step(model, opt, rank, step)
+        return str(err.value), _flat(model)
+
+    (first, w0), (second, w1) = on_ranks(2, body)
+    assert "'0.weight'" not in first and "'0.weight'" in second
+    assert torch.equal(w0, w1)
+
+
 def test_unfreezing_is_caught_on_one_rank_too() -> None:
     """A single-process run fails the same way as the job it grows into."""
     model = _model(0)

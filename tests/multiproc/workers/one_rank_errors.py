@@ -1,9 +1,10 @@
 """Worker: a mistake found on one rank only, before a collective.
 
 Each case makes one rank's call wrong (a root_rank no other rank passes, an
-object the root cannot pickle) and expects the same kind of error on EVERY
-rank, at once: well before DP_PLUGIN_TIMEOUT (the test sets it long), so
-nobody waited for the others. Prints ``rank R raised after S s: <error>``.
+object the root cannot pickle, a parameter unfrozen after wrapping) and
+expects the same kind of error on EVERY rank, at once: well before
+DP_PLUGIN_TIMEOUT (the test sets it long), so nobody waited for the others.
+Prints ``rank R raised after S s: <error>``.
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ import torch
 from _fail_fast import run_cases
 
 import dp_plugin.torch as hvd
+from dp_plugin.errors import DPPluginError
 
 FAST_S = 10.0
 
 
-def _expect(fn: Callable[[], Any], needle: str) -> None:
+def _expect(fn: Callable[[], Any], needle: str,
+            kinds: tuple[type[Exception], ...] = (TypeError, ValueError)) -> None:
     start = time.monotonic()
     try:
         fn()
-    except (TypeError, ValueError) as exc:
+    except kinds as exc:
         took = time.monotonic() - start
         print(f"rank {hvd.rank()} raised after {took:.1f} s: {exc}", flush=True)
         if needle not in str(exc):
@@ -73,6 +76,26 @@ def case_one_rank_cannot_pickle_for_allgather(_: Any) -> None:
             f"rank(s) [{hvd.size() - 1}] could not pickle")
 
 
+def case_unfrozen_on_one_rank(_: Any) -> None:
+    """The last rank alone unfreezes a parameter after wrapping: every rank
+    raises at that step's synchronize(), naming the rank."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.randn(5, 3)).sum().backward()
+        opt.step()
+
+    step()
+    last = hvd.size() - 1
+    if hvd.rank() == last:
+        model[0].weight.requires_grad_(True)
+    _expect(step, f"on rank {last} requires a gradient", (DPPluginError,))
+
+
 CASES = {
     "object_root_out_of_range": case_object_root_out_of_range,
     "object_roots_differ": case_object_roots_differ,
@@ -80,6 +103,7 @@ CASES = {
     "optimizer_state_root_differs": case_optimizer_state_root_differs,
     "root_cannot_pickle": case_root_cannot_pickle,
     "one_rank_cannot_pickle_for_allgather": case_one_rank_cannot_pickle_for_allgather,
+    "unfrozen_on_one_rank": case_unfrozen_on_one_rank,
 }
 
 
