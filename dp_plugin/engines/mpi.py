@@ -44,6 +44,8 @@ from dp_plugin.config import Config
 from dp_plugin.dtypes import canonical_dtype
 from dp_plugin.engines.base import Availability, DoneHandle, Engine, Handle, ReduceOp, Started
 from dp_plugin.engines.deadline import bounded_on
+from dp_plugin.engines.mpi_notes import MPINotes
+from dp_plugin.engines.waits import WaitBoard
 from dp_plugin.errors import EngineUnavailableError
 from dp_plugin.launch import Topology
 
@@ -80,7 +82,8 @@ class _MPIHandle(Handle):
 
     def __init__(self, engine: MPIEngine, description: str, requests: list[Any],
                  keepalive: tuple[Any, ...]) -> None:
-        super().__init__(description, engine.rank, engine.config.timeout_s, engine._mark_broken)
+        super().__init__(description, engine.rank, engine.config.timeout_s, engine._mark_broken,
+                         engine.wait_board())
         self._engine = engine
         self._requests = requests
         # MPI writes into these until the requests complete: keep them alive.
@@ -133,7 +136,9 @@ class MPIEngine(Engine):
         datatypes and ops (the job-wide engine frees them)."""
         super().__init__(topology, config, parent=parent)
         self._comm: Any = comm
+        self._board: WaitBoard | None = None
         if parent is not None:
+            self._notes: MPINotes | None = parent._notes
             self._MPI: Any = parent._MPI
             self._types: dict[str, Any] = parent._types
             self._half_types: dict[str, Any] = parent._half_types
@@ -160,9 +165,14 @@ class MPIEngine(Engine):
             )
         # Idup instead of Dup: if a rank never creates the engine, the others
         # raise after the timeout instead of hanging in the constructor.
+        self._notes = None
         comm, request = world.Idup()
         _MPIHandle(self, "mpi communicator duplication (engine start)", [request], ()).wait()
         self._comm = comm
+        if MPI.Query_thread() == MPI.THREAD_MULTIPLE:  # see mpi_notes.py
+            notes, request = world.Idup()
+            _MPIHandle(self, "mpi communicator duplication (wait notes)", [request], ()).wait()
+            self._notes = MPINotes(notes, MPI)
         # Datatypes and ops this engine created, freed by shutdown.
         self._half_types = {}
         self._half_ops = {}
@@ -234,6 +244,9 @@ class MPIEngine(Engine):
             self._comm = None
             return
         if self._parent is None:
+            if self._notes is not None:
+                self._notes.close()
+                self._notes = None
             for op in self._half_ops.values():
                 op.Free()
             self._half_ops.clear()
@@ -310,6 +323,13 @@ class MPIEngine(Engine):
         return type(self)(topology, self.config, parent=self, comm=comm)
 
     # -- internals ---------------------------------------------------------
+    def wait_board(self) -> WaitBoard | None:
+        """Notes of long waits, sent over MPI itself (``mpi_notes.py``); None
+        while the engine starts, or when MPI is not thread-multiple."""
+        if self._board is None and getattr(self, "_notes", None) is not None:
+            self._board = WaitBoard(self._notes, self.global_ranks[self.rank], self.global_ranks)
+        return self._board
+
     def _op(self, dtype: str, op: ReduceOp) -> Any:
         if dtype not in self._half_types:
             return getattr(self._MPI, _MPI_OP_NAMES[op])
