@@ -29,6 +29,12 @@ Supported Keras: see ``compat.SUPPORTED_KERAS_SPEC``.
 """
 
 from dp_plugin.errors import LayoutMismatchError, NotInitializedError
+from dp_plugin.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
 from dp_plugin.tensorflow import callbacks
 from dp_plugin.tensorflow.basics import (
     init,
@@ -90,12 +96,6 @@ from dp_plugin.tensorflow.graph_ops import (
 from dp_plugin.tensorflow.metric_average import MetricAverageCallback
 from dp_plugin.tensorflow.ops import Adasum, Average, Compression, Max, Min, Product, Sum
 from dp_plugin.tensorflow.optimizer import DistributedOptimizer
-from dp_plugin.tensorflow.process_sets import (
-    ProcessSet,
-    add_process_set,
-    global_process_set,
-    remove_process_set,
-)
 from dp_plugin.tensorflow.sync_batch_norm import SyncBatchNormalization
 from dp_plugin.tensorflow.tape import DistributedGradientTape
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from dp_plugin import process_sets as _process_sets
 from dp_plugin import runtime
 from dp_plugin.config import Config
-from dp_plugin.tensorflow import process_sets
-from dp_plugin.tensorflow.process_sets import add_process_set
 
 
 def init(config: Config | None = None, process_sets: Any = None) -> None:
@@ -23,15 +22,12 @@ def init(config: Config | None = None, process_sets: Any = None) -> None:
     ``ProcessSet`` to register now, in order, or None / ``"dynamic"``.
     """
     runtime.init(config)
-    if process_sets is None or process_sets == "dynamic":
-        return
-    for process_set in process_sets:
-        add_process_set(process_set)
+    _process_sets.setup(process_sets, "dp_plugin.tensorflow")
 
 
 def shutdown() -> None:
     """Release the engine (collective for gloo and MPI). ``init()`` may follow."""
-    process_sets.reset()
+    _process_sets.reset()
     runtime.shutdown()
 
 

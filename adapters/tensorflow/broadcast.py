@@ -38,7 +38,7 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, process_se
     ``inplace`` is accepted for Horovod compatibility (the values are always
     assigned into the variables).
     """
-    from dp_plugin.tensorflow.process_sets import engine_of
+    from dp_plugin.process_sets import engine_of
 
     variables = list(variables)
     labels = [f"{i}:{getattr(v, 'name', '?')}" for i, v in enumerate(variables)]

@@ -39,9 +39,9 @@ from dp_plugin.engines.base import ReduceOp
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.horovod_names import Adasum
+from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.tensorflow import broadcast as _bcast
 from dp_plugin.tensorflow.ops import Compression, parse_compression
-from dp_plugin.tensorflow.process_sets import engine_of, global_process_set
 from dp_plugin.validate import check_positive_float
 
 

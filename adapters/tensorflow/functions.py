@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 from dp_plugin import runtime
 from dp_plugin.collective import root_of
-from dp_plugin.tensorflow.process_sets import engine_of, global_process_set
+from dp_plugin.process_sets import engine_of, global_process_set
 
 # -- objects ---------------------------------------------------------------------
 

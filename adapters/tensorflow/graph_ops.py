@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
-from dp_plugin.tensorflow.basics import local_rank, local_size, rank, size
+from dp_plugin.process_sets import global_process_set, registered
+from dp_plugin.tensorflow.basics import local_rank, local_size, rank
 from dp_plugin.tensorflow.broadcast import broadcast_variables
 from dp_plugin.tensorflow.functions import broadcast_object
-from dp_plugin.tensorflow.process_sets import global_process_set
 
 
 def rank_op(name: str | None = None) -> tf.Tensor:
@@ -25,7 +25,8 @@ def rank_op(name: str | None = None) -> tf.Tensor:
 
 def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     """The number of ranks (of the job, or of process set ``process_set_id``)."""
-    return tf.constant(_set(process_set_id).size() or 0, dtype=tf.int32, name=name)
+    process_set = registered(process_set_id, "size_op")
+    return tf.constant(process_set.size() or 0, dtype=tf.int32, name=name)
 
 
 def local_rank_op(name: str | None = None) -> tf.Tensor:
@@ -38,7 +39,8 @@ def local_size_op(name: str | None = None) -> tf.Tensor:
 
 def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     """1 if this rank belongs to process set ``process_set_id``, else 0."""
-    return tf.constant(int(_set(process_set_id).included()), dtype=tf.int32, name=name)
+    process_set = registered(process_set_id, "process_set_included_op")
+    return tf.constant(int(bool(process_set.included())), dtype=tf.int32, name=name)
 
 
 def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | None = None,
@@ -54,16 +56,3 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
     ``broadcast_``); ``name`` is accepted for compatibility."""
     return broadcast_variables(variables, root_rank, process_set=process_set, inplace=True)
 
-
-def _set(process_set_id: int) -> Any:
-    if process_set_id == 0:
-        size()  # raises NotInitializedError before init(), as every query does
-        return global_process_set
-    from dp_plugin.tensorflow.process_sets import _registered
-
-    if process_set_id in _registered:
-        return _registered[process_set_id]
-    raise ValueError(
-        f"process_set_id={process_set_id} is not a registered process set; use the "
-        "process_set_id of a set returned by hvd.add_process_set(ranks) (0: the whole job)"
-    )

@@ -21,8 +21,8 @@ import keras
 
 import tensorflow as tf
 from dp_plugin.engines.base import ReduceOp
+from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.tensorflow.collectives import grouped_allreduce
-from dp_plugin.tensorflow.process_sets import engine_of, global_process_set
 
 
 @keras.saving.register_keras_serializable(package="dp_plugin")

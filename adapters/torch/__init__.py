@@ -12,6 +12,12 @@ purpose is one. ``hvd.elastic`` is ``horovod.torch.elastic``'s API
 
 from dp_plugin.errors import DPPluginError as HorovodInternalError
 from dp_plugin.errors import NonFiniteGradientError
+from dp_plugin.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
 from dp_plugin.torch import elastic
 from dp_plugin.torch.autograd_ops import (
     allgather,
@@ -77,12 +83,6 @@ from dp_plugin.torch.handles import poll, synchronize
 from dp_plugin.torch.joining import join
 from dp_plugin.torch.ops import Adasum, Average, Compression, Max, Min, Product, Sum
 from dp_plugin.torch.optimizer import DistributedOptimizer
-from dp_plugin.torch.process_sets import (
-    ProcessSet,
-    add_process_set,
-    global_process_set,
-    remove_process_set,
-)
 from dp_plugin.torch.sparse import sparse_allreduce_async
 from dp_plugin.torch.sync_batch_norm import SyncBatchNorm
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from dp_plugin.engines.base import ReduceOp
+from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.torch.collectives import (
     allreduce_async,
     allreduce_async_,
@@ -42,7 +43,6 @@ from dp_plugin.torch.collectives import (
 )
 from dp_plugin.torch.handles import synchronize
 from dp_plugin.torch.ops import Compression
-from dp_plugin.torch.process_sets import engine_of, global_process_set
 from dp_plugin.torch.submit import check_tensors, resolve_op
 
 _NONE = Compression.none

@@ -18,13 +18,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from dp_plugin import process_sets as _process_sets
 from dp_plugin import runtime
 from dp_plugin.engines.base import Engine
 from dp_plugin.errors import NotInitializedError as _CoreNotInitializedError
 from dp_plugin.launch import detect
 from dp_plugin.timeline import NullTimeline, Timeline, open_timeline
 from dp_plugin.torch import handles as _handles
-from dp_plugin.torch import process_sets as _process_sets
 
 
 class NotInitializedError(_CoreNotInitializedError, ValueError):
@@ -41,6 +41,9 @@ class NotInitializedError(_CoreNotInitializedError, ValueError):
             "(dp_plugin.torch.init()) once per process, after the launcher has started it "
             "and before any other hvd call",
         )
+
+
+_process_sets.use_not_initialized_error(NotInitializedError)
 
 
 def engine(what: str = "dp_plugin.torch") -> Engine:
@@ -63,12 +66,12 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     with ``COMM_WORLD`` all mean "every rank of the job". A subset of ranks
     raises ``NotImplementedError`` (use process sets instead).
     ``process_sets``: ``ProcessSet`` objects to register now (see
-    ``dp_plugin.torch.process_sets``), or ``"dynamic"``.
+    ``dp_plugin.process_sets``), or ``"dynamic"``.
     """
     _check_comm(comm)
     eng = runtime.init()
     _timeline.open_from_config(eng)
-    _process_sets._setup_initial_process_sets(process_sets)
+    _process_sets.setup(process_sets, "dp_plugin.torch")
 
 
 def shutdown() -> None:
@@ -79,7 +82,7 @@ def shutdown() -> None:
     """
     _timeline.stop()
     _handles.reset()
-    _process_sets._reset()
+    _process_sets.reset()
     runtime.shutdown()
 
 

@@ -36,9 +36,9 @@ from dp_plugin.engines.base import Engine, Handle, ReduceOp
 from dp_plugin.engines.exchange import Header, as_splits
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
+from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.torch.agreement import Problem, Request, check_agreement, first_dims
 from dp_plugin.torch.handles import TABLE, InFlight, Ready
-from dp_plugin.torch.process_sets import engine_of, global_process_set
 from dp_plugin.torch.submit import agree, check_factor, check_tensors, contiguous_copy, resolve_op
 
 # -- allreduce ------------------------------------------------------------------

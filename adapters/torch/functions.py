@@ -27,7 +27,7 @@ from dp_plugin.dtypes import SUPPORTED_DTYPES
 from dp_plugin.engines.base import Engine
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import broadcast_hook
-from dp_plugin.torch.process_sets import ProcessSet, engine_of, global_process_set
+from dp_plugin.process_sets import ProcessSet, engine_of, global_process_set
 
 
 def broadcast_parameters(params: Any, root_rank: int,

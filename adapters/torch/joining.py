@@ -32,9 +32,9 @@ import torch
 from dp_plugin.agreement import Listener
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import CollectiveTimeoutError
+from dp_plugin.process_sets import member_engines
 from dp_plugin.torch.basics import engine
 from dp_plugin.torch.join_service import answer
-from dp_plugin.torch.process_sets import member_engines
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def join(device: int = -1) -> int:
         return 0
     live: list[Joinable] = [opt for opt in (r() for r in _optimizers) if opt is not None]
     optimizers = [opt for opt in live if opt._dp_join_ready()]
-    return _Joined(eng, member_engines(), optimizers).run()
+    return _Joined(eng, member_engines("hvd.join()"), optimizers).run()
 
 
 class _Joined:

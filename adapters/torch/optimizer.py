@@ -21,13 +21,13 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from dp_plugin.process_sets import ProcessSet, engine_or_none, global_process_set
 from dp_plugin.torch import joining as _join
 from dp_plugin.torch.distributed_mixin import _DistributedMixin
 from dp_plugin.torch.misuse import warn_if_ddp
 from dp_plugin.torch.ops import Average, Compression
 from dp_plugin.torch.optimizer_args import checked_arguments, parameter_names
 from dp_plugin.torch.optimizer_state import OptimizerState
-from dp_plugin.torch.process_sets import ProcessSet, engine_or_none, global_process_set
 
 
 def DistributedOptimizer(

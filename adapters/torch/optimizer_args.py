@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from dp_plugin.compression import Compressor, get_compressor
 from dp_plugin.engines.base import ReduceOp
+from dp_plugin.process_sets import ProcessSet
 from dp_plugin.torch.ops import parse_op
-from dp_plugin.torch.process_sets import ProcessSet
 from dp_plugin.validate import check_int
 
 

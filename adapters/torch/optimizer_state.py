@@ -12,11 +12,11 @@ import torch
 from dp_plugin.compression import Compressor
 from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.fusion import TensorSpec
+from dp_plugin.process_sets import ProcessSet
 from dp_plugin.scheduler import GradientScheduler
 from dp_plugin.torch.basics import shared_timeline
 from dp_plugin.torch.finite import FiniteFlags
 from dp_plugin.torch.joining import JoinFlags
-from dp_plugin.torch.process_sets import ProcessSet
 from dp_plugin.torch.rank_marks import RankMarks
 from dp_plugin.torch.sparse import SparseGradients
 

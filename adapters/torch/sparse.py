@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from dp_plugin.arrays import TorchOps
 from dp_plugin.engines.base import ReduceOp
+from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.torch.collectives import allgather_async
 from dp_plugin.torch.handles import TABLE
-from dp_plugin.torch.process_sets import engine_of, global_process_set
 from dp_plugin.torch.submit import resolve_op
 
 

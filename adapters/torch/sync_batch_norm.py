@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from dp_plugin.arrays import TorchOps
 from dp_plugin.collective import UNBOUNDED, FusedCollective
 from dp_plugin.fusion import TensorSpec
-from dp_plugin.torch.process_sets import engine_of
+from dp_plugin.process_sets import engine_of
 from torch.autograd.function import Function
 from torch.nn.modules.batchnorm import _BatchNorm
 

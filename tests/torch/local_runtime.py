@@ -8,16 +8,15 @@ from collections.abc import Iterator
 import pytest
 
 import dp_plugin.torch as hvd
-from dp_plugin import runtime
+from dp_plugin import process_sets, runtime
 from dp_plugin.config import Config
 from dp_plugin.engines.base import Engine
-from dp_plugin.torch import process_sets
 
 
 @pytest.fixture(autouse=True)
 def local_engine() -> Iterator[Engine]:
     hvd.shutdown()
     engine = runtime.init(Config(engine="local"), env={})
-    process_sets._setup_initial_process_sets(None)
+    process_sets.setup(None, "dp_plugin.torch")
     yield engine
     hvd.shutdown()

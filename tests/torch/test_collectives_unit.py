@@ -23,6 +23,7 @@ from dp_plugin import runtime
 from dp_plugin.config import Config
 from dp_plugin.engines.base import Engine
 from dp_plugin.errors import NotInitializedError
+from dp_plugin.process_sets import ProcessSet
 from dp_plugin.torch import handles
 from dp_plugin.torch.agreement import DuplicateNameError, MismatchError
 from dp_plugin.torch.autograd_ops import (
@@ -54,7 +55,6 @@ from dp_plugin.torch.collectives import (
 )
 from dp_plugin.torch.handles import poll, synchronize
 from dp_plugin.torch.ops import Adasum, Average, Compression, Max, Min, Product, Sum
-from dp_plugin.torch.process_sets import ProcessSet
 from dp_plugin.torch.sparse import sparse_allreduce_async
 from tests.unit.fakes import make_thread_group, run_ranks, run_ranks_outcomes
 
@@ -349,7 +349,7 @@ class _Set(ProcessSet):
     def included(self) -> bool:
         return True
 
-    def engine(self) -> Engine:
+    def engine(self, what: str = "") -> Engine:
         assert self._engine is not None
         return self._engine
 

@@ -12,10 +12,9 @@ import torch
 from torch import nn
 
 import dp_plugin.torch as hvd
-from dp_plugin import runtime
+from dp_plugin import process_sets, runtime
 from dp_plugin.config import Config
 from dp_plugin.errors import DPPluginError
-from dp_plugin.torch import process_sets
 from tests.torch.local_runtime import local_engine  # noqa: F401 - autouse fixture
 from tests.torch.test_optimizer_unit import ThreadSet, errors_on_ranks, on_ranks
 
@@ -136,7 +135,7 @@ def test_named_parameters_of_a_ddp_model_warn_once_per_wrap() -> None:
 def _reinit() -> None:
     hvd.shutdown()
     runtime.init(Config(engine="local"), env={})
-    process_sets._setup_initial_process_sets(None)
+    process_sets.setup(None, "dp_plugin.torch")
 
 
 def test_optimizer_kept_across_shutdown_and_init_raises_and_can_be_rewrapped() -> None:

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 import dp_plugin.torch as hvd
+from dp_plugin import process_sets
 from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.errors import DPPluginError
-from dp_plugin.torch import process_sets
 from dp_plugin.torch.distributed_mixin import _DistributedMixin
 from dp_plugin.torch.joining import JoinFlags
 from tests.torch.local_runtime import local_engine  # noqa: F401 - autouse fixture

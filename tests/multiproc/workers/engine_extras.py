@@ -276,10 +276,10 @@ def run_errors(engine: Engine) -> None:
 
 def run_process_sets(engine: Engine) -> None:
     """The Horovod process-set API over ``engine`` (the runtime's engine)."""
-    from dp_plugin.torch import process_sets as ps
+    from dp_plugin import process_sets as ps
 
     me, size = engine.rank, engine.size
-    ps._setup_initial_process_sets(None)
+    ps.setup(None, "dp_plugin.torch")
     if ps.global_process_set.ranks != list(range(size)) or ps.global_process_set.size() != size:
         raise AssertionError(f"global set {ps.global_process_set}")
     if ps.global_process_set.engine() is not engine or ps.global_process_set.rank() != me:

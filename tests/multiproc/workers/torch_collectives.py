@@ -35,6 +35,7 @@ import torch
 from _fail_fast import run_cases
 
 import dp_plugin.torch.ops as ops
+from dp_plugin.process_sets import add_process_set, remove_process_set
 from dp_plugin.torch.agreement import DuplicateNameError, MismatchError
 from dp_plugin.torch.autograd_ops import (
     allgather,
@@ -64,7 +65,6 @@ from dp_plugin.torch.collectives import (
     reducescatter_async,
 )
 from dp_plugin.torch.handles import poll, synchronize
-from dp_plugin.torch.process_sets import add_process_set, remove_process_set
 from dp_plugin.torch.sparse import sparse_allreduce_async
 
 RANK = 0
