@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,44 +23,14 @@ from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import CommHook, ReducePolicy
-from dp_plugin.timeline import StatsHistory, StepStats, open_timeline, union_length
+from dp_plugin.step_state import StepState
+from dp_plugin.timeline import StatsHistory, open_timeline
 from dp_plugin.validate import check_int
 
 _ACCUMULATION_ERROR = (
     "Gradients were computed more than backward_passes_per_step times before call to "
     "step()/synchronize(). Increase backward_passes_per_step to accumulate gradients locally."
 )
-
-
-@dataclass(eq=False)
-class StepState:
-    """Everything one step of the scheduler knows; a fresh one per step."""
-
-    step: int
-    n_specs: int
-    n_buckets: int
-    passes: list[int] = field(init=False)
-    tensors: list[Any] = field(init=False)
-    ready: list[bool] = field(init=False)
-    ready_count: list[int] = field(init=False)
-    ready_order: list[int] = field(default_factory=list)
-    next_launch: int = 0
-    polled: int = 0
-    """Buckets below this index are known to have finished (see ``_poll``)."""
-    started_at: float | None = None
-    syncing: bool = False
-    sync_start: float = 0.0
-    late_launch_s: float = 0.0
-    """Time spent launching buckets inside ``synchronize()`` (not overlapped)."""
-    bytes: int = 0
-    launched: int = 0
-    intervals: list[tuple[float, float]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.passes = [0] * self.n_specs
-        self.tensors = [None] * self.n_specs
-        self.ready = [False] * self.n_specs
-        self.ready_count = [0] * self.n_buckets
 
 
 class GradientScheduler:
@@ -232,7 +201,6 @@ class GradientScheduler:
         self.launch_all()
         with self._lock:
             st = self._state
-            start = st.sync_start
             exposed = st.late_launch_s
             for b in self.plan:
                 before = time.perf_counter()
@@ -241,7 +209,7 @@ class GradientScheduler:
                 handle = self.fused.finish(b.index, st.tensors)
                 if handle is not None:
                     st.intervals.append((handle.started_at, handle.completed_at or before))
-            self._record(st, start, time.perf_counter(), exposed)
+            self.stats.append(st.record(self._timeline, time.perf_counter(), exposed))
             result = list(st.tensors)
             if st.step == 0 and self.rebuild_buckets:
                 self._rebuild(st.ready_order)
@@ -389,21 +357,6 @@ class GradientScheduler:
             if not self.fused.done(st.polled):
                 return
             st.polled += 1
-
-    def _record(self, st: StepState, sync_start: float, end: float, exposed: float) -> None:
-        step_start = sync_start if st.started_at is None else st.started_at
-        stats = StepStats(
-            step=st.step, buckets=st.launched, bytes_reduced=st.bytes,
-            allreduce_s=union_length(st.intervals), exposed_s=exposed,
-            step_s=end - step_start,
-        )
-        self.stats.append(stats)
-        self._timeline.span(
-            f"step {st.step}", "step", step_start, end, tid="step",
-            args={"buckets": stats.buckets, "bytes": stats.bytes_reduced,
-                  "exposed_s": exposed, "synchronize_s": end - sync_start},
-        )
-        self._timeline.flush()
 
     def _rebuild(self, observed: list[int]) -> None:
         """Adopt rank 0's observed ready order as the bucket order (one broadcast)."""

@@ -18,14 +18,11 @@ Contract shared by all engines:
   every rank before any data moves. The base class implements alltoall,
   reducescatter and subgroup on top of all-gather and all-reduce; engines
   override the underscore methods where their library has a native path;
-- lifecycle lives here, not in the engines: a closed engine, one broken by
-  a timeout, and a subgroup whose parent is closed or broken refuse every
-  collective with a ``DPPluginError`` saying what to do (``_check_usable``).
-  A collective timeout marks the engine broken (``Handle.wait`` calls the
-  engine's ``_mark_broken``): the timed-out collective may still complete
-  and write into its buffer, and the ranks no longer agree on the order of
-  collectives. ``shutdown`` is idempotent; engines release their library's
-  resources in ``_close``;
+- lifecycle lives in the base class ``Lifecycle`` (``lifecycle.py``), not
+  in the engines: a closed engine, one broken by a timeout, and a subgroup
+  whose parent is closed or broken refuse every collective with a
+  ``DPPluginError`` saying what to do (``_check_usable``). ``shutdown`` is
+  idempotent; engines release their library's resources in ``_close``;
 - subgroup engines are made by the engine's constructor with ``parent=``
   (plus the library's group object), never by copying private fields;
 - ``buffer_device`` says where the engine takes buffers ("cpu", or
@@ -34,7 +31,7 @@ Contract shared by all engines:
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -46,14 +43,14 @@ from dp_plugin.dtypes import canonical_dtype, is_floating
 from dp_plugin.engines import exchange, generic
 from dp_plugin.engines.handle import DoneHandle as DoneHandle
 from dp_plugin.engines.handle import Handle
+from dp_plugin.engines.lifecycle import Lifecycle
 from dp_plugin.engines.types import Availability as Availability
 from dp_plugin.engines.types import ReduceOp as ReduceOp
 from dp_plugin.engines.types import Started as Started
-from dp_plugin.errors import DPPluginError
 from dp_plugin.launch import Topology
 
 
-class Engine(ABC):
+class Engine(Lifecycle):
     """One collective library. Subclasses set ``name`` and implement the
     underscore methods; the public methods check the engine is usable,
     validate input and add timeouts.
@@ -66,10 +63,6 @@ class Engine(ABC):
     native_ops: ClassVar[frozenset[ReduceOp]] = frozenset(
         {ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT}
     )
-    _timeout_breaks_parent: ClassVar[bool] = False
-    """Whether a timeout in a subgroup also breaks the engine it came from
-    (set where they share library resources a pending collective may use)."""
-
     def __init__(self, topology: Topology, config: Config, *,
                  parent: Engine | None = None) -> None:
         self.topology = topology
@@ -77,11 +70,7 @@ class Engine(ABC):
         self.global_ranks: tuple[int, ...] = tuple(range(topology.size))
         """The job-wide ranks of this engine's members, indexed by its own
         rank (``range(size)`` for the engine ``init`` made; see ``subgroup``)."""
-        self._parent = parent
-        self._closed = False
-        self._broken: str | None = None
-        """The collective that timed out, once one has."""
-        self._channels: list[Engine] = []
+        super().__init__(parent)
         self.channels_made = 0
         """How many ``channel`` calls this engine answered (names streams)."""
 
@@ -103,64 +92,6 @@ class Engine(ABC):
         """Where this engine takes buffers: "cpu", or "cuda:<i>" (nccl).
         Control buffers and staging copies belong there."""
         return "cpu"
-
-    # -- lifecycle ---------------------------------------------------------
-    @property
-    def closed(self) -> bool:
-        """True once ``shutdown`` ran (here or, for a subgroup, on a parent)."""
-        engine: Engine | None = self
-        while engine is not None:
-            if engine._closed:
-                return True
-            engine = engine._parent
-        return False
-
-    def shutdown(self) -> None:
-        """Release this engine's resources (idempotent; local, not
-        collective). Collectives raise afterwards. A subgroup engine
-        releases its group only, and must be shut down before its parent."""
-        if self._closed:
-            return
-        self._closed = True
-        for child in self._channels:
-            child.shutdown()
-        self._close()
-
-    @abstractmethod
-    def _close(self) -> None:
-        """Release the library's resources; called once, by ``shutdown``."""
-
-    def _mark_broken(self, description: str) -> None:
-        """Called when ``description`` timed out: refuse every later
-        collective here, and in the subgroups (they check their parents)."""
-        if self._broken is None:
-            self._broken = description
-        if self._parent is not None and self._timeout_breaks_parent:
-            self._parent._mark_broken(description)
-
-    def _check_usable(self, what: str) -> None:
-        """Raise ``DPPluginError`` if collectives cannot run on this engine."""
-        where = f"rank {self.rank}: {what}: the {self.name} engine"
-        if self._broken is not None:
-            raise DPPluginError(
-                f"{where} is unusable because an earlier collective timed out "
-                f"({self._broken}); it may still complete and write into its buffer, and the "
-                "ranks no longer agree on the order of collectives. Restart the job"
-            )
-        if self._closed:
-            again = ("create the subgroup again" if self._parent is not None
-                     else "call dp_plugin.init() again")
-            raise DPPluginError(f"{where} was shut down; {again}")
-        ancestor = self._parent
-        while ancestor is not None:
-            if ancestor._closed or ancestor._broken is not None:
-                state = ("was shut down" if ancestor._broken is None
-                         else f"is broken ({ancestor._broken} timed out)")
-                raise DPPluginError(
-                    f"{where} this subgroup came from {state}, which ended the subgroup too; "
-                    "create the subgroup again from a running engine"
-                )
-            ancestor = ancestor._parent
 
     # -- public API --------------------------------------------------------
     def allreduce_async(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM,

@@ -317,9 +317,9 @@ def run_process_sets(engine: Engine) -> None:
         raise AssertionError(f"re-added set got id {again.process_set_id}")
     if again.included():
         again.engine().barrier()
-    ps._reset()
+    ps.reset()
     if again.process_set_id is not None or zero.process_set_id is not None:
-        raise AssertionError("_reset left sets registered")
+        raise AssertionError("reset left sets registered")
     global_sum_check(engine, "after-process-set-reset")
 
 
