@@ -140,37 +140,8 @@ class Config:
             kwargs["engine"] = env_choice(env, "DP_PLUGIN_ENGINE", ENGINE_NAMES, kind="engine",
                                           error=ConfigError)
 
-        default = f"(default {DEFAULT_FUSION_THRESHOLD}, i.e. 25 MiB)"
-        if "DP_PLUGIN_FUSION_THRESHOLD" in env:
-            kwargs["fusion_threshold"] = env_int(
-                env, "DP_PLUGIN_FUSION_THRESHOLD", minimum=1, maximum=MAX_THRESHOLD, unit="bytes",
-                fix=f"set a positive number of bytes {default}", error=ConfigError,
-            )
-        elif "HOROVOD_FUSION_THRESHOLD" in env:
-            # Horovod's 0 means "no fusion": a 1-byte threshold, one tensor per bucket.
-            value = env_int(
-                env, "HOROVOD_FUSION_THRESHOLD", minimum=0, maximum=MAX_THRESHOLD, unit="bytes",
-                fix=f"set 0 (no fusion) or a positive number of bytes {default}",
-                error=ConfigError,
-            )
-            kwargs["fusion_threshold"] = 1 if value == 0 else value
-        if "fusion_threshold" in kwargs:  # the user's size, for every bucket (as DDP)
-            kwargs["first_bucket_threshold"] = None
-
-        for name in ("DP_PLUGIN_TIMELINE", "HOROVOD_TIMELINE"):
-            if env.get(name):
-                if "\x00" in env[name]:
-                    raise ConfigError(f"{name}={env[name]!r} holds a NUL character; set it to "
-                                      "a file path (or empty for no timeline)")
-                kwargs["timeline"] = env[name]
-                break
-
-        if "DP_PLUGIN_TIMELINE_MAX_BYTES" in env:
-            kwargs["timeline_max_bytes"] = env_int(
-                env, "DP_PLUGIN_TIMELINE_MAX_BYTES", minimum=0, unit="bytes",
-                fix=f"default {DEFAULT_TIMELINE_MAX_BYTES} (1 GiB); 0 means no limit",
-                error=ConfigError,
-            )
+        kwargs.update(_fusion_settings(env))
+        kwargs.update(_timeline_settings(env))
 
         if "DP_PLUGIN_TIMEOUT" in env:
             kwargs["timeout_s"] = env_positive_float(
@@ -198,3 +169,44 @@ class Config:
 
         return cls(**kwargs)  # type: ignore[arg-type]
 
+
+def _fusion_settings(env: Mapping[str, str]) -> dict[str, object]:
+    """``fusion_threshold`` (and no separate first bucket) when the user set one."""
+    kwargs: dict[str, object] = {}
+    default = f"(default {DEFAULT_FUSION_THRESHOLD}, i.e. 25 MiB)"
+    if "DP_PLUGIN_FUSION_THRESHOLD" in env:
+        kwargs["fusion_threshold"] = env_int(
+            env, "DP_PLUGIN_FUSION_THRESHOLD", minimum=1, maximum=MAX_THRESHOLD, unit="bytes",
+            fix=f"set a positive number of bytes {default}", error=ConfigError,
+        )
+    elif "HOROVOD_FUSION_THRESHOLD" in env:
+        # Horovod's 0 means "no fusion": a 1-byte threshold, one tensor per bucket.
+        value = env_int(
+            env, "HOROVOD_FUSION_THRESHOLD", minimum=0, maximum=MAX_THRESHOLD, unit="bytes",
+            fix=f"set 0 (no fusion) or a positive number of bytes {default}",
+            error=ConfigError,
+        )
+        kwargs["fusion_threshold"] = 1 if value == 0 else value
+    if "fusion_threshold" in kwargs:  # the user's size, for every bucket (as DDP)
+        kwargs["first_bucket_threshold"] = None
+    return kwargs
+
+
+def _timeline_settings(env: Mapping[str, str]) -> dict[str, object]:
+    """``timeline`` and ``timeline_max_bytes`` from the environment, where set."""
+    kwargs: dict[str, object] = {}
+    for name in ("DP_PLUGIN_TIMELINE", "HOROVOD_TIMELINE"):
+        if env.get(name):
+            if "\x00" in env[name]:
+                raise ConfigError(f"{name}={env[name]!r} holds a NUL character; set it to "
+                                  "a file path (or empty for no timeline)")
+            kwargs["timeline"] = env[name]
+            break
+
+    if "DP_PLUGIN_TIMELINE_MAX_BYTES" in env:
+        kwargs["timeline_max_bytes"] = env_int(
+            env, "DP_PLUGIN_TIMELINE_MAX_BYTES", minimum=0, unit="bytes",
+            fix=f"default {DEFAULT_TIMELINE_MAX_BYTES} (1 GiB); 0 means no limit",
+            error=ConfigError,
+        )
+    return kwargs

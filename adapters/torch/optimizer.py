@@ -61,19 +61,7 @@ def DistributedOptimizer(
     raises. Arguments are Horovod's; see docs/torch.md for each of them,
     ``hvd.join()``, sparse gradients and process sets.
     """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"DistributedOptimizer expects a torch.optim.Optimizer, got "
-            f"{type(optimizer).__name__}; create the optimizer first, then wrap it"
-        )
-    if isinstance(optimizer, _DistributedMixin) and _stale(optimizer):
-        for handle in optimizer._dp.hooks:  # its engine was shut down: wrap it anew
-            handle.remove()
-    elif isinstance(optimizer, _DistributedMixin):
-        raise ValueError(
-            f"{type(optimizer).__name__} is already a DistributedOptimizer; wrap the plain "
-            "optimizer only once (two wrappers would reduce every gradient twice)"
-        )
+    _check_wrappable(optimizer)
     reduce_op, groups, passes, compressor = checked_arguments(
         op, gradient_predivide_factor, num_groups, groups, backward_passes_per_step,
         compression, process_set)
@@ -97,6 +85,24 @@ def DistributedOptimizer(
     wrapped._dp_register()
     _join.register(wrapped)
     return wrapped
+
+
+def _check_wrappable(optimizer: Any) -> None:
+    """Refuse what is not an optimizer, or is already wrapped (unless that
+    wrapper's engine was shut down: its hooks go, and it is wrapped anew)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"DistributedOptimizer expects a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}; create the optimizer first, then wrap it"
+        )
+    if isinstance(optimizer, _DistributedMixin) and _stale(optimizer):
+        for handle in optimizer._dp.hooks:  # its engine was shut down: wrap it anew
+            handle.remove()
+    elif isinstance(optimizer, _DistributedMixin):
+        raise ValueError(
+            f"{type(optimizer).__name__} is already a DistributedOptimizer; wrap the plain "
+            "optimizer only once (two wrappers would reduce every gradient twice)"
+        )
 
 
 def _stale(optimizer: Any) -> bool:
