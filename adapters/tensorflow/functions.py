@@ -10,7 +10,6 @@ engine (mpi4py) or Horovod's when the ``horovod`` engine runs.
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import pickle
 import time
@@ -20,6 +19,15 @@ import numpy as np
 
 import tensorflow as tf
 from dp_plugin import runtime
+from dp_plugin.capabilities import (  # noqa: F401 - exported by dp_plugin.tensorflow
+    ccl_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+)
 from dp_plugin.collective import root_of
 from dp_plugin.process_sets import engine_of, global_process_set
 
@@ -115,20 +123,6 @@ def is_homogeneous() -> bool:
 # -- what is built, what runs ------------------------------------------------------------
 
 
-def gloo_built() -> bool:
-    """True when the ``gloo`` engine can run (torch.distributed with Gloo is installed)."""
-    if importlib.util.find_spec("torch") is None:
-        return False
-    import torch.distributed as dist
-
-    return bool(dist.is_available() and dist.is_gloo_available())
-
-
-def mpi_built() -> bool:
-    """True when mpi4py is installed (the ``mpi`` engine). Does not start MPI."""
-    return importlib.util.find_spec("mpi4py") is not None
-
-
 def nccl_built() -> int:
     """0: the TensorFlow adapter stages tensors through host memory, never NCCL."""
     return 0
@@ -142,55 +136,3 @@ def cuda_built() -> bool:
 def rocm_built() -> bool:
     """False: no ROCm data path."""
     return False
-
-
-def ddl_built() -> bool:
-    """False: IBM DDL is not supported."""
-    return False
-
-
-def ccl_built() -> bool:
-    """False: oneCCL is not supported."""
-    return False
-
-
-def gloo_enabled() -> bool:
-    """True when the running engine moves data with Gloo (False before ``init()``)."""
-    if not runtime.is_initialized():
-        return False
-    engine = runtime.engine()
-    if engine.name == "horovod":
-        return bool(_horovod().gloo_enabled())
-    return engine.name == "gloo"
-
-
-def mpi_enabled() -> bool:
-    """True when the running engine moves data with MPI (False before ``init()``)."""
-    if not runtime.is_initialized():
-        return False
-    engine = runtime.engine()
-    if engine.name == "horovod":
-        return bool(_horovod().mpi_enabled())
-    return engine.name == "mpi"
-
-
-def mpi_threads_supported() -> bool:
-    """Whether MPI runs with ``MPI_THREAD_MULTIPLE``; ``ValueError`` unless MPI is enabled."""
-    engine = runtime.engine()
-    if not mpi_enabled():
-        raise ValueError(
-            f"mpi_threads_supported(): MPI is not enabled (the running engine is "
-            f"{engine.name!r}); launch with mpirun and DP_PLUGIN_ENGINE=mpi (or auto)"
-        )
-    if engine.name == "horovod":
-        return bool(_horovod().mpi_threads_supported())
-    from mpi4py import MPI
-
-    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
-
-
-def _horovod() -> Any:
-    # The horovod engine runs Horovod's torch extension (dp_plugin.engines.horovod).
-    import horovod.torch
-
-    return horovod.torch

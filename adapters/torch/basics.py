@@ -11,15 +11,23 @@ before it: a ``DPPluginError`` and, like Horovod's error, a ``ValueError``.
 from __future__ import annotations
 
 import atexit
-import importlib.util
 import sys
 import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
+from dp_plugin import capabilities as _capabilities
 from dp_plugin import process_sets as _process_sets
 from dp_plugin import runtime
+from dp_plugin.capabilities import (  # noqa: F401 - exported by dp_plugin.torch
+    ccl_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+)
 from dp_plugin.engines.base import Engine
 from dp_plugin.errors import NotInitializedError as _CoreNotInitializedError
 from dp_plugin.launch import detect
@@ -165,18 +173,6 @@ def is_homogeneous() -> bool:
 # -- what is built, what is running ---------------------------------------------
 
 
-def gloo_built() -> bool:
-    """True when this torch can run Gloo (the ``gloo`` engine)."""
-    import torch.distributed as dist
-
-    return bool(dist.is_available() and dist.is_gloo_available())
-
-
-def mpi_built() -> bool:
-    """True when mpi4py is installed (the ``mpi`` engine). Does not start MPI."""
-    return importlib.util.find_spec("mpi4py") is not None
-
-
 def nccl_built() -> int:
     """NCCL version code (e.g. 21803 for 2.18.3) when torch has NCCL, else 0 (as Horovod)."""
     import torch
@@ -189,16 +185,6 @@ def nccl_built() -> int:
         major, minor, patch = [*version, 0, 0, 0][:3]
         return int(major) * 10000 + int(minor) * 100 + int(patch)
     return int(version)
-
-
-def ddl_built() -> bool:
-    """Always False: IBM DDL is not supported."""
-    return False
-
-
-def ccl_built() -> bool:
-    """Always False: oneCCL is not supported."""
-    return False
 
 
 def cuda_built() -> bool:
@@ -215,46 +201,10 @@ def rocm_built() -> bool:
     return torch.version.hip is not None
 
 
-def gloo_enabled() -> bool:
-    """True when the running engine moves data with Gloo (False before ``init()``)."""
-    if not runtime.is_initialized():
-        return False
-    eng = runtime.engine()
-    if eng.name == "horovod":
-        return bool(_horovod().gloo_enabled())
-    return eng.name == "gloo"
-
-
-def mpi_enabled() -> bool:
-    """True when the running engine moves data with MPI (False before ``init()``)."""
-    if not runtime.is_initialized():
-        return False
-    eng = runtime.engine()
-    if eng.name == "horovod":
-        return bool(_horovod().mpi_enabled())
-    return eng.name == "mpi"
-
-
 def mpi_threads_supported() -> bool:
     """Whether MPI runs with ``MPI_THREAD_MULTIPLE``; ``ValueError`` unless MPI is enabled."""
-    eng = engine("hvd.mpi_threads_supported()")
-    if not mpi_enabled():
-        raise ValueError(
-            f"hvd.mpi_threads_supported(): MPI is not enabled (the running engine is "
-            f"{eng.name!r}); launch with mpirun and DP_PLUGIN_ENGINE=mpi (or auto) to use MPI"
-        )
-    if eng.name == "horovod":
-        return bool(_horovod().mpi_threads_supported())
-    from mpi4py import MPI
-
-    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
-
-
-def _horovod() -> Any:
-    # Only reached with the horovod engine running, which imported it.
-    import horovod.torch
-
-    return horovod.torch
+    what = "hvd.mpi_threads_supported()"
+    return _capabilities.mpi_threads_supported(engine(what), what)
 
 
 # -- timeline -------------------------------------------------------------------
