@@ -28,6 +28,15 @@ or in ``tf.function``), ``broadcast_object``, ``allgather_object``,
 Supported Keras: see ``compat.SUPPORTED_KERAS_SPEC``.
 """
 
+from dp_plugin.capabilities import (
+    ccl_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+)
 from dp_plugin.errors import LayoutMismatchError, NotInitializedError
 from dp_plugin.process_sets import (
     ProcessSet,
@@ -69,18 +78,11 @@ from dp_plugin.tensorflow.functions import (
     barrier,
     broadcast_global_variables,
     broadcast_object,
-    ccl_built,
     cross_rank,
     cross_size,
     cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
     is_homogeneous,
     join,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
     nccl_built,
     rocm_built,
 )

@@ -19,15 +19,6 @@ import numpy as np
 
 import tensorflow as tf
 from dp_plugin import runtime
-from dp_plugin.capabilities import (  # noqa: F401 - exported by dp_plugin.tensorflow
-    ccl_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-)
 from dp_plugin.collective import root_of
 from dp_plugin.process_sets import engine_of, global_process_set
 

@@ -10,6 +10,14 @@ purpose is one. ``hvd.elastic`` is ``horovod.torch.elastic``'s API
 ``torchrun --max-restarts``; see docs/elastic.md.
 """
 
+from dp_plugin.capabilities import (
+    ccl_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+)
 from dp_plugin.errors import DPPluginError as HorovodInternalError
 from dp_plugin.errors import NonFiniteGradientError
 from dp_plugin.process_sets import (
@@ -34,20 +42,14 @@ from dp_plugin.torch.autograd_ops import (
 )
 from dp_plugin.torch.basics import (
     NotInitializedError,
-    ccl_built,
     cross_rank,
     cross_size,
     cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
     init,
     is_homogeneous,
     is_initialized,
     local_rank,
     local_size,
-    mpi_built,
-    mpi_enabled,
     mpi_threads_supported,
     nccl_built,
     rank,

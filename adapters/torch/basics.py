@@ -20,14 +20,6 @@ from typing import Any
 from dp_plugin import capabilities as _capabilities
 from dp_plugin import process_sets as _process_sets
 from dp_plugin import runtime
-from dp_plugin.capabilities import (  # noqa: F401 - exported by dp_plugin.torch
-    ccl_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    mpi_built,
-    mpi_enabled,
-)
 from dp_plugin.engines.base import Engine
 from dp_plugin.errors import NotInitializedError as _CoreNotInitializedError
 from dp_plugin.launch import detect
