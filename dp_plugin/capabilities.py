@@ -42,22 +42,12 @@ def ccl_built() -> bool:
 
 def gloo_enabled() -> bool:
     """True when the running engine moves data with Gloo (False before ``init()``)."""
-    if not runtime.is_initialized():
-        return False
-    engine = runtime.engine()
-    if engine.name == "horovod":
-        return bool(_horovod().gloo_enabled())
-    return engine.name == "gloo"
+    return _moves_data_with("gloo")
 
 
 def mpi_enabled() -> bool:
     """True when the running engine moves data with MPI (False before ``init()``)."""
-    if not runtime.is_initialized():
-        return False
-    engine = runtime.engine()
-    if engine.name == "horovod":
-        return bool(_horovod().mpi_enabled())
-    return engine.name == "mpi"
+    return _moves_data_with("mpi")
 
 
 def mpi_threads_supported(engine: Engine | None = None,
@@ -84,3 +74,13 @@ def _horovod() -> Any:
     import horovod.torch
 
     return horovod.torch
+
+
+def _moves_data_with(transport: str) -> bool:
+    """Whether the running engine is ``transport``'s (or Horovod's, built on it)."""
+    if not runtime.is_initialized():
+        return False
+    engine = runtime.engine()
+    if engine.name == "horovod":
+        return bool(getattr(_horovod(), f"{transport}_enabled")())
+    return engine.name == transport
