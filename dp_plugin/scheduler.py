@@ -8,7 +8,6 @@ when the step ends.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -19,17 +18,15 @@ import numpy as np
 
 from dp_plugin.agreement import to_device, to_host
 from dp_plugin.arrays import ArrayOps, is_torch, spec_of
-from dp_plugin.autotune import Autotuner, mib
+from dp_plugin.autotune import Autotuner, agreement_setting
 from dp_plugin.collective import FusedCollective
 from dp_plugin.compression import Compressor
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import DPPluginError
-from dp_plugin.fusion import TensorSpec, default_order, plan_buckets
+from dp_plugin.fusion import TensorSpec, default_order
 from dp_plugin.hooks import CommHook, ReducePolicy
 from dp_plugin.timeline import StatsHistory, StepStats, open_timeline, union_length
 from dp_plugin.validate import check_int
-
-log = logging.getLogger("dp_plugin")
 
 _ACCUMULATION_ERROR = (
     "Gradients were computed more than backward_passes_per_step times before call to "
@@ -176,16 +173,14 @@ class GradientScheduler:
             compression=compression, hook=hook, control_numel=control_numel,
             settings={"backward_passes_per_step": passes,
                       "rebuild_buckets": self.rebuild_buckets, **(settings or {}),
-                      "DP_PLUGIN_AUTOTUNE": _autotune_setting(engine.config, autotune)},
+                      "DP_PLUGIN_AUTOTUNE": agreement_setting(engine.config, autotune)},
             timeline=self._timeline, array_ops=array_ops,
             what=f"tensors of scheduler {name!r}",
         )
         self.compressor = self.fused.compressor
         self.fusion_threshold = threshold
         config = engine.config
-        self.autotuner = Autotuner(
-            config.autotune_candidates, threshold, warmup_steps=config.autotune_warmup_steps,
-            steps=config.autotune_steps) if autotune else None
+        self.autotuner = Autotuner.of(config, threshold) if autotune else None
         """Measures bucket sizes during the first steps (``autotune=True``), else None."""
         self._order = default_order(len(self.specs))
         self.rebuilt = False
@@ -260,7 +255,10 @@ class GradientScheduler:
             if st.step == 0 and self.rebuild_buckets:
                 self._rebuild(st.ready_order)
             if self.autotuner is not None and not self.autotuner.done:
-                self._autotune()
+                self.fusion_threshold = self.autotuner.after_step(
+                    self.fused, self._order, self._timeline,
+                    lambda medians: self._from_root(medians, "autotune"),
+                    log_here=self.engine.rank == 0)
             self._state = StepState(st.step + 1, len(self.specs), len(self.plan))
             return result
 
@@ -428,33 +426,6 @@ class GradientScheduler:
         self.fused.replan(self._order)
         self.rebuilt = True
 
-    def _autotune(self) -> None:
-        """One step of the autotuner; re-plan when it switches threshold (the
-        same step on every rank, between steps)."""
-        tuner = self.autotuner
-        assert tuner is not None
-        threshold = tuner.step_ended(self._plan_key,
-                                     lambda medians: self._from_root(medians, "autotune"))
-        if threshold is None:
-            return
-        self.fused.retune(threshold, self._order)
-        self.fusion_threshold = threshold
-        now, decision = time.perf_counter(), tuner.decision
-        if decision is None:
-            self._timeline.instant(f"autotune: try {mib(threshold)}", "autotune", now,
-                                   tid="step", args={"threshold": threshold})
-            return
-        self._timeline.instant("autotune: decision", "autotune", now, tid="step",
-                               args=decision.as_args())
-        if self.engine.rank == 0:
-            log.info("dp_plugin: %s [%s]", decision.describe(), self.name)
-
-    def _plan_key(self, threshold: int) -> tuple[tuple[int, ...], ...]:
-        """Which buckets ``threshold`` gives with the current order (autotune's dedupe)."""
-        plan = plan_buckets(self.specs, threshold, order=self._order,
-                            first_threshold=self.fused.first_threshold)
-        return tuple(b.members for b in plan)
-
     def _from_root(self, values: np.ndarray, what: str) -> np.ndarray:
         """Rank 0's ``values`` on every rank (one broadcast on this scheduler's engine)."""
         buf = to_device(values, self.engine.buffer_device)
@@ -465,14 +436,6 @@ class GradientScheduler:
 
         self.fused.guard(share)
         return to_host(buf)
-
-
-def _autotune_setting(config: Any, autotune: bool) -> str:
-    """What the ranks must agree on for autotune (they switch plans in lockstep)."""
-    if not autotune:
-        return "off"
-    return (f"candidates {list(config.autotune_candidates)}, warm-up "
-            f"{config.autotune_warmup_steps}, steps {config.autotune_steps}")
 
 
 def _checked_specs(name: Any, specs: Sequence[Any]) -> tuple[TensorSpec, ...]:
