@@ -32,7 +32,10 @@ A configuration may end in options, each ``:name=value``: ``fusion=MiB``
 (DP_PLUGIN_FUSION_THRESHOLD, or HOROVOD_FUSION_THRESHOLD for ``horovod``;
 64 gives the plan of dp_plugin before issue 10: one 64 MiB bucket),
 ``views=0|1`` (DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW), ``cycle=ms``
-(HOROVOD_CYCLE_TIME) and ``dps=0|1`` (HOROVOD_DYNAMIC_PROCESS_SETS).
+(HOROVOD_CYCLE_TIME), ``dps=0|1`` (HOROVOD_DYNAMIC_PROCESS_SETS), and
+``autotune=1``, ``tune_steps=N``, ``tune_warmup=N`` (DP_PLUGIN_AUTOTUNE and its
+step counts; give --warmup enough steps to cover the tuning, see
+benchmarks/autotune_bench.py).
 
 Without a launcher it starts itself once per configuration and round,
 interleaved (A B C ... A B C ...), and prints a table: median step time over
@@ -140,6 +143,9 @@ def worker(config: str, steps: int, warmup: int) -> None:
         reducer = getattr(getattr(opt, "_dp", None), "reducer", None)
         if reducer is not None:
             stats = _scheduler_stats(reducer.scheduler, warmup)
+            tuner = reducer.scheduler.autotuner
+            if tuner is not None and tuner.decision is not None:
+                stats["autotune"] = tuner.decision.as_args()
         stats["engine"] = _engine_name(hvd)
     elif config == "ddp":
         import torch.distributed as dist
@@ -185,6 +191,9 @@ OPTIONS = {
     "views": ("DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW", "0 or 1", str),
     "cycle": ("HOROVOD_CYCLE_TIME", "ms", str),
     "dps": ("HOROVOD_DYNAMIC_PROCESS_SETS", "0 or 1", str),
+    "autotune": ("DP_PLUGIN_AUTOTUNE", "0 or 1", str),
+    "tune_steps": ("DP_PLUGIN_AUTOTUNE_STEPS", "steps", str),
+    "tune_warmup": ("DP_PLUGIN_AUTOTUNE_WARMUP_STEPS", "steps", str),
 }
 
 

@@ -132,6 +132,13 @@ class FusedCollective:
             self.backend().pack(self.control(), control)
         return True
 
+    def retune(self, threshold: int, order: Sequence[int]) -> bool:
+        """Use ``threshold`` from now on and re-plan for ``order`` (autotune);
+        every rank at the same point, between steps. True if the buckets changed."""
+        self.threshold = threshold
+        self.settings["fusion threshold"] = threshold
+        return self.replan(order)
+
     def backend(self, like: Any = None) -> ArrayOps:
         if self.ops is None:
             if like is not None:

@@ -7,6 +7,7 @@ Horovod names we honour); everything else receives a ``Config``.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
@@ -19,6 +20,7 @@ from dp_plugin.validate import (
     env_bool,
     env_choice,
     env_int,
+    env_int_list,
     env_positive_float,
 )
 
@@ -45,6 +47,12 @@ DEFAULT_TIMELINE_MAX_BYTES = 1 << 30
 
 MAX_THRESHOLD = 1 << 40
 """1 TiB: no fusion buffer is bigger; a larger value is a typo."""
+
+DEFAULT_AUTOTUNE_CANDIDATES = tuple(m << 20 for m in (1, 4, 8, 25, 64))
+"""Bucket sizes autotune tries (1, 4, 8, 25, 64 MiB), plus the configured one."""
+MAX_AUTOTUNE_CANDIDATES = 16
+MAX_AUTOTUNE_STEPS = 1000
+"""Most warm-up or timed steps per candidate: more is a typo, not a measurement."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,6 +88,19 @@ class Config:
     check_finite: CheckFinite = "off"
     """After the gradient all-reduce: ``skip`` the step or ``raise`` on inf/nan."""
 
+    autotune: bool = False
+    """Measure the candidate bucket sizes during the first steps and keep the fastest
+    (``DistributedOptimizer``; see docs/configuration.md, "Autotune")."""
+
+    autotune_warmup_steps: int = 2
+    """Steps dropped after each switch of bucket size before timing starts."""
+
+    autotune_steps: int = 5
+    """Steps timed per candidate bucket size (their median is compared)."""
+
+    autotune_candidates: tuple[int, ...] = DEFAULT_AUTOTUNE_CANDIDATES
+    """Bucket sizes (bytes) autotune tries, besides ``fusion_threshold``."""
+
     job_secret: str | None = field(default=None, repr=False)
     """Signs rank 0's store address in Horovod's rendezvous server (never printed)."""
 
@@ -112,6 +133,7 @@ class Config:
         # Finite: an infinite timeout is a hang, and timedelta(seconds=inf) overflows.
         check_positive_float("timeout_s", self.timeout_s, unit="seconds", maximum=MAX_TIMEOUT_S,
                              fix=f"the default is {DEFAULT_TIMEOUT_S:g}", error=error)
+        self._check_autotune()
         check_choice("check_finite", self.check_finite, CHECK_FINITE_MODES, kind="modes",
                      fix="set DP_PLUGIN_CHECK_FINITE to one of them", error=error)
         secret = self.job_secret
@@ -124,6 +146,24 @@ class Config:
                 f"without spaces (got {length} characters); use e.g. "
                 "DP_PLUGIN_JOB_SECRET=$(openssl rand -hex 16), the same on every rank"
             )
+
+    def _check_autotune(self) -> None:
+        if not isinstance(self.autotune, bool):
+            raise ConfigError(f"autotune must be True or False, got {self.autotune!r}")
+        check_int("autotune_warmup_steps", self.autotune_warmup_steps, minimum=0,
+                  maximum=MAX_AUTOTUNE_STEPS, fix="set DP_PLUGIN_AUTOTUNE_WARMUP_STEPS (default 2)",
+                  error=ConfigError)
+        check_int("autotune_steps", self.autotune_steps, minimum=1, maximum=MAX_AUTOTUNE_STEPS,
+                  fix="set DP_PLUGIN_AUTOTUNE_STEPS (default 5)", error=ConfigError)
+        cands = self.autotune_candidates
+        fix = ("set DP_PLUGIN_AUTOTUNE_CANDIDATES to a comma-separated list of bytes, e.g. "
+               "1048576,8388608,26214400")
+        if not isinstance(cands, tuple) or not 1 <= len(cands) <= MAX_AUTOTUNE_CANDIDATES:
+            raise ConfigError(f"autotune_candidates must be a tuple of 1 to "
+                              f"{MAX_AUTOTUNE_CANDIDATES} ints, got {cands!r}; {fix}")
+        for c in cands:
+            check_int("autotune_candidates (bytes)", c, minimum=1, maximum=MAX_THRESHOLD,
+                      fix=fix, error=ConfigError)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -163,6 +203,8 @@ class Config:
                 fix="'skip' skips a step whose reduced gradients hold inf or nan, 'raise' "
                     "raises; the default is off", error=ConfigError,
             )
+
+        kwargs.update(_autotune_from_env(env))
 
         if "DP_PLUGIN_JOB_SECRET" in env:
             kwargs["job_secret"] = env["DP_PLUGIN_JOB_SECRET"]
@@ -209,4 +251,31 @@ def _timeline_settings(env: Mapping[str, str]) -> dict[str, object]:
             fix=f"default {DEFAULT_TIMELINE_MAX_BYTES} (1 GiB); 0 means no limit",
             error=ConfigError,
         )
+    return kwargs
+
+
+def _autotune_from_env(env: Mapping[str, str]) -> dict[str, object]:
+    """The ``DP_PLUGIN_AUTOTUNE*`` variables as ``Config`` keyword arguments."""
+    kwargs: dict[str, object] = {}
+    if "DP_PLUGIN_AUTOTUNE" in env:
+        kwargs["autotune"] = env_bool(env, "DP_PLUGIN_AUTOTUNE", error=ConfigError)
+    steps = (("DP_PLUGIN_AUTOTUNE_WARMUP_STEPS", "autotune_warmup_steps", 0, 2),
+             ("DP_PLUGIN_AUTOTUNE_STEPS", "autotune_steps", 1, 5))
+    for name, key, minimum, default in steps:
+        if name in env:
+            kwargs[key] = env_int(env, name, minimum=minimum, maximum=MAX_AUTOTUNE_STEPS,
+                                  unit="steps", fix=f"the default is {default}",
+                                  error=ConfigError)
+    if "DP_PLUGIN_AUTOTUNE_CANDIDATES" in env:
+        kwargs["autotune_candidates"] = tuple(env_int_list(
+            env, "DP_PLUGIN_AUTOTUNE_CANDIDATES", minimum=1, maximum=MAX_THRESHOLD,
+            max_items=MAX_AUTOTUNE_CANDIDATES, unit="bytes",
+            fix="e.g. 1048576,8388608,26214400 (1, 8 and 25 MiB)", error=ConfigError))
+    explicit = [n for n in ("DP_PLUGIN_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD") if n in env]
+    if kwargs.get("autotune") and explicit:
+        warnings.warn(
+            f"DP_PLUGIN_AUTOTUNE=1 and {explicit[0]}={env[explicit[0]]!r} are both set: autotune "
+            f"measures {explicit[0]} among its candidate bucket sizes and keeps the fastest, "
+            f"which may be another one; unset DP_PLUGIN_AUTOTUNE to keep {explicit[0]} as set",
+            UserWarning, stacklevel=3)
     return kwargs

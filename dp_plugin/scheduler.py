@@ -17,11 +17,12 @@ import numpy as np
 
 from dp_plugin.agreement import to_device, to_host
 from dp_plugin.arrays import ArrayOps, is_torch, spec_of
+from dp_plugin.autotune import Autotuner, agreement_setting
 from dp_plugin.collective import FusedCollective
 from dp_plugin.compression import Compressor
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import DPPluginError
-from dp_plugin.fusion import TensorSpec
+from dp_plugin.fusion import TensorSpec, default_order
 from dp_plugin.hooks import CommHook, ReducePolicy
 from dp_plugin.step_state import StepState
 from dp_plugin.timeline import StatsHistory, open_timeline
@@ -81,7 +82,9 @@ class GradientScheduler:
     replaces the default all-reduce hook (``dp_plugin.hooks``); ``name``
     prefixes the collectives' names; ``control_numel`` reserves a control
     slot (``control()``) reduced with the last bucket; ``settings`` (name ->
-    value) are the caller's settings the first step compares across ranks.
+    value) are the caller's settings the first step compares across ranks;
+    ``autotune=True`` measures the candidate thresholds of ``engine.config``
+    during the first steps and keeps the fastest (``dp_plugin.autotune``).
 
     Calls are serialised by a lock, so ``mark_ready`` may come from autograd's
     worker threads; one step must still end (``synchronize()``) before the
@@ -106,6 +109,7 @@ class GradientScheduler:
         hook: CommHook | None = None,
         control_numel: int = 0,
         settings: dict[str, Any] | None = None,
+        autotune: bool = False,
     ) -> None:
         if engine is None:
             from dp_plugin import runtime
@@ -137,12 +141,17 @@ class GradientScheduler:
             policy=policy,
             compression=compression, hook=hook, control_numel=control_numel,
             settings={"backward_passes_per_step": passes,
-                      "rebuild_buckets": self.rebuild_buckets, **(settings or {})},
+                      "rebuild_buckets": self.rebuild_buckets, **(settings or {}),
+                      "DP_PLUGIN_AUTOTUNE": agreement_setting(engine.config, autotune)},
             timeline=self._timeline, array_ops=array_ops,
             what=f"tensors of scheduler {name!r}",
         )
         self.compressor = self.fused.compressor
         self.fusion_threshold = threshold
+        config = engine.config
+        self.autotuner = Autotuner.of(config, threshold) if autotune else None
+        """Measures bucket sizes during the first steps (``autotune=True``), else None."""
+        self._order = default_order(len(self.specs))
         self.rebuilt = False
         """True once the plan was rebuilt from the ready order of the first step."""
         self.stats = StatsHistory()
@@ -213,6 +222,11 @@ class GradientScheduler:
             result = list(st.tensors)
             if st.step == 0 and self.rebuild_buckets:
                 self._rebuild(st.ready_order)
+            if self.autotuner is not None and not self.autotuner.done:
+                self.fusion_threshold = self.autotuner.after_step(
+                    self.fused, self._order, self._timeline,
+                    lambda medians: self._from_root(medians, "autotune"),
+                    log_here=self.engine.rank == 0)
             self._state = StepState(st.step + 1, len(self.specs), len(self.plan))
             return result
 
@@ -360,16 +374,21 @@ class GradientScheduler:
 
     def _rebuild(self, observed: list[int]) -> None:
         """Adopt rank 0's observed ready order as the bucket order (one broadcast)."""
-        device = self.engine.buffer_device
-        order = to_device(np.array(observed, dtype=np.int64), device)
+        order = self._from_root(np.array(observed, dtype=np.int64), "bucket_order")
+        self._order = order.tolist()
+        self.fused.replan(self._order)
+        self.rebuilt = True
+
+    def _from_root(self, values: np.ndarray, what: str) -> np.ndarray:
+        """Rank 0's ``values`` on every rank (one broadcast on this scheduler's engine)."""
+        buf = to_device(values, self.engine.buffer_device)
 
         def share() -> None:
             if self.engine.size > 1:
-                self.engine.broadcast(order, 0, name=f"{self.name}.bucket_order")
+                self.engine.broadcast(buf, 0, name=f"{self.name}.{what}")
 
         self.fused.guard(share)
-        self.fused.replan(to_host(order).tolist())
-        self.rebuilt = True
+        return to_host(buf)
 
 
 def _checked_specs(name: Any, specs: Sequence[Any]) -> tuple[TensorSpec, ...]:

@@ -30,6 +30,7 @@ __all__ = [
     "env_bool",
     "env_choice",
     "env_int",
+    "env_int_list",
     "env_positive_float",
     "is_int",
 ]
@@ -140,6 +141,33 @@ def env_int(
     if maximum is not None and value > maximum:
         raise error(_message("", f"{name}={raw!r} must be an integer <= {maximum}", fix))
     return value
+
+
+def env_int_list(
+    env: Mapping[str, str], name: str, *, minimum: int | None = None,
+    maximum: int | None = None, max_items: int | None = None, unit: str = "", fix: str = "",
+    error: type[Exception] = ValueError,
+) -> list[int]:
+    """``env[name]`` as a comma-separated list of base-10 integers (at least one)."""
+    raw = env[name]
+    pieces = raw.split(",")
+    unit_text = f" of {unit}" if unit else ""
+    if not raw.strip() or (max_items is not None and len(pieces) > max_items):
+        most = f"at most {max_items} " if max_items is not None else ""
+        raise error(_message("", f"{name}={raw!r} must be a comma-separated list of {most}"
+                                 f"integers{unit_text}", fix))
+    values = []
+    for piece in pieces:
+        try:
+            value = int(piece.strip(), 10)
+        except ValueError:
+            raise error(_message("", f"{name}={raw!r}: {piece!r} is not an integer{unit_text}",
+                                 fix)) from None
+        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+            raise error(_message("", f"{name}={raw!r}: {value} must be an integer"
+                                     f"{_bounds(minimum, maximum)}", fix))
+        values.append(value)
+    return values
 
 
 def env_positive_float(

@@ -170,6 +170,7 @@ class GradientBridge:
                     compression=self.compression,
                     gradient_predivide_factor=self.gradient_predivide_factor,
                     name=self.name if k == 0 else f"{self.name}.{k}",
+                    autotune=engine.config.autotune,
                 )
                 # Checked now, while the step is traced, so that different models
                 # fail here with LayoutMismatchError itself on every rank, before any

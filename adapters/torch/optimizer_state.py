@@ -102,6 +102,7 @@ def build_reducer(st: OptimizerState, params: list[torch.Tensor],
         timeline=shared_timeline, name=st.label,
         control_numel=len(ranks) * (2 if check == "off" else 3),
         hook=st.comm_hook, settings={"DP_PLUGIN_CHECK_FINITE": check},
+        autotune=eng.config.autotune,
     )
     # Agree on the layout here (the optimizer is made, or a group added, at
     # the same point on every rank), not in the first gradient hook, whose

@@ -18,6 +18,9 @@ from tests.multiproc.harness import assert_ranks_ok, run_workers, worker_cases
 WORKER = Path(__file__).parent / "workers" / "keras_train.py"
 ENV = {"DP_PLUGIN_TIMEOUT": "60", "TF_CPP_MIN_LOG_LEVEL": "2"}
 CORE_CASES = ("fit", "mirrored", "tape")
+AUTOTUNE = {"DP_PLUGIN_AUTOTUNE": "1", "DP_PLUGIN_AUTOTUNE_CANDIDATES": "64",
+            "DP_PLUGIN_AUTOTUNE_WARMUP_STEPS": "0", "DP_PLUGIN_AUTOTUNE_STEPS": "1"}
+"""For ``fit_autotune``: 64 bytes and the default plan, 1 + 2 steps of tuning out of 4."""
 RUNS = [
     *(pytest.param("env", "gloo", case, id=f"{case}-env") for case in worker_cases(WORKER)),
     *(pytest.param(launcher, engine, case, id=f"{case}-{launcher}")
@@ -28,7 +31,7 @@ RUNS = [
 
 @pytest.mark.parametrize(("launcher", "engine", "case"), RUNS)
 def test_keras_training_matches_single_process(launcher: str, engine: str, case: str) -> None:
-    env = {**ENV, "DP_PLUGIN_ENGINE": engine}
+    env = {**ENV, "DP_PLUGIN_ENGINE": engine, **(AUTOTUNE if case == "fit_autotune" else {})}
     result = run_workers(launcher, 2, WORKER, args=["--case", case], env=env, timeout=240)
     assert_ranks_ok(result, 2)
     assert f"engine {engine}," in result.output

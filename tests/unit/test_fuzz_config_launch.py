@@ -23,6 +23,8 @@ CONFIG_VARIABLES = (
     "DP_PLUGIN_ENGINE", "DP_PLUGIN_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD",
     "DP_PLUGIN_TIMELINE", "HOROVOD_TIMELINE", "DP_PLUGIN_TIMEOUT",
     "DP_PLUGIN_REBUILD_BUCKETS", "DP_PLUGIN_CHECK_FINITE", "DP_PLUGIN_JOB_SECRET",
+    "DP_PLUGIN_AUTOTUNE", "DP_PLUGIN_AUTOTUNE_WARMUP_STEPS", "DP_PLUGIN_AUTOTUNE_STEPS",
+    "DP_PLUGIN_AUTOTUNE_CANDIDATES",
 )
 FUZZ = settings(max_examples=200, deadline=None)
 
@@ -100,7 +102,9 @@ kwarg_values = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), s
 
 @FUZZ
 @given(st.dictionaries(st.sampled_from(["engine", "fusion_threshold", "timeline", "timeout_s",
-                                        "rebuild_buckets", "check_finite"]),
+                                        "rebuild_buckets", "check_finite", "autotune",
+                                        "autotune_steps", "autotune_warmup_steps",
+                                        "autotune_candidates"]),
                        kwarg_values, max_size=3))
 def test_config_constructor_gives_a_config_or_a_clear_error(kwargs: dict[str, object]) -> None:
     try:

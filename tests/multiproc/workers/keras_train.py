@@ -136,7 +136,8 @@ def momentums(optimizer: keras.optimizers.Optimizer) -> list[Any]:
 
 # -- cases -------------------------------------------------------------------------
 
-def case_fit(strategy: tf.distribute.Strategy | None = None, wrap: str = "callback") -> None:
+def case_fit(strategy: tf.distribute.Strategy | None = None,
+             wrap: str = "callback") -> keras.Model:
     x, y = global_data(STEPS, seed=1)
     scope = strategy.scope() if strategy is not None else _null_scope()
     with scope:
@@ -172,6 +173,7 @@ def case_fit(strategy: tf.distribute.Strategy | None = None, wrap: str = "callba
             v.assign(m)
         ref.fit(x, y, batch_size=LOCAL_BATCH * dp.size(), epochs=1, shuffle=False, verbose=0)
         assert_close(final, ref.get_weights(), what)
+    return model
 
 
 def case_features() -> None:
@@ -359,8 +361,27 @@ def case_fit_variants() -> None:
     case_mixed()
 
 
+def case_fit_autotune() -> None:
+    """``fit`` under DP_PLUGIN_AUTOTUNE=1 (set by the test, with candidates and
+    step counts that end the tuning before the last step): same results, and
+    every rank took rank 0's decision."""
+    if os.environ.get("DP_PLUGIN_AUTOTUNE") != "1":
+        raise AssertionError("the test sets DP_PLUGIN_AUTOTUNE=1 for this case")
+    model = case_fit()
+    [sched] = hook_of(model.optimizer).bridge.schedulers  # type: ignore[union-attr]
+    decision = sched.autotuner.decision if sched.autotuner is not None else None
+    if decision is None or len(decision.candidates) < 2:
+        raise AssertionError(f"autotune did not decide among several sizes: {decision}")
+    plan = repr([b.members for b in sched.plan]).encode()
+    shared = [np.array([decision.chosen, *decision.medians], dtype=np.float64),
+              np.frombuffer(plan, dtype=np.uint8)]
+    assert_identical_on_all_ranks(shared, "autotune decision and plan")
+    print(f"rank {dp.rank()} {decision.describe()}", flush=True)
+
+
 CASES: dict[str, Callable[[object], None]] = {
     "fit": lambda _: case_fit(),
+    "fit_autotune": lambda _: case_fit_autotune(),
     "mirrored": lambda _: case_fit(mirrored()),
     "tape": lambda _: case_tape(),
     "tape_mirrored": lambda _: case_tape(mirrored()),

@@ -1,0 +1,214 @@
+"""Autotune of the fusion threshold (``DP_PLUGIN_AUTOTUNE=1``).
+
+During the first steps the gradient scheduler tries each candidate bucket
+size in turn: after the first step (and its bucket rebuild) it switches to
+the first candidate, drops ``warmup_steps`` steps (new buffers, first
+touches), then times ``steps`` steps as the wall time between the ends of
+successive ``synchronize()`` calls, i.e. one whole training step. After the
+last candidate the medians are compared and the fastest threshold is kept
+for the rest of the run.
+
+Distributed contract: every rank builds its ``Autotuner`` with the same
+candidates and step counts (they come from the ``Config``, which the first
+step's agreement compares) and calls ``step_ended`` once per step, at the
+end of ``synchronize()``, so every rank switches at the same step, outside
+any backward pass. The decision is never taken by a rank alone: rank 0's
+medians are broadcast (``share``, one small collective) and every rank
+picks from those same numbers with the same rule (``choose``), so the bucket
+plans stay identical. Candidates that give the same bucket plan (e.g. every
+threshold larger than the model) are measured once.
+
+No framework and no engine: the scheduler passes its ``FusedCollective``
+(re-planned through ``retune``), its timeline and ``share`` (rank 0's values
+on every rank).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dp_plugin.fusion import plan_buckets
+
+log = logging.getLogger("dp_plugin")
+
+clock: Callable[[], float] = time.perf_counter
+"""The clock steps are timed with (tests replace it to give each rank other timings)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What autotune measured and chose."""
+
+    candidates: tuple[int, ...]
+    """The distinct thresholds measured, in bytes, in the order they were tried."""
+    medians: tuple[float, ...]
+    """Rank 0's median step time per candidate (seconds): these decide."""
+    local_medians: tuple[float, ...]
+    """This rank's own medians (for the timeline; they decide nothing)."""
+    chosen: int
+    configured: int
+
+    def describe(self) -> str:
+        timings = ", ".join(f"{mib(t)}: {m * 1e3:.2f} ms"
+                            for t, m in zip(self.candidates, self.medians, strict=True))
+        return (f"autotune chose fusion threshold {mib(self.chosen)} ({self.chosen} bytes; "
+                f"configured {mib(self.configured)}); median step time per threshold on "
+                f"rank 0: {timings}")
+
+    def as_args(self) -> dict[str, object]:
+        """The measurements as timeline event arguments."""
+        return {"chosen": self.chosen, "configured": self.configured,
+                "candidates": list(self.candidates),
+                "rank0_median_s": list(self.medians),
+                "local_median_s": list(self.local_medians)}
+
+
+def mib(nbytes: int) -> str:
+    """``nbytes`` for a person: "25 MiB", "4 KiB", "40 B"."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):g} {unit}"
+    return f"{nbytes} B"
+
+
+def agreement_setting(config: Any, enabled: bool) -> str:
+    """What the ranks must agree on (they switch plans in lockstep): compared
+    by the first step's agreement with the scheduler's other settings."""
+    if not enabled:
+        return "off"
+    return (f"candidates {list(config.autotune_candidates)}, warm-up "
+            f"{config.autotune_warmup_steps}, steps {config.autotune_steps}")
+
+
+def choose(candidates: Sequence[int], medians: Sequence[float], configured: int) -> int:
+    """The threshold with the lowest median step time.
+
+    Ties (equal medians) keep ``configured`` if it is among them (no change
+    for nothing), else the largest tied threshold (fewer collectives). A
+    pure function of its arguments: ranks given the same numbers choose alike.
+    """
+    if not candidates or len(candidates) != len(medians):
+        raise ValueError(f"autotune needs one median per candidate, got {len(candidates)} "
+                         f"candidates and {len(medians)} medians")
+    best = min(medians)
+    tied = [t for t, m in zip(candidates, medians, strict=True) if m == best]
+    return configured if configured in tied else max(tied)
+
+
+def distinct(candidates: Sequence[int], configured: int,
+             plan_key: Callable[[int], Hashable]) -> tuple[int, ...]:
+    """``candidates`` plus ``configured``, ascending, one per distinct bucket plan
+    (``configured`` represents its plan, else the smallest threshold giving it)."""
+    out: dict[Hashable, int] = {}
+    for threshold in sorted({*candidates, configured}):
+        key = plan_key(threshold)
+        if key not in out or threshold == configured:
+            out[key] = threshold
+    return tuple(sorted(out.values()))
+
+
+class Autotuner:
+    """The measuring state machine of one scheduler (see the module docstring).
+
+    ``step_ended(plan_key, share)`` is called at the end of every step; it
+    returns the threshold to use from the next step on when that changes
+    (a new candidate, or the final choice), else None. ``decision`` is set
+    once the choice is made.
+    """
+
+    def __init__(self, candidates: Sequence[int], configured: int, *,
+                 warmup_steps: int, steps: int) -> None:
+        self.requested = tuple(candidates)
+        self.configured = configured
+        self.warmup_steps = warmup_steps
+        self.steps = steps
+        self.candidates: tuple[int, ...] | None = None
+        self.times: list[list[float]] = []
+        self.index = 0
+        self.seen = 0
+        self.last = 0.0
+        self.decision: Decision | None = None
+
+    @classmethod
+    def of(cls, config: Any, configured: int) -> Autotuner:
+        """The tuner ``config`` (a ``dp_plugin.Config``) asks for."""
+        return cls(config.autotune_candidates, configured,
+                   warmup_steps=config.autotune_warmup_steps, steps=config.autotune_steps)
+
+    @property
+    def done(self) -> bool:
+        return self.decision is not None
+
+    def step_ended(self, plan_key: Callable[[int], Hashable],
+                   share: Callable[[np.ndarray], np.ndarray]) -> int | None:
+        now = clock()
+        if self.decision is not None:
+            return None
+        if self.candidates is None:  # the first step ended: plans are final now
+            self.candidates = distinct(self.requested, self.configured, plan_key)
+            self.times = [[] for _ in self.candidates]
+            self.last = now
+            if len(self.candidates) == 1:  # nothing to compare (the same on every rank)
+                return self._decide((0.0,), (0.0,))
+            return self.candidates[0]
+        self.seen += 1
+        if self.seen > self.warmup_steps:
+            self.times[self.index].append(now - self.last)
+        self.last = now
+        if self.seen < self.warmup_steps + self.steps:
+            return None
+        self.index += 1
+        self.seen = 0
+        if self.index < len(self.candidates):
+            return self.candidates[self.index]
+        local = tuple(statistics.median(t) for t in self.times)
+        shared = share(np.array(local, dtype=np.float64))
+        return self._decide(tuple(float(m) for m in shared), local)
+
+    def after_step(self, fused: Any, order: Sequence[int], timeline: Any,
+                   share: Callable[[np.ndarray], np.ndarray], *, log_here: bool) -> int:
+        """One step of tuning for a scheduler: re-plans ``fused`` (a
+        ``FusedCollective``, buckets in ``order``) when the threshold
+        changes, records it in ``timeline``, logs the decision if
+        ``log_here``. Returns the threshold in use from now on."""
+
+        def plan_key(threshold: int) -> Hashable:
+            plan = plan_buckets(fused.specs, threshold, order=order,
+                                first_threshold=fused.first_threshold)
+            return tuple(b.members for b in plan)
+
+        threshold = self.step_ended(plan_key, share)
+        if threshold is None:
+            return int(fused.threshold)
+        fused.retune(threshold, order)
+        now = time.perf_counter()
+        if self.decision is None:
+            timeline.instant(f"autotune: try {mib(threshold)}", "autotune", now, tid="step",
+                             args={"threshold": threshold})
+            return threshold
+        timeline.instant("autotune: decision", "autotune", now, tid="step",
+                         args=self.decision.as_args())
+        if log_here:
+            log.info("dp_plugin: %s [%s]", self.decision.describe(), fused.name)
+        return threshold
+
+    def _decide(self, medians: tuple[float, ...], local: tuple[float, ...]) -> int:
+        assert self.candidates is not None
+        chosen = choose(self.candidates, medians, self.configured)
+        self.decision = Decision(self.candidates, medians, local, chosen, self.configured)
+        return chosen
+
+    @property
+    def total_steps(self) -> int | None:
+        """Steps until the decision (the first included); None before the first step."""
+        if self.candidates is None:
+            return None
+        n = len(self.candidates)
+        return 1 if n == 1 else 1 + n * (self.warmup_steps + self.steps)
