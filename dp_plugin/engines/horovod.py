@@ -59,6 +59,7 @@ from dp_plugin.config import Config
 from dp_plugin.dtypes import canonical_dtype
 from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp
 from dp_plugin.engines.deadline import bounded_on
+from dp_plugin.engines.horovod_sets import process_set_of
 from dp_plugin.errors import DPPluginError, EngineUnavailableError
 from dp_plugin.launch import Topology
 
@@ -311,49 +312,10 @@ class HorovodEngine(Engine):
                 "sets collectively over all its ranks); create it from the job-wide engine "
                 f"with the job-wide ranks {[self.global_ranks[m] for m in members]}"
             )
-        process_set = self._process_set_of(members, what)
+        process_set = process_set_of(self, members, what)
         if topology is None:
             return None
         return type(self)(topology, self.config, parent=self, process_set=process_set)
-
-    def _process_set_of(self, members: tuple[int, ...], what: str) -> Any:
-        hvd = self._hvd
-        if members == tuple(range(self.size)):
-            return hvd.global_process_set
-        known = self._added_sets.get(members)
-        if known is not None:
-            return known
-        try:
-            process_set = bounded_on(self, lambda: hvd.add_process_set(list(members)),
-                                     f"hvd.add_process_set({list(members)})")
-        except ValueError as exc:
-            if "duplicate" not in str(exc):
-                # Every rank gets the same refusal (e.g. dynamic process sets off).
-                raise DPPluginError(
-                    f"{what}: Horovod refused to add a process set of ranks {list(members)}: "
-                    f"{str(exc).rstrip('.')}. Horovod adds process sets after hvd.init() only if "
-                    "HOROVOD_DYNAMIC_PROCESS_SETS=1 was set when it was initialized; dp_plugin "
-                    "sets it unless the variable is already set (it is "
-                    f"{os.environ.get('HOROVOD_DYNAMIC_PROCESS_SETS')!r}) or Horovod was "
-                    "initialized by someone else"
-                ) from exc
-            process_set = self._existing_process_set(members)
-        self._added_sets[members] = process_set
-        return process_set
-
-    def _existing_process_set(self, members: tuple[int, ...]) -> Any:
-        """The set the user registered with these ranks (hvd.init(process_sets=...)
-        or hvd.add_process_set): Horovod refuses duplicates, so look its id up."""
-        from horovod.common.process_sets import ProcessSet
-        from horovod.torch.mpi_ops import _basics
-
-        for set_id, ranks in _basics._get_process_set_ids_and_ranks().items():
-            if tuple(ranks) == members:
-                found = ProcessSet(list(members))
-                found.process_set_id = set_id
-                return found
-        raise DPPluginError(f"Horovod reported a process set of ranks {list(members)} that "
-                            "it does not list; this is a Horovod bug")
 
     # -- internals ---------------------------------------------------------
     def _start(self, kind: str, name: str, description: str, enqueue: Any) -> _HorovodHandle:
