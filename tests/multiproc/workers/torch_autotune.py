@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from _fail_fast import run_cases
 from torch import nn
+from torch_equivalence import Net, flat  # the same model and flattening as the equivalence test
 
 import dp_plugin.torch as hvd
 from dp_plugin import autotune
@@ -41,25 +42,10 @@ COSTS = [{256: 0.3, 1024: 0.1, 2048: 0.2}, {256: 0.05, 1024: 0.5, 2048: 0.2}]
 """Fake seconds per step for each rank and threshold (anything else: 0.4)."""
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh())
-        self.head = nn.Linear(8, 3)
-        self.unused = nn.Linear(3, 3)  # requires grad, never in the graph
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
-
-
 def batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(500 + step)
     return (torch.randn(rows, 6, generator=g, dtype=torch.float64),
             torch.randn(rows, 3, generator=g, dtype=torch.float64))
-
-
-def flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 def train(case: str, out: Path) -> dict[str, Any]:
