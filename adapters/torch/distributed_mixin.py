@@ -292,7 +292,9 @@ class _DistributedMixin(_ControlSlotMixin):
             handle.remove()
         st.names.update(names)
         st.params, st.reducer, st.hooks = params, reducer, []
-        st.reduced = {id(p) for p in params}
+        reduced = {id(p) for p in params}
+        st.frozen = [(gi, pj) for gi, group in enumerate(self.param_groups)
+                     for pj, p in enumerate(group["params"]) if id(p) not in reduced]
         self._dp_reset_step()
         ref = weakref.ref(self)
         for index, p in enumerate(params):

@@ -39,15 +39,17 @@ def check_open(st: Any, what: str) -> None:
 
 
 def unfrozen(st: Any, param_groups: list[dict[str, Any]]) -> list[str]:
-    """Descriptions of the parameters without a hook (not in ``st.reduced``)
-    that now require a gradient: unfrozen after wrapping."""
+    """Descriptions of the parameters without a hook (``st.frozen``) that now
+    require a gradient: unfrozen after wrapping. Runs once per step: it looks
+    only at the parameters that were frozen when the hooks were made."""
     found = []
-    for gi, group in enumerate(param_groups):
-        for pj, p in enumerate(group["params"]):
-            if p.requires_grad and id(p) not in st.reduced:
-                name = st.names.get(p, default_name(group, gi, pj))
-                found.append(f"{name!r} (param_groups[{gi}]['params'][{pj}], shape "
-                             f"{tuple(p.shape)})")
+    for gi, pj in st.frozen:
+        group = param_groups[gi]
+        p = group["params"][pj]
+        if p.requires_grad:
+            name = st.names.get(p, default_name(group, gi, pj))
+            found.append(f"{name!r} (param_groups[{gi}]['params'][{pj}], shape "
+                         f"{tuple(p.shape)})")
     return found
 
 

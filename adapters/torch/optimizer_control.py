@@ -42,6 +42,8 @@ class _ControlSlotMixin:
         reducer = self._dp.reducer
         assert reducer is not None
         ranks = reducer.unfrozen.marked()
+        if not ranks:  # the usual step: nothing marked, nothing to name
+            return
         reducer.unfrozen.reset()
         check_requires_grad([] if joined else unfrozen(self._dp, self.param_groups), ranks)
 

@@ -54,8 +54,9 @@ class OptimizerState:
     label: str = "DistributedOptimizer"
     """Names its collectives; unique per optimizer in the process."""
     params: list[torch.Tensor] = field(default_factory=list)
-    reduced: set[int] = field(default_factory=set)
-    """``id`` of each parameter in ``params``: the ones with hooks and buckets."""
+    frozen: list[tuple[int, int]] = field(default_factory=list)
+    """(group, index) in ``param_groups`` of each parameter NOT in ``params``
+    (no hook, no bucket): the only ones ``misuse.unfrozen`` must look at."""
     hooks: list[Any] = field(default_factory=list)
     comm_hook: Any = None
     """A user's ``hook(state, bucket) -> Handle`` (``register_comm_hook``), or None."""
