@@ -101,6 +101,12 @@ class Config:
     autotune_candidates: tuple[int, ...] = DEFAULT_AUTOTUNE_CANDIDATES
     """Bucket sizes (bytes) autotune tries, besides ``fusion_threshold``."""
 
+    process_sets: bool = False
+    """The program asked for process sets at ``init(process_sets=...)``. Only the
+    horovod engine needs to know before it starts: it then enables Horovod's
+    dynamic process sets, which cost a check in every background cycle. Other
+    engines can always add sets."""
+
     job_secret: str | None = field(default=None, repr=False)
     """Signs rank 0's store address in Horovod's rendezvous server (never printed)."""
 
@@ -120,7 +126,7 @@ class Config:
             check_int("first_bucket_threshold (bytes)", self.first_bucket_threshold, minimum=1,
                       fix=f"use e.g. {DEFAULT_FIRST_BUCKET_THRESHOLD} (1 MiB), or None for a "
                           "first bucket as large as the others", error=error)
-        for flag in ("gradient_as_bucket_view", "rebuild_buckets"):
+        for flag in ("gradient_as_bucket_view", "rebuild_buckets", "process_sets"):
             if not isinstance(getattr(self, flag), bool):
                 raise error(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.timeline is not None and (

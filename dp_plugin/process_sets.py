@@ -17,8 +17,10 @@ Distributed contract (as in Horovod):
   differs between ranks raises on every rank;
 - no two registered sets may have the same ranks (``ValueError``, as
   Horovod), and the global set can be neither added nor removed;
-- unlike Horovod, adding sets after ``init()`` needs no
-  ``HOROVOD_DYNAMIC_PROCESS_SETS``: every engine can always add them;
+- adding sets after ``init()``: under the horovod engine, as in Horovod,
+  only if ``init(process_sets=...)`` was given (``"dynamic"`` or a list) or
+  ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` was set, because Horovod then checks for
+  new sets in every background cycle; every other engine can always add them;
 - set-relative ranks: ``ProcessSet.rank()`` and the ranks of the set's
   engine count members in ascending global order; root ranks passed to
   collectives stay job-wide (``collective.root_of``).

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping
+from dataclasses import replace
 
 from dp_plugin.config import Config
 from dp_plugin.engines.base import Engine
@@ -24,11 +25,14 @@ _engine: Engine | None = None
 _reason: str = ""
 
 
-def init(config: Config | None = None, env: Mapping[str, str] | None = None) -> Engine:
+def init(config: Config | None = None, env: Mapping[str, str] | None = None, *,
+         process_sets: bool = False) -> Engine:
     """Detect the launcher, choose and start the engine; return it.
 
     Collective: every rank of the job must call it. ``config`` defaults to
     ``Config.from_env(env)``; ``env`` defaults to ``os.environ``.
+    ``process_sets``: the program will add process sets (an adapter's
+    ``init(process_sets=...)``); sets ``Config.process_sets``.
     """
     global _engine, _reason
     from dp_plugin.engines import choose_engine, create_engine
@@ -37,6 +41,8 @@ def init(config: Config | None = None, env: Mapping[str, str] | None = None) -> 
         if _engine is not None:
             return _engine
         config = Config.from_env(env) if config is None else config
+        if process_sets:
+            config = replace(config, process_sets=True)
         topo = detect(env)
         if config.engine == "auto":
             name, _reason = choose_engine(topo)

@@ -184,8 +184,10 @@ method: `opt.variables()` becomes `opt.variables`.
 - **`DistributedOptimizer` without `named_parameters`** names parameters
   `allreduce.noname.<group>.<index>`, as Horovod, and exposes them in
   `optimizer._parameter_names`.
-- **Process sets** need no `HOROVOD_DYNAMIC_PROCESS_SETS`; sets built from an
-  mpi4py communicator are not supported (pass the ranks).
+- **Process sets** can be added after `init()` without
+  `hvd.init(process_sets="dynamic")` on the gloo, nccl and mpi engines (the
+  horovod engine needs it, as Horovod does); sets built from an mpi4py
+  communicator are not supported (pass the ranks).
 - **`SyncBatchNorm`** also runs on CPU tensors and tolerates empty shards.
 - **Build flags** (`nccl_built()`, `mpi_enabled()` ...) answer for
   dp_plugin's engines, not for a Horovod build.

@@ -19,9 +19,10 @@ def init(config: Config | None = None, process_sets: Any = None) -> None:
 
     ``config`` defaults to ``Config.from_env()`` (``DP_PLUGIN_*`` variables).
     Calling it again is harmless. ``process_sets`` (Horovod's): a list of
-    ``ProcessSet`` to register now, in order, or None / ``"dynamic"``.
+    ``ProcessSet`` to register now, in order, or None / ``"dynamic"``; under
+    the horovod engine, sets can be added later only if it is not None.
     """
-    runtime.init(config)
+    runtime.init(config, process_sets=process_sets is not None)
     _process_sets.setup(process_sets, "dp_plugin.tensorflow")
 
 

@@ -66,10 +66,11 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     with ``COMM_WORLD`` all mean "every rank of the job". A subset of ranks
     raises ``NotImplementedError`` (use process sets instead).
     ``process_sets``: ``ProcessSet`` objects to register now (see
-    ``dp_plugin.process_sets``), or ``"dynamic"``.
+    ``dp_plugin.process_sets``), or ``"dynamic"``; under the horovod engine,
+    sets can be added later only if it is not None (Horovod's rule).
     """
     _check_comm(comm)
-    eng = runtime.init()
+    eng = runtime.init(process_sets=process_sets is not None)
     _timeline.open_from_config(eng)
     _process_sets.setup(process_sets, "dp_plugin.torch")
 

@@ -35,8 +35,12 @@ Broadcast and all-gather move bfloat16 as its int16 bit pattern (exact).
 above with kernels (others go through the all-reduce). ``subgroup`` is a
 Horovod process set (``hvd.add_process_set``, collective over all Horovod
 ranks; collectives then pass ``process_set=``), which needs
-HOROVOD_DYNAMIC_PROCESS_SETS=1 at ``hvd.init()``: the engine sets it when it
-initializes Horovod itself. Only the job-wide engine can add process sets.
+HOROVOD_DYNAMIC_PROCESS_SETS=1 at ``hvd.init()``. The engine sets it when it
+initializes Horovod itself and the program asked for process sets
+(``Config.process_sets``: ``hvd.init(process_sets="dynamic")`` or a list),
+as Horovod's own ``init`` does: with it, Horovod checks for new sets in
+every background cycle, 4-9% of a step (BENCHMARKS.md). Only the job-wide
+engine can add process sets.
 It also sets HOROVOD_CYCLE_TIME (``DEFAULT_CYCLE_TIME_MS``) unless the user
 did: a longer background cycle suits the few large collectives dp_plugin
 starts per step.
@@ -169,11 +173,12 @@ class HorovodEngine(Engine):
         self._owns_init = not hvd.is_initialized()
         if self._owns_init:
             # Horovod reads HOROVOD_DYNAMIC_PROCESS_SETS once, inside
-            # hvd.init(); without it hvd.add_process_set (our ``subgroup``,
-            # the adapter's add_process_set) fails for the rest of the run.
-            # Process sets cannot be known before init, so enable them
-            # unless the user said otherwise.
-            os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+            # hvd.init(); without it hvd.add_process_set (our ``subgroup``)
+            # fails for the rest of the run, with it every cycle pays a check.
+            # Enable it when asked, as hvd.init(process_sets="dynamic") does;
+            # a user's HOROVOD_DYNAMIC_PROCESS_SETS=1 works on its own.
+            if config.process_sets:
+                os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
             # dp_plugin hands Horovod a few large, pre-fused collectives per
             # step: Horovod's 1 ms background cycle only steals cores from
             # backward (BENCHMARKS.md); a user's HOROVOD_CYCLE_TIME wins.

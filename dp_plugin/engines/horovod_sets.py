@@ -32,11 +32,13 @@ def process_set_of(engine: Any, members: tuple[int, ...], what: str) -> Any:
             # Every rank gets the same refusal (e.g. dynamic process sets off).
             raise DPPluginError(
                 f"{what}: Horovod refused to add a process set of ranks {list(members)}: "
-                f"{str(exc).rstrip('.')}. Horovod adds process sets after hvd.init() only if "
-                "HOROVOD_DYNAMIC_PROCESS_SETS=1 was set when it was initialized; dp_plugin "
-                "sets it unless the variable is already set (it is "
-                f"{os.environ.get('HOROVOD_DYNAMIC_PROCESS_SETS')!r}) or Horovod was "
-                "initialized by someone else"
+                f"{str(exc).rstrip('.')}. Under the horovod engine, process sets must be "
+                "asked for when Horovod starts, as in Horovod: call "
+                "hvd.init(process_sets='dynamic') (or pass the sets, "
+                "hvd.init(process_sets=[hvd.ProcessSet([...])])) on every rank, or set "
+                "HOROVOD_DYNAMIC_PROCESS_SETS=1 before hvd.init() (it is "
+                f"{os.environ.get('HOROVOD_DYNAMIC_PROCESS_SETS')!r}); dp_plugin does not "
+                "enable them unasked because Horovod then checks for new sets in every cycle"
             ) from exc
         process_set = _registered(members)
     engine._added_sets[members] = process_set

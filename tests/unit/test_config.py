@@ -26,6 +26,7 @@ def test_defaults_from_an_empty_environment() -> None:
     assert config.timeline is None
     assert config.timeout_s == DEFAULT_TIMEOUT_S > 0
     assert config.rebuild_buckets is True
+    assert config.process_sets is False  # the horovod engine's dynamic sets stay off
 
 
 def test_unrelated_variables_are_ignored() -> None:
@@ -203,6 +204,7 @@ def test_bad_values_raise_config_error_naming_the_variable(env: dict[str, str],
 
 @pytest.mark.parametrize(("kwargs", "word"), [
     ({"rebuild_buckets": "no"}, "rebuild_buckets"),  # was silently truthy
+    ({"process_sets": "dynamic"}, "process_sets"),
     ({"timeline": 3}, "timeline"),
     ({"timeout_s": 10 ** 400}, "timeout_s"),  # was an OverflowError from float()
     ({"fusion_threshold": 1 << 50}, "fusion_threshold"),
@@ -251,3 +253,24 @@ def test_gradient_as_bucket_view_can_be_turned_off() -> None:
         Config(gradient_as_bucket_view=1)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"first_bucket_threshold.*got 0"):
         Config(first_bucket_threshold=0)
+
+
+def test_runtime_init_records_a_request_for_process_sets(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``init(process_sets=...)`` reaches the engine's Config (the horovod engine
+    enables dynamic sets only then); a plain init leaves it off."""
+    from dp_plugin import runtime
+
+    seen: list[Config] = []
+
+    def fake_create(name: str, topo: object, config: Config) -> object:
+        seen.append(config)
+        return object()
+
+    monkeypatch.setattr("dp_plugin.engines.create_engine", fake_create)
+    for asked in (False, True):
+        monkeypatch.setattr(runtime, "_engine", None)
+        runtime.init(Config(engine="local"), env={}, process_sets=asked)
+        assert seen[-1].process_sets is asked
+        assert seen[-1].engine == "local"
+    monkeypatch.setattr(runtime, "_engine", None)

@@ -331,7 +331,8 @@ class Ctx(NamedTuple):
 def start(args: argparse.Namespace) -> Ctx:
     os.environ["DP_PLUGIN_ENGINE"] = args.engine
     # The process-set API runs on the runtime's engine.
-    return Ctx(runtime.init(), args.nested)
+    # Under the horovod engine, subgroups need Horovod's dynamic process sets.
+    return Ctx(runtime.init(process_sets=args.case == "subgroups_process_sets"), args.nested)
 
 
 def case_alltoall_reducescatter(ctx: Ctx) -> None:

@@ -60,4 +60,4 @@ CASES = {"mpi_split": case_mpi_split, "hvd_add_process_set": case_hvd_add_proces
 
 
 if __name__ == "__main__":
-    run_cases(CASES, setup=lambda _: runtime.init())
+    run_cases(CASES, setup=lambda _: runtime.init(process_sets=True))

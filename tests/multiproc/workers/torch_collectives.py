@@ -35,6 +35,7 @@ import torch
 from _fail_fast import run_cases
 
 import dp_plugin.torch.ops as ops
+from dp_plugin.errors import DPPluginError
 from dp_plugin.process_sets import add_process_set, remove_process_set
 from dp_plugin.torch.agreement import DuplicateNameError, MismatchError
 from dp_plugin.torch.autograd_ops import (
@@ -421,6 +422,23 @@ def check_process_sets() -> None:
     remove_process_set(pset)
 
 
+def check_sets_not_asked_for(engine: str) -> None:
+    """Sets after a plain init(): refused on every rank under the horovod engine
+    (as in Horovod: dynamic sets cost every cycle), added by every other engine."""
+    members = list(range(SIZE - 1)) or [0]
+    if engine == "horovod":
+        expect_everywhere("sets not asked for", DPPluginError,
+                          r"hvd\.init\(process_sets='dynamic'\)",
+                          lambda: add_process_set(members))
+    else:
+        pset = add_process_set(members)
+        if RANK in members:
+            close("unasked set", allreduce(torch.ones(2), op=ops.Sum, process_set=pset),
+                  torch.full((2,), float(len(members))))
+        remove_process_set(pset)
+    close("global after", allreduce(torch.ones(1), op=ops.Sum), torch.full((1,), float(SIZE)))
+
+
 def case_collectives(_: object) -> None:
     check_allreduce()
     check_grouped_and_compression()
@@ -434,14 +452,17 @@ CASES = {
     "collectives": case_collectives,
     "autograd": lambda _: check_autograd(),
     "mistakes": lambda _: check_mistakes(),
+    "sets_not_asked_for": lambda args: check_sets_not_asked_for(args.engine),
 }
+ASKS_FOR_SETS = {"collectives"}
 
 
-def start(args: argparse.Namespace) -> None:
+def start(args: argparse.Namespace) -> argparse.Namespace:
     global RANK, SIZE
     os.environ["DP_PLUGIN_ENGINE"] = args.engine
-    hvd_init()
+    hvd_init(process_sets="dynamic" if args.case in ASKS_FOR_SETS else None)
     RANK, SIZE = hvd_rank(), hvd_size()
+    return args
 
 
 if __name__ == "__main__":
