@@ -3,9 +3,12 @@
 Times the engine's all-reduce of one float32 buffer per size (a barrier
 before each repetition, median of the repetitions), then, per model shape
 list, the fused all-reduce of every gradient through ``GradientScheduler``
-(default fusion threshold, averaging, as a training step does) against one
-raw all-reduce of the same bytes. Rank 0 prints ``PROGRESS`` after each item
-and one ``RESULT {json}`` line at the end.
+(default fusion threshold, averaging, as a training step does; with the
+gradients as separate tensors, then as views of the fusion buffer, the
+``DistributedOptimizer`` default) against one raw all-reduce of the same
+bytes and, under the horovod engine, Horovod's own ``grouped_allreduce``.
+Rank 0 prints ``PROGRESS`` after each item and one ``RESULT {json}`` line at
+the end.
 
     python -m dp_plugin.cli.bench_worker --sizes 4096,65536 --reps 10 --warmup 2
 """
@@ -51,22 +54,36 @@ def _fused(engine: Any, model: str, reps: int, warmup: int) -> dict[str, Any]:
     specs = [TensorSpec.of(f"g{i}", g) for i, g in enumerate(grads)]
     sched = GradientScheduler(specs, engine=engine, op="average", name=f"bench_{model}")
 
-    def step() -> None:
-        for i in reversed(range(len(grads))):
-            sched.mark_ready(i, grads[i])
+    def step(tensors: list[Any]) -> None:
+        for i in reversed(range(len(tensors))):
+            sched.mark_ready(i, tensors[i])
         sched.synchronize()
 
     time_it = median_timer(engine)
     nbytes = sum(4 * g.numel() for g in grads)
-    step()  # the plan settles from the observed ready order
-    fused = time_it(step, reps, warmup)
+    step(grads)  # the plan settles from the observed ready order
+    fused = time_it(lambda: step(grads), reps, warmup)
+    # DistributedOptimizer's default: gradients live in the fusion buffer.
+    views = [sched.view_for(i, g) for i, g in enumerate(grads)]
+    for view in views:
+        view.fill_(1.0)
+    fused_views = time_it(lambda: step(views), reps, warmup)
     buckets = len(sched.plan)
     sched.close()
+    views.clear()
+    result = {"model": model, "bytes": nbytes, "tensors": len(specs), "buckets": buckets,
+              "fused_s": fused, "fused_views_s": fused_views}
+    if engine.name == "horovod":  # Horovod's own answer to the same list
+        import horovod.torch as hvd
+
+        result["horovod_grouped_s"] = time_it(
+            lambda: hvd.grouped_allreduce(grads, op=hvd.Average, name=f"hvd_{model}"),
+            reps, warmup)
     grads.clear()  # free them before the raw buffer of the same size
     raw = torch.ones(nbytes // 4)
-    raw_s = time_it(lambda: engine.allreduce_async(raw, "sum", name="raw").wait(), reps, warmup)
-    return {"model": model, "bytes": nbytes, "tensors": len(specs), "buckets": buckets,
-            "fused_s": fused, "raw_s": raw_s}
+    result["raw_s"] = time_it(lambda: engine.allreduce_async(raw, "sum", name="raw").wait(),
+                              reps, warmup)
+    return result
 
 
 def worker(sizes: list[int], reps: int, warmup: int, models: list[str]) -> None:

@@ -48,12 +48,19 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {human(size)} | " + " | ".join(cells + extra) + " |")
     lines.append("\nBandwidths in GB/s (10^9 bytes/s); busbw = algbw x 2(n-1)/n.")
     if result["models"]:
-        lines += ["", "| model | engine | workers | gradients | buckets | fused | raw (same "
-                  "bytes) | fused busbw / raw busbw |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+        lines += ["", "| model | engine | workers | gradients | buckets | fused (copies) "
+                  "| fused (views) | raw (same bytes) | busbw fused (views) / raw | Horovod "
+                  "grouped_allreduce | Horovod grouped / fused (views) |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for m in result["models"]:
+            views = m.get("fused_views_s", m["fused_s"])
+            grouped = m.get("horovod_grouped_s")
+            tail = ([f"{grouped * 1e3:.1f} ms", f"{grouped / views:.2f}"] if grouped
+                    else ["-", "-"])
             lines.append(f"| {m['model']} | {m['engine']} | {m['size']} | {m['tensors']} "
                          f"({human(m['bytes'])}) | {m['buckets']} | {m['fused_s'] * 1e3:.1f} ms "
-                         f"| {m['raw_s'] * 1e3:.1f} ms | {m['raw_s'] / m['fused_s']:.2f} |")
+                         f"| {views * 1e3:.1f} ms | {m['raw_s'] * 1e3:.1f} ms "
+                         f"| {m['raw_s'] / views:.2f} | " + " | ".join(tail) + " |")
     for name, why in result.get("skipped", {}).items():
         lines.append(f"\nNot run: {name} ({why}).")
     return "\n".join(lines) + "\n"
