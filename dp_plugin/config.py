@@ -153,6 +153,14 @@ class Config:
                 "DP_PLUGIN_JOB_SECRET=$(openssl rand -hex 16), the same on every rank"
             )
 
+    def bucket_caps(self, fusion_threshold: int | None = None) -> tuple[int, int | None]:
+        """(bucket cap, first bucket cap) in bytes: a caller's explicit
+        ``fusion_threshold`` applies to every bucket; the configured one comes
+        with the configured (small) first bucket."""
+        if fusion_threshold is None:
+            return self.fusion_threshold, self.first_bucket_threshold
+        return fusion_threshold, None
+
     def _check_autotune(self) -> None:
         if not isinstance(self.autotune, bool):
             raise ConfigError(f"autotune must be True or False, got {self.autotune!r}")

@@ -172,11 +172,20 @@ def _check_threshold(what: str, threshold: object) -> None:
         )
 
 
-def _check_unique_names(specs: Sequence[TensorSpec]) -> None:
-    seen: dict[str, int] = {}
+def checked_specs(specs: Sequence[Any]) -> tuple[TensorSpec, ...]:
+    """``specs`` as a tuple; a ``TypeError`` names the first that is not a ``TensorSpec``."""
     for i, spec in enumerate(specs):
         if not isinstance(spec, TensorSpec):
-            raise TypeError(f"specs[{i}] must be a TensorSpec, got {type(spec).__name__}")
+            raise TypeError(
+                f"specs[{i}] must be a dp_plugin.fusion.TensorSpec, got "
+                f"{type(spec).__name__}; build them with TensorSpec.of(name, tensor)"
+            )
+    return tuple(specs)
+
+
+def _check_unique_names(specs: Sequence[TensorSpec]) -> None:
+    seen: dict[str, int] = {}
+    for i, spec in enumerate(checked_specs(specs)):
         if spec.name in seen:
             raise ValueError(
                 f"tensor name {spec.name!r} is registered twice (positions {seen[spec.name]} "

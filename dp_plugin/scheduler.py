@@ -22,7 +22,7 @@ from dp_plugin.collective import FusedCollective
 from dp_plugin.compression import Compressor
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import DPPluginError
-from dp_plugin.fusion import TensorSpec, default_order
+from dp_plugin.fusion import TensorSpec, checked_specs, default_order
 from dp_plugin.hooks import CommHook, ReducePolicy
 from dp_plugin.step_state import StepState
 from dp_plugin.timeline import StatsHistory, open_timeline
@@ -115,40 +115,31 @@ class GradientScheduler:
             from dp_plugin import runtime
 
             engine = runtime.engine()
-        self.engine = engine
-        self.name = name
-        self.specs: tuple[TensorSpec, ...] = _checked_specs(name, specs)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty string, got {name!r}")
+        self.engine, self.name, config = engine, name, engine.config
+        self.specs: tuple[TensorSpec, ...] = checked_specs(specs)
         passes = check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)
         self.backward_passes_per_step = passes
-        policy = ReducePolicy.make(
-            op, engine.size, [(s.name, s.dtype) for s in self.specs],
-            predivide=gradient_predivide_factor, prescale=prescale_factor,
-            postscale=postscale_factor,
-        )
+        policy = ReducePolicy.make(op, engine.size, [(s.name, s.dtype) for s in self.specs],
+                                   predivide=gradient_predivide_factor,
+                                   prescale=prescale_factor, postscale=postscale_factor)
         self.op = policy.op
-        # An explicit threshold is used for every bucket; the configured one
-        # comes with the configured (small) first bucket.
-        threshold, first = (engine.config.fusion_threshold,
-                            engine.config.first_bucket_threshold) \
-            if fusion_threshold is None else (fusion_threshold, None)
-        self.rebuild_buckets = bool(engine.config.rebuild_buckets)
-        self._timeline = (
-            open_timeline(engine.config.timeline, engine.rank,
-                          engine.config.timeline_max_bytes) if timeline is None else timeline
-        )
+        threshold, first = config.bucket_caps(fusion_threshold)
+        self.rebuild_buckets = bool(config.rebuild_buckets)
+        self._timeline = timeline if timeline is not None else open_timeline(
+            config.timeline, engine.rank, config.timeline_max_bytes)
         self.fused = FusedCollective(
             self.specs, engine=engine, name=name, threshold=threshold, first_threshold=first,
-            policy=policy,
-            compression=compression, hook=hook, control_numel=control_numel,
+            policy=policy, compression=compression, hook=hook, control_numel=control_numel,
             settings={"backward_passes_per_step": passes,
                       "rebuild_buckets": self.rebuild_buckets, **(settings or {}),
-                      "DP_PLUGIN_AUTOTUNE": agreement_setting(engine.config, autotune)},
+                      "DP_PLUGIN_AUTOTUNE": agreement_setting(config, autotune)},
             timeline=self._timeline, array_ops=array_ops,
             what=f"tensors of scheduler {name!r}",
         )
         self.compressor = self.fused.compressor
         self.fusion_threshold = threshold
-        config = engine.config
         self.autotuner = Autotuner.of(config, threshold) if autotune else None
         """Measures bucket sizes during the first steps (``autotune=True``), else None."""
         self._order = default_order(len(self.specs))
@@ -390,14 +381,3 @@ class GradientScheduler:
         self.fused.guard(share)
         return to_host(buf)
 
-
-def _checked_specs(name: Any, specs: Sequence[Any]) -> tuple[TensorSpec, ...]:
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a non-empty string, got {name!r}")
-    for i, spec in enumerate(specs):
-        if not isinstance(spec, TensorSpec):
-            raise TypeError(
-                f"specs[{i}] must be a dp_plugin.fusion.TensorSpec, got "
-                f"{type(spec).__name__}; build them with TensorSpec.of(name, tensor)"
-            )
-    return tuple(specs)

@@ -274,3 +274,10 @@ def test_runtime_init_records_a_request_for_process_sets(
         assert seen[-1].process_sets is asked
         assert seen[-1].engine == "local"
     monkeypatch.setattr(runtime, "_engine", None)
+
+
+def test_bucket_caps_keep_the_small_first_bucket_only_for_the_configured_threshold() -> None:
+    config = Config()
+    assert config.bucket_caps() == (DEFAULT_FUSION_THRESHOLD, DEFAULT_FIRST_BUCKET_THRESHOLD)
+    assert config.bucket_caps(4096) == (4096, None)  # a caller's explicit threshold
+    assert Config(first_bucket_threshold=None).bucket_caps() == (DEFAULT_FUSION_THRESHOLD, None)

@@ -171,7 +171,7 @@ def test_duplicate_names_are_rejected() -> None:
 
 
 def test_specs_must_be_tensor_specs() -> None:
-    with pytest.raises(TypeError, match=r"specs\[0\] must be a TensorSpec"):
+    with pytest.raises(TypeError, match=r"specs\[0\] must be a dp_plugin.fusion.TensorSpec"):
         plan_buckets([("w", (1,), "float32")], 100)  # type: ignore[list-item]
 
 
