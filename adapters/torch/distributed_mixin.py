@@ -20,13 +20,13 @@ from typing import Any
 import torch
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import DPPluginError
+from dp_plugin.process_sets import ProcessSet
 from dp_plugin.timeline import StatsHistory
 from dp_plugin.torch.finite import SkippedStep
 from dp_plugin.torch.misuse import check_open, check_requires_grad, unfrozen
 from dp_plugin.torch.optimizer_args import default_name
 from dp_plugin.torch.optimizer_control import SynchronizationError, _ControlSlotMixin
 from dp_plugin.torch.optimizer_state import OptimizerState, build_reducer
-from dp_plugin.torch.process_sets import ProcessSet
 from dp_plugin.validate import check_int
 
 _RACE_MESSAGE = (
