@@ -156,8 +156,9 @@ class DistributedCallback(BroadcastGlobalVariablesCallback):
     each ``fit`` it:
 
     1. installs the cross-worker gradient reduction into ``model.optimizer``
-       (the compiled train step is rebuilt if it was traced without it);
-       the replicas of a ``MirroredStrategy`` are first summed in-process,
+       (the compiled train step is rebuilt if it was traced without it; with
+       ``jit_compile=True`` it is split around the reduction so that XLA is
+       kept, see ``xla_split``); the replicas of a ``MirroredStrategy`` are first summed in-process,
        then one all-reduce per fusion bucket runs per worker, through the
        core (same engines, fusion and configuration as PyTorch);
     2. broadcasts the weights and the optimizer state from ``root_rank``.

@@ -275,6 +275,7 @@ def relocate_to_loss_scale_optimizer(optimizer: Any) -> bool:
         optimizer, hook.bridge, owner=hook.owner,
         backward_passes_per_step=hook.backward_passes_per_step,
         average_aggregated_gradients=hook.average_aggregated_gradients,
+        sparse_as_dense=hook.sparse_as_dense,
     )
     install(optimizer, moved)
     return True
