@@ -16,6 +16,9 @@ Configurations:
   floor         2 independent processes without the plugin, per-worker batch
                 each: the compute the workers do, with no communication;
   floor+xla     the same with ``jit_compile=True``;
+  solo, solo+xla  the floor's 2 independent processes, each with
+                ``DistributedCallback`` at world size 1 (local engine): the
+                bridge (and the split step) without communication;
   mwms          TensorFlow's own way: 2 workers under
                 ``MultiWorkerMirroredStrategy`` (TF_CONFIG on localhost),
                 ``model.fit`` on a distributed dataset. Since TF 2.16 (Keras 3)
@@ -49,7 +52,7 @@ from _launch import Job, clean_env, free_port, mpiexec_job, run_jobs, torchrun_j
 FEATURES, HIDDEN, CLASSES = 512, 1024, 10
 BATCH = 64  # per worker
 CONFIGS = ("dp_plugin", "dp_plugin+xla", "dp_plugin@mpi", "single", "floor", "floor+xla",
-           "mwms")
+           "solo", "solo+xla", "mwms")
 MWMS_TIMEOUT = 180.0
 
 
@@ -108,13 +111,13 @@ def worker(config: str, steps: int, warmup: int, threads: int) -> None:
     tf.config.threading.set_inter_op_parallelism_threads(max(2, threads))
     import keras
 
-    distributed = config.startswith("dp_plugin")
+    distributed = config.startswith(("dp_plugin", "solo"))
     rank, size = int(os.environ.get("BENCH_INDEX", "0")), 1
     if distributed:
         import dp_plugin.tensorflow as dp
 
         dp.init()
-        rank, size = dp.rank(), dp.size()
+        rank, size = rank + dp.rank(), dp.size()
     batch = BATCH * (2 if config == "single" else 1)
     keras.utils.set_random_seed(rank)
     rng = np.random.default_rng(rank)
@@ -191,7 +194,9 @@ def launch(config: str, nprocs: int, steps: int, warmup: int, timeout: float) ->
         jobs = torchrun_jobs(me(1), nprocs, dict(env, DP_PLUGIN_ENGINE="gloo"))
     elif config == "single":
         jobs = [(me(nprocs), env)]
-    else:  # floor, floor+xla
+    else:  # floor, floor+xla, solo, solo+xla
+        if config.startswith("solo"):
+            env = dict(env, DP_PLUGIN_ENGINE="local")
         jobs = [(me(1), dict(env, BENCH_INDEX=str(i))) for i in range(nprocs)]
     return run_jobs(config, jobs, timeout)
 
@@ -244,6 +249,7 @@ def main() -> None:
 
 
 def _floor_of(config: str, medians: dict[str, float]) -> float | None:
+    """The floor row a row is compared with: the one with the same XLA setting."""
     return medians.get("floor+xla" if config.endswith("+xla") else "floor")
 
 
