@@ -166,3 +166,21 @@ def test_tape_results_survive_the_next_step() -> None:
     second = grads(5.0)
     assert np.array_equal(first.numpy(), [1.0, 1.0, 1.0])
     assert np.array_equal(second.numpy(), [5.0, 5.0, 5.0])
+
+
+def test_jit_with_mixed_precision_loss_scaling() -> None:
+    """The LossScaleOptimizer's apply (unscale, finiteness check, update) runs in the
+    XLA apply part; the scale evolves as without XLA."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        plain, jit = compiled(False), compiled(True)
+        assert isinstance(jit.optimizer, keras.optimizers.LossScaleOptimizer)
+        fit(plain, [dp.DistributedCallback()])
+        fit(jit, [dp.DistributedCallback()])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert jit.jit_compile is True and is_split(jit)
+    assert int(jit.optimizer.iterations) == int(plain.optimizer.iterations) == 2 * STEPS
+    assert float(jit.optimizer.dynamic_scale) == float(plain.optimizer.dynamic_scale)
+    for wa, wb in zip(jit.get_weights(), plain.get_weights(), strict=True):
+        np.testing.assert_allclose(wa, wb, atol=1e-3, rtol=0)
