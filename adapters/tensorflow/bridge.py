@@ -2,20 +2,31 @@
 
 ``GradientBridge.reduce(grads, labels)`` is called while a train step is
 built (inside ``tf.function``, or eagerly). It adds one ``tf.numpy_function``
-op that receives the gradients as numpy arrays (inside ``tf.function``,
-views of TensorFlow's own buffers: no copy), copies each into its slice of
-the scheduler's fusion
-buffer, marks it ready (complete buckets start their all-reduce while later
-ones are still being packed), waits in ``synchronize()`` and returns the
-reduced gradients in fresh arrays that TensorFlow adopts without another copy.
+op per fusion bucket of the scheduler's plan, in bucket order (the last
+layers' gradients first), and one op that finishes the step:
+
+- a bucket's op receives its gradients as numpy arrays (inside
+  ``tf.function``, views of TensorFlow's own buffers: no copy), copies each
+  into its slice of the fusion buffer and marks it ready, which starts the
+  bucket's all-reduce and returns at once. TensorFlow's executor runs it as
+  soon as those gradients exist, so the all-reduce of the last layers
+  overlaps the backward pass of the first ones;
+- the finishing op waits in ``synchronize()`` and returns the reduced
+  gradients: the fusion buffer's own slices (64-byte aligned, so TensorFlow
+  adopts them without a copy) when the caller consumes them before the next
+  step (``results_alias_buffers=True``, the optimizer's hook), else fresh
+  aligned copies (the tape, whose caller may keep the gradients).
+
 Fusion, compression, engines, scaling and the first-step layout check are the
-core's, shared with PyTorch.
+core's, shared with PyTorch. Stateful ops run in creation order inside a
+``tf.function``, so every rank marks and launches the buckets in the same
+order.
 
 Where replicas come in (``tf.distribute.MirroredStrategy`` with several
 devices in this process): in replica context the local replicas' gradients
 are first summed in-process with ``ReplicaContext.all_reduce`` (what Keras's
 optimizer does itself), then a ``merge_call`` switches to cross-replica
-context, where the numpy op runs *once per worker* on that sum: one
+context, where the numpy ops run *once per worker* on that sum: one
 cross-worker all-reduce per fusion bucket, not one per replica. The result
 goes back to the first replica and zeros to the others, because Keras's
 TensorFlow optimizer sums the replicas' gradients again inside ``apply()``
@@ -28,7 +39,7 @@ and the scaling (average, predivide) is the same arithmetic everywhere; the
 gradient applied next is therefore bitwise equal on all ranks, and so are
 the weights, given equal starting state (the callbacks broadcast it).
 
-Distributed contract: the numpy op is a collective. Every rank must run the
+Distributed contract: the numpy ops are collectives. Every rank must run the
 same steps with gradients of the same shapes, dtypes and order; a new layout
 is checked when the step is traced (``LayoutMismatchError`` on every rank,
 before any step runs). Bridges are named in creation order ("keras0",
@@ -49,6 +60,7 @@ import numpy as np
 
 import tensorflow as tf
 from dp_plugin import agreement, runtime
+from dp_plugin.arrays import NumpyOps, numpy_dtype
 from dp_plugin.compression import Compressor
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.fusion import TensorSpec
@@ -73,7 +85,9 @@ class GradientBridge:
     ``name`` prefixes the collectives' names and must be the same on every
     rank. One ``GradientScheduler`` is made per distinct gradient layout, on
     first use (so ``dp_plugin.init()`` must have run by the time a step is
-    traced).
+    traced). ``results_alias_buffers``: return the fusion buffer's slices
+    instead of copies (see the module docstring); only for a caller that
+    consumes the reduced gradients before the next step starts.
     """
 
     def __init__(
@@ -83,17 +97,20 @@ class GradientBridge:
         compression: Compressor,
         gradient_predivide_factor: float = 1.0,
         name: str,
+        results_alias_buffers: bool = False,
     ) -> None:
         self.op = op
+        self.results_alias_buffers = bool(results_alias_buffers)
         self.compression = compression
         self.gradient_predivide_factor = gradient_predivide_factor
         self.name = name
         self._schedulers: dict[tuple[TensorSpec, ...], GradientScheduler] = {}
         self._lock = threading.Lock()
         self.calls = 0
-        """Completed or failed numpy callbacks (one per worker per step)."""
+        """Completed or failed steps (finishing numpy callbacks; one per worker per step)."""
         self.seconds = 0.0
-        """Wall time spent inside the numpy callback (pack, all-reduce, unpack)."""
+        """Wall time spent inside the numpy callbacks (pack and launch, waiting for the
+        all-reduce, handing the results back)."""
         self.error: BaseException | None = None
         """The first exception raised inside the callback (TensorFlow re-wraps it)."""
 
@@ -125,13 +142,13 @@ class GradientBridge:
         sched = self._scheduler(self._specs(tensors, labels))
         ctx = tf.distribute.get_replica_context()
         if ctx is None or ctx.num_replicas_in_sync == 1:
-            return self._exchange_op(sched, tensors)
+            return self._exchange_ops(sched, tensors)
         local_sum = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tensors)
 
         def once_per_worker(strategy: Any, *summed: Any) -> Any:
             # Every replica's value is the same local sum: take the first.
             first = [strategy.experimental_local_results(v)[0] for v in summed]
-            reduced = self._exchange_op(sched, first)
+            reduced = self._exchange_ops(sched, first)
             return strategy.experimental_distribute_values_from_function(
                 lambda rctx: reduced
                 if rctx.replica_id_in_sync_group == 0
@@ -171,6 +188,7 @@ class GradientBridge:
                     gradient_predivide_factor=self.gradient_predivide_factor,
                     name=self.name if k == 0 else f"{self.name}.{k}",
                     autotune=engine.config.autotune,
+                    array_ops=AlignedNumpyOps(),
                 )
                 # Checked now, while the step is traced, so that different models
                 # fail here with LayoutMismatchError itself on every rank, before any
@@ -183,13 +201,18 @@ class GradientBridge:
                 self._schedulers[specs] = sched
             return sched
 
-    def _exchange_op(self, sched: GradientScheduler, tensors: Sequence[Any]) -> list[Any]:
+    def _exchange_ops(self, sched: GradientScheduler, tensors: Sequence[Any]) -> list[Any]:
+        """One launching op per bucket of the current plan, then the finishing op."""
+        tokens = []
+        for bucket in sched.plan:
+            members = list(bucket.members)
+            tokens.append(tf.numpy_function(
+                functools.partial(self._launch, sched, members),
+                [tensors[i] for i in members], tf.int32, stateful=True,
+                name="dp_plugin_launch"))
         outs = tf.numpy_function(
-            functools.partial(self._exchange, sched),
-            list(tensors),
-            [t.dtype for t in tensors],
-            stateful=True,
-            name="dp_plugin_allreduce",
+            functools.partial(self._finish, sched), tokens, [t.dtype for t in tensors],
+            stateful=True, name="dp_plugin_allreduce",
         )
         if not isinstance(outs, list | tuple):  # eagerly, one output comes back bare
             outs = [outs]
@@ -198,41 +221,64 @@ class GradientBridge:
         return list(outs)
 
     # -- running the step -------------------------------------------------------
-    def _exchange(self, sched: GradientScheduler, *arrays: np.ndarray) -> list[np.ndarray]:
-        """The numpy callback: pack, all-reduce (via the scheduler), unpack.
+    def _launch(self, sched: GradientScheduler, members: list[int],
+                *arrays: np.ndarray) -> np.ndarray:
+        """A bucket's numpy callback: copy its gradients into the fusion buffer and mark
+        them ready (the scheduler starts the all-reduce of every complete bucket).
 
         ``arrays`` may be views of TensorFlow's own buffers: they are only read.
         """
         start = time.perf_counter()
         try:
-            views = [sched.view_for(i, like=a) for i, a in enumerate(arrays)]
-            # Backward produces the last layers' gradients first, and the
-            # default plan puts them in the first buckets: marking in that
-            # order launches each bucket as soon as it is packed.
-            for i in reversed(range(len(arrays))):
-                np.copyto(views[i], arrays[i], casting="no")
-                sched.mark_ready(i, views[i])
-            sched.synchronize()
-            return [_adoptable_copy(v) for v in views]
+            for i, array in zip(members, arrays, strict=True):
+                view = sched.view_for(i, like=array)
+                np.copyto(view, array, casting="no")
+                sched.mark_ready(i, view)
+            return np.array(len(members), dtype=np.int32)
         except BaseException as exc:
-            if self.error is None:
-                self.error = exc
+            self._failed(exc)
+            raise
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _finish(self, sched: GradientScheduler, *tokens: Any) -> list[np.ndarray]:
+        """The step's last numpy callback: wait for every bucket, return the results."""
+        start = time.perf_counter()
+        try:
+            reduced = sched.synchronize()
+            if self.results_alias_buffers:
+                return list(reduced)
+            return [_adoptable_copy(r) for r in reduced]
+        except BaseException as exc:
+            self._failed(exc)
             raise
         finally:
             self.calls += 1
             self.seconds += time.perf_counter() - start
 
+    def _failed(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+
+
+class AlignedNumpyOps(NumpyOps):
+    """Numpy buffers on 64-byte boundaries: TensorFlow adopts a returned slice that
+    starts on one without copying it (an unaligned one it copies again)."""
+
+    def empty(self, numel: int, dtype: str, device: str) -> np.ndarray:
+        super().empty(0, dtype, device)  # the device check
+        return _aligned_empty(numel, np.dtype(numpy_dtype(dtype)))
+
+
+def _aligned_empty(numel: int, dtype: np.dtype) -> np.ndarray:
+    raw = np.empty(numel * dtype.itemsize + 64, dtype=np.uint8)
+    offset = -raw.ctypes.data % 64
+    return raw[offset : offset + numel * dtype.itemsize].view(dtype)
+
 
 def _adoptable_copy(src: np.ndarray) -> np.ndarray:
-    """A copy of ``src`` in fresh 64-byte-aligned memory.
-
-    TensorFlow adopts an aligned array returned by a numpy op without copying
-    it (an unaligned one is copied again); fresh memory is needed because the
-    adopted array must not be touched afterwards, and the fusion buffer is
-    reused by the next step.
-    """
-    raw = np.empty(src.nbytes + 64, dtype=np.uint8)
-    offset = -raw.ctypes.data % 64
-    out = raw[offset : offset + src.nbytes].view(src.dtype).reshape(src.shape)
+    """A copy of ``src`` in fresh 64-byte-aligned memory (adopted by TensorFlow
+    without another copy; fresh because the fusion buffer is reused next step)."""
+    out = _aligned_empty(src.size, src.dtype).reshape(src.shape)
     np.copyto(out, src)
     return out

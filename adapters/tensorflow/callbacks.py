@@ -30,6 +30,7 @@ from dp_plugin.tensorflow.compat import check_keras, check_strategy
 from dp_plugin.tensorflow.metric_average import MetricAverageCallback
 from dp_plugin.tensorflow.ops import Average, Compression, parse_compression, parse_gradient_op
 from dp_plugin.tensorflow.optimizer import (
+    DistributedApply,
     check_passes,
     check_predivide,
     find_hook,
@@ -37,6 +38,12 @@ from dp_plugin.tensorflow.optimizer import (
     make_hook,
     relocate_to_loss_scale_optimizer,
     uninstall,
+)
+from dp_plugin.tensorflow.xla_split import (
+    can_split,
+    install_split_train_function,
+    is_split,
+    is_split_for,
 )
 from dp_plugin.validate import check_int
 
@@ -56,18 +63,35 @@ def _checked_model(model: Any, who: str) -> Any:
     return model
 
 
-def _disable_xla(model: Any, who: str) -> bool:
-    """XLA cannot compile the numpy bridge: train without it. True if it was on."""
-    if not model.jit_compile:
-        return False
+def _disable_xla(model: Any, who: str) -> None:
+    """XLA cannot compile the numpy bridge, and this model's step cannot be split
+    (``xla_split.can_split``): train without XLA."""
     warnings.warn(
-        f"{who}: turning off jit_compile (XLA) for model {model.name!r}: XLA cannot compile "
-        "the cross-worker reduction (a tf.numpy_function). Pass jit_compile=False to "
-        "compile() to silence this warning",
+        f"{who}: turning off jit_compile (XLA) for model {model.name!r}: its train step "
+        f"runs {model.distribute_strategy.num_replicas_in_sync} replicas, whose gradients are "
+        "summed between the parts XLA would compile, and XLA cannot compile the "
+        "cross-worker reduction (a tf.numpy_function). Pass jit_compile=False to compile() "
+        "to silence this warning",
         stacklevel=3,
     )
     model.jit_compile = False
-    return True
+
+
+def _rebuild_train_function(model: Any, hook: DistributedApply | None, changed: bool,
+                            who: str) -> None:
+    """Make ``model.train_function`` contain the reduction (``changed``: the hook was
+    (re)installed since it was built). With ``jit_compile`` the step is split around
+    the reduction (``xla_split``) so that XLA is kept; else it is rebuilt as Keras
+    builds it."""
+    if hook is not None and model.jit_compile:
+        if can_split(model):
+            if changed or not is_split_for(model, hook):
+                install_split_train_function(model, hook)
+            return
+        _disable_xla(model, who)
+        changed = True
+    if changed or is_split(model):  # a split step, but jit_compile was turned off since
+        model.make_train_function(force=True)
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -103,10 +127,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         model = _checked_model(self.model, self._who)
         changed = relocate_to_loss_scale_optimizer(model.optimizer)
-        if find_hook(model.optimizer)[1] is not None:
-            changed = _disable_xla(model, self._who) or changed
-        if changed:
-            model.make_train_function(force=True)
+        _rebuild_train_function(model, find_hook(model.optimizer)[1], changed, self._who)
         self._broadcast_or_defer(model)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
@@ -135,8 +156,9 @@ class DistributedCallback(BroadcastGlobalVariablesCallback):
     each ``fit`` it:
 
     1. installs the cross-worker gradient reduction into ``model.optimizer``
-       (the compiled train step is rebuilt if it was traced without it);
-       the replicas of a ``MirroredStrategy`` are first summed in-process,
+       (the compiled train step is rebuilt if it was traced without it; with
+       ``jit_compile=True`` it is split around the reduction so that XLA is
+       kept, see ``xla_split``); the replicas of a ``MirroredStrategy`` are first summed in-process,
        then one all-reduce per fusion bucket runs per worker, through the
        core (same engines, fusion and configuration as PyTorch);
     2. broadcasts the weights and the optimizer state from ``root_rank``.
@@ -184,9 +206,7 @@ class DistributedCallback(BroadcastGlobalVariablesCallback):
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         model = _checked_model(self.model, self._who)
         changed = self._install(model.optimizer)
-        changed = _disable_xla(model, self._who) or changed
-        if changed:
-            model.make_train_function(force=True)
+        _rebuild_train_function(model, find_hook(model.optimizer)[1], changed, self._who)
         self._broadcast_or_defer(model)
 
     def _install(self, optimizer: Any) -> bool:

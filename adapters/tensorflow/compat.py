@@ -9,6 +9,12 @@ result on the first replica and zeros on the others. The Keras versions below
 are the ones whose sources were checked for it (3.15.1 is the one tested);
 any other version is refused with ``UnsupportedKerasError`` rather than
 risking a silently wrong gradient.
+
+With ``jit_compile=True`` (``xla_split``) it also relies on
+``make_train_function`` reading ``model.train_step`` and ``model.jit_compile``
+when it builds the function (``keras/src/backend/tensorflow/trainer.py``); were
+``train_step`` read later, the step would run unsplit without XLA (still
+correct, only slower).
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ treat the hook as optimizer state (it must not end up in checkpoints).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import keras
@@ -40,6 +41,7 @@ import keras
 import tensorflow as tf
 from dp_plugin.compression import Compressor
 from dp_plugin.engines.base import ReduceOp
+from dp_plugin.errors import DPPluginError
 from dp_plugin.tensorflow.bridge import GradientBridge, next_bridge_name
 from dp_plugin.tensorflow.compat import UnsupportedStrategyError, check_keras
 from dp_plugin.tensorflow.ops import Average, Compression, parse_compression, parse_gradient_op
@@ -90,6 +92,7 @@ class DistributedApply:
         self._original = type(optimizer).apply.__get__(optimizer)
         self._accumulators: dict[tuple[int, ...], list[Any]] = {}
         self._counter: Any = None
+        self._captured: list[tuple[list[Any], list[Any] | None]] | None = None
 
     def same_settings(self, other: DistributedApply) -> bool:
         return (
@@ -107,12 +110,42 @@ class DistributedApply:
     ) -> Any:
         grads = list(grads)
         variables = None if trainable_variables is None else list(trainable_variables)
+        if self._captured is not None:
+            self._capture(grads, variables)
+            return None
         if self.backward_passes_per_step == 1:
-            return self._original(self._reduce(grads, variables), variables)
+            return self._original(self.reduce(grads, variables), variables)
         return self._accumulate_then_apply(grads, variables)
 
+    # -- a train step split around the reduction (``xla_split``) ----------------
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[list[tuple[list[Any], list[Any] | None]]]:
+        """While the block runs (a train step being traced), a call to this hook
+        records ``(grads, variables)`` into the yielded list instead of reducing and
+        applying them; the caller reduces (``reduce``) and applies (``apply_reduced``)."""
+        captured: list[tuple[list[Any], list[Any] | None]] = []
+        self._captured = captured
+        try:
+            yield captured
+        finally:
+            self._captured = None
+
+    def _capture(self, grads: list[Any], variables: list[Any] | None) -> None:
+        assert self._captured is not None
+        if self._captured:
+            raise DPPluginError(
+                f"{self.owner}: the train step calls {type(self.optimizer).__name__}.apply "
+                "more than once, which the XLA-compiled split step (jit_compile=True) cannot "
+                "reduce between its parts; compile the model with jit_compile=False")
+        self._captured.append((grads, variables))
+
+    def apply_reduced(self, grads: list[Any], variables: list[Any] | None) -> Any:
+        """The optimizer's own ``apply`` on gradients already reduced across workers."""
+        return self._original(grads, variables)
+
     # -- helpers --------------------------------------------------------------
-    def _reduce(self, grads: list[Any], variables: list[Any] | None) -> list[Any]:
+    def reduce(self, grads: list[Any], variables: list[Any] | None) -> list[Any]:
+        """``grads`` (None entries kept) reduced across workers through the bridge."""
         present = [i for i, g in enumerate(grads) if g is not None]
         if not present:
             return grads  # Keras raises its own "No gradients provided" error
@@ -159,7 +192,7 @@ class DistributedApply:
                                         else acc.read_value())
                 for g, acc in zip(grads, accumulators, strict=True)
             ]
-            self._original(self._reduce(summed, variables), variables)
+            self._original(self.reduce(summed, variables), variables)
             for acc in accumulators:
                 acc.assign(tf.zeros_like(acc))
             self._counter.assign(0)
@@ -242,6 +275,7 @@ def relocate_to_loss_scale_optimizer(optimizer: Any) -> bool:
         optimizer, hook.bridge, owner=hook.owner,
         backward_passes_per_step=hook.backward_passes_per_step,
         average_aggregated_gradients=hook.average_aggregated_gradients,
+        sparse_as_dense=hook.sparse_as_dense,
     )
     install(optimizer, moved)
     return True
@@ -269,6 +303,9 @@ def make_hook(
     bridge = GradientBridge(
         op=parsed_op, compression=compressor, gradient_predivide_factor=predivide,
         name=name or next_bridge_name("keras"),
+        # The hook hands the reduced gradients straight to apply(): they are
+        # consumed before the next step packs the fusion buffers again.
+        results_alias_buffers=True,
     )
     return DistributedApply(
         optimizer, bridge, owner=owner, backward_passes_per_step=passes,

@@ -149,15 +149,6 @@ def test_unbuilt_model_is_broadcast_after_the_first_batch() -> None:
         fit(m, [dp.DistributedCallback()])
 
 
-def test_jit_compile_is_turned_off_with_a_warning() -> None:
-    m = compiled(jit_compile=True)
-    if not m.jit_compile:
-        pytest.skip("Keras refused jit_compile=True for this model")
-    with pytest.warns(UserWarning, match="turning off jit_compile"):
-        fit(m, [dp.DistributedCallback()])
-    assert m.jit_compile is False
-
-
 def test_basics() -> None:
     assert (dp.rank(), dp.size(), dp.local_rank(), dp.local_size()) == (0, 1, 0, 1)
     assert dp.is_initialized()

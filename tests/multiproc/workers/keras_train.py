@@ -20,6 +20,9 @@ and mixed below, one after the other; TensorFlow starts slowly):
   optimizer's momentum starts from rank-dependent values, so the broadcast of
   the optimizer state is checked too.
 - mirrored: the same with the model under MirroredStrategy over 2 devices.
+- fit_jit: ``fit`` with ``jit_compile=True``: XLA kept (the split step) by
+  default, turned off with a warning under MirroredStrategy (2 replicas);
+  both equal the single process run without XLA.
 - optimizer: ``DistributedOptimizer`` + ``BroadcastGlobalVariablesCallback``.
 - features: classification with ``class_weight``, ``validation_data``,
   ``steps_per_epoch`` and three ``fit`` calls (each later one with a new
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -62,6 +66,7 @@ import keras  # noqa: E402
 import dp_plugin.tensorflow as dp  # noqa: E402
 from dp_plugin import runtime  # noqa: E402
 from dp_plugin.tensorflow.optimizer import hook_of  # noqa: E402
+from dp_plugin.tensorflow.xla_split import is_split_for  # noqa: E402
 
 FEATURES, OUTPUTS, HIDDEN = 6, 2, 16
 LOCAL_BATCH = 8
@@ -137,7 +142,7 @@ def momentums(optimizer: keras.optimizers.Optimizer) -> list[Any]:
 # -- cases -------------------------------------------------------------------------
 
 def case_fit(strategy: tf.distribute.Strategy | None = None,
-             wrap: str = "callback") -> keras.Model:
+             wrap: str = "callback", jit: bool = False) -> keras.Model:
     x, y = global_data(STEPS, seed=1)
     scope = strategy.scope() if strategy is not None else _null_scope()
     with scope:
@@ -145,7 +150,7 @@ def case_fit(strategy: tf.distribute.Strategy | None = None,
         opt = sgd()
         if wrap == "optimizer":
             opt = dp.DistributedOptimizer(opt)
-        model.compile(optimizer=opt, loss="mse")
+        model.compile(optimizer=opt, loss="mse", jit_compile=jit)
         opt.build(model.trainable_variables)
     # Rank-dependent optimizer state: only the root's may survive the broadcast.
     rng = np.random.default_rng(7 + dp.rank())
@@ -158,7 +163,9 @@ def case_fit(strategy: tf.distribute.Strategy | None = None,
     model.fit(local_rows(x), local_rows(y), batch_size=LOCAL_BATCH, epochs=1, shuffle=False,
               verbose=0, callbacks=[callback])
     final = model.get_weights()
-    what = f"fit[{wrap}, {'mirrored' if strategy else 'default'}]"
+    what = f"fit[{wrap}, {'mirrored' if strategy else 'default'}{', jit' if jit else ''}]"
+    if jit:
+        _check_jit(model, strategy, what)
     assert_identical_on_all_ranks(final, what)
     calls = hook_of(model.optimizer).bridge.calls  # type: ignore[union-attr]
     if calls != STEPS:  # once per worker and step, also with 2 replicas
@@ -174,6 +181,27 @@ def case_fit(strategy: tf.distribute.Strategy | None = None,
         ref.fit(x, y, batch_size=LOCAL_BATCH * dp.size(), epochs=1, shuffle=False, verbose=0)
         assert_close(final, ref.get_weights(), what)
     return model
+
+
+def _check_jit(model: keras.Model, strategy: tf.distribute.Strategy | None, what: str) -> None:
+    """One replica: XLA kept (the split step); several: turned off, as warned."""
+    split = is_split_for(model, hook_of(model.optimizer))  # type: ignore[arg-type]
+    if strategy is None and not (model.jit_compile and split):
+        raise AssertionError(f"{what}: jit_compile={model.jit_compile}, split step {split}; "
+                             "XLA should have been kept")
+    if strategy is not None and (model.jit_compile or split):
+        raise AssertionError(f"{what}: XLA kept with {strategy.num_replicas_in_sync} replicas")
+
+
+def case_fit_jit() -> None:
+    """``jit_compile=True``: kept with one replica, turned off (warning) with two;
+    both train as one process without XLA."""
+    case_fit(jit=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        case_fit(mirrored(), jit=True)
+    if not any("turning off jit_compile" in str(w.message) for w in caught):
+        raise AssertionError("fit[mirrored, jit]: no warning that XLA was turned off")
 
 
 def case_features() -> None:
@@ -386,6 +414,7 @@ CASES: dict[str, Callable[[object], None]] = {
     "tape": lambda _: case_tape(),
     "tape_mirrored": lambda _: case_tape(mirrored()),
     "fit_variants": lambda _: case_fit_variants(),
+    "fit_jit": lambda _: case_fit_jit(),
 }
 
 
