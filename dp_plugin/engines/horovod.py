@@ -41,9 +41,9 @@ initializes Horovod itself and the program asked for process sets
 as Horovod's own ``init`` does: with it, Horovod checks for new sets in
 every background cycle, 4-9% of a step (BENCHMARKS.md). Only the job-wide
 engine can add process sets.
-It also sets HOROVOD_CYCLE_TIME (``DEFAULT_CYCLE_TIME_MS``) unless the user
-did: a longer background cycle suits the few large collectives dp_plugin
-starts per step.
+When it starts Horovod it also tunes Horovod's library for dp_plugin's
+few, large, pre-fused collectives (``horovod_env.library_settings``: cycle
+time, Horovod's own fusion threshold).
 
 Average is SUM followed by a division in the buffer dtype (the base class),
 not ``hvd.Average``: every engine then rounds the same way, so results do
@@ -53,7 +53,6 @@ not depend on the engine chosen.
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import Any
 
 import numpy as np
@@ -63,6 +62,7 @@ from dp_plugin.config import Config
 from dp_plugin.dtypes import canonical_dtype
 from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp
 from dp_plugin.engines.deadline import bounded_on
+from dp_plugin.engines.horovod_env import library_settings
 from dp_plugin.engines.horovod_sets import process_set_of
 from dp_plugin.errors import DPPluginError, EngineUnavailableError
 from dp_plugin.launch import Topology
@@ -71,7 +71,7 @@ from dp_plugin.launch import Topology
 ALLREDUCE_WIRE_DTYPES = {"int8": "int32", "uint8": "int32", "int16": "int32",
                          "bfloat16": "float32"}
 
-DEFAULT_CYCLE_TIME_MS = "5"
+
 """HOROVOD_CYCLE_TIME when the engine initializes Horovod and the user set none."""
 
 _HVD_OPS = {ReduceOp.SUM: "Sum", ReduceOp.MIN: "Min", ReduceOp.MAX: "Max",
@@ -172,18 +172,8 @@ class HorovodEngine(Engine):
         self._process_set = hvd.global_process_set
         self._owns_init = not hvd.is_initialized()
         if self._owns_init:
-            # Horovod reads HOROVOD_DYNAMIC_PROCESS_SETS once, inside
-            # hvd.init(); without it hvd.add_process_set (our ``subgroup``)
-            # fails for the rest of the run, with it every cycle pays a check.
-            # Enable it when asked, as hvd.init(process_sets="dynamic") does;
-            # a user's HOROVOD_DYNAMIC_PROCESS_SETS=1 works on its own.
-            if config.process_sets:
-                os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
-            # dp_plugin hands Horovod a few large, pre-fused collectives per
-            # step: Horovod's 1 ms background cycle only steals cores from
-            # backward (BENCHMARKS.md); a user's HOROVOD_CYCLE_TIME wins.
-            os.environ.setdefault("HOROVOD_CYCLE_TIME", DEFAULT_CYCLE_TIME_MS)
-            bounded_on(self, hvd.init, "hvd.init() (Horovod's rendezvous of every rank)")
+            with library_settings(config):  # Horovod reads them inside hvd.init()
+                bounded_on(self, hvd.init, "hvd.init() (Horovod's rendezvous of every rank)")
         if (hvd.rank(), hvd.size()) != (topology.rank, topology.size):
             raise EngineUnavailableError(
                 f"Horovod says this process is rank {hvd.rank()} of {hvd.size()}, but the "
@@ -376,3 +366,4 @@ def _torch_viewable(arr: np.ndarray) -> bool:
     """Contiguous, and no negative stride (which ``torch.from_numpy`` rejects
     even on a one-element array)."""
     return bool(arr.flags.c_contiguous) and all(stride >= 0 for stride in arr.strides)
+
