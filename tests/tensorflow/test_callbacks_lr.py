@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Iterator
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -24,8 +23,6 @@ import pytest
 import tensorflow as tf
 
 import dp_plugin.tensorflow as dp
-from dp_plugin import runtime
-from dp_plugin.config import Config
 from dp_plugin.tensorflow.callbacks_lr import (
     LearningRateScheduleCallback,
     LearningRateWarmupCallback,
@@ -36,13 +33,6 @@ Y = X @ np.array([[0.5], [-1.0], [2.0]], dtype=np.float32) + 0.25
 BATCH = 2
 STEPS = len(X) // BATCH  # per epoch, what fit reports in params["steps"]
 
-
-@pytest.fixture(autouse=True)
-def _local_runtime() -> Iterator[None]:
-    runtime.shutdown()
-    runtime.init(Config(engine="local"), env={})
-    yield
-    runtime.shutdown()
 
 
 def momentum_of(optimizer: object) -> float:

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import types
 import warnings
-from collections.abc import Iterator
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -23,7 +22,6 @@ import tensorflow as tf
 
 import dp_plugin.tensorflow as dp
 from dp_plugin import runtime
-from dp_plugin.config import Config
 from dp_plugin.errors import DPPluginError, NotInitializedError
 from dp_plugin.tensorflow import compat
 from dp_plugin.tensorflow.optimizer import hook_of
@@ -32,13 +30,6 @@ RNG = np.random.default_rng(0)
 X = RNG.normal(size=(32, 5)).astype(np.float32)
 Y = RNG.normal(size=(32, 2)).astype(np.float32)
 
-
-@pytest.fixture(autouse=True)
-def _local_runtime() -> Iterator[None]:
-    runtime.shutdown()
-    runtime.init(Config(engine="local"), env={})
-    yield
-    runtime.shutdown()
 
 
 def model(seed: int = 0, built: bool = True) -> keras.Model:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -31,13 +30,6 @@ Y = RNG.normal(size=(32, 2)).astype(np.float32)
 STEPS = len(X) // 8
 TOL = 1e-5
 
-
-@pytest.fixture(autouse=True)
-def _local_runtime() -> Iterator[None]:
-    runtime.shutdown()
-    runtime.init(Config(engine="local"), env={})
-    yield
-    runtime.shutdown()
 
 
 def compiled(jit: bool, optimizer: keras.optimizers.Optimizer | None = None,

@@ -7,7 +7,6 @@ tests/multiproc/test_tf_collectives.py and test_tf_horovod_script.py.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -19,8 +18,6 @@ import tensorflow as tf
 
 import dp_plugin.keras as hvd_keras
 import dp_plugin.tensorflow as dp
-from dp_plugin import runtime
-from dp_plugin.config import Config
 from dp_plugin.tensorflow.optimizer import hook_of
 
 CALLBACKS = ("BroadcastGlobalVariablesCallback", "MetricAverageCallback",
@@ -28,13 +25,6 @@ CALLBACKS = ("BroadcastGlobalVariablesCallback", "MetricAverageCallback",
 X = np.random.default_rng(0).normal(size=(16, 3)).astype(np.float32)
 Y = X.sum(axis=1, keepdims=True)
 
-
-@pytest.fixture(autouse=True)
-def _local_runtime() -> Iterator[None]:
-    runtime.shutdown()
-    runtime.init(Config(engine="local"), env={})
-    yield
-    dp.shutdown()
 
 
 def model() -> keras.Model:
