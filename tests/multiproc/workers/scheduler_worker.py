@@ -206,9 +206,30 @@ def case_mismatch(engine: Engine) -> None:
     print(f"rank {engine.rank} MISMATCH-OK: {message}", flush=True)
 
 
+def case_prefused(engine: Engine) -> None:
+    """Four 2 MiB buckets, all ready at once, for five steps: averaged right.
+    Under horovodrun the test reads Horovod's timeline: its library must not
+    copy these pre-fused buckets into its own fusion buffer again."""
+    grads = [np.full(1 << 19, float(engine.rank + i), dtype=np.float32) for i in range(4)]
+    sched = GradientScheduler([TensorSpec.of(f"p{i}", g) for i, g in enumerate(grads)],
+                              engine=engine, fusion_threshold=2 << 20, name="prefused")
+    if len(sched.plan) != 4:
+        raise AssertionError(f"expected 4 buckets of 2 MiB, got {len(sched.plan)}")
+    mean_rank = (engine.size - 1) / 2
+    for step in range(5):
+        for i in reversed(range(4)):
+            grads[i][:] = engine.rank + i + step
+            sched.mark_ready(i, grads[i])
+        for i, out in enumerate(sched.synchronize()):
+            if not np.all(as_numpy(out) == mean_rank + i + step):
+                raise AssertionError(f"step {step}, bucket {i}: not the average")
+    sched.close()
+
+
 CASES = {
     "reference": case_reference,
     "mismatch": case_mismatch,
+    "prefused": case_prefused,
 }
 
 
