@@ -71,9 +71,6 @@ from dp_plugin.launch import Topology
 ALLREDUCE_WIRE_DTYPES = {"int8": "int32", "uint8": "int32", "int16": "int32",
                          "bfloat16": "float32"}
 
-
-"""HOROVOD_CYCLE_TIME when the engine initializes Horovod and the user set none."""
-
 _HVD_OPS = {ReduceOp.SUM: "Sum", ReduceOp.MIN: "Min", ReduceOp.MAX: "Max",
             ReduceOp.PRODUCT: "Product"}
 

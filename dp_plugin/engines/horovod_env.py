@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from dp_plugin.config import Config
 
 DEFAULT_CYCLE_TIME_MS = "5"
+"""HOROVOD_CYCLE_TIME when the engine initializes Horovod and the user set none."""
 LIBRARY_FUSION_BYTES = 1 << 20
 """Horovod's own fusion threshold under dp_plugin (1 MiB): below dp_plugin's buckets."""
 
