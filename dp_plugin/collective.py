@@ -139,6 +139,16 @@ class FusedCollective:
         self.settings["fusion threshold"] = threshold
         return self.replan(order)
 
+    def use_engine(self, engine: Any) -> None:
+        """Run the buckets on ``engine`` from now on (autotune under ``auto``):
+        the same ranks, buffers on the same device; every rank at the same
+        point, between steps, with no bucket in flight."""
+        if any(h is not None for h in self._handles):
+            raise DPPluginError(f"{self.name!r}: cannot change engines while a bucket is "
+                                "in flight (a programming error in the caller)")
+        self.engine = engine
+        self.state = HookState(engine, self.state.engine_op, self.state.root)
+
     def backend(self, like: Any = None) -> ArrayOps:
         if self.ops is None:
             if like is not None:

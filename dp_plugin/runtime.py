@@ -23,6 +23,8 @@ log = logging.getLogger("dp_plugin")
 _lock = threading.Lock()
 _engine: Engine | None = None
 _reason: str = ""
+_alternates: dict[str, Engine] = {}
+"""Engines started beside ``_engine`` for autotune to time (``alternates``)."""
 
 
 def init(config: Config | None = None, env: Mapping[str, str] | None = None, *,
@@ -34,8 +36,8 @@ def init(config: Config | None = None, env: Mapping[str, str] | None = None, *,
     ``process_sets``: the program will add process sets (an adapter's
     ``init(process_sets=...)``); sets ``Config.process_sets``.
     """
-    global _engine, _reason
-    from dp_plugin.engines import choose_engine, create_engine
+    global _engine, _reason, _alternates
+    from dp_plugin.engines import choose_engine, create_engine, start_alternates
 
     with _lock:
         if _engine is not None:
@@ -49,10 +51,18 @@ def init(config: Config | None = None, env: Mapping[str, str] | None = None, *,
         else:
             name, _reason = config.engine, "requested by DP_PLUGIN_ENGINE / Config.engine"
         _engine = create_engine(name, topo, config)
+        if config.engine == "auto" and config.autotune and topo.size > 1:
+            try:
+                _alternates = start_alternates(_engine, topo, config)
+            except BaseException:
+                _engine.shutdown()
+                _engine = None
+                raise
         if topo.rank == 0:
+            tried = f"; autotune also times {', '.join(_alternates)}" if _alternates else ""
             log.info(
-                "dp_plugin: engine %s (%s); launcher %s, %d rank(s), %d per host",
-                name, _reason, topo.launcher, topo.size, topo.local_size,
+                "dp_plugin: engine %s (%s); launcher %s, %d rank(s), %d per host%s",
+                name, _reason, topo.launcher, topo.size, topo.local_size, tried,
             )
         return _engine
 
@@ -74,6 +84,21 @@ def engine_reason() -> str:
     return _reason
 
 
+def alternates(engine: Engine, name: str) -> dict[str, Engine]:
+    """The engines autotune may move ``engine``'s gradients to, by name, the
+    one in use first; empty unless ``engine`` (or the channel it is) comes
+    from the engine ``init()`` started under ``auto`` with
+    ``DP_PLUGIN_AUTOTUNE=1`` (``engines.start_alternates``). Each other
+    engine gives a channel of its own, named ``name``, so that no two
+    schedulers' buckets meet. Collective when there are others (it makes
+    their channels): every rank calls it at the same point."""
+    if _engine is None or not _alternates:
+        return {}
+    if engine is not _engine and engine not in _engine.channels:
+        return {}
+    return {engine.name: engine, **{n: e.channel(name) for n, e in _alternates.items()}}
+
+
 def topology() -> Topology:
     return engine().topology
 
@@ -87,11 +112,17 @@ def size() -> int:
 
 
 def shutdown() -> None:
-    """Release the engine. Collective for engines whose teardown is (MPI, gloo)."""
-    global _engine
+    """Release the engine (and autotune's others). Collective for engines
+    whose teardown is (MPI, gloo)."""
+    global _engine, _alternates
     with _lock:
-        if _engine is not None:
+        engines = [*_alternates.values(), *([] if _engine is None else [_engine])]
+        _engine, _alternates = None, {}
+        errors = []
+        for engine in engines:  # every one, even after a failure: each is collective
             try:
-                _engine.shutdown()
-            finally:
-                _engine = None
+                engine.shutdown()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
