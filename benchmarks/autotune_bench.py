@@ -14,6 +14,11 @@ threshold chosen and rank 0's medians measured while tuning.
 
     python benchmarks/autotune_bench.py                       # 2 rounds, 10 steps
     python benchmarks/autotune_bench.py --rounds 3 --tune-steps 5 --tune-warmup 2
+    python benchmarks/autotune_bench.py --launcher horovodrun --thresholds fusion=4,default
+
+Under ``--launcher horovodrun`` the engine is ``auto`` (Horovod's ring), so
+autotune also times gloo at the threshold it chose (one more candidate);
+the fixed rows are then each threshold on each engine.
 
 The fixed rows: ``fusion=N`` sets DP_PLUGIN_FUSION_THRESHOLD (every bucket N
 MiB, the first included); ``default`` is 25 MiB with a 1 MiB first bucket.
@@ -31,11 +36,20 @@ from typing import Any
 
 from torch_step_bench import launch
 
-FIXED = {"fusion=1": "dp_plugin:fusion=1", "fusion=4": "dp_plugin:fusion=4",
-         "fusion=8": "dp_plugin:fusion=8", "default (25, first 1)": "dp_plugin",
-         "fusion=64": "dp_plugin:fusion=64"}
+THRESHOLDS = {"fusion=1": ":fusion=1", "fusion=4": ":fusion=4", "fusion=8": ":fusion=8",
+              "default (25, first 1)": "", "fusion=64": ":fusion=64"}
 CANDIDATES = 5
 """1, 4, 8, 25, 64 MiB: all distinct plans for this 30 MB model."""
+
+
+def fixed_configs(launcher: str, thresholds: list[str]) -> dict[str, str]:
+    """The fixed settings to compare autotune with: each threshold, and under
+    horovodrun each on Horovod's ring and on gloo (the engines autotune times)."""
+    rows = {k: v for k, v in THRESHOLDS.items() if k.split(" ")[0] in thresholds}
+    if launcher == "torchrun":
+        return {name: f"dp_plugin{opt}" for name, opt in rows.items()}
+    return {f"{engine} {name}": f"dp_plugin@hvd{opt}:engine={engine}"
+            for engine in ("horovod", "gloo") for name, opt in rows.items()}
 
 
 def main() -> None:
@@ -47,10 +61,18 @@ def main() -> None:
                     help="DP_PLUGIN_AUTOTUNE_WARMUP_STEPS")
     ap.add_argument("--warmup", type=int, default=3, help="warm-up of the fixed settings")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--launcher", choices=("torchrun", "horovodrun"), default="torchrun",
+                    help="horovodrun: engine auto, so autotune also times gloo beside "
+                         "Horovod's ring")
+    ap.add_argument("--thresholds", default="fusion=1,fusion=4,fusion=8,default,fusion=64",
+                    help="the fixed rows (comma-separated, of the defaults)")
     args = ap.parse_args()
-    tuned = f"dp_plugin:autotune=1:tune_steps={args.tune_steps}:tune_warmup={args.tune_warmup}"
-    configs = {**FIXED, "autotune": tuned}
-    tuning = 1 + CANDIDATES * (args.tune_steps + args.tune_warmup) + 1
+    base = "dp_plugin" if args.launcher == "torchrun" else "dp_plugin@hvd"
+    tuned = f"{base}:autotune=1:tune_steps={args.tune_steps}:tune_warmup={args.tune_warmup}"
+    fixed = fixed_configs(args.launcher, args.thresholds.split(","))
+    configs = {**fixed, "autotune": tuned}
+    engines = 1 if args.launcher == "torchrun" else 2
+    tuning = 1 + (CANDIDATES + engines - 1) * (args.tune_steps + args.tune_warmup) + 1
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
     start = time.monotonic()
     for rnd in range(args.rounds):
@@ -60,15 +82,16 @@ def main() -> None:
             runs[name].append(r)
             print(f"round {rnd + 1}/{args.rounds} {name:<22} median "
                   f"{statistics.median(r['times']) * 1e3:7.1f} ms", file=sys.stderr, flush=True)
-    report(runs, args, tuning, time.monotonic() - start)
+    report(runs, fixed, args, tuning, time.monotonic() - start)
 
 
-def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, tuning: int,
-           elapsed: float) -> None:
+def report(runs: dict[str, list[dict[str, Any]]], fixed: dict[str, str],
+           args: argparse.Namespace, tuning: int, elapsed: float) -> None:
     medians = {c: statistics.median(t for r in rs for t in r["times"]) for c, rs in runs.items()}
     per_round = {c: [statistics.median(r["times"]) for r in rs] for c, rs in runs.items()}
-    best = min(FIXED, key=lambda c: medians[c])
-    print(f"\nBERT-like encoder, 2 gloo workers, {args.rounds} interleaved rounds x "
+    best = min(fixed, key=lambda c: medians[c])
+    print(f"\nBERT-like encoder, 2 workers under {args.launcher}, {args.rounds} interleaved "
+          f"rounds x "
           f"{args.steps} measured steps after {args.warmup} warm-up steps (autotune: after "
           f"{tuning}: {args.tune_warmup} warm-up + {args.tune_steps} timed steps per "
           "candidate); "
@@ -88,7 +111,13 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, tuni
         timings = ", ".join(f"{t >> 20} MiB: {m * 1e3:.0f} ms"
                             for t, m in zip(d.get("candidates", []), d.get("rank0_median_s", []),
                                             strict=True))
-        print(f"| round {i + 1} | {d.get('chosen', 0) >> 20} MiB | {timings} |")
+        chose = f"{d.get('chosen', 0) >> 20} MiB"
+        if "engine" in d:
+            chose += f" on {d['engine']}"
+            timings += "; " + ", ".join(
+                f"{e}: {m * 1e3:.0f} ms"
+                for e, m in zip(d["engines"], d["engine_rank0_median_s"], strict=True))
+        print(f"| round {i + 1} | {chose} | {timings} |")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ A configuration may end in options, each ``:name=value``: ``fusion=MiB``
 (HOROVOD_CYCLE_TIME), ``dps=0|1`` (HOROVOD_DYNAMIC_PROCESS_SETS), and
 ``autotune=1``, ``tune_steps=N``, ``tune_warmup=N`` (DP_PLUGIN_AUTOTUNE and its
 step counts; give --warmup enough steps to cover the tuning, see
-benchmarks/autotune_bench.py).
+benchmarks/autotune_bench.py), and ``engine=NAME`` (DP_PLUGIN_ENGINE, the
+dp_plugin rows: ``dp_plugin@hvd:engine=gloo`` is gloo under horovodrun).
 
 Without a launcher it starts itself once per configuration and round,
 interleaved (A B C ... A B C ...), and prints a table: median step time over
@@ -194,6 +195,7 @@ OPTIONS = {
     "autotune": ("DP_PLUGIN_AUTOTUNE", "0 or 1", str),
     "tune_steps": ("DP_PLUGIN_AUTOTUNE_STEPS", "steps", str),
     "tune_warmup": ("DP_PLUGIN_AUTOTUNE_WARMUP_STEPS", "steps", str),
+    "engine": ("DP_PLUGIN_ENGINE", "engine name", str),
 }
 
 
@@ -207,10 +209,11 @@ def parse_config(spec: str) -> tuple[str, dict[str, str]]:
     env: dict[str, str] = {}
     for option in options:
         key, _, value = option.partition("=")
-        if key not in OPTIONS or not value.replace(".", "", 1).isdigit() \
-                or name in ("ddp", "floor"):
-            raise SystemExit(f"{spec!r}: options are {valid} (numbers), for dp_plugin, "
-                             "dp_plugin@hvd and horovod")
+        number = value.replace(".", "", 1).isdigit()
+        if key not in OPTIONS or number == (key == "engine") or name in ("ddp", "floor") \
+                or (key == "engine" and not name.startswith("dp_plugin")):
+            raise SystemExit(f"{spec!r}: options are {valid} (numbers, but an engine name), "
+                             "for dp_plugin, dp_plugin@hvd and horovod (engine: dp_plugin only)")
         variable, _, convert = OPTIONS[key]
         if key == "fusion" and name == "horovod":
             variable = "HOROVOD_FUSION_THRESHOLD"
