@@ -25,6 +25,9 @@ _engine: Engine | None = None
 _reason: str = ""
 _alternates: dict[str, Engine] = {}
 """Engines started beside ``_engine`` for autotune to time (``alternates``)."""
+_alternate_channels: dict[tuple[str, str], Engine] = {}
+"""Their channels by (engine, name): a scheduler re-planned under the same
+name (``add_param_group``) reuses its channels instead of making more."""
 
 
 def init(config: Config | None = None, env: Mapping[str, str] | None = None, *,
@@ -90,13 +93,18 @@ def alternates(engine: Engine, name: str) -> dict[str, Engine]:
     from the engine ``init()`` started under ``auto`` with
     ``DP_PLUGIN_AUTOTUNE=1`` (``engines.start_alternates``). Each other
     engine gives a channel of its own, named ``name``, so that no two
-    schedulers' buckets meet. Collective when there are others (it makes
-    their channels): every rank calls it at the same point."""
-    if _engine is None or not _alternates:
-        return {}
-    if engine is not _engine and engine not in _engine.channels:
-        return {}
-    return {engine.name: engine, **{n: e.channel(name) for n, e in _alternates.items()}}
+    schedulers' buckets meet (the same ``name`` again gets the same
+    channels). Collective when it makes channels: every rank calls it at
+    the same point."""
+    with _lock:
+        if _engine is None or not _alternates:
+            return {}
+        if engine is not _engine and engine not in _engine.channels:
+            return {}
+        for other, alternate in _alternates.items():
+            if (other, name) not in _alternate_channels:
+                _alternate_channels[other, name] = alternate.channel(name)
+        return {engine.name: engine, **{n: _alternate_channels[n, name] for n in _alternates}}
 
 
 def topology() -> Topology:
@@ -118,6 +126,7 @@ def shutdown() -> None:
     with _lock:
         engines = [*_alternates.values(), *([] if _engine is None else [_engine])]
         _engine, _alternates = None, {}
+        _alternate_channels.clear()  # shut down with their engines
         errors = []
         for engine in engines:  # every one, even after a failure: each is collective
             try:

@@ -103,6 +103,10 @@ def train(case: str, out: Path) -> dict[str, Any]:
     if rank == 0:
         torch.save(mine_flat, out / f"{case}.pt")
     tuner = sched.autotuner
+    if case == "engines":  # a scheduler re-planned under its name gets the same channel
+        again = runtime.alternates(sched.engine, f"{sched.name}.autotune")
+        if again["gloo"] is not sched.fused.engine:
+            raise AssertionError("runtime.alternates made a second gloo channel for one name")
     return {"thresholds": thresholds, "plan": [b.members for b in sched.plan],
             "decision": None if tuner is None else tuner.decision,
             "engine": sched.fused.engine.name,
