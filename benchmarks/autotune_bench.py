@@ -16,9 +16,10 @@ threshold chosen and rank 0's medians measured while tuning.
     python benchmarks/autotune_bench.py --rounds 3 --tune-steps 5 --tune-warmup 2
     python benchmarks/autotune_bench.py --launcher horovodrun --thresholds fusion=4,default
 
-Under ``--launcher horovodrun`` the engine is ``auto`` (Horovod's ring), so
-autotune also times gloo at the threshold it chose (one more candidate);
-the fixed rows are then each threshold on each engine.
+Under ``--launcher horovodrun`` (or ``mpirun``) the engine is ``auto``
+(Horovod's ring, or MPI), so autotune also times gloo at the threshold it
+chose (one more candidate); the fixed rows are then each threshold on each
+engine.
 
 The fixed rows: ``fusion=N`` sets DP_PLUGIN_FUSION_THRESHOLD (every bucket N
 MiB, the first included); ``default`` is 25 MiB with a 1 MiB first bucket.
@@ -40,6 +41,8 @@ THRESHOLDS = {"fusion=1": ":fusion=1", "fusion=4": ":fusion=4", "fusion=8": ":fu
               "default (25, first 1)": "", "fusion=64": ":fusion=64"}
 CANDIDATES = 5
 """1, 4, 8, 25, 64 MiB: all distinct plans for this 30 MB model."""
+LAUNCHED = {"horovodrun": ("dp_plugin@hvd", "horovod"), "mpirun": ("dp_plugin@mpi", "mpi")}
+"""Per launcher: torch_step_bench's configuration, and the engine ``auto`` picks there."""
 
 
 def fixed_configs(launcher: str, thresholds: list[str]) -> dict[str, str]:
@@ -48,8 +51,9 @@ def fixed_configs(launcher: str, thresholds: list[str]) -> dict[str, str]:
     rows = {k: v for k, v in THRESHOLDS.items() if k.split(" ")[0] in thresholds}
     if launcher == "torchrun":
         return {name: f"dp_plugin{opt}" for name, opt in rows.items()}
-    return {f"{engine} {name}": f"dp_plugin@hvd{opt}:engine={engine}"
-            for engine in ("horovod", "gloo") for name, opt in rows.items()}
+    base, first = LAUNCHED[launcher]
+    return {f"{engine} {name}": f"{base}{opt}:engine={engine}"
+            for engine in (first, "gloo") for name, opt in rows.items()}
 
 
 def main() -> None:
@@ -61,13 +65,13 @@ def main() -> None:
                     help="DP_PLUGIN_AUTOTUNE_WARMUP_STEPS")
     ap.add_argument("--warmup", type=int, default=3, help="warm-up of the fixed settings")
     ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--launcher", choices=("torchrun", "horovodrun"), default="torchrun",
-                    help="horovodrun: engine auto, so autotune also times gloo beside "
-                         "Horovod's ring")
+    ap.add_argument("--launcher", choices=("torchrun", *LAUNCHED), default="torchrun",
+                    help="horovodrun, mpirun: engine auto, so autotune also times gloo "
+                         "beside Horovod's ring or MPI")
     ap.add_argument("--thresholds", default="fusion=1,fusion=4,fusion=8,default,fusion=64",
                     help="the fixed rows (comma-separated, of the defaults)")
     args = ap.parse_args()
-    base = "dp_plugin" if args.launcher == "torchrun" else "dp_plugin@hvd"
+    base = "dp_plugin" if args.launcher == "torchrun" else LAUNCHED[args.launcher][0]
     tuned = f"{base}:autotune=1:tune_steps={args.tune_steps}:tune_warmup={args.tune_warmup}"
     fixed = fixed_configs(args.launcher, args.thresholds.split(","))
     configs = {**fixed, "autotune": tuned}

@@ -16,6 +16,7 @@ Configurations (world size 2 unless noted):
                 under ``horovodrun --gloo``;
   dp_plugin@hvd ``dp_plugin.torch`` under ``horovodrun --gloo`` (engine auto ->
                 horovod: Horovod's ring does the all-reduce);
+  dp_plugin@mpi ``dp_plugin.torch`` under ``mpiexec`` (engine auto -> mpi);
   floor         no communication: two single-process trainings side by side
                 (world size 1 each), so they compete for the cores as the
                 others do.
@@ -59,11 +60,11 @@ import sys
 import time
 from typing import Any
 
-from _launch import Job, clean_env, horovodrun_job, run_jobs, torchrun_jobs
+from _launch import Job, clean_env, horovodrun_job, mpiexec_job, run_jobs, torchrun_jobs
 
 VOCAB, HIDDEN, LAYERS, HEADS, FFN = 8192, 256, 4, 4, 1024
 SEQ, BATCH, MASK_FRACTION = 128, 8, 0.15
-CONFIGS = ("dp_plugin", "ddp", "horovod", "dp_plugin@hvd", "floor")
+CONFIGS = ("dp_plugin", "ddp", "horovod", "dp_plugin@hvd", "floor", "dp_plugin@mpi")
 
 
 def build_model() -> Any:
@@ -128,7 +129,7 @@ def worker(config: str, steps: int, warmup: int) -> None:
     torch.manual_seed(0)
     model = build_model()
     stats: dict[str, Any] = {}
-    if config in ("dp_plugin", "horovod", "dp_plugin@hvd"):
+    if config in ("dp_plugin", "horovod", "dp_plugin@hvd", "dp_plugin@mpi"):
         if config == "horovod":
             import horovod.torch as hvd
         else:
@@ -230,6 +231,8 @@ def launch(spec: str, nprocs: int, steps: int, warmup: int, timeout: float) -> d
     jobs: list[Job]
     if config in ("horovod", "dp_plugin@hvd"):
         jobs = [horovodrun_job(me, nprocs, env)]
+    elif config == "dp_plugin@mpi":
+        jobs = [mpiexec_job(me, nprocs, env)]
     elif config == "floor":
         jobs = [(me, dict(env, BENCH_INDEX=str(i))) for i in range(nprocs)]
     else:
