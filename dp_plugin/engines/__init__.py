@@ -116,6 +116,14 @@ def create_engine(name: str, topology: Topology, config: Config) -> Engine:
     return cls(topology, config)
 
 
+def alternate_names(chosen: str, topology: Topology) -> list[str]:
+    """The engines autotune times beside ``chosen`` under ``auto`` (before
+    the buffer-device check of ``start_alternates``): every other engine
+    that can run here, ``local`` excepted."""
+    return [n for n in ENGINE_NAMES
+            if n not in ("local", chosen) and availability(n, topology).ok]
+
+
 def start_alternates(chosen: Engine, topology: Topology, config: Config) -> dict[str, Engine]:
     """The other engines ``auto`` could have picked, started beside ``chosen``
     for autotune to time (``DP_PLUGIN_AUTOTUNE=1`` under ``auto``).
@@ -129,8 +137,7 @@ def start_alternates(chosen: Engine, topology: Topology, config: Config) -> dict
     """
     from dp_plugin.agreement import compare
 
-    names = [n for n in ENGINE_NAMES
-             if n not in ("local", chosen.name) and availability(n, topology).ok]
+    names = alternate_names(chosen.name, topology)
     described = compare(chosen, "autotune engines", names).described
     if described is not None:
         lists = "; ".join(f"rank {r}: {d}" for r, d in enumerate(described))
@@ -157,6 +164,7 @@ def start_alternates(chosen: Engine, topology: Topology, config: Config) -> dict
 
 __all__ = [
     "ENGINE_NAMES",
+    "alternate_names",
     "availability",
     "availability_report",
     "choose_engine",

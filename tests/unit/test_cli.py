@@ -260,3 +260,31 @@ def test_plan_fits_the_link_from_a_sweep_file(tmp_path: Path,
     with pytest.raises(SystemExit, match="no rows for it"):
         main(["plan", "--model", "resnet50", "--compute-ms", "100", "--sweep", str(sweep),
               "--engine", "mpi"])
+
+
+# -- check ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("usable", "expected"), [
+    ({"mpi", "gloo", "local"}, "autotune would also time: gloo."),
+    ({"mpi"}, "autotune would also time: no other engine."),
+])
+def test_check_names_the_engines_autotune_would_time(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        usable: set[str], expected: str) -> None:
+    """Under mpirun, ``auto`` picks mpi; autotune also times every other
+    engine that can run there (never ``local``)."""
+    from dp_plugin import engines, launch
+    from dp_plugin.cli import check
+    from dp_plugin.engines.base import Availability
+    from dp_plugin.launch import Topology
+
+    topo = Topology(launcher="mpich", rank=0, size=2, local_rank=0, local_size=2,
+                    cross_rank=0, cross_size=1)
+    monkeypatch.setattr(launch, "detect", lambda env=None: topo)
+    monkeypatch.setattr(engines, "availability",
+                        lambda name, t: Availability(name in usable, "test"))
+    assert check.main() == 0
+    out = capsys.readouterr().out
+    assert "DP_PLUGIN_ENGINE=auto would pick 'mpi'" in out
+    assert f"With DP_PLUGIN_AUTOTUNE=1 under auto, {expected}" in out
