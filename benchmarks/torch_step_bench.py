@@ -211,7 +211,8 @@ def parse_config(spec: str) -> tuple[str, dict[str, str]]:
     for option in options:
         key, _, value = option.partition("=")
         number = value.replace(".", "", 1).isdigit()
-        if key not in OPTIONS or number == (key == "engine") or name in ("ddp", "floor") \
+        wrong_kind = number if key == "engine" else not number  # engine: a name; others: numbers
+        if key not in OPTIONS or wrong_kind or name in ("ddp", "floor") \
                 or (key == "engine" and not name.startswith("dp_plugin")):
             raise SystemExit(f"{spec!r}: options are {valid} (numbers, but an engine name), "
                              "for dp_plugin, dp_plugin@hvd and horovod (engine: dp_plugin only)")

@@ -251,20 +251,26 @@ class Autotuner:
         """The end of a phase: choose the threshold (then time the other
         engines with it), or the engine; returns the setting to use next."""
         assert self.candidates is not None
-        if self.thresholds is None:
+        if self.thresholds is None:  # the thresholds phase ended
             chosen = choose(self.candidates, medians, self.configured)
             self.thresholds = (medians, local, chosen)
             if len(self.engines) > 1:
                 return self._measure([Setting(chosen, e) for e in self.engines[1:]])
-            medians = local = ()
+            return self._conclude((), ())
         thresholds, thresholds_local, chosen = self.thresholds
-        at = self.candidates.index(chosen)
-        engine_medians = (thresholds[at], *medians)
-        engine = self.engines[engine_medians.index(min(engine_medians))]  # ties: the first
-        self.decision = Decision(
-            self.candidates, thresholds, thresholds_local, chosen, self.configured,
-            self.engines, engine_medians if medians else (), engine,
-            (thresholds_local[at], *local) if medians else ())
+        at = self.candidates.index(chosen)  # the engine in use was timed there already
+        return self._conclude((thresholds[at], *medians), (thresholds_local[at], *local))
+
+    def _conclude(self, engine_medians: tuple[float, ...],
+                  engine_local: tuple[float, ...]) -> Setting:
+        """Record the decision; ``engine_medians`` per engine (empty: one engine)."""
+        assert self.candidates is not None and self.thresholds is not None
+        thresholds, thresholds_local, chosen = self.thresholds
+        best = engine_medians.index(min(engine_medians)) if engine_medians else 0  # ties: first
+        engine = self.engines[best]
+        self.decision = Decision(self.candidates, thresholds, thresholds_local, chosen,
+                                 self.configured, self.engines, engine_medians, engine,
+                                 engine_local)
         return Setting(chosen, engine)
 
     @property

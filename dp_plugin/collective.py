@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from dp_plugin import agreement
@@ -147,7 +148,7 @@ class FusedCollective:
             raise DPPluginError(f"{self.name!r}: cannot change engines while a bucket is "
                                 "in flight (a programming error in the caller)")
         self.engine = engine
-        self.state = HookState(engine, self.state.engine_op, self.state.root)
+        self.state = replace(self.state, engine=engine)
 
     def backend(self, like: Any = None) -> ArrayOps:
         if self.ops is None:
