@@ -46,8 +46,12 @@ def rss_bytes() -> int:
 
 
 def fusion_bytes(opt: Any, params: list[Any]) -> tuple[int, int]:
-    """(bytes of the fusion buffers, of those also the storage of a ``.grad``)."""
-    flats = [b.flat for b in opt._dp.reducer.scheduler.fused.buffers if b.flat is not None]
+    """(bytes of the fusion buffers, of those also the storage of a ``.grad``):
+    the pinned buffers (those gradients live in) and the slabs the others
+    borrow (``dp_plugin.slabs``)."""
+    fused = opt._dp.reducer.scheduler.fused
+    flats = [b.flat for b in fused.buffers if b.pinned and b.flat is not None]
+    flats += [s.storage for s in fused.pool.slabs() if s.storage is not None]
     total = sum(f.numel() * f.element_size() for f in flats)
 
     def inside(grad: Any) -> bool:

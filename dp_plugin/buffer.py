@@ -1,8 +1,9 @@
-"""``FusionBuffer``: the persistent flat buffer of one bucket, with pack and unpack.
+"""``FusionBuffer``: the flat buffer of one bucket, with pack and unpack.
 
-One buffer per bucket of the plan, allocated on first use and reused every
-step (nothing is allocated per step once warm). Three ways a member's data
-gets in and out, chosen per step:
+One buffer per bucket of the plan; its storage (its own, or a slab it
+borrows, see below) is allocated on first use and reused every step
+(nothing is allocated per step once warm). Three ways a member's data gets
+in and out, chosen per step:
 
 - *copy*: the member is copied into its slice (scaled on the way, so the
   policy's pre-scale costs no extra pass) and copied back out after the
@@ -17,6 +18,13 @@ An optional *control slot* of ``control_numel`` elements follows the
 members in the last bucket: its owner writes values there (join flags),
 they travel with the bucket unscaled, and the owner reads the reduced
 values after the bucket finished.
+
+Where the flat buffer lives: a buffer that is the storage of something
+outside it (an adapter took a ``view``, or it holds the control slot) is
+*pinned*: allocated once, its own for as long as the plan lasts. Any other
+buffer only copies, so it borrows a slab of a ``SlabPool``
+(``dp_plugin.slabs``) for each step; that keeps copy-mode fusion memory
+within twice the threshold.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from typing import Any
 from dp_plugin.arrays import ArrayOps, device_of
 from dp_plugin.fusion import Bucket, TensorSpec
 from dp_plugin.hooks import GradBucket
+from dp_plugin.slabs import Slab
 
 
 class FusionBuffer:
@@ -44,7 +53,13 @@ class FusionBuffer:
         self.control: Any = None
         """The control slot (a 1-D slice of ``flat``), if the bucket has one."""
         self.scratch: dict[str, Any] = {}
-        """Persistent storage of the hooks (wire buffers), per bucket."""
+        """Persistent storage of the hooks (wire buffers) of a pinned buffer."""
+        self.pinned = bool(control_numel)
+        """True once the buffer is the storage of something outside it (see
+        the module docstring); it then never borrows a slab again."""
+        self._slab: Slab | None = None
+        """The slab ``flat`` lies in this step (None: ``flat`` is the buffer's own)."""
+        self._borrowed: dict[int, tuple[Slab, Any, list[Any]]] = {}
         self._direct: Any = None
         self._aliased: list[bool] = []
 
@@ -53,34 +68,62 @@ class FusionBuffer:
         return self.bucket.numel + self.control_numel
 
     def allocate(self, ops: ArrayOps) -> None:
-        """Make the flat buffer and the members' views (once)."""
-        if self.flat is not None:
+        """Make the buffer's own flat buffer and the members' views (once)."""
+        if self.flat is not None and self._slab is None:
             return
+        self._slab = None
+        self.flat = ops.empty(self.numel, self.bucket.dtype, self.bucket.device)
+        self.views = self._slices(ops, self.flat)
+
+    def _slices(self, ops: ArrayOps, flat: Any) -> list[Any]:
         b = self.bucket
-        self.flat = ops.empty(self.numel, b.dtype, b.device)
-        self.views = [ops.slice(self.flat, off, off + n)
-                      for off, n in zip(b.offsets, self.numels, strict=True)]
         if self.control_numel:
-            self.control = ops.slice(self.flat, b.numel, self.numel)
+            self.control = ops.slice(flat, b.numel, self.numel)
+        return [ops.slice(flat, off, off + n) for off, n in zip(b.offsets, self.numels,
+                                                               strict=True)]
+
+    def borrow(self, ops: ArrayOps, slab: Slab) -> None:
+        """Lie in ``slab`` for this step (an unpinned buffer; the caller made
+        sure the slab's previous owner is unpacked)."""
+        if self._slab is slab:
+            return
+        cached = self._borrowed.get(id(slab))
+        if cached is None:
+            flat = ops.slice(slab.allocate(ops), 0, self.numel)
+            cached = (slab, flat, self._slices(ops, flat))
+            self._borrowed[id(slab)] = cached
+        self._slab, self.flat, self.views = cached
 
     def view(self, ops: ArrayOps, member: int) -> Any:
-        """The 1-D slice where member ``member`` (position in the bucket) lives."""
+        """The 1-D slice where member ``member`` (position in the bucket) lives;
+        pins the buffer (an adapter may keep the slice as storage)."""
+        self.pinned = True
         self.allocate(ops)
         return self.views[member]
 
-    def pack(self, ops: ArrayOps, tensors: Sequence[Any], prescale: float,
-             allow_direct: bool) -> GradBucket:
-        """Bring this step's ``tensors`` (one per member) into the buffer; the
-        returned ``GradBucket`` is what the hook reduces."""
-        self._direct = None
+    def direct_alias(self, ops: ArrayOps, tensors: Sequence[Any], allow_direct: bool) -> Any:
+        """The one member as a flat array, when the bucket is reduced where it
+        lies (see the module docstring); None otherwise."""
         if allow_direct and len(tensors) == 1 and not self.control_numel \
                 and device_of(tensors[0]) == self.bucket.device:
-            self._direct = ops.flat_alias(tensors[0])
-        if self._direct is not None:
+            return ops.flat_alias(tensors[0])
+        return None
+
+    def pack(self, ops: ArrayOps, tensors: Sequence[Any], prescale: float, direct: Any = None,
+             slab: Slab | None = None) -> GradBucket:
+        """Bring this step's ``tensors`` (one per member) into the buffer: into
+        ``direct`` (from ``direct_alias``) if given, else into ``slab`` if
+        given (an unpinned buffer), else into the buffer's own storage. The
+        returned ``GradBucket`` is what the hook reduces."""
+        self._direct = direct
+        if direct is not None:
             if prescale != 1.0:
-                ops.scale_(self._direct, prescale)
-            return self._grad_bucket(ops, self._direct)
-        self.allocate(ops)
+                ops.scale_(direct, prescale)
+            return self._grad_bucket(ops, direct)
+        if slab is not None:
+            self.borrow(ops, slab)
+        else:
+            self.allocate(ops)
         self._aliased = []
         for view, tensor in zip(self.views, tensors, strict=True):
             aliased = ops.shares_memory(view, tensor)
@@ -112,8 +155,11 @@ class FusionBuffer:
 
     def _grad_bucket(self, ops: ArrayOps, flat: Any) -> GradBucket:
         b = self.bucket
+        if self._slab is None:
+            return GradBucket(b.index, b.dtype, b.device, self.names, ops, flat, self.label,
+                              self.scratch)
         return GradBucket(b.index, b.dtype, b.device, self.names, ops, flat, self.label,
-                          self.scratch)
+                          self._slab.scratch, self._slab.numel)
 
     def describe(self) -> str:
         b = self.bucket

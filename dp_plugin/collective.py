@@ -1,7 +1,8 @@
 """``FusedCollective``: the one path every fused collective of dp_plugin takes.
 
     plan (tensors -> buckets)                         dp_plugin.fusion
-      -> pack into a persistent FusionBuffer          dp_plugin.buffer
+      -> pack into a FusionBuffer                     dp_plugin.buffer
+         (its own, or a slab it borrows)              dp_plugin.slabs
       -> agree once across ranks                      dp_plugin.agreement
       -> hook(state, bucket) -> handle                dp_plugin.hooks
       -> engine transport                             dp_plugin.engines
@@ -34,6 +35,7 @@ from dp_plugin.engines.base import Handle
 from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import TensorSpec, plan_buckets
 from dp_plugin.hooks import NO_SCALING, CommHook, HookState, ReducePolicy, hook_for
+from dp_plugin.slabs import Slab, SlabPool
 from dp_plugin.timeline import NullTimeline
 
 UNBOUNDED = 1 << 62
@@ -118,8 +120,12 @@ class FusedCollective:
         for b in plan:
             for i in b.members:
                 self.bucket_of[i] = b.index
+        self.pool = SlabPool(b for b in plan if b.index != last or not self.control_numel)
+        """Where unpinned buffers lie while they are in flight (``dp_plugin.slabs``)."""
         self._handles: list[Handle | None] = [None] * len(plan)
+        self._members: list[list[Any] | None] = [None] * len(plan)
         self._pack_spans = [(0.0, 0.0)] * len(plan)
+        self._unpack_spans: list[tuple[float, float] | None] = [None] * len(plan)
 
     def replan(self, order: Sequence[int]) -> bool:
         """Re-plan for the ready order ``order``; True if the buckets changed."""
@@ -163,8 +169,15 @@ class FusedCollective:
         return self.ops
 
     def view(self, index: int, like: Any = None) -> Any:
-        """Spec ``index``'s slice of its fusion buffer, shaped like the spec."""
+        """Spec ``index``'s slice of its fusion buffer, shaped like the spec;
+        the buffer is pinned from now on (the caller may keep the slice as
+        storage, see ``FusionBuffer``)."""
         buf = self.buffers[self.bucket_of[index]]
+        if not buf.pinned and self._handles[buf.bucket.index] is not None:
+            raise DPPluginError(
+                f"{self.name!r}: a view of tensor {self.specs[index].name!r} was asked for while "
+                "its bucket is in flight; take views before the bucket starts (a programming "
+                "error in the caller)")
         member = buf.bucket.members.index(index)
         return buf.view(self.backend(like), member).reshape(self.specs[index].shape)
 
@@ -204,14 +217,57 @@ class FusedCollective:
         ops = self.backend(tensors[buf.bucket.members[0]] if buf.bucket.members else None)
         t0 = time.perf_counter()
         members = [tensors[i] for i in buf.bucket.members]
-        allow_direct = self.compressor.wire_dtype(buf.bucket.dtype) == buf.bucket.dtype
-        grad_bucket = buf.pack(ops, members, self.policy.prescale, allow_direct)
+        direct = self._direct(index, ops, members)
+        slab = None if direct is not None or buf.pinned else self._free_slab(index)
+        grad_bucket = buf.pack(ops, members, self.policy.prescale, direct, slab)
         t1 = time.perf_counter()
         handle: Handle = self.guard(lambda: self.hook(self.state, grad_bucket), buf)
         handle.context = buf.describe  # the engine's timeout message names the bucket
         self._handles[index] = handle
+        self._members[index] = members
         self._pack_spans[index] = (t0, t1)
         return handle
+
+    def would_block(self, index: int, tensors: Sequence[Any]) -> bool:
+        """Would ``start(index, tensors)`` wait for an earlier bucket to finish
+        (its slab is still in flight)? For callers that must not block."""
+        buf = self.buffers[index]
+        if buf.numel == 0 or buf.pinned:
+            return False
+        members = [tensors[i] for i in buf.bucket.members]
+        if self._direct(index, self.backend(members[0] if members else None), members) \
+                is not None:
+            return False
+        owner = self.pool.next_for(buf.bucket).owner
+        return owner is not None and self._pending(owner) and not self.done(owner)
+
+    def _direct(self, index: int, ops: ArrayOps, members: Sequence[Any]) -> Any:
+        b = self.buffers[index].bucket
+        allow = self.compressor.wire_dtype(b.dtype) == b.dtype
+        return self.buffers[index].direct_alias(ops, members, allow)
+
+    def _pending(self, index: int) -> bool:
+        """Started and not unpacked yet."""
+        return self._handles[index] is not None and self._unpack_spans[index] is None
+
+    def _free_slab(self, index: int) -> Slab:
+        """The next slab for bucket ``index``, once the bucket that used it
+        before is unpacked (waiting for it here if it is still in flight)."""
+        bucket = self.buffers[index].bucket
+        owner = self.pool.next_for(bucket).owner
+        if owner is not None and self._pending(owner):
+            self._unpack(owner)
+        return self.pool.take(bucket)
+
+    def _unpack(self, index: int) -> None:
+        """Wait for bucket ``index`` and write its result into the tensors it
+        was started with."""
+        self.wait(index)
+        members = self._members[index]
+        assert members is not None  # started
+        t0 = time.perf_counter()
+        self.buffers[index].unpack(self.backend(), members, self.policy.postscale)
+        self._unpack_spans[index] = (t0, time.perf_counter())
 
     def wire_bytes(self, index: int) -> int:
         b = self.buffers[index]
@@ -226,20 +282,21 @@ class FusedCollective:
         if handle is not None:
             self.guard(handle.wait, self.buffers[index])
 
-    def finish(self, index: int, tensors: Sequence[Any]) -> Handle | None:
-        """Wait for bucket ``index`` and unpack it into ``tensors``; returns its
-        (completed) handle, or None if the bucket was not started."""
+    def finish(self, index: int) -> Handle | None:
+        """Wait for bucket ``index`` and unpack it into the tensors it was
+        started with (unless a later bucket needed its slab and did that
+        already); returns its (completed) handle, or None if the bucket was
+        not started."""
         handle = self._handles[index]
         if handle is None:
             return None
-        self.wait(index)
-        buf = self.buffers[index]
-        t0 = time.perf_counter()
-        buf.unpack(self.backend(), [tensors[i] for i in buf.bucket.members],
-                   self.policy.postscale)
-        t1 = time.perf_counter()
+        if self._unpack_spans[index] is None:
+            self._unpack(index)
+        t0, t1 = self._unpack_spans[index] or (0.0, 0.0)
         self._handles[index] = None
-        b = buf.bucket
+        self._members[index] = None
+        self._unpack_spans[index] = None
+        b = self.buffers[index].bucket
         args = {"bucket": b.index, "tensors": len(b.members), "bytes": b.nbytes}
         tl = self.timeline
         tl.span(f"pack {b.index}", "pack", *self._pack_spans[index], tid="pack", args=args)
@@ -253,7 +310,7 @@ class FusedCollective:
         for b in self.plan:
             self.start(b.index, tensors)
         for b in self.plan:
-            self.finish(b.index, tensors)
+            self.finish(b.index)
 
     # -- errors -------------------------------------------------------------------------
     def guard(self, fn: Any, buf: FusionBuffer | None = None) -> Any:

@@ -121,8 +121,12 @@ class GradBucket:
     label: str
     """The collective's name on the engine (same on every rank)."""
     scratch: dict[str, Any] = field(default_factory=dict)
-    """Persistent per-bucket storage for hooks (e.g. a wire buffer); kept
-    while the bucket plan stays the same."""
+    """Persistent storage for hooks (e.g. a wire buffer), kept while the
+    bucket plan stays the same: the bucket's own, or shared with the other
+    buckets of its slab (``dp_plugin.slabs``)."""
+    scratch_numel: int = 0
+    """The most elements a buffer kept in ``scratch`` must hold for any
+    bucket that shares it (0: ``flat``'s)."""
 
     def buffer(self) -> Any:
         return self.flat
@@ -178,14 +182,17 @@ def _cast_wrapper(hook: CommHook, comp: _CastCompressor) -> CommHook:
         if wire_dtype == bucket.dtype:
             return hook(state, bucket)
         flat = bucket.buffer()
+        numel = int(flat.shape[0])
         key = f"wire:{comp.name}"
         wire = bucket.scratch.get(key)
-        if wire is None:
-            wire = bucket.ops.empty(int(flat.shape[0]), wire_dtype, bucket.device)
+        if wire is None or int(wire.shape[0]) < numel:
+            wire = bucket.ops.empty(max(numel, bucket.scratch_numel), wire_dtype, bucket.device)
             bucket.scratch[key] = wire
+        if int(wire.shape[0]) != numel:  # scratch shared by buckets of a slab (slabs.py)
+            wire = bucket.ops.slice(wire, 0, numel)
         comp.compress_into(bucket.ops, wire, flat)
         inner = GradBucket(bucket.index, wire_dtype, bucket.device, bucket.names, bucket.ops,
-                           wire, bucket.label, bucket.scratch)
+                           wire, bucket.label, bucket.scratch, bucket.scratch_numel)
         return hook(state, inner).then(lambda: comp.decompress_into(bucket.ops, flat, wire))
 
     return compressed
@@ -203,7 +210,7 @@ def _tensor_wrapper(hook: CommHook, comp: Compressor) -> CommHook:
                 f"({exc}); it must return (tensor, ctx) with a tensor of a reducible dtype"
             ) from None
         inner = GradBucket(bucket.index, wire_dtype, bucket.device, bucket.names, bucket.ops,
-                           wire, bucket.label, bucket.scratch)
+                           wire, bucket.label, bucket.scratch, bucket.scratch_numel)
 
         def restore() -> None:
             out = comp.decompress(wire, ctx)

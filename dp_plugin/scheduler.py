@@ -203,12 +203,13 @@ class GradientScheduler:
         self.launch_all()
         with self._lock:
             st = self._state
+            self._launch_ready()  # what launch_all left for a slab to come free
             exposed = st.late_launch_s
             for b in self.plan:
                 before = time.perf_counter()
                 self.fused.wait(b.index)
                 exposed += time.perf_counter() - before
-                handle = self.fused.finish(b.index, st.tensors)
+                handle = self.fused.finish(b.index)
                 if handle is not None:
                     st.intervals.append((handle.started_at, handle.completed_at or before))
             self.stats.append(st.record(self._timeline, time.perf_counter(), exposed))
@@ -225,9 +226,11 @@ class GradientScheduler:
 
     def launch_all(self) -> None:
         """Start every bucket not started yet (tensors never marked ready
-        contribute zeros); ``synchronize()`` then only waits. A rank that
-        must not block (one that has joined, answering other collectives
-        meanwhile) calls this, polls ``all_done()``, then ``synchronize()``."""
+        contribute zeros), except those that would wait for a slab of an
+        earlier bucket (``dp_plugin.slabs``): this never blocks.
+        ``synchronize()`` starts the rest. A rank that must not block (one
+        that has joined, answering other collectives meanwhile) calls this,
+        polls ``all_done()`` (which starts what it can), then ``synchronize()``."""
         with self._lock:
             st = self._state
             if st.syncing:
@@ -241,12 +244,15 @@ class GradientScheduler:
                     st.tensors[i] = ops.zeros(spec.shape, spec.dtype, spec.device)
                 if not st.ready[i]:
                     self._set_ready(i)
-            self._launch_ready()
+            self._launch_ready(block=False)
 
     def all_done(self) -> bool:
-        """Non-blocking, after ``launch_all()``: has every bucket's collective finished?"""
+        """Non-blocking, after ``launch_all()``: has every bucket's collective
+        started and finished? Starts buckets whose slab came free."""
         with self._lock:
-            return all(self.fused.done(b.index) for b in self.plan)
+            self._launch_ready(block=False)
+            return self._state.next_launch == len(self.plan) and \
+                all(self.fused.done(b.index) for b in self.plan)
 
     def view_for(self, index: int, like: Any = None) -> Any:
         """A tensor shaped like spec ``index`` that lives inside its fusion buffer.
@@ -338,12 +344,15 @@ class GradientScheduler:
         st.ready_count[self.fused.bucket_of[index]] += 1
         st.ready_order.append(index)
 
-    def _launch_ready(self) -> None:
-        """Launch complete buckets, strictly in index order."""
+    def _launch_ready(self, block: bool = True) -> None:
+        """Launch complete buckets, strictly in index order; with ``block=False``
+        stop before one that would wait for an earlier bucket's slab."""
         st = self._state
         plan = self.plan
         while st.next_launch < len(plan) and \
                 st.ready_count[st.next_launch] == len(plan[st.next_launch].members):
+            if not block and self.fused.would_block(st.next_launch, st.tensors):
+                return
             t0 = time.perf_counter()
             handle = self.fused.start(st.next_launch, st.tensors)
             if handle is not None:

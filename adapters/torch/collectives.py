@@ -112,7 +112,7 @@ def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
 
     def finish() -> Any:
         for b in fused.plan:
-            fused.finish(b.index, outs)
+            fused.finish(b.index)
         if inplace:
             for t, out in zip(tensors, outs, strict=True):
                 if out.data_ptr() != t.data_ptr():

@@ -20,8 +20,9 @@ from tests.torch.test_optimizer_unit import ThreadSet, backward, linear_model
 from tests.unit.fakes import make_thread_group, run_ranks
 
 
-def on_ranks(n: int, fn: Callable[[int, ThreadSet], Any], views: bool = True) -> list[Any]:
-    config = Config(timeout_s=30.0, gradient_as_bucket_view=views)
+def on_ranks(n: int, fn: Callable[[int, ThreadSet], Any], views: bool = True,
+             **settings: Any) -> list[Any]:
+    config = Config(timeout_s=30.0, gradient_as_bucket_view=views, **settings)
     engines: list[Engine] = make_thread_group(n, config=config)
     return run_ranks(engines, lambda e: fn(e.rank, ThreadSet(e)))
 
@@ -52,7 +53,7 @@ def train(model: nn.Module, rank: int, ps: ThreadSet, steps: int,
                      [p.grad.data_ptr() for p in model.parameters()],
                      [inside(p.grad, flats) for p in model.parameters()]))
     return {"params": [p.detach().clone() for p in model.parameters()],
-            "grads": [p.grad.clone() for p in model.parameters()], "seen": seen}
+            "grads": [p.grad.clone() for p in model.parameters()], "seen": seen, "opt": opt}
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
@@ -75,6 +76,36 @@ def test_gradients_are_buffer_views_bitwise_equal_to_copies_and_stay_put(
         assert all(s == seen[1] for s in seen[2:])
         assert not any(any(flags) for *_, flags in copied[rank]["seen"])
     assert torch.equal(viewed[0]["params"][0], viewed[1]["params"][0])  # ranks agree
+
+
+def test_copies_take_turns_on_two_slabs_within_twice_the_threshold() -> None:
+    """Without views, 6 buckets share two slabs of the threshold's size (at
+    most two buckets in flight, the third waits): same bits as with views."""
+    threshold = 96  # bytes: one Linear(4, 4) (64 + 16 bytes of gradients) per bucket
+
+    def deep(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(*(m for i in range(6) for m in (nn.Linear(4 - (i == 0), 4),
+                                                              nn.Tanh())))
+
+    def body(model: nn.Module, rank: int, ps: ThreadSet) -> dict[str, Any]:
+        out = train(model, rank, ps, 3, set_to_none=True)
+        fused = out.pop("opt")._dp.reducer.scheduler.fused
+        out["buckets"] = len(fused.plan)
+        out["slab bytes"] = fused.pool.allocated_bytes()
+        return out
+
+    models = [deep(0) for _ in range(4)]
+    settings = {"fusion_threshold": threshold, "first_bucket_threshold": None}
+    viewed = on_ranks(2, lambda r, ps: body(models[r], r, ps), **settings)
+    copied = on_ranks(2, lambda r, ps: body(models[2 + r], r, ps), views=False, **settings)
+    for rank in range(2):
+        for a, b in zip(viewed[rank]["params"] + viewed[rank]["grads"],
+                        copied[rank]["params"] + copied[rank]["grads"], strict=True):
+            assert torch.equal(a, b)
+        assert copied[rank]["buckets"] == 6
+        assert 0 < copied[rank]["slab bytes"] <= 2 * threshold
+        assert viewed[rank]["slab bytes"] == 0  # views pin every buffer
 
 
 def test_cases_where_a_gradient_stays_a_tensor_of_its_own() -> None:

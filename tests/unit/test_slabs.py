@@ -1,0 +1,131 @@
+"""Copy-mode fusion buffers take turns on two slabs (``dp_plugin.slabs``):
+fusion memory within twice the threshold, back-pressure, pinning."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dp_plugin.arrays import NumpyOps
+from dp_plugin.collective import FusedCollective
+from dp_plugin.errors import DPPluginError
+from dp_plugin.fusion import TensorSpec
+from dp_plugin.scheduler import GradientScheduler
+from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks
+
+# 12 tensors of 64 bytes; a 128-byte threshold makes 6 buckets of 2.
+SPECS = [TensorSpec(f"t{i}", (16,), "float32") for i in range(12)]
+THRESHOLD = 128
+
+
+def grad(rank: int, step: int, i: int) -> np.ndarray:
+    return np.random.default_rng([rank, step, i]).integers(-8, 9, 16).astype(np.float32)
+
+
+def expected(step: int, i: int, size: int) -> np.ndarray:
+    return np.mean([grad(r, step, i) for r in range(size)], axis=0)  # type: ignore[no-any-return]
+
+
+def fusion_bytes(sched: GradientScheduler) -> int:
+    """Bytes of fusion memory the scheduler holds: slabs plus pinned buffers."""
+    pinned = sum(b.flat.nbytes for b in sched.fused.buffers if b.pinned and b.flat is not None)
+    return sched.fused.pool.allocated_bytes() + pinned
+
+
+@pytest.mark.parametrize("compression", ["none", "fp16"])
+def test_copy_mode_keeps_fusion_memory_within_twice_the_threshold(compression: str) -> None:
+    engines = make_thread_group(2)
+
+    def body(e: FakeEngine) -> tuple[int, int]:
+        sched = GradientScheduler(SPECS, engine=e, fusion_threshold=THRESHOLD,
+                                  compression=compression, array_ops=NumpyOps())
+        for step in range(3):
+            grads = [grad(e.rank, step, i) for i in range(len(SPECS))]
+            for i in reversed(range(len(SPECS))):
+                sched.mark_ready(i, grads[i])
+            sched.synchronize()
+            tol = 0 if compression == "none" else 1e-2
+            for i, g in enumerate(grads):
+                np.testing.assert_allclose(g, expected(step, i, 2), atol=tol, err_msg=f"t{i}")
+        return len(sched.plan), fusion_bytes(sched)
+
+    for buckets, used in run_ranks(engines, body):
+        assert buckets == 6
+        assert 0 < used <= 2 * THRESHOLD  # one buffer per bucket would be 6 x 128
+
+
+def test_a_rank_that_must_not_block_defers_the_third_bucket_until_the_first_is_done() -> None:
+    """A joined rank (zeros, ``launch_all``) starts buckets 0 and 1, leaves
+    bucket 2 for the slab of bucket 0, and ``all_done`` starts it once bucket 0
+    finished, with no wait inside either call."""
+    engines = make_thread_group(2)
+    deferred = threading.Event()
+
+    def body(e: FakeEngine) -> list[int]:
+        sched = GradientScheduler(SPECS, engine=e, fusion_threshold=THRESHOLD,
+                                  array_ops=NumpyOps())
+        sched.fused.agree()  # the first step's agreement, on both ranks
+        seen = []
+        if e.rank == 0:
+            sched.launch_all()
+            seen.append(sched._state.next_launch)
+            assert not sched.all_done()
+            deferred.set()
+            deadline = time.monotonic() + 20
+            while not sched.all_done():
+                assert time.monotonic() < deadline, "all_done() never became true"
+                time.sleep(0.005)
+            seen.append(sched._state.next_launch)
+            results = sched.synchronize()
+        else:
+            assert deferred.wait(20)
+            results = [grad(1, 0, i) for i in range(len(SPECS))]
+            for i in reversed(range(len(SPECS))):
+                sched.mark_ready(i, results[i])  # its starts wait for their slabs
+            sched.synchronize()
+        for i, got in enumerate(results):
+            np.testing.assert_array_equal(got, grad(1, 0, i) / 2)
+        return seen
+
+    assert run_ranks(engines, body)[0] == [2, 6]
+
+
+def test_a_bucket_whose_views_were_taken_is_pinned_and_borrows_no_slab() -> None:
+    engines = make_thread_group(2)
+
+    def body(e: FakeEngine) -> tuple[list[bool], int]:
+        sched = GradientScheduler(SPECS, engine=e, fusion_threshold=THRESHOLD,
+                                  array_ops=NumpyOps())
+        sched.rebuild_buckets = False
+        views = {i: sched.view_for(i) for i in (0, 1)}  # bucket 5 (reverse order)
+        for step in range(2):
+            grads = [grad(e.rank, step, i) for i in range(len(SPECS))]
+            for i in reversed(range(len(SPECS))):
+                if i in views:
+                    views[i][...] = grads[i]
+                    grads[i] = views[i]
+                sched.mark_ready(i, grads[i])
+            sched.synchronize()
+            for i, g in enumerate(grads):
+                np.testing.assert_array_equal(g, expected(step, i, 2))
+        pinned = [b.pinned for b in sched.fused.buffers]
+        return pinned, sched.fused.pool.allocated_bytes()
+
+    for pinned, slab_bytes in run_ranks(engines, body):
+        assert pinned == [False] * 5 + [True]
+        assert slab_bytes == 2 * THRESHOLD
+
+
+def test_a_view_of_a_bucket_in_flight_is_refused() -> None:
+    (e,) = make_thread_group(1)
+    fused = FusedCollective(SPECS[:2], engine=e, name="g", threshold=THRESHOLD,
+                            array_ops=NumpyOps())
+    tensors = [grad(0, 0, i) for i in range(2)]
+    fused.start(0, tensors)
+    with pytest.raises(DPPluginError, match="in flight"):
+        fused.view(0)
+    fused.finish(0)
+    assert fused.view(0).shape == (16,) and fused.buffers[0].pinned
