@@ -5,8 +5,10 @@ before each repetition, median of the repetitions), then, per model shape
 list, the fused all-reduce of every gradient through ``GradientScheduler``
 (default fusion threshold, averaging, as a training step does; with the
 gradients as separate tensors, then as views of the fusion buffer, the
-``DistributedOptimizer`` default) against one raw all-reduce of the same
-bytes and, under the horovod engine, Horovod's own ``grouped_allreduce``.
+``DistributedOptimizer`` default; then views with ``op=sum``, which isolates
+what fusion costs from averaging's pass) against one raw all-reduce (a sum)
+of the same bytes and, under the horovod engine, Horovod's own
+``grouped_allreduce``.
 Rank 0 prints ``PROGRESS`` after each item and one ``RESULT {json}`` line at
 the end.
 
@@ -71,8 +73,18 @@ def _fused(engine: Any, model: str, reps: int, warmup: int) -> dict[str, Any]:
     buckets = len(sched.plan)
     sched.close()
     views.clear()
+    # The same with op=sum: what fusion costs beside the raw all-reduce (a
+    # sum too), without averaging's pass over the gradients.
+    sched = GradientScheduler(specs, engine=engine, op="sum", name=f"bench_{model}_sum")
+    step(grads)
+    views = [sched.view_for(i, g) for i, g in enumerate(grads)]
+    for view in views:
+        view.fill_(1.0)
+    fused_sum = time_it(lambda: step(views), reps, warmup)
+    sched.close()
+    views.clear()
     result = {"model": model, "bytes": nbytes, "tensors": len(specs), "buckets": buckets,
-              "fused_s": fused, "fused_views_s": fused_views}
+              "fused_s": fused, "fused_views_s": fused_views, "fused_views_sum_s": fused_sum}
     if engine.name == "horovod":  # Horovod's own answer to the same list
         import horovod.torch as hvd
 

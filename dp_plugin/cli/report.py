@@ -49,21 +49,28 @@ def markdown(result: dict[str, Any]) -> str:
     lines.append("\nBandwidths in GB/s (10^9 bytes/s); busbw = algbw x 2(n-1)/n.")
     if result["models"]:
         lines += ["", "| model | engine | workers | gradients | buckets | fused (copies) "
-                  "| fused (views) | raw (same bytes) | busbw fused (views) / raw | Horovod "
+                  "| fused (views) | fused (views, sum) | raw (same bytes, sum) "
+                  "| busbw fused (views) / raw | busbw fused (views, sum) / raw | Horovod "
                   "grouped_allreduce | Horovod grouped / fused (views) |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for m in result["models"]:
-            views = m.get("fused_views_s", m["fused_s"])
-            grouped = m.get("horovod_grouped_s")
-            tail = ([f"{grouped * 1e3:.1f} ms", f"{grouped / views:.2f}"] if grouped
-                    else ["-", "-"])
-            lines.append(f"| {m['model']} | {m['engine']} | {m['size']} | {m['tensors']} "
-                         f"({human(m['bytes'])}) | {m['buckets']} | {m['fused_s'] * 1e3:.1f} ms "
-                         f"| {views * 1e3:.1f} ms | {m['raw_s'] * 1e3:.1f} ms "
-                         f"| {m['raw_s'] / views:.2f} | " + " | ".join(tail) + " |")
+            lines.append(_model_row(m))
     for name, why in result.get("skipped", {}).items():
         lines.append(f"\nNot run: {name} ({why}).")
     return "\n".join(lines) + "\n"
+
+
+def _model_row(m: dict[str, Any]) -> str:
+    views = m.get("fused_views_s", m["fused_s"])
+    summed = m.get("fused_views_sum_s")
+    grouped = m.get("horovod_grouped_s")
+    cells = [m["model"], m["engine"], str(m["size"]), f"{m['tensors']} ({human(m['bytes'])})",
+             str(m["buckets"]), f"{m['fused_s'] * 1e3:.1f} ms", f"{views * 1e3:.1f} ms",
+             f"{summed * 1e3:.1f} ms" if summed else "-", f"{m['raw_s'] * 1e3:.1f} ms",
+             f"{m['raw_s'] / views:.2f}", f"{m['raw_s'] / summed:.2f}" if summed else "-",
+             f"{grouped * 1e3:.1f} ms" if grouped else "-",
+             f"{grouped / views:.2f}" if grouped else "-"]
+    return "| " + " | ".join(cells) + " |"
 
 
 def draw_plots(result: dict[str, Any], out: Path) -> list[Path]:
