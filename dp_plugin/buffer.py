@@ -21,10 +21,11 @@ values after the bucket finished.
 
 Where the flat buffer lives: a buffer that is the storage of something
 outside it (an adapter took a ``view``, or it holds the control slot) is
-*pinned*: allocated once, its own for as long as the plan lasts. Any other
-buffer only copies, so it borrows a slab of a ``SlabPool``
-(``dp_plugin.slabs``) for each step; that keeps copy-mode fusion memory
-within twice the threshold.
+*pinned*: allocated once, its own for as long as the plan lasts; so is one
+over the threshold (a single tensor that could not be split: two slabs of
+its size would cost more than it). Any other buffer only copies, so it
+borrows a slab of a ``SlabPool`` (``dp_plugin.slabs``) for each step; that
+keeps copy-mode fusion memory within twice the threshold.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class FusionBuffer:
     """Pack and unpack the members of ``bucket`` (spec indices into ``specs``)."""
 
     def __init__(self, bucket: Bucket, specs: Sequence[TensorSpec], label: str,
-                 control_numel: int = 0) -> None:
+                 control_numel: int = 0, pinned: bool = False) -> None:
         self.bucket = bucket
         self.label = label
         self.names = tuple(specs[i].name for i in bucket.members)
@@ -54,7 +55,7 @@ class FusionBuffer:
         """The control slot (a 1-D slice of ``flat``), if the bucket has one."""
         self.scratch: dict[str, Any] = {}
         """Persistent storage of the hooks (wire buffers) of a pinned buffer."""
-        self.pinned = bool(control_numel)
+        self.pinned = pinned or bool(control_numel)
         """True once the buffer is the storage of something outside it (see
         the module docstring); it then never borrows a slab again."""
         self._slab: Slab | None = None

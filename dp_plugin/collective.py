@@ -113,14 +113,15 @@ class FusedCollective:
         last = len(plan) - 1
         self.buffers = [
             FusionBuffer(b, self.specs, f"{self.name}.bucket{b.index}",
-                         self.control_numel if b.index == last else 0)
+                         self.control_numel if b.index == last else 0,
+                         pinned=b.nbytes > self.threshold)  # one tensor over the threshold
             for b in plan
         ]
         self.bucket_of = [0] * len(self.specs)
         for b in plan:
             for i in b.members:
                 self.bucket_of[i] = b.index
-        self.pool = SlabPool(b for b in plan if b.index != last or not self.control_numel)
+        self.pool = SlabPool(buf.bucket for buf in self.buffers if not buf.pinned)
         """Where unpinned buffers lie while they are in flight (``dp_plugin.slabs``)."""
         self._handles: list[Handle | None] = [None] * len(plan)
         self._members: list[list[Any] | None] = [None] * len(plan)

@@ -129,3 +129,30 @@ def test_a_view_of_a_bucket_in_flight_is_refused() -> None:
         fused.view(0)
     fused.finish(0)
     assert fused.view(0).shape == (16,) and fused.buffers[0].pinned
+
+
+def test_a_bucket_over_the_threshold_keeps_its_own_buffer() -> None:
+    """One tensor larger than the threshold (fp16 on the wire, so not reduced
+    where it lies) gets a buffer of its own: slabs stay the threshold's size."""
+    specs = [*SPECS, TensorSpec("big", (256,), "float32")]  # 1 KiB
+    engines = make_thread_group(2)
+
+    def body(e: FakeEngine) -> tuple[list[bool], int]:
+        sched = GradientScheduler(specs, engine=e, fusion_threshold=THRESHOLD,
+                                  compression="fp16", array_ops=NumpyOps())
+        def inputs(rank: int) -> list[np.ndarray]:
+            rng = np.random.default_rng(rank)
+            return [rng.integers(-8, 9, s.shape).astype(np.float32) for s in specs]
+
+        grads = inputs(e.rank)
+        want = [(a + b) / 2 for a, b in zip(inputs(0), inputs(1), strict=True)]
+        for i in reversed(range(len(specs))):
+            sched.mark_ready(i, grads[i])
+        sched.synchronize()
+        for g, w in zip(grads, want, strict=True):
+            np.testing.assert_array_equal(g, w)  # halves of small integers: exact in fp16
+        return [b.pinned for b in sched.fused.buffers], sched.fused.pool.allocated_bytes()
+
+    for pinned, slab_bytes in run_ranks(engines, body):
+        assert pinned == [True] + [False] * 6  # the big tensor comes first (reverse order)
+        assert 0 < slab_bytes <= 2 * THRESHOLD
