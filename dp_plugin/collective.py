@@ -239,7 +239,7 @@ class FusedCollective:
         if self._direct(index, self.backend(members[0] if members else None), members) \
                 is not None:
             return False
-        owner = self.pool.next_for(buf.bucket).owner
+        owner = self.pool.slab_of(buf.bucket).owner
         return owner is not None and self._pending(owner) and not self.done(owner)
 
     def _direct(self, index: int, ops: ArrayOps, members: Sequence[Any]) -> Any:
@@ -255,7 +255,7 @@ class FusedCollective:
         """The next slab for bucket ``index``, once the bucket that used it
         before is unpacked (waiting for it here if it is still in flight)."""
         bucket = self.buffers[index].bucket
-        owner = self.pool.next_for(bucket).owner
+        owner = self.pool.slab_of(bucket).owner
         if owner is not None and self._pending(owner):
             self._unpack(owner)
         return self.pool.take(bucket)

@@ -49,27 +49,30 @@ class Slab:
 
 
 class SlabPool:
-    """Two slabs per (dtype, device) of ``buckets``, handed out in turn."""
+    """Two slabs per (dtype, device) of ``buckets``; consecutive buckets of a
+    kind (in plan order) take them in turn, the same slab every step."""
 
     def __init__(self, buckets: Iterable[Bucket]) -> None:
-        largest: dict[tuple[str, str], int] = {}
+        kinds: dict[tuple[str, str], list[Bucket]] = {}
         for b in buckets:
-            key = (b.dtype, b.device)
-            largest[key] = max(largest.get(key, 0), b.numel)
-        self._slabs = {key: [Slab(n, *key) for _ in range(SLABS_PER_KIND)]
-                       for key, n in largest.items()}
-        self._turn = dict.fromkeys(largest, 0)
+            kinds.setdefault((b.dtype, b.device), []).append(b)
+        self._slabs: dict[tuple[str, str], list[Slab]] = {}
+        self._slab_of: dict[int, Slab] = {}
+        for key, members in kinds.items():
+            largest = max(b.numel for b in members)
+            slabs = [Slab(largest, *key) for _ in range(min(SLABS_PER_KIND, len(members)))]
+            self._slabs[key] = slabs
+            for n, b in enumerate(sorted(members, key=lambda b: b.index)):
+                self._slab_of[b.index] = slabs[n % len(slabs)]
 
-    def next_for(self, bucket: Bucket) -> Slab:
-        """The slab ``bucket`` would get now (``take`` gives it)."""
-        key = (bucket.dtype, bucket.device)
-        return self._slabs[key][self._turn[key] % SLABS_PER_KIND]
+    def slab_of(self, bucket: Bucket) -> Slab:
+        """The slab bucket ``bucket`` packs into (``take`` claims it)."""
+        return self._slab_of[bucket.index]
 
     def take(self, bucket: Bucket) -> Slab:
-        """Hand ``bucket`` the next slab of its kind (the caller has made sure
-        the slab's previous owner is unpacked)."""
-        slab = self.next_for(bucket)
-        self._turn[(bucket.dtype, bucket.device)] += 1
+        """Claim ``bucket``'s slab (the caller has made sure the slab's
+        previous owner is unpacked)."""
+        slab = self._slab_of[bucket.index]
         slab.owner = bucket.index
         return slab
 
