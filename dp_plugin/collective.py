@@ -252,8 +252,8 @@ class FusedCollective:
         return self._handles[index] is not None and self._unpack_spans[index] is None
 
     def _free_slab(self, index: int) -> Slab:
-        """The next slab for bucket ``index``, once the bucket that used it
-        before is unpacked (waiting for it here if it is still in flight)."""
+        """Bucket ``index``'s slab, once the bucket that used it before is
+        unpacked (waiting for that one here if it is still in flight)."""
         bucket = self.buffers[index].bucket
         owner = self.pool.slab_of(bucket).owner
         if owner is not None and self._pending(owner):
