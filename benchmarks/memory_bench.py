@@ -139,6 +139,9 @@ def report(rows: list[tuple[str, dict[str, Any]]], steps: int) -> None:
               f"| {added / THRESHOLD:.2f} | {rss[0] / mib:.1f} MiB | {rss[-1] / mib:.1f} MiB "
               f"| {(rss[-1] - rss[0]) / 1024:+.0f} KiB | {min(rss) / mib:.1f} - "
               f"{max(rss) / mib:.1f} MiB | {per_100 / 1024:+.0f} KiB |")
+    for name, r in rows:
+        series = ", ".join(f"{b / mib:.1f}" for _, b in r["samples"])
+        print(f"\n{name}, RSS (MiB) every 100 steps from step 100: {series}")
 
 
 if __name__ == "__main__":
