@@ -45,6 +45,30 @@ def test_training_matches_single_process(case: str, launcher: str, engine: str,
     assert_ranks_ok(result, nprocs)
 
 
+COPIES = {"DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW": "0", "DP_PLUGIN_FUSION_THRESHOLD": "256"}
+"""Gradients copied into 256-byte buckets: several copy-mode buckets take
+turns on two slabs (``dp_plugin.slabs``), so later ones wait for earlier
+ones, and a joined rank defers them instead of blocking."""
+
+
+@pytest.mark.parametrize(("case", "launcher", "engine", "nprocs"), [
+    ("optimizers", "env", "gloo", 3),
+    ("join_process_set", "env", "gloo", 3),
+    ("join_process_set", "horovodrun", "horovod", 2),
+])
+def test_copies_in_small_buckets_match_single_process(case: str, launcher: str, engine: str,
+                                                      nprocs: int) -> None:
+    result = run_workers(
+        launcher, nprocs, EQUIVALENCE, args=["--case", case],
+        env={"DP_PLUGIN_ENGINE": engine, "DP_PLUGIN_TIMEOUT": "60", **COPIES}, timeout=240,
+    )
+    assert_ranks_ok(result, nprocs)
+    fused = re.findall(r"(\d+) buckets, slabs (\d+) bytes", result.output)
+    assert len(fused) >= nprocs, result.output  # a line per rank (and optimizer)
+    for buckets, slab_bytes in fused:
+        assert int(buckets) >= 4 and 0 < int(slab_bytes) <= 2 * 256, result.output
+
+
 def _final_losses(output: str) -> list[float]:
     return [float(m) for m in re.findall(r"epoch \d+ loss ([0-9.]+)", output)]
 

@@ -142,7 +142,14 @@ def run_case(case: Case, rank: int, size: int) -> None:
                              f"> {TOLERANCE}")
     if not torch.equal(model.unused.weight, reference.unused.weight):
         raise AssertionError(f"{case.name}: the unused parameter changed")
-    print(f"rank {rank} case {case.name}: max diff to single process {diff:.2e}", flush=True)
+    print(f"rank {rank} case {case.name}: max diff to single process {diff:.2e}; "
+          f"{fusion(dist)}", flush=True)
+
+
+def fusion(opt: Any) -> str:
+    """How the optimizer's gradients were fused (the copies test reads it)."""
+    fused = opt._dp.reducer.scheduler.fused
+    return f"{len(fused.plan)} buckets, slabs {fused.pool.allocated_bytes()} bytes"
 
 
 def run_join(rank: int, size: int) -> None:
@@ -170,6 +177,7 @@ def run_join(rank: int, size: int) -> None:
         )
         (total / size).backward()
         ref_opt.step()
+    print(f"rank {rank} join: {fusion(opt)}", flush=True)
     last = hvd.join()
     if last != size - 1:
         raise AssertionError(f"join() returned {last}, expected the last rank {size - 1}")
