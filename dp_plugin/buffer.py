@@ -54,7 +54,7 @@ class FusionBuffer:
         self.control: Any = None
         """The control slot (a 1-D slice of ``flat``), if the bucket has one."""
         self.scratch: dict[str, Any] = {}
-        """Persistent storage of the hooks (wire buffers) of a pinned buffer."""
+        """The hooks' per-bucket storage (``GradBucket.scratch``)."""
         self.pinned = pinned or bool(control_numel)
         """True once the buffer is the storage of something outside it (see
         the module docstring); it then never borrows a slab again."""
@@ -156,11 +156,10 @@ class FusionBuffer:
 
     def _grad_bucket(self, ops: ArrayOps, flat: Any) -> GradBucket:
         b = self.bucket
-        if self._slab is None:
-            return GradBucket(b.index, b.dtype, b.device, self.names, ops, flat, self.label,
-                              self.scratch)
+        slab = self._slab
         return GradBucket(b.index, b.dtype, b.device, self.names, ops, flat, self.label,
-                          self._slab.scratch, self._slab.numel)
+                          self.scratch, None if slab is None else slab.scratch,
+                          0 if slab is None else slab.numel)
 
     def describe(self) -> str:
         b = self.bucket

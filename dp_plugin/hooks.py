@@ -121,12 +121,14 @@ class GradBucket:
     label: str
     """The collective's name on the engine (same on every rank)."""
     scratch: dict[str, Any] = field(default_factory=dict)
-    """Persistent storage for hooks (e.g. a wire buffer), kept while the
-    bucket plan stays the same: the bucket's own, or shared with the other
-    buckets of its slab (``dp_plugin.slabs``)."""
-    scratch_numel: int = 0
-    """The most elements a buffer kept in ``scratch`` must hold for any
-    bucket that shares it (0: ``flat``'s)."""
+    """Persistent per-bucket storage for hooks (state such as an error-feedback
+    residual); kept while the bucket plan stays the same."""
+    shared: dict[str, Any] | None = None
+    """Storage shared by the buckets that take turns on one slab
+    (``dp_plugin.slabs``), for what a hook needs only while the bucket is in
+    flight (a wire buffer), sized to ``shared_numel`` elements; None when the
+    bucket has a buffer of its own (keep such things in ``scratch``)."""
+    shared_numel: int = 0
 
     def buffer(self) -> Any:
         return self.flat
@@ -159,12 +161,13 @@ def compression_wrapper(hook: CommHook, compressor: Compressor | str) -> CommHoo
     """``hook`` run on the bucket in the compressor's wire form.
 
     A built-in cast (fp16, bf16) uses a wire buffer allocated once per bucket
-    (``bucket.scratch``) and casts back when the handle is waited on; buckets
-    it does not narrow (integers, already-narrow floats) go to ``hook``
-    unchanged. Any other compressor (Horovod-style ``compress`` /
-    ``decompress``, see ``dp_plugin.compression``) gets the packed 1-D buffer;
-    what its ``compress`` returns is reduced, and ``decompress``'s result is
-    copied back into the bucket.
+    (in ``bucket.scratch``, or per slab in ``bucket.shared`` for a bucket that
+    borrows one) and casts back when the handle is waited on; buckets it does
+    not narrow (integers, already-narrow floats) go to ``hook`` unchanged.
+    Any other compressor (Horovod-style ``compress`` / ``decompress``, see
+    ``dp_plugin.compression``) gets the packed 1-D buffer; what its
+    ``compress`` returns is reduced, and ``decompress``'s result is copied
+    back into the bucket.
     """
     comp = get_compressor(compressor)
     if isinstance(comp, _CastCompressor):
@@ -184,15 +187,17 @@ def _cast_wrapper(hook: CommHook, comp: _CastCompressor) -> CommHook:
         flat = bucket.buffer()
         numel = int(flat.shape[0])
         key = f"wire:{comp.name}"
-        wire = bucket.scratch.get(key)
+        store = bucket.scratch if bucket.shared is None else bucket.shared
+        wire = store.get(key)
         if wire is None or int(wire.shape[0]) < numel:
-            wire = bucket.ops.empty(max(numel, bucket.scratch_numel), wire_dtype, bucket.device)
-            bucket.scratch[key] = wire
-        if int(wire.shape[0]) != numel:  # scratch shared by buckets of a slab (slabs.py)
+            wire = bucket.ops.empty(max(numel, bucket.shared_numel), wire_dtype, bucket.device)
+            store[key] = wire
+        if int(wire.shape[0]) != numel:  # shared by the buckets of a slab
             wire = bucket.ops.slice(wire, 0, numel)
         comp.compress_into(bucket.ops, wire, flat)
         inner = GradBucket(bucket.index, wire_dtype, bucket.device, bucket.names, bucket.ops,
-                           wire, bucket.label, bucket.scratch, bucket.scratch_numel)
+                           wire, bucket.label, bucket.scratch, bucket.shared,
+                           bucket.shared_numel)
         return hook(state, inner).then(lambda: comp.decompress_into(bucket.ops, flat, wire))
 
     return compressed
@@ -210,7 +215,8 @@ def _tensor_wrapper(hook: CommHook, comp: Compressor) -> CommHook:
                 f"({exc}); it must return (tensor, ctx) with a tensor of a reducible dtype"
             ) from None
         inner = GradBucket(bucket.index, wire_dtype, bucket.device, bucket.names, bucket.ops,
-                           wire, bucket.label, bucket.scratch, bucket.scratch_numel)
+                           wire, bucket.label, bucket.scratch, bucket.shared,
+                           bucket.shared_numel)
 
         def restore() -> None:
             out = comp.decompress(wire, ctx)

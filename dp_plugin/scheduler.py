@@ -63,10 +63,11 @@ class GradientScheduler:
       the same sequence of collectives;
     - ``mark_ready`` may start collectives (and, in the first step, the
       agreement check), and wait for an earlier bucket whose slab a copied
-      bucket needs (``dp_plugin.slabs``: at most two in flight per kind); ``synchronize()`` is a synchronization point: it
-      returns once every bucket has been reduced on this rank. After the
-      first ``synchronize()`` the plan may be rebuilt from rank 0's observed
-      ready order (one broadcast);
+      bucket needs (``dp_plugin.slabs``: at most two in flight per kind);
+      ``synchronize()`` is a synchronization point: it returns once every
+      bucket has been reduced on this rank. After the first
+      ``synchronize()`` the plan may be rebuilt from rank 0's observed ready
+      order (one broadcast);
     - a tensor passed to ``mark_ready`` must not be modified until
       ``synchronize()`` returns; the reduced values are written back into it.
 

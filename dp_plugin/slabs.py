@@ -40,7 +40,8 @@ class Slab:
     owner: int | None = None
     """Index of the bucket packed into it last (None: never used)."""
     scratch: dict[str, Any] = field(default_factory=dict)
-    """The hooks' storage (wire buffers), shared by the buckets that use the slab."""
+    """The hooks' in-flight storage (wire buffers), shared by the buckets that
+    use the slab (``GradBucket.shared``)."""
 
     def allocate(self, ops: ArrayOps) -> Any:
         if self.storage is None:

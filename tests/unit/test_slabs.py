@@ -11,8 +11,10 @@ import pytest
 
 from dp_plugin.arrays import NumpyOps
 from dp_plugin.collective import FusedCollective
+from dp_plugin.engines.base import Handle
 from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import TensorSpec
+from dp_plugin.hooks import GradBucket, HookState, allreduce_hook
 from dp_plugin.scheduler import GradientScheduler
 from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks
 
@@ -156,3 +158,36 @@ def test_a_bucket_over_the_threshold_keeps_its_own_buffer() -> None:
     for pinned, slab_bytes in run_ranks(engines, body):
         assert pinned == [True] + [False] * 6  # the big tensor comes first (reverse order)
         assert 0 < slab_bytes <= 2 * THRESHOLD
+
+
+def test_a_hooks_per_bucket_state_stays_per_bucket_while_buckets_share_slabs() -> None:
+    """``GradBucket.scratch`` is the bucket's own (an error-feedback residual
+    lives there); only ``shared`` is the slab's."""
+    engines = make_thread_group(2)
+
+    def body(e: FakeEngine) -> tuple[dict[int, set[int]], dict[int, set[int | None]]]:
+        own: dict[int, set[int]] = {}
+        shared: dict[int, set[int | None]] = {}
+
+        def hook(state: HookState, bucket: GradBucket) -> Handle:
+            bucket.scratch.setdefault("steps", 0)
+            bucket.scratch["steps"] += 1
+            own.setdefault(bucket.index, set()).add(id(bucket.scratch))
+            shared.setdefault(bucket.index, set()).add(
+                None if bucket.shared is None else id(bucket.shared))
+            return allreduce_hook(state, bucket)
+
+        sched = GradientScheduler(SPECS, engine=e, fusion_threshold=THRESHOLD, hook=hook,
+                                  array_ops=NumpyOps())
+        sched.rebuild_buckets = False
+        for step in range(3):
+            for i in reversed(range(len(SPECS))):
+                sched.mark_ready(i, grad(e.rank, step, i))
+            sched.synchronize()
+        assert all(b.scratch["steps"] == 3 for b in sched.fused.buffers)
+        return own, shared
+
+    for own, shared in run_ranks(engines, body):
+        assert len(own) == 6 and all(len(ids) == 1 for ids in own.values())
+        assert len({next(iter(ids)) for ids in own.values()}) == 6  # one dict per bucket
+        assert len({next(iter(ids)) for ids in shared.values()}) == 2  # one per slab
