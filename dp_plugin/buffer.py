@@ -158,7 +158,7 @@ class FusionBuffer:
         b = self.bucket
         slab = self._slab
         return GradBucket(b.index, b.dtype, b.device, self.names, ops, flat, self.label,
-                          self.scratch, None if slab is None else slab.scratch,
+                          self.scratch, None if slab is None else slab.shared,
                           0 if slab is None else slab.numel)
 
     def describe(self) -> str:

@@ -39,7 +39,7 @@ class Slab:
     storage: Any = None
     owner: int | None = None
     """Index of the bucket packed into it last (None: never used)."""
-    scratch: dict[str, Any] = field(default_factory=dict)
+    shared: dict[str, Any] = field(default_factory=dict)
     """The hooks' in-flight storage (wire buffers), shared by the buckets that
     use the slab (``GradBucket.shared``)."""
 

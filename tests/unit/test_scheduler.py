@@ -420,7 +420,7 @@ def _storage(sched: GradientScheduler) -> list[tuple[int, ...]]:
     slabs, and the hooks' scratch buffers of both."""
     fused = sched.fused
     owners = [(b.flat, b.scratch) for b in fused.buffers if b.pinned]
-    owners += [(s.storage, s.scratch) for s in fused.pool.slabs()]
+    owners += [(s.storage, s.shared) for s in fused.pool.slabs()]
     return [(id(flat), *(id(v) for _, v in sorted(scratch.items()))) for flat, scratch in owners]
 
 
