@@ -59,8 +59,7 @@ class FusionBuffer:
         """True once the buffer is the storage of something outside it (see
         the module docstring); it then never borrows a slab again."""
         self._slab: Slab | None = None
-        """The slab ``flat`` lies in this step (None: ``flat`` is the buffer's own)."""
-        self._borrowed: dict[int, tuple[Slab, Any, list[Any]]] = {}
+        """The slab ``flat`` lies in (None: ``flat`` is the buffer's own)."""
         self._direct: Any = None
         self._aliased: list[bool] = []
 
@@ -84,16 +83,12 @@ class FusionBuffer:
                                                                strict=True)]
 
     def borrow(self, ops: ArrayOps, slab: Slab) -> None:
-        """Lie in ``slab`` for this step (an unpinned buffer; the caller made
-        sure the slab's previous owner is unpacked)."""
-        if self._slab is slab:
-            return
-        cached = self._borrowed.get(id(slab))
-        if cached is None:
-            flat = ops.slice(slab.allocate(ops), 0, self.numel)
-            cached = (slab, flat, self._slices(ops, flat))
-            self._borrowed[id(slab)] = cached
-        self._slab, self.flat, self.views = cached
+        """Lie in ``slab`` (an unpinned buffer, which always gets the same one;
+        the caller made sure the slab's previous owner is unpacked)."""
+        if self._slab is not slab:
+            self.flat = ops.slice(slab.allocate(ops), 0, self.numel)
+            self.views = self._slices(ops, self.flat)
+            self._slab = slab
 
     def view(self, ops: ArrayOps, member: int) -> Any:
         """The 1-D slice where member ``member`` (position in the bucket) lives;

@@ -124,7 +124,7 @@ class FusedCollective:
         self.pool = SlabPool(buf.bucket for buf in self.buffers if not buf.pinned)
         """Where unpinned buffers lie while they are in flight (``dp_plugin.slabs``)."""
         self._handles: list[Handle | None] = [None] * len(plan)
-        self._members: list[list[Any] | None] = [None] * len(plan)
+        self._started_with: list[list[Any] | None] = [None] * len(plan)
         self._pack_spans = [(0.0, 0.0)] * len(plan)
         self._unpack_spans: list[tuple[float, float] | None] = [None] * len(plan)
 
@@ -215,9 +215,8 @@ class FusedCollective:
         if buf.numel == 0:
             return None  # nothing to move; every rank skips it alike (same plan)
         self.agree()
-        ops = self.backend(tensors[buf.bucket.members[0]] if buf.bucket.members else None)
         t0 = time.perf_counter()
-        members = [tensors[i] for i in buf.bucket.members]
+        ops, members = self._members(index, tensors)
         direct = self._direct(index, ops, members)
         slab = None if direct is not None or buf.pinned else self._free_slab(index)
         grad_bucket = buf.pack(ops, members, self.policy.prescale, direct, slab)
@@ -225,7 +224,7 @@ class FusedCollective:
         handle: Handle = self.guard(lambda: self.hook(self.state, grad_bucket), buf)
         handle.context = buf.describe  # the engine's timeout message names the bucket
         self._handles[index] = handle
-        self._members[index] = members
+        self._started_with[index] = members
         self._pack_spans[index] = (t0, t1)
         return handle
 
@@ -235,12 +234,15 @@ class FusedCollective:
         buf = self.buffers[index]
         if buf.numel == 0 or buf.pinned:
             return False
-        members = [tensors[i] for i in buf.bucket.members]
-        if self._direct(index, self.backend(members[0] if members else None), members) \
-                is not None:
+        if self._direct(index, *self._members(index, tensors)) is not None:
             return False
         owner = self.pool.slab_of(buf.bucket).owner
         return owner is not None and self._pending(owner) and not self.done(owner)
+
+    def _members(self, index: int, tensors: Sequence[Any]) -> tuple[ArrayOps, list[Any]]:
+        """The array backend and bucket ``index``'s members among ``tensors``."""
+        members = [tensors[i] for i in self.buffers[index].bucket.members]
+        return self.backend(members[0] if members else None), members
 
     def _direct(self, index: int, ops: ArrayOps, members: Sequence[Any]) -> Any:
         b = self.buffers[index].bucket
@@ -264,7 +266,7 @@ class FusedCollective:
         """Wait for bucket ``index`` and write its result into the tensors it
         was started with."""
         self.wait(index)
-        members = self._members[index]
+        members = self._started_with[index]
         assert members is not None  # started
         t0 = time.perf_counter()
         self.buffers[index].unpack(self.backend(), members, self.policy.postscale)
@@ -293,9 +295,11 @@ class FusedCollective:
             return None
         if self._unpack_spans[index] is None:
             self._unpack(index)
-        t0, t1 = self._unpack_spans[index] or (0.0, 0.0)
+        spans = self._unpack_spans[index]
+        assert spans is not None  # unpacked just now, or when its slab was needed
+        t0, t1 = spans
         self._handles[index] = None
-        self._members[index] = None
+        self._started_with[index] = None
         self._unpack_spans[index] = None
         b = self.buffers[index].bucket
         args = {"bucket": b.index, "tensors": len(b.members), "bytes": b.nbytes}
