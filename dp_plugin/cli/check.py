@@ -94,7 +94,7 @@ def main() -> int:
         f"\nThis process: launcher {topo.launcher}, rank {topo.rank} of {topo.size}; "
         f"DP_PLUGIN_ENGINE=auto would pick '{chosen}' ({reason}).\n"
     )
-    others = alternate_names(chosen, topo) if topo.size > 1 else []
+    others = alternate_names(chosen, topo)
     out.write("With DP_PLUGIN_AUTOTUNE=1 under auto, autotune would also time: "
               f"{', '.join(others) if others else 'no other engine'}.\n")
     return 0

@@ -119,7 +119,9 @@ def create_engine(name: str, topology: Topology, config: Config) -> Engine:
 def alternate_names(chosen: str, topology: Topology) -> list[str]:
     """The engines autotune times beside ``chosen`` under ``auto`` (before
     the buffer-device check of ``start_alternates``): every other engine
-    that can run here, ``local`` excepted."""
+    that can run here, ``local`` excepted; none for a single process."""
+    if topology.size == 1:
+        return []
     return [n for n in ENGINE_NAMES
             if n not in ("local", chosen) and availability(n, topology).ok]
 
