@@ -50,6 +50,15 @@ _ADDRESS_BYTES = 256
 # reads the address left by an earlier one.
 _generation = itertools.count()
 
+# The store servers this process serves on a fixed port (MASTER_PORT), kept
+# for the life of the process. Ranks do not leave shutdown() together: a rank
+# that re-inits first connects to the server still listening on MASTER_PORT,
+# the one of the previous init. Were that server dropped with its group, the
+# rank's connection would close under it ("Failed to recv, got 0 bytes") and
+# the other rank would wait for its keys until the timeout. Kept, every init
+# meets on the same server, under a prefix of its own.
+_served: dict[tuple[str, int], Any] = {}
+
 
 @dataclass(frozen=True, kw_only=True)
 class Rendezvous:
@@ -143,6 +152,11 @@ def _tcp_store(host: str, port: int, topology: Topology, config: Config, *,
                is_master: bool) -> Any:
     import torch.distributed as dist
 
+    timeout = timedelta(seconds=config.timeout_s)
+    served = _served.get((host, port)) if is_master else None
+    if served is not None:
+        served.set_timeout(timeout)
+        return served
     listen = _listening_socket(host, port) if is_master else None
     extra: dict[str, Any] = {}
     # A fixed port: the server is shared within the process (multi-tenant).
@@ -150,9 +164,11 @@ def _tcp_store(host: str, port: int, topology: Topology, config: Config, *,
     extra["multi_tenant"] = port != 0
     if listen is not None:
         port, extra["master_listen_fd"] = listen
-    return dist.TCPStore(host, port, topology.size, is_master,
-                         timeout=timedelta(seconds=config.timeout_s), wait_for_workers=False,
-                         **extra)
+    store = dist.TCPStore(host, port, topology.size, is_master, timeout=timeout,
+                          wait_for_workers=False, **extra)
+    if is_master and extra["multi_tenant"]:
+        _served[(host, port)] = store
+    return store
 
 
 def _listening_socket(host: str, port: int) -> tuple[int, int] | None:
