@@ -41,9 +41,10 @@ initializes Horovod itself and the program asked for process sets
 as Horovod's own ``init`` does: with it, Horovod checks for new sets in
 every background cycle, 4-9% of a step (BENCHMARKS.md). Only the job-wide
 engine can add process sets.
-When it starts Horovod it also tunes Horovod's library for dp_plugin's
-few, large, pre-fused collectives (``horovod_env.library_settings``: cycle
-time, Horovod's own fusion threshold).
+When it starts Horovod it also keeps Horovod's library from fusing
+dp_plugin's pre-fused buckets again (``horovod_env.library_settings``:
+Horovod's own fusion threshold, never beside a cycle time, which would
+crash a later re-init).
 
 Average is SUM followed by a division in the buffer dtype (the base class),
 not ``hvd.Average``: every engine then rounds the same way, so results do

@@ -1,7 +1,8 @@
 """horovod.torch parity (issue 8) across real processes: ``workers/torch_parity.py``.
 
 One launch per case, 2 ranks on gloo; the asynchronous gather case also on
-MPI (its ``Iallgatherv`` / ``Ireduce_scatter`` path). Each rank prints ``rank R OK``.
+MPI (its ``Iallgatherv`` / ``Ireduce_scatter`` path), and the shutdown and
+re-init case also on Horovod's ring. Each rank prints ``rank R OK``.
 """
 
 from __future__ import annotations
@@ -28,5 +29,16 @@ def test_torch_parity_gloo(case: str) -> None:
 def test_async_gather_mpi() -> None:
     result = run_workers("mpirun", 2, WORKER, args=["--case", "async_gather"],
                          env={"DP_PLUGIN_ENGINE": "mpi", "DP_PLUGIN_TIMEOUT": "20"},
+                         timeout=180)
+    assert_ranks_ok(result, 2)
+
+
+@pytest.mark.multiproc
+def test_shutdown_after_failure_horovod() -> None:
+    """The re-init on Horovod's ring: it crashed (segmentation fault inside
+    hvd.init()) while the engine set both HOROVOD_CYCLE_TIME and
+    HOROVOD_FUSION_THRESHOLD (see ``dp_plugin/engines/horovod_env.py``)."""
+    result = run_workers("horovodrun", 2, WORKER, args=["--case", "shutdown_after_failure"],
+                         env={"DP_PLUGIN_ENGINE": "horovod", "DP_PLUGIN_TIMEOUT": "20"},
                          timeout=180)
     assert_ranks_ok(result, 2)
