@@ -25,7 +25,7 @@ writes the defaults into the now empty vector of tunable values. So the
 library threshold is set only when the user has not set a cycle time (or has
 set both, which fixes both anyway), and a re-init after an ``hvd.init()``
 that saw both raises ``EngineUnavailableError`` instead of crashing. A 5 ms
-cycle instead of Horovod's 1 ms was measured too: within 2% on the training
+cycle instead of Horovod's 1 ms was measured too: within 2-3% on the training
 step, where the library threshold is worth 17-25% on fused all-reduces
 (BENCHMARKS.md).
 """
