@@ -12,9 +12,9 @@
   flight (``poll`` False) while the other rank has not sent its part;
 - ``shutdown_after_failure``: ``shutdown()`` returns within the timeout after
   a failed grouped all-reduce with gradients, and ``init()`` works after it,
-  also when rank 1 re-inits while rank 0 has not shut down yet.
-  (After a failed ``join`` the re-``init()`` does not connect yet: see the
-  report of issue 8; not covered here.)
+  also when rank 1 re-inits while rank 0 has not shut down yet;
+- ``shutdown_after_failed_join``: the same after a ``join`` that a
+  collective of the other rank left unanswered.
 """
 
 from __future__ import annotations
