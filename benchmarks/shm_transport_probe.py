@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import socket
 import statistics
 import time
 from multiprocessing import shared_memory
 from typing import Any
+
+from _launch import free_port
 
 WORKERS = 2
 TIMEOUT_S = 60.0
@@ -100,12 +101,6 @@ def run(ctx: Any, target: Any, args: tuple[Any, ...], out: Any) -> list[float]:
         raise SystemExit(f"{target.__name__} failed or hung: exit codes {codes}")
     results = [out.get(timeout=TIMEOUT_S) for _ in range(WORKERS)]
     return next(times for _, rank, times in results if rank == 0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:
