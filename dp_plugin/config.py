@@ -82,6 +82,10 @@ class Config:
     timeout_s: float = DEFAULT_TIMEOUT_S
     """Seconds a collective may take before it raises instead of hanging."""
 
+    shared_memory: bool = True
+    """The gloo engine all-reduces through a shared-memory segment when every
+    rank of the job is on one host (``engines/shm.py``); False: Gloo's TCP."""
+
     rebuild_buckets: bool = True
     """Re-plan buckets from the gradient ready order observed in the first step."""
 
@@ -202,6 +206,9 @@ class Config:
                 env, "DP_PLUGIN_TIMEOUT", unit="seconds", maximum=MAX_TIMEOUT_S,
                 fix=f"default {DEFAULT_TIMEOUT_S:g}", error=ConfigError,
             )
+
+        if "DP_PLUGIN_SHARED_MEMORY" in env:
+            kwargs["shared_memory"] = env_bool(env, "DP_PLUGIN_SHARED_MEMORY", error=ConfigError)
 
         if "DP_PLUGIN_REBUILD_BUCKETS" in env:
             kwargs["rebuild_buckets"] = env_bool(env, "DP_PLUGIN_REBUILD_BUCKETS",

@@ -22,22 +22,27 @@ ENV = {"DP_PLUGIN_TIMEOUT": "60"}
 
 
 @pytest.mark.parametrize(
-    ("launcher", "nprocs", "rendezvous"),
+    ("launcher", "nprocs", "rendezvous", "shm"),
     [
-        ("env", 2, "rendezvous: env://"),
-        ("env", 3, "rendezvous: env://"),
-        ("torchrun", 2, "rendezvous: env://"),
-        ("horovodrun", 2, "announced through Horovod's rendezvous server"),
-        ("mpirun", 2, "announced through an MPI broadcast"),
+        ("env", 2, "rendezvous: env://", "1"),
+        ("env", 3, "rendezvous: env://", "1"),
+        ("env", 3, "rendezvous: env://", "0"),
+        ("torchrun", 2, "rendezvous: env://", "1"),
+        ("horovodrun", 2, "announced through Horovod's rendezvous server", "1"),
+        ("mpirun", 2, "announced through an MPI broadcast", "1"),
     ],
-    ids=["env-2", "env-3", "torchrun-2", "horovodrun-2", "mpirun-2"],
+    ids=["env-2", "env-3", "env-3-tcp", "torchrun-2", "horovodrun-2", "mpirun-2"],
 )
 @pytest.mark.parametrize("case", CASES)
-def test_gloo_battery(case: str, launcher: str, nprocs: int, rendezvous: str) -> None:
+def test_gloo_battery(case: str, launcher: str, nprocs: int, rendezvous: str, shm: str) -> None:
+    """One host: all-reduces go through shared memory unless
+    DP_PLUGIN_SHARED_MEMORY=0 keeps them on Gloo's TCP (the path across hosts)."""
     result = run_workers(launcher, nprocs, BATTERY, ["--engine", "gloo", "--case", case],
-                         env=ENV, timeout=180)
+                         env={**ENV, "DP_PLUGIN_SHARED_MEMORY": shm}, timeout=180)
     assert_ranks_ok(result, nprocs)
     assert result.output.count(rendezvous) == nprocs, result.output
+    used = "shared memory: True" if shm == "1" else "shared memory: False"
+    assert result.output.count(used) == nprocs, result.output
 
 
 def test_gloo_under_horovodrun_with_a_job_secret() -> None:

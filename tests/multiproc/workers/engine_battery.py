@@ -364,7 +364,8 @@ def start_engine(args: argparse.Namespace, engine_class: type[Engine] | None = N
         raise AssertionError(f"buffer_device {engine.buffer_device}, want {want_device}")
     via = getattr(engine, "rendezvous_description", "no rendezvous")
     print(f"rank {topology.rank} engine {engine.name} under {topology.launcher}, size "
-          f"{topology.size}, rendezvous: {via}", flush=True)
+          f"{topology.size}, rendezvous: {via}, shared memory: "
+          f"{getattr(engine, 'shared_memory', False)}", flush=True)
     return engine
 
 

@@ -1,0 +1,342 @@
+"""Shared-memory all-reduce for the ranks of one host: the gloo engine's
+fast path.
+
+Gloo moves bytes between the processes of one host through loopback TCP:
+the kernel copies every byte twice and the CPU time comes out of the cores
+that also run backward. Here the ranks of a single-host group share one
+memory segment instead, as NCCL's SHM transport and MPI's shared-memory
+channels do. One all-reduce, in chunks of at most ``chunk_bytes``:
+
+1. every rank copies its chunk into its own slot of the segment;
+2. barrier;
+3. rank r reduces the r-th slice of all slots, in rank order (the same
+   order on every rank and slice), into the result area;
+4. barrier;
+5. every rank copies the result area back into its buffer.
+
+Every rank copies the same bytes out, so the ranks are bitwise equal. One
+segment is enough: a rank refills its slot (step 1 of the next chunk) only
+after barrier 4, when every rank has read the slots, and writes the result
+area only after the next barrier 2, when every rank has copied it out.
+
+A barrier is one byte sent to and read from every peer over UNIX sockets:
+a blocking read with the collective's timeout (no spinning on cores that
+compute), a peer that dies closes its sockets and fails the read at once,
+and the system calls order the memory accesses around them.
+
+All-reduces run on one thread per transport, in the order they were
+started (the engine contract: same collectives, same order, every rank).
+The segment and the socket files are unlinked as soon as every rank has
+opened them, so nothing is left behind in ``/dev/shm`` if a process dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from dp_plugin.engines.handle import Handle
+from dp_plugin.engines.types import ReduceOp
+from dp_plugin.errors import DPPluginError
+
+log = logging.getLogger("dp_plugin")
+
+SHM_DIR = "/dev/shm"
+CHUNK_BYTES = 8 << 20
+"""Largest chunk one round moves: the segment is (ranks + 1) chunks."""
+DTYPES = frozenset({"float16", "bfloat16", "float32", "float64",
+                    "int8", "uint8", "int16", "int32", "int64"})
+"""What the transport reduces (torch CPU kernels exist for each); other
+dtypes take the engine's own path."""
+
+
+class ShmTransport:
+    """The shared segment, the sockets to every peer and the worker thread
+    of one single-host group. Made by ``connect`` (collective)."""
+
+    def __init__(self, rank: int, size: int, segment: mmap.mmap, socks: dict[int, socket.socket],
+                 chunk_bytes: int, timeout_s: float) -> None:
+        import torch
+
+        self.rank, self.size, self.chunk_bytes = rank, size, chunk_bytes
+        self.timeout_s = timeout_s
+        self._segment = segment
+        self._bytes: Any = torch.frombuffer(segment, dtype=torch.uint8)
+        self._socks = socks
+        self._error: BaseException | None = None
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="dp_plugin-shm", daemon=True)
+        self._thread.start()
+
+    def takes(self, t: Any) -> bool:
+        """Whether ``t`` (a contiguous torch tensor) goes through this transport."""
+        return t.device.type == "cpu" and str(t.dtype).removeprefix("torch.") in DTYPES
+
+    def allreduce_async(self, t: Any, op: ReduceOp, description: str,
+                        on_timeout: Callable[[str], None], board: Any) -> Handle:
+        """Queue an in-place all-reduce of ``t`` (``takes(t)`` is true)."""
+        handle = ShmHandle(description, self.rank, self.timeout_s, on_timeout, board)
+        self._jobs.put(_Job(t, op, handle))
+        return handle
+
+    def close(self) -> None:
+        """Stop the thread (bounded), then release the sockets and segment.
+        A read blocked on a peer is woken by shutting the sockets down."""
+        for sock in self._socks.values():
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        self._jobs.put(None)
+        self._thread.join(self.timeout_s)
+        for sock in self._socks.values():
+            sock.close()
+        self._bytes = None
+        with contextlib.suppress(BufferError):  # a view still lives: the mapping goes with it
+            self._segment.close()
+
+    # -- the worker thread -------------------------------------------------------
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if self._error is None:
+                try:
+                    self._allreduce(job)
+                except BaseException as exc:
+                    self._error = exc
+            job.handle.finish(self._error)
+
+    def _allreduce(self, job: _Job) -> None:
+        import torch
+
+        deadline = job.handle.started_at + self.timeout_s
+        data = job.tensor.view(-1).view(torch.uint8)
+        itemsize = job.tensor.element_size()
+        chunk = self.chunk_bytes - self.chunk_bytes % itemsize
+        slots = self._bytes[: self.size * self.chunk_bytes].view(self.size, self.chunk_bytes)
+        result = self._bytes[self.size * self.chunk_bytes:]
+        for start in range(0, data.numel(), chunk):
+            piece = data[start:start + chunk]
+            n = piece.numel()
+            slots[self.rank, :n].copy_(piece)
+            self._barrier(deadline, job)
+            elems = n // itemsize
+            lo = self.rank * elems // self.size * itemsize
+            hi = (self.rank + 1) * elems // self.size * itemsize
+            if hi > lo:
+                _reduce([slots[j, lo:hi].view(job.tensor.dtype) for j in range(self.size)],
+                        result[lo:hi].view(job.tensor.dtype), job.op)
+            self._barrier(deadline, job)
+            piece.copy_(result[:n])
+
+    def _barrier(self, deadline: float, job: _Job) -> None:
+        for peer, sock in self._socks.items():
+            try:
+                sock.sendall(b"\x01")
+            except OSError as exc:
+                raise _peer_gone(job, peer, exc) from exc
+        for peer, sock in self._socks.items():
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                raise job.handle.timeout_error()
+            sock.settimeout(remaining)
+            try:
+                got = sock.recv(1)
+            except TimeoutError:
+                raise job.handle.timeout_error() from None
+            except OSError as exc:
+                raise _peer_gone(job, peer, exc) from exc
+            if not got:
+                raise _peer_gone(job, peer, None)
+
+
+class _Job:
+    __slots__ = ("handle", "op", "tensor")
+
+    def __init__(self, tensor: Any, op: ReduceOp, handle: ShmHandle) -> None:
+        self.tensor, self.op, self.handle = tensor, op, handle
+
+
+class ShmHandle(Handle):
+    """An all-reduce queued on a ``ShmTransport``: done when its thread says so."""
+
+    def __init__(self, description: str, rank: int, timeout_s: float,
+                 on_timeout: Callable[[str], None], board: Any) -> None:
+        super().__init__(description, rank, timeout_s, on_timeout, board)
+        self._event = threading.Event()
+        self._failure: BaseException | None = None
+
+    def finish(self, failure: BaseException | None) -> None:
+        """Called by the transport's thread, once."""
+        self._failure = failure
+        self._event.set()
+
+    def _test(self) -> bool:
+        if not self._event.is_set():
+            return False
+        if self._failure is not None:
+            raise self._failure
+        return True
+
+    def _block(self, timeout_s: float) -> bool:
+        return self._event.wait(timeout_s) and self._test()
+
+
+def _reduce(parts: list[Any], out: Any, op: ReduceOp) -> None:
+    """``out = parts[0] op parts[1] op ...``, left to right."""
+    import torch
+
+    fn: Any = {ReduceOp.SUM: torch.add, ReduceOp.MIN: torch.minimum,
+          ReduceOp.MAX: torch.maximum, ReduceOp.PRODUCT: torch.mul}[op]
+    fn(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        fn(out, part, out=out)
+
+
+def _peer_gone(job: _Job, peer: int, exc: BaseException | None) -> DPPluginError:
+    why = "closed its connection" if exc is None else f"cannot be reached ({exc})"
+    return DPPluginError(
+        f"rank {job.handle.rank}: {job.handle.description} failed: rank {peer} of the "
+        f"shared-memory group {why}. It has probably died or shut down early; check the other "
+        "ranks' logs"
+    )
+
+
+# -- setup (collective) ----------------------------------------------------------------
+def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: int,
+            eligible: bool, timeout_s: float,
+            chunk_bytes: int = CHUNK_BYTES) -> ShmTransport | None:
+    """Set up the transport among the ranks of one group, or None on every
+    rank if any cannot (not eligible, no ``/dev/shm``, too little room).
+
+    Collective over the group: ``exchange`` all-gathers one int64 row per
+    rank (the engine's ``_exchange``). Three exchanges: who is eligible (and
+    rank 0's token naming the files); whether rank 0 made the segment and
+    every rank listens; whether every rank attached and connected.
+    """
+    token = secrets.randbits(62) if rank == 0 else 0
+    usable = eligible and size > 1 and _room_for(size, chunk_bytes)
+    table = exchange(np.array([int(usable), token], dtype=np.int64), "shm setup")
+    if not table[:, 0].all():
+        return None
+    prefix = os.path.join(SHM_DIR, f"dp_plugin-{int(table[0, 1]):x}")
+    segment: mmap.mmap | None = None
+    listener: socket.socket | None = None
+    socks: dict[int, socket.socket] = {}
+    try:
+        ok = True
+        try:
+            listener = _listen(f"{prefix}-{rank}.sock", size)
+            if rank == 0:
+                segment = _segment(f"{prefix}.seg", (size + 1) * chunk_bytes, create=True)
+        except OSError as exc:
+            log.debug("dp_plugin: shared-memory setup failed on rank %d: %s", rank, exc)
+            ok = False
+        if not exchange(np.array([int(ok)], dtype=np.int64), "shm listen")[:, 0].all():
+            return None
+        try:
+            if rank != 0:
+                segment = _segment(f"{prefix}.seg", (size + 1) * chunk_bytes, create=False)
+            assert listener is not None
+            socks = _mesh(listener, prefix, rank, size, timeout_s)
+        except OSError as exc:
+            log.debug("dp_plugin: shared-memory connect failed on rank %d: %s", rank, exc)
+            ok = False
+        if not exchange(np.array([int(ok)], dtype=np.int64), "shm connect")[:, 0].all():
+            return None
+        assert segment is not None
+        transport = ShmTransport(rank, size, segment, socks, chunk_bytes, timeout_s)
+        segment, socks = None, {}
+        return transport
+    finally:
+        _cleanup(prefix, rank, listener, segment, socks)
+
+
+def _room_for(size: int, chunk_bytes: int) -> bool:
+    try:
+        stat = os.statvfs(SHM_DIR)
+    except OSError:
+        return False
+    return (size + 1) * chunk_bytes * 2 <= stat.f_bavail * stat.f_frsize
+
+
+def _listen(path: str, size: int) -> socket.socket:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+        listener.listen(size)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
+def _segment(path: str, nbytes: int, create: bool) -> mmap.mmap:
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, nbytes)
+        elif os.fstat(fd).st_size != nbytes:
+            raise OSError(f"segment {path} has {os.fstat(fd).st_size} bytes, expected {nbytes}")
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+def _mesh(listener: socket.socket, prefix: str, rank: int, size: int,
+          timeout_s: float) -> dict[int, socket.socket]:
+    """A connection to every peer: rank r dials every lower rank and
+    accepts every higher one, which announces its rank first."""
+    socks: dict[int, socket.socket] = {}
+    try:
+        for peer in range(rank):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            socks[peer] = sock
+            sock.settimeout(timeout_s)
+            sock.connect(f"{prefix}-{peer}.sock")
+            sock.sendall(rank.to_bytes(4, "little"))
+        listener.settimeout(timeout_s)
+        for _ in range(rank + 1, size):
+            sock, _addr = listener.accept()
+            sock.settimeout(timeout_s)
+            got = b""
+            while len(got) < 4 and (more := sock.recv(4 - len(got))):
+                got += more
+            peer = int.from_bytes(got, "little") if len(got) == 4 else -1
+            if not rank < peer < size or peer in socks:
+                sock.close()
+                raise OSError(f"an unexpected connection to {prefix}-{rank}.sock")
+            socks[peer] = sock
+    except OSError:
+        for sock in socks.values():
+            sock.close()
+        raise
+    return dict(sorted(socks.items()))
+
+
+def _cleanup(prefix: str, rank: int, listener: socket.socket | None,
+             segment: mmap.mmap | None, socks: dict[int, socket.socket]) -> None:
+    """Close what a failed setup left open, and unlink this rank's files
+    (every rank has opened them, or setup failed: nobody needs the names)."""
+    if listener is not None:
+        listener.close()
+    for sock in socks.values():
+        sock.close()
+    if segment is not None:
+        segment.close()
+    for path in (f"{prefix}-{rank}.sock", f"{prefix}.seg" if rank == 0 else ""):
+        if path:
+            with contextlib.suppress(OSError):
+                os.unlink(path)

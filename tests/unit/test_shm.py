@@ -1,0 +1,201 @@
+"""The shared-memory all-reduce (dp_plugin/engines/shm.py), its ranks as
+threads of one process: each has its own mapping of the segment and its
+own sockets, as separate processes would; a thread barrier stands in for
+the engine's header exchange. Small chunks make every all-reduce cross
+chunk boundaries. The gloo engine's use of it, in real processes, is
+tested by tests/multiproc (the engine battery, the parity and fault tests).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dp_plugin.engines import shm
+from dp_plugin.engines.types import ReduceOp
+from dp_plugin.errors import CollectiveTimeoutError, DPPluginError
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not os.path.isdir(shm.SHM_DIR), reason="no /dev/shm here")
+
+CHUNK = 4096
+TIMEOUT_S = 10.0
+
+
+class Exchange:
+    """All-gathers one row per thread-rank, as ``Engine._exchange`` does."""
+
+    def __init__(self, size: int) -> None:
+        self.rows: list[np.ndarray | None] = [None] * size
+        self.barrier = threading.Barrier(size, timeout=TIMEOUT_S)
+
+    def for_rank(self, rank: int) -> Callable[[np.ndarray, str], np.ndarray]:
+        def exchange(row: np.ndarray, what: str) -> np.ndarray:
+            self.rows[rank] = row
+            self.barrier.wait()
+            table = np.stack([r for r in self.rows if r is not None])
+            self.barrier.wait()  # nobody overwrites a row before all have read
+            return table
+
+        return exchange
+
+
+def on_ranks(size: int, fn: Callable[[int], Any]) -> list[Any]:
+    """Run ``fn(rank)`` on ``size`` threads; return the results, re-raise a failure."""
+    results: list[Any] = [None] * size
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S * 3)
+        assert not t.is_alive(), "a rank hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def transports(size: int, eligible: Callable[[int], bool] = lambda r: True,
+               timeout_s: float = TIMEOUT_S) -> list[shm.ShmTransport | None]:
+    ex = Exchange(size)
+    return on_ranks(size, lambda r: shm.connect(ex.for_rank(r), r, size, eligible(r),
+                                                timeout_s, chunk_bytes=CHUNK))
+
+
+def our_files() -> list[str]:
+    return [f for f in os.listdir(shm.SHM_DIR) if f.startswith("dp_plugin-")]
+
+
+@pytest.fixture
+def no_leftovers() -> Any:
+    before = set(our_files())
+    yield
+    assert set(our_files()) <= before, "the segment or a socket file was left in /dev/shm"
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int32",
+                                   "int64", "int16", "int8", "uint8"])
+def test_sum_matches_reference_across_chunks(size: int, dtype: str, no_leftovers: None) -> None:
+    ts = transports(size)
+    torch_dtype = getattr(torch, dtype)
+    n = 3 * CHUNK + 5  # several chunks, the last a partial one, odd slices
+    inputs = [(torch.arange(n) % 7 + r).to(torch_dtype) for r in range(size)]
+    expected = inputs[0].clone()
+    for x in inputs[1:]:
+        expected += x
+    try:
+        bufs = [x.clone() for x in inputs]
+        handles = [t.allreduce_async(b, ReduceOp.SUM, "sum", lambda d: None, None)
+                   for t, b in zip(ts, bufs, strict=True)]  # type: ignore[union-attr]
+        on_ranks(size, lambda r: handles[r].wait())
+        for b in bufs:
+            assert torch.equal(b, expected), (dtype, b[:8], expected[:8])
+    finally:
+        for t in ts:
+            t.close()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("op", "fn"), [(ReduceOp.MIN, np.minimum), (ReduceOp.MAX, np.maximum),
+                                        (ReduceOp.PRODUCT, np.multiply)])
+def test_min_max_product_and_many_in_flight(op: ReduceOp, fn: Any, no_leftovers: None) -> None:
+    size = 3
+    ts = transports(size)
+    rng = np.random.default_rng(0)
+    inputs = [[rng.uniform(0.5, 2.0, 1000 + 700 * k).astype(np.float32) for k in range(4)]
+              for _ in range(size)]
+    try:
+        bufs = [[torch.from_numpy(a.copy()) for a in mine] for mine in inputs]
+
+        def run(rank: int) -> None:
+            hs = [ts[rank].allreduce_async(b, op, f"t{k}", lambda d: None, None)  # type: ignore[union-attr]
+                  for k, b in enumerate(bufs[rank])]
+            for h in hs:
+                h.wait()
+
+        on_ranks(size, run)
+        for k in range(4):
+            expected = fn(fn(inputs[0][k], inputs[1][k]), inputs[2][k])
+            for r in range(size):
+                np.testing.assert_array_equal(bufs[r][k].numpy(), expected)
+    finally:
+        for t in ts:
+            t.close()  # type: ignore[union-attr]
+
+
+def test_one_ineligible_rank_makes_every_rank_fall_back(no_leftovers: None) -> None:
+    assert transports(3, eligible=lambda r: r != 1) == [None, None, None]
+
+
+def test_takes_cpu_tensors_of_reducible_dtypes_only() -> None:
+    ts = transports(2)
+    try:
+        t = ts[0]
+        assert t is not None
+        assert t.takes(torch.zeros(3))
+        assert not t.takes(torch.zeros(3, dtype=torch.bool))
+        assert not t.takes(torch.zeros(3, dtype=torch.complex64))
+    finally:
+        for t in ts:
+            t.close()  # type: ignore[union-attr]
+
+
+def test_a_rank_that_does_not_come_times_out_and_breaks_the_transport() -> None:
+    ts = transports(2, timeout_s=1.0)
+    broken: list[str] = []
+    try:
+        t0 = ts[0]
+        assert t0 is not None
+        start = time.perf_counter()
+        handle = t0.allreduce_async(torch.ones(10), ReduceOp.SUM, "gloo allreduce of 'b'",
+                                    broken.append, None)
+        with pytest.raises(CollectiveTimeoutError, match="rank 0: gloo allreduce of 'b'"):
+            handle.wait()
+        assert time.perf_counter() - start < 5.0
+        assert broken == ["gloo allreduce of 'b'"]
+        # Later all-reduces fail at once: the ranks no longer agree on the order.
+        later = t0.allreduce_async(torch.ones(10), ReduceOp.SUM, "next", broken.append, None)
+        with pytest.raises(CollectiveTimeoutError):
+            later.wait()
+    finally:
+        for t in ts:
+            t.close()  # type: ignore[union-attr]
+
+
+def test_a_peer_that_closes_fails_the_wait_at_once() -> None:
+    ts = transports(2)
+    t0, t1 = ts
+    assert t0 is not None and t1 is not None
+    t1.close()
+    start = time.perf_counter()
+    handle = t0.allreduce_async(torch.ones(10), ReduceOp.SUM, "gloo allreduce of 'b'",
+                                lambda d: None, None)
+    with pytest.raises(DPPluginError, match="rank 1 of the shared-memory group"):
+        handle.wait()
+    assert time.perf_counter() - start < 2.0, "detected by the socket, not by the timeout"
+    t0.close()
+
+
+def test_close_while_waiting_for_a_peer_returns_within_the_timeout() -> None:
+    ts = transports(2, timeout_s=3.0)
+    t0 = ts[0]
+    assert t0 is not None
+    t0.allreduce_async(torch.ones(10), ReduceOp.SUM, "pending", lambda d: None, None)
+    time.sleep(0.2)  # the thread now waits in the barrier
+    start = time.perf_counter()
+    t0.close()
+    assert time.perf_counter() - start < 2.0
+    ts[1].close()  # type: ignore[union-attr]
