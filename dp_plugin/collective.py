@@ -31,10 +31,17 @@ from dp_plugin.arrays import ArrayOps, NumpyOps, ops_for
 from dp_plugin.buffer import FusionBuffer
 from dp_plugin.compression import get_compressor
 from dp_plugin.dtypes import itemsize
-from dp_plugin.engines.base import Handle
+from dp_plugin.engines.base import Handle, ReduceOp
 from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import TensorSpec, plan_buckets
-from dp_plugin.hooks import NO_SCALING, CommHook, HookState, ReducePolicy, hook_for
+from dp_plugin.hooks import (
+    NO_SCALING,
+    CommHook,
+    HookState,
+    ReducePolicy,
+    allreduce_hook,
+    hook_for,
+)
 from dp_plugin.slabs import Slab, SlabPool
 from dp_plugin.timeline import NullTimeline
 
@@ -127,6 +134,7 @@ class FusedCollective:
         self._started_with: list[list[Any] | None] = [None] * len(plan)
         self._pack_spans = [(0.0, 0.0)] * len(plan)
         self._unpack_spans: list[tuple[float, float] | None] = [None] * len(plan)
+        self._folded = [False] * len(plan)  # the engine post-scaled it (``_folds``)
 
     def replan(self, order: Sequence[int]) -> bool:
         """Re-plan for the ready order ``order``; True if the buckets changed."""
@@ -220,6 +228,9 @@ class FusedCollective:
         direct = self._direct(index, ops, members)
         slab = None if direct is not None or buf.pinned else self._free_slab(index)
         grad_bucket = buf.pack(ops, members, self.policy.prescale, direct, slab)
+        self._folded[index] = self._folds(buf.bucket.dtype)
+        if self._folded[index]:
+            grad_bucket.postscale = self.policy.postscale
         t1 = time.perf_counter()
         handle: Handle = self.guard(lambda: self.hook(self.state, grad_bucket), buf)
         handle.context = buf.describe  # the engine's timeout message names the bucket
@@ -227,6 +238,14 @@ class FusedCollective:
         self._started_with[index] = members
         self._pack_spans[index] = (t0, t1)
         return handle
+
+    def _folds(self, dtype: str) -> bool:
+        """Does the engine multiply the sum by the post-scale while reducing
+        (exactly as ``unpack`` would)? Plain all-reduce hook, shared memory."""
+        scales = getattr(self.engine, "scales_in_reduction", None)
+        return (self.hook is allreduce_hook and self.policy.postscale != 1.0
+                and self.policy.engine_op is ReduceOp.SUM and scales is not None
+                and bool(scales(dtype)))
 
     def would_block(self, index: int, tensors: Sequence[Any]) -> bool:
         """Would ``start(index, tensors)`` wait for an earlier bucket to finish
@@ -269,7 +288,8 @@ class FusedCollective:
         members = self._started_with[index]
         assert members is not None  # started
         t0 = time.perf_counter()
-        self.buffers[index].unpack(self.backend(), members, self.policy.postscale)
+        post = 1.0 if self._folded[index] else self.policy.postscale
+        self.buffers[index].unpack(self.backend(), members, post)
         self._unpack_spans[index] = (t0, time.perf_counter())
 
     def wire_bytes(self, index: int) -> int:

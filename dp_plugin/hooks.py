@@ -129,6 +129,10 @@ class GradBucket:
     flight (a wire buffer), sized to ``shared_numel`` elements; None when the
     bucket has a buffer of its own (keep such things in ``scratch``)."""
     shared_numel: int = 0
+    postscale: float = 1.0
+    """The factor the engine multiplies the sum by while reducing (set by the
+    scheduler for the plain all-reduce hook where ``scales_in_reduction``;
+    it then skips its own multiply). Other hooks always see 1.0."""
 
     def buffer(self) -> Any:
         return self.flat
@@ -149,6 +153,9 @@ CommHook = Callable[[HookState, GradBucket], Handle]
 
 def allreduce_hook(state: HookState, bucket: GradBucket) -> Handle:
     """Reduce the bucket in place with the policy's engine op."""
+    if bucket.postscale != 1.0:
+        return state.engine.allreduce_async(bucket.buffer(), state.engine_op, name=bucket.label,
+                                            postscale=bucket.postscale)
     return state.engine.allreduce_async(bucket.buffer(), state.engine_op, name=bucket.label)
 
 

@@ -95,8 +95,12 @@ class Engine(Lifecycle):
 
     # -- public API --------------------------------------------------------
     def allreduce_async(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM,
-                        name: str = "allreduce") -> Handle:
-        """Start an in-place all-reduce of the 1-D buffer ``buf``."""
+                        name: str = "allreduce", postscale: float = 1.0) -> Handle:
+        """Start an in-place all-reduce of the 1-D buffer ``buf``.
+
+        ``postscale`` (op sum only, where ``scales_in_reduction(dtype)``):
+        the engine multiplies the sum by it while reducing, with the result
+        bitwise what multiplying afterwards gives (the scheduler's average)."""
         self._check_usable(f"allreduce {name!r}")
         op = ReduceOp.parse(op)
         dtype = _check_flat(buf, f"allreduce {name!r}")
@@ -105,6 +109,14 @@ class Engine(Lifecycle):
                 f"allreduce {name!r}: op=average is not defined for {dtype} buffers; "
                 "use op='sum' and divide, or cast to a floating dtype"
             )
+        if postscale != 1.0:
+            if op is not ReduceOp.SUM or not self.scales_in_reduction(dtype):
+                raise ValueError(
+                    f"allreduce {name!r}: postscale={postscale:g} needs op='sum' and an engine "
+                    f"that scales {dtype} in the reduction (the {self.name} engine "
+                    f"{'does' if self.scales_in_reduction(dtype) else 'does not'}); multiply "
+                    "the result instead")
+            return self._allreduce_scaled_async(buf, postscale, name)
         if op in self.native_ops:
             return self._allreduce_async(buf, op, name)
         handle = self._allreduce_async(buf, ReduceOp.SUM, name)
@@ -284,6 +296,15 @@ class Engine(Lifecycle):
     def _barrier(self) -> None: ...
 
     # -- may override where the library has a native path -------------------
+    def scales_in_reduction(self, dtype: str) -> bool:
+        """Whether ``allreduce_async(..., postscale=f)`` takes ``dtype`` buffers
+        (the multiply folded into the reduction). Default: no engine does."""
+        return False
+
+    def _allreduce_scaled_async(self, buf: Any, postscale: float, name: str) -> Handle:
+        """The sum of ``buf`` times ``postscale`` (``scales_in_reduction``)."""
+        raise NotImplementedError(f"the {self.name} engine does not scale in the reduction")
+
     def _exchange(self, row: np.ndarray, what: str) -> np.ndarray:
         """All-gather one fixed-length int64 row per rank: a (size, n) table.
         Default: one ``_allgather`` of a single row per rank."""

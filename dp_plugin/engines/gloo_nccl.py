@@ -1,23 +1,73 @@
 """The two torch.distributed backends as engines: ``gloo`` (CPU) and ``nccl``
 (CUDA, one GPU per rank). Everything they share is ``TorchDistEngine``
 (``torch_dist.py``); here is only what differs: availability, the device
-buffers live on, and NCCL's native average.
+buffers live on, Gloo's shared-memory all-reduce on one host and NCCL's
+native average.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from dp_plugin.engines.base import ReduceOp
+from dp_plugin.config import Config
+from dp_plugin.engines import shm
+from dp_plugin.engines.base import Handle, ReduceOp
 from dp_plugin.engines.torch_dist import TorchDistEngine
 from dp_plugin.launch import Topology
 
 
 class GlooEngine(TorchDistEngine):
-    """torch.distributed with Gloo: CPU buffers (CUDA ones are staged by torch)."""
+    """torch.distributed with Gloo: CPU buffers (CUDA ones are staged by torch).
+
+    When every rank of the job runs on one host (by the launcher's count)
+    and ``DP_PLUGIN_SHARED_MEMORY`` is not 0, all-reduces of CPU buffers go
+    through a shared-memory segment instead of Gloo's loopback TCP
+    (``shm.py``); a channel or process set inherits the job's answer. Every
+    other collective, and every job across hosts, is Gloo's."""
 
     name = "gloo"
     backend = "gloo"
+    _shm: shm.ShmTransport | None = None
+
+    def __init__(self, topology: Topology, config: Config, *,
+                 parent: GlooEngine | None = None, group: Any = None) -> None:
+        super().__init__(topology, config, parent=parent, group=group)
+        self._shm_wanted: bool = (parent._shm_wanted if parent is not None else
+                                  config.shared_memory and topology.local_size == topology.size)
+        if self.size > 1:  # collective: every rank of the group asks
+            self._shm = shm.connect(self._exchange, self.rank, self.size, self._shm_wanted,
+                                    config.timeout_s)
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether all-reduces of CPU buffers go through shared memory."""
+        return self._shm is not None
+
+    def scales_in_reduction(self, dtype: str) -> bool:
+        return self._shm is not None and dtype in shm.SCALED_DTYPES
+
+    def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
+        return self._reduce(buf, op, name, 1.0)
+
+    def _allreduce_scaled_async(self, buf: Any, postscale: float, name: str) -> Handle:
+        return self._reduce(buf, ReduceOp.SUM, name, postscale)
+
+    def _reduce(self, buf: Any, op: ReduceOp, name: str, postscale: float) -> Handle:
+        t = self._tensor(buf, f"allreduce {name!r}")
+        if self._shm is not None and self._shm.takes(t) and t.numel():
+            desc = self.describe("allreduce", name, t.numel() * t.element_size())
+            return self._shm.allreduce_async(t, op, desc, self._mark_broken, self.wait_board(),
+                                             postscale)
+        handle = super()._allreduce_async(buf, op, name)
+        if postscale == 1.0:
+            return handle
+        # A CUDA tensor: Gloo's path, then the scheduler's own multiply.
+        return handle.then(lambda: self._torch.mul(t, postscale, out=t))
+
+    def _close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+        super()._close()
 
     @classmethod
     def _backend_problem(cls, topology: Topology) -> str | None:

@@ -54,11 +54,16 @@ log = logging.getLogger("dp_plugin")
 
 SHM_DIR = "/dev/shm"
 CHUNK_BYTES = 8 << 20
-"""Largest chunk one round moves: the segment is (ranks + 1) chunks."""
+"""Largest chunk one round moves: the segment is (ranks + 1) chunks. A
+multiple of every dtype's size (``connect`` checks)."""
 DTYPES = frozenset({"float16", "bfloat16", "float32", "float64",
                     "int8", "uint8", "int16", "int32", "int64"})
 """What the transport reduces (torch CPU kernels exist for each); other
 dtypes take the engine's own path."""
+SCALED_DTYPES = frozenset({"float32", "float64"})
+"""Where a post-scale folded into the reduction rounds exactly as the
+scheduler's own multiply afterwards (``arrays.TorchOps`` and ``NumpyOps``
+agree on these; numpy rounds the factor to a 16-bit dtype first, torch not)."""
 
 
 class ShmTransport:
@@ -84,10 +89,13 @@ class ShmTransport:
         return t.device.type == "cpu" and str(t.dtype).removeprefix("torch.") in DTYPES
 
     def allreduce_async(self, t: Any, op: ReduceOp, description: str,
-                        on_timeout: Callable[[str], None], board: Any) -> Handle:
-        """Queue an in-place all-reduce of ``t`` (``takes(t)`` is true)."""
+                        on_timeout: Callable[[str], None], board: Any,
+                        postscale: float = 1.0) -> Handle:
+        """Queue an in-place all-reduce of ``t`` (``takes(t)`` is true).
+        ``postscale`` (a sum of a ``SCALED_DTYPES`` tensor only) multiplies
+        the result while it is copied out: no pass of its own."""
         handle = ShmHandle(description, self.rank, self.timeout_s, on_timeout, board)
-        self._jobs.put(_Job(t, op, handle))
+        self._jobs.put(_Job(t, op, handle, postscale))
         return handle
 
     def close(self) -> None:
@@ -121,24 +129,23 @@ class ShmTransport:
         import torch
 
         deadline = job.handle.started_at + self.timeout_s
-        data = job.tensor.view(-1).view(torch.uint8)
-        itemsize = job.tensor.element_size()
-        chunk = self.chunk_bytes - self.chunk_bytes % itemsize
-        slots = self._bytes[: self.size * self.chunk_bytes].view(self.size, self.chunk_bytes)
-        result = self._bytes[self.size * self.chunk_bytes:]
+        data, dtype = job.tensor.view(-1), job.tensor.dtype
+        chunk = self.chunk_bytes // job.tensor.element_size()  # elements per round
+        slots = self._bytes[: self.size * self.chunk_bytes].view(dtype).view(self.size, chunk)
+        result = self._bytes[self.size * self.chunk_bytes:].view(dtype)
         for start in range(0, data.numel(), chunk):
             piece = data[start:start + chunk]
             n = piece.numel()
             slots[self.rank, :n].copy_(piece)
             self._barrier(deadline, job)
-            elems = n // itemsize
-            lo = self.rank * elems // self.size * itemsize
-            hi = (self.rank + 1) * elems // self.size * itemsize
+            lo, hi = self.rank * n // self.size, (self.rank + 1) * n // self.size
             if hi > lo:
-                _reduce([slots[j, lo:hi].view(job.tensor.dtype) for j in range(self.size)],
-                        result[lo:hi].view(job.tensor.dtype), job.op)
+                _reduce([slots[j, lo:hi] for j in range(self.size)], result[lo:hi], job.op)
             self._barrier(deadline, job)
-            piece.copy_(result[:n])
+            if job.postscale != 1.0:  # as cheap as the copy: both read and write n once
+                torch.mul(result[:n], job.postscale, out=piece)
+            else:
+                piece.copy_(result[:n])
 
     def _barrier(self, deadline: float, job: _Job) -> None:
         for peer, sock in self._socks.items():
@@ -162,10 +169,10 @@ class ShmTransport:
 
 
 class _Job:
-    __slots__ = ("handle", "op", "tensor")
+    __slots__ = ("handle", "op", "postscale", "tensor")
 
-    def __init__(self, tensor: Any, op: ReduceOp, handle: ShmHandle) -> None:
-        self.tensor, self.op, self.handle = tensor, op, handle
+    def __init__(self, tensor: Any, op: ReduceOp, handle: ShmHandle, postscale: float) -> None:
+        self.tensor, self.op, self.handle, self.postscale = tensor, op, handle, postscale
 
 
 class ShmHandle(Handle):
@@ -225,6 +232,8 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
     rank 0's token naming the files); whether rank 0 made the segment and
     every rank listens; whether every rank attached and connected.
     """
+    if chunk_bytes <= 0 or chunk_bytes % 8:
+        raise ValueError(f"chunk_bytes must be a positive multiple of 8, got {chunk_bytes}")
     token = secrets.randbits(62) if rank == 0 else 0
     usable = eligible and size > 1 and _room_for(size, chunk_bytes)
     table = exchange(np.array([int(usable), token], dtype=np.int64), "shm setup")

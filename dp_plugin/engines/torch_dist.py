@@ -37,7 +37,7 @@ import numpy as np
 from dp_plugin import netif
 from dp_plugin.arrays import as_numpy, as_torch, is_torch
 from dp_plugin.config import Config
-from dp_plugin.engines import generic, shm
+from dp_plugin.engines import generic
 from dp_plugin.engines import rendezvous as rdv
 from dp_plugin.engines.base import (
     Availability,
@@ -82,9 +82,6 @@ class TorchDistEngine(Engine):
         self._device: Any = self._select_device() if parent is None else parent._device
         self._group: Any = group  # None: the default group
         self._board: WaitBoard | None = None
-        self._shm: shm.ShmTransport | None = None
-        self._shm_wanted: bool = (parent._shm_wanted if parent is not None else
-                                  config.shared_memory and topology.local_size == topology.size)
         self._owns_default = False
         self._owns_group = parent is not None
         self._description = (self._join_or_create_group() if parent is None else
@@ -95,7 +92,6 @@ class TorchDistEngine(Engine):
             # process ("terminate called ... IoException"); destroy it first.
             # A subgroup registers after its parent: atexit runs LIFO.
             atexit.register(self.shutdown)
-        self._shm = self._connect_shared_memory()
         self._reduce_ops = {
             ReduceOp.SUM: dist.ReduceOp.SUM,
             ReduceOp.MIN: dist.ReduceOp.MIN,
@@ -110,11 +106,6 @@ class TorchDistEngine(Engine):
         if self._parent is None:
             return self._description
         return f"{self._description} of job ranks {list(self.global_ranks)}"
-
-    @property
-    def shared_memory(self) -> bool:
-        """Whether all-reduces of CPU buffers go through shared memory (``shm.py``)."""
-        return self._shm is not None
 
     @property
     def buffer_device(self) -> str:
@@ -182,16 +173,6 @@ class TorchDistEngine(Engine):
         self._owns_default = True
         return meeting.description
 
-    def _connect_shared_memory(self) -> shm.ShmTransport | None:
-        """The shared-memory all-reduce (``shm.py``) of a gloo group whose
-        ranks all run on one host (by the launcher's count), unless
-        ``DP_PLUGIN_SHARED_MEMORY=0``; a channel or process set inherits the
-        job's answer. Collective: every rank of the group asks."""
-        if self.backend != "gloo" or self.size == 1:
-            return None
-        return shm.connect(self._exchange, self.rank, self.size, self._shm_wanted,
-                           self.config.timeout_s)
-
     def _close(self) -> None:
         """Destroy the group this engine created (not a user's), broken or not.
 
@@ -199,8 +180,6 @@ class TorchDistEngine(Engine):
         already destroyed the default group (which takes every group with
         it), there is nothing left to do."""
         atexit.unregister(self.shutdown)
-        if self._shm is not None:
-            self._shm.close()
         dist = self._dist
         # destroy_process_group may wait for the other ranks' pending work
         # (NCCL) and takes no timeout: bound it like a collective.
@@ -252,8 +231,6 @@ class TorchDistEngine(Engine):
         desc = self.describe("allreduce", name, t.numel() * t.element_size())
         if t.numel() == 0:  # every rank has the same size: all skip alike
             return DoneHandle(desc, self.rank, self.config.timeout_s)
-        if self._shm is not None and self._shm.takes(t):
-            return self._shm.allreduce_async(t, op, desc, self._mark_broken, self.wait_board())
         reduce_op = self._reduce_ops[op]
         wide = self._WIDENED.get(str(t.dtype).removeprefix("torch."))
         if wide is None:

@@ -199,3 +199,25 @@ def test_close_while_waiting_for_a_peer_returns_within_the_timeout() -> None:
     t0.close()
     assert time.perf_counter() - start < 2.0
     ts[1].close()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("dtype", sorted(shm.SCALED_DTYPES))
+def test_postscale_in_the_reduction_rounds_as_a_multiply_afterwards(dtype: str) -> None:
+    """What the scheduler's average relies on to skip its own multiply."""
+    size, post = 3, 1.0 / 3
+    ts = transports(size)
+    rng = np.random.default_rng(1)
+    inputs = [torch.from_numpy(rng.standard_normal(2 * CHUNK + 3)).to(getattr(torch, dtype))
+              for _ in range(size)]
+    expected = (inputs[0] + inputs[1]) + inputs[2]
+    torch.mul(expected, post, out=expected)
+    try:
+        bufs = [x.clone() for x in inputs]
+        handles = [t.allreduce_async(b, ReduceOp.SUM, "avg", lambda d: None, None, post)  # type: ignore[union-attr]
+                   for t, b in zip(ts, bufs, strict=True)]
+        on_ranks(size, lambda r: handles[r].wait())
+        for b in bufs:
+            assert torch.equal(b, expected)
+    finally:
+        for t in ts:
+            t.close()  # type: ignore[union-attr]
