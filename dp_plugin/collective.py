@@ -228,7 +228,7 @@ class FusedCollective:
         direct = self._direct(index, ops, members)
         slab = None if direct is not None or buf.pinned else self._free_slab(index)
         grad_bucket = buf.pack(ops, members, self.policy.prescale, direct, slab)
-        self._folded[index] = self._folds(buf.bucket.dtype)
+        self._folded[index] = self._folds(buf)
         if self._folded[index]:
             grad_bucket.postscale = self.policy.postscale
         t1 = time.perf_counter()
@@ -239,13 +239,14 @@ class FusedCollective:
         self._pack_spans[index] = (t0, t1)
         return handle
 
-    def _folds(self, dtype: str) -> bool:
+    def _folds(self, buf: FusionBuffer) -> bool:
         """Does the engine multiply the sum by the post-scale while reducing
-        (exactly as ``unpack`` would)? Plain all-reduce hook, shared memory."""
+        (exactly as ``unpack`` would)? Plain all-reduce hook, shared memory,
+        and no control slot (its counts are not scaled)."""
         scales = getattr(self.engine, "scales_in_reduction", None)
         return (self.hook is allreduce_hook and self.policy.postscale != 1.0
                 and self.policy.engine_op is ReduceOp.SUM and scales is not None
-                and bool(scales(dtype)))
+                and not buf.control_numel and bool(scales(buf.bucket.dtype)))
 
     def would_block(self, index: int, tensors: Sequence[Any]) -> bool:
         """Would ``start(index, tensors)`` wait for an earlier bucket to finish

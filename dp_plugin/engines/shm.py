@@ -14,10 +14,12 @@ channels do. One all-reduce, in chunks of at most ``chunk_bytes``:
 4. barrier;
 5. every rank copies the result area back into its buffer.
 
-Every rank copies the same bytes out, so the ranks are bitwise equal. One
-segment is enough: a rank refills its slot (step 1 of the next chunk) only
-after barrier 4, when every rank has read the slots, and writes the result
-area only after the next barrier 2, when every rank has copied it out.
+Every rank copies the same bytes out, so the ranks are bitwise equal. The
+segment holds two sets of slots and result area, used by alternate chunks:
+step 1 of chunk k + 1 and step 5 of chunk k - 1 run beside step 3 of
+chunk k, so barrier 4 of one chunk is barrier 2 of the next (m + 1
+barriers for m chunks). A set is rewritten only two chunks later, after a
+barrier that every rank reaches only once done reading it.
 
 A barrier is one byte sent to and read from every peer over UNIX sockets:
 a blocking read with the collective's timeout (no spinning on cores that
@@ -54,8 +56,10 @@ log = logging.getLogger("dp_plugin")
 
 SHM_DIR = "/dev/shm"
 CHUNK_BYTES = 8 << 20
-"""Largest chunk one round moves: the segment is (ranks + 1) chunks. A
-multiple of every dtype's size (``connect`` checks)."""
+"""Largest chunk one round moves; the segment is 2 x (ranks + 1) chunks.
+Smaller where ``/dev/shm`` has less room (a container's 64 MiB), down to
+``MIN_CHUNK_BYTES``; the ranks take the smallest any of them can afford."""
+MIN_CHUNK_BYTES = 64 << 10
 DTYPES = frozenset({"float16", "bfloat16", "float32", "float64",
                     "int8", "uint8", "int16", "int32", "int64"})
 """What the transport reduces (torch CPU kernels exist for each); other
@@ -126,26 +130,40 @@ class ShmTransport:
             job.handle.finish(self._error)
 
     def _allreduce(self, job: _Job) -> None:
-        import torch
-
+        """The module docstring's steps, pipelined over two sets of slots
+        and results: the barrier after round k is also the one before
+        round k + 1, so a buffer of m chunks takes m + 1 barriers."""
         deadline = job.handle.started_at + self.timeout_s
         data, dtype = job.tensor.view(-1), job.tensor.dtype
         chunk = self.chunk_bytes // job.tensor.element_size()  # elements per round
-        slots = self._bytes[: self.size * self.chunk_bytes].view(dtype).view(self.size, chunk)
-        result = self._bytes[self.size * self.chunk_bytes:].view(dtype)
-        for start in range(0, data.numel(), chunk):
-            piece = data[start:start + chunk]
-            n = piece.numel()
-            slots[self.rank, :n].copy_(piece)
-            self._barrier(deadline, job)
+        sets = self._bytes.view(dtype).view(2, self.size + 1, chunk)
+        pieces = [data[start:start + chunk] for start in range(0, data.numel(), chunk)]
+        sets[0, self.rank, :pieces[0].numel()].copy_(pieces[0])
+        self._barrier(deadline, job)
+        for k, piece in enumerate(pieces):
+            # Every rank has copied chunk k in and reduced chunk k - 1.
+            if k:
+                self._copy_out(job, sets[(k - 1) % 2, self.size], pieces[k - 1])
+            slots, n = sets[k % 2], piece.numel()
             lo, hi = self.rank * n // self.size, (self.rank + 1) * n // self.size
             if hi > lo:
-                _reduce([slots[j, lo:hi] for j in range(self.size)], result[lo:hi], job.op)
+                _reduce([slots[j, lo:hi] for j in range(self.size)], slots[self.size, lo:hi],
+                        job.op)
+            if k + 1 < len(pieces):
+                nxt = pieces[k + 1]
+                sets[(k + 1) % 2, self.rank, :nxt.numel()].copy_(nxt)
             self._barrier(deadline, job)
-            if job.postscale != 1.0:  # as cheap as the copy: both read and write n once
-                torch.mul(result[:n], job.postscale, out=piece)
-            else:
-                piece.copy_(result[:n])
+        self._copy_out(job, sets[(len(pieces) - 1) % 2, self.size], pieces[-1])
+
+    @staticmethod
+    def _copy_out(job: _Job, result: Any, piece: Any) -> None:
+        import torch
+
+        n = piece.numel()
+        if job.postscale != 1.0:  # as cheap as the copy: both read and write n once
+            torch.mul(result[:n], job.postscale, out=piece)
+        else:
+            piece.copy_(result[:n])
 
     def _barrier(self, deadline: float, job: _Job) -> None:
         for peer, sock in self._socks.items():
@@ -223,22 +241,26 @@ def _peer_gone(job: _Job, peer: int, exc: BaseException | None) -> DPPluginError
 # -- setup (collective) ----------------------------------------------------------------
 def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: int,
             eligible: bool, timeout_s: float,
-            chunk_bytes: int = CHUNK_BYTES) -> ShmTransport | None:
+            chunk_bytes: int | None = None) -> ShmTransport | None:
     """Set up the transport among the ranks of one group, or None on every
     rank if any cannot (not eligible, no ``/dev/shm``, too little room).
 
     Collective over the group: ``exchange`` all-gathers one int64 row per
-    rank (the engine's ``_exchange``). Three exchanges: who is eligible (and
-    rank 0's token naming the files); whether rank 0 made the segment and
-    every rank listens; whether every rank attached and connected.
+    rank (the engine's ``_exchange``). Three exchanges: the chunk each rank
+    can afford (0: not eligible) and rank 0's token naming the files;
+    whether rank 0 made the segment and every rank listens; whether every
+    rank attached and connected. ``chunk_bytes``: default ``CHUNK_BYTES``.
     """
-    if chunk_bytes <= 0 or chunk_bytes % 8:
-        raise ValueError(f"chunk_bytes must be a positive multiple of 8, got {chunk_bytes}")
+    wanted = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    if wanted <= 0 or wanted % 8:
+        raise ValueError(f"chunk_bytes must be a positive multiple of 8, got {wanted}")
     token = secrets.randbits(62) if rank == 0 else 0
-    usable = eligible and size > 1 and _room_for(size, chunk_bytes)
-    table = exchange(np.array([int(usable), token], dtype=np.int64), "shm setup")
+    affordable = _affordable_chunk(size, wanted) if eligible and size > 1 else 0
+    table = exchange(np.array([affordable, token], dtype=np.int64), "shm setup")
     if not table[:, 0].all():
         return None
+    chunk_bytes = int(table[:, 0].min())
+    nbytes = 2 * (size + 1) * chunk_bytes
     prefix = os.path.join(SHM_DIR, f"dp_plugin-{int(table[0, 1]):x}")
     segment: mmap.mmap | None = None
     listener: socket.socket | None = None
@@ -248,7 +270,7 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
         try:
             listener = _listen(f"{prefix}-{rank}.sock", size)
             if rank == 0:
-                segment = _segment(f"{prefix}.seg", (size + 1) * chunk_bytes, create=True)
+                segment = _segment(f"{prefix}.seg", nbytes, create=True)
         except OSError as exc:
             log.debug("dp_plugin: shared-memory setup failed on rank %d: %s", rank, exc)
             ok = False
@@ -256,7 +278,7 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
             return None
         try:
             if rank != 0:
-                segment = _segment(f"{prefix}.seg", (size + 1) * chunk_bytes, create=False)
+                segment = _segment(f"{prefix}.seg", nbytes, create=False)
             assert listener is not None
             socks = _mesh(listener, prefix, rank, size, timeout_s)
         except OSError as exc:
@@ -272,12 +294,20 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
         _cleanup(prefix, rank, listener, segment, socks)
 
 
-def _room_for(size: int, chunk_bytes: int) -> bool:
+def _affordable_chunk(size: int, wanted: int) -> int:
+    """The largest chunk up to ``wanted`` (halving) whose segment takes at
+    most half of the room left in ``/dev/shm``; 0 if not even the smallest."""
     try:
         stat = os.statvfs(SHM_DIR)
     except OSError:
-        return False
-    return (size + 1) * chunk_bytes * 2 <= stat.f_bavail * stat.f_frsize
+        return 0
+    room = stat.f_bavail * stat.f_frsize
+    chunk = wanted
+    while 2 * (2 * (size + 1) * chunk) > room:
+        if chunk <= MIN_CHUNK_BYTES:
+            return 0
+        chunk = max(MIN_CHUNK_BYTES, chunk // 2 - chunk // 2 % 8)
+    return chunk
 
 
 def _listen(path: str, size: int) -> socket.socket:

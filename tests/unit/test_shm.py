@@ -221,3 +221,19 @@ def test_postscale_in_the_reduction_rounds_as_a_multiply_afterwards(dtype: str) 
     finally:
         for t in ts:
             t.close()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("room_kib", "size", "chunk"), [
+    (24 << 20, 2, shm.CHUNK_BYTES),  # a roomy /dev/shm: the full chunk
+    (64 << 10, 2, 4 << 20),          # Docker's default 64 MiB: 2 x 3 x 4 MiB fits in half
+    (64 << 10, 8, 1 << 20),
+    (768, 2, 64 << 10),              # the smallest chunk just fits
+    (767, 2, 0),                     # not even that: Gloo's TCP
+])
+def test_the_chunk_shrinks_to_fit_half_of_dev_shm(monkeypatch: pytest.MonkeyPatch, room_kib: int,
+                                                  size: int, chunk: int) -> None:
+    class Stat:
+        f_bavail, f_frsize = room_kib, 1024
+
+    monkeypatch.setattr(shm.os, "statvfs", lambda path: Stat())
+    assert shm._affordable_chunk(size, shm.CHUNK_BYTES) == chunk
