@@ -11,7 +11,7 @@ from typing import Any
 
 from dp_plugin.config import Config
 from dp_plugin.engines import shm
-from dp_plugin.engines.base import Handle, ReduceOp
+from dp_plugin.engines.base import Availability, Handle, ReduceOp
 from dp_plugin.engines.torch_dist import TorchDistEngine
 from dp_plugin.launch import Topology
 
@@ -37,6 +37,13 @@ class GlooEngine(TorchDistEngine):
         if self.size > 1:  # collective: every rank of the group asks
             self._shm = shm.connect(self._exchange, self.rank, self.size, self._shm_wanted,
                                     config.timeout_s)
+
+    @classmethod
+    def availability(cls, topology: Topology) -> Availability:
+        avail = super().availability(topology)
+        if not avail.ok:
+            return avail
+        return Availability(True, f"{avail.reason}; {shm.describe(max(2, topology.local_size))}")
 
     @property
     def shared_memory(self) -> bool:

@@ -294,6 +294,15 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
         _cleanup(prefix, rank, listener, segment, socks)
 
 
+def describe(ranks: int) -> str:
+    """What ``make check`` says of the transport for ``ranks`` ranks on this host."""
+    chunk = _affordable_chunk(ranks, CHUNK_BYTES)
+    if not chunk:
+        return f"all-reduce through Gloo's TCP on one host ({SHM_DIR} missing or too small)"
+    return (f"all-reduce through shared memory when every rank is on one host "
+            f"({2 * (ranks + 1) * chunk >> 20} MiB in {SHM_DIR} for {ranks} ranks)")
+
+
 def _affordable_chunk(size: int, wanted: int) -> int:
     """The largest chunk up to ``wanted`` (halving) whose segment takes at
     most half of the room left in ``/dev/shm``; 0 if not even the smallest."""

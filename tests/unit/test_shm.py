@@ -237,3 +237,13 @@ def test_the_chunk_shrinks_to_fit_half_of_dev_shm(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(shm.os, "statvfs", lambda path: Stat())
     assert shm._affordable_chunk(size, shm.CHUNK_BYTES) == chunk
+
+
+def test_check_says_where_gloo_all_reduces(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert "shared memory" in shm.describe(2)  # this machine's /dev/shm has room
+
+    class Stat:
+        f_bavail, f_frsize = 1, 1024
+
+    monkeypatch.setattr(shm.os, "statvfs", lambda path: Stat())
+    assert "Gloo's TCP" in shm.describe(2)
