@@ -183,7 +183,7 @@ def test_a_peer_that_closes_fails_the_wait_at_once() -> None:
     start = time.perf_counter()
     handle = t0.allreduce_async(torch.ones(10), ReduceOp.SUM, "gloo allreduce of 'b'",
                                 lambda d: None, None)
-    with pytest.raises(DPPluginError, match="rank 1 of the shared-memory group"):
+    with pytest.raises(DPPluginError, match="rank 1 of this shared-memory group"):
         handle.wait()
     assert time.perf_counter() - start < 2.0, "detected by the socket, not by the timeout"
     t0.close()
