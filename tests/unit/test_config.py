@@ -26,6 +26,7 @@ def test_defaults_from_an_empty_environment() -> None:
     assert config.timeline is None
     assert config.timeout_s == DEFAULT_TIMEOUT_S > 0
     assert config.rebuild_buckets is True
+    assert config.shared_memory is True  # gloo on one host: all-reduce through /dev/shm
     assert config.process_sets is False  # the horovod engine's dynamic sets stay off
 
 
@@ -41,9 +42,11 @@ def test_plugin_names() -> None:
         "DP_PLUGIN_TIMELINE": "/tmp/t.json",
         "DP_PLUGIN_TIMEOUT": "12.5",
         "DP_PLUGIN_REBUILD_BUCKETS": "0",
+        "DP_PLUGIN_SHARED_MEMORY": "off",
     })
     assert config == Config(engine="gloo", fusion_threshold=1 << 20, timeline="/tmp/t.json",
-                            timeout_s=12.5, rebuild_buckets=False, first_bucket_threshold=None)
+                            timeout_s=12.5, rebuild_buckets=False, first_bucket_threshold=None,
+                            shared_memory=False)
 
 
 @pytest.mark.parametrize("name", ENGINE_NAMES)
@@ -190,6 +193,7 @@ def test_direct_construction_is_validated(kwargs: dict[str, object], words: list
     ({"HOROVOD_FUSION_THRESHOLD": "9" * 5000}, ["HOROVOD_FUSION_THRESHOLD", "not an integer"]),
     ({"DP_PLUGIN_TIMELINE": "/tmp/a\x00b"}, ["DP_PLUGIN_TIMELINE", "NUL"]),
     ({"DP_PLUGIN_REBUILD_BUCKETS": "0.0"}, ["DP_PLUGIN_REBUILD_BUCKETS='0.0'", "1/0"]),
+    ({"DP_PLUGIN_SHARED_MEMORY": "shm"}, ["DP_PLUGIN_SHARED_MEMORY='shm'", "1/0"]),
 ])
 def test_bad_values_raise_config_error_naming_the_variable(env: dict[str, str],
                                                            words: list[str]) -> None:
