@@ -331,11 +331,16 @@ def _listen(path: str, size: int) -> socket.socket:
 
 
 def _segment(path: str, nbytes: int, create: bool) -> mmap.mmap:
+    """Create (rank 0) or open the segment and map it. Creating reserves
+    every page now (``posix_fallocate``): a sparse file would get its pages
+    at first touch, and a ``/dev/shm`` filled meanwhile by someone else
+    would then kill the process with SIGBUS mid-all-reduce; a full one
+    fails here instead (OSError: every rank keeps Gloo's TCP)."""
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
         if create:
-            os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)
         elif os.fstat(fd).st_size != nbytes:
             raise OSError(f"segment {path} has {os.fstat(fd).st_size} bytes, expected {nbytes}")
         return mmap.mmap(fd, nbytes)

@@ -247,3 +247,14 @@ def test_check_says_where_gloo_all_reduces(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setattr(shm.os, "statvfs", lambda path: Stat())
     assert "Gloo's TCP" in shm.describe(2)
+
+
+def test_a_full_dev_shm_at_creation_makes_every_rank_keep_tcp(monkeypatch: pytest.MonkeyPatch,
+                                                               no_leftovers: None) -> None:
+    """The segment's pages are reserved when it is made: a /dev/shm that cannot
+    hold them fails setup on every rank, instead of a SIGBUS at first touch."""
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", full)
+    assert transports(3) == [None, None, None]
