@@ -231,10 +231,10 @@ def _reduce(parts: list[Any], out: Any, op: ReduceOp) -> None:
 
 def _peer_gone(job: _Job, peer: int, exc: BaseException | None) -> DPPluginError:
     why = "closed its connection" if exc is None else f"cannot be reached ({exc})"
-    report = job.handle.report() or " Check the other ranks' logs."
     return DPPluginError(
         f"rank {job.handle.rank}: {job.handle.description} failed: rank {peer} of this "
-        f"shared-memory group {why}; it has probably died or shut down early.{report}"
+        f"shared-memory group {why}; it has probably died or shut down early: check its "
+        f"log.{job.handle.report()}"
     )
 
 
