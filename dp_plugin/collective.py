@@ -134,7 +134,6 @@ class FusedCollective:
         self._started_with: list[list[Any] | None] = [None] * len(plan)
         self._pack_spans = [(0.0, 0.0)] * len(plan)
         self._unpack_spans: list[tuple[float, float] | None] = [None] * len(plan)
-        self._folded = [False] * len(plan)  # the engine post-scaled it (``_folds``)
 
     def replan(self, order: Sequence[int]) -> bool:
         """Re-plan for the ready order ``order``; True if the buckets changed."""
@@ -228,8 +227,7 @@ class FusedCollective:
         direct = self._direct(index, ops, members)
         slab = None if direct is not None or buf.pinned else self._free_slab(index)
         grad_bucket = buf.pack(ops, members, self.policy.prescale, direct, slab)
-        self._folded[index] = self._folds(buf)
-        if self._folded[index]:
+        if self._folds(buf):
             grad_bucket.postscale = self.policy.postscale
         t1 = time.perf_counter()
         handle: Handle = self.guard(lambda: self.hook(self.state, grad_bucket), buf)
@@ -289,8 +287,8 @@ class FusedCollective:
         members = self._started_with[index]
         assert members is not None  # started
         t0 = time.perf_counter()
-        post = 1.0 if self._folded[index] else self.policy.postscale
-        self.buffers[index].unpack(self.backend(), members, post)
+        buf = self.buffers[index]  # engine as at start (use_engine refuses mid-flight)
+        buf.unpack(self.backend(), members, 1.0 if self._folds(buf) else self.policy.postscale)
         self._unpack_spans[index] = (t0, time.perf_counter())
 
     def wire_bytes(self, index: int) -> int:
