@@ -60,8 +60,10 @@ class GlooEngine(TorchDistEngine):
         return self._reduce(buf, ReduceOp.SUM, name, postscale)
 
     def _reduce(self, buf: Any, op: ReduceOp, name: str, postscale: float) -> Handle:
+        if self._shm is None:  # across hosts: Gloo's path validates the buffer itself
+            return super()._allreduce_async(buf, op, name)
         t = self._tensor(buf, f"allreduce {name!r}")
-        if self._shm is not None and self._shm.takes(t) and t.numel():
+        if self._shm.takes(t) and t.numel():
             desc = self.describe("allreduce", name, t.numel() * t.element_size())
             return self._shm.allreduce_async(t, op, desc, self._mark_broken, self.wait_board(),
                                              postscale)
