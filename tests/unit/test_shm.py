@@ -8,10 +8,11 @@ tested by tests/multiproc (the engine battery, the parity and fault tests).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -75,6 +76,26 @@ def transports(size: int, eligible: Callable[[int], bool] = lambda r: True,
                                                 timeout_s, chunk_bytes=CHUNK))
 
 
+@contextlib.contextmanager
+def connected(size: int, timeout_s: float = TIMEOUT_S) -> Iterator[list[shm.ShmTransport]]:
+    """``size`` transports that all connected; every one closed after the block."""
+    ts = [t for t in transports(size, timeout_s=timeout_s) if t is not None]
+    try:
+        assert len(ts) == size, "a rank did not connect"
+        yield ts
+    finally:
+        for t in ts:
+            t.close()
+
+
+def reduce_on_all(ts: list[shm.ShmTransport], bufs: list[Any], op: ReduceOp,
+                  postscale: float = 1.0) -> None:
+    """Every rank all-reduces its buffer; wait for all of them."""
+    handles = [t.allreduce_async(b, op, "test", lambda d: None, None, postscale)
+               for t, b in zip(ts, bufs, strict=True)]
+    on_ranks(len(ts), lambda r: handles[r].wait())
+
+
 def our_files() -> list[str]:
     return [f for f in os.listdir(shm.SHM_DIR) if f.startswith("dp_plugin-")]
 
@@ -90,50 +111,40 @@ def no_leftovers() -> Any:
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int32",
                                    "int64", "int16", "int8", "uint8"])
 def test_sum_matches_reference_across_chunks(size: int, dtype: str, no_leftovers: None) -> None:
-    ts = transports(size)
     torch_dtype = getattr(torch, dtype)
     n = 3 * CHUNK + 5  # several chunks, the last a partial one, odd slices
     inputs = [(torch.arange(n) % 7 + r).to(torch_dtype) for r in range(size)]
     expected = inputs[0].clone()
     for x in inputs[1:]:
         expected += x
-    try:
-        bufs = [x.clone() for x in inputs]
-        handles = [t.allreduce_async(b, ReduceOp.SUM, "sum", lambda d: None, None)
-                   for t, b in zip(ts, bufs, strict=True)]  # type: ignore[union-attr]
-        on_ranks(size, lambda r: handles[r].wait())
-        for b in bufs:
-            assert torch.equal(b, expected), (dtype, b[:8], expected[:8])
-    finally:
-        for t in ts:
-            t.close()  # type: ignore[union-attr]
+    bufs = [x.clone() for x in inputs]
+    with connected(size) as ts:
+        reduce_on_all(ts, bufs, ReduceOp.SUM)
+    for b in bufs:
+        assert torch.equal(b, expected), (dtype, b[:8], expected[:8])
 
 
 @pytest.mark.parametrize(("op", "fn"), [(ReduceOp.MIN, np.minimum), (ReduceOp.MAX, np.maximum),
                                         (ReduceOp.PRODUCT, np.multiply)])
 def test_min_max_product_and_many_in_flight(op: ReduceOp, fn: Any, no_leftovers: None) -> None:
     size = 3
-    ts = transports(size)
     rng = np.random.default_rng(0)
     inputs = [[rng.uniform(0.5, 2.0, 1000 + 700 * k).astype(np.float32) for k in range(4)]
               for _ in range(size)]
-    try:
-        bufs = [[torch.from_numpy(a.copy()) for a in mine] for mine in inputs]
+    bufs = [[torch.from_numpy(a.copy()) for a in mine] for mine in inputs]
+    with connected(size) as ts:
 
         def run(rank: int) -> None:
-            hs = [ts[rank].allreduce_async(b, op, f"t{k}", lambda d: None, None)  # type: ignore[union-attr]
+            hs = [ts[rank].allreduce_async(b, op, f"t{k}", lambda d: None, None)
                   for k, b in enumerate(bufs[rank])]
             for h in hs:
                 h.wait()
 
         on_ranks(size, run)
-        for k in range(4):
-            expected = fn(fn(inputs[0][k], inputs[1][k]), inputs[2][k])
-            for r in range(size):
-                np.testing.assert_array_equal(bufs[r][k].numpy(), expected)
-    finally:
-        for t in ts:
-            t.close()  # type: ignore[union-attr]
+    for k in range(4):
+        expected = fn(fn(inputs[0][k], inputs[1][k]), inputs[2][k])
+        for r in range(size):
+            np.testing.assert_array_equal(bufs[r][k].numpy(), expected)
 
 
 def test_one_ineligible_rank_makes_every_rank_fall_back(no_leftovers: None) -> None:
@@ -141,24 +152,15 @@ def test_one_ineligible_rank_makes_every_rank_fall_back(no_leftovers: None) -> N
 
 
 def test_takes_cpu_tensors_of_reducible_dtypes_only() -> None:
-    ts = transports(2)
-    try:
-        t = ts[0]
-        assert t is not None
+    with connected(2) as (t, _):
         assert t.takes(torch.zeros(3))
         assert not t.takes(torch.zeros(3, dtype=torch.bool))
         assert not t.takes(torch.zeros(3, dtype=torch.complex64))
-    finally:
-        for t in ts:
-            t.close()  # type: ignore[union-attr]
 
 
 def test_a_rank_that_does_not_come_times_out_and_breaks_the_transport() -> None:
-    ts = transports(2, timeout_s=1.0)
     broken: list[str] = []
-    try:
-        t0 = ts[0]
-        assert t0 is not None
+    with connected(2, timeout_s=1.0) as (t0, _):
         start = time.perf_counter()
         handle = t0.allreduce_async(torch.ones(10), ReduceOp.SUM, "gloo allreduce of 'b'",
                                     broken.append, None)
@@ -170,57 +172,42 @@ def test_a_rank_that_does_not_come_times_out_and_breaks_the_transport() -> None:
         later = t0.allreduce_async(torch.ones(10), ReduceOp.SUM, "next", broken.append, None)
         with pytest.raises(CollectiveTimeoutError):
             later.wait()
-    finally:
-        for t in ts:
-            t.close()  # type: ignore[union-attr]
 
 
 def test_a_peer_that_closes_fails_the_wait_at_once() -> None:
-    ts = transports(2)
-    t0, t1 = ts
-    assert t0 is not None and t1 is not None
-    t1.close()
-    start = time.perf_counter()
-    handle = t0.allreduce_async(torch.ones(10), ReduceOp.SUM, "gloo allreduce of 'b'",
-                                lambda d: None, None)
-    with pytest.raises(DPPluginError, match="rank 1 of this shared-memory group"):
-        handle.wait()
-    assert time.perf_counter() - start < 2.0, "detected by the socket, not by the timeout"
-    t0.close()
+    with connected(2) as (t0, t1):
+        t1.close()
+        start = time.perf_counter()
+        handle = t0.allreduce_async(torch.ones(10), ReduceOp.SUM, "gloo allreduce of 'b'",
+                                    lambda d: None, None)
+        with pytest.raises(DPPluginError, match="rank 1 of this shared-memory group"):
+            handle.wait()
+        assert time.perf_counter() - start < 2.0, "detected by the socket, not by the timeout"
 
 
 def test_close_while_waiting_for_a_peer_returns_within_the_timeout() -> None:
-    ts = transports(2, timeout_s=3.0)
-    t0 = ts[0]
-    assert t0 is not None
-    t0.allreduce_async(torch.ones(10), ReduceOp.SUM, "pending", lambda d: None, None)
-    time.sleep(0.2)  # the thread now waits in the barrier
-    start = time.perf_counter()
-    t0.close()
-    assert time.perf_counter() - start < 2.0
-    ts[1].close()  # type: ignore[union-attr]
+    with connected(2, timeout_s=3.0) as (t0, _):
+        t0.allreduce_async(torch.ones(10), ReduceOp.SUM, "pending", lambda d: None, None)
+        time.sleep(0.2)  # the thread now waits in the barrier
+        start = time.perf_counter()
+        t0.close()
+        assert time.perf_counter() - start < 2.0
 
 
 @pytest.mark.parametrize("dtype", sorted(shm.SCALED_DTYPES))
 def test_postscale_in_the_reduction_rounds_as_a_multiply_afterwards(dtype: str) -> None:
     """What the scheduler's average relies on to skip its own multiply."""
     size, post = 3, 1.0 / 3
-    ts = transports(size)
     rng = np.random.default_rng(1)
     inputs = [torch.from_numpy(rng.standard_normal(2 * CHUNK + 3)).to(getattr(torch, dtype))
               for _ in range(size)]
     expected = (inputs[0] + inputs[1]) + inputs[2]
     torch.mul(expected, post, out=expected)
-    try:
-        bufs = [x.clone() for x in inputs]
-        handles = [t.allreduce_async(b, ReduceOp.SUM, "avg", lambda d: None, None, post)  # type: ignore[union-attr]
-                   for t, b in zip(ts, bufs, strict=True)]
-        on_ranks(size, lambda r: handles[r].wait())
-        for b in bufs:
-            assert torch.equal(b, expected)
-    finally:
-        for t in ts:
-            t.close()  # type: ignore[union-attr]
+    bufs = [x.clone() for x in inputs]
+    with connected(size) as ts:
+        reduce_on_all(ts, bufs, ReduceOp.SUM, post)
+    for b in bufs:
+        assert torch.equal(b, expected)
 
 
 @pytest.mark.parametrize(("room_kib", "size", "chunk"), [
