@@ -8,7 +8,8 @@ gradients as separate tensors, then as views of the fusion buffer, the
 ``DistributedOptimizer`` default; then views with ``op=sum``, which isolates
 what fusion costs from averaging's pass) against one raw all-reduce (a sum)
 of the same bytes and, under the horovod engine, Horovod's own
-``grouped_allreduce``.
+``grouped_allreduce``: one repetition of each in turn, so that their
+ratios are measured side by side.
 Rank 0 prints ``PROGRESS`` after each item and one ``RESULT {json}`` line at
 the end.
 
@@ -45,6 +46,22 @@ def median_timer(engine: Any) -> Callable[[Callable[[], None], int, int], float]
     return time_it
 
 
+def interleaved_medians(engine: Any, fns: dict[str, Callable[[], None]], reps: int,
+                        warmup: int) -> dict[str, float]:
+    """The median time of each of ``fns``, their repetitions interleaved
+    (one of each in turn, a barrier before each), so that a machine that
+    drifts during the run moves every one alike and their ratios hold."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(warmup + reps):
+        for name, fn in fns.items():
+            engine.barrier()
+            t0 = time.perf_counter()
+            fn()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def _fused(engine: Any, model: str, reps: int, warmup: int) -> dict[str, Any]:
     import torch
 
@@ -54,48 +71,40 @@ def _fused(engine: Any, model: str, reps: int, warmup: int) -> dict[str, Any]:
 
     grads = [torch.full(shape, 1.0) for _, shape in model_shapes(model)]
     specs = [TensorSpec.of(f"g{i}", g) for i, g in enumerate(grads)]
-    sched = GradientScheduler(specs, engine=engine, op="average", name=f"bench_{model}")
-
-    def step(tensors: list[Any]) -> None:
-        for i in reversed(range(len(tensors))):
-            sched.mark_ready(i, tensors[i])
-        sched.synchronize()
-
-    time_it = median_timer(engine)
     nbytes = sum(4 * g.numel() for g in grads)
-    step(grads)  # the plan settles from the observed ready order
-    fused = time_it(lambda: step(grads), reps, warmup)
-    # DistributedOptimizer's default: gradients live in the fusion buffer.
-    views = [sched.view_for(i, g) for i, g in enumerate(grads)]
-    for view in views:
-        view.fill_(1.0)
-    fused_views = time_it(lambda: step(views), reps, warmup)
-    buckets = len(sched.plan)
-    sched.close()
-    views.clear()
-    # The same with op=sum: what fusion costs beside the raw all-reduce (a
-    # sum too), without averaging's pass over the gradients.
-    sched = GradientScheduler(specs, engine=engine, op="sum", name=f"bench_{model}_sum")
-    step(grads)
-    views = [sched.view_for(i, g) for i, g in enumerate(grads)]
-    for view in views:
-        view.fill_(1.0)
-    fused_sum = time_it(lambda: step(views), reps, warmup)
-    sched.close()
-    views.clear()
-    result = {"model": model, "bytes": nbytes, "tensors": len(specs), "buckets": buckets,
-              "fused_s": fused, "fused_views_s": fused_views, "fused_views_sum_s": fused_sum}
+
+    def stepper(op: str, suffix: str, views: bool) -> Callable[[], None]:
+        sched = GradientScheduler(specs, engine=engine, op=op, name=f"bench_{model}{suffix}")
+        scheds.append(sched)
+        step(sched, grads)  # the plan settles from the observed ready order
+        # views: DistributedOptimizer's default, gradients live in the fusion buffer.
+        tensors = [sched.view_for(i, g).fill_(1.0) for i, g in enumerate(grads)] if views else grads
+        return lambda: step(sched, tensors)
+
+    scheds: list[Any] = []
+    fns = {"fused_s": stepper("average", "", False),
+           "fused_views_s": stepper("average", "_views", True),
+           # op=sum: what fusion costs beside the raw all-reduce (a sum too).
+           "fused_views_sum_s": stepper("sum", "_sum", True)}
     if engine.name == "horovod":  # Horovod's own answer to the same list
         import horovod.torch as hvd
 
-        result["horovod_grouped_s"] = time_it(
-            lambda: hvd.grouped_allreduce(grads, op=hvd.Average, name=f"hvd_{model}"),
-            reps, warmup)
-    grads.clear()  # free them before the raw buffer of the same size
+        fns["horovod_grouped_s"] = lambda: hvd.grouped_allreduce(grads, op=hvd.Average,
+                                                                 name=f"hvd_{model}")
     raw = torch.ones(nbytes // 4)
-    result["raw_s"] = time_it(lambda: engine.allreduce_async(raw, "sum", name="raw").wait(),
-                              reps, warmup)
+    fns["raw_s"] = lambda: engine.allreduce_async(raw, "sum", name="raw").wait()
+    result = {"model": model, "bytes": nbytes, "tensors": len(specs),
+              "buckets": len(scheds[0].plan), **interleaved_medians(engine, fns, reps, warmup)}
+    for sched in scheds:
+        sched.close()
     return result
+
+
+def step(sched: Any, tensors: list[Any]) -> None:
+    """One backward's worth: every gradient ready, last first, then wait."""
+    for i in reversed(range(len(tensors))):
+        sched.mark_ready(i, tensors[i])
+    sched.synchronize()
 
 
 def worker(sizes: list[int], reps: int, warmup: int, models: list[str]) -> None:
@@ -119,7 +128,7 @@ def worker(sizes: list[int], reps: int, warmup: int, models: list[str]) -> None:
             print("PROGRESS", flush=True)
     fused = []
     for model in models:
-        fused.append(_fused(engine, model, max(3, reps // 4), 1))
+        fused.append(_fused(engine, model, max(5, reps // 2), 1))
         if lead:
             print("PROGRESS", flush=True)
     if lead:
