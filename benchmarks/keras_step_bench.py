@@ -27,6 +27,11 @@ Configurations:
 
     python benchmarks/keras_step_bench.py                  # all, 3 rounds
     python benchmarks/keras_step_bench.py --configs dp_plugin,single --rounds 5
+    python benchmarks/keras_step_bench.py --configs dp_plugin,dp_plugin:buckets=1,floor
+
+A plugin configuration may end in ``:buckets=N`` (DP_PLUGIN_MIN_BUCKETS; 1
+keeps the buckets at the fusion threshold, the plan before the default
+spread a small model over 4).
 
 Without a launcher it starts itself once per configuration and round,
 interleaved, and prints a table: median step time over the measured steps
@@ -185,6 +190,9 @@ def launch(config: str, nprocs: int, steps: int, warmup: int, timeout: float) ->
                 "--warmup", str(warmup), "--threads", str(threads)]
 
     env = clean_env(TF_CPP_MIN_LOG_LEVEL="2")
+    config, _, buckets = config.partition(":buckets=")
+    if buckets:
+        env["DP_PLUGIN_MIN_BUCKETS"] = buckets
     jobs: list[Job]
     if config == "mwms":
         return launch_mwms(me(1), nprocs, env, min(timeout, MWMS_TIMEOUT))
@@ -230,7 +238,7 @@ def main() -> None:
         worker(args.worker, args.steps, args.warmup, args.threads)
         return
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = sorted(set(configs) - set(CONFIGS))
+    unknown = sorted({c for c in configs if c.partition(":buckets=")[0] not in CONFIGS})
     if unknown:
         raise SystemExit(f"unknown configurations {unknown}; valid: {', '.join(CONFIGS)}")
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}

@@ -32,7 +32,8 @@ The dp_plugin and horovod rows run the same training function; only the
 A configuration may end in options, each ``:name=value``: ``fusion=MiB``
 (DP_PLUGIN_FUSION_THRESHOLD, or HOROVOD_FUSION_THRESHOLD for ``horovod``;
 64 gives the plan of dp_plugin before issue 10: one 64 MiB bucket),
-``views=0|1`` (DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW), ``cycle=ms``
+``views=0|1`` (DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW), ``buckets=N``
+(DP_PLUGIN_MIN_BUCKETS; 1 gives the plan before it: 1 MiB, then 25 MiB), ``cycle=ms``
 (HOROVOD_CYCLE_TIME), ``dps=0|1`` (HOROVOD_DYNAMIC_PROCESS_SETS), and
 ``autotune=1``, ``tune_steps=N``, ``tune_warmup=N`` (DP_PLUGIN_AUTOTUNE and its
 step counts; give --warmup enough steps to cover the tuning, see
@@ -191,6 +192,7 @@ OPTIONS = {
     # option -> (variable, what the value means, how to turn it into the variable's value)
     "fusion": ("DP_PLUGIN_FUSION_THRESHOLD", "MiB", lambda v: str(int(float(v) * 2**20))),
     "views": ("DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW", "0 or 1", str),
+    "buckets": ("DP_PLUGIN_MIN_BUCKETS", "count", str),
     "cycle": ("HOROVOD_CYCLE_TIME", "ms", str),
     "dps": ("HOROVOD_DYNAMIC_PROCESS_SETS", "0 or 1", str),
     "autotune": ("DP_PLUGIN_AUTOTUNE", "0 or 1", str),

@@ -34,6 +34,12 @@ DEFAULT_FUSION_THRESHOLD = 25 * 1024 * 1024
 models of tens of MB, so communication overlaps backward (BENCHMARKS.md)."""
 DEFAULT_FIRST_BUCKET_THRESHOLD = 1024 * 1024
 """1 MiB, DDP's first bucket: the first gradients of backward start travelling early."""
+DEFAULT_MIN_BUCKETS = 4
+"""A gradient smaller than 4 buckets of the default size is spread over about 4:
+the first three then travel while backward still runs, as they do for large
+models (BENCHMARKS.md: 42-57% of the all-reduce exposed with one 25 MiB bucket
+on a 28.5 MiB model, 21-25% with 8 MiB ones)."""
+MAX_MIN_BUCKETS = 1024
 DEFAULT_TIMEOUT_S = 1800.0
 """30 minutes, torch.distributed's default for gloo: a rank-0-only evaluation or
 checkpoint between steps must not kill the job (docs/configuration.md)."""
@@ -69,6 +75,12 @@ class Config:
     """Cap of the gradient scheduler's first bucket (the smaller of this and
     ``fusion_threshold`` applies); None: as large as the others. ``from_env``
     sets None when the user sets a fusion threshold (as DDP with ``bucket_cap_mb``)."""
+
+    min_buckets: int = DEFAULT_MIN_BUCKETS
+    """How many buckets the default plan spreads a small gradient over: the cap
+    becomes 1/min_buckets of the gradient's bytes where that is below
+    ``fusion_threshold`` (never below ``first_bucket_threshold``); 1: no
+    spreading. ``from_env`` sets 1 when the user sets a fusion threshold."""
 
     gradient_as_bucket_view: bool = True
     """``DistributedOptimizer`` makes ``.grad`` a view of the fusion buffer (no copies)."""
@@ -130,6 +142,9 @@ class Config:
             check_int("first_bucket_threshold (bytes)", self.first_bucket_threshold, minimum=1,
                       fix=f"use e.g. {DEFAULT_FIRST_BUCKET_THRESHOLD} (1 MiB), or None for a "
                           "first bucket as large as the others", error=error)
+        check_int("min_buckets", self.min_buckets, minimum=1, maximum=MAX_MIN_BUCKETS,
+                  fix=f"set DP_PLUGIN_MIN_BUCKETS to e.g. {DEFAULT_MIN_BUCKETS}, or 1 to keep "
+                      "the buckets at the fusion threshold", error=error)
         for flag in ("gradient_as_bucket_view", "rebuild_buckets", "process_sets"):
             if not isinstance(getattr(self, flag), bool):
                 raise error(f"{flag} must be True or False, got {getattr(self, flag)!r}")
@@ -157,13 +172,19 @@ class Config:
                 "DP_PLUGIN_JOB_SECRET=$(openssl rand -hex 16), the same on every rank"
             )
 
-    def bucket_caps(self, fusion_threshold: int | None = None) -> tuple[int, int | None]:
-        """(bucket cap, first bucket cap) in bytes: a caller's explicit
-        ``fusion_threshold`` applies to every bucket; the configured one comes
-        with the configured (small) first bucket."""
-        if fusion_threshold is None:
-            return self.fusion_threshold, self.first_bucket_threshold
-        return fusion_threshold, None
+    def bucket_caps(self, fusion_threshold: int | None = None,
+                    total_bytes: int = 0) -> tuple[int, int | None]:
+        """(bucket cap, first bucket cap) in bytes for a gradient of
+        ``total_bytes``: a caller's explicit ``fusion_threshold`` applies to
+        every bucket; the configured one comes with the configured (small)
+        first bucket, and shrinks to spread a small gradient over
+        ``min_buckets`` buckets."""
+        if fusion_threshold is not None:
+            return fusion_threshold, None
+        cap, first = self.fusion_threshold, self.first_bucket_threshold
+        if self.min_buckets > 1 and total_bytes > 0:
+            cap = min(cap, max(-(-total_bytes // self.min_buckets), first or 1))
+        return cap, first
 
     def _check_autotune(self) -> None:
         if not isinstance(self.autotune, bool):
@@ -250,8 +271,14 @@ def _fusion_settings(env: Mapping[str, str]) -> dict[str, object]:
             error=ConfigError,
         )
         kwargs["fusion_threshold"] = 1 if value == 0 else value
+    if "DP_PLUGIN_MIN_BUCKETS" in env:
+        kwargs["min_buckets"] = env_int(
+            env, "DP_PLUGIN_MIN_BUCKETS", minimum=1, maximum=MAX_MIN_BUCKETS, unit="buckets",
+            fix=f"set e.g. {DEFAULT_MIN_BUCKETS}, or 1 to keep the buckets at the fusion "
+                "threshold", error=ConfigError)
     if "fusion_threshold" in kwargs:  # the user's size, for every bucket (as DDP)
         kwargs["first_bucket_threshold"] = None
+        kwargs.setdefault("min_buckets", 1)
     return kwargs
 
 

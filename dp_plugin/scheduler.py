@@ -78,7 +78,8 @@ class GradientScheduler:
 
     Arguments: ``engine`` defaults to the one ``dp_plugin.init()`` started;
     ``fusion_threshold`` (bytes) to ``engine.config.fusion_threshold``, with
-    the first bucket capped at ``engine.config.first_bucket_threshold`` (an
+    the first bucket capped at ``engine.config.first_bucket_threshold`` and
+    a small gradient spread over ``engine.config.min_buckets`` buckets (an
     explicit ``fusion_threshold`` applies to every bucket);
     ``timeline`` to the Chrome trace named by ``engine.config.timeline``;
     ``compression`` is 'none', 'fp16', 'bf16' or a ``Compressor``; ``hook``
@@ -128,7 +129,8 @@ class GradientScheduler:
                                    predivide=gradient_predivide_factor,
                                    prescale=prescale_factor, postscale=postscale_factor)
         self.op = policy.op
-        threshold, first = config.bucket_caps(fusion_threshold)
+        threshold, first = config.bucket_caps(fusion_threshold,
+                                              sum(s.nbytes for s in self.specs))
         self.rebuild_buckets = bool(config.rebuild_buckets)
         self._timeline = timeline if timeline is not None else open_timeline(
             config.timeline, engine.rank, config.timeline_max_bytes)

@@ -26,7 +26,9 @@ TUNE = {"DP_PLUGIN_AUTOTUNE": "1", "DP_PLUGIN_AUTOTUNE_CANDIDATES": "256,1024,20
 
 def launch(case: str, out: Path, extra: dict[str, str], launcher: str = "env",
            engine: str = "gloo") -> torch.Tensor:
-    env = {"DP_PLUGIN_ENGINE": engine, "DP_PLUGIN_TIMEOUT": "60", **extra}
+    # DP_PLUGIN_MIN_BUCKETS=1: the configured 25 MiB stays a candidate as it is.
+    env = {"DP_PLUGIN_ENGINE": engine, "DP_PLUGIN_TIMEOUT": "60", "DP_PLUGIN_MIN_BUCKETS": "1",
+           **extra}
     result = run_workers(launcher, 2, WORKER, args=["--case", case, "--out", str(out)], env=env,
                          timeout=180)
     assert_ranks_ok(result, 2)

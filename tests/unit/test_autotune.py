@@ -271,8 +271,9 @@ def train(e: FakeEngine, clock: PerRankClock, steps: int, **kwargs: Any) -> dict
 
 
 def autotune_config(**extra: Any) -> Config:
+    # min_buckets=1: the configured threshold is a candidate as it is set.
     return Config(timeout_s=30.0, autotune=True, autotune_candidates=CANDIDATES,
-                  autotune_warmup_steps=1, autotune_steps=3, **extra)
+                  autotune_warmup_steps=1, autotune_steps=3, min_buckets=1, **extra)
 
 
 def test_every_rank_adopts_rank_zeros_choice(monkeypatch: pytest.MonkeyPatch,

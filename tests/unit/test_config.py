@@ -9,6 +9,7 @@ import pytest
 from dp_plugin.config import (
     DEFAULT_FIRST_BUCKET_THRESHOLD,
     DEFAULT_FUSION_THRESHOLD,
+    DEFAULT_MIN_BUCKETS,
     DEFAULT_TIMEOUT_S,
     ENGINE_NAMES,
     Config,
@@ -46,7 +47,7 @@ def test_plugin_names() -> None:
     })
     assert config == Config(engine="gloo", fusion_threshold=1 << 20, timeline="/tmp/t.json",
                             timeout_s=12.5, rebuild_buckets=False, first_bucket_threshold=None,
-                            shared_memory=False)
+                            min_buckets=1, shared_memory=False)
 
 
 @pytest.mark.parametrize("name", ENGINE_NAMES)
@@ -246,6 +247,11 @@ def test_a_users_threshold_applies_to_every_bucket_including_the_first(variable:
     config = Config.from_env({variable: str(8 << 20)})
     assert config.fusion_threshold == 8 << 20
     assert config.first_bucket_threshold is None
+    assert config.min_buckets == 1  # and no spreading: the user's size is kept
+    assert config.bucket_caps(total_bytes=10 << 20) == (8 << 20, None)
+    # Unless they also ask for it.
+    both = Config.from_env({variable: str(8 << 20), "DP_PLUGIN_MIN_BUCKETS": "5"})
+    assert both.min_buckets == 5
 
 
 def test_gradient_as_bucket_view_can_be_turned_off() -> None:
@@ -285,3 +291,36 @@ def test_bucket_caps_keep_the_small_first_bucket_only_for_the_configured_thresho
     assert config.bucket_caps() == (DEFAULT_FUSION_THRESHOLD, DEFAULT_FIRST_BUCKET_THRESHOLD)
     assert config.bucket_caps(4096) == (4096, None)  # a caller's explicit threshold
     assert Config(first_bucket_threshold=None).bucket_caps() == (DEFAULT_FUSION_THRESHOLD, None)
+
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(("total", "cap"), [
+    (0, DEFAULT_FUSION_THRESHOLD),                 # unknown size: the threshold
+    (500 * MIB, DEFAULT_FUSION_THRESHOLD),         # a large model: DDP's 25 MiB
+    (100 * MIB, DEFAULT_FUSION_THRESHOLD),         # exactly 4 of them
+    (int(28.5 * MIB), -(-int(28.5 * MIB) // 4)),   # the BERT-like encoder: a quarter each
+    (2 * MIB, DEFAULT_FIRST_BUCKET_THRESHOLD),     # never below the first bucket's cap
+])
+def test_the_default_plan_spreads_a_small_gradient_over_four_buckets(total: int, cap: int) -> None:
+    assert DEFAULT_MIN_BUCKETS == 4
+    assert Config().bucket_caps(total_bytes=total) == (cap, DEFAULT_FIRST_BUCKET_THRESHOLD)
+    # Turned off, or a caller's explicit threshold: the size as set.
+    assert Config(min_buckets=1).bucket_caps(total_bytes=total)[0] == DEFAULT_FUSION_THRESHOLD
+    assert Config().bucket_caps(4096, total_bytes=total) == (4096, None)
+    assert Config.from_env({"DP_PLUGIN_MIN_BUCKETS": "2"}).bucket_caps(
+        total_bytes=20 * MIB)[0] == 10 * MIB
+
+
+@pytest.mark.parametrize("bad", [0, 1025, True, 2.0, "4"])
+def test_min_buckets_must_be_a_small_positive_int(bad: object) -> None:
+    with pytest.raises(ConfigError, match=rf"min_buckets must be .*got {bad!r}.*"
+                                          "DP_PLUGIN_MIN_BUCKETS"):
+        Config(min_buckets=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("raw", ["0", "many", "2000"])
+def test_min_buckets_from_the_environment_names_the_variable(raw: str) -> None:
+    with pytest.raises(ConfigError, match=rf"DP_PLUGIN_MIN_BUCKETS.*{raw}"):
+        Config.from_env({"DP_PLUGIN_MIN_BUCKETS": raw})

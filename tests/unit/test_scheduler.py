@@ -486,7 +486,7 @@ def test_rebuild_disabled_or_single_rank() -> None:
 
 def test_configured_first_bucket_is_small_and_survives_the_rebuild() -> None:
     specs = [TensorSpec(f"w{i}", (4,), "float32") for i in range(6)]
-    config = Config(timeout_s=30.0, fusion_threshold=48, first_bucket_threshold=16)
+    config = Config(timeout_s=30.0, fusion_threshold=48, first_bucket_threshold=16, min_buckets=1)
     orders = {0: [0, 1, 2, 3, 4, 5], 1: [5, 4, 3, 2, 1, 0]}
     engines = make_thread_group(2, config=config)
 
@@ -505,6 +505,20 @@ def test_configured_first_bucket_is_small_and_survives_the_rebuild() -> None:
     sched = GradientScheduler(specs, engine=make_thread_group(1, config=config)[0],
                               fusion_threshold=48)
     assert [b.members for b in sched.plan] == [(5, 4, 3), (2, 1, 0)]
+
+
+
+def test_the_default_plan_spreads_a_small_model_over_several_buckets() -> None:
+    """8 MiB of gradients: DDP's 25 MiB would make one bucket, launched when
+    backward ends; the default spreads them so the first ones overlap."""
+    mib = 1 << 20
+    specs = [TensorSpec(f"w{i}", (mib // 4,), "float32") for i in range(8)]
+    plan = GradientScheduler(specs, engine=_one_rank()).plan
+    assert len(plan) >= 4
+    assert max(b.nbytes for b in plan) <= 2 * mib and plan[0].nbytes <= mib
+    users = Config.from_env({"HOROVOD_FUSION_THRESHOLD": str(25 * mib)})
+    engine = make_thread_group(1, config=users)[0]
+    assert len(GradientScheduler(specs, engine=engine).plan) == 1  # the user's size, as set
 
 
 # -- statistics and timeline -------------------------------------------------
@@ -704,7 +718,7 @@ def test_engine_defaults_to_the_runtime_one(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(runtime, "_engine", engine)
     sched = GradientScheduler([TensorSpec("w", (2,), "float32")])
     assert sched.engine is engine
-    assert sched.fusion_threshold == engine.config.fusion_threshold
+    assert sched.fusion_threshold == engine.config.bucket_caps(total_bytes=8)[0]
 
 
 def test_fake_group_reports_mismatched_collectives() -> None:
