@@ -72,6 +72,7 @@ def _fused(engine: Any, model: str, reps: int, warmup: int) -> dict[str, Any]:
     grads = [torch.full(shape, 1.0) for _, shape in model_shapes(model)]
     specs = [TensorSpec.of(f"g{i}", g) for i, g in enumerate(grads)]
     nbytes = sum(4 * g.numel() for g in grads)
+    scheds: list[Any] = []
 
     def stepper(op: str, suffix: str, views: bool) -> Callable[[], None]:
         sched = GradientScheduler(specs, engine=engine, op=op, name=f"bench_{model}{suffix}")
@@ -81,7 +82,6 @@ def _fused(engine: Any, model: str, reps: int, warmup: int) -> dict[str, Any]:
         tensors = [sched.view_for(i, g).fill_(1.0) for i, g in enumerate(grads)] if views else grads
         return lambda: step(sched, tensors)
 
-    scheds: list[Any] = []
     fns = {"fused_s": stepper("average", "", False),
            "fused_views_s": stepper("average", "_views", True),
            # op=sum: what fusion costs beside the raw all-reduce (a sum too).
