@@ -50,13 +50,16 @@ def interleaved_medians(engine: Any, fns: dict[str, Callable[[], None]], reps: i
                         warmup: int) -> dict[str, float]:
     """The median time of each of ``fns``, their repetitions interleaved
     (one of each in turn, a barrier before each), so that a machine that
-    drifts during the run moves every one alike and their ratios hold."""
+    drifts during the run moves every one alike and their ratios hold. The
+    turn starts one further each round: none always follows the same one
+    (a step with copies leaves the caches and pages to the next)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
     for i in range(warmup + reps):
-        for name, fn in fns.items():
+        for name in names[i % len(names):] + names[:i % len(names)]:
             engine.barrier()
             t0 = time.perf_counter()
-            fn()
+            fns[name]()
             if i >= warmup:
                 times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
