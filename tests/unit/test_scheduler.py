@@ -507,7 +507,6 @@ def test_configured_first_bucket_is_small_and_survives_the_rebuild() -> None:
     assert [b.members for b in sched.plan] == [(5, 4, 3), (2, 1, 0)]
 
 
-
 def test_the_default_plan_spreads_a_small_model_over_several_buckets() -> None:
     """8 MiB of gradients: DDP's 25 MiB would make one bucket, launched when
     backward ends; the default spreads them so the first ones overlap."""
@@ -718,7 +717,8 @@ def test_engine_defaults_to_the_runtime_one(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(runtime, "_engine", engine)
     sched = GradientScheduler([TensorSpec("w", (2,), "float32")])
     assert sched.engine is engine
-    assert sched.fusion_threshold == engine.config.bucket_caps(total_bytes=8)[0]
+    # The engine's config: an 8-byte gradient spread over 4 buckets, at the 1 MiB floor.
+    assert sched.fusion_threshold == engine.config.first_bucket_threshold == 1 << 20
 
 
 def test_fake_group_reports_mismatched_collectives() -> None:
