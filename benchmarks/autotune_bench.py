@@ -22,9 +22,11 @@ chose (one more candidate); the fixed rows are then each threshold on each
 engine.
 
 The fixed rows: ``fusion=N`` sets DP_PLUGIN_FUSION_THRESHOLD (every bucket N
-MiB, the first included); ``default`` is 25 MiB with a 1 MiB first bucket.
-Autotune's candidates keep the default 1 MiB first bucket (1, 4, 8, 25, 64
-MiB), so its rows are close to, not identical with, the fixed ones.
+MiB, the first included); ``default`` is the default plan: a 1 MiB first
+bucket, then a quarter of this 28.5 MiB gradient (7.1 MiB, the spread of
+DP_PLUGIN_MIN_BUCKETS) instead of 25 MiB. Autotune's candidates keep the
+default 1 MiB first bucket (1, 4, 8, 25, 64 MiB and the default's 7.1), so
+its rows are close to, not identical with, the fixed ones.
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ from typing import Any
 from torch_step_bench import launch
 
 THRESHOLDS = {"fusion=1": ":fusion=1", "fusion=4": ":fusion=4", "fusion=8": ":fusion=8",
-              "default (25, first 1)": "", "fusion=64": ":fusion=64"}
-CANDIDATES = 5
-"""1, 4, 8, 25, 64 MiB: all distinct plans for this 30 MB model."""
+              "default (1, then 7.1)": "", "fusion=64": ":fusion=64"}
+CANDIDATES = 6
+"""1, 4, 8, 25, 64 MiB and the default's 7.1: all distinct plans for this 30 MB model."""
 LAUNCHED = {"horovodrun": ("dp_plugin@hvd", "horovod"), "mpirun": ("dp_plugin@mpi", "mpi")}
 """Per launcher: torch_step_bench's configuration, and the engine ``auto`` picks there."""
 
