@@ -260,7 +260,7 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
     if not table[:, 0].all():
         return None
     chunk_bytes = int(table[:, 0].min())
-    nbytes = 2 * (size + 1) * chunk_bytes
+    nbytes = _segment_bytes(size, chunk_bytes)
     prefix = os.path.join(SHM_DIR, f"dp_plugin-{int(table[0, 1]):x}")
     segment: mmap.mmap | None = None
     listener: socket.socket | None = None
@@ -300,7 +300,12 @@ def describe(ranks: int) -> str:
     if not chunk:
         return f"all-reduce through Gloo's TCP on one host ({SHM_DIR} missing or too small)"
     return (f"all-reduce through shared memory when every rank is on one host "
-            f"({2 * (ranks + 1) * chunk >> 20} MiB in {SHM_DIR} for {ranks} ranks)")
+            f"({_segment_bytes(ranks, chunk) >> 20} MiB in {SHM_DIR} for {ranks} ranks)")
+
+
+def _segment_bytes(size: int, chunk_bytes: int) -> int:
+    """The segment of ``size`` ranks: two sets of a slot per rank and a result area."""
+    return 2 * (size + 1) * chunk_bytes
 
 
 def _affordable_chunk(size: int, wanted: int) -> int:
@@ -312,7 +317,7 @@ def _affordable_chunk(size: int, wanted: int) -> int:
         return 0
     room = stat.f_bavail * stat.f_frsize
     chunk = wanted
-    while 2 * (2 * (size + 1) * chunk) > room:
+    while 2 * _segment_bytes(size, chunk) > room:
         if chunk <= MIN_CHUNK_BYTES:
             return 0
         chunk = max(MIN_CHUNK_BYTES, chunk // 2 - chunk // 2 % 8)
