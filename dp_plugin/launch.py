@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import os
 import re
-from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import ClassVar
 
@@ -46,12 +45,14 @@ from dp_plugin.topology import Topology as Topology  # re-exported
 from dp_plugin.topology import _build, _Reader, _Val
 
 
-class Launcher(ABC):
+class Launcher:
     """One launcher: can it have started this process, and where does it sit.
 
     ``detect`` must be cheap and must not raise: it only looks for the
     launcher's marker variables. ``topology`` reads and validates all of them
-    and raises ``LaunchError`` on anything malformed.
+    and raises ``LaunchError`` on anything malformed. A launcher that exports
+    the topology as plain integers only names its variables (``variables``,
+    ``cross_variables``, ``address_variables``, ``hostname_variable``).
     """
 
     name: ClassVar[str]
@@ -62,12 +63,28 @@ class Launcher(ABC):
     """How a user starts a job with it (for messages and ``make check``)."""
     fix: ClassVar[str]
     """The advice appended to every error about its variables."""
+    variables: ClassVar[tuple[str, str, str, str]]
+    """The variables of the size, the rank, the local size and the local rank."""
+    cross_variables: ClassVar[tuple[str, str] | None] = None
+    """The cross rank and cross size variables, if exported (else they are derived)."""
+    address_variables: ClassVar[tuple[str, str] | None] = None
+    """The rendezvous address and port variables, if exported."""
+    hostname_variable: ClassVar[str | None] = None
     reads: ClassVar[tuple[str, ...]] = ()
-    """Every variable ``detect`` or ``topology`` may look up (markers included).
+    """Every variable ``detect`` or ``topology`` may look up (markers included);
+    built from the variables above unless a launcher lists its own.
     ``launch_variables.LAUNCHER_VARIABLE_NAMES`` is built from these; a unit test checks that
     nothing else is looked up."""
     read_prefixes: ClassVar[tuple[str, ...]] = ()
     """Prefixes of variables whose mere presence ``detect`` looks for."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "reads" not in cls.__dict__ and hasattr(cls, "variables"):
+            cls.reads = (
+                *cls.variables, *(cls.cross_variables or ()), *(cls.address_variables or ()),
+                *((cls.hostname_variable,) if cls.hostname_variable else ()),
+            )
 
     @classmethod
     def detect(cls, env: Mapping[str, str] | None = None) -> bool:
@@ -79,9 +96,21 @@ class Launcher(ABC):
         return any(name in env for name in cls.markers)
 
     @classmethod
-    @abstractmethod
     def topology(cls, env: Mapping[str, str]) -> Topology:
         """Read this launcher's variables from ``env``; ``LaunchError`` if malformed."""
+        r = _Reader(env, cls)
+        size_var, rank_var, local_size_var, local_rank_var = cls.variables
+        size = r.required(size_var, minimum=1)
+        rank = r.required(rank_var)
+        local_size = r.required(local_size_var, minimum=1)
+        local_rank = r.required(local_rank_var)
+        cross = r.pair(*cls.cross_variables) if cls.cross_variables else None
+        addr, port = r.address(*cls.address_variables) if cls.address_variables else (None, None)
+        return _build(
+            cls, size=size, rank=rank, local_size=local_size, local_rank=local_rank,
+            cross=cross, addr=addr, port=port,
+            hostname=r.text(cls.hostname_variable) if cls.hostname_variable else None,
+        )
 
 
 class Horovod(Launcher):
@@ -93,31 +122,16 @@ class Horovod(Launcher):
 
     name = "horovodrun"
     markers = ("HOROVOD_RANK", "HOROVOD_SIZE")
-    reads = (
-        "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
-        "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_GLOO_RENDEZVOUS_ADDR",
-        "HOROVOD_GLOO_RENDEZVOUS_PORT", "HOROVOD_HOSTNAME",
-    )
+    variables = ("HOROVOD_SIZE", "HOROVOD_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_LOCAL_RANK")
+    cross_variables = ("HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
+    address_variables = ("HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT")
+    hostname_variable = "HOROVOD_HOSTNAME"
     command = "horovodrun -np N python train.py"
     fix = (
         "horovodrun sets HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_RANK and HOROVOD_LOCAL_SIZE "
         f"for every worker: start the job with `{command}`, "
         "or unset these variables to run a single process"
     )
-
-    @classmethod
-    def topology(cls, env: Mapping[str, str]) -> Topology:
-        r = _Reader(env, cls)
-        size = r.required("HOROVOD_SIZE", minimum=1)
-        rank = r.required("HOROVOD_RANK")
-        local_size = r.required("HOROVOD_LOCAL_SIZE", minimum=1)
-        local_rank = r.required("HOROVOD_LOCAL_RANK")
-        cross = r.pair("HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
-        addr, port = r.address("HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT")
-        return _build(
-            cls, size=size, rank=rank, local_size=local_size, local_rank=local_rank,
-            cross=cross, addr=addr, port=port, hostname=r.text("HOROVOD_HOSTNAME"),
-        )
 
 
 class Torchrun(Launcher):
@@ -130,10 +144,9 @@ class Torchrun(Launcher):
 
     name = "torchrun"
     markers = ("RANK", "WORLD_SIZE")
-    reads = (
-        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-        "MASTER_ADDR", "MASTER_PORT",
-    )
+    variables = ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK")
+    cross_variables = ("GROUP_RANK", "GROUP_WORLD_SIZE")
+    address_variables = ("MASTER_ADDR", "MASTER_PORT")
     command = "torchrun --nproc_per_node N train.py"
     fix = (
         "torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE for every worker: "
@@ -141,29 +154,15 @@ class Torchrun(Launcher):
         "or unset them to run a single process"
     )
 
-    @classmethod
-    def topology(cls, env: Mapping[str, str]) -> Topology:
-        r = _Reader(env, cls)
-        size = r.required("WORLD_SIZE", minimum=1)
-        rank = r.required("RANK")
-        local_size = r.required("LOCAL_WORLD_SIZE", minimum=1)
-        local_rank = r.required("LOCAL_RANK")
-        cross = r.pair("GROUP_RANK", "GROUP_WORLD_SIZE")
-        addr, port = r.address("MASTER_ADDR", "MASTER_PORT")
-        return _build(
-            cls, size=size, rank=rank, local_size=local_size, local_rank=local_rank,
-            cross=cross, addr=addr, port=port, hostname=None,
-        )
-
 
 class OpenMPI(Launcher):
     """Open MPI's mpirun/mpiexec (OMPI_COMM_WORLD_*); cross values are derived."""
 
     name = "openmpi"
     markers = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
-    reads = (
-        "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    variables = (
+        "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
     )
     command = "mpirun -np N python train.py"
     fix = (
@@ -171,18 +170,6 @@ class OpenMPI(Launcher):
         "OMPI_COMM_WORLD_LOCAL_RANK and OMPI_COMM_WORLD_LOCAL_SIZE for every process: "
         f"start the job with `{command}` and do not set them by hand"
     )
-
-    @classmethod
-    def topology(cls, env: Mapping[str, str]) -> Topology:
-        r = _Reader(env, cls)
-        size = r.required("OMPI_COMM_WORLD_SIZE", minimum=1)
-        rank = r.required("OMPI_COMM_WORLD_RANK")
-        local_size = r.required("OMPI_COMM_WORLD_LOCAL_SIZE", minimum=1)
-        local_rank = r.required("OMPI_COMM_WORLD_LOCAL_RANK")
-        return _build(
-            cls, size=size, rank=rank, local_size=local_size, local_rank=local_rank,
-            cross=None, addr=None, port=None, hostname=None,
-        )
 
 
 class MPICH(Launcher):
@@ -194,7 +181,8 @@ class MPICH(Launcher):
 
     name = "mpich"
     markers = ("PMI_RANK", "PMI_SIZE")
-    reads = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "PMI_HOSTNAME")
+    variables = ("PMI_SIZE", "PMI_RANK", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
+    hostname_variable = "PMI_HOSTNAME"
     command = "mpiexec -n N python train.py"
     fix = (
         "MPICH's mpiexec (Hydra) sets PMI_RANK, PMI_SIZE, MPI_LOCALRANKID and MPI_LOCALNRANKS "
@@ -207,18 +195,6 @@ class MPICH(Launcher):
             return False
         hydra = "MPI_LOCALRANKID" in env or "MPI_LOCALNRANKS" in env
         return hydra or not Slurm._detect(env)
-
-    @classmethod
-    def topology(cls, env: Mapping[str, str]) -> Topology:
-        r = _Reader(env, cls)
-        size = r.required("PMI_SIZE", minimum=1)
-        rank = r.required("PMI_RANK")
-        local_size = r.required("MPI_LOCALNRANKS", minimum=1)
-        local_rank = r.required("MPI_LOCALRANKID")
-        return _build(
-            cls, size=size, rank=rank, local_size=local_size, local_rank=local_rank,
-            cross=None, addr=None, port=None, hostname=r.text("PMI_HOSTNAME"),
-        )
 
 
 class IntelMPI(MPICH):
