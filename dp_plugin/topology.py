@@ -123,27 +123,26 @@ class _Reader:
             raise self.error(f"{name} is not set, but {self.why}")
         return self._parse(name, minimum)
 
-    def pair(self, rank_name: str, size_name: str) -> tuple[_Val, _Val] | None:
-        """Both variables or neither: a lone one is an inconsistency."""
-        has_rank, has_size = rank_name in self.env, size_name in self.env
-        if has_rank != has_size:
-            there, missing = (rank_name, size_name) if has_rank else (size_name, rank_name)
+    def _both(self, first: str, second: str) -> bool:
+        """Whether both variables are set; a lone one (of the two) is an inconsistency."""
+        has_first, has_second = first in self.env, second in self.env
+        if has_first != has_second:
+            there, missing = (first, second) if has_first else (second, first)
             raise self.error(
                 f"{there}={self.env[there]!r} is set but {missing} is not; set both or neither"
             )
-        if not has_rank:
+        return has_first
+
+    def pair(self, rank_name: str, size_name: str) -> tuple[_Val, _Val] | None:
+        """Both variables or neither: a lone one is an inconsistency."""
+        if not self._both(rank_name, size_name):
             return None
         return self._parse(rank_name, 0), self._parse(size_name, 1)
 
     def address(self, addr_name: str, port_name: str) -> tuple[str | None, int | None]:
-        addr, port = self.env.get(addr_name), self.env.get(port_name)
-        if (addr is None) != (port is None):
-            there, missing = (addr_name, port_name) if port is None else (port_name, addr_name)
-            raise self.error(
-                f"{there}={self.env[there]!r} is set but {missing} is not; set both or neither"
-            )
-        if addr is None:
+        if not self._both(addr_name, port_name):
             return None, None
+        addr = self.env[addr_name]
         if not addr.strip():
             raise self.error(f"{addr_name}={addr!r} is empty; it must name a host or an address")
         value = self._parse(port_name, 0)
