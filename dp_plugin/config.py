@@ -145,7 +145,7 @@ class Config:
         check_int("min_buckets", self.min_buckets, minimum=1, maximum=MAX_MIN_BUCKETS,
                   fix=f"set DP_PLUGIN_MIN_BUCKETS to e.g. {DEFAULT_MIN_BUCKETS}, or 1 to keep "
                       "the buckets at the fusion threshold", error=error)
-        for flag in ("gradient_as_bucket_view", "rebuild_buckets", "process_sets"):
+        for flag in ("gradient_as_bucket_view", "rebuild_buckets", "process_sets", "autotune"):
             if not isinstance(getattr(self, flag), bool):
                 raise error(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.timeline is not None and (
@@ -187,8 +187,6 @@ class Config:
         return cap, first
 
     def _check_autotune(self) -> None:
-        if not isinstance(self.autotune, bool):
-            raise ConfigError(f"autotune must be True or False, got {self.autotune!r}")
         check_int("autotune_warmup_steps", self.autotune_warmup_steps, minimum=0,
                   maximum=MAX_AUTOTUNE_STEPS, fix="set DP_PLUGIN_AUTOTUNE_WARMUP_STEPS (default 2)",
                   error=ConfigError)
@@ -228,16 +226,11 @@ class Config:
                 fix=f"default {DEFAULT_TIMEOUT_S:g}", error=ConfigError,
             )
 
-        if "DP_PLUGIN_SHARED_MEMORY" in env:
-            kwargs["shared_memory"] = env_bool(env, "DP_PLUGIN_SHARED_MEMORY", error=ConfigError)
-
-        if "DP_PLUGIN_REBUILD_BUCKETS" in env:
-            kwargs["rebuild_buckets"] = env_bool(env, "DP_PLUGIN_REBUILD_BUCKETS",
-                                                 error=ConfigError)
-
-        if "DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW" in env:
-            kwargs["gradient_as_bucket_view"] = env_bool(
-                env, "DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW", error=ConfigError)
+        for name, key in (("DP_PLUGIN_SHARED_MEMORY", "shared_memory"),
+                          ("DP_PLUGIN_REBUILD_BUCKETS", "rebuild_buckets"),
+                          ("DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW", "gradient_as_bucket_view")):
+            if name in env:
+                kwargs[key] = env_bool(env, name, error=ConfigError)
 
         if "DP_PLUGIN_CHECK_FINITE" in env:
             kwargs["check_finite"] = env_choice(
