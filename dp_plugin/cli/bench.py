@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dp_plugin.cli import bandwidth as bw
+from dp_plugin.cli.bench_worker import reps_for
 from dp_plugin.cli.jobs import (
     BINDIR,
     Job,
@@ -147,7 +148,7 @@ def _jobs(engine: str, n: int, cmd: list[str]) -> list[Job]:
 def references(sizes: list[int], reps: int, warmup: int, bar: Progress) -> list[dict[str, Any]]:
     rows = []
     for s in sizes:
-        r = max(3, min(reps, reps * (16 << 20) // s))
+        r = reps_for(s, reps)
         rows.append({"bytes": s, "loopback_tcp_s": bw.loopback_tcp_time(s, r, warmup),
                      "memcpy_s": bw.memcpy_time(s, r, warmup)})
         bar.advance()

@@ -35,14 +35,7 @@ def median_timer(engine: Any) -> Callable[[Callable[[], None], int, int], float]
     """``time_it(fn, reps, warmup)``: the median time of ``fn`` over ``reps`` runs
     after ``warmup``, each started together on every rank (a barrier first)."""
     def time_it(fn: Callable[[], None], reps: int, warmup: int) -> float:
-        times = []
-        for i in range(warmup + reps):
-            engine.barrier()
-            t0 = time.perf_counter()
-            fn()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return interleaved_medians(engine, {"fn": fn}, reps, warmup)["fn"]
     return time_it
 
 
