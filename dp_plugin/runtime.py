@@ -22,7 +22,6 @@ log = logging.getLogger("dp_plugin")
 
 _lock = threading.Lock()
 _engine: Engine | None = None
-_reason: str = ""
 _alternates: dict[str, Engine] = {}
 """Engines started beside ``_engine`` for autotune to time (``alternates``)."""
 _alternate_channels: dict[tuple[str, str], Engine] = {}
@@ -39,7 +38,7 @@ def init(config: Config | None = None, env: Mapping[str, str] | None = None, *,
     ``process_sets``: the program will add process sets (an adapter's
     ``init(process_sets=...)``); sets ``Config.process_sets``.
     """
-    global _engine, _reason, _alternates
+    global _engine, _alternates
     from dp_plugin.engines import choose_engine, create_engine, start_alternates
 
     with _lock:
@@ -50,9 +49,9 @@ def init(config: Config | None = None, env: Mapping[str, str] | None = None, *,
             config = replace(config, process_sets=True)
         topo = detect(env)
         if config.engine == "auto":
-            name, _reason = choose_engine(topo)
+            name, reason = choose_engine(topo)
         else:
-            name, _reason = config.engine, "requested by DP_PLUGIN_ENGINE / Config.engine"
+            name, reason = config.engine, "requested by DP_PLUGIN_ENGINE / Config.engine"
         _engine = create_engine(name, topo, config)
         if config.engine == "auto" and config.autotune and topo.size > 1:
             try:
@@ -65,7 +64,7 @@ def init(config: Config | None = None, env: Mapping[str, str] | None = None, *,
             tried = f"; autotune also times {', '.join(_alternates)}" if _alternates else ""
             log.info(
                 "dp_plugin: engine %s (%s); launcher %s, %d rank(s), %d per host%s",
-                name, _reason, topo.launcher, topo.size, topo.local_size, tried,
+                name, reason, topo.launcher, topo.size, topo.local_size, tried,
             )
         return _engine
 
@@ -79,12 +78,6 @@ def engine() -> Engine:
     if _engine is None:
         raise NotInitializedError()
     return _engine
-
-
-def engine_reason() -> str:
-    """Why ``init()`` chose the running engine (for logs and ``make check``)."""
-    engine()
-    return _reason
 
 
 def alternates(engine: Engine, name: str) -> dict[str, Engine]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 import dp_plugin
@@ -24,20 +26,31 @@ def test_use_before_init_names_the_fix() -> None:
     assert not dp_plugin.is_initialized()
 
 
-def test_single_process_init_picks_local_and_is_idempotent() -> None:
-    engine = dp_plugin.init(env={})
+def _engine_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    messages = (r.getMessage() for r in caplog.records)
+    return [m for m in messages if m.startswith("dp_plugin: engine")]
+
+
+def test_single_process_init_picks_local_and_is_idempotent(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="dp_plugin"):
+        engine = dp_plugin.init(env={})
     assert engine.name == "local"
     assert (dp_plugin.rank(), dp_plugin.size()) == (0, 1)
     assert dp_plugin.init(env={}) is engine
-    assert runtime.engine_reason()  # the log line says why this engine
+    # the log line says why this engine
+    assert [line.startswith("dp_plugin: engine local (single process") for line in
+            _engine_lines(caplog)] == [True]
     dp_plugin.shutdown()
     assert not dp_plugin.is_initialized()
 
 
-def test_explicit_engine_from_config() -> None:
-    engine = dp_plugin.init(Config(engine="local"), env={})
+def test_explicit_engine_from_config(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="dp_plugin"):
+        engine = dp_plugin.init(Config(engine="local"), env={})
     assert engine.name == "local"
-    assert runtime.engine_reason().startswith("requested")
+    assert [line.startswith("dp_plugin: engine local (requested") for line in
+            _engine_lines(caplog)] == [True]
 
 
 def test_unknown_engine_in_env_lists_valid_ones() -> None:
