@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 SUBCOMMANDS: dict[str, str] = {
     "check": "dp_plugin.cli.check",
@@ -23,6 +23,20 @@ SUBCOMMANDS: dict[str, str] = {
     "plan": "dp_plugin.cli.plan",
 }
 """name -> module; each module has ``HELP``, ``add_arguments(parser)`` and ``run(args)``."""
+
+
+def int_list(what: str, minimum: int, example: str) -> Callable[[str], list[int]]:
+    """An argparse type: integers >= ``minimum`` separated by commas (``what`` names them)."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            values = []
+        if not values or min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: give {what} >= {minimum} as integers "
+                                             f"separated by commas, e.g. {example}")
+        return values
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:

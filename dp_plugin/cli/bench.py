@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dp_plugin.cli import bandwidth as bw
+from dp_plugin.cli import int_list
 from dp_plugin.cli.bench_worker import reps_for
 from dp_plugin.cli.jobs import (
     BINDIR,
@@ -73,21 +74,11 @@ def _names(choices: tuple[str, ...], allow_none: bool = False) -> Any:
     return parse
 
 
-def _world_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 2:
-        raise argparse.ArgumentTypeError(f"{text!r}: give world sizes >= 2, e.g. 2,3")
-    return sizes
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder for results and plots")
     parser.add_argument("--engines", type=_names(ENGINES),
                         help="engines to run (default: every available one)")
-    parser.add_argument("--world-sizes", type=_world_sizes, default=[2, 3],
+    parser.add_argument("--world-sizes", type=int_list("world sizes", 2, "2,3"), default=[2, 3],
                         help="comma-separated (default 2,3)")
     parser.add_argument("--min-size", type=parse_size, default=4 * 2**10, help="default 4K")
     parser.add_argument("--max-size", type=parse_size, default=256 * 2**20, help="default 256M")

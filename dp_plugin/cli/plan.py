@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from dp_plugin.cli import int_list
 from dp_plugin.cli.alphabeta import Link, MiB, best_threshold, fit_link, predict
 from dp_plugin.cli.shapes import MODELS, model_shapes, numel, param_count
 
@@ -40,16 +41,7 @@ def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
     return parse
 
 
-def _workers(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give worker counts as integers separated by commas, e.g. 8,64,512"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: worker counts must be >= 1")
-    return values
+_workers = int_list("worker counts", 1, "8,64,512")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
