@@ -240,10 +240,7 @@ class Slurm(Launcher):
 
     @classmethod
     def _step_var(cls, env: Mapping[str, str]) -> str | None:
-        for name in ("SLURM_STEP_ID", "SLURM_STEPID"):
-            if name in env:
-                return name
-        return None
+        return next((n for n in ("SLURM_STEP_ID", "SLURM_STEPID") if n in env), None)
 
     @classmethod
     def _detect(cls, env: Mapping[str, str]) -> bool:
