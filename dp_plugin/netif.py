@@ -72,10 +72,7 @@ def interface_for(address: str) -> str | None:
     source = source_address(address)
     if source is None:
         return None
-    for name, addr in interface_addresses().items():
-        if addr == source:
-            return name
-    return None
+    return next((name for name, addr in interface_addresses().items() if addr == source), None)
 
 
 def is_loopback(address: str) -> bool:
@@ -102,13 +99,9 @@ def gloo_interface(environ: MutableMapping[str, str] = os.environ, *,
             environ["GLOO_SOCKET_IFNAME"] = loopback[0]
             return loopback[0]
         return None
-    for variable in RENDEZVOUS_ADDRESS_VARIABLES:
-        address = environ.get(variable, "").strip()
-        if address:
-            break
-    else:
-        return None
-    if is_loopback(address):
+    addresses = (environ.get(v, "").strip() for v in RENDEZVOUS_ADDRESS_VARIABLES)
+    address = next((a for a in addresses if a), None)
+    if address is None or is_loopback(address):
         return None
     name = interface_for(address)
     if name is not None:
