@@ -76,20 +76,18 @@ def problem(topology: Topology) -> str | None:
     launcher = topology.launcher
     if launcher == "single":
         return None if topology.size == 1 else f"launcher 'single' with size {topology.size}"
-    if launcher in ("torchrun", "slurm"):
-        if topology.rendezvous_addr is None or topology.rendezvous_port is None:
-            return (
-                f"launched by {launcher} without MASTER_ADDR and MASTER_PORT; export both "
-                "(the first host of the job and a free port on it) before starting the workers"
-            )
-        return None
-    if launcher == "horovodrun":
-        if topology.rendezvous_addr is None or topology.rendezvous_port is None:
+    if launcher in ("torchrun", "slurm", "horovodrun"):
+        if topology.rendezvous_addr is not None and topology.rendezvous_port is not None:
+            return None
+        if launcher == "horovodrun":
             return (
                 "launched by horovodrun without HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT (horovodrun "
                 "--mpi mode?); use `horovodrun --gloo`, or mpirun with the mpi engine"
             )
-        return None
+        return (
+            f"launched by {launcher} without MASTER_ADDR and MASTER_PORT; export both "
+            "(the first host of the job and a free port on it) before starting the workers"
+        )
     if topology.is_mpi:
         try:
             import mpi4py  # noqa: F401
