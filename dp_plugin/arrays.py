@@ -24,12 +24,6 @@ def numpy_dtype(dtype: str) -> np.dtype:
     return np.dtype(dtype)
 
 
-def torch_dtype(dtype: str) -> Any:
-    import torch
-
-    return getattr(torch, dtype)
-
-
 def is_torch(x: object) -> bool:
     """True for a torch.Tensor, without importing torch when it was never loaded."""
     return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
@@ -77,8 +71,7 @@ def device_of(tensor: Any) -> str:
 def spec_of(tensor: Any) -> tuple[tuple[int, ...], str, str]:
     """(shape, canonical dtype, device) of a numpy array or torch tensor."""
     if is_torch(tensor):
-        device = str(tensor.device)
-        return tuple(tensor.shape), canonical_dtype(tensor.dtype), device
+        return tuple(tensor.shape), canonical_dtype(tensor.dtype), str(tensor.device)
     arr = tensor if isinstance(tensor, np.ndarray) else np.asarray(tensor)
     return tuple(arr.shape), canonical_dtype(arr.dtype), "cpu"
 
@@ -146,9 +139,7 @@ class NumpyOps:
     def flat_alias(self, tensor: Any) -> np.ndarray | None:
         if not isinstance(tensor, np.ndarray) or not tensor.flags.c_contiguous:
             return None
-        if not tensor.flags.writeable:
-            return None
-        return tensor.reshape(-1)
+        return tensor.reshape(-1) if tensor.flags.writeable else None
 
     def shares_memory(self, a: Any, b: Any) -> bool:
         if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
@@ -169,10 +160,10 @@ class TorchOps:
         self._torch = _torch()
 
     def empty(self, numel: int, dtype: str, device: str) -> Any:
-        return self._torch.empty(numel, dtype=torch_dtype(dtype), device=device)
+        return self._torch.empty(numel, dtype=getattr(self._torch, dtype), device=device)
 
     def zeros(self, shape: tuple[int, ...], dtype: str, device: str) -> Any:
-        return self._torch.zeros(shape, dtype=torch_dtype(dtype), device=device)
+        return self._torch.zeros(shape, dtype=getattr(self._torch, dtype), device=device)
 
     def slice(self, buf: Any, start: int, stop: int) -> Any:
         return buf[start:stop]
