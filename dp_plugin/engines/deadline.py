@@ -20,8 +20,7 @@ from dp_plugin.errors import CollectiveTimeoutError
 T = TypeVar("T")
 
 
-def bounded(fn: Callable[[], T], *, what: str, rank: int, timeout_s: float,
-            check: str = "") -> T:
+def bounded(fn: Callable[[], T], *, what: str, rank: int, timeout_s: float) -> T:
     """``fn()``, or ``CollectiveTimeoutError`` if it takes longer than ``timeout_s``."""
     outcome: dict[str, Any] = {}
 
@@ -35,11 +34,11 @@ def bounded(fn: Callable[[], T], *, what: str, rank: int, timeout_s: float,
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        hint = check or ("another rank has probably not reached the same call (it died, "
-                         "stalls, or runs a different code path); check its log")
         raise CollectiveTimeoutError(
             f"rank {rank}: {what} did not finish within {timeout_s:g} s (DP_PLUGIN_TIMEOUT): "
-            f"{hint}. If it is legitimately this slow, raise DP_PLUGIN_TIMEOUT."
+            "another rank has probably not reached the same call (it died, stalls, or runs a "
+            "different code path); check its log. If it is legitimately this slow, raise "
+            "DP_PLUGIN_TIMEOUT."
         )
     if "error" in outcome:
         raise outcome["error"]
