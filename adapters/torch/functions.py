@@ -195,50 +195,41 @@ class _TensorSlot:
     device_type: str
 
 
+def _walk(obj: Any, leaf: Any) -> Any:
+    """``obj`` rebuilt with ``leaf(x)`` for every ``x`` that is not a dict, a list
+    or a plain tuple (named tuples are leaves)."""
+    if isinstance(obj, dict):
+        return {k: _walk(v, leaf) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_walk(v, leaf) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_walk(v, leaf) for v in obj)
+    return leaf(obj)
+
+
 def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
     """``obj`` with every tensor replaced by a ``_TensorSlot`` (the tensor goes to ``tensors``)."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype, obj.device.type)
-    if isinstance(obj, dict):
-        return {k: _strip(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_strip(v, tensors) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_strip(v, tensors) for v in obj)
-    return obj
+
+    def slot(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        tensors.append(t)
+        return _TensorSlot(len(tensors) - 1, tuple(t.shape), t.dtype, t.device.type)
+
+    return _walk(obj, slot)
 
 
 def _allocate(skeleton: Any, tensors: list[torch.Tensor]) -> None:
     """Make empty tensors for the slots of ``skeleton``, in slot order."""
     slots: list[_TensorSlot] = []
-    _collect(skeleton, slots)
+    _walk(skeleton, lambda x: slots.append(x) if isinstance(x, _TensorSlot) else x)
     for slot in sorted(slots, key=lambda s: s.index):
         device = _local_device(slot.device_type)
         tensors.append(torch.empty(slot.shape, dtype=slot.dtype, device=device))
 
 
-def _collect(obj: Any, slots: list[_TensorSlot]) -> None:
-    if isinstance(obj, _TensorSlot):
-        slots.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _collect(v, slots)
-    elif isinstance(obj, list | tuple):
-        for v in obj:
-            _collect(v, slots)
-
-
 def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, _TensorSlot):
-        return tensors[obj.index]
-    if isinstance(obj, dict):
-        return {k: _fill(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_fill(v, tensors) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_fill(v, tensors) for v in obj)
-    return obj
+    return _walk(obj, lambda x: tensors[x.index] if isinstance(x, _TensorSlot) else x)
 
 
 def _local_device(device_type: str) -> torch.device:
