@@ -6,8 +6,8 @@ Each rank may mark only its own element, with the op's "marked" code
 (``code_for``), so after the reduction every rank reads the same
 values and draws the same conclusion: the list of marked ranks. Used for
 ``hvd.join()`` (``joining.JoinFlags``: a rank that has joined), for
-``DP_PLUGIN_CHECK_FINITE`` (a rank's own gradient held inf/nan) and for a
-parameter unfrozen after wrapping on some ranks only.
+``DP_PLUGIN_CHECK_FINITE`` (``finite.FiniteFlags``: a rank's own gradient
+held inf/nan) and for a parameter unfrozen after wrapping on some ranks only.
 """
 
 from __future__ import annotations
