@@ -4,10 +4,13 @@ Both adapters export these same objects (``hvd.Average``, ``dp.Compression.fp16`
 ...): they are the core's ``ReduceOp`` members and compressor classes
 (Horovod users pass the class), so they go to the core unchanged. They live
 in the core because each adapter imports its framework, and the Keras adapter
-must not load torch just to share a constant.
+must not load torch just to share a constant. So does Horovod's rule for
+``op=`` and the deprecated ``average=`` (``resolve_op``).
 """
 
 from __future__ import annotations
+
+import warnings
 
 from dp_plugin.compression import BF16Compressor, FP16Compressor, NoneCompressor
 from dp_plugin.engines.base import ReduceOp
@@ -35,3 +38,33 @@ class Compression:
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+
+
+def parse_op(op: object, what: str, *, prefix: str, instead: str) -> ReduceOp:
+    """A user's ``op=`` as a ``ReduceOp`` (``None``: Average). ``Adasum`` is
+    refused with a NotImplementedError naming ``instead``; ``prefix`` is how
+    the adapter's users spell the module (``hvd.``, ``dp.``)."""
+    if op is Adasum:
+        raise NotImplementedError(
+            f"{what}: op={prefix}Adasum is not supported by dp_plugin; use {instead}")
+    return ReduceOp.AVERAGE if op is None else ReduceOp.parse(op)  # type: ignore[arg-type]
+
+
+def resolve_op(op: object, average: bool | None, what: str, *, prefix: str,
+               instead: str) -> ReduceOp:
+    """Horovod's ``op`` with its deprecated ``average`` flag (True: Average,
+    False: Sum, with a DeprecationWarning, as Horovod's); then ``parse_op``.
+    Call it from the function the user called (the warning points at its caller)."""
+    if op is not None and average is not None:
+        raise ValueError(
+            f"{what}: the op parameter supersedes average; pass only one of them "
+            f"(got op={op!r}, average={average!r})"
+        )
+    if average is not None:
+        warnings.warn(
+            f"Parameter `average` has been replaced with `op` and will be removed in v1.0; "
+            f"pass op={prefix}Average or op={prefix}Sum",
+            DeprecationWarning, stacklevel=3,
+        )
+        return ReduceOp.AVERAGE if average else ReduceOp.SUM
+    return parse_op(op, what, prefix=prefix, instead=instead)

@@ -28,22 +28,10 @@ or in ``tf.function``), ``broadcast_object``, ``allgather_object``,
 Supported Keras: see ``compat.SUPPORTED_KERAS_SPEC``.
 """
 
-from dp_plugin.capabilities import (
-    ccl_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-)
+from dp_plugin import horovod_api as _api
+from dp_plugin.capabilities import mpi_threads_supported
 from dp_plugin.errors import LayoutMismatchError, NotInitializedError
-from dp_plugin.process_sets import (
-    ProcessSet,
-    add_process_set,
-    global_process_set,
-    remove_process_set,
-)
+from dp_plugin.horovod_api import *  # noqa: F403 - ops, process sets, capabilities
 from dp_plugin.tensorflow import callbacks
 from dp_plugin.tensorflow.basics import (
     init,
@@ -96,34 +84,24 @@ from dp_plugin.tensorflow.graph_ops import (
     size_op,
 )
 from dp_plugin.tensorflow.metric_average import MetricAverageCallback
-from dp_plugin.tensorflow.ops import Adasum, Average, Compression, Max, Min, Product, Sum
 from dp_plugin.tensorflow.optimizer import DistributedOptimizer
 from dp_plugin.tensorflow.sync_batch_norm import SyncBatchNormalization
 from dp_plugin.tensorflow.tape import DistributedGradientTape
 
 __all__ = [
-    "Adasum",
-    "Average",
     "BestModelCheckpoint",
     "BroadcastGlobalVariablesCallback",
-    "Compression",
     "DistributedCallback",
     "DistributedGradientTape",
     "DistributedOptimizer",
     "LayoutMismatchError",
     "LearningRateScheduleCallback",
     "LearningRateWarmupCallback",
-    "Max",
     "MetricAverageCallback",
-    "Min",
     "NotInitializedError",
-    "ProcessSet",
-    "Product",
-    "Sum",
     "SyncBatchNormalization",
     "UnsupportedKerasError",
     "UnsupportedStrategyError",
-    "add_process_set",
     "allgather",
     "allgather_object",
     "allreduce",
@@ -136,14 +114,9 @@ __all__ = [
     "broadcast_object_fn",
     "broadcast_variables",
     "callbacks",
-    "ccl_built",
     "cross_rank",
     "cross_size",
     "cuda_built",
-    "ddl_built",
-    "global_process_set",
-    "gloo_built",
-    "gloo_enabled",
     "grouped_allgather",
     "grouped_allreduce",
     "grouped_reducescatter",
@@ -156,18 +129,16 @@ __all__ = [
     "local_rank_op",
     "local_size",
     "local_size_op",
-    "mpi_built",
-    "mpi_enabled",
     "mpi_threads_supported",
     "nccl_built",
     "process_set_included_op",
     "rank",
     "rank_op",
     "reducescatter",
-    "remove_process_set",
     "rocm_built",
     "shard",
     "shutdown",
     "size",
     "size_op",
 ]
+__all__ += _api.__all__

@@ -27,18 +27,19 @@ an error raised on the data path reaches the caller wrapped by TensorFlow
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 import tensorflow as tf
+from dp_plugin import horovod_names as _names
 from dp_plugin import runtime
 from dp_plugin.collective import UNBOUNDED, FusedCollective, root_of
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
-from dp_plugin.horovod_names import Adasum
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.tensorflow import broadcast as _bcast
 from dp_plugin.tensorflow.ops import Compression, parse_compression
@@ -88,16 +89,9 @@ def _tensors(values: Any, what: str) -> list[Any]:
     return [tf.convert_to_tensor(v) for v in values]
 
 
-def resolve_op(op: Any, average: Any, what: str) -> ReduceOp:
-    """Horovod's ``op=None`` (Average) and deprecated ``average=`` flag."""
-    if op is Adasum:
-        raise NotImplementedError(f"{what}: op=Adasum is not supported by dp_plugin; use "
-                                  "Average, Sum, Min, Max or Product")
-    if average is not None:
-        if op is not None:
-            raise ValueError(f"{what}: pass op= or the deprecated average=, not both")
-        return ReduceOp.AVERAGE if average else ReduceOp.SUM
-    return ReduceOp.AVERAGE if op is None else ReduceOp.parse(op)
+resolve_op = functools.partial(_names.resolve_op, prefix="",
+                               instead="Average, Sum, Min, Max or Product")
+"""Horovod's ``op=None`` (Average) and deprecated ``average=`` flag."""
 
 
 # -- allreduce ----------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Object collectives, barrier, join, topology and build queries, as ``horovod.tensorflow``.
 
 ``broadcast_object`` / ``allgather_object`` pickle Python objects and move
-the bytes with the engine's broadcast / all-gather. ``*_built()`` answer
+the bytes with the engine's broadcast / all-gather (``dp_plugin.objects``,
+shared with the PyTorch adapter). ``*_built()`` answer
 for dp_plugin's engines as the TensorFlow adapter uses them: tensors are
 staged through host (numpy) memory, so no CUDA/ROCm/NCCL path exists here;
 Gloo is the core's ``gloo`` engine (torch.distributed's), MPI the ``mpi``
@@ -10,14 +11,13 @@ engine (mpi4py) or Horovod's when the ``horovod`` engine runs.
 
 from __future__ import annotations
 
-import io
-import pickle
 import time
 from typing import Any
 
 import numpy as np
 
 import tensorflow as tf
+from dp_plugin import objects as _objects
 from dp_plugin import runtime
 from dp_plugin.collective import root_of
 from dp_plugin.process_sets import engine_of, global_process_set
@@ -31,36 +31,14 @@ def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: st
     what = "broadcast_object"
     engine = engine_of(process_set, what)
     root = root_of(engine, root_rank, what)
-    label = name or type(obj).__name__
-    if engine.size == 1:
-        return obj
-    payload = _dumps(obj) if engine.rank == root else np.zeros(0, np.uint8)
-    length = np.array([payload.size], np.int64)
-    engine.broadcast(length, root, name=f"{label}.sz")
-    data = payload if engine.rank == root else np.empty(int(length[0]), np.uint8)
-    if data.size:
-        engine.broadcast(data, root, name=f"{label}.t")
-    return obj if engine.rank == root else pickle.loads(data.tobytes())
+    return _objects.broadcast_object(engine, obj, root, name or type(obj).__name__)
 
 
 def allgather_object(obj: Any, session: Any = None, name: str | None = None,
                      process_set: Any = global_process_set) -> list[Any]:
     """Every rank's ``obj``, in rank order of the set (pickled). Collective."""
-    what = "allgather_object"
-    engine = engine_of(process_set, what)
-    label = name or type(obj).__name__
-    payload = _dumps(obj)
-    lengths = np.asarray(engine.allgather(np.array([payload.size], np.int64),
-                                          name=f"{label}.sz"))
-    data = np.asarray(engine.allgather(payload, name=f"{label}.t"))
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    return [pickle.loads(data[offsets[r]:offsets[r + 1]].tobytes()) for r in range(engine.size)]
-
-
-def _dumps(obj: Any) -> np.ndarray:
-    buf = io.BytesIO()
-    pickle.dump(obj, buf)
-    return np.frombuffer(buf.getvalue(), dtype=np.uint8).copy()
+    engine = engine_of(process_set, "allgather_object")
+    return _objects.allgather_object(engine, obj, name or type(obj).__name__)
 
 
 # -- synchronization -----------------------------------------------------------------

@@ -7,6 +7,7 @@ PyTorch adapter; this module adds the Keras adapter's ``op=`` and
 
 from __future__ import annotations
 
+from dp_plugin import horovod_names as _names
 from dp_plugin.compression import Compressor
 from dp_plugin.compression import get_compressor as _get_compressor
 from dp_plugin.engines.base import ReduceOp
@@ -24,12 +25,8 @@ _GRADIENT_OPS = (ReduceOp.AVERAGE, ReduceOp.SUM)
 
 def parse_gradient_op(op: object, what: str) -> ReduceOp:
     """Validate a user's ``op=`` for gradients: Average (default) or Sum."""
-    if op is Adasum:
-        raise NotImplementedError(
-            f"{what}: op=dp.Adasum is not supported by dp_plugin; use op=dp.Average "
-            "(the default) or op=dp.Sum"
-        )
-    parsed = ReduceOp.AVERAGE if op is None else ReduceOp.parse(op)  # type: ignore[arg-type]
+    parsed = _names.parse_op(op, what, prefix="dp.",
+                             instead="op=dp.Average (the default) or op=dp.Sum")
     if parsed not in _GRADIENT_OPS:
         raise ValueError(
             f"{what}: op={parsed.value!r} is not a gradient reduction; use op=dp.Average "

@@ -10,22 +10,10 @@ purpose is one. ``hvd.elastic`` is ``horovod.torch.elastic``'s API
 ``torchrun --max-restarts``; see docs/elastic.md.
 """
 
-from dp_plugin.capabilities import (
-    ccl_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    mpi_built,
-    mpi_enabled,
-)
+from dp_plugin import horovod_api as _api
 from dp_plugin.errors import DPPluginError as HorovodInternalError
 from dp_plugin.errors import NonFiniteGradientError
-from dp_plugin.process_sets import (
-    ProcessSet,
-    add_process_set,
-    global_process_set,
-    remove_process_set,
-)
+from dp_plugin.horovod_api import *  # noqa: F403 - ops, process sets, capabilities
 from dp_plugin.torch import elastic
 from dp_plugin.torch.autograd_ops import (
     allgather,
@@ -83,28 +71,18 @@ from dp_plugin.torch.functions import (
 )
 from dp_plugin.torch.handles import poll, synchronize
 from dp_plugin.torch.joining import join
-from dp_plugin.torch.ops import Adasum, Average, Compression, Max, Min, Product, Sum
 from dp_plugin.torch.optimizer import DistributedOptimizer
 from dp_plugin.torch.sparse import sparse_allreduce_async
 from dp_plugin.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
-    "Adasum",
-    "Average",
     "CheckpointError",
-    "Compression",
     "DistributedOptimizer",
     "HorovodInternalError",
-    "Max",
-    "Min",
     "NonFiniteGradientError",
     "NotInitializedError",
-    "ProcessSet",
-    "Product",
-    "Sum",
     "SyncBatchNorm",
     "SynchronizationError",
-    "add_process_set",
     "allgather",
     "allgather_async",
     "allgather_object",
@@ -122,15 +100,10 @@ __all__ = [
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
-    "ccl_built",
     "cross_rank",
     "cross_size",
     "cuda_built",
-    "ddl_built",
     "elastic",
-    "global_process_set",
-    "gloo_built",
-    "gloo_enabled",
     "grouped_allgather",
     "grouped_allgather_async",
     "grouped_allreduce",
@@ -146,15 +119,12 @@ __all__ = [
     "load_checkpoint",
     "local_rank",
     "local_size",
-    "mpi_built",
-    "mpi_enabled",
     "mpi_threads_supported",
     "nccl_built",
     "poll",
     "rank",
     "reducescatter",
     "reducescatter_async",
-    "remove_process_set",
     "rocm_built",
     "save_checkpoint",
     "shutdown",
@@ -164,3 +134,4 @@ __all__ = [
     "stop_timeline",
     "synchronize",
 ]
+__all__ += _api.__all__

@@ -72,25 +72,44 @@ def _decompress(compression: Any, t: torch.Tensor, ctx: Any) -> torch.Tensor:
     return out
 
 
+def _compressed(compression: Any, tensors: list[torch.Tensor],
+                run: Any) -> list[torch.Tensor]:
+    """``run(*wires)`` on ``tensors`` compressed for the wire, its outputs decompressed."""
+    wires = [_compress(compression, t) for t in tensors]
+    outs = run(*(w for w, _ in wires))
+    return [_decompress(compression, o, c) for o, (_, c) in zip(outs, wires, strict=True)]
+
+
 # -- allreduce ------------------------------------------------------------------
 
 
 class _Allreduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp,
-                prescale: float, postscale: float, process_set: Any) -> torch.Tensor:
-        ctx.args = (op, prescale, postscale, process_set)
-        out: torch.Tensor = synchronize(allreduce_async(
-            tensor, name=name, op=op, prescale_factor=prescale, postscale_factor=postscale,
-            process_set=process_set))
-        return out
+    """allreduce (``grouped``: grouped_allreduce) of one or more tensors; the
+    gradient is all-reduced alike."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        op, pre, post, process_set = ctx.args
-        reduced = allreduce(grad, op=op, prescale_factor=pre, postscale_factor=post,
-                            process_set=process_set)
-        return reduced, None, None, None, None, None
+    def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
+                process_set: Any, grouped: bool,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.args = (op, prescale, postscale, process_set, grouped)
+        start: Any = grouped_allreduce_async if grouped else allreduce_async
+        out = synchronize(start(list(tensors) if grouped else tensors[0], name=name, op=op,
+                                prescale_factor=prescale, postscale_factor=postscale,
+                                process_set=process_set))
+        return tuple(out) if grouped else (out,)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        op, pre, post, process_set, grouped = ctx.args
+        reduced = _allreduce(list(grads), grouped, None, _NONE, op, pre, post, process_set)
+        return (None, None, None, None, None, None, *reduced)
+
+
+def _allreduce(tensors: list[torch.Tensor], grouped: bool, name: str | None, compression: Any,
+               op: ReduceOp, prescale: float, postscale: float,
+               process_set: Any) -> list[torch.Tensor]:
+    return _compressed(compression, tensors, lambda *wires: _Allreduce.apply(
+        name, op, prescale, postscale, process_set, grouped, *wires))
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -102,9 +121,8 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     casts the tensor for the wire and back. See ``allreduce_async``."""
     op = resolve_op(op, average, "allreduce")
     check_tensors(tensor, "allreduce")
-    wire, cctx = _compress(compression, tensor)
-    out = _Allreduce.apply(wire, name, op, prescale_factor, postscale_factor, process_set)
-    return _decompress(compression, out, cctx)
+    return _allreduce([tensor], False, name, compression, op, prescale_factor,
+                      postscale_factor, process_set)[0]
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -118,24 +136,6 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
     return out
 
 
-class _GroupedAllreduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
-                process_set: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.args = (op, prescale, postscale, process_set)
-        out: tuple[torch.Tensor, ...] = synchronize(grouped_allreduce_async(
-            list(tensors), name=name, op=op, prescale_factor=prescale,
-            postscale_factor=postscale, process_set=process_set))
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        op, pre, post, process_set = ctx.args
-        reduced = grouped_allreduce(list(grads), op=op, prescale_factor=pre,
-                                    postscale_factor=post, process_set=process_set)
-        return (None, None, None, None, None, *reduced)
-
-
 def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
                       name: str | None = None, compression: Any = _NONE, op: Any = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -144,10 +144,8 @@ def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
     list of new tensors. Differentiable."""
     op = resolve_op(op, average, "grouped_allreduce")
     tensors = check_tensors(tensors, "grouped_allreduce")
-    wires = [_compress(compression, t) for t in tensors]
-    outs = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set,
-                                   *(w for w, _ in wires))
-    return [_decompress(compression, o, c) for o, (_, c) in zip(outs, wires, strict=True)]
+    return _allreduce(tensors, True, name, compression, op, prescale_factor, postscale_factor,
+                      process_set)
 
 
 def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None,
@@ -297,10 +295,8 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
     (see ``reducescatter_async``). Differentiable."""
     check_tensors(tensor, "reducescatter")
     op = resolve_op(op, None, "reducescatter")
-    wire, cctx = _compress(compression, tensor)
-    out = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor, process_set,
-                                      "reducescatter", wire)[0]
-    return _decompress(compression, out, cctx)
+    return _compressed(compression, [tensor], lambda wire: _GroupedReducescatter.apply(
+        name, op, prescale_factor, postscale_factor, process_set, "reducescatter", wire))[0]
 
 
 def grouped_reducescatter(tensors: list[torch.Tensor], name: str | None = None,
@@ -310,8 +306,6 @@ def grouped_reducescatter(tensors: list[torch.Tensor], name: str | None = None,
     """``reducescatter`` of each tensor of a list; returns a list. Differentiable."""
     tensors = check_tensors(tensors, "grouped_reducescatter")
     op = resolve_op(op, None, "grouped_reducescatter")
-    wires = [_compress(compression, t) for t in tensors]
-    outs = _GroupedReducescatter.apply(name, op, prescale_factor, postscale_factor,
-                                       process_set, "grouped_reducescatter",
-                                       *(w for w, _ in wires))
-    return [_decompress(compression, o, c) for o, (_, c) in zip(outs, wires, strict=True)]
+    return _compressed(compression, tensors, lambda *wires: _GroupedReducescatter.apply(
+        name, op, prescale_factor, postscale_factor, process_set, "grouped_reducescatter",
+        *wires))

@@ -71,7 +71,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     """
     _check_comm(comm)
     eng = runtime.init(process_sets=process_sets is not None)
-    _timeline.open_from_config(eng)
+    shared_timeline.open_from_config(eng)
     _process_sets.setup(process_sets, "dp_plugin.torch")
 
 
@@ -81,7 +81,7 @@ def shutdown() -> None:
 
     ``init()`` may be called again afterwards.
     """
-    _timeline.stop()
+    shared_timeline.stop()
     _handles.reset()
     _process_sets.reset()
     runtime.shutdown()
@@ -120,8 +120,6 @@ def _check_comm(comm: Any) -> None:
         f"init(comm=...) expects None, a list of ranks or an mpi4py communicator, got "
         f"{type(comm).__name__}"
     )
-
-
 
 
 # -- ranks ----------------------------------------------------------------------
@@ -215,21 +213,23 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     eng = engine("hvd.start_timeline()")
     if not isinstance(file_path, str) or not file_path:
         raise ValueError(f"start_timeline: file_path must be a non-empty string, got {file_path!r}")
-    _timeline.start(file_path, eng.rank, mark_cycles, eng.config.timeline_max_bytes)
+    shared_timeline.start(file_path, eng.rank, mark_cycles, eng.config.timeline_max_bytes)
 
 
 def stop_timeline() -> None:
     """Stop recording and close the timeline file (nothing happens if none is running)."""
     engine("hvd.stop_timeline()")
-    _timeline.stop()
+    shared_timeline.stop()
 
 
-class _TimelineSlot:
+class SharedTimeline:
     """The process's current timeline, shared by every scheduler of the adapter.
 
     Schedulers hold ``shared_timeline`` (below), which forwards to whatever
     timeline is current, so ``start_timeline``/``stop_timeline`` take effect
-    for optimizers created before them.
+    for optimizers created before them. ``close()`` does nothing: the file
+    belongs to ``start_timeline`` / ``stop_timeline`` (or to ``shutdown()``),
+    not to any one scheduler.
     """
 
     def __init__(self) -> None:
@@ -265,36 +265,27 @@ class _TimelineSlot:
             self.mark_cycles = False
         old.close()
 
-
-_timeline = _TimelineSlot()
-
-
-class SharedTimeline:
-    """A timeline handle for schedulers: forwards to the process's current timeline.
-
-    ``close()`` does nothing: the file belongs to ``start_timeline`` /
-    ``stop_timeline`` (or to ``shutdown()``), not to any one scheduler.
-    """
+    # -- what a scheduler calls ---------------------------------------------------
 
     @property
     def enabled(self) -> bool:
-        return _timeline.current.enabled
+        return self.current.enabled
 
     def span(self, name: str, cat: str, start: float, end: float, tid: Any = "main",
              args: Mapping[str, Any] | None = None) -> None:
-        _timeline.current.span(name, cat, start, end, tid=tid, args=args)
+        self.current.span(name, cat, start, end, tid=tid, args=args)
 
     def instant(self, name: str, cat: str, t: float, tid: Any = "main",
                 args: Mapping[str, Any] | None = None) -> None:
-        _timeline.current.instant(name, cat, t, tid=tid, args=args)
+        self.current.instant(name, cat, t, tid=tid, args=args)
 
     def counter(self, name: str, values: Mapping[str, float], t: float) -> None:
-        _timeline.current.counter(name, values, t)
+        self.current.counter(name, values, t)
 
     def flush(self) -> None:
         # Schedulers flush once per step: that is where a cycle ends.
-        current = _timeline.current
-        if _timeline.mark_cycles:
+        current = self.current
+        if self.mark_cycles:
             current.instant("CYCLE_START", "cycle", time.perf_counter(), tid="step")
         current.flush()
 

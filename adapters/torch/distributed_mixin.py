@@ -326,7 +326,7 @@ class _DistributedMixin(_ControlSlotMixin):
 
     def _dp_grad_ready(self, index: int, param: torch.Tensor) -> None:
         st = self._dp
-        if st.engine is not None and st.engine.closed:
+        if st.closed:
             return  # a wrapper left over from before hvd.shutdown(): step() raises
         if not st.pending:  # the step's first gradient: before any bucket launches
             self._dp_note_unfrozen()

@@ -47,35 +47,23 @@ class SkippedStep(Exception):
         self.loss = loss
 
 
-class FiniteFlags:
-    """The finite-check elements of one optimizer's control slot.
-
-    ``ranks`` maps element index -> global rank; ``slot`` is this process's
-    element; the elements sit at ``offset`` in the scheduler's control slot.
-    """
+class FiniteFlags(RankMarks):
+    """The finite-check elements of one optimizer's control slot (``RankMarks``
+    at ``offset``): a rank marks its own element when its gradient is not finite."""
 
     def __init__(self, scheduler: Any, *, mode: str, op: ReduceOp, ranks: Sequence[int],
                  slot: int, offset: int, like: torch.Tensor) -> None:
         if mode not in MODES:
             raise ValueError(f"check_finite mode {mode!r} is not known; valid modes: "
                              f"{', '.join(MODES)}")
+        super().__init__(scheduler, op=op, ranks=ranks, slot=slot, offset=offset, like=like)
         self.mode = mode
-        self.slot = slot
-        self.marks = RankMarks(scheduler, op=op, ranks=ranks, slot=slot, offset=offset,
-                               like=like)
         self.step = 0
-
-    def reset(self) -> None:
-        self.marks.reset()
 
     def note(self, grad: torch.Tensor) -> None:
         """Before ``grad`` goes to the scheduler: mark this rank if it is not finite."""
         values = grad._values() if grad.is_sparse else grad
-        self.marks.mark(~torch.isfinite(values).all())
-
-    def bad_ranks(self) -> list[int]:
-        """After the reduction: the global ranks whose gradients were not finite."""
-        return self.marks.marked()
+        self.mark(~torch.isfinite(values).all())
 
     def decide(self, named: Sequence[tuple[str, torch.Tensor | None]]) -> bool:
         """After the reduction, on every rank alike: True to skip this step.
@@ -84,7 +72,7 @@ class FiniteFlags:
         ``NonFiniteGradientError`` in ``raise`` mode. Resets the flags.
         """
         step, self.step = self.step, self.step + 1
-        ranks = self.bad_ranks()
+        ranks = self.marked()  # the ranks whose own gradients were not finite
         self.reset()
         grads = [(n, g._values() if g.is_sparse else g) for n, g in named if g is not None]
         finite = _all_finite([g for _, g in grads])

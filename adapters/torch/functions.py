@@ -15,13 +15,12 @@ set it must be one of the set's members.
 
 from __future__ import annotations
 
-import io
-import pickle
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from dp_plugin import objects as _objects
 from dp_plugin.collective import FusedCollective, agreed_root
 from dp_plugin.dtypes import SUPPORTED_DTYPES
 from dp_plugin.engines.base import Engine
@@ -79,7 +78,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     is_root = eng.rank == root
     tensors: list[torch.Tensor] = []
     skeleton = _strip(optimizer.state_dict(), tensors) if is_root else None
-    skeleton = _broadcast_object(eng, skeleton, root, "broadcast_optimizer_state.skeleton")
+    skeleton = _objects.broadcast_object(eng, skeleton, root, "broadcast_optimizer_state.skeleton")
     if not is_root:
         tensors = []
         _allocate(skeleton, tensors)
@@ -98,7 +97,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     """
     eng = engine_of(process_set, "hvd.broadcast_object()")
     root = agreed_root(eng, root_rank, "broadcast_object")
-    return _broadcast_object(eng, obj, root, type(obj).__name__ if name is None else name)
+    return _objects.broadcast_object(eng, obj, root, type(obj).__name__ if name is None else name)
 
 
 def allgather_object(obj: Any, name: str | None = None,
@@ -108,19 +107,7 @@ def allgather_object(obj: Any, name: str | None = None,
     Collective: two all-gathers (lengths, then bytes).
     """
     eng = engine_of(process_set, "hvd.allgather_object()")
-    name = type(obj).__name__ if name is None else name
-    device = torch.device(eng.buffer_device)
-    payload, problem = _pickled(obj, device)
-    sizes = eng.allgather(torch.tensor([-1 if problem else payload.numel()], dtype=torch.int64,
-                                       device=device), name=f"{name}.sz")
-    _raise_if_unpickled(eng, sizes.cpu().tolist(), problem, f"allgather_object {name!r}")
-    gathered = eng.allgather(payload, name=f"{name}.t").cpu()
-    out: list[Any] = []
-    start = 0
-    for length in sizes.cpu().tolist():
-        out.append(_loads(gathered[start:start + length]))
-        start += length
-    return out
+    return _objects.allgather_object(eng, obj, type(obj).__name__ if name is None else name)
 
 
 # -- tensors as bytes ----------------------------------------------------------------
@@ -208,50 +195,41 @@ class _TensorSlot:
     device_type: str
 
 
+def _walk(obj: Any, leaf: Any) -> Any:
+    """``obj`` rebuilt with ``leaf(x)`` for every ``x`` that is not a dict, a list
+    or a plain tuple (named tuples are leaves)."""
+    if isinstance(obj, dict):
+        return {k: _walk(v, leaf) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_walk(v, leaf) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_walk(v, leaf) for v in obj)
+    return leaf(obj)
+
+
 def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
     """``obj`` with every tensor replaced by a ``_TensorSlot`` (the tensor goes to ``tensors``)."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype, obj.device.type)
-    if isinstance(obj, dict):
-        return {k: _strip(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_strip(v, tensors) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_strip(v, tensors) for v in obj)
-    return obj
+
+    def slot(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        tensors.append(t)
+        return _TensorSlot(len(tensors) - 1, tuple(t.shape), t.dtype, t.device.type)
+
+    return _walk(obj, slot)
 
 
 def _allocate(skeleton: Any, tensors: list[torch.Tensor]) -> None:
     """Make empty tensors for the slots of ``skeleton``, in slot order."""
     slots: list[_TensorSlot] = []
-    _collect(skeleton, slots)
+    _walk(skeleton, lambda x: slots.append(x) if isinstance(x, _TensorSlot) else x)
     for slot in sorted(slots, key=lambda s: s.index):
         device = _local_device(slot.device_type)
         tensors.append(torch.empty(slot.shape, dtype=slot.dtype, device=device))
 
 
-def _collect(obj: Any, slots: list[_TensorSlot]) -> None:
-    if isinstance(obj, _TensorSlot):
-        slots.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _collect(v, slots)
-    elif isinstance(obj, list | tuple):
-        for v in obj:
-            _collect(v, slots)
-
-
 def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, _TensorSlot):
-        return tensors[obj.index]
-    if isinstance(obj, dict):
-        return {k: _fill(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_fill(v, tensors) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_fill(v, tensors) for v in obj)
-    return obj
+    return _walk(obj, lambda x: tensors[x.index] if isinstance(x, _TensorSlot) else x)
 
 
 def _local_device(device_type: str) -> torch.device:
@@ -259,68 +237,3 @@ def _local_device(device_type: str) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
-
-# -- objects ---------------------------------------------------------------------------
-
-
-def _broadcast_object(eng: Engine, obj: Any, root: int, name: str) -> Any:
-    if eng.size == 1:
-        return obj
-    device = torch.device(eng.buffer_device)
-    is_root = eng.rank == root
-    payload, problem = _pickled(obj, device) if is_root else (None, None)
-    length = torch.tensor([-1 if problem else 0 if payload is None else payload.numel()],
-                          dtype=torch.int64, device=device)
-    eng.broadcast(length, root, name=f"{name}.sz")
-    sizes = [-1 if r == root and length.item() < 0 else 0 for r in range(eng.size)]
-    _raise_if_unpickled(eng, sizes, problem, f"broadcast_object {name!r}")
-    if payload is None:
-        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    eng.broadcast(payload, root, name=f"{name}.t")
-    return obj if is_root else _loads(payload.cpu())
-
-
-def _pickled(obj: Any, device: torch.device) -> tuple[torch.Tensor, Exception | None]:
-    """``obj``'s pickle as a uint8 tensor, or the pickling error (told to the
-    other ranks by a length of -1, so that they raise too)."""
-    try:
-        return _to_bytes(_dumps(obj), device), None
-    except Exception as exc:
-        return torch.empty(0, dtype=torch.uint8), exc
-
-
-def _raise_if_unpickled(eng: Engine, sizes: list[int], problem: Exception | None,
-                        what: str) -> None:
-    """Raise on every rank if some rank (length -1) could not pickle its object."""
-    failed = [eng.global_ranks[r] for r, n in enumerate(sizes) if n < 0]
-    if not failed:
-        return
-    text = (f"rank {eng.global_ranks[eng.rank]}: {what}: rank(s) {failed} could not pickle "
-            "the object")
-    if problem is not None:
-        raise TypeError(f"{text}: {type(problem).__name__}: {problem}; make it picklable "
-                        "(cloudpickle handles lambdas and local classes)") from problem
-    raise TypeError(f"{text}; see the error on that rank")
-
-
-def _dumps(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    try:
-        import cloudpickle
-    except ImportError:
-        pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
-    else:
-        cloudpickle.dump(obj, buf)
-    return buf.getvalue()
-
-
-def _loads(data: torch.Tensor) -> Any:
-    # cloudpickle output is read by the standard unpickler.
-    return pickle.loads(data.numpy().tobytes())
-
-
-def _to_bytes(data: bytes, device: torch.device) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-
-
-# -- process sets, devices, roots ------------------------------------------------------

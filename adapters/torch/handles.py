@@ -19,7 +19,6 @@ The table is per process; ``reset()`` forgets everything (``init`` after
 from __future__ import annotations
 
 import threading
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,51 +26,36 @@ from typing import Any
 from dp_plugin.engines.base import Handle
 
 
-class Pending(ABC):
-    """One submitted collective, as the handle table sees it."""
-
-    @abstractmethod
-    def done(self) -> bool:
-        """Non-blocking: True once ``result`` would return without waiting."""
-
-    @abstractmethod
-    def result(self) -> Any:
-        """Wait (with the engine's timeout) and return the collective's output."""
-
-
-class Ready(Pending):
-    """A collective that finished when it was submitted."""
-
-    def __init__(self, value: Any) -> None:
-        self._value = value
-
-    def done(self) -> bool:
-        return True
-
-    def result(self) -> Any:
-        return self._value
-
-
-class InFlight(Pending):
-    """Engine handles still running, and the step that turns their buffers
-    into the result (scaling, copy-back, reshape) once they are done."""
+class InFlight:
+    """One submitted collective, as the handle table sees it: engine handles
+    still running, and the step that turns their buffers into the result
+    (scaling, copy-back, reshape) once they are done."""
 
     def __init__(self, handles: Sequence[Handle], finish: Callable[[], Any]) -> None:
         self._handles = list(handles)
         self._finish = finish
 
     def done(self) -> bool:
+        """Non-blocking: True once ``result`` would return without waiting."""
         return all(h.done() for h in self._handles)
 
     def result(self) -> Any:
+        """Wait (with the engine's timeout) and return the collective's output."""
         for h in self._handles:
             h.wait()
         return self._finish()
 
 
+class Ready(InFlight):
+    """A collective that finished when it was submitted."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__((), lambda: value)
+
+
 @dataclass(frozen=True)
 class _Entry:
-    pending: Pending
+    pending: InFlight
     name_key: Hashable | None
 
 
@@ -88,7 +72,7 @@ class HandleTable:
         with self._lock:
             return name_key in self._names
 
-    def add(self, pending: Pending, name_key: Hashable | None = None) -> int:
+    def add(self, pending: InFlight, name_key: Hashable | None = None) -> int:
         """Register a started collective (and its name); return its handle."""
         with self._lock:
             handle = self._next

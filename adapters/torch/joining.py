@@ -25,7 +25,6 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -35,32 +34,14 @@ from dp_plugin.errors import CollectiveTimeoutError
 from dp_plugin.process_sets import member_engines
 from dp_plugin.torch.basics import engine
 from dp_plugin.torch.join_service import answer
+from dp_plugin.torch.rank_marks import RankMarks
 
 
-@dataclass(frozen=True)
-class FlagCode:
-    """What ranks write into an element, and so what its reduction holds (the
-    control slot is not scaled, and one element has at most one "joined"
-    writer: its own rank)."""
-
-    idle: float
-    joined: float
-
-
-def code_for(op: ReduceOp) -> FlagCode:
-    if op is ReduceOp.MIN:
-        return FlagCode(0.0, -1.0)
-    if op is ReduceOp.PRODUCT:
-        return FlagCode(1.0, 2.0)
-    return FlagCode(0.0, 1.0)  # sum (average is a sum here), max
-
-
-class JoinFlags:
-    """The join elements of one optimizer's scheduler control slot.
-
-    ``ranks`` maps element index -> global rank (the optimizer's process
-    set); ``slot`` is this process's element. Every rank reads the same
-    reduced values, so every rank draws the same conclusions from them.
+class JoinFlags(RankMarks):
+    """The join elements of one optimizer's scheduler control slot: its first
+    elements, one per rank of the optimizer's process set, marked by a rank
+    that has joined. Every rank reads the same reduced values, so every rank
+    draws the same conclusions from them.
 
     A training step only keeps a device-side copy of the reduced elements
     (``keep``: no host synchronization, nothing for a GPU to wait on); a
@@ -69,34 +50,21 @@ class JoinFlags:
 
     def __init__(self, scheduler: Any, *, op: ReduceOp, ranks: Sequence[int], slot: int,
                  like: torch.Tensor) -> None:
-        self.scheduler = scheduler
-        self.ranks = list(ranks)
-        self.slot = slot
-        self._code = code_for(op)
-        self._like = like
-        self._previous = torch.empty_like(self._slot())
+        super().__init__(scheduler, op=op, ranks=ranks, slot=slot, offset=0, like=like)
+        self._previous = torch.empty_like(self._elements())
         self._has_previous = False
-        self.fill(joined=False)
-
-    def _slot(self) -> torch.Tensor:
-        # Asked each time: the slot moves when the bucket plan is rebuilt.
-        # Its first len(ranks) elements are ours (the unfrozen and finite marks follow).
-        slot: torch.Tensor = self.scheduler.control(self._like)
-        return slot[:len(self.ranks)]
 
     def fill(self, joined: bool) -> None:
         """Write this rank's flags for the next step."""
-        slot = self._slot()
-        slot.fill_(self._code.idle)
-        if joined:
-            slot[self.slot] = self._code.joined
+        self.reset()
+        self.mark(joined)
 
     def keep(self) -> None:
         """After a training step: remember its reduced flags (for a later
         ``decide``), then reset them to idle for the next step."""
-        self._previous.copy_(self._slot())
+        self._previous.copy_(self._elements())
         self._has_previous = True
-        self.fill(joined=False)
+        self.reset()
 
     def decide(self) -> tuple[bool, int]:
         """After a join step: (has every rank joined?, global rank that joined last).
@@ -104,8 +72,8 @@ class JoinFlags:
         The last joiners are the ranks that joined in this step; of several,
         the highest rank is returned (they joined in the same step).
         """
-        joined = self._joined(self._slot())
-        before = self._joined(self._previous) if self._has_previous else [False] * len(joined)
+        joined = self.flags(self._elements())
+        before = self.flags(self._previous) if self._has_previous else [False] * len(joined)
         self.keep()
         if not all(joined):
             return False, -1
@@ -113,11 +81,6 @@ class JoinFlags:
         newest = [i for i, (now, was) in enumerate(zip(joined, before, strict=True))
                   if now and not was]
         return True, self.ranks[max(newest) if newest else len(joined) - 1]
-
-    def _joined(self, reduced: torch.Tensor) -> list[bool]:
-        code = self._code
-        values = reduced.detach().double().cpu().tolist()
-        return [abs(v - code.joined) < abs(v - code.idle) for v in values]
 
 
 class Joinable(Protocol):

@@ -26,8 +26,7 @@ from dp_plugin.torch.optimizer_args import default_name
 
 def check_open(st: Any, what: str) -> None:
     """Raise if the engine the optimizer ``st`` was wrapped under was shut down."""
-    engine = st.engine
-    if engine is not None and engine.closed:
+    if st.closed:
         raise DPPluginError(
             f"optimizer.{what}: this DistributedOptimizer was created before "
             "hvd.shutdown(), and its communicator closed with that engine; a new "

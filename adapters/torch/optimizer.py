@@ -95,7 +95,7 @@ def _check_wrappable(optimizer: Any) -> None:
             f"DistributedOptimizer expects a torch.optim.Optimizer, got "
             f"{type(optimizer).__name__}; create the optimizer first, then wrap it"
         )
-    if isinstance(optimizer, _DistributedMixin) and _stale(optimizer):
+    if isinstance(optimizer, _DistributedMixin) and optimizer._dp.closed:
         for handle in optimizer._dp.hooks:  # its engine was shut down: wrap it anew
             handle.remove()
     elif isinstance(optimizer, _DistributedMixin):
@@ -103,12 +103,6 @@ def _check_wrappable(optimizer: Any) -> None:
             f"{type(optimizer).__name__} is already a DistributedOptimizer; wrap the plain "
             "optimizer only once (two wrappers would reduce every gradient twice)"
         )
-
-
-def _stale(optimizer: Any) -> bool:
-    """A wrapper whose engine was shut down (kept across shutdown()/init())."""
-    engine = optimizer._dp.engine
-    return engine is not None and engine.closed
 
 
 def _wrap(optimizer: torch.optim.Optimizer) -> Any:

@@ -56,7 +56,7 @@ class _ControlSlotMixin:
 
     def _dp_join_ready(self) -> bool:
         st = self._dp
-        if st.engine is not None and st.engine.closed:
+        if st.closed:
             return False  # left over from before hvd.shutdown(); nothing to answer
         if st.pending:
             raise SynchronizationError(

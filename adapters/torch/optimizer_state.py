@@ -72,6 +72,10 @@ class OptimizerState:
     skip_step: bool = False
     """The last reduction held inf/nan and ``DP_PLUGIN_CHECK_FINITE=skip``."""
 
+    @property
+    def closed(self) -> bool:
+        """Wrapped before an ``hvd.shutdown()``: the channel closed with that engine."""
+        return self.engine is not None and self.engine.closed
 
 
 def build_reducer(st: OptimizerState, params: list[torch.Tensor],

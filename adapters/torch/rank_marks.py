@@ -3,20 +3,39 @@
 One element per rank of the optimizer's process set, at ``offset`` in the
 scheduler's control slot (reduced, unscaled, with the last fusion bucket).
 Each rank may mark only its own element, with the op's "marked" code
-(``joining.code_for``), so after the reduction every rank reads the same
+(``code_for``), so after the reduction every rank reads the same
 values and draws the same conclusion: the list of marked ranks. Used for
-``DP_PLUGIN_CHECK_FINITE`` (a rank's own gradient held inf/nan) and for a
-parameter unfrozen after wrapping on some ranks only.
+``hvd.join()`` (``joining.JoinFlags``: a rank that has joined), for
+``DP_PLUGIN_CHECK_FINITE`` (``finite.FiniteFlags``: a rank's own gradient
+held inf/nan) and for a parameter unfrozen after wrapping on some ranks only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from dp_plugin.engines.base import ReduceOp
-from dp_plugin.torch.joining import code_for
+
+
+@dataclass(frozen=True)
+class FlagCode:
+    """What ranks write into an element, and so what its reduction holds (the
+    control slot is not scaled, and one element has at most one "joined"
+    writer: its own rank)."""
+
+    idle: float
+    joined: float
+
+
+def code_for(op: ReduceOp) -> FlagCode:
+    if op is ReduceOp.MIN:
+        return FlagCode(0.0, -1.0)
+    if op is ReduceOp.PRODUCT:
+        return FlagCode(1.0, 2.0)
+    return FlagCode(0.0, 1.0)  # sum (average is a sum here), max
 
 
 class RankMarks:
@@ -55,7 +74,11 @@ class RankMarks:
 
     def marked(self) -> list[int]:
         """After the reduction: the global ranks that marked their element."""
+        marked = self.flags(self._elements())
+        return [rank for rank, m in zip(self.ranks, marked, strict=True) if m]
+
+    def flags(self, reduced: torch.Tensor) -> list[bool]:
+        """Per element of ``reduced`` (these elements, reduced): is it marked?"""
         code = self._code
-        values = self._elements().detach().double().cpu().tolist()
-        return [rank for rank, v in zip(self.ranks, values, strict=True)
-                if abs(v - code.joined) < abs(v - code.idle)]
+        values = reduced.detach().double().cpu().tolist()
+        return [abs(v - code.joined) < abs(v - code.idle) for v in values]

@@ -9,14 +9,15 @@ flight, an unsupported dtype, ...), and run the cross-rank agreement check
 
 from __future__ import annotations
 
+import functools
 import numbers
-import warnings
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
+from dp_plugin import horovod_names as _names
 from dp_plugin.dtypes import canonical_dtype
-from dp_plugin.engines.base import Engine, ReduceOp
+from dp_plugin.engines.base import Engine
 from dp_plugin.torch.agreement import (
     DuplicateNameError,
     Problem,
@@ -25,27 +26,13 @@ from dp_plugin.torch.agreement import (
     check_agreement,
 )
 from dp_plugin.torch.handles import TABLE
-from dp_plugin.torch.ops import parse_op
+from dp_plugin.torch.ops import INSTEAD
 
 # Collectives that concatenate or split along the first dimension.
 _NEEDS_FIRST_DIM = frozenset({"allgather", "alltoall", "reducescatter"})
 
-
-def resolve_op(op: Any, average: bool | None, what: str) -> ReduceOp:
-    """Horovod's ``op``/deprecated ``average`` rule; ``None`` means Average."""
-    if op is not None and average is not None:
-        raise ValueError(
-            f"{what}: the op parameter supersedes average; pass only one of them "
-            f"(got op={op!r}, average={average!r})"
-        )
-    if average is not None:
-        warnings.warn(
-            "Parameter `average` has been replaced with `op` and will be removed in v1.0; "
-            "pass op=hvd.Average or op=hvd.Sum",
-            DeprecationWarning, stacklevel=3,
-        )
-        return ReduceOp.AVERAGE if average else ReduceOp.SUM
-    return parse_op(op, what)
+resolve_op = functools.partial(_names.resolve_op, prefix="hvd.", instead=INSTEAD)
+"""Horovod's ``op``/deprecated ``average`` rule; ``None`` means Average."""
 
 
 def name_key(process_set: Any, name: str | None) -> Hashable | None:

@@ -88,6 +88,10 @@ def test_errors_name_the_value_and_the_fix() -> None:
         dp.broadcast_global_variables(0)
     with pytest.raises(NotImplementedError, match="Adasum"):
         dp.allreduce(tf.ones([1]), op=dp.Adasum)
+    with pytest.warns(DeprecationWarning, match="replaced with `op`"):
+        dp.allreduce(tf.ones([1]), average=False)
+    with pytest.raises(ValueError, match="supersedes average"):
+        dp.allreduce(tf.ones([1]), average=True, op=dp.Sum)
     slices = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), tf.constant([3, 2]))
     with pytest.raises(NotImplementedError, match="Sum and Average"):
         dp.allreduce(slices, op=dp.Max)

@@ -1,0 +1,87 @@
+"""Python objects through an engine's collectives: the adapters' ``broadcast_object``
+and ``allgather_object``.
+
+Objects are pickled (with cloudpickle when installed: lambdas, local
+classes; else pickle) and travel as uint8 buffers on the engine's buffer
+device, after their lengths. A rank that cannot pickle its object sends the
+length -1, so that every rank raises, the failing one with the pickling
+error, instead of leaving the others waiting for bytes that never come.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import numpy as np
+
+from dp_plugin.agreement import to_device, to_host
+
+
+def broadcast_object(engine: Any, obj: Any, root: int, name: str) -> Any:
+    """``root``'s ``obj`` (``root`` is a rank of ``engine``) on every rank; the root
+    gets ``obj`` itself. Collective: two broadcasts (length, then bytes)."""
+    if engine.size == 1:
+        return obj
+    is_root = engine.rank == root
+    payload, problem = _pickled(obj) if is_root else (None, None)
+    count = -1 if problem else 0 if payload is None else payload.size
+    length = to_device(np.array([count], np.int64), engine.buffer_device)
+    engine.broadcast(length, root, name=f"{name}.sz")
+    count = int(to_host(length)[0])
+    sizes = [-1 if r == root and count < 0 else 0 for r in range(engine.size)]
+    _raise_if_unpickled(engine, sizes, problem, f"broadcast_object {name!r}")
+    data = to_device(np.empty(count, np.uint8) if payload is None else payload,
+                     engine.buffer_device)
+    engine.broadcast(data, root, name=f"{name}.t")
+    return obj if is_root else _loads(to_host(data))
+
+
+def allgather_object(engine: Any, obj: Any, name: str) -> list[Any]:
+    """Every rank's ``obj``, as a list in rank order (each entry unpickled, this
+    rank's too). Collective: two all-gathers (lengths, then bytes)."""
+    payload, problem = _pickled(obj)
+    count = np.array([-1 if problem else payload.size], np.int64)
+    sizes = to_host(engine.allgather(to_device(count, engine.buffer_device),
+                                     name=f"{name}.sz")).tolist()
+    _raise_if_unpickled(engine, sizes, problem, f"allgather_object {name!r}")
+    data = to_host(engine.allgather(to_device(payload, engine.buffer_device),
+                                    name=f"{name}.t"))
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    return [_loads(data[offsets[r]:offsets[r + 1]]) for r in range(engine.size)]
+
+
+def _pickled(obj: Any) -> tuple[np.ndarray, Exception | None]:
+    """``obj``'s pickle as a uint8 array, or the pickling error (told to the
+    other ranks by a length of -1, so that they raise too)."""
+    buf = io.BytesIO()
+    try:
+        try:
+            import cloudpickle
+        except ImportError:
+            pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
+        else:
+            cloudpickle.dump(obj, buf)
+    except Exception as exc:
+        return np.empty(0, np.uint8), exc
+    return np.frombuffer(buf.getvalue(), dtype=np.uint8).copy(), None
+
+
+def _raise_if_unpickled(engine: Any, sizes: list[int], problem: Exception | None,
+                        what: str) -> None:
+    """Raise on every rank if some rank (length -1) could not pickle its object."""
+    failed = [engine.global_ranks[r] for r, n in enumerate(sizes) if n < 0]
+    if not failed:
+        return
+    text = (f"rank {engine.global_ranks[engine.rank]}: {what}: rank(s) {failed} could not "
+            "pickle the object")
+    if problem is not None:
+        raise TypeError(f"{text}: {type(problem).__name__}: {problem}; make it picklable "
+                        "(cloudpickle handles lambdas and local classes)") from problem
+    raise TypeError(f"{text}; see the error on that rank")
+
+
+def _loads(data: np.ndarray) -> Any:
+    # cloudpickle output is read by the standard unpickler.
+    return pickle.loads(data.tobytes())
