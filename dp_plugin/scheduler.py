@@ -246,7 +246,7 @@ class GradientScheduler:
             for i, spec in enumerate(self.specs):
                 if st.tensors[i] is None:
                     st.tensors[i] = ops.zeros(spec.shape, spec.dtype, spec.device)
-                if not st.ready[i]:
+                if st.passes[i] < self.backward_passes_per_step:  # not ready yet
                     self._set_ready(i)
             self._launch_ready(block=False)
 
@@ -344,7 +344,6 @@ class GradientScheduler:
 
     def _set_ready(self, index: int) -> None:
         st = self._state
-        st.ready[index] = True
         st.ready_count[self.fused.bucket_of[index]] += 1
         st.ready_order.append(index)
 
