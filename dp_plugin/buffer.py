@@ -43,12 +43,17 @@ class FusionBuffer:
     """Pack and unpack the members of ``bucket`` (spec indices into ``specs``)."""
 
     def __init__(self, bucket: Bucket, specs: Sequence[TensorSpec], label: str,
-                 control_numel: int = 0, pinned: bool = False) -> None:
+                 control_numel: int = 0, pinned: bool = False, *, wire_dtype: str) -> None:
         self.bucket = bucket
         self.label = label
         self.names = tuple(specs[i].name for i in bucket.members)
         self.numels = tuple(specs[i].numel for i in bucket.members)
         self.control_numel = control_numel
+        self.wire_dtype = wire_dtype
+        """The dtype the bucket travels in (the compressor's ``wire_dtype``)."""
+        self.in_place = len(self.names) == 1 and not control_numel and wire_dtype == bucket.dtype
+        """Reduced where its one member lies, when that is a flat array on the
+        bucket's device (*direct*, see the module docstring)."""
         self.flat: Any = None
         self.views: list[Any] = []
         self.control: Any = None
@@ -97,11 +102,10 @@ class FusionBuffer:
         self.allocate(ops)
         return self.views[member]
 
-    def direct_alias(self, ops: ArrayOps, tensors: Sequence[Any], allow_direct: bool) -> Any:
+    def direct_alias(self, ops: ArrayOps, tensors: Sequence[Any]) -> Any:
         """The one member as a flat array, when the bucket is reduced where it
         lies (see the module docstring); None otherwise."""
-        if allow_direct and len(tensors) == 1 and not self.control_numel \
-                and device_of(tensors[0]) == self.bucket.device:
+        if self.in_place and device_of(tensors[0]) == self.bucket.device:
             return ops.flat_alias(tensors[0])
         return None
 
