@@ -141,7 +141,6 @@ class GradientScheduler:
                       "rebuild_buckets": self.rebuild_buckets, **(settings or {}),
                       "DP_PLUGIN_AUTOTUNE": agreement_setting(config, autotune)},
             timeline=self._timeline, array_ops=array_ops, what=f"tensors of scheduler {name!r}")
-        self.compressor = self.fused.compressor
         self.fusion_threshold = threshold
         # Engines autotune times, by name (under ``auto`` only; else empty).
         self._engines = runtime_alternates(engine, f"{name}.autotune") if autotune else {}
