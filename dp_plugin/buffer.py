@@ -74,26 +74,25 @@ class FusionBuffer:
 
     def allocate(self, ops: ArrayOps) -> None:
         """Make the buffer's own flat buffer and the members' views (once)."""
-        if self.flat is not None and self._slab is None:
-            return
-        self._slab = None
-        self.flat = ops.empty(self.numel, self.bucket.dtype, self.bucket.device)
-        self.views = self._slices(ops, self.flat)
-
-    def _slices(self, ops: ArrayOps, flat: Any) -> list[Any]:
-        b = self.bucket
-        if self.control_numel:
-            self.control = ops.slice(flat, b.numel, self.numel)
-        return [ops.slice(flat, off, off + n) for off, n in zip(b.offsets, self.numels,
-                                                               strict=True)]
+        if self.flat is None or self._slab is not None:
+            self._lie_in(ops, ops.empty(self.numel, self.bucket.dtype, self.bucket.device), None)
 
     def borrow(self, ops: ArrayOps, slab: Slab) -> None:
         """Lie in ``slab`` (an unpinned buffer, which always gets the same one;
         the caller made sure the slab's previous owner is unpacked)."""
         if self._slab is not slab:
-            self.flat = ops.slice(slab.allocate(ops), 0, self.numel)
-            self.views = self._slices(ops, self.flat)
-            self._slab = slab
+            self._lie_in(ops, ops.slice(slab.allocate(ops), 0, self.numel), slab)
+
+    def _lie_in(self, ops: ArrayOps, flat: Any, slab: Slab | None) -> None:
+        """Make ``flat`` (in ``slab``, or the buffer's own) the buffer, with the
+        members' views and the control slot sliced from it."""
+        b = self.bucket
+        self.flat = flat
+        self._slab = slab
+        if self.control_numel:
+            self.control = ops.slice(flat, b.numel, self.numel)
+        self.views = [ops.slice(flat, off, off + n) for off, n in zip(b.offsets, self.numels,
+                                                                      strict=True)]
 
     def view(self, ops: ArrayOps, member: int) -> Any:
         """The 1-D slice where member ``member`` (position in the bucket) lives;
