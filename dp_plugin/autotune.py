@@ -272,11 +272,3 @@ class Autotuner:
                                  self.configured, self.engines, engine_medians, engine,
                                  engine_local)
         return Setting(chosen, engine)
-
-    @property
-    def total_steps(self) -> int | None:
-        """Steps until the decision (the first included); None before the first step."""
-        if self.candidates is None:
-            return None
-        n = len(self.candidates) + len(self.engines) - 1
-        return 1 if n == 1 else 1 + n * (self.warmup_steps + self.steps)

@@ -43,12 +43,17 @@ class FusionBuffer:
     """Pack and unpack the members of ``bucket`` (spec indices into ``specs``)."""
 
     def __init__(self, bucket: Bucket, specs: Sequence[TensorSpec], label: str,
-                 control_numel: int = 0, pinned: bool = False) -> None:
+                 control_numel: int = 0, pinned: bool = False, *, wire_dtype: str) -> None:
         self.bucket = bucket
         self.label = label
         self.names = tuple(specs[i].name for i in bucket.members)
         self.numels = tuple(specs[i].numel for i in bucket.members)
         self.control_numel = control_numel
+        self.wire_dtype = wire_dtype
+        """The dtype the bucket travels in (the compressor's ``wire_dtype``)."""
+        self.in_place = len(self.names) == 1 and not control_numel and wire_dtype == bucket.dtype
+        """Reduced where its one member lies, when that is a flat array on the
+        bucket's device (*direct*, see the module docstring)."""
         self.flat: Any = None
         self.views: list[Any] = []
         self.control: Any = None
@@ -69,26 +74,25 @@ class FusionBuffer:
 
     def allocate(self, ops: ArrayOps) -> None:
         """Make the buffer's own flat buffer and the members' views (once)."""
-        if self.flat is not None and self._slab is None:
-            return
-        self._slab = None
-        self.flat = ops.empty(self.numel, self.bucket.dtype, self.bucket.device)
-        self.views = self._slices(ops, self.flat)
-
-    def _slices(self, ops: ArrayOps, flat: Any) -> list[Any]:
-        b = self.bucket
-        if self.control_numel:
-            self.control = ops.slice(flat, b.numel, self.numel)
-        return [ops.slice(flat, off, off + n) for off, n in zip(b.offsets, self.numels,
-                                                               strict=True)]
+        if self.flat is None or self._slab is not None:
+            self._lie_in(ops, ops.empty(self.numel, self.bucket.dtype, self.bucket.device), None)
 
     def borrow(self, ops: ArrayOps, slab: Slab) -> None:
         """Lie in ``slab`` (an unpinned buffer, which always gets the same one;
         the caller made sure the slab's previous owner is unpacked)."""
         if self._slab is not slab:
-            self.flat = ops.slice(slab.allocate(ops), 0, self.numel)
-            self.views = self._slices(ops, self.flat)
-            self._slab = slab
+            self._lie_in(ops, ops.slice(slab.allocate(ops), 0, self.numel), slab)
+
+    def _lie_in(self, ops: ArrayOps, flat: Any, slab: Slab | None) -> None:
+        """Make ``flat`` (in ``slab``, or the buffer's own) the buffer, with the
+        members' views and the control slot sliced from it."""
+        b = self.bucket
+        self.flat = flat
+        self._slab = slab
+        if self.control_numel:
+            self.control = ops.slice(flat, b.numel, self.numel)
+        self.views = [ops.slice(flat, off, off + n) for off, n in zip(b.offsets, self.numels,
+                                                                      strict=True)]
 
     def view(self, ops: ArrayOps, member: int) -> Any:
         """The 1-D slice where member ``member`` (position in the bucket) lives;
@@ -97,11 +101,10 @@ class FusionBuffer:
         self.allocate(ops)
         return self.views[member]
 
-    def direct_alias(self, ops: ArrayOps, tensors: Sequence[Any], allow_direct: bool) -> Any:
+    def direct_alias(self, ops: ArrayOps, tensors: Sequence[Any]) -> Any:
         """The one member as a flat array, when the bucket is reduced where it
         lies (see the module docstring); None otherwise."""
-        if allow_direct and len(tensors) == 1 and not self.control_numel \
-                and device_of(tensors[0]) == self.bucket.device:
+        if self.in_place and device_of(tensors[0]) == self.bucket.device:
             return ops.flat_alias(tensors[0])
         return None
 

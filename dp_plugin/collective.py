@@ -121,7 +121,8 @@ class FusedCollective:
         self.buffers = [
             FusionBuffer(b, self.specs, f"{self.name}.bucket{b.index}",
                          self.control_numel if b.index == last else 0,
-                         pinned=b.nbytes > self.threshold)  # one tensor over the threshold
+                         pinned=b.nbytes > self.threshold,  # one tensor over the threshold
+                         wire_dtype=self.compressor.wire_dtype(b.dtype))
             for b in plan
         ]
         self.bucket_of = [0] * len(self.specs)
@@ -192,10 +193,7 @@ class FusedCollective:
     def packs(self, index: int) -> bool:
         """True if spec ``index`` is copied into a fusion buffer (False when
         its bucket is one member reduced where it lies, see ``FusionBuffer``)."""
-        buf = self.buffers[self.bucket_of[index]]
-        b = buf.bucket
-        return len(b.members) > 1 or bool(buf.control_numel) \
-            or self.compressor.wire_dtype(b.dtype) != b.dtype
+        return not self.buffers[self.bucket_of[index]].in_place
 
     def control(self, like: Any = None) -> Any:
         """The control slot (in the last bucket's buffer)."""
@@ -224,7 +222,7 @@ class FusedCollective:
         self.agree()
         t0 = time.perf_counter()
         ops, members = self._members(index, tensors)
-        direct = self._direct(index, ops, members)
+        direct = buf.direct_alias(ops, members)
         slab = None if direct is not None or buf.pinned else self._free_slab(index)
         grad_bucket = buf.pack(ops, members, self.policy.prescale, direct, slab)
         if self._folds(buf):
@@ -252,7 +250,7 @@ class FusedCollective:
         buf = self.buffers[index]
         if buf.numel == 0 or buf.pinned:
             return False
-        if self._direct(index, *self._members(index, tensors)) is not None:
+        if buf.direct_alias(*self._members(index, tensors)) is not None:
             return False
         owner = self.pool.slab_of(buf.bucket).owner
         return owner is not None and self._pending(owner) and not self.done(owner)
@@ -261,11 +259,6 @@ class FusedCollective:
         """The array backend and bucket ``index``'s members among ``tensors``."""
         members = [tensors[i] for i in self.buffers[index].bucket.members]
         return self.backend(members[0] if members else None), members
-
-    def _direct(self, index: int, ops: ArrayOps, members: Sequence[Any]) -> Any:
-        b = self.buffers[index].bucket
-        allow = self.compressor.wire_dtype(b.dtype) == b.dtype
-        return self.buffers[index].direct_alias(ops, members, allow)
 
     def _pending(self, index: int) -> bool:
         """Started and not unpacked yet."""
@@ -293,7 +286,7 @@ class FusedCollective:
 
     def wire_bytes(self, index: int) -> int:
         b = self.buffers[index]
-        return b.numel * itemsize(self.compressor.wire_dtype(b.bucket.dtype))
+        return b.numel * itemsize(b.wire_dtype)
 
     def done(self, index: int) -> bool:
         handle = self._handles[index]

@@ -11,9 +11,9 @@ collectives) two kinds of compressor are told apart by ``get_compressor``:
 
 - the built-in casts (``_CastCompressor``): the scheduler owns a persistent
   wire buffer per bucket of dtype ``wire_dtype(bucket dtype)`` and only casts
-  between the two (``compress_into`` / ``decompress_into``), allocating
-  nothing per step. Like Horovod's ``Compression.fp16``, only floating
-  buffers wider than the wire type are narrowed;
+  between the two (``ArrayOps.cast_into``), allocating nothing per step. Like
+  Horovod's ``Compression.fp16``, only floating buffers wider than the wire
+  type are narrowed;
 - any other compressor (a user's, or a subclass of a built-in that overrides
   ``compress`` / ``decompress``) is wrapped in ``TensorCompressor``: its
   ``compress`` is called on the bucket's packed 1-D buffer, the returned
@@ -113,18 +113,6 @@ class _CastCompressor(Compressor):
     def decompress(cls, tensor: Any, ctx: Any) -> Any:
         """The tensor back in the dtype ``compress`` recorded."""
         return tensor if ctx is None else _cast(tensor, ctx)
-
-    @classmethod
-    def compress_into(cls, ops: Any, wire: Any, flat: Any) -> None:
-        """Fill the bucket's ``wire`` buffer from the packed ``flat`` (same length)."""
-        if wire is not flat:
-            ops.cast_into(wire, flat)
-
-    @classmethod
-    def decompress_into(cls, ops: Any, flat: Any, wire: Any) -> None:
-        """Fill ``flat`` from the reduced ``wire`` buffer (same length)."""
-        if wire is not flat:
-            ops.cast_into(flat, wire)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -24,6 +24,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 from dp_plugin.arrays import spec_of
@@ -128,37 +129,29 @@ def plan_buckets(
     _check_unique_names(specs)
     walk = default_order(len(specs)) if order is None else _check_permutation(order, len(specs))
 
-    # Per (dtype, device): the open bucket's index, members and size in bytes.
-    open_: dict[tuple[str, str], tuple[int, list[int], int]] = {}
-    members_of: list[list[int]] = []
-    kind_of: list[tuple[str, str]] = []
-    opened: Counter[tuple[str, str]] = Counter()  # buckets opened per kind so far
+    # Per (dtype, device): the open bucket's members and size in bytes.
+    open_: dict[tuple[str, str], tuple[list[int] | None, int]] = {}
+    opened: list[tuple[tuple[str, str], list[int]]] = []  # each bucket's kind and members
+    count: Counter[tuple[str, str]] = Counter()  # buckets opened per kind so far
     for i in walk:
         spec = specs[i]
         key = (spec.dtype, spec.device)
-        current = open_.get(key)
+        members, size = open_.get(key, (None, 0))
         # The first bucket of this kind is still open while it is the only one.
-        cap = first if opened[key] == 1 else threshold
-        if current is not None and spec.nbytes and current[2] + spec.nbytes > cap:
-            # Close it: this tensor would push it past the threshold. (An
-            # empty tensor never does; it joins whatever bucket is open.)
-            current = None
-        if current is None:
-            current = (len(members_of), [], 0)
-            members_of.append(current[1])
-            kind_of.append(key)
-            opened[key] += 1
-        current[1].append(i)
-        open_[key] = (current[0], current[1], current[2] + spec.nbytes)
+        cap = first if count[key] == 1 else threshold
+        # A new bucket if none is open or this tensor would push it past the
+        # cap. (An empty tensor never does; it joins whatever bucket is open.)
+        if members is None or (spec.nbytes and size + spec.nbytes > cap):
+            members, size = [], 0
+            opened.append((key, members))
+            count[key] += 1
+        members.append(i)
+        open_[key] = (members, size + spec.nbytes)
 
     buckets = []
-    for index, (members, (dtype, device)) in enumerate(zip(members_of, kind_of, strict=True)):
-        offsets = []
-        numel = 0
-        for i in members:
-            offsets.append(numel)
-            numel += specs[i].numel
-        buckets.append(Bucket(index, dtype, device, tuple(members), tuple(offsets), numel))
+    for index, ((dtype, device), members) in enumerate(opened):
+        ends = tuple(accumulate((specs[i].numel for i in members), initial=0))
+        buckets.append(Bucket(index, dtype, device, tuple(members), ends[:-1], ends[-1]))
     return buckets
 
 

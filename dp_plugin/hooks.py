@@ -201,11 +201,11 @@ def _cast_wrapper(hook: CommHook, comp: _CastCompressor) -> CommHook:
             store[key] = wire
         if int(wire.shape[0]) != numel:  # shared by the buckets of a slab
             wire = bucket.ops.slice(wire, 0, numel)
-        comp.compress_into(bucket.ops, wire, flat)
+        bucket.ops.cast_into(wire, flat)
         inner = GradBucket(bucket.index, wire_dtype, bucket.device, bucket.names, bucket.ops,
                            wire, bucket.label, bucket.scratch, bucket.shared,
                            bucket.shared_numel)
-        return hook(state, inner).then(lambda: comp.decompress_into(bucket.ops, flat, wire))
+        return hook(state, inner).then(lambda: bucket.ops.cast_into(flat, wire))
 
     return compressed
 

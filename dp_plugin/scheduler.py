@@ -141,7 +141,6 @@ class GradientScheduler:
                       "rebuild_buckets": self.rebuild_buckets, **(settings or {}),
                       "DP_PLUGIN_AUTOTUNE": agreement_setting(config, autotune)},
             timeline=self._timeline, array_ops=array_ops, what=f"tensors of scheduler {name!r}")
-        self.compressor = self.fused.compressor
         self.fusion_threshold = threshold
         # Engines autotune times, by name (under ``auto`` only; else empty).
         self._engines = runtime_alternates(engine, f"{name}.autotune") if autotune else {}
@@ -175,9 +174,7 @@ class GradientScheduler:
         """
         with self._lock:
             self.fused.check_usable(f"scheduler {self.name!r}")
-            spec = self._spec(index)
-            index = int(index)
-            self._check_tensor(spec, tensor)
+            index, spec = self._checked(index, tensor)
             self.fused.backend(tensor)
             st = self._state
             if st.started_at is None:
@@ -246,7 +243,7 @@ class GradientScheduler:
             for i, spec in enumerate(self.specs):
                 if st.tensors[i] is None:
                     st.tensors[i] = ops.zeros(spec.shape, spec.dtype, spec.device)
-                if not st.ready[i]:
+                if st.passes[i] < self.backward_passes_per_step:  # not ready yet
                     self._set_ready(i)
             self._launch_ready(block=False)
 
@@ -271,8 +268,7 @@ class GradientScheduler:
         bucket needs no view: its gradient is reduced in place anyway.
         """
         with self._lock:
-            self._spec(index)
-            return self.fused.view(int(index), like)
+            return self.fused.view(self._index(index), like)
 
     def adopt(self, index: int, tensor: Any) -> Any:
         """``tensor`` (this step's gradient of spec ``index``) moved into its
@@ -287,9 +283,7 @@ class GradientScheduler:
         already marked ready this step (its bucket may be in flight).
         """
         with self._lock:
-            spec = self._spec(index)
-            index = int(index)
-            self._check_tensor(spec, tensor)
+            index, _ = self._checked(index, tensor)
             if self._state.passes[index] or not self.fused.packs(index):
                 return tensor
             ops = self.fused.backend(tensor)
@@ -311,7 +305,7 @@ class GradientScheduler:
         self._timeline.close()
 
     # -- the step -------------------------------------------------------------
-    def _spec(self, index: int) -> TensorSpec:
+    def _index(self, index: int) -> int:
         if isinstance(index, bool) or not isinstance(index, int | np.integer):
             raise TypeError(f"mark_ready index must be an int, got {index!r}")
         if not 0 <= index < len(self.specs):
@@ -319,9 +313,12 @@ class GradientScheduler:
                 f"mark_ready index {index} is out of range: {len(self.specs)} tensors were "
                 f"registered with scheduler {self.name!r} (valid: 0..{len(self.specs) - 1})"
             )
-        return self.specs[int(index)]
+        return int(index)
 
-    def _check_tensor(self, spec: TensorSpec, tensor: Any) -> None:
+    def _checked(self, index: int, tensor: Any) -> tuple[int, TensorSpec]:
+        """``index`` as an int and its spec, once ``tensor`` is checked against it."""
+        index = self._index(index)
+        spec = self.specs[index]
         if not (isinstance(tensor, np.ndarray) or is_torch(tensor)):
             # Anything else (a list, a numpy scalar) would be converted to a
             # copy, and the reduced values written back into that copy.
@@ -341,10 +338,10 @@ class GradientScheduler:
                 f"{got.device}. Pass the gradient of the registered tensor, or re-create the "
                 "scheduler after changing the model"
             )
+        return index, spec
 
     def _set_ready(self, index: int) -> None:
         st = self._state
-        st.ready[index] = True
         st.ready_count[self.fused.bucket_of[index]] += 1
         st.ready_order.append(index)
 

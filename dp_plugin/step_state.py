@@ -22,7 +22,6 @@ class StepState:
     n_buckets: int
     passes: list[int] = field(init=False)
     tensors: list[Any] = field(init=False)
-    ready: list[bool] = field(init=False)
     ready_count: list[int] = field(init=False)
     ready_order: list[int] = field(default_factory=list)
     next_launch: int = 0
@@ -40,7 +39,6 @@ class StepState:
     def __post_init__(self) -> None:
         self.passes = [0] * self.n_specs
         self.tensors = [None] * self.n_specs
-        self.ready = [False] * self.n_specs
         self.ready_count = [0] * self.n_buckets
 
     def record(self, timeline: Any, end: float, exposed: float) -> StepStats:

@@ -82,7 +82,6 @@ class TraceWriter:
         self._pending: list[str] = ["[\n"]
         self._pending_bytes = 2
         self._events_bytes = 0
-        self._first = True
         self._full = False
         self._closed = False
         self._lanes: dict[str, int] = {}
@@ -153,9 +152,8 @@ class TraceWriter:
     # -- internals -----------------------------------------------------------
 
     def _append(self, line: str) -> None:
-        if not self._first:
+        if self._events_bytes:  # not the first event
             line = ",\n" + line
-        self._first = False
         self._pending.append(line)
         self._pending_bytes += len(line)
         self._events_bytes += len(line)
