@@ -111,8 +111,6 @@ class GradientBridge:
         self.seconds = 0.0
         """Wall time spent inside the numpy callbacks (pack and launch, waiting for the
         all-reduce, handing the results back)."""
-        self.error: BaseException | None = None
-        """The first exception raised inside the callback (TensorFlow re-wraps it)."""
 
     @property
     def schedulers(self) -> list[GradientScheduler]:
@@ -235,9 +233,6 @@ class GradientBridge:
                 np.copyto(view, array, casting="no")
                 sched.mark_ready(i, view)
             return np.array(len(members), dtype=np.int32)
-        except BaseException as exc:
-            self._failed(exc)
-            raise
         finally:
             self.seconds += time.perf_counter() - start
 
@@ -249,16 +244,9 @@ class GradientBridge:
             if self.results_alias_buffers:
                 return list(reduced)
             return [_adoptable_copy(r) for r in reduced]
-        except BaseException as exc:
-            self._failed(exc)
-            raise
         finally:
             self.calls += 1
             self.seconds += time.perf_counter() - start
-
-    def _failed(self, exc: BaseException) -> None:
-        if self.error is None:
-            self.error = exc
 
 
 class AlignedNumpyOps(NumpyOps):
