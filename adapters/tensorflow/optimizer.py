@@ -146,19 +146,10 @@ class DistributedApply:
     # -- helpers --------------------------------------------------------------
     def reduce(self, grads: list[Any], variables: list[Any] | None) -> list[Any]:
         """``grads`` (None entries kept) reduced across workers through the bridge."""
-        present = [i for i, g in enumerate(grads) if g is not None]
-        if not present:
-            return grads  # Keras raises its own "No gradients provided" error
         known = variables if variables is not None else getattr(
             self.optimizer, "_trainable_variables", None
         )
-        labels = [_label(i, known) for i in present]
-        reduced = reduce_gradients(self.bridge, [grads[i] for i in present], labels,
-                                   self.sparse_as_dense)
-        out = list(grads)
-        for i, r in zip(present, reduced, strict=True):
-            out[i] = r
-        return out
+        return reduce_present(self.bridge, grads, known, self.sparse_as_dense)
 
     def _accumulate_then_apply(self, grads: list[Any], variables: list[Any] | None) -> None:
         ctx = tf.distribute.get_replica_context()
@@ -215,6 +206,24 @@ class DistributedApply:
                                                 name="dp_plugin_passes")
             self._accumulators[key] = accumulators
         return accumulators
+
+
+def reduce_present(bridge: GradientBridge, grads: Sequence[Any], variables: Sequence[Any] | None,
+                   sparse_as_dense: bool) -> list[Any]:
+    """``grads`` with its non-None entries reduced across workers (``sparse.reduce_gradients``);
+    ``variables``, when known, name them in layout errors. The optimizer's hook and the tape."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if not present:
+        return list(grads)  # Keras raises its own "No gradients provided" error
+    reduced = reduce_gradients(bridge, [grads[i] for i in present],
+                               [_label(i, variables) for i in present], sparse_as_dense)
+    return refill(grads, reduced)
+
+
+def refill(template: Sequence[Any], values: Sequence[Any]) -> list[Any]:
+    """``values`` put back at the non-None positions of ``template``."""
+    it = iter(values)
+    return [None if t is None else next(it) for t in template]
 
 
 def _label(i: int, variables: Sequence[Any] | None) -> str:

@@ -9,8 +9,7 @@ from typing import Any
 import tensorflow as tf
 from dp_plugin.tensorflow.bridge import GradientBridge, next_bridge_name
 from dp_plugin.tensorflow.ops import Average, Compression, parse_compression, parse_gradient_op
-from dp_plugin.tensorflow.optimizer import check_predivide
-from dp_plugin.tensorflow.sparse import reduce_gradients
+from dp_plugin.tensorflow.optimizer import check_predivide, reduce_present
 
 # Custom loops make a new tape every step: the bridge (and with it the
 # scheduler, its fusion buffers and the traced numpy op's target) is shared
@@ -85,14 +84,8 @@ class DistributedGradientTape:
             target, sources, output_gradients=output_gradients,
             unconnected_gradients=unconnected_gradients,
         )
-        flat_sources = tf.nest.flatten(sources)
-        flat_grads = tf.nest.flatten(grads)
-        present = [i for i, g in enumerate(flat_grads) if g is not None]
-        labels = [f"{i}:{getattr(flat_sources[i], 'name', '?')}" for i in present]
-        reduced = reduce_gradients(self._bridge, [flat_grads[i] for i in present], labels,
-                                   self._sparse_as_dense)
-        for i, r in zip(present, reduced, strict=True):
-            flat_grads[i] = r
+        flat_grads = reduce_present(self._bridge, tf.nest.flatten(grads),
+                                    tf.nest.flatten(sources), self._sparse_as_dense)
         return tf.nest.pack_sequence_as(grads, flat_grads)
 
     def __getattr__(self, name: str) -> Any:

@@ -41,7 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 import tensorflow as tf
-from dp_plugin.tensorflow.optimizer import DistributedApply
+from dp_plugin.tensorflow.optimizer import DistributedApply, refill
 
 _MARK = "_dp_plugin_split_hook"
 """Attribute on a train function built here: the hook it was built for."""
@@ -103,7 +103,7 @@ class SplitTrainStep:
         if not captured:
             return logs  # no trainable weights: Keras warned, nothing to apply
         grads, variables = captured[0]
-        full = _refill(grads, present)
+        full = refill(grads, present)
         if self.hook.backward_passes_per_step > 1:
             self.hook(full, variables)  # accumulate, then reduce and apply: outside XLA
             return logs
@@ -112,15 +112,8 @@ class SplitTrainStep:
             self.hook.optimizer.build(variables)  # no variables created inside XLA
 
         def apply(values: list[Any]) -> None:
-            self.hook.apply_reduced(_refill(grads, values), variables)
+            self.hook.apply_reduced(refill(grads, values), variables)
 
         tf.function(apply, jit_compile=True, autograph=False)(
             [g for g in reduced if g is not None])
         return logs
-
-
-def _refill(template: list[Any], values: list[Any]) -> list[Any]:
-    """``values`` put back at the non-None positions of ``template``."""
-    it = iter(values)
-    out = [None if t is None else next(it) for t in template]
-    return out
