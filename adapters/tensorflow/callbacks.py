@@ -28,14 +28,13 @@ from dp_plugin.tensorflow.callbacks_lr import (
 from dp_plugin.tensorflow.checkpoint import BestModelCheckpoint
 from dp_plugin.tensorflow.compat import check_keras, check_strategy
 from dp_plugin.tensorflow.metric_average import MetricAverageCallback
-from dp_plugin.tensorflow.ops import Average, Compression, parse_compression, parse_gradient_op
+from dp_plugin.tensorflow.ops import Average, Compression
 from dp_plugin.tensorflow.optimizer import (
     DistributedApply,
-    check_passes,
-    check_predivide,
     find_hook,
     install,
     make_hook,
+    parse_reduction,
     relocate_to_loss_scale_optimizer,
     uninstall,
 )
@@ -192,10 +191,8 @@ class DistributedCallback(BroadcastGlobalVariablesCallback):
     ) -> None:
         super().__init__(root_rank)
         # Validated now, so a bad argument fails where it is written.
-        parse_compression(compression, self._who)
-        parse_gradient_op(op, self._who)
-        check_passes(backward_passes_per_step, self._who)
-        check_predivide(gradient_predivide_factor, self._who)
+        parse_reduction(self._who, op, compression, backward_passes_per_step,
+                        gradient_predivide_factor)
         self._settings: dict[str, Any] = dict(
             compression=compression, op=op, backward_passes_per_step=backward_passes_per_step,
             gradient_predivide_factor=gradient_predivide_factor,

@@ -49,12 +49,15 @@ from dp_plugin.tensorflow.sparse import reduce_gradients
 from dp_plugin.validate import check_int, check_positive_float
 
 
-def check_passes(value: Any, what: str) -> int:
-    return check_int("backward_passes_per_step", value, minimum=1, where=what)
-
-
-def check_predivide(value: Any, what: str) -> float:
-    return check_positive_float("gradient_predivide_factor", value, where=what)
+def parse_reduction(owner: str, op: Any, compression: Any, backward_passes_per_step: Any,
+                    gradient_predivide_factor: Any) -> tuple[ReduceOp, Compressor, int, float]:
+    """The reduction arguments of ``DistributedOptimizer``, ``DistributedCallback`` and
+    ``DistributedGradientTape``, validated (errors name ``owner``)."""
+    return (
+        parse_gradient_op(op, owner), parse_compression(compression, owner),
+        check_int("backward_passes_per_step", backward_passes_per_step, minimum=1, where=owner),
+        check_positive_float("gradient_predivide_factor", gradient_predivide_factor, where=owner),
+    )
 
 
 class DistributedApply:
@@ -303,10 +306,8 @@ def make_hook(
     sparse_as_dense: bool = False,
 ) -> DistributedApply:
     """Validate the arguments and build (not install) a hook for ``optimizer``."""
-    parsed_op: ReduceOp = parse_gradient_op(op, owner)
-    compressor: Compressor = parse_compression(compression, owner)
-    passes = check_passes(backward_passes_per_step, owner)
-    predivide = check_predivide(gradient_predivide_factor, owner)
+    parsed_op, compressor, passes, predivide = parse_reduction(
+        owner, op, compression, backward_passes_per_step, gradient_predivide_factor)
     if name is not None and (not isinstance(name, str) or not name):
         raise ValueError(f"{owner}: name must be a non-empty string or None, got {name!r}")
     bridge = GradientBridge(

@@ -8,8 +8,8 @@ from typing import Any
 
 import tensorflow as tf
 from dp_plugin.tensorflow.bridge import GradientBridge, next_bridge_name
-from dp_plugin.tensorflow.ops import Average, Compression, parse_compression, parse_gradient_op
-from dp_plugin.tensorflow.optimizer import check_predivide, reduce_present
+from dp_plugin.tensorflow.ops import Average, Compression
+from dp_plugin.tensorflow.optimizer import parse_reduction, reduce_present
 
 # Custom loops make a new tape every step: the bridge (and with it the
 # scheduler, its fusion buffers and the traced numpy op's target) is shared
@@ -66,10 +66,9 @@ class DistributedGradientTape:
             raise TypeError(f"{who} wraps a tf.GradientTape, got {type(gradtape).__name__}")
         self._tape = gradtape
         self._sparse_as_dense = bool(sparse_as_dense)
-        self._bridge = _shared_bridge(
-            parse_gradient_op(op, who), parse_compression(compression, who),
-            check_predivide(gradient_predivide_factor, who),
-        )
+        parsed_op, compressor, _, predivide = parse_reduction(
+            who, op, compression, 1, gradient_predivide_factor)
+        self._bridge = _shared_bridge(parsed_op, compressor, predivide)
 
     @tf.autograph.experimental.do_not_convert
     def gradient(
