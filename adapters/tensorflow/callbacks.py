@@ -125,16 +125,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         model = _checked_model(self.model, self._who)
-        changed = relocate_to_loss_scale_optimizer(model.optimizer)
+        changed = self._install(model.optimizer)
         _rebuild_train_function(model, find_hook(model.optimizer)[1], changed, self._who)
-        self._broadcast_or_defer(model)
-
-    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        if self._pending:
-            self._pending = False
-            broadcast_model_state(self.model, self.root_rank, self._who)
-
-    def _broadcast_or_defer(self, model: Any) -> None:
         if model.built:
             broadcast_model_state(model, self.root_rank, self._who)
             return
@@ -146,6 +138,16 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             stacklevel=2,
         )
         self._pending = True
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if self._pending:
+            self._pending = False
+            broadcast_model_state(self.model, self.root_rank, self._who)
+
+    def _install(self, optimizer: Any) -> bool:
+        """Move ``DistributedOptimizer``'s reduction onto a ``LossScaleOptimizer`` that
+        ``compile()`` wrapped around it; True if the step must be retraced."""
+        return relocate_to_loss_scale_optimizer(optimizer)
 
 
 class DistributedCallback(BroadcastGlobalVariablesCallback):
@@ -199,12 +201,6 @@ class DistributedCallback(BroadcastGlobalVariablesCallback):
             average_aggregated_gradients=average_aggregated_gradients,
             sparse_as_dense=sparse_as_dense,
         )
-
-    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
-        model = _checked_model(self.model, self._who)
-        changed = self._install(model.optimizer)
-        _rebuild_train_function(model, find_hook(model.optimizer)[1], changed, self._who)
-        self._broadcast_or_defer(model)
 
     def _install(self, optimizer: Any) -> bool:
         """Install (or keep) the reduction in ``optimizer``; True if the step must be retraced."""
