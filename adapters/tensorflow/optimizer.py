@@ -92,7 +92,8 @@ class DistributedApply:
         """Who installed it: 'DistributedOptimizer' or 'DistributedCallback'."""
         self.backward_passes_per_step = backward_passes_per_step
         self.average_aggregated_gradients = bool(average_aggregated_gradients)
-        self._original = type(optimizer).apply.__get__(optimizer)
+        self.apply_reduced = type(optimizer).apply.__get__(optimizer)
+        """The optimizer's own ``apply``, for gradients already reduced across workers."""
         self._accumulators: dict[tuple[int, ...], list[Any]] = {}
         self._counter: Any = None
         self._captured: list[tuple[list[Any], list[Any] | None]] | None = None
@@ -117,7 +118,7 @@ class DistributedApply:
             self._capture(grads, variables)
             return None
         if self.backward_passes_per_step == 1:
-            return self._original(self.reduce(grads, variables), variables)
+            return self.apply_reduced(self.reduce(grads, variables), variables)
         return self._accumulate_then_apply(grads, variables)
 
     # -- a train step split around the reduction (``xla_split``) ----------------
@@ -141,10 +142,6 @@ class DistributedApply:
                 "more than once, which the XLA-compiled split step (jit_compile=True) cannot "
                 "reduce between its parts; compile the model with jit_compile=False")
         self._captured.append((grads, variables))
-
-    def apply_reduced(self, grads: list[Any], variables: list[Any] | None) -> Any:
-        """The optimizer's own ``apply`` on gradients already reduced across workers."""
-        return self._original(grads, variables)
 
     # -- helpers --------------------------------------------------------------
     def reduce(self, grads: list[Any], variables: list[Any] | None) -> list[Any]:
@@ -186,7 +183,7 @@ class DistributedApply:
                                         else acc.read_value())
                 for g, acc in zip(grads, accumulators, strict=True)
             ]
-            self._original(self.reduce(summed, variables), variables)
+            self.apply_reduced(self.reduce(summed, variables), variables)
             for acc in accumulators:
                 acc.assign(tf.zeros_like(acc))
             self._counter.assign(0)
