@@ -117,13 +117,6 @@ class GradientBridge:
         """The schedulers made so far (their ``stats`` hold per-step communication times)."""
         return list(self._schedulers.values())
 
-    def same_settings(self, op: ReduceOp, compression: Compressor, predivide: float) -> bool:
-        return (
-            op is self.op
-            and type(compression) is type(self.compression)
-            and predivide == self.gradient_predivide_factor
-        )
-
     # -- building the step ----------------------------------------------------
     @tf.autograph.experimental.do_not_convert
     def reduce(self, grads: Sequence[Any], labels: Sequence[str]) -> list[Any]:

@@ -99,10 +99,11 @@ class DistributedApply:
         self._captured: list[tuple[list[Any], list[Any] | None]] | None = None
 
     def same_settings(self, other: DistributedApply) -> bool:
+        mine, theirs = self.bridge, other.bridge
         return (
-            self.bridge.same_settings(
-                other.bridge.op, other.bridge.compression, other.bridge.gradient_predivide_factor
-            )
+            mine.op is theirs.op
+            and type(mine.compression) is type(theirs.compression)
+            and mine.gradient_predivide_factor == theirs.gradient_predivide_factor
             and self.backward_passes_per_step == other.backward_passes_per_step
             and self.average_aggregated_gradients == other.average_aggregated_gradients
             and self.sparse_as_dense == other.sparse_as_dense

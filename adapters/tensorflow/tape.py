@@ -102,7 +102,7 @@ def _shared_bridge(op: Any, compression: Any, predivide: float) -> GradientBridg
     key = (op, type(compression), predivide)
     with _bridges_lock:
         bridge = _bridges.get(key)
-        if bridge is None or not bridge.same_settings(op, compression, predivide):
+        if bridge is None:
             bridge = GradientBridge(
                 op=op, compression=compression, gradient_predivide_factor=predivide,
                 name=next_bridge_name("tape"),
