@@ -36,7 +36,6 @@ from dp_plugin.tensorflow.optimizer import (
     make_hook,
     parse_reduction,
     relocate_to_loss_scale_optimizer,
-    uninstall,
 )
 from dp_plugin.tensorflow.xla_split import (
     can_split,
@@ -214,11 +213,9 @@ class DistributedCallback(BroadcastGlobalVariablesCallback):
                 "BroadcastGlobalVariablesCallback"
             )
         hook = make_hook(optimizer, owner=self._who, **self._settings)
-        if existing is not None:
-            if target is optimizer and existing.same_settings(hook):
-                return False  # installed by an earlier fit: its traced step is still right
-            uninstall(target)
-        install(optimizer, hook)
+        if existing is not None and target is optimizer and existing.same_settings(hook):
+            return False  # installed by an earlier fit: its traced step is still right
+        install(optimizer, hook, replacing=target if existing is not None else None)
         return True
 
 

@@ -25,9 +25,10 @@ sum (``_all_reduce_sum_gradients``, deep inside ``apply``):
   keep summing replicas (``compat`` pins the Keras versions).
 
 The class is not changed (no dynamic subclass): the instance gets an
-attribute ``apply``, which ``uninstall`` removes. It is written to the
-instance ``__dict__`` directly so that Keras's attribute tracking does not
-treat the hook as optimizer state (it must not end up in checkpoints).
+attribute ``apply``, removed when the hook is moved or replaced. It is
+written to the instance ``__dict__`` directly so that Keras's attribute
+tracking does not treat the hook as optimizer state (it must not end up in
+checkpoints).
 """
 
 from __future__ import annotations
@@ -255,16 +256,12 @@ def find_hook(optimizer: Any) -> tuple[Any, DistributedApply | None]:
     return optimizer, None
 
 
-def install(optimizer: Any, hook: DistributedApply) -> None:
+def install(optimizer: Any, hook: DistributedApply, replacing: Any = None) -> None:
+    """Put ``hook`` on this optimizer instance, after removing the hook of ``replacing``
+    (an optimizer of the same wrapping chain that has one), if given."""
+    if replacing is not None:
+        del vars(replacing)["apply"]
     vars(optimizer)["apply"] = hook
-
-
-def uninstall(optimizer: Any) -> DistributedApply | None:
-    """Remove the hook from this optimizer instance; return it (``None`` if there was none)."""
-    hook = hook_of(optimizer)
-    if hook is not None:
-        del vars(optimizer)["apply"]
-    return hook
 
 
 def relocate_to_loss_scale_optimizer(optimizer: Any) -> bool:
@@ -280,14 +277,13 @@ def relocate_to_loss_scale_optimizer(optimizer: Any) -> bool:
     target, hook = find_hook(optimizer)
     if hook is None:
         return False
-    uninstall(target)
     moved = DistributedApply(
         optimizer, hook.bridge, owner=hook.owner,
         backward_passes_per_step=hook.backward_passes_per_step,
         average_aggregated_gradients=hook.average_aggregated_gradients,
         sparse_as_dense=hook.sparse_as_dense,
     )
-    install(optimizer, moved)
+    install(optimizer, moved, replacing=target)
     return True
 
 
