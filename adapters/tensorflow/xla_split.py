@@ -31,9 +31,7 @@ Not split (XLA is turned off with a warning instead, as before): a model
 under a ``MirroredStrategy`` with several replicas, whose gradients are
 summed in replica context between the parts.
 
-Relies on Keras's TensorFlow trainer reading ``train_step`` and
-``jit_compile`` when ``make_train_function`` builds the function (checked in
-``keras/src/backend/tensorflow/trainer.py`` for the versions ``compat`` pins).
+What this relies on in Keras's trainer: see ``compat``.
 """
 
 from __future__ import annotations
