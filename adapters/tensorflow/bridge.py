@@ -111,20 +111,11 @@ class GradientBridge:
         self.seconds = 0.0
         """Wall time spent inside the numpy callbacks (pack and launch, waiting for the
         all-reduce, handing the results back)."""
-        self.error: BaseException | None = None
-        """The first exception raised inside the callback (TensorFlow re-wraps it)."""
 
     @property
     def schedulers(self) -> list[GradientScheduler]:
         """The schedulers made so far (their ``stats`` hold per-step communication times)."""
         return list(self._schedulers.values())
-
-    def same_settings(self, op: ReduceOp, compression: Compressor, predivide: float) -> bool:
-        return (
-            op is self.op
-            and type(compression) is type(self.compression)
-            and predivide == self.gradient_predivide_factor
-        )
 
     # -- building the step ----------------------------------------------------
     @tf.autograph.experimental.do_not_convert
@@ -235,9 +226,6 @@ class GradientBridge:
                 np.copyto(view, array, casting="no")
                 sched.mark_ready(i, view)
             return np.array(len(members), dtype=np.int32)
-        except BaseException as exc:
-            self._failed(exc)
-            raise
         finally:
             self.seconds += time.perf_counter() - start
 
@@ -249,16 +237,9 @@ class GradientBridge:
             if self.results_alias_buffers:
                 return list(reduced)
             return [_adoptable_copy(r) for r in reduced]
-        except BaseException as exc:
-            self._failed(exc)
-            raise
         finally:
             self.calls += 1
             self.seconds += time.perf_counter() - start
-
-    def _failed(self, exc: BaseException) -> None:
-        if self.error is None:
-            self.error = exc
 
 
 class AlignedNumpyOps(NumpyOps):

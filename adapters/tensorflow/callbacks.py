@@ -28,16 +28,14 @@ from dp_plugin.tensorflow.callbacks_lr import (
 from dp_plugin.tensorflow.checkpoint import BestModelCheckpoint
 from dp_plugin.tensorflow.compat import check_keras, check_strategy
 from dp_plugin.tensorflow.metric_average import MetricAverageCallback
-from dp_plugin.tensorflow.ops import Average, Compression, parse_compression, parse_gradient_op
+from dp_plugin.tensorflow.ops import Average, Compression
 from dp_plugin.tensorflow.optimizer import (
     DistributedApply,
-    check_passes,
-    check_predivide,
     find_hook,
     install,
     make_hook,
+    parse_reduction,
     relocate_to_loss_scale_optimizer,
-    uninstall,
 )
 from dp_plugin.tensorflow.xla_split import (
     can_split,
@@ -126,16 +124,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         model = _checked_model(self.model, self._who)
-        changed = relocate_to_loss_scale_optimizer(model.optimizer)
+        changed = self._install(model.optimizer)
         _rebuild_train_function(model, find_hook(model.optimizer)[1], changed, self._who)
-        self._broadcast_or_defer(model)
-
-    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        if self._pending:
-            self._pending = False
-            broadcast_model_state(self.model, self.root_rank, self._who)
-
-    def _broadcast_or_defer(self, model: Any) -> None:
         if model.built:
             broadcast_model_state(model, self.root_rank, self._who)
             return
@@ -147,6 +137,16 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             stacklevel=2,
         )
         self._pending = True
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if self._pending:
+            self._pending = False
+            broadcast_model_state(self.model, self.root_rank, self._who)
+
+    def _install(self, optimizer: Any) -> bool:
+        """Move ``DistributedOptimizer``'s reduction onto a ``LossScaleOptimizer`` that
+        ``compile()`` wrapped around it; True if the step must be retraced."""
+        return relocate_to_loss_scale_optimizer(optimizer)
 
 
 class DistributedCallback(BroadcastGlobalVariablesCallback):
@@ -192,22 +192,14 @@ class DistributedCallback(BroadcastGlobalVariablesCallback):
     ) -> None:
         super().__init__(root_rank)
         # Validated now, so a bad argument fails where it is written.
-        parse_compression(compression, self._who)
-        parse_gradient_op(op, self._who)
-        check_passes(backward_passes_per_step, self._who)
-        check_predivide(gradient_predivide_factor, self._who)
+        parse_reduction(self._who, op, compression, backward_passes_per_step,
+                        gradient_predivide_factor)
         self._settings: dict[str, Any] = dict(
             compression=compression, op=op, backward_passes_per_step=backward_passes_per_step,
             gradient_predivide_factor=gradient_predivide_factor,
             average_aggregated_gradients=average_aggregated_gradients,
             sparse_as_dense=sparse_as_dense,
         )
-
-    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
-        model = _checked_model(self.model, self._who)
-        changed = self._install(model.optimizer)
-        _rebuild_train_function(model, find_hook(model.optimizer)[1], changed, self._who)
-        self._broadcast_or_defer(model)
 
     def _install(self, optimizer: Any) -> bool:
         """Install (or keep) the reduction in ``optimizer``; True if the step must be retraced."""
@@ -221,11 +213,9 @@ class DistributedCallback(BroadcastGlobalVariablesCallback):
                 "BroadcastGlobalVariablesCallback"
             )
         hook = make_hook(optimizer, owner=self._who, **self._settings)
-        if existing is not None:
-            if target is optimizer and existing.same_settings(hook):
-                return False  # installed by an earlier fit: its traced step is still right
-            uninstall(target)
-        install(optimizer, hook)
+        if existing is not None and target is optimizer and existing.same_settings(hook):
+            return False  # installed by an earlier fit: its traced step is still right
+        install(optimizer, hook, replacing=target if existing is not None else None)
         return True
 
 

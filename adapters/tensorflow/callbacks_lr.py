@@ -288,12 +288,12 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         # One batch ahead, so that the last batch of each epoch lands on a
         # round value (Horovod does the same, for TensorBoard's sake).
         epoch += 1.0 / self._steps()
-        size = _world_size()
+        size = int(_dp().size())
         return 1.0 / size * (epoch * (size - 1) / self.warmup_epochs + 1)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         super().on_epoch_end(epoch, logs)
-        if epoch == self.warmup_epochs - 1 and self.verbose > 0 and _world_rank() == 0:
+        if epoch == self.warmup_epochs - 1 and self.verbose > 0 and int(_dp().rank()) == 0:
             print(
                 f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
                 f"{self._current_lr():g}."
@@ -360,14 +360,10 @@ def _dynamic_momentum(optimizer: Any, who: str) -> tuple[_DynamicMomentum | None
     return dynamic, True
 
 
-def _world_size() -> int:
-    import dp_plugin.tensorflow as dp  # lazily: that package re-exports this module
-
-    return int(dp.size())
-
-
-def _world_rank() -> int:
+def _dp() -> Any:
+    """``dp_plugin.tensorflow``, for ``size()`` and ``rank()``; imported lazily: that
+    package re-exports this module."""
     import dp_plugin.tensorflow as dp
 
-    return int(dp.rank())
+    return dp
 

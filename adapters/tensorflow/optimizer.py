@@ -25,9 +25,10 @@ sum (``_all_reduce_sum_gradients``, deep inside ``apply``):
   keep summing replicas (``compat`` pins the Keras versions).
 
 The class is not changed (no dynamic subclass): the instance gets an
-attribute ``apply``, which ``uninstall`` removes. It is written to the
-instance ``__dict__`` directly so that Keras's attribute tracking does not
-treat the hook as optimizer state (it must not end up in checkpoints).
+attribute ``apply``, removed when the hook is moved or replaced. It is
+written to the instance ``__dict__`` directly so that Keras's attribute
+tracking does not treat the hook as optimizer state (it must not end up in
+checkpoints).
 """
 
 from __future__ import annotations
@@ -49,12 +50,15 @@ from dp_plugin.tensorflow.sparse import reduce_gradients
 from dp_plugin.validate import check_int, check_positive_float
 
 
-def check_passes(value: Any, what: str) -> int:
-    return check_int("backward_passes_per_step", value, minimum=1, where=what)
-
-
-def check_predivide(value: Any, what: str) -> float:
-    return check_positive_float("gradient_predivide_factor", value, where=what)
+def parse_reduction(owner: str, op: Any, compression: Any, backward_passes_per_step: Any,
+                    gradient_predivide_factor: Any) -> tuple[ReduceOp, Compressor, int, float]:
+    """The reduction arguments of ``DistributedOptimizer``, ``DistributedCallback`` and
+    ``DistributedGradientTape``, validated (errors name ``owner``)."""
+    return (
+        parse_gradient_op(op, owner), parse_compression(compression, owner),
+        check_int("backward_passes_per_step", backward_passes_per_step, minimum=1, where=owner),
+        check_positive_float("gradient_predivide_factor", gradient_predivide_factor, where=owner),
+    )
 
 
 class DistributedApply:
@@ -89,16 +93,18 @@ class DistributedApply:
         """Who installed it: 'DistributedOptimizer' or 'DistributedCallback'."""
         self.backward_passes_per_step = backward_passes_per_step
         self.average_aggregated_gradients = bool(average_aggregated_gradients)
-        self._original = type(optimizer).apply.__get__(optimizer)
+        self.apply_reduced = type(optimizer).apply.__get__(optimizer)
+        """The optimizer's own ``apply``, for gradients already reduced across workers."""
         self._accumulators: dict[tuple[int, ...], list[Any]] = {}
         self._counter: Any = None
         self._captured: list[tuple[list[Any], list[Any] | None]] | None = None
 
     def same_settings(self, other: DistributedApply) -> bool:
+        mine, theirs = self.bridge, other.bridge
         return (
-            self.bridge.same_settings(
-                other.bridge.op, other.bridge.compression, other.bridge.gradient_predivide_factor
-            )
+            mine.op is theirs.op
+            and type(mine.compression) is type(theirs.compression)
+            and mine.gradient_predivide_factor == theirs.gradient_predivide_factor
             and self.backward_passes_per_step == other.backward_passes_per_step
             and self.average_aggregated_gradients == other.average_aggregated_gradients
             and self.sparse_as_dense == other.sparse_as_dense
@@ -114,7 +120,7 @@ class DistributedApply:
             self._capture(grads, variables)
             return None
         if self.backward_passes_per_step == 1:
-            return self._original(self.reduce(grads, variables), variables)
+            return self.apply_reduced(self.reduce(grads, variables), variables)
         return self._accumulate_then_apply(grads, variables)
 
     # -- a train step split around the reduction (``xla_split``) ----------------
@@ -139,26 +145,13 @@ class DistributedApply:
                 "reduce between its parts; compile the model with jit_compile=False")
         self._captured.append((grads, variables))
 
-    def apply_reduced(self, grads: list[Any], variables: list[Any] | None) -> Any:
-        """The optimizer's own ``apply`` on gradients already reduced across workers."""
-        return self._original(grads, variables)
-
     # -- helpers --------------------------------------------------------------
     def reduce(self, grads: list[Any], variables: list[Any] | None) -> list[Any]:
         """``grads`` (None entries kept) reduced across workers through the bridge."""
-        present = [i for i, g in enumerate(grads) if g is not None]
-        if not present:
-            return grads  # Keras raises its own "No gradients provided" error
         known = variables if variables is not None else getattr(
             self.optimizer, "_trainable_variables", None
         )
-        labels = [_label(i, known) for i in present]
-        reduced = reduce_gradients(self.bridge, [grads[i] for i in present], labels,
-                                   self.sparse_as_dense)
-        out = list(grads)
-        for i, r in zip(present, reduced, strict=True):
-            out[i] = r
-        return out
+        return reduce_present(self.bridge, grads, known, self.sparse_as_dense)
 
     def _accumulate_then_apply(self, grads: list[Any], variables: list[Any] | None) -> None:
         ctx = tf.distribute.get_replica_context()
@@ -192,7 +185,7 @@ class DistributedApply:
                                         else acc.read_value())
                 for g, acc in zip(grads, accumulators, strict=True)
             ]
-            self._original(self.reduce(summed, variables), variables)
+            self.apply_reduced(self.reduce(summed, variables), variables)
             for acc in accumulators:
                 acc.assign(tf.zeros_like(acc))
             self._counter.assign(0)
@@ -215,6 +208,24 @@ class DistributedApply:
                                                 name="dp_plugin_passes")
             self._accumulators[key] = accumulators
         return accumulators
+
+
+def reduce_present(bridge: GradientBridge, grads: Sequence[Any], variables: Sequence[Any] | None,
+                   sparse_as_dense: bool) -> list[Any]:
+    """``grads`` with its non-None entries reduced across workers (``sparse.reduce_gradients``);
+    ``variables``, when known, name them in layout errors. The optimizer's hook and the tape."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if not present:
+        return list(grads)  # Keras raises its own "No gradients provided" error
+    reduced = reduce_gradients(bridge, [grads[i] for i in present],
+                               [_label(i, variables) for i in present], sparse_as_dense)
+    return refill(grads, reduced)
+
+
+def refill(template: Sequence[Any], values: Sequence[Any]) -> list[Any]:
+    """``values`` put back at the non-None positions of ``template``."""
+    it = iter(values)
+    return [None if t is None else next(it) for t in template]
 
 
 def _label(i: int, variables: Sequence[Any] | None) -> str:
@@ -245,16 +256,12 @@ def find_hook(optimizer: Any) -> tuple[Any, DistributedApply | None]:
     return optimizer, None
 
 
-def install(optimizer: Any, hook: DistributedApply) -> None:
+def install(optimizer: Any, hook: DistributedApply, replacing: Any = None) -> None:
+    """Put ``hook`` on this optimizer instance, after removing the hook of ``replacing``
+    (an optimizer of the same wrapping chain that has one), if given."""
+    if replacing is not None:
+        del vars(replacing)["apply"]
     vars(optimizer)["apply"] = hook
-
-
-def uninstall(optimizer: Any) -> DistributedApply | None:
-    """Remove the hook from this optimizer instance; return it (``None`` if there was none)."""
-    hook = hook_of(optimizer)
-    if hook is not None:
-        del vars(optimizer)["apply"]
-    return hook
 
 
 def relocate_to_loss_scale_optimizer(optimizer: Any) -> bool:
@@ -270,14 +277,13 @@ def relocate_to_loss_scale_optimizer(optimizer: Any) -> bool:
     target, hook = find_hook(optimizer)
     if hook is None:
         return False
-    uninstall(target)
     moved = DistributedApply(
         optimizer, hook.bridge, owner=hook.owner,
         backward_passes_per_step=hook.backward_passes_per_step,
         average_aggregated_gradients=hook.average_aggregated_gradients,
         sparse_as_dense=hook.sparse_as_dense,
     )
-    install(optimizer, moved)
+    install(optimizer, moved, replacing=target)
     return True
 
 
@@ -294,10 +300,8 @@ def make_hook(
     sparse_as_dense: bool = False,
 ) -> DistributedApply:
     """Validate the arguments and build (not install) a hook for ``optimizer``."""
-    parsed_op: ReduceOp = parse_gradient_op(op, owner)
-    compressor: Compressor = parse_compression(compression, owner)
-    passes = check_passes(backward_passes_per_step, owner)
-    predivide = check_predivide(gradient_predivide_factor, owner)
+    parsed_op, compressor, passes, predivide = parse_reduction(
+        owner, op, compression, backward_passes_per_step, gradient_predivide_factor)
     if name is not None and (not isinstance(name, str) or not name):
         raise ValueError(f"{owner}: name must be a non-empty string or None, got {name!r}")
     bridge = GradientBridge(

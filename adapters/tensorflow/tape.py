@@ -8,9 +8,8 @@ from typing import Any
 
 import tensorflow as tf
 from dp_plugin.tensorflow.bridge import GradientBridge, next_bridge_name
-from dp_plugin.tensorflow.ops import Average, Compression, parse_compression, parse_gradient_op
-from dp_plugin.tensorflow.optimizer import check_predivide
-from dp_plugin.tensorflow.sparse import reduce_gradients
+from dp_plugin.tensorflow.ops import Average, Compression
+from dp_plugin.tensorflow.optimizer import parse_reduction, reduce_present
 
 # Custom loops make a new tape every step: the bridge (and with it the
 # scheduler, its fusion buffers and the traced numpy op's target) is shared
@@ -67,10 +66,9 @@ class DistributedGradientTape:
             raise TypeError(f"{who} wraps a tf.GradientTape, got {type(gradtape).__name__}")
         self._tape = gradtape
         self._sparse_as_dense = bool(sparse_as_dense)
-        self._bridge = _shared_bridge(
-            parse_gradient_op(op, who), parse_compression(compression, who),
-            check_predivide(gradient_predivide_factor, who),
-        )
+        parsed_op, compressor, _, predivide = parse_reduction(
+            who, op, compression, 1, gradient_predivide_factor)
+        self._bridge = _shared_bridge(parsed_op, compressor, predivide)
 
     @tf.autograph.experimental.do_not_convert
     def gradient(
@@ -85,14 +83,8 @@ class DistributedGradientTape:
             target, sources, output_gradients=output_gradients,
             unconnected_gradients=unconnected_gradients,
         )
-        flat_sources = tf.nest.flatten(sources)
-        flat_grads = tf.nest.flatten(grads)
-        present = [i for i, g in enumerate(flat_grads) if g is not None]
-        labels = [f"{i}:{getattr(flat_sources[i], 'name', '?')}" for i in present]
-        reduced = reduce_gradients(self._bridge, [flat_grads[i] for i in present], labels,
-                                   self._sparse_as_dense)
-        for i, r in zip(present, reduced, strict=True):
-            flat_grads[i] = r
+        flat_grads = reduce_present(self._bridge, tf.nest.flatten(grads),
+                                    tf.nest.flatten(sources), self._sparse_as_dense)
         return tf.nest.pack_sequence_as(grads, flat_grads)
 
     def __getattr__(self, name: str) -> Any:
@@ -110,7 +102,7 @@ def _shared_bridge(op: Any, compression: Any, predivide: float) -> GradientBridg
     key = (op, type(compression), predivide)
     with _bridges_lock:
         bridge = _bridges.get(key)
-        if bridge is None or not bridge.same_settings(op, compression, predivide):
+        if bridge is None:
             bridge = GradientBridge(
                 op=op, compression=compression, gradient_predivide_factor=predivide,
                 name=next_bridge_name("tape"),

@@ -31,9 +31,7 @@ Not split (XLA is turned off with a warning instead, as before): a model
 under a ``MirroredStrategy`` with several replicas, whose gradients are
 summed in replica context between the parts.
 
-Relies on Keras's TensorFlow trainer reading ``train_step`` and
-``jit_compile`` when ``make_train_function`` builds the function (checked in
-``keras/src/backend/tensorflow/trainer.py`` for the versions ``compat`` pins).
+What this relies on in Keras's trainer: see ``compat``.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ from __future__ import annotations
 from typing import Any
 
 import tensorflow as tf
-from dp_plugin.tensorflow.optimizer import DistributedApply
+from dp_plugin.tensorflow.optimizer import DistributedApply, refill
 
 _MARK = "_dp_plugin_split_hook"
 """Attribute on a train function built here: the hook it was built for."""
@@ -103,7 +101,7 @@ class SplitTrainStep:
         if not captured:
             return logs  # no trainable weights: Keras warned, nothing to apply
         grads, variables = captured[0]
-        full = _refill(grads, present)
+        full = refill(grads, present)
         if self.hook.backward_passes_per_step > 1:
             self.hook(full, variables)  # accumulate, then reduce and apply: outside XLA
             return logs
@@ -112,15 +110,8 @@ class SplitTrainStep:
             self.hook.optimizer.build(variables)  # no variables created inside XLA
 
         def apply(values: list[Any]) -> None:
-            self.hook.apply_reduced(_refill(grads, values), variables)
+            self.hook.apply_reduced(refill(grads, values), variables)
 
         tf.function(apply, jit_compile=True, autograph=False)(
             [g for g in reduced if g is not None])
         return logs
-
-
-def _refill(template: list[Any], values: list[Any]) -> list[Any]:
-    """``values`` put back at the non-None positions of ``template``."""
-    it = iter(values)
-    out = [None if t is None else next(it) for t in template]
-    return out
