@@ -206,19 +206,19 @@ def _conclude(engine: Any, table: np.ndarray, payload: bytes,
         return Heard([None] * engine.size, numbers_of, joined, same, answered)
     extra = np.asarray(list(numbers)[INLINE:], dtype="<i8").view(np.uint8)
     mine = np.concatenate([extra, np.frombuffer(payload, dtype=np.uint8)])
+    n_extra = [8 * max(c - INLINE, 0) for c in counts]
+    rows = [0 if r in joined else n_extra[r] + int(table[r, 1]) for r in range(engine.size)]
     blob = to_host(engine.allgather(to_device(mine, engine.buffer_device),
-                                    name=f"{AGREE_NAME}.detail"))
+                                    name=f"{AGREE_NAME}.detail", rows=rows))
     envelopes: list[Any | None] = []
     at = 0
-    for r, count in enumerate(counts):
+    for r in range(engine.size):
         if r in joined:
             envelopes.append(None)
             continue
-        n_extra = 8 * max(count - INLINE, 0)
-        numbers_of[r] += blob[at:at + n_extra].copy().view("<i8").tolist()
-        length = int(table[r, 1])
-        envelopes.append(json.loads(blob[at + n_extra:at + n_extra + length].tobytes()))
-        at += n_extra + length
+        numbers_of[r] += blob[at:at + n_extra[r]].copy().view("<i8").tolist()
+        envelopes.append(json.loads(blob[at + n_extra[r]:at + rows[r]].tobytes()))
+        at += rows[r]
     tags = {envelopes[r][0] for r in active}  # type: ignore[index]
     if len(tags) > 1:
         raise LayoutMismatchError(

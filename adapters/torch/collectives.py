@@ -33,7 +33,7 @@ import torch
 from dp_plugin.arrays import TorchOps
 from dp_plugin.collective import UNBOUNDED, FusedCollective
 from dp_plugin.engines.base import Engine, Handle, ReduceOp
-from dp_plugin.engines.exchange import Header, as_splits
+from dp_plugin.engines.exchange import Check, as_splits
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.process_sets import engine_of, global_process_set
@@ -265,11 +265,11 @@ def exchange(tensor: torch.Tensor, splits: Any, name: str | None, process_set: A
 def _parse_splits(splits: Any, t: torch.Tensor,
                   size: int) -> tuple[list[int] | None, Problem, str]:
     """The engine's own splits rule (``exchange.as_splits``), as a problem code."""
-    header = Header(None, 0)
-    counts = as_splits(splits, int(t.shape[0]) if t.dim() else 0, size, header)
-    if header.ok:
+    check = Check(None)
+    counts = as_splits(splits, int(t.shape[0]) if t.dim() else 0, size, check)
+    if check.ok:
         return counts, Problem.NONE, ""
-    return None, Problem.BAD_SPLITS, header.detail or ""
+    return None, Problem.BAD_SPLITS, check.detail or ""
 
 
 # -- reducescatter --------------------------------------------------------------

@@ -12,10 +12,12 @@ Contract shared by all engines:
 - every blocking wait honours ``config.timeout_s`` and raises
   ``CollectiveTimeoutError`` naming the collective and the rank, instead of
   hanging;
-- ``allgather``, ``alltoall``, ``reducescatter`` and ``subgroup`` first
-  all-gather a small fixed-size header per rank (``exchange.py``, through
-  ``_exchange``), so a mistake on one rank raises the same exception on
-  every rank before any data moves. The base class implements alltoall,
+- ``allgather``, ``alltoall``, ``reducescatter`` and ``subgroup`` first run
+  the agreement (``exchange.py``, through ``dp_plugin.agreement.compare``),
+  so a mistake on one rank raises the same exception on every rank before
+  any data moves. A caller that has agreed on everything already (every
+  rank, or none) passes what the agreement would give (``rows``) and skips
+  it. The base class implements alltoall,
   reducescatter and subgroup on top of all-gather and all-reduce; engines
   override the underscore methods where their library has a native path;
 - lifecycle lives in the base class ``Lifecycle`` (``lifecycle.py``), not
@@ -134,29 +136,34 @@ class Engine(Lifecycle):
         """In-place broadcast of ``buf`` from ``root`` to every rank."""
         self.broadcast_async(buf, root, name).wait()
 
-    def allgather(self, buf: Any, name: str = "allgather") -> Any:
+    def allgather(self, buf: Any, name: str = "allgather",
+                  rows: Sequence[int] | None = None) -> Any:
         """Concatenate every rank's buffer along the first dimension.
 
         The first dimension may differ between ranks; the others, and the
         dtype, must match. Returns a new buffer of the same kind as ``buf``.
 
-        Collective and a synchronization point. Every rank's header (dtype
-        and shape) is all-gathered and checked first, so a 0-d input, an
-        unsupported dtype or a mismatch on any rank raises the same
-        exception on every rank; then ``_allgather`` moves the rows.
+        Collective and a synchronization point. The ranks' dtypes and shapes
+        are agreed first (``exchange.py``), so a 0-d input, an unsupported
+        dtype or a mismatch on any rank raises the same exception on every
+        rank; then ``_allgather`` moves the rows. ``rows``: every rank's first
+        dimension, from a caller that has agreed on all of that already.
         """
-        handle, result = self.allgather_async(buf, name)
+        handle, result = self.allgather_async(buf, name, rows)
         handle.wait()
         return result()
 
-    def allgather_async(self, buf: Any, name: str = "allgather") -> Started:
-        """``allgather`` started: the header exchange runs now (a mistake
-        raises here, on every rank), the rows move in the background where
-        the engine can (torch.distributed, MPI). Returns ``(handle,
-        result)``: wait for ``handle``, then ``result()`` is the output."""
+    def allgather_async(self, buf: Any, name: str = "allgather",
+                        rows: Sequence[int] | None = None) -> Started:
+        """``allgather`` started: the agreement runs now (a mistake raises
+        here, on every rank), the rows move in the background where the
+        engine can (torch.distributed, MPI). Returns ``(handle, result)``:
+        wait for ``handle``, then ``result()`` is the output."""
         what = f"allgather {name!r}"
         self._check_usable(what)
-        return self._allgather_start(buf, exchange.agreed_rows(self, buf, what), name)
+        if rows is None:
+            rows = exchange.agreed_rows(self, buf, what)
+        return self._allgather_start(buf, list(rows), name)
 
     def barrier(self) -> None:
         self._check_usable("barrier")
@@ -178,8 +185,8 @@ class Engine(Lifecycle):
         numbers of rows; the dtype and the dimensions after the first must
         agree. A mistake on any rank (splits of the wrong length, negative,
         or not summing to the first dimension; a dtype or shape mismatch)
-        raises the same exception on every rank: a small header per rank is
-        all-gathered and checked before any data moves.
+        raises the same exception on every rank: the ranks agree before any
+        data moves.
         """
         what = f"alltoall {name!r}"
         self._check_usable(what)
@@ -207,13 +214,13 @@ class Engine(Lifecycle):
 
     def reducescatter_async(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM,
                             name: str = "reducescatter") -> Started:
-        """``reducescatter`` started: the header exchange runs now, the
-        reduction in the background where the engine can. Returns
-        ``(handle, result)`` as ``allgather_async``."""
+        """``reducescatter`` started: the agreement runs now, the reduction in
+        the background where the engine can. Returns ``(handle, result)`` as
+        ``allgather_async``."""
         op = ReduceOp.parse(op)
         what = f"reducescatter {name!r}"
         self._check_usable(what)
-        dtype = exchange.agreed_op(self, buf, list(ReduceOp).index(op), list(ReduceOp), what)
+        dtype = exchange.agreed_op(self, buf, op.value, what)
         if op is ReduceOp.AVERAGE and not is_floating(dtype):
             raise TypeError(
                 f"{what}: op=average is not defined for {dtype} buffers; use op='sum' and "
@@ -306,8 +313,8 @@ class Engine(Lifecycle):
         raise NotImplementedError(f"the {self.name} engine does not scale in the reduction")
 
     def _exchange(self, row: np.ndarray, what: str) -> np.ndarray:
-        """All-gather one fixed-length int64 row per rank: a (size, n) table.
-        Default: one ``_allgather`` of a single row per rank."""
+        """All-gather one fixed-length int64 row per rank: a (size, n) table
+        (the gloo engine's shared-memory setup). One ``_allgather``."""
         gathered = self._allgather(row[None, :], [1] * self.size, f"{what} (headers)")
         return np.asarray(as_numpy(gathered))
 

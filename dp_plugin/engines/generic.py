@@ -1,8 +1,8 @@
 """Collectives derived from all-gather and all-reduce, for engines whose
 library has no native path (``Engine``'s defaults call these).
 
-Both run after the header exchange, so their inputs are valid and agreed
-by every rank.
+Both run after the agreement, so their inputs are valid and agreed by
+every rank.
 """
 
 from __future__ import annotations

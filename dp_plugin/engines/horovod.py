@@ -16,8 +16,8 @@ Distributed contract (on top of ``dp_plugin.engines.base``):
   collectives, because the pending operation may still complete later and
   write into its buffer;
 - ``allgather`` agrees on every rank's dtype and shape through the base
-  class's header exchange (one ``hvd.allgather`` of a row per rank), then
-  ``hvd.allgather`` moves the data;
+  class's agreement (one ``hvd.allreduce`` of a small table, under one name
+  for every agreement), then ``hvd.allgather`` moves the data;
 - errors Horovod detects across ranks (a rank that shut down, say) are
   raised on every rank as ``DPPluginError``.
 

@@ -19,8 +19,8 @@ Distributed contract (on top of ``dp_plugin.engines.base``):
   without blocking, checked with mismatched pending collectives).
 
 ``allgather`` is ``Iallgatherv`` with the row counts the base class's
-header exchange agreed (that exchange is one ``Iallgatherv`` of a row per
-rank). ``alltoall`` is ``Ialltoallv`` on the rows' bytes, ``reducescatter`` is
+agreement gave (that agreement is one ``Iallreduce`` of a small table).
+``alltoall`` is ``Ialltoallv`` on the rows' bytes, ``reducescatter`` is
 ``Ireduce_scatter`` with Horovod's row split, and ``subgroup`` is
 ``Comm.Split``; a subgroup engine shares this engine's datatypes and ops
 (freed by this engine's ``shutdown``) and may itself be split further.
@@ -259,7 +259,7 @@ class MPIEngine(Engine):
 
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
         """``Ialltoallv`` of the rows as bytes (exact for every dtype); the
-        counts were agreed by the header exchange."""
+        counts were agreed before."""
         arr = as_numpy(buf)
         if not arr.flags.c_contiguous:
             arr = arr.copy(order="C")  # the input is only read: a copy is fine
@@ -311,7 +311,7 @@ class MPIEngine(Engine):
     def _subgroup(self, members: tuple[int, ...], topology: Topology | None,
                   name: str) -> Engine | None:
         """``Comm.Split`` of this engine's communicator. Every rank has just
-        passed the header exchange (which honours the timeout), but one may
+        passed the agreement (which honours the timeout), but one may
         still stall or die before Split, which blocks and has no timeout of
         its own: it runs under ``bounded_on``."""
         MPI = self._MPI

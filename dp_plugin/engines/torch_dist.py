@@ -10,7 +10,7 @@ alone at shutdown (a group the engine creates, it destroys).
 
 Distributed contract (on top of ``Engine``'s): every rank issues the same
 collectives in the same order on buffers of the same size and dtype;
-``allgather`` (after the base class's header exchange, which allows uneven
+``allgather`` (after the base class's agreement, which allows uneven
 first dimensions) pads every rank's rows to the longest and runs one
 ``all_gather``. A timeout breaks the engine (base class); ``shutdown``
 still destroys the group then, so teardown does not abort on the pending
@@ -293,12 +293,6 @@ class TorchDistEngine(Engine):
         token = self._torch.zeros(1, dtype=self._torch.int32, device=self._device)
         work = self._dist.all_reduce(token, group=self._group, async_op=True)
         self._handle(work, f"{self.name} barrier").wait()
-
-    def _exchange(self, row: np.ndarray, what: str) -> np.ndarray:
-        # The header goes where the backend takes buffers (the GPU for nccl).
-        mine = self._torch.from_numpy(row[None, :]).to(self._device)
-        table = self._allgather(mine, [1] * self.size, f"{what} (headers)")
-        return np.asarray(table.cpu().numpy())
 
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
         """``all_to_all_single`` of each row as raw bytes: exact for every
