@@ -29,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 import torch
 from dp_plugin.arrays import TorchOps
 from dp_plugin.collective import UNBOUNDED, FusedCollective
@@ -37,7 +39,7 @@ from dp_plugin.engines.exchange import Check, as_splits
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.process_sets import engine_of, global_process_set
-from dp_plugin.torch.agreement import Problem, Request, check_agreement, first_dims
+from dp_plugin.torch.agreement import Problem, Request, Table, check_agreement, first_dims
 from dp_plugin.torch.handles import TABLE, InFlight, Ready
 from dp_plugin.torch.submit import agree, check_factor, check_tensors, contiguous_copy, resolve_op
 
@@ -179,10 +181,18 @@ def start_gather(tensors: list[torch.Tensor], name: str | None, process_set: Any
     they are done, first dimensions, name key)."""
     engine = engine_of(process_set, what)
     key, table = agree(engine, "allgather", tensors, name, process_set)
-    label = name or "allgather"
-    started = [engine.allgather_async(t.detach().contiguous(), name=label) for t in tensors]
+    started = start_allgathers(engine, [t.detach().contiguous() for t in tensors], table, name)
     return ([h for h, _ in started], lambda: [result() for _, result in started],
             [first_dims(table, i) for i in range(len(tensors))], key)
+
+
+def start_allgathers(engine: Engine, bufs: list[torch.Tensor], table: Table,
+                     name: str | None) -> list[Any]:
+    """Start the agreed all-gather of each of ``bufs`` (a joined rank runs it
+    too, with no rows). The agreement check gave every rank's first
+    dimensions (``table``): the engine's own agreement is skipped."""
+    return [engine.allgather_async(buf, name=name or "allgather", rows=first_dims(table, i))
+            for i, buf in enumerate(bufs)]
 
 
 # -- broadcast ------------------------------------------------------------------
@@ -252,9 +262,11 @@ def exchange(tensor: torch.Tensor, splits: Any, name: str | None, process_set: A
     (t,) = check_tensors(tensor, what)
     engine = engine_of(process_set, what)
     counts, problem, detail = _parse_splits(splits, t, engine.size)
-    key, _ = agree(engine, "alltoall", [t], name, process_set, problem=problem, detail=detail)
-    out, received = engine.alltoall(t.detach().contiguous(), splits=counts,
-                                    name=name or "alltoall")
+    key, table = agree(engine, "alltoall", [t], name, process_set, problem=problem,
+                       detail=detail, splits=tuple(counts))
+    # The check agreed on every rank's splits too: the engine's agreement is skipped.
+    out, received = engine.alltoall(t.detach().contiguous(), name=name or "alltoall",
+                                    counts=np.array([row[1:] for row in table], np.int64))
     if isinstance(splits, torch.Tensor):
         recv = torch.tensor(received, dtype=splits.dtype, device=splits.device)
     else:
@@ -262,14 +274,14 @@ def exchange(tensor: torch.Tensor, splits: Any, name: str | None, process_set: A
     return out, recv, key
 
 
-def _parse_splits(splits: Any, t: torch.Tensor,
-                  size: int) -> tuple[list[int] | None, Problem, str]:
-    """The engine's own splits rule (``exchange.as_splits``), as a problem code."""
+def _parse_splits(splits: Any, t: torch.Tensor, size: int) -> tuple[list[int], Problem, str]:
+    """The engine's own splits rule (``exchange.as_splits``), as a problem code
+    (no counts when invalid)."""
     check = Check(None)
     counts = as_splits(splits, int(t.shape[0]) if t.dim() else 0, size, check)
     if check.ok:
         return counts, Problem.NONE, ""
-    return None, Problem.BAD_SPLITS, check.detail or ""
+    return [], Problem.BAD_SPLITS, check.detail or ""
 
 
 # -- reducescatter --------------------------------------------------------------
@@ -348,13 +360,13 @@ def start_reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any,
 def start_reducescatters(engine: Engine, bufs: list[torch.Tensor], policy: ReducePolicy,
                          name: str | None) -> list[Any]:
     """Start the agreed reduce-scatter of each of ``bufs`` (pre-scaled in place;
-    a joined rank runs it too, on zeros)."""
+    a joined rank runs it too, on zeros): the engine's own agreement is skipped."""
     ops = TorchOps()
     started = []
     for buf in bufs:
         ops.scale_(buf, policy.prescale)
         started.append(engine.reducescatter_async(buf, policy.engine_op,
-                                                  name=name or "reducescatter"))
+                                                  name=name or "reducescatter", agreed=True))
     return started
 
 

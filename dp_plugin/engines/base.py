@@ -16,8 +16,8 @@ Contract shared by all engines:
   the agreement (``exchange.py``, through ``dp_plugin.agreement.compare``),
   so a mistake on one rank raises the same exception on every rank before
   any data moves. A caller that has agreed on everything already (every
-  rank, or none) passes what the agreement would give (``rows``) and skips
-  it. The base class implements alltoall,
+  rank, or none) passes what the agreement would give (``rows``, ``counts``,
+  ``agreed``) and skips it. The base class implements alltoall,
   reducescatter and subgroup on top of all-gather and all-reduce; engines
   override the underscore methods where their library has a native path;
 - lifecycle lives in the base class ``Lifecycle`` (``lifecycle.py``), not
@@ -170,7 +170,8 @@ class Engine(Lifecycle):
         self._barrier()
 
     def alltoall(self, buf: Any, splits: Sequence[int] | None = None,
-                 name: str = "alltoall") -> tuple[Any, list[int]]:
+                 name: str = "alltoall",
+                 counts: np.ndarray | None = None) -> tuple[Any, list[int]]:
         """Send row blocks of ``buf`` to every rank; return what this rank got.
 
         ``buf`` (numpy or torch, at least 1-D) is split along its first
@@ -186,11 +187,13 @@ class Engine(Lifecycle):
         agree. A mistake on any rank (splits of the wrong length, negative,
         or not summing to the first dimension; a dtype or shape mismatch)
         raises the same exception on every rank: the ranks agree before any
-        data moves.
+        data moves. ``counts[i, j]``, rows rank i sends to rank j, replaces
+        ``splits`` for a caller that has agreed on all of that already.
         """
         what = f"alltoall {name!r}"
         self._check_usable(what)
-        counts = exchange.agreed_splits(self, buf, splits, what)
+        if counts is None:
+            counts = exchange.agreed_splits(self, buf, splits, what)
         received = self._alltoall(buf, counts, name)
         return received, [int(c) for c in counts[:, self.rank]]
 
@@ -213,14 +216,15 @@ class Engine(Lifecycle):
         return result()
 
     def reducescatter_async(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM,
-                            name: str = "reducescatter") -> Started:
-        """``reducescatter`` started: the agreement runs now, the reduction in
-        the background where the engine can. Returns ``(handle, result)`` as
-        ``allgather_async``."""
+                            name: str = "reducescatter", agreed: bool = False) -> Started:
+        """``reducescatter`` started: the agreement runs now (``agreed``: the
+        caller has run it), the reduction in the background where the engine
+        can. Returns ``(handle, result)`` as ``allgather_async``."""
         op = ReduceOp.parse(op)
         what = f"reducescatter {name!r}"
         self._check_usable(what)
-        dtype = exchange.agreed_op(self, buf, op.value, what)
+        dtype = (canonical_dtype(buf.dtype) if agreed else
+                 exchange.agreed_op(self, buf, op.value, what))
         if op is ReduceOp.AVERAGE and not is_floating(dtype):
             raise TypeError(
                 f"{what}: op=average is not defined for {dtype} buffers; use op='sum' and "

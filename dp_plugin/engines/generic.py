@@ -18,7 +18,7 @@ from dp_plugin.engines.handle import DoneHandle, Handle
 def alltoall_by_allgather(engine: Any, buf: Any, counts: np.ndarray, name: str) -> Any:
     """All-gather every rank's buffer and keep the blocks addressed to this
     rank (moves ``size`` times the data). ``counts[i, j]``: rows i sends j."""
-    gathered = engine.allgather(buf, name=name)
+    gathered = engine.allgather(buf, name=name, rows=[int(n) for n in counts.sum(axis=1)])
     me = engine.rank
     starts = np.concatenate([[0], np.cumsum(counts.sum(axis=1))])
     rows = [
