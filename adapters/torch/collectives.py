@@ -15,11 +15,11 @@ Distributed contract:
   flight, and ``synchronize`` waits, applies the post-scale and copies back.
   Grouped allreduces are fused into one flat buffer per dtype and device.
   allgather and reducescatter are asynchronous too where the engine's library
-  is (gloo, nccl, mpi): the call returns after the agreement check with the
-  data in flight, and ``poll`` says when it has arrived. broadcast and
-  alltoall run to completion inside the ``*_async`` call (the handle is
-  complete when returned). Either way the collectives are issued in program
-  order, identically on every rank;
+  is (gloo, nccl, mpi; horovod's reducescatter): the call returns after the
+  agreement check with the data in flight, and ``poll`` says when it has
+  arrived. broadcast and alltoall run to completion inside the ``*_async``
+  call (the handle is complete when returned). Either way the collectives
+  are issued in program order, identically on every rank;
 - inputs are never modified except by the in-place variants (``*_``); non-
   contiguous inputs are copied (in-place variants copy the result back).
 """
@@ -293,7 +293,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     """Reduce ``tensor`` (same shape on every rank) and give each rank a block
     of rows: ``rows // size`` each, the first ``rows % size`` ranks one more
     (Horovod's rule). ``op``: Average (default) or Sum. The reduction runs in
-    the background (gloo, nccl, mpi); ``synchronize`` returns the block."""
+    the background (gloo, nccl, mpi, horovod); ``synchronize`` returns the block."""
     handles, finish, key = start_reduce_scatter(
         check_tensors(tensor, "reducescatter_async"), name, op, prescale_factor,
         postscale_factor, process_set, "reducescatter_async")

@@ -106,11 +106,7 @@ class Engine(Lifecycle):
         self._check_usable(f"allreduce {name!r}")
         op = ReduceOp.parse(op)
         dtype = _check_flat(buf, f"allreduce {name!r}")
-        if op is ReduceOp.AVERAGE and not is_floating(dtype):
-            raise TypeError(
-                f"allreduce {name!r}: op=average is not defined for {dtype} buffers; "
-                "use op='sum' and divide, or cast to a floating dtype"
-            )
+        _check_average(op, dtype, f"allreduce {name!r}")
         if postscale != 1.0:
             if op is not ReduceOp.SUM or not self.scales_in_reduction(dtype):
                 raise ValueError(
@@ -225,23 +221,13 @@ class Engine(Lifecycle):
         self._check_usable(what)
         dtype = (canonical_dtype(buf.dtype) if agreed else
                  exchange.agreed_op(self, buf, op.value, what))
-        if op is ReduceOp.AVERAGE and not is_floating(dtype):
-            raise TypeError(
-                f"{what}: op=average is not defined for {dtype} buffers; use op='sum' and "
-                "divide, or cast to a floating dtype"
-            )
+        _check_average(op, dtype, what)
         counts = exchange.reducescatter_counts(int(buf.shape[0]), self.size)
         if op in self.native_ops:
             return self._reducescatter_start(buf, op, counts, name)
         handle, result = self._reducescatter_start(buf, ReduceOp.SUM, counts, name)
         size = self.size
-
-        def averaged() -> Any:
-            out = result()
-            generic.divide(out, size)
-            return out
-
-        return handle, averaged
+        return handle, lambda: generic.divide(result(), size)
 
     def subgroup(self, ranks: Sequence[int], name: str = "process_set") -> Engine | None:
         """An engine whose collectives run among ``ranks`` only.
@@ -296,12 +282,15 @@ class Engine(Lifecycle):
     @abstractmethod
     def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle: ...
 
-    @abstractmethod
     def _allgather(self, buf: Any, rows: list[int], name: str) -> Any:
         """Concatenate every rank's ``buf`` along the first dimension.
         ``rows[r]`` is rank r's first dimension; dtype and trailing shape
         were validated and agreed by every rank. Returns a new buffer of
-        the same kind as ``buf``. Must not call ``allgather``."""
+        the same kind as ``buf``. Must not call ``allgather``. Engines
+        implement this or ``_allgather_start``; default: that one, waited for."""
+        handle, result = self._allgather_start(buf, rows, name)
+        handle.wait()
+        return result()
 
     @abstractmethod
     def _barrier(self) -> None: ...
@@ -328,26 +317,19 @@ class Engine(Lifecycle):
         Generic path: ``generic.alltoall_by_allgather``."""
         return generic.alltoall_by_allgather(self, buf, counts, name)
 
-    def _reducescatter(self, buf: Any, op: ReduceOp, counts: list[int], name: str) -> Any:
-        """Reduce with ``op`` (native for this engine) and return this rank's
-        ``counts[rank]`` rows. Generic path: all-reduce a copy, then slice."""
-        handle, result = generic.reducescatter_by_allreduce(self, buf, op, counts, name)
-        handle.wait()
-        return result()
-
     def _allgather_start(self, buf: Any, rows: list[int], name: str) -> Started:
         """Start ``_allgather``; engines with a non-blocking library call
-        override it. Default: the rows move now (the handle is done)."""
+        implement this instead. Default: the rows move now (the handle is done)."""
         out = self._allgather(buf, rows, name)
         return DoneHandle(self.describe("allgather", name), self.rank,
                           self.config.timeout_s), lambda: out
 
     def _reducescatter_start(self, buf: Any, op: ReduceOp, counts: list[int],
                              name: str) -> Started:
-        """Start ``_reducescatter``; default: it runs now (the handle is done)."""
-        out = self._reducescatter(buf, op, counts, name)
-        return DoneHandle(self.describe("reducescatter", name), self.rank,
-                          self.config.timeout_s), lambda: out
+        """Start reducing with ``op`` (native for this engine); ``result()`` is
+        this rank's ``counts[rank]`` rows. Generic path: all-reduce a copy,
+        then slice (``generic.reducescatter_by_allreduce``)."""
+        return generic.reducescatter_by_allreduce(self, buf, op, counts, name)
 
     def _channel(self, name: str) -> Engine:
         """A new communicator over the same ranks. Default: a subgroup of all."""
@@ -374,6 +356,14 @@ class Engine(Lifecycle):
     def describe(self, collective: str, name: str, nbytes: int | None = None) -> str:
         size = "" if nbytes is None else f", {nbytes} bytes"
         return f"{self.name} {collective} of {name!r}{size}"
+
+
+def _check_average(op: ReduceOp, dtype: str, what: str) -> None:
+    if op is ReduceOp.AVERAGE and not is_floating(dtype):
+        raise TypeError(
+            f"{what}: op=average is not defined for {dtype} buffers; use op='sum' and "
+            "divide, or cast to a floating dtype"
+        )
 
 
 def _check_flat(buf: Any, what: str) -> str:

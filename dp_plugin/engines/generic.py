@@ -56,10 +56,11 @@ def reducescatter_by_allreduce(engine: Any, buf: Any, op: Any, counts: list[int]
     return handle, result
 
 
-def divide(buf: Any, size: int) -> None:
-    """``buf /= size`` in place (numpy or torch)."""
+def divide(buf: Any, size: int) -> Any:
+    """``buf /= size`` in place (numpy or torch); returns ``buf``."""
     if hasattr(buf, "div_"):
         buf.div_(size)
     else:
         arr = as_numpy(buf)
         arr /= arr.dtype.type(size)
+    return buf

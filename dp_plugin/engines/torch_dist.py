@@ -37,7 +37,6 @@ import numpy as np
 from dp_plugin import netif
 from dp_plugin.arrays import as_numpy, as_torch, is_torch
 from dp_plugin.config import Config
-from dp_plugin.engines import generic
 from dp_plugin.engines import rendezvous as rdv
 from dp_plugin.engines.base import (
     Availability,
@@ -252,11 +251,6 @@ class TorchDistEngine(Engine):
                                         async_op=True)
         return self._handle(work, desc).then(back)
 
-    def _allgather(self, buf: Any, rows: list[int], name: str) -> Any:
-        handle, result = self._allgather_start(buf, rows, name)
-        handle.wait()
-        return result()
-
     def _allgather_start(self, buf: Any, rows: list[int], name: str) -> Started:
         given = self._tensor(buf, f"allgather {name!r}", flat=False)
         t, _ = self._staged(given)
@@ -284,10 +278,6 @@ class TorchDistEngine(Engine):
             return out if is_torch(buf) else as_numpy(out)
 
         return handle, result
-
-    def _reducescatter_start(self, buf: Any, op: ReduceOp, counts: list[int],
-                             name: str) -> Started:
-        return generic.reducescatter_by_allreduce(self, buf, op, counts, name)
 
     def _barrier(self) -> None:
         token = self._torch.zeros(1, dtype=self._torch.int32, device=self._device)
