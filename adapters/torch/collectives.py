@@ -29,8 +29,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 import torch
 from dp_plugin.arrays import TorchOps
 from dp_plugin.collective import UNBOUNDED, FusedCollective
@@ -189,8 +187,7 @@ def start_gather(tensors: list[torch.Tensor], name: str | None, process_set: Any
 def start_allgathers(engine: Engine, bufs: list[torch.Tensor], table: Table,
                      name: str | None) -> list[Any]:
     """Start the agreed all-gather of each of ``bufs`` (a joined rank runs it
-    too, with no rows). The agreement check gave every rank's first
-    dimensions (``table``): the engine's own agreement is skipped."""
+    too, with no rows): the engine's own agreement is skipped."""
     return [engine.allgather_async(buf, name=name or "allgather", rows=first_dims(table, i))
             for i, buf in enumerate(bufs)]
 
@@ -266,7 +263,7 @@ def exchange(tensor: torch.Tensor, splits: Any, name: str | None, process_set: A
                        detail=detail, splits=tuple(counts))
     # The check agreed on every rank's splits too: the engine's agreement is skipped.
     out, received = engine.alltoall(t.detach().contiguous(), name=name or "alltoall",
-                                    counts=np.array([row[1:] for row in table], np.int64))
+                                    counts=[row[1:] for row in table])
     if isinstance(splits, torch.Tensor):
         recv = torch.tensor(received, dtype=splits.dtype, device=splits.device)
     else:

@@ -167,7 +167,7 @@ class Engine(Lifecycle):
 
     def alltoall(self, buf: Any, splits: Sequence[int] | None = None,
                  name: str = "alltoall",
-                 counts: np.ndarray | None = None) -> tuple[Any, list[int]]:
+                 counts: Sequence[Sequence[int]] | None = None) -> tuple[Any, list[int]]:
         """Send row blocks of ``buf`` to every rank; return what this rank got.
 
         ``buf`` (numpy or torch, at least 1-D) is split along its first
@@ -188,10 +188,10 @@ class Engine(Lifecycle):
         """
         what = f"alltoall {name!r}"
         self._check_usable(what)
-        if counts is None:
-            counts = exchange.agreed_splits(self, buf, splits, what)
-        received = self._alltoall(buf, counts, name)
-        return received, [int(c) for c in counts[:, self.rank]]
+        table = (exchange.agreed_splits(self, buf, splits, what) if counts is None
+                 else np.asarray(counts, dtype=np.int64))
+        received = self._alltoall(buf, table, name)
+        return received, [int(c) for c in table[:, self.rank]]
 
     def reducescatter(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM,
                       name: str = "reducescatter") -> Any:
