@@ -52,16 +52,6 @@ def _described(specs: Sequence[TensorSpec], settings: Settings | None) -> list[A
     return [_entries(specs), {k: repr(v) for k, v in sorted((settings or {}).items())}]
 
 
-def serialize(specs: Sequence[TensorSpec], settings: Settings | None = None) -> bytes:
-    """Canonical bytes of a layout and its settings (what ``agree`` digests)."""
-    return json.dumps(_described(specs, settings), separators=(",", ":")).encode()
-
-
-def fingerprint(specs: Sequence[TensorSpec], settings: Settings | None = None) -> bytes:
-    """A ``DIGEST_SIZE``-byte digest of ``serialize(specs, settings)``."""
-    return hashlib.sha256(serialize(specs, settings)).digest()
-
-
 class Compared(NamedTuple):
     """What ``compare`` found: every rank's numbers, every rank's description
     when (and only when) the descriptions differ, and the ranks that have
