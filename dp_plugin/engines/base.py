@@ -347,6 +347,15 @@ class Engine(Lifecycle):
         )
 
     # -- helpers -----------------------------------------------------------
+    def _job_wide_only(self, members: tuple[int, ...], name: str, why: str) -> None:
+        """Refuse to split a subgroup: the library makes groups over the whole job."""
+        if self._parent is not None:
+            raise NotImplementedError(
+                f"subgroup {name!r}: a {self.name} subgroup cannot be split further ({why}); "
+                "create it from the job-wide engine with the job-wide ranks "
+                f"{[self.global_ranks[m] for m in members]}"
+            )
+
     def _check_root(self, root: int, name: str) -> None:
         if not isinstance(root, int) or not 0 <= root < self.size:
             raise ValueError(

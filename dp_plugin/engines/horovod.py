@@ -297,14 +297,9 @@ class HorovodEngine(Engine):
                   name: str) -> Engine | None:
         """A Horovod process set of the members (``hvd.add_process_set``,
         collective over all Horovod ranks), reused if it already exists."""
-        what = f"subgroup {name!r}"
-        if self._parent is not None:
-            raise NotImplementedError(
-                f"{what}: a horovod subgroup cannot be split further (Horovod adds process "
-                "sets collectively over all its ranks); create it from the job-wide engine "
-                f"with the job-wide ranks {[self.global_ranks[m] for m in members]}"
-            )
-        process_set = process_set_of(self, members, what)
+        self._job_wide_only(members, name, "Horovod adds process sets collectively over all "
+                            "its ranks")
+        process_set = process_set_of(self, members, f"subgroup {name!r}")
         if topology is None:
             return None
         return type(self)(topology, self.config, parent=self, process_set=process_set)

@@ -204,17 +204,9 @@ class TorchDistEngine(Engine):
     def _subgroup(self, members: tuple[int, ...], topology: Topology | None,
                   name: str) -> Engine | None:
         """``dist.new_group`` over the members' job-wide ranks: collective
-        over every process of the job, members or not."""
-        what = f"subgroup {name!r}"
-        if self._parent is not None:
-            # new_group needs every process of the job, but only this
-            # subgroup's members are here.
-            raise NotImplementedError(
-                f"{what}: a {self.name} subgroup cannot be split further (torch.distributed "
-                "creates groups collectively over the whole job); create it from the "
-                f"job-wide engine with the job-wide ranks "
-                f"{[self.global_ranks[m] for m in members]}"
-            )
+        over every process of the job, members or not (a subgroup has only its own)."""
+        self._job_wide_only(members, name, "torch.distributed creates groups collectively "
+                            "over the whole job")
         group = self._dist.new_group(
             ranks=[self.global_ranks[m] for m in members],
             timeout=timedelta(seconds=self.config.timeout_s),
