@@ -52,16 +52,6 @@ def _described(specs: Sequence[TensorSpec], settings: Settings | None) -> list[A
     return [_entries(specs), {k: repr(v) for k, v in sorted((settings or {}).items())}]
 
 
-def serialize(specs: Sequence[TensorSpec], settings: Settings | None = None) -> bytes:
-    """Canonical bytes of a layout and its settings (what ``agree`` digests)."""
-    return json.dumps(_described(specs, settings), separators=(",", ":")).encode()
-
-
-def fingerprint(specs: Sequence[TensorSpec], settings: Settings | None = None) -> bytes:
-    """A ``DIGEST_SIZE``-byte digest of ``serialize(specs, settings)``."""
-    return hashlib.sha256(serialize(specs, settings)).digest()
-
-
 class Compared(NamedTuple):
     """What ``compare`` found: every rank's numbers, every rank's description
     when (and only when) the descriptions differ, and the ranks that have
@@ -206,19 +196,19 @@ def _conclude(engine: Any, table: np.ndarray, payload: bytes,
         return Heard([None] * engine.size, numbers_of, joined, same, answered)
     extra = np.asarray(list(numbers)[INLINE:], dtype="<i8").view(np.uint8)
     mine = np.concatenate([extra, np.frombuffer(payload, dtype=np.uint8)])
+    n_extra = [8 * max(c - INLINE, 0) for c in counts]
+    rows = [0 if r in joined else n_extra[r] + int(table[r, 1]) for r in range(engine.size)]
     blob = to_host(engine.allgather(to_device(mine, engine.buffer_device),
-                                    name=f"{AGREE_NAME}.detail"))
+                                    name=f"{AGREE_NAME}.detail", rows=rows))
     envelopes: list[Any | None] = []
     at = 0
-    for r, count in enumerate(counts):
+    for r in range(engine.size):
         if r in joined:
             envelopes.append(None)
             continue
-        n_extra = 8 * max(count - INLINE, 0)
-        numbers_of[r] += blob[at:at + n_extra].copy().view("<i8").tolist()
-        length = int(table[r, 1])
-        envelopes.append(json.loads(blob[at + n_extra:at + n_extra + length].tobytes()))
-        at += n_extra + length
+        numbers_of[r] += blob[at:at + n_extra[r]].copy().view("<i8").tolist()
+        envelopes.append(json.loads(blob[at + n_extra[r]:at + rows[r]].tobytes()))
+        at += rows[r]
     tags = {envelopes[r][0] for r in active}  # type: ignore[index]
     if len(tags) > 1:
         raise LayoutMismatchError(

@@ -102,6 +102,8 @@ class Request:
     """``root_rank`` as the user passed it (broadcast)."""
     prescale: float = 1.0
     postscale: float = 1.0
+    splits: tuple[int, ...] = ()
+    """Rows to send to each rank (alltoall; empty when invalid)."""
     problem: Problem = Problem.NONE
     detail: str = ""
     """This rank's own explanation of ``problem`` (shown on this rank only)."""
@@ -109,7 +111,8 @@ class Request:
 
 Table = list[list[int]]
 """Every rank's numbers from the check: ``table[rank][i]`` is the first
-dimension of rank's tensor ``i`` (-1 where there is none)."""
+dimension of rank's tensor ``i`` (-1 where there is none; 0 on a joined
+rank); then the ``splits`` of each request (alltoall)."""
 
 
 def check_agreement(engine: Engine, requests: Sequence[Request]) -> Table:
@@ -118,12 +121,13 @@ def check_agreement(engine: Engine, requests: Sequence[Request]) -> Table:
 
     Collective over ``engine``'s ranks: every rank must call it, once per
     collective (or group of collectives), in the same order. Returns every
-    rank's first dimensions (see ``first_dims``).
+    rank's numbers (``Table``).
     """
     if not requests:
         raise ValueError("a collective needs at least one tensor; got an empty list")
     mine = [_describe(r) for r in requests]
-    got = compare(engine, _CHECK_NAME, mine, [_first_dim(r) for r in requests],
+    numbers = [_first_dim(r) for r in requests] + [n for r in requests for n in r.splits]
+    got = compare(engine, _CHECK_NAME, mine, numbers,
                   accept_joined=requests[0].kind in JOINABLE)
     if got.described is None and any(r.problem for r in requests):
         _raise_problems([mine] * engine.size, requests)  # the same problem everywhere
@@ -136,9 +140,7 @@ def check_agreement(engine: Engine, requests: Sequence[Request]) -> Table:
         )
     if got.joined:
         _check_root_active(engine, mine[0], got.joined)
-        # A joined rank contributes nothing: no rows to an all-gather.
-        return [numbers or [0] * len(requests) for numbers in got.numbers]
-    return got.numbers
+    return _with_joined(got.numbers, len(requests))
 
 
 JOINABLE = frozenset({"allreduce", "allgather", "broadcast", "reducescatter", "barrier"})
@@ -146,13 +148,19 @@ JOINABLE = frozenset({"allreduce", "allgather", "broadcast", "reducescatter", "b
 nothing (zeros to a reduction, no rows to an all-gather)."""
 
 
-def joined_view(engine: Engine, heard: Any) -> list[dict[str, Any]]:
+def joined_view(engine: Engine, heard: Any) -> tuple[list[dict[str, Any]], Table]:
     """On a joined rank: the request the others agreed on (one description
-    per tensor), or the error they all raise."""
+    per tensor) and every rank's numbers, or the error they all raise."""
     blocks = [b for b in heard.described if b is not None]
     _raise_problems(blocks, [])
     _check_root_active(engine, blocks[0][0], heard.joined)
-    return blocks[0]
+    return blocks[0], _with_joined(heard.numbers, len(blocks[0]))
+
+
+def _with_joined(numbers: list[list[int]], count: int) -> Table:
+    """The table, a joined rank's (empty) numbers as zeros: it contributes
+    nothing, no rows to an all-gather."""
+    return [row or [0] * count for row in numbers]
 
 
 def _check_root_active(engine: Engine, described: dict[str, Any],

@@ -15,11 +15,11 @@ Distributed contract:
   flight, and ``synchronize`` waits, applies the post-scale and copies back.
   Grouped allreduces are fused into one flat buffer per dtype and device.
   allgather and reducescatter are asynchronous too where the engine's library
-  is (gloo, nccl, mpi): the call returns after the agreement check with the
-  data in flight, and ``poll`` says when it has arrived. broadcast and
-  alltoall run to completion inside the ``*_async`` call (the handle is
-  complete when returned). Either way the collectives are issued in program
-  order, identically on every rank;
+  is (gloo, nccl, mpi; horovod's reducescatter): the call returns after the
+  agreement check with the data in flight, and ``poll`` says when it has
+  arrived. broadcast and alltoall run to completion inside the ``*_async``
+  call (the handle is complete when returned). Either way the collectives
+  are issued in program order, identically on every rank;
 - inputs are never modified except by the in-place variants (``*_``); non-
   contiguous inputs are copied (in-place variants copy the result back).
 """
@@ -33,11 +33,11 @@ import torch
 from dp_plugin.arrays import TorchOps
 from dp_plugin.collective import UNBOUNDED, FusedCollective
 from dp_plugin.engines.base import Engine, Handle, ReduceOp
-from dp_plugin.engines.exchange import Header, as_splits
+from dp_plugin.engines.exchange import Check, as_splits
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.process_sets import engine_of, global_process_set
-from dp_plugin.torch.agreement import Problem, Request, check_agreement, first_dims
+from dp_plugin.torch.agreement import Problem, Request, Table, check_agreement, first_dims
 from dp_plugin.torch.handles import TABLE, InFlight, Ready
 from dp_plugin.torch.submit import agree, check_factor, check_tensors, contiguous_copy, resolve_op
 
@@ -179,10 +179,17 @@ def start_gather(tensors: list[torch.Tensor], name: str | None, process_set: Any
     they are done, first dimensions, name key)."""
     engine = engine_of(process_set, what)
     key, table = agree(engine, "allgather", tensors, name, process_set)
-    label = name or "allgather"
-    started = [engine.allgather_async(t.detach().contiguous(), name=label) for t in tensors]
+    started = start_allgathers(engine, [t.detach().contiguous() for t in tensors], table, name)
     return ([h for h, _ in started], lambda: [result() for _, result in started],
             [first_dims(table, i) for i in range(len(tensors))], key)
+
+
+def start_allgathers(engine: Engine, bufs: list[torch.Tensor], table: Table,
+                     name: str | None) -> list[Any]:
+    """Start the agreed all-gather of each of ``bufs`` (a joined rank runs it
+    too, with no rows): the engine's own agreement is skipped."""
+    return [engine.allgather_async(buf, name=name or "allgather", rows=first_dims(table, i))
+            for i, buf in enumerate(bufs)]
 
 
 # -- broadcast ------------------------------------------------------------------
@@ -252,9 +259,11 @@ def exchange(tensor: torch.Tensor, splits: Any, name: str | None, process_set: A
     (t,) = check_tensors(tensor, what)
     engine = engine_of(process_set, what)
     counts, problem, detail = _parse_splits(splits, t, engine.size)
-    key, _ = agree(engine, "alltoall", [t], name, process_set, problem=problem, detail=detail)
-    out, received = engine.alltoall(t.detach().contiguous(), splits=counts,
-                                    name=name or "alltoall")
+    key, table = agree(engine, "alltoall", [t], name, process_set, problem=problem,
+                       detail=detail, splits=tuple(counts))
+    # The check agreed on every rank's splits too: the engine's agreement is skipped.
+    out, received = engine.alltoall(t.detach().contiguous(), name=name or "alltoall",
+                                    counts=[row[1:] for row in table])
     if isinstance(splits, torch.Tensor):
         recv = torch.tensor(received, dtype=splits.dtype, device=splits.device)
     else:
@@ -262,14 +271,14 @@ def exchange(tensor: torch.Tensor, splits: Any, name: str | None, process_set: A
     return out, recv, key
 
 
-def _parse_splits(splits: Any, t: torch.Tensor,
-                  size: int) -> tuple[list[int] | None, Problem, str]:
-    """The engine's own splits rule (``exchange.as_splits``), as a problem code."""
-    header = Header(None, 0)
-    counts = as_splits(splits, int(t.shape[0]) if t.dim() else 0, size, header)
-    if header.ok:
+def _parse_splits(splits: Any, t: torch.Tensor, size: int) -> tuple[list[int], Problem, str]:
+    """The engine's own splits rule (``exchange.as_splits``), as a problem code
+    (no counts when invalid)."""
+    check = Check(None)
+    counts = as_splits(splits, int(t.shape[0]) if t.dim() else 0, size, check)
+    if check.ok:
         return counts, Problem.NONE, ""
-    return None, Problem.BAD_SPLITS, header.detail or ""
+    return [], Problem.BAD_SPLITS, check.detail or ""
 
 
 # -- reducescatter --------------------------------------------------------------
@@ -281,7 +290,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     """Reduce ``tensor`` (same shape on every rank) and give each rank a block
     of rows: ``rows // size`` each, the first ``rows % size`` ranks one more
     (Horovod's rule). ``op``: Average (default) or Sum. The reduction runs in
-    the background (gloo, nccl, mpi); ``synchronize`` returns the block."""
+    the background (gloo, nccl, mpi, horovod); ``synchronize`` returns the block."""
     handles, finish, key = start_reduce_scatter(
         check_tensors(tensor, "reducescatter_async"), name, op, prescale_factor,
         postscale_factor, process_set, "reducescatter_async")
@@ -348,13 +357,13 @@ def start_reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any,
 def start_reducescatters(engine: Engine, bufs: list[torch.Tensor], policy: ReducePolicy,
                          name: str | None) -> list[Any]:
     """Start the agreed reduce-scatter of each of ``bufs`` (pre-scaled in place;
-    a joined rank runs it too, on zeros)."""
+    a joined rank runs it too, on zeros): the engine's own agreement is skipped."""
     ops = TorchOps()
     started = []
     for buf in bufs:
         ops.scale_(buf, policy.prescale)
         started.append(engine.reducescatter_async(buf, policy.engine_op,
-                                                  name=name or "reducescatter"))
+                                                  name=name or "reducescatter", agreed=True))
     return started
 
 

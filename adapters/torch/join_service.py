@@ -26,12 +26,16 @@ from dp_plugin.agreement import Heard
 from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.torch.agreement import joined_view
-from dp_plugin.torch.collectives import start_fused_allreduce, start_reducescatters
+from dp_plugin.torch.collectives import (
+    start_allgathers,
+    start_fused_allreduce,
+    start_reducescatters,
+)
 
 
 def answer(engine: Engine, heard: Heard) -> None:
     """Run, contributing nothing, the collective the other ranks agreed on (blocks)."""
-    described = joined_view(engine, heard)
+    described, table = joined_view(engine, heard)
     kind, name = described[0]["kind"], described[0]["name"]
     if kind == "barrier":
         return
@@ -43,9 +47,8 @@ def answer(engine: Engine, heard: Heard) -> None:
         for h in handles:
             h.wait()
     elif kind == "allgather":
-        started = [engine.allgather_async(_filled(d, 0, rows=0), name=name or "allgather")
-                   for d in described]
-        for handle, _ in started:
+        zero_rows = [_filled(d, 0, rows=0) for d in described]
+        for handle, _ in start_allgathers(engine, zero_rows, table, name):
             handle.wait()
     elif kind == "broadcast":
         d = described[0]

@@ -12,10 +12,12 @@ Contract shared by all engines:
 - every blocking wait honours ``config.timeout_s`` and raises
   ``CollectiveTimeoutError`` naming the collective and the rank, instead of
   hanging;
-- ``allgather``, ``alltoall``, ``reducescatter`` and ``subgroup`` first
-  all-gather a small fixed-size header per rank (``exchange.py``, through
-  ``_exchange``), so a mistake on one rank raises the same exception on
-  every rank before any data moves. The base class implements alltoall,
+- ``allgather``, ``alltoall``, ``reducescatter`` and ``subgroup`` first run
+  the agreement (``exchange.py``, through ``dp_plugin.agreement.compare``),
+  so a mistake on one rank raises the same exception on every rank before
+  any data moves. A caller that has agreed on everything already (every
+  rank, or none) passes what the agreement would give (``rows``, ``counts``,
+  ``agreed``) and skips it. The base class implements alltoall,
   reducescatter and subgroup on top of all-gather and all-reduce; engines
   override the underscore methods where their library has a native path;
 - lifecycle lives in the base class ``Lifecycle`` (``lifecycle.py``), not
@@ -104,11 +106,7 @@ class Engine(Lifecycle):
         self._check_usable(f"allreduce {name!r}")
         op = ReduceOp.parse(op)
         dtype = _check_flat(buf, f"allreduce {name!r}")
-        if op is ReduceOp.AVERAGE and not is_floating(dtype):
-            raise TypeError(
-                f"allreduce {name!r}: op=average is not defined for {dtype} buffers; "
-                "use op='sum' and divide, or cast to a floating dtype"
-            )
+        _check_average(op, dtype, f"allreduce {name!r}")
         if postscale != 1.0:
             if op is not ReduceOp.SUM or not self.scales_in_reduction(dtype):
                 raise ValueError(
@@ -134,36 +132,42 @@ class Engine(Lifecycle):
         """In-place broadcast of ``buf`` from ``root`` to every rank."""
         self.broadcast_async(buf, root, name).wait()
 
-    def allgather(self, buf: Any, name: str = "allgather") -> Any:
+    def allgather(self, buf: Any, name: str = "allgather",
+                  rows: Sequence[int] | None = None) -> Any:
         """Concatenate every rank's buffer along the first dimension.
 
         The first dimension may differ between ranks; the others, and the
         dtype, must match. Returns a new buffer of the same kind as ``buf``.
 
-        Collective and a synchronization point. Every rank's header (dtype
-        and shape) is all-gathered and checked first, so a 0-d input, an
-        unsupported dtype or a mismatch on any rank raises the same
-        exception on every rank; then ``_allgather`` moves the rows.
+        Collective and a synchronization point. The ranks' dtypes and shapes
+        are agreed first (``exchange.py``), so a 0-d input, an unsupported
+        dtype or a mismatch on any rank raises the same exception on every
+        rank; then ``_allgather`` moves the rows. ``rows``: every rank's first
+        dimension, from a caller that has agreed on all of that already.
         """
-        handle, result = self.allgather_async(buf, name)
+        handle, result = self.allgather_async(buf, name, rows)
         handle.wait()
         return result()
 
-    def allgather_async(self, buf: Any, name: str = "allgather") -> Started:
-        """``allgather`` started: the header exchange runs now (a mistake
-        raises here, on every rank), the rows move in the background where
-        the engine can (torch.distributed, MPI). Returns ``(handle,
-        result)``: wait for ``handle``, then ``result()`` is the output."""
+    def allgather_async(self, buf: Any, name: str = "allgather",
+                        rows: Sequence[int] | None = None) -> Started:
+        """``allgather`` started: the agreement runs now (a mistake raises
+        here, on every rank), the rows move in the background where the
+        engine can (torch.distributed, MPI). Returns ``(handle, result)``:
+        wait for ``handle``, then ``result()`` is the output."""
         what = f"allgather {name!r}"
         self._check_usable(what)
-        return self._allgather_start(buf, exchange.agreed_rows(self, buf, what), name)
+        if rows is None:
+            rows = exchange.agreed_rows(self, buf, what)
+        return self._allgather_start(buf, list(rows), name)
 
     def barrier(self) -> None:
         self._check_usable("barrier")
         self._barrier()
 
     def alltoall(self, buf: Any, splits: Sequence[int] | None = None,
-                 name: str = "alltoall") -> tuple[Any, list[int]]:
+                 name: str = "alltoall",
+                 counts: Sequence[Sequence[int]] | None = None) -> tuple[Any, list[int]]:
         """Send row blocks of ``buf`` to every rank; return what this rank got.
 
         ``buf`` (numpy or torch, at least 1-D) is split along its first
@@ -178,14 +182,16 @@ class Engine(Lifecycle):
         numbers of rows; the dtype and the dimensions after the first must
         agree. A mistake on any rank (splits of the wrong length, negative,
         or not summing to the first dimension; a dtype or shape mismatch)
-        raises the same exception on every rank: a small header per rank is
-        all-gathered and checked before any data moves.
+        raises the same exception on every rank: the ranks agree before any
+        data moves. ``counts[i, j]``, rows rank i sends to rank j, replaces
+        ``splits`` for a caller that has agreed on all of that already.
         """
         what = f"alltoall {name!r}"
         self._check_usable(what)
-        counts = exchange.agreed_splits(self, buf, splits, what)
-        received = self._alltoall(buf, counts, name)
-        return received, [int(c) for c in counts[:, self.rank]]
+        table = (exchange.agreed_splits(self, buf, splits, what) if counts is None
+                 else np.asarray(counts, dtype=np.int64))
+        received = self._alltoall(buf, table, name)
+        return received, [int(c) for c in table[:, self.rank]]
 
     def reducescatter(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM,
                       name: str = "reducescatter") -> Any:
@@ -206,31 +212,22 @@ class Engine(Lifecycle):
         return result()
 
     def reducescatter_async(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM,
-                            name: str = "reducescatter") -> Started:
-        """``reducescatter`` started: the header exchange runs now, the
-        reduction in the background where the engine can. Returns
-        ``(handle, result)`` as ``allgather_async``."""
+                            name: str = "reducescatter", agreed: bool = False) -> Started:
+        """``reducescatter`` started: the agreement runs now (``agreed``: the
+        caller has run it), the reduction in the background where the engine
+        can. Returns ``(handle, result)`` as ``allgather_async``."""
         op = ReduceOp.parse(op)
         what = f"reducescatter {name!r}"
         self._check_usable(what)
-        dtype = exchange.agreed_op(self, buf, list(ReduceOp).index(op), list(ReduceOp), what)
-        if op is ReduceOp.AVERAGE and not is_floating(dtype):
-            raise TypeError(
-                f"{what}: op=average is not defined for {dtype} buffers; use op='sum' and "
-                "divide, or cast to a floating dtype"
-            )
+        dtype = (canonical_dtype(buf.dtype) if agreed else
+                 exchange.agreed_op(self, buf, op.value, what))
+        _check_average(op, dtype, what)
         counts = exchange.reducescatter_counts(int(buf.shape[0]), self.size)
         if op in self.native_ops:
             return self._reducescatter_start(buf, op, counts, name)
         handle, result = self._reducescatter_start(buf, ReduceOp.SUM, counts, name)
         size = self.size
-
-        def averaged() -> Any:
-            out = result()
-            generic.divide(out, size)
-            return out
-
-        return handle, averaged
+        return handle, lambda: generic.divide(result(), size)
 
     def subgroup(self, ranks: Sequence[int], name: str = "process_set") -> Engine | None:
         """An engine whose collectives run among ``ranks`` only.
@@ -285,12 +282,15 @@ class Engine(Lifecycle):
     @abstractmethod
     def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle: ...
 
-    @abstractmethod
     def _allgather(self, buf: Any, rows: list[int], name: str) -> Any:
         """Concatenate every rank's ``buf`` along the first dimension.
         ``rows[r]`` is rank r's first dimension; dtype and trailing shape
         were validated and agreed by every rank. Returns a new buffer of
-        the same kind as ``buf``. Must not call ``allgather``."""
+        the same kind as ``buf``. Must not call ``allgather``. Engines
+        implement this or ``_allgather_start``; default: that one, waited for."""
+        handle, result = self._allgather_start(buf, rows, name)
+        handle.wait()
+        return result()
 
     @abstractmethod
     def _barrier(self) -> None: ...
@@ -306,8 +306,8 @@ class Engine(Lifecycle):
         raise NotImplementedError(f"the {self.name} engine does not scale in the reduction")
 
     def _exchange(self, row: np.ndarray, what: str) -> np.ndarray:
-        """All-gather one fixed-length int64 row per rank: a (size, n) table.
-        Default: one ``_allgather`` of a single row per rank."""
+        """All-gather one fixed-length int64 row per rank: a (size, n) table
+        (the gloo engine's shared-memory setup). One ``_allgather``."""
         gathered = self._allgather(row[None, :], [1] * self.size, f"{what} (headers)")
         return np.asarray(as_numpy(gathered))
 
@@ -317,26 +317,19 @@ class Engine(Lifecycle):
         Generic path: ``generic.alltoall_by_allgather``."""
         return generic.alltoall_by_allgather(self, buf, counts, name)
 
-    def _reducescatter(self, buf: Any, op: ReduceOp, counts: list[int], name: str) -> Any:
-        """Reduce with ``op`` (native for this engine) and return this rank's
-        ``counts[rank]`` rows. Generic path: all-reduce a copy, then slice."""
-        handle, result = generic.reducescatter_by_allreduce(self, buf, op, counts, name)
-        handle.wait()
-        return result()
-
     def _allgather_start(self, buf: Any, rows: list[int], name: str) -> Started:
         """Start ``_allgather``; engines with a non-blocking library call
-        override it. Default: the rows move now (the handle is done)."""
+        implement this instead. Default: the rows move now (the handle is done)."""
         out = self._allgather(buf, rows, name)
         return DoneHandle(self.describe("allgather", name), self.rank,
                           self.config.timeout_s), lambda: out
 
     def _reducescatter_start(self, buf: Any, op: ReduceOp, counts: list[int],
                              name: str) -> Started:
-        """Start ``_reducescatter``; default: it runs now (the handle is done)."""
-        out = self._reducescatter(buf, op, counts, name)
-        return DoneHandle(self.describe("reducescatter", name), self.rank,
-                          self.config.timeout_s), lambda: out
+        """Start reducing with ``op`` (native for this engine); ``result()`` is
+        this rank's ``counts[rank]`` rows. Generic path: all-reduce a copy,
+        then slice (``generic.reducescatter_by_allreduce``)."""
+        return generic.reducescatter_by_allreduce(self, buf, op, counts, name)
 
     def _channel(self, name: str) -> Engine:
         """A new communicator over the same ranks. Default: a subgroup of all."""
@@ -354,6 +347,15 @@ class Engine(Lifecycle):
         )
 
     # -- helpers -----------------------------------------------------------
+    def _job_wide_only(self, members: tuple[int, ...], name: str, why: str) -> None:
+        """Refuse to split a subgroup: the library makes groups over the whole job."""
+        if self._parent is not None:
+            raise NotImplementedError(
+                f"subgroup {name!r}: a {self.name} subgroup cannot be split further ({why}); "
+                "create it from the job-wide engine with the job-wide ranks "
+                f"{[self.global_ranks[m] for m in members]}"
+            )
+
     def _check_root(self, root: int, name: str) -> None:
         if not isinstance(root, int) or not 0 <= root < self.size:
             raise ValueError(
@@ -363,6 +365,14 @@ class Engine(Lifecycle):
     def describe(self, collective: str, name: str, nbytes: int | None = None) -> str:
         size = "" if nbytes is None else f", {nbytes} bytes"
         return f"{self.name} {collective} of {name!r}{size}"
+
+
+def _check_average(op: ReduceOp, dtype: str, what: str) -> None:
+    if op is ReduceOp.AVERAGE and not is_floating(dtype):
+        raise TypeError(
+            f"{what}: op=average is not defined for {dtype} buffers; use op='sum' and "
+            "divide, or cast to a floating dtype"
+        )
 
 
 def _check_flat(buf: Any, what: str) -> str:

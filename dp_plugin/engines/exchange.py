@@ -1,18 +1,15 @@
 """Agreement checks that precede allgather, alltoall, reducescatter and subgroup.
 
-This is the engines' one encoding of "what every rank passed": no engine
-has its own.
-
 A mistake on one rank (wrong splits, another dtype, another member list)
 must raise on *every* rank, never leave the others waiting in a collective.
-So each of those collectives first all-gathers a small fixed-size int64
-header per rank that describes the input — or says what is wrong with it —
-and every rank validates the same table with the same code: the outcome
-(result or exception) is identical everywhere. The rank that made the
-mistake also gets the local detail in its message.
-
-Header layout (one int64 row per rank):
-``[problem, dtype code, ndim, dim 0, dims 1..8 (-1 padded), extras...]``.
+So each of those collectives first runs the core's one agreement exchange,
+``dp_plugin.agreement.compare``: every rank describes its input (dtype, the
+dimensions that must match, the problem it found in it, if any) and sends
+the numbers the collective needs from every rank (first dimension, splits,
+host); the descriptions themselves travel only when they differ. Every rank
+validates the same descriptions with the same code: the outcome (result or
+exception) is identical everywhere. The rank that made the mistake also
+gets the local detail in its message.
 """
 
 from __future__ import annotations
@@ -24,135 +21,121 @@ from typing import Any
 
 import numpy as np
 
-from dp_plugin.dtypes import SUPPORTED_DTYPES, canonical_dtype
+from dp_plugin.agreement import compare
+from dp_plugin.dtypes import canonical_dtype
 from dp_plugin.launch import Topology
 
-MAX_DIMS = 9
-"""Inputs may have at most this many dimensions (the header holds them all)."""
-_FIXED = 3 + MAX_DIMS
-_DTYPES = tuple(SUPPORTED_DTYPES)
-
-# Problem codes carried in column 0, with the wording other ranks see.
+# Problem codes, with the wording other ranks see.
 OK = 0
 _ZERO_DIM = 1
-_TOO_MANY_DIMS = 2
 _BAD_DTYPE = 3
 BAD_SPLITS = 4
 BAD_MEMBERS = 5
 _PROBLEMS = {
     _ZERO_DIM: "passed a 0-d buffer",
-    _TOO_MANY_DIMS: f"passed a buffer with more than {MAX_DIMS} dimensions",
     _BAD_DTYPE: "passed an unsupported dtype",
     BAD_SPLITS: "passed invalid splits",
     BAD_MEMBERS: "passed an invalid list of ranks",
 }
 
 
-class Header:
-    """This rank's header row and, if its input is bad, the local detail.
+class Check:
+    """This rank's input as the agreement describes it and, if it is bad,
+    the first problem found and its local detail.
 
-    ``buf`` None makes a header without a buffer description (subgroup)."""
+    ``buf`` None describes no buffer (subgroup)."""
 
-    def __init__(self, buf: Any | None, n_extras: int) -> None:
-        self.row = np.full(_FIXED + n_extras, -1, dtype=np.int64)
-        self.row[0] = OK
+    def __init__(self, buf: Any | None) -> None:
+        self.problem = OK
         self.detail: str | None = None
+        self.dtype: str | None = None
+        self.shape: tuple[int, ...] = ()
         if buf is None:
             return
-        shape = tuple(int(d) for d in buf.shape)
-        self.row[2] = len(shape)
+        self.shape = tuple(int(d) for d in buf.shape)
         try:
-            self.row[1] = _DTYPES.index(canonical_dtype(buf.dtype))
+            self.dtype = canonical_dtype(buf.dtype)
         except TypeError as exc:
             self.fail(_BAD_DTYPE, str(exc))
-        if not shape:
+        if not self.shape:
             self.fail(_ZERO_DIM, "a 0-d buffer has no first dimension to split or "
                       "concatenate along; reshape it to (1,)")
-        elif len(shape) > MAX_DIMS:
-            self.fail(_TOO_MANY_DIMS, f"the buffer has shape {shape}, more than {MAX_DIMS} "
-                      "dimensions; reshape it")
-        else:
-            self.row[3:3 + len(shape)] = shape
 
     @property
     def ok(self) -> bool:
-        return bool(self.row[0] == OK)
+        return self.problem == OK
 
-    def put_extras(self, values: Sequence[int]) -> None:
-        self.row[_FIXED:] = list(values)
+    @property
+    def rows(self) -> int:
+        """The first dimension (0 for a 0-d buffer)."""
+        return self.shape[0] if self.shape else 0
 
     def fail(self, code: int, detail: str) -> None:
         """Record the first problem of this rank's input (later ones are
         consequences of it)."""
         if self.ok:
-            self.row[0] = code
+            self.problem = code
             self.detail = detail
 
+    def agree(self, engine: Any, kind: str, what: str, numbers: Sequence[int] = (),
+              **fields: Any) -> tuple[list[dict[str, Any]], list[list[int]]]:
+        """The agreement (collective): every rank's description (dtype,
+        dimensions after the first, problem, ``fields``) and ``numbers``.
+        Raises, identically on every rank, if any rank found a problem."""
+        mine = {"problem": self.problem, "dtype": self.dtype,
+                "trailing": list(self.shape[1:]), **fields}
+        got = compare(engine, f"engine {kind}", mine, numbers)
+        described = got.described or [mine] * engine.size
+        check_problems(described, self, what)
+        return described, got.numbers
 
-def check_problems(table: np.ndarray, header: Header, what: str) -> None:
+
+def check_problems(described: list[dict[str, Any]], check: Check, what: str) -> None:
     """Raise, identically on every rank, if any rank reported a problem.
 
     ``TypeError`` for a bad dtype, ``ValueError`` otherwise; the message
     names the ranks, and on a rank at fault also its own detail."""
-    bad = [r for r in range(len(table)) if table[r, 0] != OK]
+    bad = [r for r, d in enumerate(described) if d["problem"] != OK]
     if not bad:
         return
-    first = int(table[bad[0], 0])
+    first = described[bad[0]]["problem"]
     error = TypeError if first == _BAD_DTYPE else ValueError
     summary = f"rank(s) {bad} {_PROBLEMS.get(first, 'passed an invalid input')}"
-    if header.detail:
-        raise error(f"{what}: {header.detail} ({summary}; every rank raises this error)")
+    if check.detail:
+        raise error(f"{what}: {check.detail} ({summary}; every rank raises this error)")
     raise error(
         f"{what}: {summary}; see the error on rank {bad[0]} for the details and the fix "
         "(every rank raises this error)"
     )
 
 
-def check_table(table: np.ndarray, header: Header, what: str, *,
-                same_first_dim: bool) -> tuple[str, tuple[int, ...]]:
-    """Validate every rank's header, identically on every rank.
-
-    Returns the common dtype and dimensions after the first. Raises ``TypeError`` for a
-    bad dtype and ``ValueError`` for every other problem, naming the ranks.
-    """
-    check_problems(table, header, what)
-    layouts = [_layout(row) for row in table]
-    skip = 0 if same_first_dim else 1
-    if any((d, s[skip:]) != (layouts[0][0], layouts[0][1][skip:]) for d, s in layouts):
-        expect = ("the same shape" if same_first_dim else
-                  "the same dimensions after the first (only the first may differ)")
-        per_rank = ", ".join(f"rank {r}: {d}{list(s)}" for r, (d, s) in enumerate(layouts))
-        raise ValueError(
-            f"{what}: ranks passed different buffers ({per_rank}); every rank must pass the "
-            f"same dtype and {expect}"
-        )
-    dtype, dims = layouts[0]
-    return dtype, dims[1:]
+def check_buffers(described: list[dict[str, Any]], rows: Sequence[int], what: str) -> None:
+    """Raise, identically on every rank, unless every rank passed the same
+    dtype and dimensions after the first, and the same first dimension where
+    the descriptions carry it (reducescatter). ``rows[r]``: rank r's first
+    dimension."""
+    layouts = [(d["dtype"], d["trailing"], d.get("rows")) for d in described]
+    if all(layout == layouts[0] for layout in layouts):
+        return
+    expect = ("the same shape" if "rows" in described[0] else
+              "the same dimensions after the first (only the first may differ)")
+    per_rank = ", ".join(f"rank {r}: {d['dtype']}{[rows[r], *d['trailing']]}"
+                         for r, d in enumerate(described))
+    raise ValueError(
+        f"{what}: ranks passed different buffers ({per_rank}); every rank must pass the "
+        f"same dtype and {expect}"
+    )
 
 
-def _layout(row: np.ndarray) -> tuple[str, tuple[int, ...]]:
-    return _DTYPES[int(row[1])], tuple(int(d) for d in row[3:3 + int(row[2])])
-
-
-def first_dims(table: np.ndarray) -> list[int]:
-    """Every rank's first dimension, from a validated header table."""
-    return [int(d) for d in table[:, 3]]
-
-
-def extras(table: np.ndarray) -> np.ndarray:
-    """The per-rank extra columns of a header table."""
-    return table[:, _FIXED:]
-
-
-def as_splits(splits: Any, rows: int, size: int, header: Header) -> list[int]:
-    """This rank's send counts; records a problem in ``header`` if invalid.
+def as_splits(splits: Any, rows: int, size: int, check: Check) -> list[int]:
+    """This rank's send counts; records a problem in ``check`` if invalid.
 
     ``None`` divides ``rows`` evenly (an error if it does not divide, as in
     Horovod). Accepts any sequence of ints, or a 1-D numpy array / tensor.
     """
     if splits is None:
         if rows % size:
-            header.fail(BAD_SPLITS, (
+            check.fail(BAD_SPLITS, (
                 f"no splits were given and the first dimension {rows} is not divisible by "
                 f"{size} ranks; pass splits (rows to send to each rank) or pad the buffer"
             ))
@@ -164,22 +147,22 @@ def as_splits(splits: Any, rows: int, size: int, header: Header) -> list[int]:
     except TypeError:
         counts = [values]
     if not all(_is_int(c) for c in counts):
-        header.fail(BAD_SPLITS, f"splits {counts!r} must be ints (rows to send to each rank)")
+        check.fail(BAD_SPLITS, f"splits {counts!r} must be ints (rows to send to each rank)")
         return [0] * size
     counts = [int(c) for c in counts]
     if len(counts) != size:
-        header.fail(BAD_SPLITS, (
+        check.fail(BAD_SPLITS, (
             f"splits {counts} has {len(counts)} entries but there are {size} ranks; pass one "
             "row count per rank, in rank order"
         ))
     elif any(c < 0 for c in counts):
-        header.fail(BAD_SPLITS, f"splits {counts} contains a negative row count")
+        check.fail(BAD_SPLITS, f"splits {counts} contains a negative row count")
     elif sum(counts) != rows:
-        header.fail(BAD_SPLITS, (
+        check.fail(BAD_SPLITS, (
             f"splits {counts} sums to {sum(counts)} but the buffer's first dimension is "
             f"{rows}; the splits must cover every row exactly once"
         ))
-    return counts if header.ok else [0] * size
+    return counts if check.ok else [0] * size
 
 
 def _is_int(value: Any) -> bool:
@@ -195,26 +178,26 @@ def reducescatter_counts(rows: int, size: int) -> list[int]:
     return [rows // size + (1 if r < rows % size else 0) for r in range(size)]
 
 
-def check_members(ranks: Any, size: int, header: Header) -> tuple[int, ...]:
-    """Validate a subgroup's member list (records problems in ``header``)."""
+def check_members(ranks: Any, size: int, check: Check) -> tuple[int, ...]:
+    """Validate a subgroup's member list (records problems in ``check``)."""
     try:
         members = tuple(ranks)
     except TypeError:
-        header.fail(BAD_MEMBERS, f"ranks {ranks!r} is not a sequence of ints")
+        check.fail(BAD_MEMBERS, f"ranks {ranks!r} is not a sequence of ints")
         return ()
     if not all(_is_int(r) for r in members):
-        header.fail(BAD_MEMBERS, f"ranks {list(members)!r} must be ints")
+        check.fail(BAD_MEMBERS, f"ranks {list(members)!r} must be ints")
         return ()
     members = tuple(int(r) for r in members)
     if not members:
-        header.fail(BAD_MEMBERS, "ranks is empty; a process set needs at least one rank")
+        check.fail(BAD_MEMBERS, "ranks is empty; a process set needs at least one rank")
     elif list(members) != sorted(set(members)):
-        header.fail(BAD_MEMBERS, (
+        check.fail(BAD_MEMBERS, (
             f"ranks {list(members)} must be sorted and unique; pass {sorted(set(members))}"
         ))
     elif members[0] < 0 or members[-1] >= size:
-        header.fail(BAD_MEMBERS, f"ranks {list(members)} must lie in 0..{size - 1}")
-    return members if header.ok else ()
+        check.fail(BAD_MEMBERS, f"ranks {list(members)} must lie in 0..{size - 1}")
+    return members if check.ok else ()
 
 
 def host_key(topology: Topology) -> int:
@@ -257,58 +240,52 @@ def group_topology(parent: Topology, members: Sequence[int], me: int,
 
 
 def agreed_rows(engine: Any, buf: Any, what: str) -> list[int]:
-    """Every rank's first dimension, once the headers agree (allgather)."""
-    header = Header(buf, 0)
-    table = engine._exchange(header.row, what)
-    check_table(table, header, what, same_first_dim=False)
-    return first_dims(table)
+    """Every rank's first dimension, once dtypes and shapes agree (allgather)."""
+    check = Check(buf)
+    described, numbers = check.agree(engine, "allgather", what, [check.rows])
+    rows = [n[0] for n in numbers]
+    check_buffers(described, rows, what)
+    return rows
 
 
 def agreed_splits(engine: Any, buf: Any, splits: Any, what: str) -> np.ndarray:
     """``counts[i, j]``: rows rank i sends to rank j, once valid and agreed (alltoall)."""
-    header = Header(buf, engine.size)
-    rows = int(buf.shape[0]) if len(buf.shape) else 0
-    header.put_extras(as_splits(splits, rows, engine.size, header))
-    table = engine._exchange(header.row, what)
-    check_table(table, header, what, same_first_dim=False)
-    return extras(table)
+    check = Check(buf)
+    counts = as_splits(splits, check.rows, engine.size, check)
+    described, numbers = check.agree(engine, "alltoall", what, [check.rows, *counts])
+    check_buffers(described, [n[0] for n in numbers], what)
+    return np.array([n[1:] for n in numbers], dtype=np.int64)
 
 
-def agreed_op(engine: Any, buf: Any, op_code: int, ops: Sequence[Any], what: str) -> str:
+def agreed_op(engine: Any, buf: Any, op: str, what: str) -> str:
     """The common dtype, once shapes, dtypes and the reduce op agree (reducescatter)."""
-    header = Header(buf, 1)
-    header.put_extras([op_code])
-    table = engine._exchange(header.row, what)
-    dtype, _ = check_table(table, header, what, same_first_dim=True)
-    names = [ops[int(i)].value for i in extras(table)[:, 0]]
+    check = Check(buf)
+    described, _ = check.agree(engine, "reducescatter", what, rows=check.rows, op=op)
+    check_buffers(described, [d["rows"] for d in described], what)
+    names = [d["op"] for d in described]
     if len(set(names)) > 1:
         raise ValueError(
             f"{what}: ranks passed different reduce ops ({', '.join(names)} for ranks 0.."
             f"{engine.size - 1}); every rank must pass the same op"
         )
-    return dtype
+    return str(described[0]["dtype"])
 
 
 def agreed_members(engine: Any, ranks: Any,
                    what: str) -> tuple[tuple[int, ...], Topology | None]:
     """The subgroup's members and this rank's place in it (None outside it),
     once every rank passed the same valid list."""
-    header = Header(None, 1 + engine.size)
-    members = check_members(ranks, engine.size, header)
-    mask = [1 if r in members else 0 for r in range(engine.size)]
-    header.put_extras([host_key(engine.topology), *mask])
-    table = engine._exchange(header.row, what)
-    check_problems(table, header, what)
-    masks = extras(table)[:, 1:]
-    if (masks != masks[0]).any():
-        per_rank = "; ".join(
-            f"rank {r}: {np.flatnonzero(m).tolist()}" for r, m in enumerate(masks)
-        )
+    check = Check(None)
+    members = check_members(ranks, engine.size, check)
+    described, numbers = check.agree(engine, "subgroup", what, [host_key(engine.topology)],
+                                     members=list(members))
+    if any(d["members"] != described[0]["members"] for d in described):
+        per_rank = "; ".join(f"rank {r}: {d['members']}" for r, d in enumerate(described))
         raise ValueError(
             f"{what}: ranks asked for different members ({per_rank}); every rank must "
             "pass the same ranks"
         )
-    hosts = [int(h) for h in extras(table)[:, 0]]
+    hosts = [n[0] for n in numbers]
     topology = (group_topology(engine.topology, members, engine.rank, hosts)
                 if engine.rank in members else None)
     return members, topology

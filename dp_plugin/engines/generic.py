@@ -1,8 +1,8 @@
 """Collectives derived from all-gather and all-reduce, for engines whose
 library has no native path (``Engine``'s defaults call these).
 
-Both run after the header exchange, so their inputs are valid and agreed
-by every rank.
+Both run after the agreement, so their inputs are valid and agreed by
+every rank.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dp_plugin.engines.handle import DoneHandle, Handle
 def alltoall_by_allgather(engine: Any, buf: Any, counts: np.ndarray, name: str) -> Any:
     """All-gather every rank's buffer and keep the blocks addressed to this
     rank (moves ``size`` times the data). ``counts[i, j]``: rows i sends j."""
-    gathered = engine.allgather(buf, name=name)
+    gathered = engine.allgather(buf, name=name, rows=[int(n) for n in counts.sum(axis=1)])
     me = engine.rank
     starts = np.concatenate([[0], np.cumsum(counts.sum(axis=1))])
     rows = [
@@ -56,10 +56,11 @@ def reducescatter_by_allreduce(engine: Any, buf: Any, op: Any, counts: list[int]
     return handle, result
 
 
-def divide(buf: Any, size: int) -> None:
-    """``buf /= size`` in place (numpy or torch)."""
+def divide(buf: Any, size: int) -> Any:
+    """``buf /= size`` in place (numpy or torch); returns ``buf``."""
     if hasattr(buf, "div_"):
         buf.div_(size)
     else:
         arr = as_numpy(buf)
         arr /= arr.dtype.type(size)
+    return buf

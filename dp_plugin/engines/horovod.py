@@ -16,8 +16,8 @@ Distributed contract (on top of ``dp_plugin.engines.base``):
   collectives, because the pending operation may still complete later and
   write into its buffer;
 - ``allgather`` agrees on every rank's dtype and shape through the base
-  class's header exchange (one ``hvd.allgather`` of a row per rank), then
-  ``hvd.allgather`` moves the data;
+  class's agreement (one ``hvd.allreduce`` of a small table, under one name
+  for every agreement), then ``hvd.allgather`` moves the data;
 - errors Horovod detects across ranks (a rank that shut down, say) are
   raised on every rank as ``DPPluginError``.
 
@@ -61,7 +61,7 @@ import numpy as np
 from dp_plugin.arrays import as_numpy, as_torch, is_torch
 from dp_plugin.config import Config
 from dp_plugin.dtypes import canonical_dtype
-from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp
+from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp, Started
 from dp_plugin.engines.deadline import bounded_on
 from dp_plugin.engines.horovod_env import library_settings
 from dp_plugin.engines.horovod_sets import process_set_of
@@ -271,14 +271,15 @@ class HorovodEngine(Engine):
             out = handle.result[0].view(tensor.dtype).reshape((int(received.sum()), *trailing))
         return out if is_torch(buf) else as_numpy(out)
 
-    def _reducescatter(self, buf: Any, op: ReduceOp, counts: list[int], name: str) -> Any:
+    def _reducescatter_start(self, buf: Any, op: ReduceOp, counts: list[int],
+                             name: str) -> Started:
         """``hvd.reducescatter_async`` for a sum in a dtype Horovod reduces
         (its split of the rows is the one ``Engine.reducescatter`` promises);
         anything else takes the generic all-reduce path."""
         tensor = as_torch(buf).detach()
         dtype = canonical_dtype(tensor.dtype)
         if op is not ReduceOp.SUM or dtype in ALLREDUCE_WIRE_DTYPES or tensor.numel() == 0:
-            return super()._reducescatter(buf, op, counts, name)
+            return super()._reducescatter_start(buf, op, counts, name)
         src = tensor.contiguous()
         handle = self._start(
             "reducescatter", name,
@@ -286,9 +287,7 @@ class HorovodEngine(Engine):
             lambda full: self._hvd.reducescatter_async(src, name=full, op=self._hvd.Sum,
                                                        process_set=self._process_set),
         )
-        handle.wait()
-        out = handle.result
-        return out if is_torch(buf) else as_numpy(out)
+        return handle, lambda: handle.result if is_torch(buf) else as_numpy(handle.result)
 
     def _channel(self, name: str) -> Engine:
         """Horovod matches collectives by name, not by order: no new group."""
@@ -298,14 +297,9 @@ class HorovodEngine(Engine):
                   name: str) -> Engine | None:
         """A Horovod process set of the members (``hvd.add_process_set``,
         collective over all Horovod ranks), reused if it already exists."""
-        what = f"subgroup {name!r}"
-        if self._parent is not None:
-            raise NotImplementedError(
-                f"{what}: a horovod subgroup cannot be split further (Horovod adds process "
-                "sets collectively over all its ranks); create it from the job-wide engine "
-                f"with the job-wide ranks {[self.global_ranks[m] for m in members]}"
-            )
-        process_set = process_set_of(self, members, what)
+        self._job_wide_only(members, name, "Horovod adds process sets collectively over all "
+                            "its ranks")
+        process_set = process_set_of(self, members, f"subgroup {name!r}")
         if topology is None:
             return None
         return type(self)(topology, self.config, parent=self, process_set=process_set)

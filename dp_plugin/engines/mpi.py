@@ -19,8 +19,8 @@ Distributed contract (on top of ``dp_plugin.engines.base``):
   without blocking, checked with mismatched pending collectives).
 
 ``allgather`` is ``Iallgatherv`` with the row counts the base class's
-header exchange agreed (that exchange is one ``Iallgatherv`` of a row per
-rank). ``alltoall`` is ``Ialltoallv`` on the rows' bytes, ``reducescatter`` is
+agreement gave (that agreement is one ``Iallreduce`` of a small table).
+``alltoall`` is ``Ialltoallv`` on the rows' bytes, ``reducescatter`` is
 ``Ireduce_scatter`` with Horovod's row split, and ``subgroup`` is
 ``Comm.Split``; a subgroup engine shares this engine's datatypes and ops
 (freed by this engine's ``shutdown``) and may itself be split further.
@@ -206,16 +206,9 @@ class MPIEngine(Engine):
         request = self._comm.Ibcast([_wire(arr), arr.size, self._types[dtype]], root=root)
         return _MPIHandle(self, description, [request], (buf, arr))
 
-    def _allgather(self, buf: Any, rows: list[int], name: str) -> Any:
-        handle, result = self._allgather_start(buf, rows, name)
-        handle.wait()
-        return result()
-
     def _allgather_start(self, buf: Any, rows: list[int], name: str) -> Started:
         """``Iallgatherv`` of the rows, with the agreed per-rank counts."""
-        arr = as_numpy(buf)
-        if not arr.flags.c_contiguous:
-            arr = arr.copy(order="C")  # the input is only read: a copy is fine
+        arr = np.ascontiguousarray(as_numpy(buf))  # only read: a copy is fine
         trailing = arr.shape[1:]
         row_elems = int(np.prod(trailing, dtype=np.int64))
         counts = [r * row_elems for r in rows]
@@ -259,10 +252,8 @@ class MPIEngine(Engine):
 
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
         """``Ialltoallv`` of the rows as bytes (exact for every dtype); the
-        counts were agreed by the header exchange."""
-        arr = as_numpy(buf)
-        if not arr.flags.c_contiguous:
-            arr = arr.copy(order="C")  # the input is only read: a copy is fine
+        counts were agreed before."""
+        arr = np.ascontiguousarray(as_numpy(buf))  # only read: a copy is fine
         trailing = arr.shape[1:]
         row_bytes = int(np.prod(trailing, dtype=np.int64)) * arr.dtype.itemsize
         received = counts[:, self.rank]
@@ -279,17 +270,10 @@ class MPIEngine(Engine):
                        (arr, out)).wait()
         return as_torch(out) if is_torch(buf) else out
 
-    def _reducescatter(self, buf: Any, op: ReduceOp, counts: list[int], name: str) -> Any:
-        handle, result = self._reducescatter_start(buf, op, counts, name)
-        handle.wait()
-        return result()
-
     def _reducescatter_start(self, buf: Any, op: ReduceOp, counts: list[int],
                              name: str) -> Started:
         """``Ireduce_scatter`` with per-rank element counts."""
-        arr = as_numpy(buf)
-        if not arr.flags.c_contiguous:
-            arr = arr.copy(order="C")
+        arr = np.ascontiguousarray(as_numpy(buf))
         dtype = canonical_dtype(arr.dtype)
         trailing = arr.shape[1:]
         row = int(np.prod(trailing, dtype=np.int64))
@@ -311,7 +295,7 @@ class MPIEngine(Engine):
     def _subgroup(self, members: tuple[int, ...], topology: Topology | None,
                   name: str) -> Engine | None:
         """``Comm.Split`` of this engine's communicator. Every rank has just
-        passed the header exchange (which honours the timeout), but one may
+        passed the agreement (which honours the timeout), but one may
         still stall or die before Split, which blocks and has no timeout of
         its own: it runs under ``bounded_on``."""
         MPI = self._MPI

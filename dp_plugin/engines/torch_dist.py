@@ -10,7 +10,7 @@ alone at shutdown (a group the engine creates, it destroys).
 
 Distributed contract (on top of ``Engine``'s): every rank issues the same
 collectives in the same order on buffers of the same size and dtype;
-``allgather`` (after the base class's header exchange, which allows uneven
+``allgather`` (after the base class's agreement, which allows uneven
 first dimensions) pads every rank's rows to the longest and runs one
 ``all_gather``. A timeout breaks the engine (base class); ``shutdown``
 still destroys the group then, so teardown does not abort on the pending
@@ -37,7 +37,6 @@ import numpy as np
 from dp_plugin import netif
 from dp_plugin.arrays import as_numpy, as_torch, is_torch
 from dp_plugin.config import Config
-from dp_plugin.engines import generic
 from dp_plugin.engines import rendezvous as rdv
 from dp_plugin.engines.base import (
     Availability,
@@ -205,17 +204,9 @@ class TorchDistEngine(Engine):
     def _subgroup(self, members: tuple[int, ...], topology: Topology | None,
                   name: str) -> Engine | None:
         """``dist.new_group`` over the members' job-wide ranks: collective
-        over every process of the job, members or not."""
-        what = f"subgroup {name!r}"
-        if self._parent is not None:
-            # new_group needs every process of the job, but only this
-            # subgroup's members are here.
-            raise NotImplementedError(
-                f"{what}: a {self.name} subgroup cannot be split further (torch.distributed "
-                "creates groups collectively over the whole job); create it from the "
-                f"job-wide engine with the job-wide ranks "
-                f"{[self.global_ranks[m] for m in members]}"
-            )
+        over every process of the job, members or not (a subgroup has only its own)."""
+        self._job_wide_only(members, name, "torch.distributed creates groups collectively "
+                            "over the whole job")
         group = self._dist.new_group(
             ranks=[self.global_ranks[m] for m in members],
             timeout=timedelta(seconds=self.config.timeout_s),
@@ -252,11 +243,6 @@ class TorchDistEngine(Engine):
                                         async_op=True)
         return self._handle(work, desc).then(back)
 
-    def _allgather(self, buf: Any, rows: list[int], name: str) -> Any:
-        handle, result = self._allgather_start(buf, rows, name)
-        handle.wait()
-        return result()
-
     def _allgather_start(self, buf: Any, rows: list[int], name: str) -> Started:
         given = self._tensor(buf, f"allgather {name!r}", flat=False)
         t, _ = self._staged(given)
@@ -285,20 +271,10 @@ class TorchDistEngine(Engine):
 
         return handle, result
 
-    def _reducescatter_start(self, buf: Any, op: ReduceOp, counts: list[int],
-                             name: str) -> Started:
-        return generic.reducescatter_by_allreduce(self, buf, op, counts, name)
-
     def _barrier(self) -> None:
         token = self._torch.zeros(1, dtype=self._torch.int32, device=self._device)
         work = self._dist.all_reduce(token, group=self._group, async_op=True)
         self._handle(work, f"{self.name} barrier").wait()
-
-    def _exchange(self, row: np.ndarray, what: str) -> np.ndarray:
-        # The header goes where the backend takes buffers (the GPU for nccl).
-        mine = self._torch.from_numpy(row[None, :]).to(self._device)
-        table = self._allgather(mine, [1] * self.size, f"{what} (headers)")
-        return np.asarray(table.cpu().numpy())
 
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
         """``all_to_all_single`` of each row as raw bytes: exact for every

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from dp_plugin import runtime
+from dp_plugin.agreement import AGREE_NAME
 from dp_plugin.config import Config
 from dp_plugin.engines.base import Engine
 from dp_plugin.errors import NotInitializedError
@@ -387,6 +388,22 @@ def test_three_ranks_reduce_gather_broadcast_alltoall_reducescatter() -> None:
         barrier(process_set=ps)
 
     _on_ranks(3, body)
+
+
+def test_tensor_collectives_agree_once() -> None:
+    # The agreement check covers what the engine would check: one agreement
+    # per collective, then the data (the fake engine's alltoall is an allgather).
+    def body(rank: int, ps: _Set) -> list[tuple[str, str]]:
+        allgather(torch.ones(rank + 1, 2), name="ag", process_set=ps)
+        alltoall(torch.arange(3.0), splits=[1, 1, 1], name="a2a", process_set=ps)
+        reducescatter(torch.ones(3, 2), op=Sum, name="rs", process_set=ps)
+        assert ps._engine is not None
+        return [(kind, name) for kind, name, _ in ps._engine.log]  # type: ignore[attr-defined]
+
+    agreed = ("allreduce", AGREE_NAME)
+    for calls in _on_ranks(3, body):
+        assert calls == [agreed, ("allgather", "ag"), agreed, ("allgather", "a2a"),
+                         agreed, ("allreduce", "rs")]
 
 
 def test_three_rank_gradients_follow_horovod() -> None:

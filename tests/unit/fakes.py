@@ -61,11 +61,10 @@ class _Group:
 
     def submit(self, rank: int, seq: int, kind: str, name: str, buf: Any,
                signature: tuple[Any, ...], op: ReduceOp | None = None,
-               root: int = 0, log: bool = True) -> _Collective:
+               root: int = 0) -> _Collective:
         data = np.array(as_numpy(buf), copy=True)
         with self.lock:
-            if log:
-                self.logs[rank].append((kind, name, int(data.nbytes)))
+            self.logs[rank].append((kind, name, int(data.nbytes)))
             coll = self.pending.get(seq)
             if coll is None:
                 coll = self.pending[seq] = _Collective(kind, name, signature, rank)
@@ -98,7 +97,7 @@ class _Group:
             coll.result = acc
         elif coll.kind == "broadcast":
             coll.result = ordered[root]
-        elif coll.kind in ("allgather", "exchange"):
+        elif coll.kind == "allgather":
             coll.result = np.concatenate(ordered, axis=0)
         else:
             coll.result = np.empty(0)
@@ -153,10 +152,10 @@ class FakeEngine(Engine):
             self.group.absent.add(self.rank)
 
     def _start(self, kind: str, name: str, buf: Any, signature: tuple[Any, ...],
-               op: ReduceOp | None = None, root: int = 0, log: bool = True) -> FakeHandle:
+               op: ReduceOp | None = None, root: int = 0) -> FakeHandle:
         seq = self._seq
         self._seq += 1
-        coll = self.group.submit(self.rank, seq, kind, name, buf, signature, op, root, log)
+        coll = self.group.submit(self.rank, seq, kind, name, buf, signature, op, root)
         nbytes = int(as_numpy(buf).nbytes)
         return FakeHandle(coll, self.describe(kind, name, nbytes), self.rank,
                           self.config.timeout_s)
@@ -173,12 +172,6 @@ class FakeEngine(Engine):
         arr = as_numpy(buf)
         handle = self._start("allgather", name, buf, (str(arr.dtype), arr.shape[1:]))
         return self._result(handle, buf)
-
-    def _exchange(self, row: np.ndarray, what: str) -> np.ndarray:
-        # The engines' header agreement before an all-gather is not one of the
-        # collectives the tests count: it is not logged.
-        handle = self._start("exchange", what, row[None, :], (row.size,), log=False)
-        return np.asarray(self._result(handle, row))
 
     @staticmethod
     def _result(handle: FakeHandle, buf: Any) -> Any:

@@ -10,7 +10,6 @@ from dp_plugin.agreement import (
     agree,
     describe_mismatch,
     describe_settings,
-    fingerprint,
     to_device,
     to_host,
 )
@@ -23,23 +22,17 @@ def model(n: int = 4) -> list[TensorSpec]:
     return [TensorSpec(f"layer{i}.weight", (i + 1, 3), "float32") for i in range(n)]
 
 
-def test_fingerprint_is_fixed_size_and_sensitive() -> None:
-    base = fingerprint(model())
-    assert len(base) == DIGEST_SIZE
-    assert fingerprint(model()) == base
-    assert fingerprint(list(reversed(model()))) != base
-    changed = model()
-    changed[2] = TensorSpec("layer2.weight", (3, 3), "float16")
-    assert fingerprint(changed) != base
-    assert fingerprint(model(5)) != base
-    assert fingerprint([]) != base
+def test_agreement_ignores_the_device_index_only() -> None:
+    # One GPU per rank: 'cuda:0' on rank 0 and 'cuda:1' on rank 1 agree.
+    def on(devices: list[str]) -> list[object]:
+        def body(e: FakeEngine) -> None:
+            agree(e, [TensorSpec("w", (2,), "float32", devices[e.rank])],
+                  settings={"fusion threshold": 1024})
 
+        return run_ranks_outcomes(make_thread_group(2), body)
 
-def test_fingerprint_ignores_device_index_only() -> None:
-    a = [TensorSpec("w", (2,), "float32", "cuda:0")]
-    b = [TensorSpec("w", (2,), "float32", "cuda:1")]
-    c = [TensorSpec("w", (2,), "float32", "cpu")]
-    assert fingerprint(a) == fingerprint(b) != fingerprint(c)
+    assert on(["cuda:0", "cuda:1"]) == [None, None]
+    assert all(isinstance(o, LayoutMismatchError) for o in on(["cuda:0", "cpu"]))
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
@@ -115,13 +108,6 @@ def test_describe_mismatch_when_layouts_agree() -> None:
     assert "corrupted" in describe_settings([{"a": "1"}, {"a": "1"}], "gradients", 0)
 
 
-def test_fingerprint_covers_settings() -> None:
-    base = fingerprint(model(), {"fusion threshold": 1024})
-    assert fingerprint(model(), {"fusion threshold": 1024}) == base
-    assert fingerprint(model(), {"fusion threshold": 4096}) != base
-    assert fingerprint(model()) != base
-
-
 @pytest.mark.parametrize(("key", "values"), [
     ("fusion threshold", (4096, 1024)),
     ("compression", ("none", "fp16")),
@@ -141,6 +127,15 @@ def test_differing_settings_raise_on_every_rank_naming_both_values(
         msg = str(err)
         assert msg.startswith(f"rank {rank}: the gradients use different settings")
         assert f"{key} differs (rank 0: {values[0]!r}; rank 1: {values[1]!r})" in msg
+
+
+def test_a_setting_on_one_rank_only_differs() -> None:
+    def body(e: FakeEngine) -> None:
+        agree(e, model(), settings={"compression": "fp16"} if e.rank else None)
+
+    for err in run_ranks_outcomes(make_thread_group(2), body):
+        assert isinstance(err, LayoutMismatchError)
+        assert "compression differs (rank 0: <unset>; rank 1: 'fp16')" in str(err)
 
 
 def test_control_buffers_move_to_the_engines_device() -> None:

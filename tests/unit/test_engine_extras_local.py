@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dp_plugin.agreement import AGREE_NAME
 from dp_plugin.config import Config
 from dp_plugin.engines import exchange
 from dp_plugin.engines.base import ReduceOp
@@ -73,8 +74,8 @@ def test_local_alltoall_rejects_bad_buffers() -> None:
         engine.alltoall(np.zeros((), np.float32))
     with pytest.raises(TypeError, match="bool cannot be all-reduced"):
         engine.alltoall(np.zeros(3, bool))
-    with pytest.raises(ValueError, match="more than 9 dimensions"):
-        engine.alltoall(np.zeros((1,) * 10, np.float32))
+    # Any number of dimensions: the agreement describes them all.
+    assert engine.alltoall(np.zeros((1,) * 10, np.float32))[0].shape == (1,) * 10
 
 
 @pytest.mark.parametrize("op", list(ReduceOp))
@@ -263,8 +264,10 @@ def test_allgather_of_uneven_rows_agrees_first() -> None:
     expected = np.concatenate([np.full((r, 2), r, np.int32) for r in range(3)])
     for outcome in run_ranks_outcomes(engines, body):
         np.testing.assert_array_equal(outcome, expected)
-    # The header agreement is not counted with the data collectives.
-    assert all(e.log == [("allgather", "ag", 8 * e.rank)] for e in engines)  # rows x 2 x 4 B
+    # One agreement (an all-reduce of every rank's 14-word row), then the rows
+    # (rows x 2 x 4 B).
+    agreed = ("allreduce", AGREE_NAME, 3 * 14 * 8)
+    assert all(e.log == [agreed, ("allgather", "ag", 8 * e.rank)] for e in engines)
 
 
 def test_an_engine_without_subgroups_says_so_on_every_rank() -> None:

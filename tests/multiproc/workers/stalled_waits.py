@@ -4,7 +4,7 @@ Rank 0 must get ``CollectiveTimeoutError`` naming the wait within
 DP_PLUGIN_TIMEOUT (plus a margin the pytest side checks from the printed
 time); the stalled last rank sleeps past that and then leaves with exit 0.
 Cases:
-- ``mpi_split``: the last rank passes subgroup's header exchange, then stalls
+- ``mpi_split``: the last rank passes subgroup's agreement, then stalls
   before ``MPI_Comm_split`` (mpirun, engine mpi).
 - ``hvd_add_process_set``: the last rank stalls inside ``hvd.add_process_set``
   (horovodrun, engine horovod).
@@ -44,7 +44,7 @@ def _expect_timeout(fn: Any, needle: str) -> None:
 
 def case_mpi_split(engine: Any) -> None:
     if engine.rank == engine.size - 1:
-        type(engine)._subgroup = lambda *args: _stall()  # passes the exchange, not Split
+        type(engine)._subgroup = lambda *args: _stall()  # passes the agreement, not Split
     _expect_timeout(lambda: engine.subgroup([0, engine.size - 1], name="pair"),
                     "mpi Comm.Split ('pair')")
 
