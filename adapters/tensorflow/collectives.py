@@ -17,7 +17,7 @@ have Horovod 0.28.1's gradients:
 Data goes through the core: all-reduces through ``FusedCollective`` (one
 fused buffer per dtype, the agreement check first, so a shape or dtype
 mismatch raises on every rank), the rest through the engine's own
-collectives, which check every rank's header before moving data.
+collectives, which agree on every rank's input (dtype, dimensions, splits) before moving data.
 
 Distributed contract: every rank of the process set calls the same
 collectives in the same order with matching inputs. Inside ``tf.function``

@@ -1,7 +1,7 @@
 """The shared-memory all-reduce (dp_plugin/engines/shm.py), its ranks as
 threads of one process: each has its own mapping of the segment and its
 own sockets, as separate processes would; a thread barrier stands in for
-the engine's header exchange. Small chunks make every all-reduce cross
+the engine's row exchange (`Engine._exchange`). Small chunks make every all-reduce cross
 chunk boundaries. The gloo engine's use of it, in real processes, is
 tested by tests/multiproc (the engine battery, the parity and fault tests).
 """
