@@ -167,9 +167,8 @@ def _check_root_active(engine: Engine, described: dict[str, Any],
                        joined: Sequence[int]) -> None:
     if described["kind"] != "broadcast":
         return
-    members = list(getattr(engine, "global_ranks", range(engine.size)))
     root = described["root"]
-    if members.index(root) in joined:
+    if engine.global_ranks.index(root) in joined:
         raise JoinedRankError(
             f"broadcast{'' if described['name'] is None else ' ' + repr(described['name'])}: "
             f"its root_rank {root} has called join() and has no tensor to send; broadcast "

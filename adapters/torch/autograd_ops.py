@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from dp_plugin.collective import root_of
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.torch.collectives import (
@@ -39,7 +40,6 @@ from dp_plugin.torch.collectives import (
     grouped_allreduce_async,
     grouped_allreduce_async_,
     reduce_scatter,
-    set_root,
 )
 from dp_plugin.torch.handles import synchronize
 from dp_plugin.torch.ops import Compression
@@ -209,10 +209,10 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None,
                 process_set: Any) -> torch.Tensor:
-        engine = engine_of(process_set, "broadcast")
-        ctx.is_root = engine.rank == set_root(engine, root_rank, "broadcast")[0]
-        ctx.process_set = process_set
         out: torch.Tensor = synchronize(broadcast_async(tensor, root_rank, name, process_set))
+        engine = engine_of(process_set, "broadcast")
+        ctx.is_root = engine.rank == root_of(engine, root_rank, "broadcast")  # valid: it ran
+        ctx.process_set = process_set
         return out
 
     @staticmethod

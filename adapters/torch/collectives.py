@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 from dp_plugin.arrays import TorchOps
-from dp_plugin.collective import UNBOUNDED, FusedCollective
+from dp_plugin.collective import UNBOUNDED, FusedCollective, root_of
 from dp_plugin.engines.base import Engine, Handle, ReduceOp
 from dp_plugin.engines.exchange import Check, as_splits
 from dp_plugin.fusion import TensorSpec
@@ -209,23 +209,16 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     return _start_broadcast(tensor, root_rank, name, process_set, True, "broadcast_async_")
 
 
-def set_root(engine: Engine, root_rank: Any, what: str) -> tuple[int, Problem, str]:
-    """``root_rank`` (job-wide) as a rank of ``engine``'s process set."""
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
-        raise TypeError(f"{what}: root_rank={root_rank!r} must be an int (a rank)")
-    members = list(getattr(engine, "global_ranks", range(engine.size)))
-    if root_rank not in members:
-        return -1, Problem.BAD_ROOT, (
-            f"root_rank {root_rank} is not one of the process set's ranks {members}"
-        )
-    return members.index(root_rank), Problem.NONE, ""
-
-
 def _start_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: Any,
                      inplace: bool, what: str) -> int:
     (t,) = check_tensors(tensor, what)
     engine = engine_of(process_set, what)
-    root, problem, detail = set_root(engine, root_rank, what)
+    # Horovod's root rule (an int raises at once); a root outside the set is
+    # a problem for the agreement, so that every rank raises.
+    try:
+        root, problem, detail = root_of(engine, root_rank, what), Problem.NONE, ""
+    except ValueError as exc:
+        root, problem, detail = -1, Problem.BAD_ROOT, str(exc)
     key, _ = agree(engine, "broadcast", [t], name, process_set, problem=problem,
                    detail=detail, root=root_rank)
     alias = inplace and t.is_contiguous()
