@@ -167,9 +167,7 @@ def gather(tensors: list[torch.Tensor], name: str | None, process_set: Any,
     """Run the all-gathers to completion; return the outputs, every rank's
     first dimension per tensor (for the gradient), and the name key."""
     handles, finish, dims, key = start_gather(tensors, name, process_set, what)
-    for h in handles:
-        h.wait()
-    return finish(), dims, key
+    return InFlight(handles, finish).result(), dims, key
 
 
 def start_gather(tensors: list[torch.Tensor], name: str | None, process_set: Any,
@@ -310,9 +308,7 @@ def reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any, presc
     """Run the reduce-scatters to completion; return the outputs and the name key."""
     handles, finish, key = start_reduce_scatter(tensors, name, op, prescale, postscale,
                                                 process_set, what)
-    for h in handles:
-        h.wait()
-    return finish(), key
+    return InFlight(handles, finish).result(), key
 
 
 def start_reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any,
