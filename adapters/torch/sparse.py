@@ -25,9 +25,9 @@ class SparseAllreduceHandle:
     pass it to ``synchronize`` to get the reduced sparse tensor; ``poll``
     accepts it too."""
 
-    def __init__(self, like: torch.Tensor, indices: int, values: int, divisor: int) -> None:
+    def __init__(self, like: torch.Tensor, handles: list[int], divisor: int) -> None:
         self._like = like
-        self._handles = (indices, values)
+        self._handles = handles  # the all-gathers of the indices, then of the values
         self._divisor = divisor
         self._result: torch.Tensor | None = None
 
@@ -77,19 +77,18 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: Any,
             f"{what}: op={op.name.capitalize()} is not supported for sparse tensors; pass "
             "op=hvd.Average or op=hvd.Sum"
         )
-    t = tensor.detach().coalesce()
-    # Rows are non-zeros: indices travel as (nnz, sparse_dim) so that the
-    # all-gather's first dimension is the one that differs between ranks.
-    indices = t.indices().t().contiguous()
-    values = t.values().contiguous()
-    prefix = None if name is None else str(name)
-    h_indices = allgather_async(indices, None if prefix is None else f"{prefix}.indices",
-                                process_set)
-    h_values = allgather_async(values, None if prefix is None else f"{prefix}.values",
-                               process_set)
+    t, rows = _rows(tensor)
+    handles = [allgather_async(part, None if name is None else f"{name}.{part_name}", process_set)
+               for part_name, part in rows.items()]
     size = engine_of(process_set, what).size
-    return SparseAllreduceHandle(t, h_indices, h_values,
-                                 size if op is ReduceOp.AVERAGE else 1)
+    return SparseAllreduceHandle(t, handles, size if op is ReduceOp.AVERAGE else 1)
+
+
+def _rows(tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``tensor`` coalesced, and its parts to all-gather: rows are non-zeros (indices
+    as (nnz, sparse_dim)), so the first dimension is the one that differs between ranks."""
+    t = tensor.detach().coalesce()
+    return t, {"indices": t.indices().t().contiguous(), "values": t.values().contiguous()}
 
 
 class SparseGradients:
@@ -157,9 +156,8 @@ class SparseGradients:
             grad = self.grads.get(p) if contribute else None
             if grad is None:
                 grad = _empty_sparse(p, *dims)
-            t = grad.detach().coalesce()
+            t, rows = _rows(grad)
             name = f"DistributedOptimizer.sparse.{names[p]}"
-            rows = {"indices": t.indices().t().contiguous(), "values": t.values().contiguous()}
             parts = [engine.allgather_async(part, name=f"{name}.{what}")
                      for what, part in rows.items()]
             started.append((p, t, parts))
