@@ -61,20 +61,29 @@ def run_op(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
     return outs
 
 
-def _differentiable(forward: Callable[..., list[Any]],
-                    backward: Callable[..., list[Any]], xs: list[Any]) -> list[Any]:
+def _differentiable(forward: Callable[..., list[Any]], backward: Callable[..., list[Any]],
+                    xs: list[Any], side: int = 0) -> list[Any]:
     """``forward(*xs)`` with ``backward(*dys)`` as its gradient (floating inputs only;
-    others have no gradient in TensorFlow either)."""
+    others have no gradient in TensorFlow either). The last ``side`` outputs of
+    ``forward`` (row counts, received splits) are not differentiated; ``backward``
+    gets them first: ``backward(*side_outputs, *dys)``."""
+    kept: list[Any] = []
+
+    def split(*args: Any) -> list[Any]:
+        outs = list(forward(*args))
+        kept[:] = outs[len(outs) - side:]
+        return outs[:len(outs) - side]
+
     if not all(x.dtype.is_floating for x in xs):
-        return forward(*xs)
+        return [*split(*xs), *kept]
 
     @tf.custom_gradient
     def op(*args: Any) -> Any:
-        ys = forward(*args)
-        return ys, lambda *dys: backward(*[tf.zeros_like(y) if d is None else d
-                                           for y, d in zip(ys, dys, strict=True)])
+        ys, extra = split(*args), list(kept)
+        return ys, lambda *dys: backward(*extra, *[tf.zeros_like(y) if d is None else d
+                                                   for y, d in zip(ys, dys, strict=True)])
 
-    return list(op(*xs))
+    return [*op(*xs), *kept]
 
 
 def _writable(array: np.ndarray) -> np.ndarray:
@@ -202,20 +211,12 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
                                              name=f"{label}.rows"))
         return [*outs, firsts]
 
-    def run(*args: Any) -> list[Any]:
+    def forward(*args: Any) -> list[Any]:
         return run_op(gather, args, [*(x.dtype for x in args), tf.int64],
                       [*([None, *x.shape[1:]] for x in args), [None, n]], what)
 
-    rows: list[Any] = []
-
-    def forward(*args: Any) -> list[Any]:
-        *outs, firsts = run(*args)
-        rows.append(firsts)
-        return outs
-
-    def backward(*dys: Any) -> list[Any]:
+    def backward(firsts: Any, *dys: Any) -> list[Any]:
         me = engine_of(process_set, what).rank
-        firsts = rows[-1]
         reduced = grouped_allreduce(list(dys), op=ReduceOp.AVERAGE, process_set=process_set,
                                     name=f"{label}.grad")
         out = []
@@ -224,7 +225,7 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
             out.append(dy[start:start + firsts[me, i]])
         return out
 
-    return _differentiable(forward, backward, xs)
+    return _differentiable(forward, backward, xs, side=1)[:-1]
 
 
 # -- broadcast ----------------------------------------------------------------------
@@ -275,24 +276,15 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
                                            name=name or what)
         return [np.asarray(received), np.asarray(counts, np.int64)]
 
-    def run(arg: Any, sp: Any) -> list[Any]:
-        return run_op(exchange, [arg, sp], [arg.dtype, tf.int64],
+    def forward(arg: Any) -> list[Any]:
+        return run_op(exchange, [arg, s], [arg.dtype, tf.int64],
                       [[None, *arg.shape[1:]], [size]], what)
 
-    received_splits: list[Any] = []
-
-    def forward(arg: Any) -> list[Any]:
-        out, rsplits = run(arg, s)
-        received_splits.append(rsplits)
-        return [out]
-
-    def backward(dy: Any) -> list[Any]:
-        back, _ = alltoall(dy, received_splits[-1], name=f"{name or what}.grad",
-                           process_set=process_set)
+    def backward(rsplits: Any, dy: Any) -> list[Any]:
+        back, _ = alltoall(dy, rsplits, name=f"{name or what}.grad", process_set=process_set)
         return [back]
 
-    (out,) = _differentiable(forward, backward, [x])
-    rsplits = received_splits[-1]
+    out, rsplits = _differentiable(forward, backward, [x], side=1)
     return (out, tf.cast(rsplits, tf.int32)) if given else out
 
 
