@@ -58,21 +58,14 @@ def broadcast_labelled(
     if not variables:
         return None
     specs = tuple(_spec(label, v) for label, v in zip(labels, variables, strict=True))
-    exchange = functools.partial(_exchange, engine, specs, root_rank, root, what)
-    if tf.executing_eagerly():
-        values = exchange(*[np.asarray(tf.convert_to_tensor(v)) for v in variables])
-        for v, value in zip(variables, values, strict=True):
-            v.assign(value)
-        return None
-    values = tf.numpy_function(
-        exchange, [tf.convert_to_tensor(v) for v in variables],
-        [tf.as_dtype(v.dtype) for v in variables], stateful=True, name="dp_plugin_broadcast",
-    )
-    assigns = []
-    for v, value in zip(variables, values, strict=True):
-        value.set_shape(v.shape)
-        assigns.append(v.assign(value))
-    return tf.group(*assigns)
+    from dp_plugin.tensorflow.collectives import run_op  # which imports this module
+
+    values = run_op(functools.partial(_exchange, engine, specs, root_rank, root, what),
+                    [tf.convert_to_tensor(v) for v in variables],
+                    [tf.as_dtype(v.dtype) for v in variables], [v.shape for v in variables],
+                    "dp_plugin_broadcast")
+    assigns = [v.assign(value) for v, value in zip(variables, values, strict=True)]
+    return None if tf.executing_eagerly() else tf.group(*assigns)
 
 
 def _spec(label: str, variable: Any) -> TensorSpec:
