@@ -170,7 +170,7 @@ def _check_root_active(engine: Engine, described: dict[str, Any],
     root = described["root"]
     if engine.global_ranks.index(root) in joined:
         raise JoinedRankError(
-            f"broadcast{'' if described['name'] is None else ' ' + repr(described['name'])}: "
+            f"broadcast{_named(described['name'])}: "
             f"its root_rank {root} has called join() and has no tensor to send; broadcast "
             "from a rank that has not joined. Every rank raises this error"
         )
@@ -236,7 +236,7 @@ def _raise_mismatch(blocks: Described, requests: Sequence[Request]) -> None:
     first = requests[0]
     if len(set(counts)) > 1:
         raise MismatchError(
-            f"Mismatched group sizes for grouped {first.kind}{_named(first)}: "
+            f"Mismatched group sizes for grouped {first.kind}{_named(first.name)}: "
             + _by_value(counts, lambda n: f"passed {n} tensor(s)")
             + ". Every rank must pass the same number of tensors, in the same order"
         )
@@ -270,8 +270,8 @@ def _name_text(d: dict[str, Any]) -> str:
     return "no name" if d["name"] is None else repr(d["name"])
 
 
-def _named(req: Request) -> str:
-    return "" if req.name is None else f" {req.name!r}"
+def _named(name: str | None) -> str:
+    return "" if name is None else f" {name!r}"
 
 
 def _hashable(value: Any) -> Any:
