@@ -64,9 +64,8 @@ _served: dict[tuple[str, int], Any] = {}
 class Rendezvous:
     """Arguments for ``torch.distributed.init_process_group``."""
 
-    store: Any | None
-    """A ``torch.distributed.Store``, or None when ``init_method`` is used."""
-    init_method: str | None
+    store: Any
+    """A ``torch.distributed.Store``."""
     description: str
     """How the ranks met, for logs and errors."""
 
@@ -110,8 +109,7 @@ def rendezvous(topology: Topology, config: Config) -> Rendezvous:
     if launcher == "single":
         import torch.distributed as dist
 
-        return Rendezvous(store=dist.HashStore(), init_method=None,
-                          description="single process, in-memory store")
+        return Rendezvous(store=dist.HashStore(), description="single process, in-memory store")
     generation = next(_generation)
     if launcher in ("torchrun", "slurm"):
         # What env:// does, plus a prefix per init(): the store server is
@@ -127,7 +125,7 @@ def rendezvous(topology: Topology, config: Config) -> Rendezvous:
                            is_master=topology.rank == 0 and not agent)
         how = "env:// at" if launcher == "torchrun" else "TCPStore at MASTER_ADDR/PORT"
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return Rendezvous(store=_prefixed(store, f"{attempt}.{generation}"), init_method=None,
+        return Rendezvous(store=_prefixed(store, f"{attempt}.{generation}"),
                           description=f"{how} {host}:{port}")
     exchange = _exchange_via_horovod if launcher == "horovodrun" else _exchange_via_mpi
     if topology.rank == 0:
@@ -140,7 +138,7 @@ def rendezvous(topology: Topology, config: Config) -> Rendezvous:
         host, _, port_text = address.rpartition(":")
         store = _tcp_store(host, int(port_text), topology, config, is_master=False)
     via = "Horovod's rendezvous server" if launcher == "horovodrun" else "an MPI broadcast"
-    return Rendezvous(store=_prefixed(store, generation), init_method=None,
+    return Rendezvous(store=_prefixed(store, generation),
                       description=f"TCPStore at {address}, announced through {via}")
 
 

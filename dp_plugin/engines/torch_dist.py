@@ -159,11 +159,7 @@ class TorchDistEngine(Engine):
             topo = self.topology  # one host: listen on loopback only
             netif.gloo_interface(single_host=topo.local_size == topo.size)
         meeting = rdv.rendezvous(self.topology, self.config)
-        kwargs: dict[str, Any] = {}
-        if meeting.store is not None:
-            kwargs["store"] = meeting.store
-        else:
-            kwargs["init_method"] = meeting.init_method
+        kwargs: dict[str, Any] = {"store": meeting.store}
         if self.backend == "nccl":
             kwargs["device_id"] = self._device
         dist.init_process_group(
