@@ -36,6 +36,7 @@ from typing import Any
 
 from dp_plugin.config import Config
 from dp_plugin.engines import job_secret
+from dp_plugin.engines.deadline import poll
 from dp_plugin.errors import CollectiveTimeoutError, EngineUnavailableError
 from dp_plugin.launch import Topology
 
@@ -282,15 +283,10 @@ def _exchange_via_mpi(topology: Topology, config: Config, generation: int,
         buf[: len(encoded)] = encoded
     # Non-blocking, so that a rank 0 that never arrives is a timeout, not a hang.
     request = comm.Ibcast([buf, MPI.BYTE], root=0)
-    deadline = time.monotonic() + config.timeout_s
-    pause = 1e-4
-    while not request.Test():
-        if time.monotonic() >= deadline:
-            raise CollectiveTimeoutError(
-                f"rank {topology.rank}: the MPI broadcast of rank 0's torch.distributed store "
-                f"address did not finish within {config.timeout_s:g} s (DP_PLUGIN_TIMEOUT); "
-                "a rank has probably failed to start; check the other ranks' logs"
-            )
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
+    if not poll(request.Test, config.timeout_s, step=1e-4, longest=0.05):
+        raise CollectiveTimeoutError(
+            f"rank {topology.rank}: the MPI broadcast of rank 0's torch.distributed store "
+            f"address did not finish within {config.timeout_s:g} s (DP_PLUGIN_TIMEOUT); "
+            "a rank has probably failed to start; check the other ranks' logs"
+        )
     return bytes(buf).rstrip(b"\0").decode()
