@@ -42,7 +42,7 @@ import numpy as np
 from dp_plugin.arrays import as_numpy, as_torch, is_torch, numpy_dtype
 from dp_plugin.config import Config
 from dp_plugin.dtypes import canonical_dtype
-from dp_plugin.engines.base import Availability, DoneHandle, Engine, Handle, ReduceOp, Started
+from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp, Started
 from dp_plugin.engines.deadline import bounded_on
 from dp_plugin.engines.mpi_notes import MPINotes
 from dp_plugin.engines.waits import WaitBoard
@@ -289,7 +289,7 @@ class MPIEngine(Engine):
             )
             handle = _MPIHandle(self, description, [request], (arr, out))
         else:
-            handle = DoneHandle(description, self.rank, self.config.timeout_s)
+            handle = self._done(description)
         return handle, lambda: as_torch(out) if is_torch(buf) else out
 
     def _subgroup(self, members: tuple[int, ...], topology: Topology | None,

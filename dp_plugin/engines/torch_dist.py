@@ -38,14 +38,7 @@ from dp_plugin import netif
 from dp_plugin.arrays import as_numpy, as_torch, is_torch
 from dp_plugin.config import Config
 from dp_plugin.engines import rendezvous as rdv
-from dp_plugin.engines.base import (
-    Availability,
-    DoneHandle,
-    Engine,
-    Handle,
-    ReduceOp,
-    Started,
-)
+from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp, Started
 from dp_plugin.engines.deadline import bounded_on
 from dp_plugin.engines.torch_work import PollHandle
 from dp_plugin.engines.waits import WaitBoard
@@ -217,7 +210,7 @@ class TorchDistEngine(Engine):
         t, back = self._staged(self._tensor(buf, f"allreduce {name!r}"))
         desc = self.describe("allreduce", name, t.numel() * t.element_size())
         if t.numel() == 0:  # every rank has the same size: all skip alike
-            return DoneHandle(desc, self.rank, self.config.timeout_s)
+            return self._done(desc)
         reduce_op = self._reduce_ops[op]
         wide = self._WIDENED.get(str(t.dtype).removeprefix("torch."))
         if wide is None:
@@ -231,7 +224,7 @@ class TorchDistEngine(Engine):
         t, back = self._staged(self._tensor(buf, f"broadcast {name!r}"))
         desc = self.describe("broadcast", name, t.numel() * t.element_size())
         if t.numel() == 0:
-            return DoneHandle(desc, self.rank, self.config.timeout_s)
+            return self._done(desc)
         if self._group is None:
             work = self._dist.broadcast(self._wire(t), root, async_op=True)
         else:  # root is a rank of this group, not of the job
@@ -247,8 +240,7 @@ class TorchDistEngine(Engine):
         longest = max(rows)
         if longest == 0:  # rows are agreed: every rank skips alike
             empty = t.new_empty((0, *trailing))
-            return (DoneHandle(self.describe("allgather", name, 0), self.rank,
-                               self.config.timeout_s),
+            return (self._done(self.describe("allgather", name, 0)),
                     lambda: empty if is_torch(buf) else as_numpy(empty))
         send = t.contiguous()
         if send.shape[0] != longest:  # pad to the longest: all_gather needs equal sizes
