@@ -211,14 +211,13 @@ class TorchDistEngine(Engine):
         desc = self.describe("allreduce", name, t.numel() * t.element_size())
         if t.numel() == 0:  # every rank has the same size: all skip alike
             return self._done(desc)
-        reduce_op = self._reduce_ops[op]
         wide = self._WIDENED.get(str(t.dtype).removeprefix("torch."))
-        if wide is None:
-            work = self._dist.all_reduce(t, reduce_op, group=self._group, async_op=True)
-            return self._handle(work, desc).then(back)
-        staged = t.to(getattr(self._torch, wide))
-        work = self._dist.all_reduce(staged, reduce_op, group=self._group, async_op=True)
-        return self._handle(work, desc).then(lambda: (t.copy_(staged), back()))
+        staged = t if wide is None else t.to(getattr(self._torch, wide))
+        work = self._dist.all_reduce(staged, self._reduce_ops[op], group=self._group,
+                                     async_op=True)
+        if staged is t:
+            return PollHandle(work, self, desc).then(back)
+        return PollHandle(work, self, desc).then(lambda: (t.copy_(staged), back()))
 
     def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle:
         t, back = self._staged(self._tensor(buf, f"broadcast {name!r}"))
@@ -230,7 +229,7 @@ class TorchDistEngine(Engine):
         else:  # root is a rank of this group, not of the job
             work = self._dist.broadcast(self._wire(t), group=self._group, group_src=root,
                                         async_op=True)
-        return self._handle(work, desc).then(back)
+        return PollHandle(work, self, desc).then(back)
 
     def _allgather_start(self, buf: Any, rows: list[int], name: str) -> Started:
         given = self._tensor(buf, f"allgather {name!r}", flat=False)
@@ -247,11 +246,10 @@ class TorchDistEngine(Engine):
             send = t.new_zeros((longest, *trailing))
             send[: t.shape[0]] = t
         parts = [torch.empty_like(send) for _ in range(self.size)]
-        handle = self._handle(
-            self._dist.all_gather([self._wire(p) for p in parts], self._wire(send),
-                                  group=self._group, async_op=True),
-            self.describe("allgather", name, send.numel() * send.element_size()),
-        )
+        work = self._dist.all_gather([self._wire(p) for p in parts], self._wire(send),
+                                     group=self._group, async_op=True)
+        handle = PollHandle(work, self,
+                            self.describe("allgather", name, send.numel() * send.element_size()))
 
         def result() -> Any:
             out = torch.cat([p[:n] for p, n in zip(parts, rows, strict=True)]).to(given.device)
@@ -262,7 +260,7 @@ class TorchDistEngine(Engine):
     def _barrier(self) -> None:
         token = self._torch.zeros(1, dtype=self._torch.int32, device=self._device)
         work = self._dist.all_reduce(token, group=self._group, async_op=True)
-        self._handle(work, f"{self.name} barrier").wait()
+        PollHandle(work, self, f"{self.name} barrier").wait()
 
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
         """``all_to_all_single`` of each row as raw bytes: exact for every
@@ -283,7 +281,7 @@ class TorchDistEngine(Engine):
                 input_split_sizes=[int(c) for c in counts[self.rank]],
                 group=self._group, async_op=True,
             )
-            self._handle(work, self.describe("alltoall", name, send.numel())).wait()
+            PollHandle(work, self, self.describe("alltoall", name, send.numel())).wait()
         out = out.to(given.device)
         return out if is_torch(buf) else as_numpy(out)
 
@@ -297,9 +295,6 @@ class TorchDistEngine(Engine):
                 return None
             self._board = WaitBoard(store, self.global_ranks[self.rank], self.global_ranks)
         return self._board
-
-    def _handle(self, work: Any, description: str) -> Handle:
-        return PollHandle(work, self, description)
 
     def _tensor(self, buf: Any, what: str, flat: bool = True) -> Any:
         t = as_torch(buf)
