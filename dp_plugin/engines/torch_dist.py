@@ -107,6 +107,7 @@ class TorchDistEngine(Engine):
     @classmethod
     def availability(cls, topology: Topology) -> Availability:
         try:
+            import torch
             import torch.distributed as dist
         except ImportError as exc:
             return Availability(False, f"torch is not installed ({exc}); `pip install torch`")
@@ -117,7 +118,7 @@ class TorchDistEngine(Engine):
             problem = rdv.problem(topology)
         if problem is not None:
             return Availability(False, problem)
-        return Availability(True, f"torch {_torch_version()} {cls.backend} backend")
+        return Availability(True, f"torch {torch.__version__} {cls.backend} backend")
 
     @classmethod
     @abstractmethod
@@ -315,7 +316,7 @@ class TorchDistEngine(Engine):
         back into ``t``: itself and nothing for gloo (which stages CUDA
         tensors itself); a device copy for a CPU tensor under nccl."""
         if t.device == self._device or self._device.type == "cpu":
-            return t, _nothing
+            return t, lambda: None
         staged = t.to(self._device)
         return staged, lambda: t.copy_(staged)
 
@@ -364,12 +365,3 @@ def _library_error(handle: Handle, exc: Exception) -> DPPluginError:
         "the other ranks' logs"
     )
 
-
-def _nothing() -> None:
-    return None
-
-
-def _torch_version() -> str:
-    import torch
-
-    return str(torch.__version__)
