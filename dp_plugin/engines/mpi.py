@@ -236,12 +236,10 @@ class MPIEngine(Engine):
             if self._notes is not None:
                 self._notes.close()
                 self._notes = None
-            for op in self._half_ops.values():
-                op.Free()
-            self._half_ops.clear()
-            for datatype in self._half_types.values():
-                datatype.Free()
-            self._half_types.clear()
+            for made in (self._half_ops, self._half_types):
+                for obj in made.values():
+                    obj.Free()
+                made.clear()
         if self._comm is not None:
             self._comm.Free()
             self._comm = None
