@@ -268,7 +268,9 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
     try:
         ok = True
         try:
-            listener = _listen(f"{prefix}-{rank}.sock", size)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # closed by _cleanup
+            listener.bind(f"{prefix}-{rank}.sock")
+            listener.listen(size)
             if rank == 0:
                 segment = _segment(f"{prefix}.seg", nbytes, create=True)
         except OSError as exc:
@@ -322,17 +324,6 @@ def _affordable_chunk(size: int, wanted: int) -> int:
             return 0
         chunk = max(MIN_CHUNK_BYTES, chunk // 2 - chunk // 2 % 8)
     return chunk
-
-
-def _listen(path: str, size: int) -> socket.socket:
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        listener.bind(path)
-        listener.listen(size)
-    except OSError:
-        listener.close()
-        raise
-    return listener
 
 
 def _segment(path: str, nbytes: int, create: bool) -> mmap.mmap:
