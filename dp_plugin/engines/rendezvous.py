@@ -30,7 +30,6 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -59,16 +58,6 @@ _generation = itertools.count()
 # the other rank would wait for its keys until the timeout. Kept, every init
 # meets on the same server, under a prefix of its own.
 _served: dict[tuple[str, int], Any] = {}
-
-
-@dataclass(frozen=True, kw_only=True)
-class Rendezvous:
-    """Arguments for ``torch.distributed.init_process_group``."""
-
-    store: Any
-    """A ``torch.distributed.Store``."""
-    description: str
-    """How the ranks met, for logs and errors."""
 
 
 def problem(topology: Topology) -> str | None:
@@ -101,8 +90,10 @@ def problem(topology: Topology) -> str | None:
     return f"launcher {launcher!r} has no rendezvous for torch.distributed"
 
 
-def rendezvous(topology: Topology, config: Config) -> Rendezvous:
-    """Meet the other ranks. Collective: every rank calls it once per init."""
+def rendezvous(topology: Topology, config: Config) -> tuple[Any, str]:
+    """Meet the other ranks: the ``torch.distributed.Store`` to pass to
+    ``init_process_group``, and how the ranks met (for logs and errors).
+    Collective: every rank calls it once per init."""
     reason = problem(topology)
     if reason is not None:
         raise EngineUnavailableError(f"torch.distributed cannot rendezvous: {reason}")
@@ -110,7 +101,7 @@ def rendezvous(topology: Topology, config: Config) -> Rendezvous:
     if launcher == "single":
         import torch.distributed as dist
 
-        return Rendezvous(store=dist.HashStore(), description="single process, in-memory store")
+        return dist.HashStore(), "single process, in-memory store"
     generation = next(_generation)
     if launcher in ("torchrun", "slurm"):
         # What env:// does, plus a prefix per init(): the store server is
@@ -126,8 +117,7 @@ def rendezvous(topology: Topology, config: Config) -> Rendezvous:
                            is_master=topology.rank == 0 and not agent)
         how = "env:// at" if launcher == "torchrun" else "TCPStore at MASTER_ADDR/PORT"
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return Rendezvous(store=_prefixed(store, f"{attempt}.{generation}"),
-                          description=f"{how} {host}:{port}")
+        return _prefixed(store, f"{attempt}.{generation}"), f"{how} {host}:{port}"
     exchange = _exchange_via_horovod if launcher == "horovodrun" else _exchange_via_mpi
     if topology.rank == 0:
         host = _advertised_host(topology)
@@ -139,8 +129,7 @@ def rendezvous(topology: Topology, config: Config) -> Rendezvous:
         host, _, port_text = address.rpartition(":")
         store = _tcp_store(host, int(port_text), topology, config, is_master=False)
     via = "Horovod's rendezvous server" if launcher == "horovodrun" else "an MPI broadcast"
-    return Rendezvous(store=_prefixed(store, generation),
-                      description=f"TCPStore at {address}, announced through {via}")
+    return _prefixed(store, generation), f"TCPStore at {address}, announced through {via}"
 
 
 # -- helpers -------------------------------------------------------------------

@@ -151,15 +151,15 @@ class TorchDistEngine(Engine):
         if self.backend == "gloo":  # multi-host: advertise the interface that reaches the peers
             topo = self.topology  # one host: listen on loopback only
             netif.gloo_interface(single_host=topo.local_size == topo.size)
-        meeting = rdv.rendezvous(self.topology, self.config)
-        kwargs: dict[str, Any] = {"store": meeting.store}
+        store, how = rdv.rendezvous(self.topology, self.config)
+        kwargs: dict[str, Any] = {"store": store}
         if self.backend == "nccl":
             kwargs["device_id"] = self._device
         dist.init_process_group(
             self.backend, rank=self.rank, world_size=self.size, timeout=timeout, **kwargs
         )
         self._owns_default = True
-        return meeting.description
+        return how
 
     def _close(self) -> None:
         """Destroy the group this engine created (not a user's), broken or not.
