@@ -43,8 +43,7 @@ from dp_plugin.arrays import as_numpy
 from dp_plugin.config import Config
 from dp_plugin.dtypes import canonical_dtype, is_floating
 from dp_plugin.engines import exchange, generic
-from dp_plugin.engines.handle import DoneHandle as DoneHandle
-from dp_plugin.engines.handle import Handle
+from dp_plugin.engines.handle import DoneHandle, Handle
 from dp_plugin.engines.lifecycle import Lifecycle
 from dp_plugin.engines.types import Availability as Availability
 from dp_plugin.engines.types import ReduceOp as ReduceOp
@@ -321,8 +320,7 @@ class Engine(Lifecycle):
         """Start ``_allgather``; engines with a non-blocking library call
         implement this instead. Default: the rows move now (the handle is done)."""
         out = self._allgather(buf, rows, name)
-        return DoneHandle(self.describe("allgather", name), self.rank,
-                          self.config.timeout_s), lambda: out
+        return self._done(self.describe("allgather", name)), lambda: out
 
     def _reducescatter_start(self, buf: Any, op: ReduceOp, counts: list[int],
                              name: str) -> Started:
@@ -361,6 +359,10 @@ class Engine(Lifecycle):
             raise ValueError(
                 f"{name}: root rank {root!r} is out of range; expected 0 <= root < {self.size}"
             )
+
+    def _done(self, description: str) -> Handle:
+        """The handle of a collective that needs no communication (done already)."""
+        return DoneHandle(description, self.rank, self.config.timeout_s)
 
     def describe(self, collective: str, name: str, nbytes: int | None = None) -> str:
         size = "" if nbytes is None else f", {nbytes} bytes"

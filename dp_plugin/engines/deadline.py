@@ -7,11 +7,14 @@ and take no timeout. ``bounded(fn, what=..., rank=..., timeout_s=...)`` runs
 exception, or ``CollectiveTimeoutError`` naming the wait, the rank and what
 to check. A thread that never returns is left behind (a daemon: it does not
 keep the process alive); the engine is broken after such a timeout.
+A wait the library can test without blocking (a request, an HTTP key) uses
+``poll``: test, sleep a little longer each time, until the deadline.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -53,3 +56,16 @@ def bounded_on(engine: Any, fn: Callable[[], T], what: str) -> T:
     except CollectiveTimeoutError:
         engine._mark_broken(what)
         raise
+
+
+def poll(ready: Callable[[], bool], timeout_s: float, *, step: float, longest: float) -> bool:
+    """Call ``ready()`` until it is True (True) or ``timeout_s`` has passed
+    (False), sleeping 0, ``step``, ``3 * step`` ... s between calls, at most ``longest``."""
+    deadline = time.perf_counter() + timeout_s
+    pause = 0.0
+    while not ready():
+        if time.perf_counter() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2 + step, longest)
+    return True

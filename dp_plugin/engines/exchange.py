@@ -218,9 +218,7 @@ def group_topology(parent: Topology, members: Sequence[int], me: int,
     """
     mine = hosts[me]
     same_host = [m for m in members if hosts[m] == mine]
-    local_of = {}
-    for m in members:
-        local_of[m] = sum(1 for n in members if n < m and hosts[n] == hosts[m])
+    local_of = {m: sum(1 for n in members if n < m and hosts[n] == hosts[m]) for m in members}
     peers = [m for m in members if local_of[m] == local_of[me]]
     return Topology(
         launcher=parent.launcher,

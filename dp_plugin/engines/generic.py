@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from dp_plugin.arrays import as_numpy, as_torch, is_torch
-from dp_plugin.engines.handle import DoneHandle, Handle
+from dp_plugin.engines.handle import Handle
 
 
 def alltoall_by_allgather(engine: Any, buf: Any, counts: np.ndarray, name: str) -> Any:
@@ -41,8 +41,7 @@ def reducescatter_by_allreduce(engine: Any, buf: Any, op: Any, counts: list[int]
     if flat.shape[0]:  # same shape everywhere: every rank skips alike
         handle = engine._allreduce_async(flat, op, name)
     else:
-        handle = DoneHandle(engine.describe("reducescatter", name, 0), engine.rank,
-                            engine.config.timeout_s)
+        handle = engine._done(engine.describe("reducescatter", name, 0))
     row = int(np.prod(buf.shape[1:], dtype=np.int64))
     start = sum(counts[:engine.rank]) * row
     shape = (counts[engine.rank], *buf.shape[1:])

@@ -53,13 +53,11 @@ class GlooEngine(TorchDistEngine):
     def scales_in_reduction(self, dtype: str) -> bool:
         return self._shm is not None and dtype in shm.SCALED_DTYPES
 
-    def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
-        return self._reduce(buf, op, name, 1.0)
-
     def _allreduce_scaled_async(self, buf: Any, postscale: float, name: str) -> Handle:
-        return self._reduce(buf, ReduceOp.SUM, name, postscale)
+        return self._allreduce_async(buf, ReduceOp.SUM, name, postscale)
 
-    def _reduce(self, buf: Any, op: ReduceOp, name: str, postscale: float) -> Handle:
+    def _allreduce_async(self, buf: Any, op: ReduceOp, name: str,
+                         postscale: float = 1.0) -> Handle:
         if self._shm is None:  # across hosts: Gloo's path validates the buffer itself
             return super()._allreduce_async(buf, op, name)
         t = self._tensor(buf, f"allreduce {name!r}")

@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
+from dp_plugin.engines.deadline import poll
 from dp_plugin.engines.waits import WaitBoard
 from dp_plugin.errors import CollectiveTimeoutError
 
@@ -54,14 +55,7 @@ class Handle(ABC):
     def _block(self, timeout_s: float) -> bool:
         """Block up to ``timeout_s``; True if finished. Override where the
         library can block efficiently; the default polls ``_test``."""
-        deadline = time.perf_counter() + timeout_s
-        pause = 0.0
-        while not self._test():
-            if time.perf_counter() >= deadline:
-                return False
-            time.sleep(pause)
-            pause = min(pause * 2 + 2e-5, 1e-3)
-        return True
+        return poll(self._test, timeout_s, step=2e-5, longest=1e-3)
 
     def done(self) -> bool:
         if self.completed_at is None and self._observe(self._test):

@@ -211,10 +211,7 @@ class HorovodEngine(Engine):
         # Horovod agrees on the row counts itself: ``rows`` is not needed.
         if not is_torch(buf) and not _torch_viewable(np.asarray(buf)):
             buf = np.asarray(buf).copy(order="C")  # only read: a copy is fine
-        tensor = as_torch(buf).detach()
-        if not tensor.is_contiguous():
-            tensor = tensor.contiguous()
-        is_bf16 = tensor.dtype == self._torch.bfloat16
+        tensor = as_torch(buf).detach().contiguous()
         wire = self._bits(tensor)
         handle = self._start(
             "allgather", name, self.describe("allgather", name),
@@ -222,9 +219,7 @@ class HorovodEngine(Engine):
                                                    process_set=self._process_set),
         )
         handle.wait()
-        out = handle.result
-        if is_bf16:
-            out = out.view(self._torch.bfloat16)
+        out = handle.result.view(tensor.dtype)  # bfloat16 travelled as its bits
         return out if is_torch(buf) else as_numpy(out)
 
     def _barrier(self) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 
 from dp_plugin.arrays import is_torch
 from dp_plugin.config import Config
-from dp_plugin.engines.base import Availability, DoneHandle, Engine, Handle, ReduceOp
+from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp
 from dp_plugin.errors import EngineUnavailableError
 from dp_plugin.launch import Topology
 
@@ -50,14 +50,11 @@ class LocalEngine(Engine):
     def _close(self) -> None:
         """Nothing to release."""
 
-    def _done(self, collective: str, name: str) -> Handle:
-        return DoneHandle(self.describe(collective, name), self.rank, self.config.timeout_s)
-
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
-        return self._done("allreduce", name)
+        return self._done(self.describe("allreduce", name))
 
     def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle:
-        return self._done("broadcast", name)
+        return self._done(self.describe("broadcast", name))
 
     def _allgather(self, buf: Any, rows: list[int], name: str) -> Any:
         # A copy, as on every other engine: the caller may reuse its input.

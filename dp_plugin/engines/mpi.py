@@ -42,7 +42,7 @@ import numpy as np
 from dp_plugin.arrays import as_numpy, as_torch, is_torch, numpy_dtype
 from dp_plugin.config import Config
 from dp_plugin.dtypes import canonical_dtype
-from dp_plugin.engines.base import Availability, DoneHandle, Engine, Handle, ReduceOp, Started
+from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp, Started
 from dp_plugin.engines.deadline import bounded_on
 from dp_plugin.engines.mpi_notes import MPINotes
 from dp_plugin.engines.waits import WaitBoard
@@ -191,19 +191,15 @@ class MPIEngine(Engine):
     # -- collectives -------------------------------------------------------
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
         arr = _writable_view(buf, f"allreduce {name!r}")
-        dtype = canonical_dtype(arr.dtype)
-        mpi_op = self._op(dtype, op)
+        request = self._comm.Iallreduce(self._MPI.IN_PLACE, self._spec(arr),
+                                        self._op(canonical_dtype(arr.dtype), op))
         description = self.describe("allreduce", name, arr.nbytes)
-        request = self._comm.Iallreduce(
-            self._MPI.IN_PLACE, [_wire(arr), arr.size, self._types[dtype]], mpi_op
-        )
         return _MPIHandle(self, description, [request], (buf, arr))
 
     def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle:
         arr = _writable_view(buf, f"broadcast {name!r}")
-        dtype = canonical_dtype(arr.dtype)
+        request = self._comm.Ibcast(self._spec(arr), root=root)
         description = self.describe("broadcast", name, arr.nbytes)
-        request = self._comm.Ibcast([_wire(arr), arr.size, self._types[dtype]], root=root)
         return _MPIHandle(self, description, [request], (buf, arr))
 
     def _allgather_start(self, buf: Any, rows: list[int], name: str) -> Started:
@@ -216,7 +212,7 @@ class MPIEngine(Engine):
         mpi_type = self._types[canonical_dtype(arr.dtype)]
         handle = _MPIHandle(
             self, self.describe("allgather", name, out.nbytes),
-            [self._comm.Iallgatherv([_wire(arr), arr.size, mpi_type],
+            [self._comm.Iallgatherv(self._spec(arr),
                                     [_wire(out), (counts, _displacements(counts)), mpi_type])],
             (arr, out),
         )
@@ -240,12 +236,10 @@ class MPIEngine(Engine):
             if self._notes is not None:
                 self._notes.close()
                 self._notes = None
-            for op in self._half_ops.values():
-                op.Free()
-            self._half_ops.clear()
-            for datatype in self._half_types.values():
-                datatype.Free()
-            self._half_types.clear()
+            for made in (self._half_ops, self._half_types):
+                for obj in made.values():
+                    obj.Free()
+                made.clear()
         if self._comm is not None:
             self._comm.Free()
             self._comm = None
@@ -281,15 +275,11 @@ class MPIEngine(Engine):
         description = self.describe("reducescatter", name, arr.nbytes)
         handle: Handle
         if arr.size:  # same shape everywhere: every rank skips alike
-            mpi_type = self._types[dtype]
-            request = self._comm.Ireduce_scatter(
-                [_wire(arr.reshape(-1)), arr.size, mpi_type],
-                [_wire(out.reshape(-1)), out.size, mpi_type],
-                [c * row for c in counts], self._op(dtype, op),
-            )
+            request = self._comm.Ireduce_scatter(self._spec(arr), self._spec(out),
+                                                 [c * row for c in counts], self._op(dtype, op))
             handle = _MPIHandle(self, description, [request], (arr, out))
         else:
-            handle = DoneHandle(description, self.rank, self.config.timeout_s)
+            handle = self._done(description)
         return handle, lambda: as_torch(out) if is_torch(buf) else out
 
     def _subgroup(self, members: tuple[int, ...], topology: Topology | None,
@@ -313,6 +303,10 @@ class MPIEngine(Engine):
         if self._board is None and getattr(self, "_notes", None) is not None:
             self._board = WaitBoard(self._notes, self.global_ranks[self.rank], self.global_ranks)
         return self._board
+
+    def _spec(self, arr: np.ndarray) -> list[Any]:
+        """``arr`` as MPI takes a buffer: its wire form, element count, datatype."""
+        return [_wire(arr.reshape(-1)), arr.size, self._types[canonical_dtype(arr.dtype)]]
 
     def _op(self, dtype: str, op: ReduceOp) -> Any:
         if dtype not in self._half_types:

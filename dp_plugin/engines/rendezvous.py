@@ -30,12 +30,12 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from dp_plugin.config import Config
 from dp_plugin.engines import job_secret
+from dp_plugin.engines.deadline import poll
 from dp_plugin.errors import CollectiveTimeoutError, EngineUnavailableError
 from dp_plugin.launch import Topology
 
@@ -58,17 +58,6 @@ _generation = itertools.count()
 # the other rank would wait for its keys until the timeout. Kept, every init
 # meets on the same server, under a prefix of its own.
 _served: dict[tuple[str, int], Any] = {}
-
-
-@dataclass(frozen=True, kw_only=True)
-class Rendezvous:
-    """Arguments for ``torch.distributed.init_process_group``."""
-
-    store: Any | None
-    """A ``torch.distributed.Store``, or None when ``init_method`` is used."""
-    init_method: str | None
-    description: str
-    """How the ranks met, for logs and errors."""
 
 
 def problem(topology: Topology) -> str | None:
@@ -101,8 +90,10 @@ def problem(topology: Topology) -> str | None:
     return f"launcher {launcher!r} has no rendezvous for torch.distributed"
 
 
-def rendezvous(topology: Topology, config: Config) -> Rendezvous:
-    """Meet the other ranks. Collective: every rank calls it once per init."""
+def rendezvous(topology: Topology, config: Config) -> tuple[Any, str]:
+    """Meet the other ranks: the ``torch.distributed.Store`` to pass to
+    ``init_process_group``, and how the ranks met (for logs and errors).
+    Collective: every rank calls it once per init."""
     reason = problem(topology)
     if reason is not None:
         raise EngineUnavailableError(f"torch.distributed cannot rendezvous: {reason}")
@@ -110,8 +101,7 @@ def rendezvous(topology: Topology, config: Config) -> Rendezvous:
     if launcher == "single":
         import torch.distributed as dist
 
-        return Rendezvous(store=dist.HashStore(), init_method=None,
-                          description="single process, in-memory store")
+        return dist.HashStore(), "single process, in-memory store"
     generation = next(_generation)
     if launcher in ("torchrun", "slurm"):
         # What env:// does, plus a prefix per init(): the store server is
@@ -127,8 +117,7 @@ def rendezvous(topology: Topology, config: Config) -> Rendezvous:
                            is_master=topology.rank == 0 and not agent)
         how = "env:// at" if launcher == "torchrun" else "TCPStore at MASTER_ADDR/PORT"
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return Rendezvous(store=_prefixed(store, f"{attempt}.{generation}"), init_method=None,
-                          description=f"{how} {host}:{port}")
+        return _prefixed(store, f"{attempt}.{generation}"), f"{how} {host}:{port}"
     exchange = _exchange_via_horovod if launcher == "horovodrun" else _exchange_via_mpi
     if topology.rank == 0:
         host = _advertised_host(topology)
@@ -140,8 +129,7 @@ def rendezvous(topology: Topology, config: Config) -> Rendezvous:
         host, _, port_text = address.rpartition(":")
         store = _tcp_store(host, int(port_text), topology, config, is_master=False)
     via = "Horovod's rendezvous server" if launcher == "horovodrun" else "an MPI broadcast"
-    return Rendezvous(store=_prefixed(store, generation), init_method=None,
-                      description=f"TCPStore at {address}, announced through {via}")
+    return _prefixed(store, generation), f"TCPStore at {address}, announced through {via}"
 
 
 # -- helpers -------------------------------------------------------------------
@@ -284,15 +272,10 @@ def _exchange_via_mpi(topology: Topology, config: Config, generation: int,
         buf[: len(encoded)] = encoded
     # Non-blocking, so that a rank 0 that never arrives is a timeout, not a hang.
     request = comm.Ibcast([buf, MPI.BYTE], root=0)
-    deadline = time.monotonic() + config.timeout_s
-    pause = 1e-4
-    while not request.Test():
-        if time.monotonic() >= deadline:
-            raise CollectiveTimeoutError(
-                f"rank {topology.rank}: the MPI broadcast of rank 0's torch.distributed store "
-                f"address did not finish within {config.timeout_s:g} s (DP_PLUGIN_TIMEOUT); "
-                "a rank has probably failed to start; check the other ranks' logs"
-            )
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
+    if not poll(request.Test, config.timeout_s, step=1e-4, longest=0.05):
+        raise CollectiveTimeoutError(
+            f"rank {topology.rank}: the MPI broadcast of rank 0's torch.distributed store "
+            f"address did not finish within {config.timeout_s:g} s (DP_PLUGIN_TIMEOUT); "
+            "a rank has probably failed to start; check the other ranks' logs"
+        )
     return bytes(buf).rstrip(b"\0").decode()

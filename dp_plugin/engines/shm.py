@@ -268,7 +268,9 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
     try:
         ok = True
         try:
-            listener = _listen(f"{prefix}-{rank}.sock", size)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # closed by _cleanup
+            listener.bind(f"{prefix}-{rank}.sock")
+            listener.listen(size)
             if rank == 0:
                 segment = _segment(f"{prefix}.seg", nbytes, create=True)
         except OSError as exc:
@@ -280,14 +282,15 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
             if rank != 0:
                 segment = _segment(f"{prefix}.seg", nbytes, create=False)
             assert listener is not None
-            socks = _mesh(listener, prefix, rank, size, timeout_s)
+            _mesh(listener, prefix, rank, size, timeout_s, socks)
         except OSError as exc:
             log.debug("dp_plugin: shared-memory connect failed on rank %d: %s", rank, exc)
             ok = False
         if not exchange(np.array([int(ok)], dtype=np.int64), "shm connect")[:, 0].all():
             return None
         assert segment is not None
-        transport = ShmTransport(rank, size, segment, socks, chunk_bytes, timeout_s)
+        transport = ShmTransport(rank, size, segment, dict(sorted(socks.items())), chunk_bytes,
+                                 timeout_s)
         segment, socks = None, {}
         return transport
     finally:
@@ -324,17 +327,6 @@ def _affordable_chunk(size: int, wanted: int) -> int:
     return chunk
 
 
-def _listen(path: str, size: int) -> socket.socket:
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        listener.bind(path)
-        listener.listen(size)
-    except OSError:
-        listener.close()
-        raise
-    return listener
-
-
 def _segment(path: str, nbytes: int, create: bool) -> mmap.mmap:
     """Create (rank 0) or open the segment and map it. Creating reserves
     every page now (``posix_fallocate``): a sparse file would get its pages
@@ -353,35 +345,29 @@ def _segment(path: str, nbytes: int, create: bool) -> mmap.mmap:
         os.close(fd)
 
 
-def _mesh(listener: socket.socket, prefix: str, rank: int, size: int,
-          timeout_s: float) -> dict[int, socket.socket]:
-    """A connection to every peer: rank r dials every lower rank and
-    accepts every higher one, which announces its rank first."""
-    socks: dict[int, socket.socket] = {}
-    try:
-        for peer in range(rank):
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            socks[peer] = sock
-            sock.settimeout(timeout_s)
-            sock.connect(f"{prefix}-{peer}.sock")
-            sock.sendall(rank.to_bytes(4, "little"))
-        listener.settimeout(timeout_s)
-        for _ in range(rank + 1, size):
-            sock, _addr = listener.accept()
-            sock.settimeout(timeout_s)
-            got = b""
-            while len(got) < 4 and (more := sock.recv(4 - len(got))):
-                got += more
-            peer = int.from_bytes(got, "little") if len(got) == 4 else -1
-            if not rank < peer < size or peer in socks:
-                sock.close()
-                raise OSError(f"an unexpected connection to {prefix}-{rank}.sock")
-            socks[peer] = sock
-    except OSError:
-        for sock in socks.values():
+def _mesh(listener: socket.socket, prefix: str, rank: int, size: int, timeout_s: float,
+          socks: dict[int, socket.socket]) -> None:
+    """Connect to every peer, into ``socks`` (``_cleanup`` closes them if
+    setup fails): rank r dials every lower rank and accepts every higher
+    one, which announces its rank first."""
+    for peer in range(rank):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        socks[peer] = sock
+        sock.settimeout(timeout_s)
+        sock.connect(f"{prefix}-{peer}.sock")
+        sock.sendall(rank.to_bytes(4, "little"))
+    listener.settimeout(timeout_s)
+    for _ in range(rank + 1, size):
+        sock, _addr = listener.accept()
+        sock.settimeout(timeout_s)
+        got = b""
+        while len(got) < 4 and (more := sock.recv(4 - len(got))):
+            got += more
+        peer = int.from_bytes(got, "little") if len(got) == 4 else -1
+        if not rank < peer < size or peer in socks:
             sock.close()
-        raise
-    return dict(sorted(socks.items()))
+            raise OSError(f"an unexpected connection to {prefix}-{rank}.sock")
+        socks[peer] = sock
 
 
 def _cleanup(prefix: str, rank: int, listener: socket.socket | None,
