@@ -22,7 +22,6 @@ and call collectives in any order.
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -30,6 +29,7 @@ from typing import Any, Protocol
 import torch
 from dp_plugin.agreement import Listener
 from dp_plugin.engines.base import ReduceOp
+from dp_plugin.engines.deadline import poll
 from dp_plugin.errors import CollectiveTimeoutError
 from dp_plugin.process_sets import member_engines
 from dp_plugin.torch.basics import engine
@@ -163,21 +163,14 @@ class _Joined:
 
     def run(self) -> int:
         timeout = self.eng.config.timeout_s
-        deadline = time.monotonic() + timeout
-        pause = 0.0
-        while self.listening or self.stepping:
-            if self._poll():
-                deadline, pause = time.monotonic() + timeout, 0.0
-            elif time.monotonic() > deadline:
+        while self.listening or self.stepping:  # each progress restarts the deadline
+            if not poll(self._poll, timeout, step=1e-4, longest=2e-3):
                 raise CollectiveTimeoutError(
                     f"rank {self.eng.rank}: hvd.join() heard nothing from the other ranks for "
                     f"{timeout:g} s (DP_PLUGIN_TIMEOUT): a rank that has not joined neither "
                     "stepped a DistributedOptimizer nor called a collective in that time; "
                     "check that every rank calls hvd.join() when its data runs out"
                 )
-            else:
-                time.sleep(pause)
-                pause = min(pause * 2 + 1e-4, 2e-3)
         return self.last
 
     def _poll(self) -> bool:
