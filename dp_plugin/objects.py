@@ -1,5 +1,5 @@
 """Python objects through an engine's collectives: the adapters' ``broadcast_object``
-and ``allgather_object``.
+and ``allgather_object``; and ``broadcast_bytes``, their broadcast of many tensors.
 
 Objects are pickled (with cloudpickle when installed: lambdas, local
 classes; else pickle) and travel as uint8 buffers on the engine's buffer
@@ -11,12 +11,18 @@ error, instead of leaving the others waiting for bytes that never come.
 from __future__ import annotations
 
 import io
+import math
 import pickle
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from dp_plugin.agreement import to_device, to_host
+from dp_plugin.collective import FusedCollective
+from dp_plugin.dtypes import SUPPORTED_DTYPES
+from dp_plugin.fusion import TensorSpec
+from dp_plugin.hooks import broadcast_hook
 
 
 def broadcast_object(engine: Any, obj: Any, root: int, name: str) -> Any:
@@ -85,3 +91,27 @@ def _raise_if_unpickled(engine: Any, sizes: list[int], problem: Exception | None
 def _loads(data: np.ndarray) -> Any:
     # cloudpickle output is read by the standard unpickler.
     return pickle.loads(data.tobytes())
+
+
+def byte_layout(name: str, shape: tuple[int, ...], dtype: str, itemsize: int, odd_name: str,
+                device: str = "cpu") -> TensorSpec:
+    """What the ranks compare for one tensor of ``broadcast_bytes``: name, shape and
+    dtype. Dtypes the core does not reduce (bool, uint32, ...) only need to agree:
+    they are compared as bytes, named ``odd_name`` (which names the dtype)."""
+    if dtype in SUPPORTED_DTYPES:
+        return TensorSpec(name, shape, dtype, device)
+    return TensorSpec(odd_name, (math.prod(shape) * itemsize,), "uint8", device)
+
+
+def broadcast_bytes(engine: Any, names: Sequence[str], wires: Sequence[Any], root: int, *,
+                    layout: Sequence[TensorSpec], name: str, what: str,
+                    device: str = "cpu") -> None:
+    """Broadcast the flat uint8 ``wires`` (torch tensors or numpy arrays, written in
+    place) from ``root`` (a rank of ``engine``), fused: one ``FusedCollective`` run
+    with the broadcast hook, whose agreement step first compares ``layout`` (see
+    ``byte_layout``) and the root on every rank."""
+    specs = [TensorSpec(n, (len(w),), "uint8", device) for n, w in zip(names, wires, strict=True)]
+    FusedCollective(
+        specs, engine=engine, name=name, threshold=max(1, engine.config.fusion_threshold),
+        hook=broadcast_hook, order=range(len(specs)), root=root, layout=layout, what=what,
+    ).run(wires)

@@ -18,10 +18,9 @@ import numpy as np
 
 import tensorflow as tf
 from dp_plugin import runtime
-from dp_plugin.collective import FusedCollective, root_of
-from dp_plugin.dtypes import SUPPORTED_DTYPES
+from dp_plugin.collective import root_of
 from dp_plugin.fusion import TensorSpec
-from dp_plugin.hooks import broadcast_hook
+from dp_plugin.objects import broadcast_bytes, byte_layout
 
 
 @tf.autograph.experimental.do_not_convert
@@ -71,11 +70,8 @@ def broadcast_labelled(
 def _spec(label: str, variable: Any) -> TensorSpec:
     dtype = tf.as_dtype(variable.dtype)
     shape = tuple(int(d) for d in variable.shape)
-    if dtype.name in SUPPORTED_DTYPES:
-        return TensorSpec(label, shape, dtype.name)
-    # Dtypes the core does not reduce (bool, uint32, ...) are compared as bytes.
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.size
-    return TensorSpec(f"{label} ({dtype.name}{list(shape)})", (nbytes,), "uint8")
+    return byte_layout(label, shape, dtype.name, dtype.size,
+                       f"{label} ({dtype.name}{list(shape)})")
 
 
 def _exchange(
@@ -88,13 +84,9 @@ def _exchange(
     # buffers (which ``arrays`` may view) must not be written.
     out = [np.array(a, order="C", copy=True) for a in arrays]
     wires = [o.reshape(-1).view(np.uint8) for o in out]
-    fused = FusedCollective(
-        [TensorSpec(s.name, (w.size,), "uint8") for s, w in zip(specs, wires, strict=True)],
-        engine=engine, name=f"broadcast_variables.root{root_rank}", hook=broadcast_hook,
-        threshold=max(1, engine.config.fusion_threshold), order=range(len(specs)),
-        root=root, layout=specs, what=f"variables of {what} (root rank {root_rank})",
-    )
-    fused.run(wires)
+    broadcast_bytes(engine, [s.name for s in specs], wires, root, layout=specs,
+                    name=f"broadcast_variables.root{root_rank}",
+                    what=f"variables of {what} (root rank {root_rank})")
     return out
 
 

@@ -21,11 +21,9 @@ from typing import Any
 
 import torch
 from dp_plugin import objects as _objects
-from dp_plugin.collective import FusedCollective, agreed_root
-from dp_plugin.dtypes import SUPPORTED_DTYPES
+from dp_plugin.collective import agreed_root
 from dp_plugin.engines.base import Engine
 from dp_plugin.fusion import TensorSpec
-from dp_plugin.hooks import broadcast_hook
 from dp_plugin.process_sets import ProcessSet, engine_of, global_process_set
 
 
@@ -118,22 +116,14 @@ def _broadcast_tensors(eng: Engine, named: list[tuple[str, torch.Tensor]], root:
     """Broadcast ``named`` tensors' bytes from ``root`` (a rank of ``eng``),
     fused: one ``FusedCollective`` run with the broadcast hook."""
     device = eng.buffer_device
-    # What the ranks compare: names, shapes and dtypes (where they are
-    # supported; other dtypes are compared by their bytes).
     layout = [_layout_spec(name, t, device) for name, t in named]
     if not named:
         return
     wires = [_bytes_of(t) if t.is_contiguous() else
              _bytes_of(t.detach().contiguous()) for _, t in named]
-    specs = [TensorSpec(name, (w.numel(),), "uint8", device)
-             for (name, _), w in zip(named, wires, strict=True)]
-    fused = FusedCollective(
-        specs, engine=eng, name=what, threshold=max(1, eng.config.fusion_threshold),
-        hook=broadcast_hook, order=range(len(specs)), root=root, layout=layout,
-        what=f"tensors of {what}",
-    )
     with torch.no_grad():
-        fused.run(wires)
+        _objects.broadcast_bytes(eng, [name for name, _ in named], wires, root, layout=layout,
+                                 name=what, what=f"tensors of {what}", device=device)
         for (_, t), w in zip(named, wires, strict=True):
             if not t.is_contiguous():  # the bytes went into a staged copy
                 t.copy_(w.view(t.dtype).view(t.shape))
@@ -151,10 +141,8 @@ def _layout_spec(name: str, t: Any, device: str) -> TensorSpec:
     if t.is_sparse:
         raise ValueError(f"tensor {name!r} is sparse; broadcast its dense form instead")
     dtype = str(t.dtype).removeprefix("torch.")
-    if dtype in SUPPORTED_DTYPES:
-        return TensorSpec(name, tuple(t.shape), dtype, device)
-    # Other dtypes only need to agree: compare them as bytes, dtype in the name.
-    return TensorSpec(f"{name} ({dtype})", (t.numel() * t.element_size(),), "uint8", device)
+    return _objects.byte_layout(name, tuple(t.shape), dtype, t.element_size(),
+                                f"{name} ({dtype})", device)
 
 
 def _named_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:
