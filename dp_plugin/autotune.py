@@ -97,12 +97,13 @@ class Decision:
         return args
 
 
-def mib(nbytes: int) -> str:
-    """``nbytes`` for a person: "25 MiB", "4 KiB", "40 B"."""
+def mib(nbytes: float, spec: str = "g") -> str:
+    """``nbytes`` for a person: "25 MiB", "4 KiB", "40 B"; ``spec`` formats the
+    number of GiB, MiB or KiB (``".4g"``: at most 4 significant digits)."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if nbytes >= 1 << shift:
-            return f"{nbytes / (1 << shift):g} {unit}"
-    return f"{nbytes} B"
+            return f"{nbytes / (1 << shift):{spec}} {unit}"
+    return f"{nbytes:g} B"
 
 
 def agreement_setting(config: Any, enabled: bool) -> str:

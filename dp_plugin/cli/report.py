@@ -11,16 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dp_plugin.autotune import mib
 from dp_plugin.cli.bandwidth import algbw, busbw
 
 GB = 1e9
-
-
-def human(nbytes: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.4g} {unit}"
-    return f"{nbytes:g} B"
 
 
 def _series(result: dict[str, Any]) -> dict[tuple[str, int], list[dict[str, Any]]]:
@@ -45,7 +39,7 @@ def markdown(result: dict[str, Any]) -> str:
         ref = refs.get(size)
         extra = ([f"{algbw(size, ref[key]) / GB:.3f}" for key in ("loopback_tcp_s", "memcpy_s")]
                  if ref else ["-", "-"])
-        lines.append(f"| {human(size)} | " + " | ".join(cells + extra) + " |")
+        lines.append(f"| {mib(size, '.4g')} | " + " | ".join(cells + extra) + " |")
     lines.append("\nBandwidths in GB/s (10^9 bytes/s); busbw = algbw x 2(n-1)/n.")
     if result["models"]:
         lines += ["", "| model | engine | workers | gradients | buckets | fused (copies) "
@@ -64,7 +58,8 @@ def _model_row(m: dict[str, Any]) -> str:
     views = m.get("fused_views_s", m["fused_s"])
     summed = m.get("fused_views_sum_s")
     grouped = m.get("horovod_grouped_s")
-    cells = [m["model"], m["engine"], str(m["size"]), f"{m['tensors']} ({human(m['bytes'])})",
+    cells = [m["model"], m["engine"], str(m["size"]),
+             f"{m['tensors']} ({mib(m['bytes'], '.4g')})",
              str(m["buckets"]), f"{m['fused_s'] * 1e3:.1f} ms", f"{views * 1e3:.1f} ms",
              f"{summed * 1e3:.1f} ms" if summed else "-", f"{m['raw_s'] * 1e3:.1f} ms",
              f"{m['raw_s'] / views:.2f}", f"{m['raw_s'] / summed:.2f}" if summed else "-",
