@@ -73,6 +73,11 @@ class Topology:
     def is_mpi(self) -> bool:
         return self.launcher in ("openmpi", "mpich", "intelmpi")
 
+    @property
+    def is_homogeneous(self) -> bool:
+        """True when every host runs the same number of processes."""
+        return self.local_size * self.cross_size == self.size
+
     @classmethod
     def single(cls) -> Topology:
         """The topology of a process that no launcher started."""

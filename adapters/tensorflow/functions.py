@@ -85,8 +85,7 @@ def cross_rank() -> int:
 
 def is_homogeneous() -> bool:
     """True when every host runs the same number of processes."""
-    topo = runtime.topology()
-    return topo.local_size * topo.cross_size == topo.size
+    return runtime.topology().is_homogeneous
 
 
 # -- what is built, what runs ------------------------------------------------------------

@@ -156,8 +156,7 @@ def cross_rank() -> int:
 
 def is_homogeneous() -> bool:
     """True when every host runs the same number of processes."""
-    topo = engine("hvd.is_homogeneous()").topology
-    return topo.local_size * topo.cross_size == topo.size
+    return engine("hvd.is_homogeneous()").topology.is_homogeneous
 
 
 # -- what is built, what is running ---------------------------------------------
