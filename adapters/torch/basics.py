@@ -14,6 +14,7 @@ import atexit
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from dp_plugin import capabilities as _capabilities
@@ -265,11 +266,20 @@ class SharedTimeline:
 
     # -- what a scheduler calls ---------------------------------------------------
 
-    def __getattr__(self, name: str) -> Any:
-        """``enabled``, ``span``, ``instant``, ``counter``: the current timeline's."""
-        if name == "current":  # not set yet (an object being copied or unpickled)
-            raise AttributeError(name)
-        return getattr(self.current, name)
+    @property
+    def enabled(self) -> bool:
+        return self.current.enabled
+
+    def span(self, name: str, cat: str, start: float, end: float, tid: Any = "main",
+             args: Mapping[str, Any] | None = None) -> None:
+        self.current.span(name, cat, start, end, tid=tid, args=args)
+
+    def instant(self, name: str, cat: str, t: float, tid: Any = "main",
+                args: Mapping[str, Any] | None = None) -> None:
+        self.current.instant(name, cat, t, tid=tid, args=args)
+
+    def counter(self, name: str, values: Mapping[str, float], t: float) -> None:
+        self.current.counter(name, values, t)
 
     def flush(self) -> None:
         # Schedulers flush once per step: that is where a cycle ends.
