@@ -26,7 +26,8 @@ from dp_plugin.engines.base import Engine
 from dp_plugin.errors import NotInitializedError
 from dp_plugin.process_sets import ProcessSet
 from dp_plugin.torch import handles
-from dp_plugin.torch.agreement import DuplicateNameError, MismatchError
+from dp_plugin.request import MismatchError
+from dp_plugin.torch.submit import DuplicateNameError
 from dp_plugin.torch.autograd_ops import (
     allgather,
     allreduce,
