@@ -130,9 +130,13 @@ class GradBucket:
     bucket has a buffer of its own (keep such things in ``scratch``)."""
     shared_numel: int = 0
     postscale: float = 1.0
-    """The factor the engine multiplies the sum by while reducing (set by the
-    scheduler for the plain all-reduce hook where ``scales_in_reduction``;
-    it then skips its own multiply). Other hooks always see 1.0."""
+    """The post-scale the engine may multiply the sum by while reducing
+    (offered where the engine ``scales_in_reduction`` this dtype; 1.0
+    otherwise). A hook that passes it to ``allreduce_async(postscale=)``
+    sets ``folded``; otherwise the fused collective multiplies afterwards."""
+    folded: bool = False
+    """Set by the hook that folded ``postscale`` into the reduction
+    (``allreduce_hook``, also inside a user's wrapper)."""
 
     def buffer(self) -> Any:
         return self.flat
@@ -152,10 +156,13 @@ CommHook = Callable[[HookState, GradBucket], Handle]
 
 
 def allreduce_hook(state: HookState, bucket: GradBucket) -> Handle:
-    """Reduce the bucket in place with the policy's engine op."""
+    """Reduce the bucket in place with the policy's engine op (folding the
+    offered post-scale into the reduction)."""
     if bucket.postscale != 1.0:
-        return state.engine.allreduce_async(bucket.buffer(), state.engine_op, name=bucket.label,
-                                            postscale=bucket.postscale)
+        handle = state.engine.allreduce_async(bucket.buffer(), state.engine_op,
+                                              name=bucket.label, postscale=bucket.postscale)
+        bucket.folded = True
+        return handle
     return state.engine.allreduce_async(bucket.buffer(), state.engine_op, name=bucket.label)
 
 

@@ -274,8 +274,11 @@ class TorchDistEngine(Engine):
         out = t.new_empty((sum(received), *trailing))
         # counts and row sizes are agreed: every rank skips alike.
         if row_elems and counts.any():
-            send = t.detach().contiguous().reshape(t.shape[0], row_elems).view(torch.uint8)
-            recv = out.view(out.shape[0], row_elems).view(torch.uint8)
+            # Flattened before the byte view: an empty tensor may carry any
+            # strides (a zero-row input has stride 0), which view(uint8) refuses.
+            width = row_elems * t.element_size()
+            send = t.detach().contiguous().reshape(-1).view(torch.uint8).reshape(-1, width)
+            recv = out.reshape(-1).view(torch.uint8).reshape(-1, width)
             work = self._dist.all_to_all_single(
                 recv, send, output_split_sizes=received,
                 input_split_sizes=[int(c) for c in counts[self.rank]],
