@@ -41,8 +41,14 @@ class ReducePolicy:
     ``prescale / predivide`` before the sum and the sum by
     ``postscale * predivide / size`` after it; ``op=sum`` applies only the
     user's factors; min/max/product allow none. ``engine_op`` is what the
-    engine runs (Average is always a sum here: no engine's native average
-    is used, so every engine rounds alike).
+    engine runs (Average is always a sum here). The factors are applied by
+    ``ArrayOps.scale_`` (in the fusion buffer's pack/unpack, or on the
+    reduce-scatter's input and output): integers in double precision,
+    truncated; float16/bfloat16 in float32. The engines' own ``op=average``
+    (``engines.generic.average``: times ``1/size``) is the same rule; no
+    library's native average is used. The one exception is Horovod's own:
+    sparse all-reduces (torch ``sparse_allreduce_async``, TensorFlow
+    ``tf.IndexedSlices``) divide the gathered values by the size.
     """
 
     op: ReduceOp

@@ -113,7 +113,7 @@ def expect_refusal(call: object, words: str) -> None:
 def case_refused(_: object) -> None:
     hvd.init()
     if hvd.rank() == 0:
-        expect_refusal(hvd.join, "dp_plugin.torch.check cannot run while a rank is joined")
+        expect_refusal(hvd.join, "dp_plugin.check cannot run while a rank is joined")
     else:
         expect_refusal(lambda: hvd.alltoall(torch.ones(2, 3)), "rank(s) 0 have called join()")
     hvd.shutdown()
