@@ -128,7 +128,7 @@ def check_agreement(engine: Engine, requests: Sequence[Request]) -> Table:
     mine = [_describe(r) for r in requests]
     numbers = [_first_dim(r) for r in requests] + [n for r in requests for n in r.splits]
     got = compare(engine, _CHECK_NAME, mine, numbers,
-                  accept_joined=requests[0].kind in JOINABLE)
+                  joined_ok=requests[0].kind in JOINABLE)
     if got.described is None and any(r.problem for r in requests):
         _raise_problems([mine] * engine.size, requests)  # the same problem everywhere
     if got.described is not None:
