@@ -46,7 +46,20 @@ from dp_plugin.slabs import Slab, SlabPool
 from dp_plugin.timeline import NullTimeline
 
 UNBOUNDED = 1 << 62
-"""A fusion threshold no buffer reaches: one bucket per dtype and device."""
+"""The threshold of a *grouped* collective (a grouped all-reduce, metric
+averaging): the caller puts the whole list in flight at once. It travels in
+buckets of at most ``PIPELINE_CHUNK`` bytes, each with a buffer of its own,
+so that packing chunk k+1 and unpacking chunk k-1 run while chunk k is on
+the wire (the engine's transport runs in its own threads) instead of pack,
+transfer and unpack one after another (issue 25: one 110 MB bucket reached
+78-83% of a 1 Gbit/s link where one flat buffer reaches 95%)."""
+
+PIPELINE_CHUNK = 8 * 1024 * 1024
+"""Bytes per bucket of a grouped collective. Measured on the rehearsal
+cluster (benchmarks/cluster_bench.py, BENCHMARKS.md "Rehearsal cluster"):
+small enough that the first pack and the last unpack, the only copies left
+exposed, are short; large enough that a collective's fixed cost per bucket
+stays small next to its transfer."""
 
 
 class FusedCollective:
@@ -109,8 +122,15 @@ class FusedCollective:
         """True once the ranks agreed (or the caller already made them agree)."""
         self.broken: BaseException | None = None
         self.plan_version = -1
-        self.install(plan_buckets(self.specs, threshold, order=order,
+        self.grouped = threshold >= UNBOUNDED
+        """A grouped collective: buckets of ``PIPELINE_CHUNK``, each with its own
+        buffer (see ``UNBOUNDED``)."""
+        self.install(plan_buckets(self.specs, self._cap(), order=order,
                                   first_threshold=first_threshold))
+
+    def _cap(self) -> int:
+        """The bucket size the plan uses (``PIPELINE_CHUNK`` when grouped)."""
+        return PIPELINE_CHUNK if self.grouped else self.threshold
 
     # -- plan ---------------------------------------------------------------------
     def install(self, plan: list[Any]) -> None:
@@ -121,7 +141,9 @@ class FusedCollective:
         self.buffers = [
             FusionBuffer(b, self.specs, f"{self.name}.bucket{b.index}",
                          self.control_numel if b.index == last else 0,
-                         pinned=b.nbytes > self.threshold,  # one tensor over the threshold
+                         # One tensor over the threshold; or a grouped collective's
+                         # chunk, which must not wait for a slab (all start at once).
+                         pinned=self.grouped or b.nbytes > self.threshold,
                          wire_dtype=self.compressor.wire_dtype(b.dtype))
             for b in plan
         ]
@@ -138,7 +160,7 @@ class FusedCollective:
 
     def replan(self, order: Sequence[int]) -> bool:
         """Re-plan for the ready order ``order``; True if the buckets changed."""
-        plan = plan_buckets(self.specs, self.threshold, order=order,
+        plan = plan_buckets(self.specs, self._cap(), order=order,
                             first_threshold=self.first_threshold)
         if [b.members for b in plan] == [b.members for b in self.plan]:
             return False
@@ -152,6 +174,7 @@ class FusedCollective:
         """Use ``threshold`` from now on and re-plan for ``order`` (autotune);
         every rank at the same point, between steps. True if the buckets changed."""
         self.threshold = threshold
+        self.grouped = threshold >= UNBOUNDED
         self.settings["fusion threshold"] = threshold
         return self.replan(order)
 
