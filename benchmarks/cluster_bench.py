@@ -96,11 +96,12 @@ def worker(args: argparse.Namespace) -> int:
         flat = torch.cat([g.flatten() for g in grads])
         times: dict[str, list[float]] = {m: [] for m in methods}
         sent: dict[str, list[int]] = {m: [] for m in methods}
+        cpu: dict[str, list[float]] = {m: [] for m in methods}
         for r in range(args.rounds + 1):
             order = methods if r % 2 == 0 else list(reversed(methods))
             for method in order:
                 dist.barrier()
-                tx0, t0 = tx_bytes(), time.perf_counter()
+                tx0, t0, c0 = tx_bytes(), time.perf_counter(), time.process_time()
                 collective.PIPELINE_CHUNK = chunked.get(method, default_chunk)
                 if method == "dp grouped":
                     hvd.grouped_allreduce(grads, op=hvd.Sum, name=f"{model}.g{r}")
@@ -112,12 +113,14 @@ def worker(args: argparse.Namespace) -> int:
                     dist.all_reduce(flat)
                     flat.mul_(1.0 / size)
                 dt, tx = time.perf_counter() - t0, tx_bytes() - tx0
+                used = time.process_time() - c0
                 # The slowest rank's time; host 1's bytes (local rank 0 there is rank 0).
                 slowest = torch.tensor([dt])
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
                 if r > 0:  # round 0 warms up (buffers, connections)
                     times[method].append(slowest.item())
                     sent[method].append(tx)
+                    cpu[method].append(used)
         if rank == 0:
             for method in methods:
                 t = statistics.median(times[method])
@@ -126,6 +129,7 @@ def worker(args: argparse.Namespace) -> int:
                     "model": model, "method": method, "size": size, "bytes": nbytes,
                     "tensors": len(grads), "time_s": t, "times_s": times[method],
                     "link_bps": link_bps, "host_tx_bytes": tx,
+                    "cpu_s": statistics.median(cpu[method]),
                     "link_share": (tx * 8 / t / link_bps) if link_bps else None,
                 }), flush=True)
         del grads, flat
@@ -172,8 +176,8 @@ def predicted_s(row: dict) -> float | None:
 
 def table(rows: list[dict]) -> str:
     out = ["| hosts x ranks | link | model | method | time (s) | bus bw (Gbit/s) | link share "
-           "| vs torch flat | predicted (s) | error |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "| vs torch flat | CPU (s) | predicted (s) | error |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {(r["hosts"], r["per_host"], r["link"], r["model"]): r["time_s"]
             for r in rows if r["method"] == "torch flat"}
     for r in rows:
@@ -186,7 +190,7 @@ def table(rows: list[dict]) -> str:
         err = "" if pred is None else f"{(pred - r['time_s']) / r['time_s']:+.0%}"
         out.append(f"| {r['hosts']} x {r['per_host']} | {r['link']} | {r['model']} "
                    f"({r['bytes'] / 2**20:.0f} MiB, {r['tensors']}) | {r['method']} | "
-                   f"{r['time_s']:.3f} | {bus:.2f} | {share} | {speed} | "
+                   f"{r['time_s']:.3f} | {bus:.2f} | {share} | {speed} | {r['cpu_s']:.2f} | "
                    f"{'' if pred is None else f'{pred:.3f}'} | {err} |")
     return "\n".join(out)
 

@@ -14,7 +14,7 @@ from dp_plugin import collective
 from dp_plugin.arrays import NumpyOps
 from dp_plugin.collective import UNBOUNDED, FusedCollective
 from dp_plugin.engines.base import ReduceOp
-from dp_plugin.fusion import TensorSpec
+from dp_plugin.fusion import TensorSpec, plan_buckets
 from dp_plugin.hooks import ReducePolicy
 from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks
 
@@ -70,3 +70,26 @@ def test_a_threshold_below_unbounded_keeps_its_buckets_and_slabs() -> None:
                             threshold=CHUNK, order=range(len(SPECS)), array_ops=NumpyOps())
     assert not fused.grouped
     assert [b.pinned for b in fused.buffers] == [False, False, True, False, False, False]
+
+
+def test_a_large_tensor_travels_alone_without_closing_the_open_bucket() -> None:
+    """``alone_from``: the 400-byte tensor gets a bucket of its own and the
+    small ones on either side of it still share one (without the rule, the
+    large tensor closes the bucket and the last small one opens another)."""
+    specs = [TensorSpec("a", (8,), "float32"), TensorSpec("b", (8,), "float32"),
+             TensorSpec("big", (100,), "float32"), TensorSpec("c", (8,), "float32")]
+    assert [b.members for b in plan_buckets(specs, 128, order=range(4))] == [(0, 1), (2,), (3,)]
+    alone = plan_buckets(specs, 128, order=range(4), alone_from=256)
+    assert [b.members for b in alone] == [(0, 1, 3), (2,)]
+    assert [b.offsets for b in alone] == [(0, 8, 16), (0,)]
+
+
+def test_a_grouped_collective_reduces_its_large_tensors_where_they_lie(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(collective, "PIPELINE_CHUNK", CHUNK)
+    monkeypatch.setattr(collective, "DIRECT_BYTES", 256)
+    fused = FusedCollective(SPECS, engine=make_thread_group(1)[0], name="grouped",
+                            threshold=UNBOUNDED, order=range(len(SPECS)), array_ops=NumpyOps())
+    big = [b for b in fused.buffers if b.names == ("big",)]
+    assert len(big) == 1 and not fused.packs(SPECS.index(SPECS[4]))
+    assert [len(b.names) for b in fused.buffers] == [2, 2, 1, 2, 2, 2]
