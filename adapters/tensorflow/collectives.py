@@ -42,6 +42,7 @@ from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.tensorflow import broadcast as _bcast
+from dp_plugin.tensorflow import errors as tf_errors
 from dp_plugin.tensorflow import graph_order
 from dp_plugin.tensorflow.ops import Compression, parse_compression
 from dp_plugin.validate import check_positive_float
@@ -52,6 +53,7 @@ def run_op(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
     """``fn`` on numpy values: called directly when eager, a ``tf.numpy_function``
     op (with ``shapes`` set on its outputs) inside ``tf.function`` or a TF1 graph,
     ordered after the graph's previous dp_plugin op (``graph_order``)."""
+    fn = tf_errors.translated(fn)  # Horovod's error types (dp_plugin.tensorflow.errors)
     if tf.executing_eagerly():
         arrays = fn(*[np.asarray(t) for t in inputs])
         return [tf.convert_to_tensor(np.asarray(o, dtype=tf.as_dtype(d).as_numpy_dtype))
