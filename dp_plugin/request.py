@@ -202,7 +202,7 @@ def check(engine: Any, request: Request, *, accept_joined: bool = False) -> Agre
     mine = [_describe(request, i, problem, members) for i in range(max(1, len(request.shapes)))]
     numbers = [_first_dim(shape) for shape in request.shapes] + extra
     got = compare(engine, CHECK_TAG, mine, numbers,
-                  accept_joined=accept_joined and request.kind in JOINABLE)
+                  joined_ok=accept_joined and request.kind in JOINABLE)
     blocks = [b for b in got.described if b is not None] if got.described else [mine]
     _raise_problems(blocks, detail)
     if got.described is not None:

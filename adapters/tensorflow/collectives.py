@@ -44,6 +44,8 @@ from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.request import Problem, Request, check
+from dp_plugin.tensorflow import errors as tf_errors
+from dp_plugin.tensorflow import graph_order
 from dp_plugin.tensorflow.ops import Compression, parse_compression
 from dp_plugin.validate import check_positive_float
 
@@ -51,12 +53,15 @@ from dp_plugin.validate import check_positive_float
 def run_op(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
            dtypes: Sequence[Any], shapes: Sequence[Any], name: str) -> list[Any]:
     """``fn`` on numpy values: called directly when eager, a ``tf.numpy_function``
-    op (with ``shapes`` set on its outputs) inside ``tf.function``."""
+    op (with ``shapes`` set on its outputs) inside ``tf.function`` or a TF1 graph,
+    ordered after the graph's previous dp_plugin op (``graph_order``)."""
+    fn = tf_errors.translated(fn)  # Horovod's error types (dp_plugin.tensorflow.errors)
     if tf.executing_eagerly():
         arrays = fn(*[np.asarray(t) for t in inputs])
         return [tf.convert_to_tensor(np.asarray(o, dtype=tf.as_dtype(d).as_numpy_dtype))
                 for o, d in zip(arrays, dtypes, strict=True)]
-    outs: Any = tf.numpy_function(fn, list(inputs), list(dtypes), stateful=True, name=name)
+    outs: Any = graph_order.ordered(lambda: tf.numpy_function(
+        fn, list(inputs), list(dtypes), stateful=True, name=name))
     outs = list(outs) if isinstance(outs, list | tuple) else [outs]
     for out, shape in zip(outs, shapes, strict=True):
         out.set_shape(shape)

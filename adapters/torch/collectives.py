@@ -1,27 +1,8 @@
 """Asynchronous tensor collectives, as horovod.torch 0.28.1's ``*_async`` functions.
 
 Each returns an ``int`` handle for ``poll``/``synchronize`` (``handles.py``).
-
-Distributed contract:
-- every rank of the process set calls the same collectives in the same
-  order, with the same names (or none), ops, scale factors and roots, and
-  tensors of the same dtype and shape (allgather and alltoall: the same
-  dimensions after the first);
-- each call first runs the agreement check (``agreement.py``): one small
-  all-gather, a short synchronization point. A mismatch, a name still in
-  flight, or another local mistake raises the same error on every rank, at
-  the call (Horovod raises at ``synchronize``); nothing is left waiting;
-- allreduce is asynchronous: the call returns with the engine's all-reduce in
-  flight, and ``synchronize`` waits, applies the post-scale and copies back.
-  Grouped allreduces are fused into one flat buffer per dtype and device.
-  allgather and reducescatter are asynchronous too where the engine's library
-  is (gloo, nccl, mpi; horovod's reducescatter): the call returns after the
-  agreement check with the data in flight, and ``poll`` says when it has
-  arrived. broadcast and alltoall run to completion inside the ``*_async``
-  call (the handle is complete when returned). Either way the collectives
-  are issued in program order, identically on every rank;
-- inputs are never modified except by the in-place variants (``*_``); non-
-  contiguous inputs are copied (in-place variants copy the result back).
+The distributed contract (agreement check at the call, what is asynchronous,
+names, in-place variants) is docs/torch.md, "Tensor collectives".
 """
 
 from __future__ import annotations
