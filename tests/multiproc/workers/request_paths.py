@@ -47,8 +47,10 @@ def zero_row_alltoall() -> None:
     out, recv = hvd.alltoall(torch.from_numpy(data), torch.tensor(splits))
     _same(out.numpy(), want, "torch alltoall, rank 1 sends no rows")
     _same(recv.numpy(), np.array([1 if me == 0 else 3, 0], np.int64), "torch received splits")
-    for fn in (tfd.alltoall, tf.function(tfd.alltoall)):
-        out, recv = fn(tf.constant(data), tf.constant(splits))
+    sig = [tf.TensorSpec([None, 3], tf.float32), tf.TensorSpec([None], tf.int32)]
+    graph = tf.function(lambda t, s: tfd.alltoall(t, splits=s), input_signature=sig)
+    for fn in (lambda t, s: tfd.alltoall(t, splits=s), graph):
+        out, recv = fn(tf.constant(data), tf.constant(splits, tf.int32))
         _same(out.numpy(), want, "tf alltoall, rank 1 sends no rows")
         _same(recv.numpy(), np.array([1 if me == 0 else 3, 0], np.int32), "tf received splits")
 
