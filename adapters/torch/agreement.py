@@ -29,10 +29,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dp_plugin.agreement import compare
+from dp_plugin import join
+from dp_plugin.agreement import Heard, compare
 from dp_plugin.dtypes import SUPPORTED_DTYPES
 from dp_plugin.engines.base import Engine, ReduceOp
-from dp_plugin.errors import DPPluginError, JoinedRankError
+from dp_plugin.errors import DPPluginError
 
 
 class MismatchError(DPPluginError, ValueError):
@@ -127,53 +128,38 @@ def check_agreement(engine: Engine, requests: Sequence[Request]) -> Table:
         raise ValueError("a collective needs at least one tensor; got an empty list")
     mine = [_describe(r) for r in requests]
     numbers = [_first_dim(r) for r in requests] + [n for r in requests for n in r.splits]
-    got = compare(engine, _CHECK_NAME, mine, numbers,
-                  joined_ok=requests[0].kind in JOINABLE)
+    got = compare(engine, _CHECK_NAME, mine, numbers, joined_ok=True)
     if got.described is None and any(r.problem for r in requests):
         _raise_problems([mine] * engine.size, requests)  # the same problem everywhere
     if got.described is not None:
         _raise_problems([b for b in got.described if b is not None], requests)
         _raise_mismatch([b for b in got.described if b is not None], requests)
-        raise MismatchError(  # the digests differ, the descriptions do not
-            "the agreement check's digests differ across ranks although the requests agree; "
-            "the collective engine corrupted data (report this as a bug)"
-        )
-    if got.joined:
-        _check_root_active(engine, mine[0], got.joined)
+        if not got.joined:
+            raise MismatchError(  # the digests differ, the descriptions do not
+                "the agreement check's digests differ across ranks although the requests "
+                "agree; the collective engine corrupted data (report this as a bug)"
+            )
+    join.admit(requests[0].kind, requests[0].name,
+               [engine.global_ranks[r] for r in got.joined])
     return _with_joined(got.numbers, len(requests))
 
 
-JOINABLE = frozenset({"allreduce", "allgather", "broadcast", "reducescatter", "barrier"})
-"""The collectives a joined rank (``hvd.join()``) answers, contributing
-nothing (zeros to a reduction, no rows to an all-gather)."""
-
-
-def joined_view(engine: Engine, heard: Any) -> tuple[list[dict[str, Any]], Table]:
+def joined_view(heard: Heard) -> tuple[list[dict[str, Any]] | None, Table]:
     """On a joined rank: the request the others agreed on (one description
-    per tensor) and every rank's numbers, or the error they all raise."""
+    per tensor) and every rank's numbers; None when the others ran another
+    agreement than this module's (they refuse a joined rank themselves)."""
+    if any(env is not None and env[0] != _CHECK_NAME for env in heard.envelopes):
+        return None, []
     blocks = [b for b in heard.described if b is not None]
-    _raise_problems(blocks, [])
-    _check_root_active(engine, blocks[0][0], heard.joined)
+    if not blocks or any(d["problem"] for b in blocks for d in b):
+        return None, []  # every rank that called it raises
     return blocks[0], _with_joined(heard.numbers, len(blocks[0]))
 
 
 def _with_joined(numbers: list[list[int]], count: int) -> Table:
     """The table, a joined rank's (empty) numbers as zeros: it contributes
-    nothing, no rows to an all-gather."""
+    nothing."""
     return [row or [0] * count for row in numbers]
-
-
-def _check_root_active(engine: Engine, described: dict[str, Any],
-                       joined: Sequence[int]) -> None:
-    if described["kind"] != "broadcast":
-        return
-    root = described["root"]
-    if engine.global_ranks.index(root) in joined:
-        raise JoinedRankError(
-            f"broadcast{_named(described['name'])}: "
-            f"its root_rank {root} has called join() and has no tensor to send; broadcast "
-            "from a rank that has not joined. Every rank raises this error"
-        )
 
 
 def first_dims(table: Table, index: int) -> list[int]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from dp_plugin.errors import DPPluginError
+from dp_plugin.torch.basics import engine
 from dp_plugin.torch.misuse import check_requires_grad, unfrozen
 from dp_plugin.torch.optimizer_state import OptimizerState
 
@@ -76,6 +77,10 @@ class _ControlSlotMixin:
     def _dp_join_polled(self) -> bool:
         reducer = self._dp.reducer
         return reducer is None or reducer.scheduler.all_done()
+
+    def _dp_join_global(self) -> bool:
+        eng = self._dp.engine
+        return eng is not None and eng.size == engine("hvd.join()").size
 
     def _dp_join_finish(self) -> bool:
         """End the zero step; has every rank of the optimizer's set joined?"""
