@@ -94,12 +94,14 @@ class ShmTransport:
 
     def allreduce_async(self, t: Any, op: ReduceOp, description: str,
                         on_timeout: Callable[[str], None], board: Any,
-                        postscale: float = 1.0) -> Handle:
+                        postscale: float = 1.0, standing: bool = False) -> Handle:
         """Queue an in-place all-reduce of ``t`` (``takes(t)`` is true).
         ``postscale`` (a sum of a ``SCALED_DTYPES`` tensor only) multiplies
-        the result while it is copied out: no pass of its own."""
+        the result while it is copied out: no pass of its own. ``standing``:
+        no deadline of its own (``Engine.standing_allreduce_async``)."""
         handle = ShmHandle(description, self.rank, self.timeout_s, on_timeout, board)
-        self._jobs.put(_Job(t, op, handle, postscale))
+        deadline = None if standing else handle.started_at + self.timeout_s
+        self._jobs.put(_Job(t, op, handle, postscale, deadline))
         return handle
 
     def close(self) -> None:
@@ -133,7 +135,7 @@ class ShmTransport:
         """The module docstring's steps, pipelined over two sets of slots
         and results: the barrier after round k is also the one before
         round k + 1, so a buffer of m chunks takes m + 1 barriers."""
-        deadline = job.handle.started_at + self.timeout_s
+        deadline = job.deadline
         data, dtype = job.tensor.view(-1), job.tensor.dtype
         chunk = self.chunk_bytes // job.tensor.element_size()  # elements per round
         sets = self._bytes.view(dtype).view(2, self.size + 1, chunk)
@@ -165,15 +167,15 @@ class ShmTransport:
         else:
             piece.copy_(result[:n])
 
-    def _barrier(self, deadline: float, job: _Job) -> None:
+    def _barrier(self, deadline: float | None, job: _Job) -> None:
         for peer, sock in self._socks.items():
             try:
                 sock.sendall(b"\x01")
             except OSError as exc:
                 raise _peer_gone(job, peer, exc) from exc
         for peer, sock in self._socks.items():
-            remaining = deadline - time.perf_counter()
-            if remaining <= 0:
+            remaining = None if deadline is None else deadline - time.perf_counter()
+            if remaining is not None and remaining <= 0:
                 raise job.handle.timeout_error()
             sock.settimeout(remaining)
             try:
@@ -187,10 +189,12 @@ class ShmTransport:
 
 
 class _Job:
-    __slots__ = ("handle", "op", "postscale", "tensor")
+    __slots__ = ("deadline", "handle", "op", "postscale", "tensor")
 
-    def __init__(self, tensor: Any, op: ReduceOp, handle: ShmHandle, postscale: float) -> None:
+    def __init__(self, tensor: Any, op: ReduceOp, handle: ShmHandle, postscale: float,
+                 deadline: float | None) -> None:
         self.tensor, self.op, self.handle, self.postscale = tensor, op, handle, postscale
+        self.deadline = deadline
 
 
 class ShmHandle(Handle):
