@@ -194,8 +194,8 @@ def conclude(engine: Any, table: np.ndarray, payload: bytes,
     mine = np.concatenate([extra, np.frombuffer(payload, dtype=np.uint8)])
     n_extra = [8 * max(c - INLINE, 0) for c in counts]
     rows = [0 if r in joined else n_extra[r] + int(table[r, 1]) for r in range(engine.size)]
-    blob = to_host(engine.allgather(to_device(mine, engine.buffer_device),
-                                    name=f"{AGREE_NAME}.detail", rows=rows))
+    blob = to_host(engine.allgather(to_device(mine, engine.buffer_device), rows,
+                                    f"{AGREE_NAME}.detail"))
     envelopes: list[Any | None] = []
     at = 0
     for r in range(engine.size):

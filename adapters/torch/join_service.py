@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 from dp_plugin.engines.base import Engine, ReduceOp
-from dp_plugin.torch.agreement import Table
+from dp_plugin.request import Agreed
 from dp_plugin.torch.collectives import start_fused_allreduce
 
 
-def answer(engine: Engine, described: list[dict[str, Any]], table: Table) -> None:
+def answer(engine: Engine, described: list[dict[str, Any]], agreed: Agreed) -> None:
     """Run, contributing nothing, the collective the other ranks agreed on
     (one description per tensor; blocks)."""
     kind, name = described[0]["kind"], described[0]["name"]
