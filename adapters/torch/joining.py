@@ -33,7 +33,7 @@ from dp_plugin import join as protocol
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.join import Deadline, Listener
 from dp_plugin.process_sets import member_engines
-from dp_plugin.torch.agreement import joined_view
+from dp_plugin.request import joined_view
 from dp_plugin.torch.basics import engine
 from dp_plugin.torch.join_service import answer
 from dp_plugin.torch.rank_marks import RankMarks
@@ -190,9 +190,9 @@ class _Joined:
             if protocol.everyone_joined(heard, e.size):
                 del self.listening[index]
                 continue
-            described, table = joined_view(heard)
+            described, agreed = joined_view(heard)
             if described is not None and protocol.answerable(heard, described[0]["kind"]):
-                answer(e, described, table)
+                answer(e, described, agreed)
             if index == 0:
                 self.answered += 1
             self.listening[index] = Listener(e)

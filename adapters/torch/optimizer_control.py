@@ -88,9 +88,14 @@ class _ControlSlotMixin:
         assert reducer is not None
         results = reducer.scheduler.synchronize()  # every gradient: zeros; results dropped
         st = self._dp
-        st.sparse.reduce(st.params, st.names, st.op, st.engine, contribute=False)
+        st.sparse.reduce(st.params, st.names, st.op, st.engine, reducer.sparse_news,
+                         contribute=False)
         self._dp_check_unfrozen(joined=True)  # raise where the training ranks raise
         if reducer.finite is not None:  # raise where the training ranks raise
             reducer.finite.decide([(st.names[p], g) for p, g in zip(st.params, results,
                                                                      strict=True)])
-        return reducer.flags.decide()[0]
+        everyone = reducer.flags.decide()[0]
+        if st.sparse.changed:  # the others' gradients turned sparse: re-plan as they do
+            st.sparse.changed = False
+            self._dp_register()  # type: ignore[attr-defined]
+        return everyone
