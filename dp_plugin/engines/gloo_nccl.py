@@ -71,6 +71,15 @@ class GlooEngine(TorchDistEngine):
         # A CUDA tensor: Gloo's path, then the scheduler's own multiply.
         return handle.then(lambda: self._torch.mul(t, postscale, out=t))
 
+    def standing_allreduce_async(self, buf: Any, name: str) -> Handle:
+        t = self._tensor(buf, f"allreduce {name!r}")
+        if self._shm is None or not self._shm.takes(t):
+            return super().standing_allreduce_async(buf, name)
+        self._check_usable(f"allreduce {name!r}")
+        desc = self.describe("allreduce", name, t.numel() * t.element_size())
+        return self._shm.allreduce_async(t, ReduceOp.SUM, desc, self._mark_broken,
+                                         self.wait_board(), standing=True)
+
     def _close(self) -> None:
         if self._shm is not None:
             self._shm.close()

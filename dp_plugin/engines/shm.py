@@ -171,7 +171,8 @@ class ShmTransport:
     def allreduce_async(self, t: Any, op: ReduceOp, description: str,
                         on_timeout: Callable[[str], None], board: Any,
                         postscale: float = 1.0,
-                        across: Callable[[Any, float], None] | None = None) -> Handle:
+                        across: Callable[[Any, float], None] | None = None,
+                        standing: bool = False) -> Handle:
         """Queue an in-place all-reduce of ``t`` (``takes(t)`` is true).
         ``postscale`` (a sum of a ``SCALED_DTYPES`` tensor only) multiplies
         the result while it is copied out: no pass of its own.
@@ -180,11 +181,13 @@ class ShmTransport:
         reduce-scatter instead, then ``across(shard, deadline)`` on this
         thread with the view of this rank's reduced shard (it all-reduces
         it with the other hosts, in place, by ``deadline``, a
-        ``time.perf_counter`` value), then an all-gather of the shards."""
+        ``time.perf_counter`` value), then an all-gather of the shards.
+        ``standing``: no deadline of its own (``Engine.standing_allreduce_async``)."""
         if across is not None and postscale != 1.0:
             raise ValueError("a post-scale cannot be folded into a hierarchical all-reduce")
         handle = ShmHandle(description, self.rank, self.timeout_s, on_timeout, board)
-        self._jobs.put(_Job(t, op, handle, postscale, across))
+        deadline = None if standing else handle.started_at + self.timeout_s
+        self._jobs.put(_Job(t, op, handle, postscale, across, deadline))
         return handle
 
     def close(self) -> None:
@@ -255,7 +258,7 @@ class ShmTransport:
         and results: for a reduction, the barrier after round k is also
         the one before round k + 1, so a buffer of m chunks takes m + 1
         barriers; an all-gather copies out right after each barrier."""
-        deadline = job.handle.started_at + self.timeout_s
+        deadline = job.deadline
         chunk = self.chunk_bytes // data.element_size()  # elements per round
         sets = self._bytes.view(data.dtype).view(2, self.size + 1, chunk)
         rounds = [(self._turn + k) % 2 for k in range(-(-data.numel() // chunk))]
@@ -350,15 +353,15 @@ class ShmTransport:
             "fix the program so that every rank issues the same sequence."
         )
 
-    def _barrier(self, deadline: float, job: _Job) -> None:
+    def _barrier(self, deadline: float | None, job: _Job) -> None:
         for peer, sock in self._socks.items():
             try:
                 sock.sendall(b"\x01")
             except OSError as exc:
                 raise _peer_gone(job, peer, exc) from exc
         for peer, sock in self._socks.items():
-            remaining = deadline - time.perf_counter()
-            if remaining <= 0:
+            remaining = None if deadline is None else deadline - time.perf_counter()
+            if remaining is not None and remaining <= 0:
                 raise job.handle.timeout_error()
             sock.settimeout(remaining)
             try:
@@ -372,12 +375,12 @@ class ShmTransport:
 
 
 class _Job:
-    __slots__ = ("across", "handle", "op", "postscale", "tensor")
+    __slots__ = ("across", "deadline", "handle", "op", "postscale", "tensor")
 
     def __init__(self, tensor: Any, op: ReduceOp, handle: ShmHandle, postscale: float,
-                 across: Callable[[Any, float], None] | None) -> None:
+                 across: Callable[[Any, float], None] | None, deadline: float | None) -> None:
         self.tensor, self.op, self.handle, self.postscale = tensor, op, handle, postscale
-        self.across = across
+        self.across, self.deadline = across, deadline
 
 
 class ShmHandle(Handle):
