@@ -153,8 +153,8 @@ class _Opaque:
 def test_a_value_that_would_not_load_is_refused_at_save_naming_it(tmp_path: Path) -> None:
     path = tmp_path / "c.pt"
     hvd.save_checkpoint(path, step=1)
-    with pytest.raises(hvd.CheckpointError,
-                       match=r"\['extra'\]\['opaque'\] = .*_Opaque.*nothing was written.*float\(x\)"):
+    with pytest.raises(hvd.CheckpointError, match=r"\['extra'\]\['opaque'\] = "
+                                                  r".*_Opaque.*nothing was written.*float\(x\)"):
         hvd.save_checkpoint(path, step=2, extra={"fine": 1.0, "opaque": _Opaque()})
     with pytest.raises(hvd.CheckpointError, match=r"\['objs'\] = array\(\[1, 'x'\]"):
         hvd.save_checkpoint(path, step=3, objs=np.array([1, "x"], dtype=object))
