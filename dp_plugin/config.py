@@ -138,7 +138,9 @@ class Config:
     engines can always add sets."""
 
     job_secret: str | None = field(default=None, repr=False)
-    """Signs rank 0's store address in Horovod's rendezvous server (never printed)."""
+    """Signs rank 0's store address in Horovod's rendezvous server (never
+    printed); from DP_PLUGIN_JOB_SECRET_FILE (preferred: off command lines)
+    or DP_PLUGIN_JOB_SECRET."""
 
     def __post_init__(self) -> None:
         error = ConfigError
@@ -264,10 +266,33 @@ class Config:
 
         kwargs.update(_autotune_from_env(env))
 
-        if "DP_PLUGIN_JOB_SECRET" in env:
-            kwargs["job_secret"] = env["DP_PLUGIN_JOB_SECRET"]
+        kwargs.update(_job_secret(env))
 
         return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def _job_secret(env: Mapping[str, str]) -> dict[str, object]:
+    """``job_secret`` from DP_PLUGIN_JOB_SECRET_FILE (read here, at init) or
+    DP_PLUGIN_JOB_SECRET. The file keeps the secret off every command line:
+    horovodrun starts its workers as ``env K=V ... python``, which ``ps``
+    shows on every host for the whole job (issue 24)."""
+    path = env.get("DP_PLUGIN_JOB_SECRET_FILE")
+    if not path:
+        return {"job_secret": env["DP_PLUGIN_JOB_SECRET"]} if "DP_PLUGIN_JOB_SECRET" in env else {}
+    if "DP_PLUGIN_JOB_SECRET" in env:
+        raise ConfigError("both DP_PLUGIN_JOB_SECRET and DP_PLUGIN_JOB_SECRET_FILE are set; "
+                          "keep DP_PLUGIN_JOB_SECRET_FILE alone (it stays off command lines)")
+    try:
+        with open(path, encoding="ascii") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            secret = f.read().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"DP_PLUGIN_JOB_SECRET_FILE={path!r} cannot be read ({exc}); give a "
+                          "file holding the secret, readable by this user on every host") from None
+    if mode & 0o077:
+        raise ConfigError(f"DP_PLUGIN_JOB_SECRET_FILE={path!r} has mode {mode & 0o777:o}: other "
+                          f"users may read the secret; `chmod 600 {path}`")
+    return {"job_secret": secret}
 
 
 def _fusion_settings(env: Mapping[str, str]) -> dict[str, object]:
