@@ -5,7 +5,8 @@ namespaces on a bridge; ``slurm``: munged, slurmctld and a slurmd per host;
 ``ray_cluster``: a Ray head on host 0 and a worker node on host 1) and stop
 it on every exit path: the fixture's finalizer, and ``atexit`` should the
 session end another way. ``bert_reference``: the BERT example for a few
-steps on 2 ranks under torchrun on this host, the run every scheduler's run
+steps on 2 ranks on this host (torchrun's variables, set by the
+test harness), the run every scheduler's run
 must equal (same vocabulary, same losses to 1e-5).
 
 Where a piece cannot exist here (not root, no namespaces, SLURM not
@@ -74,10 +75,10 @@ def ray_hosts(hosts: netns.Hosts, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture(scope="session")
 def bert_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], Path]:
-    """(losses of a 2-rank torchrun run, the vocabulary it trained)."""
+    """(losses of a 2-rank torchrun-style run, the vocabulary it trained)."""
     out = tmp_path_factory.mktemp("bert_reference")
-    result = run_workers("torchrun", 2, proc.BERT, args=[*proc.TINY, "--output-dir", str(out)],
-                         env={"DP_PLUGIN_TIMEOUT": "60"}, timeout=240)
+    result = run_workers("env", 2, proc.BERT, args=[*proc.TINY, "--output-dir", str(out)],
+                         env={"DP_PLUGIN_TIMEOUT": "60"}, timeout=420)
     losses = proc.losses(result.output)
     assert sorted(losses) == [1, 2, 3, 4], result.output
     return losses, out / "tokenizer.json"

@@ -14,7 +14,7 @@ tests are root anyway) and are set back to niceness 0 once the cluster is
 up: the tests then compete for the CPUs like everything else.
 
 A driver joins the cluster by running inside host 0 (``driver()`` gives
-its command line): ``ray.init(address="auto")`` finds the head there.
+its command line) with ``RAY_ADDRESS=<head>:<port>`` (``address``).
 ``close()`` stops everything by killing the processes in the two
 namespaces (``Hosts.kill_all``: only ours live there), never ``ray stop``,
 which would stop every Ray process on the machine; idempotent and
@@ -116,7 +116,7 @@ class RayCluster:
         return self.hosts.hosts[0].command(*argv)
 
     def _wait_for_nodes(self, count: int, limit: float = 120.0) -> None:
-        probe = ("import ray; ray.init(address='auto', logging_level='ERROR'); "
+        probe = (f"import ray; ray.init(address='{self.address}', logging_level='ERROR'); "
                  "print(sum(1 for n in ray.nodes() if n['Alive']))")
         deadline = time.monotonic() + limit
         last = ""
