@@ -18,7 +18,7 @@ import numpy as np
 
 import tensorflow as tf
 from dp_plugin import objects as _objects
-from dp_plugin import runtime
+from dp_plugin import request, runtime
 from dp_plugin.collective import root_of
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.tensorflow import graph_order
@@ -56,7 +56,7 @@ def join() -> Any:
     ranks' collectives meanwhile: every rank must run the same collectives before
     joining (see docs/keras.md)."""
     engine = runtime.engine()
-    stamps = np.asarray(engine.allgather(np.array([time.time_ns()], np.int64), name="join"))
+    stamps = np.asarray(request.allgather(engine, np.array([time.time_ns()], np.int64), "join"))
     return tf.constant(int(np.argmax(stamps)), dtype=tf.int32)
 
 
