@@ -39,14 +39,33 @@ from dp_plugin.hooks import (
     CommHook,
     HookState,
     ReducePolicy,
-    allreduce_hook,
     hook_for,
 )
 from dp_plugin.slabs import Slab, SlabPool
 from dp_plugin.timeline import NullTimeline
 
 UNBOUNDED = 1 << 62
-"""A fusion threshold no buffer reaches: one bucket per dtype and device."""
+"""The threshold of a *grouped* collective (a grouped all-reduce, metric
+averaging): the caller puts the whole list in flight at once. Its tensors of
+``DIRECT_BYTES`` or more travel alone, in place; the others in buckets of at
+most ``PIPELINE_CHUNK`` bytes, each with a buffer of its own,
+so that packing chunk k+1 and unpacking chunk k-1 run while chunk k is on
+the wire (the engine's transport runs in its own threads) instead of pack,
+transfer and unpack one after another (issue 25: one 110 MB bucket reached
+78-83% of a 1 Gbit/s link where one flat buffer reaches 95%)."""
+
+DIRECT_BYTES = 1024 * 1024
+"""A tensor of a grouped collective this large travels alone, reduced where it
+lies: no pack or unpack copy for the bulk of a model's bytes (a copy costs
+CPU the transport needs on a loaded host: 0.26 s of CPU against 0.13 s for
+one flat Gloo buffer of ResNet-50's 97 MiB when every tensor was copied)."""
+
+PIPELINE_CHUNK = 8 * 1024 * 1024
+"""Bytes per bucket of a grouped collective. Measured on the rehearsal
+cluster (benchmarks/cluster_bench.py, BENCHMARKS.md "Rehearsal cluster"):
+small enough that the first pack and the last unpack, the only copies left
+exposed, are short; large enough that a collective's fixed cost per bucket
+stays small next to its transfer."""
 
 
 class FusedCollective:
@@ -109,8 +128,19 @@ class FusedCollective:
         """True once the ranks agreed (or the caller already made them agree)."""
         self.broken: BaseException | None = None
         self.plan_version = -1
-        self.install(plan_buckets(self.specs, threshold, order=order,
-                                  first_threshold=first_threshold))
+        self.grouped = threshold >= UNBOUNDED
+        """A grouped collective: buckets of ``PIPELINE_CHUNK``, each with its own
+        buffer (see ``UNBOUNDED``)."""
+        self.install(self._plan(order))
+
+    def _plan(self, order: Iterable[int] | None) -> list[Any]:
+        """Buckets of ``threshold`` bytes; of ``PIPELINE_CHUNK`` when grouped, with
+        every tensor of ``DIRECT_BYTES`` or more alone."""
+        if self.grouped:
+            return plan_buckets(self.specs, PIPELINE_CHUNK, order=order,
+                                first_threshold=self.first_threshold, alone_from=DIRECT_BYTES)
+        return plan_buckets(self.specs, self.threshold, order=order,
+                            first_threshold=self.first_threshold)
 
     # -- plan ---------------------------------------------------------------------
     def install(self, plan: list[Any]) -> None:
@@ -121,7 +151,9 @@ class FusedCollective:
         self.buffers = [
             FusionBuffer(b, self.specs, f"{self.name}.bucket{b.index}",
                          self.control_numel if b.index == last else 0,
-                         pinned=b.nbytes > self.threshold,  # one tensor over the threshold
+                         # One tensor over the threshold; or a grouped collective's
+                         # chunk, which must not wait for a slab (all start at once).
+                         pinned=self.grouped or b.nbytes > self.threshold,
                          wire_dtype=self.compressor.wire_dtype(b.dtype))
             for b in plan
         ]
@@ -133,13 +165,14 @@ class FusedCollective:
         """Where unpinned buffers lie while they are in flight (``dp_plugin.slabs``)."""
         self._handles: list[Handle | None] = [None] * len(plan)
         self._started_with: list[list[Any] | None] = [None] * len(plan)
+        self._folded = [False] * len(plan)
+        """Per bucket in flight: did its hook fold the post-scale into the reduction?"""
         self._pack_spans = [(0.0, 0.0)] * len(plan)
         self._unpack_spans: list[tuple[float, float] | None] = [None] * len(plan)
 
     def replan(self, order: Sequence[int]) -> bool:
         """Re-plan for the ready order ``order``; True if the buckets changed."""
-        plan = plan_buckets(self.specs, self.threshold, order=order,
-                            first_threshold=self.first_threshold)
+        plan = self._plan(order)
         if [b.members for b in plan] == [b.members for b in self.plan]:
             return False
         control = self.buffers[-1].control if self.buffers else None
@@ -152,6 +185,7 @@ class FusedCollective:
         """Use ``threshold`` from now on and re-plan for ``order`` (autotune);
         every rank at the same point, between steps. True if the buckets changed."""
         self.threshold = threshold
+        self.grouped = threshold >= UNBOUNDED
         self.settings["fusion threshold"] = threshold
         return self.replan(order)
 
@@ -225,22 +259,25 @@ class FusedCollective:
         direct = buf.direct_alias(ops, members)
         slab = None if direct is not None or buf.pinned else self._free_slab(index)
         grad_bucket = buf.pack(ops, members, self.policy.prescale, direct, slab)
-        if self._folds(buf):
+        if self._can_fold(buf):
             grad_bucket.postscale = self.policy.postscale
         t1 = time.perf_counter()
         handle: Handle = self.guard(lambda: self.hook(self.state, grad_bucket), buf)
+        self._folded[index] = grad_bucket.folded
         handle.context = buf.describe  # the engine's timeout message names the bucket
         self._handles[index] = handle
         self._started_with[index] = members
         self._pack_spans[index] = (t0, t1)
         return handle
 
-    def _folds(self, buf: FusionBuffer) -> bool:
-        """Does the engine multiply the sum by the post-scale while reducing
-        (exactly as ``unpack`` would)? Plain all-reduce hook, shared memory,
-        and no control slot (its counts are not scaled)."""
+    def _can_fold(self, buf: FusionBuffer) -> bool:
+        """Can the engine multiply the sum by the post-scale while reducing
+        (exactly as ``unpack`` would)? Shared memory, op sum, and no control
+        slot (its counts are not scaled). The bucket then offers the factor
+        to the hook (``GradBucket.postscale``); ``allreduce_hook`` takes it,
+        also when a user's hook wraps it, and says so (``folded``)."""
         scales = getattr(self.engine, "scales_in_reduction", None)
-        return (self.hook is allreduce_hook and self.policy.postscale != 1.0
+        return (self.policy.postscale != 1.0
                 and self.policy.engine_op is ReduceOp.SUM and scales is not None
                 and not buf.control_numel and bool(scales(buf.bucket.dtype)))
 
@@ -281,7 +318,7 @@ class FusedCollective:
         assert members is not None  # started
         t0 = time.perf_counter()
         buf = self.buffers[index]  # engine as at start (use_engine refuses mid-flight)
-        buf.unpack(self.backend(), members, 1.0 if self._folds(buf) else self.policy.postscale)
+        buf.unpack(self.backend(), members, 1.0 if self._folded[index] else self.policy.postscale)
         self._unpack_spans[index] = (t0, time.perf_counter())
 
     def wire_bytes(self, index: int) -> int:

@@ -32,7 +32,8 @@ from dp_plugin import horovod_api as _api
 from dp_plugin.capabilities import mpi_threads_supported
 from dp_plugin.errors import LayoutMismatchError, NotInitializedError
 from dp_plugin.horovod_api import *  # noqa: F403 - ops, process sets, capabilities
-from dp_plugin.tensorflow import callbacks
+from dp_plugin.tensorflow import callbacks, elastic
+from dp_plugin.tensorflow import util as util
 from dp_plugin.tensorflow.basics import (
     init,
     is_initialized,
@@ -75,6 +76,7 @@ from dp_plugin.tensorflow.functions import (
     rocm_built,
 )
 from dp_plugin.tensorflow.graph_ops import (
+    BroadcastGlobalVariablesHook,
     broadcast_,
     broadcast_object_fn,
     local_rank_op,
@@ -86,11 +88,14 @@ from dp_plugin.tensorflow.graph_ops import (
 from dp_plugin.tensorflow.metric_average import MetricAverageCallback
 from dp_plugin.tensorflow.optimizer import DistributedOptimizer
 from dp_plugin.tensorflow.sync_batch_norm import SyncBatchNormalization
-from dp_plugin.tensorflow.tape import DistributedGradientTape
+from dp_plugin.tensorflow.tape import DistributedGradientTape, PartialDistributedGradientTape
+from dp_plugin.tensorflow.util import _executing_eagerly as _executing_eagerly
+from dp_plugin.tensorflow.util import refs_to_vars, vars_to_refs
 
 __all__ = [
     "BestModelCheckpoint",
     "BroadcastGlobalVariablesCallback",
+    "BroadcastGlobalVariablesHook",
     "DistributedCallback",
     "DistributedGradientTape",
     "DistributedOptimizer",
@@ -99,6 +104,7 @@ __all__ = [
     "LearningRateWarmupCallback",
     "MetricAverageCallback",
     "NotInitializedError",
+    "PartialDistributedGradientTape",
     "SyncBatchNormalization",
     "UnsupportedKerasError",
     "UnsupportedStrategyError",
@@ -117,6 +123,7 @@ __all__ = [
     "cross_rank",
     "cross_size",
     "cuda_built",
+    "elastic",
     "grouped_allgather",
     "grouped_allreduce",
     "grouped_reducescatter",
@@ -135,10 +142,12 @@ __all__ = [
     "rank",
     "rank_op",
     "reducescatter",
+    "refs_to_vars",
     "rocm_built",
     "shard",
     "shutdown",
     "size",
     "size_op",
+    "vars_to_refs",
 ]
 __all__ += _api.__all__

@@ -149,8 +149,10 @@ class _DistributedMixin(_ControlSlotMixin):
                 dense = self._dp_dense(i, p.grad)
                 if dense is not None:
                     sched.mark_ready(i, dense)
+        if st.sparse.changed:  # before the last bucket starts: for a joined rank
+            st.reducer.sparse_news.mark()
         results = sched.synchronize()
-        st.sparse.reduce(st.params, st.names, st.op, st.engine)
+        st.sparse.reduce(st.params, st.names, st.op, st.engine, st.reducer.sparse_news)
         try:  # after this step's collectives, before any update
             self._dp_check_unfrozen()
         except DPPluginError:  # the step is dropped: the next one starts clean

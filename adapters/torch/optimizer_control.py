@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from dp_plugin.errors import DPPluginError
+from dp_plugin.torch.basics import engine
 from dp_plugin.torch.misuse import check_requires_grad, unfrozen
 from dp_plugin.torch.optimizer_state import OptimizerState
 
@@ -77,15 +78,24 @@ class _ControlSlotMixin:
         reducer = self._dp.reducer
         return reducer is None or reducer.scheduler.all_done()
 
+    def _dp_join_global(self) -> bool:
+        eng = self._dp.engine
+        return eng is not None and eng.size == engine("hvd.join()").size
+
     def _dp_join_finish(self) -> bool:
         """End the zero step; has every rank of the optimizer's set joined?"""
         reducer = self._dp.reducer
         assert reducer is not None
         results = reducer.scheduler.synchronize()  # every gradient: zeros; results dropped
         st = self._dp
-        st.sparse.reduce(st.params, st.names, st.op, st.engine, contribute=False)
+        st.sparse.reduce(st.params, st.names, st.op, st.engine, reducer.sparse_news,
+                         contribute=False)
         self._dp_check_unfrozen(joined=True)  # raise where the training ranks raise
         if reducer.finite is not None:  # raise where the training ranks raise
             reducer.finite.decide([(st.names[p], g) for p, g in zip(st.params, results,
                                                                      strict=True)])
-        return reducer.flags.decide()[0]
+        everyone = reducer.flags.decide()[0]
+        if st.sparse.changed:  # the others' gradients turned sparse: re-plan as they do
+            st.sparse.changed = False
+            self._dp_register()  # type: ignore[attr-defined]
+        return everyone

@@ -29,6 +29,9 @@ class Reducer:
     flags: JoinFlags
     unfrozen: RankMarks
     """Ranks that found a parameter unfrozen after wrapping (``misuse.unfrozen``)."""
+    sparse_news: RankMarks
+    """Ranks on which a parameter's gradient turned sparse this step
+    (``SparseGradients.reduce``: a joined rank learns which)."""
     finite: FiniteFlags | None = None
     """The ``DP_PLUGIN_CHECK_FINITE`` flags; None when the check is off."""
 
@@ -97,15 +100,15 @@ def build_reducer(st: OptimizerState, params: list[torch.Tensor],
             ) from None
     ranks = list(eng.global_ranks)
     check = eng.config.check_finite
-    # The control slot: the join flags, the unfrozen marks, then (if
-    # checked) the finite flags; one element per rank each.
+    # The control slot: the join flags, the unfrozen marks, the sparse news,
+    # then (if checked) the finite flags; one element per rank each.
     # The label is unique per optimizer: the horovod engine matches
     # collectives by name (its channel is the engine itself).
     scheduler = GradientScheduler(
         specs, engine=eng, op=st.op, compression=st.compressor,
         gradient_predivide_factor=st.predivide, backward_passes_per_step=st.passes,
         timeline=shared_timeline, name=st.label,
-        control_numel=len(ranks) * (2 if check == "off" else 3),
+        control_numel=len(ranks) * (3 if check == "off" else 4),
         hook=st.comm_hook, settings={"DP_PLUGIN_CHECK_FINITE": check},
         autotune=eng.config.autotune,
     )
@@ -117,7 +120,9 @@ def build_reducer(st: OptimizerState, params: list[torch.Tensor],
     flags = JoinFlags(scheduler, op=st.op, ranks=ranks, slot=eng.rank, like=params[0])
     unfrozen = RankMarks(scheduler, op=st.op, ranks=ranks, slot=eng.rank, offset=len(ranks),
                          like=params[0])
+    news = RankMarks(scheduler, op=st.op, ranks=ranks, slot=eng.rank, offset=2 * len(ranks),
+                     like=params[0])
     finite = None if check == "off" else FiniteFlags(
-        scheduler, mode=check, op=st.op, ranks=ranks, slot=eng.rank, offset=2 * len(ranks),
+        scheduler, mode=check, op=st.op, ranks=ranks, slot=eng.rank, offset=3 * len(ranks),
         like=params[0])
-    return Reducer(scheduler, flags, unfrozen, finite)
+    return Reducer(scheduler, flags, unfrozen, news, finite)

@@ -12,6 +12,7 @@ against one raw all-reduce of the same bytes. Writes ``results.json``,
 
     dp-plugin bench --out bench-out
     dp-plugin bench --out /tmp/quick --engines gloo --world-sizes 2 --max-size 1M --models none
+    dp-plugin bench --out /tmp/check --engines gloo --world-sizes 2 --models none --shm-check
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=1800, help="per job, seconds")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--shm-check", action="store_true",
+                        help="gloo on shared memory: time each size with and without the "
+                             "transport's per-operation header check, interleaved")
 
 
 def sizes_between(lo: int, hi: int) -> list[int]:
@@ -160,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     result["references"] = references(sizes, args.reps, args.warmup, bar)
     cmd = [sys.executable, "-m", "dp_plugin.cli.bench_worker", "--sizes",
            ",".join(map(str, sizes)), "--reps", str(args.reps), "--warmup", str(args.warmup),
-           "--models", ",".join(args.models)]
+           "--models", ",".join(args.models)] + (["--shm-check"] if args.shm_check else [])
     for engine in engines:
         for n in args.world_sizes:
             bar.label = f"{engine} x{n}"

@@ -10,6 +10,10 @@ what fusion costs from averaging's pass) against one raw all-reduce (a sum)
 of the same bytes and, under the horovod engine, Horovod's own
 ``grouped_allreduce``: one repetition of each in turn, so that their
 ratios are measured side by side.
+With ``--shm-check`` (the gloo engine on shared memory) every size is
+timed twice, interleaved: with the transport's per-operation header check
+(the default) and without (``ShmTransport.verify_headers`` off, which only
+a benchmark does), to measure what the check costs.
 Rank 0 prints ``PROGRESS`` after each item and one ``RESULT {json}`` line at
 the end.
 
@@ -103,23 +107,39 @@ def step(sched: Any, tensors: list[Any]) -> None:
     sched.synchronize()
 
 
-def worker(sizes: list[int], reps: int, warmup: int, models: list[str]) -> None:
+def worker(sizes: list[int], reps: int, warmup: int, models: list[str],
+           shm_check: bool = False) -> None:
     import torch
 
     import dp_plugin
+    from dp_plugin.engines.shm import ShmTransport
 
     torch.set_num_threads(1)
     engine = dp_plugin.init()
     lead = engine.rank == 0
     time_it = median_timer(engine)
+    shm_check = shm_check and bool(getattr(engine, "shared_memory", False))
     sweep = []
     for nbytes in sizes:
         buf = torch.ones(max(1, nbytes // 4))
         def once(b: Any = buf) -> None:
             engine.allreduce_async(b, "sum", name="sweep").wait()
 
-        t = time_it(once, reps_for(nbytes, reps), warmup)
-        sweep.append({"bytes": nbytes, "time_s": t})
+        if shm_check:
+            def checked(verify: bool) -> Callable[[], None]:
+                def run() -> None:  # every rank runs them in the same order
+                    ShmTransport.verify_headers = verify
+                    once()
+                return run
+
+            got = interleaved_medians(engine, {"time_s": checked(True),
+                                               "unchecked_s": checked(False)},
+                                      reps_for(nbytes, reps), warmup)
+            ShmTransport.verify_headers = True
+            sweep.append({"bytes": nbytes, **got})
+        else:
+            sweep.append({"bytes": nbytes, "time_s": time_it(once, reps_for(nbytes, reps),
+                                                             warmup)})
         if lead:
             print("PROGRESS", flush=True)
     fused = []
@@ -139,9 +159,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, required=True)
     ap.add_argument("--warmup", type=int, required=True)
     ap.add_argument("--models", default="")
+    ap.add_argument("--shm-check", action="store_true")
     args = ap.parse_args(argv)
     worker([int(s) for s in args.sizes.split(",")], args.reps, args.warmup,
-           [m for m in args.models.split(",") if m])
+           [m for m in args.models.split(",") if m], args.shm_check)
 
 
 if __name__ == "__main__":

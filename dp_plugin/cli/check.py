@@ -4,7 +4,7 @@ Like ``horovodrun --check-build``: frameworks, engines and launchers, each
 with the reason when it is unavailable, which engine ``auto`` picks here, and
 which others autotune would time beside it.
 Importing this module loads nothing; ``main()`` probes lazily. ``make check``
-and ``python -m dp_plugin.check`` print the same.
+and ``python -m dp_plugin check`` print the same.
 """
 
 from __future__ import annotations

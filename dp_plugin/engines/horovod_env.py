@@ -1,33 +1,9 @@
-"""The ``HOROVOD_*`` variables the horovod engine sets for Horovod's library.
-
-Horovod reads its settings from the environment inside ``hvd.init()``.
-When the horovod engine starts Horovod itself, ``library_settings(config)``
-sets, around that call:
-
-- ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` when the program asked for process sets
-  (``Config.process_sets``), as ``hvd.init(process_sets="dynamic")`` does;
-  without the request Horovod skips the check for new sets in every cycle.
-- ``HOROVOD_FUSION_THRESHOLD`` for the library only, during ``hvd.init()``:
-  dp_plugin's buckets arrive pre-fused, and Horovod fusing two of them again
-  in one cycle costs a memcpy in and out of its own buffer (20-30% of a
-  fused all-reduce, BENCHMARKS.md). The library gets the smaller of
-  ``LIBRARY_FUSION_BYTES`` and dp_plugin's threshold (``0``: no fusion,
-  when the user asked for none), so a user's small collectives are still
-  fused and dp_plugin's buckets are not. The variable is restored right
-  after, because ``Config.from_env`` reads the same name as dp_plugin's own
-  threshold.
-
-Never ``HOROVOD_CYCLE_TIME`` beside it. Horovod 0.28.1 keeps a setting read
-from the environment *fixed* for the life of the process, and when the cycle
-time and the fusion threshold are both fixed, the next ``hvd.init()`` (after
-``shutdown()``) crashes with a segmentation fault: its ``ParameterManager``
-writes the defaults into the now empty vector of tunable values. So the
-library threshold is set only when the user has not set a cycle time (or has
-set both, which fixes both anyway), and a re-init after an ``hvd.init()``
-that saw both raises ``EngineUnavailableError`` instead of crashing. A 5 ms
-cycle instead of Horovod's 1 ms was measured too: within 2-3% on the training
-step, where the library threshold is worth 17-25% on fused all-reduces
-(BENCHMARKS.md).
+"""The ``HOROVOD_*`` variables the horovod engine sets for Horovod's library
+around its ``hvd.init()``: ``library_settings(config)``. What it sets and why
+(dynamic process sets, a 1 MiB library fusion threshold, never
+``HOROVOD_CYCLE_TIME`` beside it: Horovod 0.28.1's re-init crash) is
+docs/configuration.md, the horovod engine's paragraph; the measurements are
+in BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -44,6 +44,10 @@ from dp_plugin.engines.waits import WaitBoard
 from dp_plugin.errors import DPPluginError, EngineUnavailableError
 from dp_plugin.launch import Topology
 
+STANDING_TIMEOUT = timedelta(days=7)
+"""The library's own timeout of a standing all-reduce (``Engine.standing_allreduce_async``):
+long enough never to fire before its caller's deadline does."""
+
 
 class TorchDistEngine(Engine):
     """Collectives through a torch.distributed process group."""
@@ -220,6 +224,18 @@ class TorchDistEngine(Engine):
             return PollHandle(work, self, desc).then(back)
         return PollHandle(work, self, desc).then(lambda: (t.copy_(staged), back()))
 
+    def standing_allreduce_async(self, buf: Any, name: str) -> Handle:
+        """A sum all-reduce whose own timeout (the group's is
+        ``DP_PLUGIN_TIMEOUT``) is ``STANDING_TIMEOUT``: its caller bounds it."""
+        self._check_usable(f"allreduce {name!r}")
+        t, back = self._staged(self._tensor(buf, f"allreduce {name!r}"))
+        desc = self.describe("allreduce", name, t.numel() * t.element_size())
+        opts = self._dist.AllreduceOptions()
+        opts.reduceOp = self._dist.ReduceOp.SUM
+        opts.timeout = STANDING_TIMEOUT
+        group = self._dist.group.WORLD if self._group is None else self._group
+        return PollHandle(group.allreduce([t], opts), self, desc).then(back)
+
     def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle:
         t, back = self._staged(self._tensor(buf, f"broadcast {name!r}"))
         desc = self.describe("broadcast", name, t.numel() * t.element_size())
@@ -275,8 +291,11 @@ class TorchDistEngine(Engine):
         out = t.new_empty((sum(received), *trailing))
         # counts and row sizes are agreed: every rank skips alike.
         if row_elems and counts.any():
-            send = t.detach().contiguous().reshape(t.shape[0], row_elems).view(torch.uint8)
-            recv = out.view(out.shape[0], row_elems).view(torch.uint8)
+            # Flattened before the byte view: an empty tensor may carry any
+            # strides (a zero-row input has stride 0), which view(uint8) refuses.
+            width = row_elems * t.element_size()
+            send = t.detach().contiguous().reshape(-1).view(torch.uint8).reshape(-1, width)
+            recv = out.reshape(-1).view(torch.uint8).reshape(-1, width)
             work = self._dist.all_to_all_single(
                 recv, send, output_split_sizes=received,
                 input_split_sizes=[int(c) for c in counts[self.rank]],

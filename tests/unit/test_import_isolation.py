@@ -28,7 +28,7 @@ def test_importing_every_core_module_loads_no_framework() -> None:
     modules = [
         "dp_plugin.config", "dp_plugin.launch", "dp_plugin.fusion", "dp_plugin.scheduler",
         "dp_plugin.compression", "dp_plugin.horovod_names", "dp_plugin.timeline",
-        "dp_plugin.agreement", "dp_plugin.check", "dp_plugin.collective",
+        "dp_plugin.agreement", "dp_plugin.cli.check", "dp_plugin.collective",
         "dp_plugin.buffer", "dp_plugin.hooks",
         "dp_plugin.engines", "dp_plugin.engines.local", "dp_plugin.engines.torch_dist",
         "dp_plugin.engines.mpi", "dp_plugin.engines.horovod",
