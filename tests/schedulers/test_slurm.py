@@ -28,7 +28,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _env(cluster: SlurmCluster, **extra: str) -> dict[str, str]:
-    return proc.clean_env(cluster.env(), DP_PLUGIN_TIMEOUT="60", **extra)
+    # SLURM_CONF is added after the launcher variables (SLURM_*) are dropped.
+    return proc.clean_env(**{"DP_PLUGIN_TIMEOUT": "60", "SLURM_CONF": str(cluster.conf),
+                             **extra})
 
 
 def test_srun_on_one_node_derives_the_rendezvous_and_trains_like_torchrun(
