@@ -44,8 +44,11 @@ train: install
 		$(PY) -m torch.distributed.run \
 		--nproc_per_node 2 examples/bert_pretrain.py $(TRAIN_ARGS)
 
+# Every engine at 2 ranks: the all-reduce sweep, and the model shape lists
+# fused (copies, views) vs one raw all-reduce vs unfused (one per gradient).
 bench: install
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) benchmarks/fusion_bench.py
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m dp_plugin bench --out bench-out \
+		--world-sizes 2 --per-tensor
 
 clean:
 	rm -rf $(VENV) build *.egg-info
