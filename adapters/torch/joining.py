@@ -33,8 +33,8 @@ from dp_plugin.engines.deadline import poll
 from dp_plugin.errors import CollectiveTimeoutError
 from dp_plugin.process_sets import member_engines
 from dp_plugin.torch.basics import engine
+from dp_plugin.torch.control_slot import RankMarks
 from dp_plugin.torch.join_service import answer
-from dp_plugin.torch.rank_marks import RankMarks
 
 
 class JoinFlags(RankMarks):
