@@ -14,7 +14,9 @@ fused collective therefore agrees once, before its first data moves:
 
 ``compare`` is that exchange for any JSON-able description (the tensor
 collectives of the adapters describe their requests with it); ``agree`` is
-it for a fused collective's layout and settings.
+it for a fused collective's layout and settings. A rank that has called
+``join()`` takes part in it with a row of its own (``JOINED``); what it
+answers and what it refuses is ``dp_plugin.join``.
 
 Distributed contract: ``agree`` is a collective. Every rank calls it at the
 same point; every rank then sees the same digests, so every rank takes the
@@ -55,7 +57,8 @@ def _described(specs: Sequence[TensorSpec], settings: Settings | None) -> list[A
 class Compared(NamedTuple):
     """What ``compare`` found: every rank's numbers, every rank's description
     when (and only when) the descriptions differ, and the ranks that have
-    joined (``join()``; they describe nothing and their numbers are empty)."""
+    joined (``join()``; they describe nothing and their numbers are empty;
+    only a ``joined_ok`` caller sees any)."""
 
     described: list[Any] | None
     numbers: list[list[int]]
@@ -73,15 +76,16 @@ INLINE = 8
 _HEAD = 2 + DIGEST_SIZE // 8
 """Header words per rank: count of numbers, length of the description, digest."""
 
-_WIDTH = _HEAD + INLINE
+WIDTH = _HEAD + INLINE
+"""Words per rank in the table of the first exchange."""
 
 JOINED = -1
-"""The description length of a joined rank's row; its third word counts
-the collectives it has answered since it joined."""
+"""The description length in the row of a rank that describes nothing: it
+has called ``join()`` (``dp_plugin.join.Listener`` writes such rows)."""
 
 
 def compare(engine: Any, tag: str, described: Any, numbers: Sequence[int] = (), *,
-            accept_joined: bool = False) -> Compared:
+            joined_ok: bool = False) -> Compared:
     """The one agreement exchange: do all ranks describe the same thing?
 
     ``described`` is this rank's JSON-able description of what it is about
@@ -93,22 +97,28 @@ def compare(engine: Any, tag: str, described: Any, numbers: Sequence[int] = (), 
     are more than 8 numbers, a second exchange (an all-gather) of the
     descriptions themselves, so the caller can say who differs and how.
 
-    A joined rank (``Listener``) answers with a row of its own; unless
-    ``accept_joined`` (the caller can run with a joined rank contributing
-    nothing), every rank then raises ``JoinedRankError``. Collective over
-    ``engine``'s ranks; every rank gets the same result.
+    A joined rank (``dp_plugin.join``) answers with a row of its own; unless
+    ``joined_ok`` (the caller decides, with ``dp_plugin.join``, what a joined
+    rank means for it), every rank then raises ``JoinedRankError``.
+    Collective over ``engine``'s ranks; every rank gets the same result.
     """
-    payload = json.dumps([tag, accept_joined, described], separators=(",", ":")).encode()
+    payload = json.dumps([tag, joined_ok, described], separators=(",", ":")).encode()
     if engine.size == 1:
         return Compared(None, [list(numbers)])
     digest = np.frombuffer(hashlib.sha256(payload).digest(), dtype="<i8")
-    row = np.zeros(_WIDTH, dtype=np.int64)
+    row = np.zeros(WIDTH, dtype=np.int64)
     row[:_HEAD] = [len(numbers), len(payload), *digest]
     inline = list(numbers)[:INLINE]
     row[_HEAD:_HEAD + len(inline)] = inline
     table = _exchange_rows(engine, row)
-    heard = _conclude(engine, table, payload, numbers)
-    _refuse_unless_accepted(heard)
+    heard = conclude(engine, table, payload, numbers)
+    if heard.joined and not all(heard.joined_ok):
+        raise JoinedRankError(
+            f"rank(s) {', '.join(map(str, heard.joined))} have called join(), and "
+            f"{heard.tags()} cannot run while a rank is joined. Call it before join(), or "
+            "after join() has returned on every rank. Every rank that called it raises this "
+            "error"
+        )
     return Compared(None if heard.same else heard.described, heard.numbers, heard.joined)
 
 
@@ -116,7 +126,7 @@ class Heard(NamedTuple):
     """One agreement as every rank sees it."""
 
     envelopes: list[Any | None]
-    """Per rank ``[tag, accept_joined, described]``; None for joined ranks,
+    """Per rank ``[tag, joined_ok, described]``; None for joined ranks,
     and for every rank when the first exchange showed agreement."""
     numbers: list[list[int]]
     joined: tuple[int, ...]
@@ -129,56 +139,39 @@ class Heard(NamedTuple):
     def described(self) -> list[Any]:
         return [None if env is None else env[2] for env in self.envelopes]
 
+    @property
+    def joined_ok(self) -> list[bool]:
+        """Per active rank: does its caller run with joined ranks?"""
+        return [bool(env[1]) for env in self.envelopes if env is not None]
 
-class Listener:
-    """A joined rank's standing answer to the next agreement on ``engine``.
-
-    Posted without blocking; ``done()`` polls it; ``heard()`` returns what
-    the other ranks asked for (``Heard``; every rank joined when its
-    ``envelopes`` are all None). ``answered`` goes into this rank's row, so
-    that once everyone has joined every rank can tell who joined last.
-    """
-
-    def __init__(self, engine: Any, answered: int) -> None:
-        self.engine = engine
-        row = np.zeros(_WIDTH, dtype=np.int64)
-        row[1], row[2] = JOINED, answered
-        self._buf = _table_buffer(engine, row)
-        self.handle = engine.allreduce_async(self._buf, "sum", name=AGREE_NAME)
-
-    def done(self) -> bool:
-        return bool(self.handle.done())
-
-    def heard(self) -> Heard:
-        """The agreement the other ranks ran (collective: it may exchange details)."""
-        self.handle.wait()
-        table = to_host(self._buf).reshape(self.engine.size, _WIDTH)
-        heard = _conclude(self.engine, table, b"", ())
-        if not heard.same:
-            raise JoinedRankError(
-                f"rank {self.engine.rank} has joined, and the other ranks called "
-                f"different collectives while it was joined ({_tags(heard)}); they raise "
-                "an error saying which"
-            )
-        _refuse_unless_accepted(heard)
-        return heard
+    def tags(self) -> str:
+        """The callers' tags, for messages."""
+        return ", ".join(sorted({env[0] for env in self.envelopes if env is not None}))
 
 
-def _table_buffer(engine: Any, row: np.ndarray) -> Any:
-    table = np.zeros((engine.size, _WIDTH), dtype=np.int64)
+def table_buffer(engine: Any, row: np.ndarray) -> Any:
+    """A zero table, ``row`` in this rank's place, on the engine's buffer
+    device: what each rank all-reduces (sum) in the first exchange."""
+    table = np.zeros((engine.size, WIDTH), dtype=np.int64)
     table[engine.rank] = row
     return to_device(table.reshape(-1), engine.buffer_device)
 
 
 def _exchange_rows(engine: Any, row: np.ndarray) -> np.ndarray:
-    buf = _table_buffer(engine, row)
+    buf = table_buffer(engine, row)
     engine.allreduce_async(buf, "sum", name=AGREE_NAME).wait()
-    return to_host(buf).reshape(engine.size, _WIDTH)
+    return read_table(engine, buf)
 
 
-def _conclude(engine: Any, table: np.ndarray, payload: bytes,
-              numbers: Sequence[int]) -> Heard:
-    """Read the table; fetch the details when some rank needs them (collective)."""
+def read_table(engine: Any, buf: Any) -> np.ndarray:
+    """The exchanged table (a ``table_buffer`` after the all-reduce), one row per rank."""
+    return to_host(buf).reshape(engine.size, WIDTH)
+
+
+def conclude(engine: Any, table: np.ndarray, payload: bytes,
+             numbers: Sequence[int]) -> Heard:
+    """Read the table; fetch the details when some rank needs them (collective:
+    every rank, joined or not, calls it on the same table)."""
     joined = tuple(r for r in range(engine.size) if table[r, 1] == JOINED)
     active = [r for r in range(engine.size) if r not in joined]
     answered = [int(table[r, 2]) if r in joined else 0 for r in range(engine.size)]
@@ -198,8 +191,8 @@ def _conclude(engine: Any, table: np.ndarray, payload: bytes,
     mine = np.concatenate([extra, np.frombuffer(payload, dtype=np.uint8)])
     n_extra = [8 * max(c - INLINE, 0) for c in counts]
     rows = [0 if r in joined else n_extra[r] + int(table[r, 1]) for r in range(engine.size)]
-    blob = to_host(engine.allgather(to_device(mine, engine.buffer_device),
-                                    name=f"{AGREE_NAME}.detail", rows=rows))
+    blob = to_host(engine.allgather(to_device(mine, engine.buffer_device), rows,
+                                    f"{AGREE_NAME}.detail"))
     envelopes: list[Any | None] = []
     at = 0
     for r in range(engine.size):
@@ -217,28 +210,6 @@ def _conclude(engine: Any, table: np.ndarray, payload: bytes,
             + ". Every rank must call the same collectives in the same order"
         )
     return Heard(envelopes, numbers_of, joined, same, answered)
-
-
-def _tags(heard: Heard) -> str:
-    return ", ".join(sorted({env[0] for env in heard.envelopes if env is not None}))
-
-
-def _refuse_unless_accepted(heard: Heard) -> None:
-    """Raise ``JoinedRankError`` if a rank has joined and the active ranks'
-    caller cannot run with it (nothing to refuse once everyone has joined:
-    there is no active rank, no envelope)."""
-    if heard.joined and not all(env[1] for env in heard.envelopes if env is not None):
-        raise JoinedRankError(_refusal(heard))
-
-
-def _refusal(heard: Heard) -> str:
-    ranks = ", ".join(map(str, heard.joined))
-    return (
-        f"rank(s) {ranks} have called join(), and {_tags(heard)} cannot run while a rank is "
-        "joined: a joined rank answers only allreduce, allgather, broadcast, reducescatter, "
-        "barrier (and their grouped forms) and DistributedOptimizer steps. Call it before "
-        "join(), or after join() has returned on every rank. Every rank raises this error"
-    )
 
 
 def agree(engine: Any, specs: Sequence[TensorSpec], what: str = "gradients",

@@ -111,7 +111,7 @@ def default_order(count: int) -> list[int]:
 
 def plan_buckets(
     specs: Sequence[TensorSpec], threshold: int, order: Iterable[int] | None = None,
-    first_threshold: int | None = None,
+    first_threshold: int | None = None, alone_from: int | None = None,
 ) -> list[Bucket]:
     """Group ``specs`` into buckets of at most ``threshold`` bytes.
 
@@ -119,9 +119,15 @@ def plan_buckets(
     ``range(len(specs))``); it defaults to reverse registration order.
     ``first_threshold`` caps the first bucket of each (dtype, device)
     instead (the smaller of the two applies; None: no separate cap).
+    ``alone_from``: a tensor of at least this many bytes gets a bucket of its
+    own (where it can be reduced in place, with no copy) without closing the
+    open bucket, so the smaller tensors around it still fuse (a grouped
+    collective, where every bucket starts at once; None: no such rule).
     Deterministic: identical inputs give identical plans on every rank.
     """
     _check_threshold("fusion threshold", threshold)
+    if alone_from is not None:
+        _check_threshold("alone-from size", alone_from)
     first = threshold
     if first_threshold is not None:
         _check_threshold("first bucket threshold", first_threshold)
@@ -136,6 +142,10 @@ def plan_buckets(
     for i in walk:
         spec = specs[i]
         key = (spec.dtype, spec.device)
+        if alone_from is not None and spec.nbytes >= alone_from:
+            opened.append((key, [i]))
+            count[key] += 1
+            continue
         members, size = open_.get(key, (None, 0))
         # The first bucket of this kind is still open while it is the only one.
         cap = first if count[key] == 1 else threshold

@@ -20,7 +20,9 @@ Priority (``LAUNCHERS``) matters because launchers nest:
    its daemons through srun, so the SLURM variables describe the daemons and
    the MPI variables describe the ranks;
 4. SLURM srun, only for an srun job step (not the batch script itself);
-5. a single process.
+5. no launcher, but a torch.distributed default group the program made
+   itself: its rank and size (``ProcessGroup``);
+6. a single process.
 
 Cross rank/size follow Horovod's meaning: with every host running the same
 number of processes they are the index of this host and the number of hosts.
@@ -36,6 +38,8 @@ from __future__ import annotations
 
 import os
 import re
+import socket
+import sys
 from collections.abc import Mapping
 from typing import ClassVar
 
@@ -215,8 +219,16 @@ class Slurm(Launcher):
     Reads SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID and
     SLURM_STEP_NUM_NODES (or SLURM_NNODES); the local size comes from
     SLURM_STEP_TASKS_PER_NODE (exact for the step, e.g. ``2(x3),1``), else
-    SLURM_NTASKS_PER_NODE, else SLURM_TASKS_PER_NODE. MASTER_ADDR/MASTER_PORT
-    are taken as the rendezvous when the job script sets them.
+    SLURM_NTASKS_PER_NODE, else SLURM_TASKS_PER_NODE.
+
+    The rendezvous is MASTER_ADDR/MASTER_PORT when the job script sets them
+    (both, explicit values win). Otherwise it is derived as Lightning's
+    SLURM environment does, so that ``srun python train.py`` needs nothing
+    exported: the address is the first host of the step's node list
+    (SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST, expanded by
+    ``expand_hostlist``), where rank 0 runs under block placement, and the
+    port is ``15000 + SLURM_JOB_ID % 10000``. Two steps of one job that run at
+    the same time would meet on the same port: give them MASTER_PORT.
     """
 
     name = "slurm"
@@ -225,7 +237,7 @@ class Slurm(Launcher):
         "SLURM_PROCID", "SLURM_STEP_ID", "SLURM_STEPID", "SLURM_NTASKS", "SLURM_LOCALID",
         "SLURM_NODEID", "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_STEP_TASKS_PER_NODE",
         "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "MASTER_ADDR", "MASTER_PORT",
-        "SLURMD_NODENAME",
+        "SLURMD_NODENAME", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_JOB_ID",
     )
     command = "srun --ntasks N python train.py"
     fix = (
@@ -237,6 +249,9 @@ class Slurm(Launcher):
     # container, interactive step): no srun task layout there.
     _PSEUDO_STEP = 0xFFFFFFF0
     _TASKS_PER_NODE = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+    _NODELISTS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
+    PORT_BASE = 15000
+    """The derived port is ``PORT_BASE + SLURM_JOB_ID % 10000`` (Lightning's choice)."""
 
     @classmethod
     def _step_var(cls, env: Mapping[str, str]) -> str | None:
@@ -268,11 +283,28 @@ class Slurm(Launcher):
             r, env, size=size, rank=rank, local_rank=local_rank, node=cross_rank, nodes=cross_size
         )
         addr, port = r.address("MASTER_ADDR", "MASTER_PORT")
+        if addr is None:
+            addr, port = cls._derived_address(r, env)
         return _build(
             cls, size=size, rank=rank, local_size=local_size, local_rank=local_rank,
             cross=(cross_rank, cross_size), addr=addr, port=port,
             hostname=r.text("SLURMD_NODENAME"),
         )
+
+    @classmethod
+    def _derived_address(cls, r: _Reader, env: Mapping[str, str]) -> tuple[str | None, int | None]:
+        """The first host of the node list and a port from the job id; (None,
+        None) when SLURM exported neither a node list nor a job id (the
+        rendezvous then asks for MASTER_ADDR/MASTER_PORT)."""
+        name = next((n for n in cls._NODELISTS if env.get(n, "").strip()), None)
+        if name is None or "SLURM_JOB_ID" not in env:
+            return None, None
+        try:
+            first = expand_hostlist(env[name])[0]
+        except ValueError as exc:
+            raise r.error(f"{name}={env[name]!r} is not a SLURM host list ({exc})") from None
+        job = r.required("SLURM_JOB_ID")
+        return first, cls.PORT_BASE + job.value % 10000
 
     @classmethod
     def _local_size(
@@ -305,6 +337,57 @@ class Slurm(Launcher):
         return _Val(name, n, raw, note=f"{n} task(s) on node {node.value}")
 
 
+class ProcessGroup(Launcher):
+    """No launcher variables, but the program made torch.distributed's default
+    group itself (``init_process_group("gloo", init_method="tcp://...")``, or
+    a library such as Accelerate did): dp_plugin adopts it.
+
+    Rank and size are the group's; the local topology comes from one
+    ``all_gather_object`` of the host names over the group (collective:
+    every rank's ``init()`` runs it): local rank and size count the ranks
+    on this host, cross rank is this host's index in order of first rank,
+    cross size the number of hosts. The engine then joins the group
+    (``TorchDistEngine``) and leaves it to its owner at ``shutdown()``.
+
+    ``detect`` only looks at an already-imported torch: the core never
+    imports it.
+    """
+
+    name = "process_group"
+    markers = ()
+    command = "torch.distributed.init_process_group(...) before hvd.init()"
+    fix = ("initialize torch.distributed's default group over every process of the job "
+           "before hvd.init(), or start the job with a launcher")
+
+    @classmethod
+    def _detect(cls, env: Mapping[str, str]) -> bool:
+        dist = sys.modules.get("torch.distributed")
+        if dist is None:
+            return False
+        try:
+            return bool(dist.is_available() and dist.is_initialized())
+        except Exception:  # a half-imported torch: not ours to judge here
+            return False
+
+    @classmethod
+    def topology(cls, env: Mapping[str, str]) -> Topology:
+        import torch.distributed as dist
+
+        rank, size = dist.get_rank(), dist.get_world_size()
+        hosts: list[str | None] = [None] * size
+        dist.all_gather_object(hosts, socket.gethostname())
+        mine = hosts[rank]
+        order = list(dict.fromkeys(hosts))  # hosts in order of their first rank
+        local_ranks = [r for r, h in enumerate(hosts) if h == mine]
+        return _build(
+            cls, size=_Val("world size", size), rank=_Val("rank", rank),
+            local_size=_Val("ranks on this host", len(local_ranks)),
+            local_rank=_Val("index on this host", local_ranks.index(rank)),
+            cross=(_Val("host index", order.index(mine)), _Val("hosts", len(order))),
+            addr=None, port=None, hostname=mine,
+        )
+
+
 class Single(Launcher):
     """No launcher: one process, rank 0 of 1."""
 
@@ -323,7 +406,7 @@ class Single(Launcher):
 
 
 LAUNCHERS: tuple[type[Launcher], ...] = (
-    Horovod, Torchrun, OpenMPI, IntelMPI, MPICH, Slurm, Single,
+    Horovod, Torchrun, OpenMPI, IntelMPI, MPICH, Slurm, ProcessGroup, Single,
 )
 """Every launcher, in detection priority order (see the module docstring)."""
 
@@ -360,3 +443,68 @@ def parse_tasks_per_node(raw: str, name: str = "SLURM_STEP_TASKS_PER_NODE") -> l
         counts.extend([int(m.group(1))] * int(m.group(2) or 1))
     return counts
 
+
+
+_HOST_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def expand_hostlist(raw: str) -> list[str]:
+    """Expand a SLURM host list, as ``scontrol show hostnames`` does:
+    ``'node[01-03,7],gpu5'`` -> ``['node01', 'node02', 'node03', 'node7', 'gpu5']``.
+
+    A range keeps the zero padding of its lower bound; several bracketed
+    parts in one name (``'r[1-2]n[1-2]'``) give every combination, the last
+    part varying fastest. ``ValueError`` names the malformed piece.
+    """
+    hosts: list[str] = []
+    for name in _split_top_level(raw):
+        combos = [""]
+        rest = name
+        while rest:
+            start = rest.find("[")
+            if start < 0:
+                combos = [c + rest for c in combos]
+                break
+            end = rest.find("]", start)
+            if end < 0:
+                raise ValueError(f"unclosed '[' in {name!r}")
+            prefix, body, rest = rest[:start], rest[start + 1:end], rest[end + 1:]
+            combos = [c + prefix + n for c in combos for n in _expand_ranges(body, name)]
+        hosts.extend(combos)
+    if not hosts:
+        raise ValueError("no host names in it")
+    return hosts
+
+
+def _split_top_level(raw: str) -> list[str]:
+    """``raw`` split at the commas outside brackets, empty pieces dropped."""
+    parts, depth, current = [], 0, []
+    for ch in raw.strip():
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced ']' in {raw!r}")
+        if ch == "," and depth == 0:
+            parts.append("".join(current).strip())
+            current = []
+        else:
+            current.append(ch)
+    parts.append("".join(current).strip())
+    return [p for p in parts if p]
+
+
+def _expand_ranges(body: str, name: str) -> list[str]:
+    """``'01-03,7'`` -> ``['01', '02', '03', '7']``."""
+    out: list[str] = []
+    for item in body.split(","):
+        m = _HOST_RANGE.match(item.strip())
+        if m is None:
+            raise ValueError(f"{item!r} in {name!r} is not a number or a range like 01-03")
+        low_text = m.group(1)
+        low, high = int(low_text), int(m.group(2) or low_text)
+        if high < low:
+            raise ValueError(f"range {item!r} in {name!r} runs backwards")
+        out.extend(str(i).zfill(len(low_text)) for i in range(low, high + 1))
+    return out

@@ -85,11 +85,14 @@ def is_loopback(address: str) -> bool:
 
 
 def gloo_interface(environ: MutableMapping[str, str] = os.environ, *,
-                   single_host: bool = False) -> str | None:
+                   single_host: bool = False, address: str | None = None) -> str | None:
     """Set ``GLOO_SOCKET_IFNAME`` in ``environ`` to the interface that routes to
     the rendezvous address, unless it is set already or the rendezvous is on
     loopback (one host). ``single_host`` (every rank on this host): the
     loopback interface, so that Gloo's sockets listen on 127.0.0.1 only.
+    ``address``: the rendezvous address when the launcher's topology knows it
+    (under srun it may be derived, not exported); else it is read from
+    ``RENDEZVOUS_ADDRESS_VARIABLES``.
     Returns the interface set, or None if nothing was set."""
     if environ.get("GLOO_SOCKET_IFNAME"):
         return None
@@ -99,8 +102,9 @@ def gloo_interface(environ: MutableMapping[str, str] = os.environ, *,
             environ["GLOO_SOCKET_IFNAME"] = loopback[0]
             return loopback[0]
         return None
-    addresses = (environ.get(v, "").strip() for v in RENDEZVOUS_ADDRESS_VARIABLES)
-    address = next((a for a in addresses if a), None)
+    if not address:
+        addresses = (environ.get(v, "").strip() for v in RENDEZVOUS_ADDRESS_VARIABLES)
+        address = next((a for a in addresses if a), None)
     if address is None or is_loopback(address):
         return None
     name = interface_for(address)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from dp_plugin import request
 from dp_plugin.agreement import to_device, to_host
 from dp_plugin.collective import FusedCollective
 from dp_plugin.dtypes import SUPPORTED_DTYPES
@@ -46,14 +47,15 @@ def broadcast_object(engine: Any, obj: Any, root: int, name: str) -> Any:
 
 def allgather_object(engine: Any, obj: Any, name: str) -> list[Any]:
     """Every rank's ``obj``, as a list in rank order (each entry unpickled, this
-    rank's too). Collective: two all-gathers (lengths, then bytes)."""
+    rank's too). Collective: the check and two all-gathers (lengths, then bytes)."""
     payload, problem = _pickled(obj)
     count = np.array([-1 if problem else payload.size], np.int64)
-    sizes = to_host(engine.allgather(to_device(count, engine.buffer_device),
-                                     name=f"{name}.sz")).tolist()
+    sizes = to_host(request.allgather(engine, to_device(count, engine.buffer_device),
+                                      f"{name}.sz")).tolist()
     _raise_if_unpickled(engine, sizes, problem, f"allgather_object {name!r}")
-    data = to_host(engine.allgather(to_device(payload, engine.buffer_device),
-                                    name=f"{name}.t"))
+    # Every rank's byte count is known now: the rows need no second check.
+    data = to_host(engine.allgather(to_device(payload, engine.buffer_device), sizes,
+                                    f"{name}.t"))
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     return [_loads(data[offsets[r]:offsets[r + 1]]) for r in range(engine.size)]
 

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from dp_plugin.launch import Launcher
 
 LAUNCHER_NAMES: tuple[str, ...] = (
-    "horovodrun", "torchrun", "openmpi", "mpich", "intelmpi", "slurm", "single",
+    "horovodrun", "torchrun", "openmpi", "mpich", "intelmpi", "slurm", "process_group",
+    "single",
 )
 
 
@@ -34,7 +35,8 @@ class Topology:
     """
 
     launcher: str
-    """'horovodrun', 'torchrun', 'openmpi', 'mpich', 'intelmpi', 'slurm' or 'single'."""
+    """'horovodrun', 'torchrun', 'openmpi', 'mpich', 'intelmpi', 'slurm',
+    'process_group' (a torch.distributed group the program made) or 'single'."""
     rank: int
     """Global rank, 0 .. size-1."""
     size: int

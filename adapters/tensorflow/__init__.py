@@ -32,7 +32,8 @@ from dp_plugin import horovod_api as _api
 from dp_plugin.capabilities import mpi_threads_supported
 from dp_plugin.errors import LayoutMismatchError, NotInitializedError
 from dp_plugin.horovod_api import *  # noqa: F403 - ops, process sets, capabilities
-from dp_plugin.tensorflow import callbacks
+from dp_plugin.tensorflow import callbacks, elastic
+from dp_plugin.tensorflow import util as util
 from dp_plugin.tensorflow.basics import (
     init,
     is_initialized,
@@ -86,7 +87,8 @@ from dp_plugin.tensorflow.graph_ops import (
 from dp_plugin.tensorflow.metric_average import MetricAverageCallback
 from dp_plugin.tensorflow.optimizer import DistributedOptimizer
 from dp_plugin.tensorflow.sync_batch_norm import SyncBatchNormalization
-from dp_plugin.tensorflow.tape import DistributedGradientTape
+from dp_plugin.tensorflow.tape import DistributedGradientTape, PartialDistributedGradientTape
+from dp_plugin.tensorflow.util import _executing_eagerly as _executing_eagerly
 
 __all__ = [
     "BestModelCheckpoint",
@@ -99,6 +101,7 @@ __all__ = [
     "LearningRateWarmupCallback",
     "MetricAverageCallback",
     "NotInitializedError",
+    "PartialDistributedGradientTape",
     "SyncBatchNormalization",
     "UnsupportedKerasError",
     "UnsupportedStrategyError",
@@ -117,6 +120,7 @@ __all__ = [
     "cross_rank",
     "cross_size",
     "cuda_built",
+    "elastic",
     "grouped_allgather",
     "grouped_allreduce",
     "grouped_reducescatter",

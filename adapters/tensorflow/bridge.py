@@ -18,9 +18,10 @@ layers' gradients first), and one op that finishes the step:
   aligned copies (the tape, whose caller may keep the gradients).
 
 Fusion, compression, engines, scaling and the first-step layout check are the
-core's, shared with PyTorch. Stateful ops run in creation order inside a
-``tf.function``, so every rank marks and launches the buckets in the same
-order.
+core's, shared with PyTorch. The ops are built with ``graph_order.ordered``
+(each after the graph's previous dp_plugin op), so every rank marks and
+launches the buckets in the same order, and runs the step's all-reduce in
+the same place among the graph's other collectives.
 
 Where replicas come in (``tf.distribute.MirroredStrategy`` with several
 devices in this process): in replica context the local replicas' gradients
@@ -65,6 +66,7 @@ from dp_plugin.compression import Compressor
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.scheduler import GradientScheduler
+from dp_plugin.tensorflow import graph_order
 
 _names = itertools.count()
 _names_lock = threading.Lock()
@@ -197,14 +199,13 @@ class GradientBridge:
         tokens = []
         for bucket in sched.plan:
             members = list(bucket.members)
-            tokens.append(tf.numpy_function(
-                functools.partial(self._launch, sched, members),
+            tokens.append(graph_order.ordered(functools.partial(
+                tf.numpy_function, functools.partial(self._launch, sched, members),
                 [tensors[i] for i in members], tf.int32, stateful=True,
-                name="dp_plugin_launch"))
-        outs = tf.numpy_function(
-            functools.partial(self._finish, sched), tokens, [t.dtype for t in tensors],
-            stateful=True, name="dp_plugin_allreduce",
-        )
+                name="dp_plugin_launch")))
+        outs = graph_order.ordered(functools.partial(
+            tf.numpy_function, functools.partial(self._finish, sched), tokens,
+            [t.dtype for t in tensors], stateful=True, name="dp_plugin_allreduce"))
         if not isinstance(outs, list | tuple):  # eagerly, one output comes back bare
             outs = [outs]
         for out, t in zip(outs, tensors, strict=True):

@@ -14,10 +14,11 @@ have Horovod 0.28.1's gradients:
 - reducescatter: the gradient is all-gathered (times the set size for Sum,
   times the scale factors).
 
-Data goes through the core: all-reduces through ``FusedCollective`` (one
-fused buffer per dtype, the agreement check first, so a shape or dtype
-mismatch raises on every rank), the rest through the engine's own
-collectives, which agree on every rank's input (dtype, dimensions, splits) before moving data.
+Every collective takes the torch adapter's path: the core's one check
+(``dp_plugin.request.check``: a shape, dtype, op, root or splits mismatch
+raises on every rank, with the same messages), then the engine moves the
+agreed bytes — all-reduces through ``FusedCollective`` (one fused buffer per
+dtype), reduce-scatters scaled by the one ``ReducePolicy``.
 
 Distributed contract: every rank of the process set calls the same
 collectives in the same order with matching inputs. Inside ``tf.function``
@@ -36,12 +37,15 @@ import numpy as np
 import tensorflow as tf
 from dp_plugin import horovod_names as _names
 from dp_plugin import runtime
+from dp_plugin.arrays import NumpyOps
 from dp_plugin.collective import UNBOUNDED, FusedCollective, root_of
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.process_sets import engine_of, global_process_set
-from dp_plugin.tensorflow import broadcast as _bcast
+from dp_plugin.request import Problem, Request, check
+from dp_plugin.tensorflow import errors as tf_errors
+from dp_plugin.tensorflow import graph_order
 from dp_plugin.tensorflow.ops import Compression, parse_compression
 from dp_plugin.validate import check_positive_float
 
@@ -49,12 +53,15 @@ from dp_plugin.validate import check_positive_float
 def run_op(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
            dtypes: Sequence[Any], shapes: Sequence[Any], name: str) -> list[Any]:
     """``fn`` on numpy values: called directly when eager, a ``tf.numpy_function``
-    op (with ``shapes`` set on its outputs) inside ``tf.function``."""
+    op (with ``shapes`` set on its outputs) inside ``tf.function`` or a TF1 graph,
+    ordered after the graph's previous dp_plugin op (``graph_order``)."""
+    fn = tf_errors.translated(fn)  # Horovod's error types (dp_plugin.tensorflow.errors)
     if tf.executing_eagerly():
         arrays = fn(*[np.asarray(t) for t in inputs])
         return [tf.convert_to_tensor(np.asarray(o, dtype=tf.as_dtype(d).as_numpy_dtype))
                 for o, d in zip(arrays, dtypes, strict=True)]
-    outs: Any = tf.numpy_function(fn, list(inputs), list(dtypes), stateful=True, name=name)
+    outs: Any = graph_order.ordered(lambda: tf.numpy_function(
+        fn, list(inputs), list(dtypes), stateful=True, name=name))
     outs = list(outs) if isinstance(outs, list | tuple) else [outs]
     for out, shape in zip(outs, shapes, strict=True):
         out.set_shape(shape)
@@ -148,11 +155,12 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense:
     def reduce(*arrays: np.ndarray) -> list[np.ndarray]:
         engine = engine_of(process_set, what)
         outs = [np.array(a, order="C", copy=True) for a in arrays]
+        check(engine, Request.of("allreduce", outs, name=label, op=op, scales=(pre, post)))
         specs = [TensorSpec(f"{label}.{i}", o.shape, o.dtype.name) for i, o in enumerate(outs)]
         FusedCollective(
             specs, engine=engine, name=label, threshold=UNBOUNDED, order=range(len(specs)),
             policy=ReducePolicy.for_collective(op, engine.size, prescale=pre, postscale=post),
-            compression=compressor, what=f"tensors of {what} {label!r}",
+            compression=compressor, agreed=True,
         ).run(outs)
         return outs
 
@@ -205,11 +213,12 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
 
     def gather(*arrays: np.ndarray) -> list[np.ndarray]:
         engine = engine_of(process_set, what)
-        outs = [np.asarray(engine.allgather(_writable(a), name=f"{label}.{i}"))
-                for i, a in enumerate(arrays)]
-        firsts = np.asarray(engine.allgather(np.array([[a.shape[0] for a in arrays]], np.int64),
-                                             name=f"{label}.rows"))
-        return [*outs, firsts]
+        bufs = [_writable(a) for a in arrays]
+        agreed = check(engine, Request.of("allgather", bufs, name=label))
+        outs = [np.asarray(engine.allgather(b, agreed.rows(i), f"{label}.{i}"))
+                for i, b in enumerate(bufs)]
+        firsts = np.array([agreed.rows(i) for i in range(len(bufs))], np.int64).T
+        return [*outs, np.ascontiguousarray(firsts)]
 
     def forward(*args: Any) -> list[Any]:
         return run_op(gather, args, [*(x.dtype for x in args), tf.int64],
@@ -237,12 +246,20 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
     what = "broadcast"
     (x,) = _tensors([tensor], what)
     root_of(engine_of(process_set, what), root_rank, what)
+    label = name or what
 
     def bcast(array: np.ndarray) -> list[np.ndarray]:
         engine = engine_of(process_set, what)
-        root = root_of(engine, root_rank, what)
-        spec = _bcast._spec(name or what, array)
-        return _bcast._exchange(engine, (spec,), root_rank, root, what, array)
+        try:
+            root, problem, detail = root_of(engine, root_rank, what), Problem.NONE, ""
+        except ValueError as exc:
+            root, problem, detail = -1, Problem.BAD_ROOT, str(exc)
+        out = np.array(array, order="C", copy=True)  # TensorFlow may adopt it
+        check(engine, Request.of("broadcast", [out], name=label, root=root_rank,
+                                 problem=problem, detail=detail))
+        if out.size:
+            engine.broadcast(out.reshape(-1), root, name=label)
+        return [out]
 
     def forward(arg: Any) -> list[Any]:
         return run_op(bcast, [arg], [arg.dtype], [arg.shape], what)
@@ -271,9 +288,10 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
 
     def exchange(array: np.ndarray, sp: np.ndarray) -> list[np.ndarray]:
         engine = engine_of(process_set, what)
-        received, counts = engine.alltoall(_writable(array),
-                                           [int(c) for c in sp] if given else None,
-                                           name=name or what)
+        buf = _writable(array)
+        agreed = check(engine, Request.of("alltoall", [buf], name=name or what,
+                                          splits=[int(c) for c in sp] if given else None))
+        received, counts = engine.alltoall(buf, agreed.counts(), name or what)
         return [np.asarray(received), np.asarray(counts, np.int64)]
 
     def forward(arg: Any) -> list[Any]:
@@ -314,13 +332,18 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
     label = name or what
 
     def scatter(*arrays: np.ndarray) -> list[np.ndarray]:
+        # The torch adapter's path (``start_reducescatters``): one check, then
+        # per tensor the policy's pre-scale, the engine's op, the post-scale.
         engine = engine_of(process_set, what)
-        outs = []
-        for i, a in enumerate(arrays):
-            scaled = a if pre == 1.0 else (a * pre).astype(a.dtype)
-            out = np.asarray(engine.reducescatter(_writable(scaled), op,
-                                                  name=f"{label}.{i}"))
-            outs.append(out if post == 1.0 else (out * post).astype(a.dtype))
+        bufs = [np.array(a, order="C", copy=True) for a in arrays]
+        check(engine, Request.of("reducescatter", bufs, name=label, op=op, scales=(pre, post)))
+        policy = ReducePolicy.for_collective(op, engine.size, prescale=pre, postscale=post)
+        ops, outs = NumpyOps(), []
+        for i, buf in enumerate(bufs):
+            ops.scale_(buf, policy.prescale)
+            out = np.asarray(engine.reducescatter(buf, policy.engine_op, f"{label}.{i}"))
+            ops.scale_(out, policy.postscale)
+            outs.append(out)
         return outs
 
     def forward(*args: Any) -> list[Any]:

@@ -18,9 +18,10 @@ import numpy as np
 
 import tensorflow as tf
 from dp_plugin import objects as _objects
-from dp_plugin import runtime
+from dp_plugin import request, runtime
 from dp_plugin.collective import root_of
 from dp_plugin.process_sets import engine_of, global_process_set
+from dp_plugin.tensorflow import graph_order
 
 # -- objects ---------------------------------------------------------------------
 
@@ -55,19 +56,36 @@ def join() -> Any:
     ranks' collectives meanwhile: every rank must run the same collectives before
     joining (see docs/keras.md)."""
     engine = runtime.engine()
-    stamps = np.asarray(engine.allgather(np.array([time.time_ns()], np.int64), name="join"))
+    stamps = np.asarray(request.allgather(engine, np.array([time.time_ns()], np.int64), "join"))
     return tf.constant(int(np.argmax(stamps)), dtype=tf.int32)
 
 
 def broadcast_global_variables(root_rank: int) -> Any:
-    """Horovod's TF1-era broadcast of the global-variable collection, which does not
-    exist in TensorFlow 2 / Keras 3 (Horovod raises in eager mode too)."""
-    raise RuntimeError(
-        f"broadcast_global_variables({root_rank}): TensorFlow 2 has no collection of global "
-        "variables to broadcast. Use dp.broadcast_variables(model.variables, root_rank) and "
-        "dp.broadcast_variables(optimizer.variables, root_rank), or add "
-        "dp.callbacks.BroadcastGlobalVariablesCallback(root_rank) to model.fit"
-    )
+    """An op that sets the global variables of the current TF1 graph
+    (``tf.compat.v1.global_variables()``) to ``root_rank``'s values, as Horovod's.
+
+    For graphs (``tf.compat.v1.Session``, ``MonitoredTrainingSession`` with
+    ``BroadcastGlobalVariablesHook``): run the returned op once after the
+    variables are initialized. Its broadcast depends on no collective built
+    before it (it only reads the variables; ``graph_order.new_chain``), so
+    running it alone does not run the training step. Eagerly TensorFlow 2 has
+    no collection of global variables, and this raises, as Horovod does.
+    """
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            f"broadcast_global_variables({root_rank}) is for TF1 graphs: eagerly TensorFlow 2 "
+            "has no collection of global variables to broadcast. Use "
+            "dp.broadcast_variables(model.variables, root_rank) and "
+            "dp.broadcast_variables(optimizer.variables, root_rank), or add "
+            "dp.callbacks.BroadcastGlobalVariablesCallback(root_rank) to model.fit"
+        )
+    from dp_plugin.tensorflow.broadcast import broadcast_variables
+
+    variables = tf.compat.v1.global_variables()
+    if not variables:
+        return tf.no_op(name="broadcast_global_variables")
+    with graph_order.new_chain():
+        return broadcast_variables(variables, root_rank)
 
 
 # -- topology --------------------------------------------------------------------------

@@ -52,7 +52,12 @@ def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | Non
 
 def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
                process_set: Any = global_process_set) -> Any:
-    """Assign ``root_rank``'s values to ``variables`` in place (Horovod's
-    ``broadcast_``); ``name`` is accepted for compatibility."""
-    return broadcast_variables(variables, root_rank, process_set=process_set, inplace=True)
+    """Assign ``root_rank``'s values to ``variables`` in place and return their new
+    values (a list of tensors, read after the assignment), as Horovod's
+    ``broadcast_``; ``name`` is accepted for compatibility."""
+    variables = list(variables)
+    assigned = broadcast_variables(variables, root_rank, process_set=process_set, inplace=True)
+    with tf.control_dependencies([] if assigned is None else [assigned]):
+        return [v.read_value() if hasattr(v, "read_value") else tf.identity(v.value)
+                for v in variables]
 

@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 import tensorflow as tf
+from dp_plugin import runtime
 from dp_plugin.tensorflow.bridge import GradientBridge, next_bridge_name
 from dp_plugin.tensorflow.ops import Average, Compression
 from dp_plugin.tensorflow.optimizer import parse_reduction, reduce_present
@@ -55,6 +56,7 @@ class DistributedGradientTape:
         sparse_as_dense: bool = False,
         op: Any = Average,
         gradient_predivide_factor: float = 1.0,
+        scale_local_gradients: bool = True,
     ) -> None:
         who = "DistributedGradientTape"
         if isinstance(gradtape, DistributedGradientTape):
@@ -69,6 +71,15 @@ class DistributedGradientTape:
         parsed_op, compressor, _, predivide = parse_reduction(
             who, op, compression, 1, gradient_predivide_factor)
         self._bridge = _shared_bridge(parsed_op, compressor, predivide)
+        self._local_sources: dict[Any, Any] = {}  # _key(source) -> source
+        self.scale_local_gradients = bool(scale_local_gradients)
+
+    def register_local_source(self, source: Any) -> None:
+        """Keep ``source``'s gradient on this worker (Horovod's): it is not reduced,
+        only divided by the number of ranks when ``scale_local_gradients`` (the
+        default), so that its step size matches the averaged ones. Every rank
+        must register the same sources (the reduced set must match)."""
+        self._local_sources[_key(source)] = source
 
     @tf.autograph.experimental.do_not_convert
     def gradient(
@@ -83,9 +94,27 @@ class DistributedGradientTape:
             target, sources, output_gradients=output_gradients,
             unconnected_gradients=unconnected_gradients,
         )
-        flat_grads = reduce_present(self._bridge, tf.nest.flatten(grads),
-                                    tf.nest.flatten(sources), self._sparse_as_dense)
-        return tf.nest.pack_sequence_as(grads, flat_grads)
+        flat_grads, flat_sources = tf.nest.flatten(grads), tf.nest.flatten(sources)
+        local = [_key(s) in self._local_sources for s in flat_sources]
+        shared = [i for i, is_local in enumerate(local) if not is_local]
+        reduced = reduce_present(self._bridge, [flat_grads[i] for i in shared],
+                                 [flat_sources[i] for i in shared], self._sparse_as_dense)
+        out = list(flat_grads)
+        for i, g in zip(shared, reduced, strict=True):
+            out[i] = g
+        if self.scale_local_gradients:
+            out = [_scaled_locally(g) if is_local and g is not None else g
+                   for g, is_local in zip(out, local, strict=True)]
+        return tf.nest.pack_sequence_as(grads, out)
+
+    def get_local_and_global_gradients(self, target: Any, sources: Any,
+                                       output_gradients: Any = None) -> Any:
+        """``gradient()``, split into ``(local (source, gradient) pairs, global pairs)``."""
+        grads = self.gradient(target, sources, output_gradients=output_gradients)
+        pairs = list(zip(tf.nest.flatten(sources), tf.nest.flatten(grads), strict=True))
+        local = [(s, g) for s, g in pairs if _key(s) in self._local_sources]
+        shared = [(s, g) for s, g in pairs if _key(s) not in self._local_sources]
+        return local, shared
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tape, name)
@@ -96,6 +125,43 @@ class DistributedGradientTape:
 
     def __exit__(self, *exc: Any) -> None:
         self._tape.__exit__(*exc)
+
+
+def _key(source: Any) -> Any:
+    """A hashable identity of a variable: ``tf.Variable.ref()``; a Keras 3 variable
+    (whose ``==`` is elementwise) by its object identity."""
+    return source.ref() if hasattr(source, "ref") else id(source)
+
+
+def _scaled_locally(grad: Any) -> Any:
+    """A worker-local gradient divided by the number of ranks (Horovod's scaling)."""
+    size = tf.cast(runtime.size(), grad.dtype)
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values / size, grad.indices, grad.dense_shape)
+    return grad / size
+
+
+def PartialDistributedGradientTape(
+    gradtape: tf.GradientTape, compression: Any = Compression.none,
+    sparse_as_dense: bool = False, op: Any = Average, gradient_predivide_factor: float = 1.0,
+    local_layers: Any = None, scale_local_gradients: bool = True,
+) -> DistributedGradientTape:
+    """A ``DistributedGradientTape`` that keeps the gradients of ``local_layers``'
+    trainable weights on this worker (``register_local_source``), as Horovod's."""
+    import keras
+
+    layers = [] if local_layers is None else (
+        [local_layers] if isinstance(local_layers, keras.layers.Layer) else list(local_layers))
+    if not all(isinstance(layer, keras.layers.Layer) for layer in layers):
+        raise ValueError(
+            "PartialDistributedGradientTape: local_layers takes keras layers, got "
+            f"{[type(layer).__name__ for layer in layers]}")
+    tape = DistributedGradientTape(gradtape, compression, sparse_as_dense, op,
+                                   gradient_predivide_factor, scale_local_gradients)
+    for layer in layers:
+        for weight in layer.trainable_weights:
+            tape.register_local_source(weight)
+    return tape
 
 
 def _shared_bridge(op: Any, compression: Any, predivide: float) -> GradientBridge:

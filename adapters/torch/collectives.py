@@ -14,11 +14,10 @@ import torch
 from dp_plugin.arrays import TorchOps
 from dp_plugin.collective import UNBOUNDED, FusedCollective, root_of
 from dp_plugin.engines.base import Engine, Handle, ReduceOp
-from dp_plugin.engines.exchange import Check, as_splits
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.process_sets import engine_of, global_process_set
-from dp_plugin.torch.agreement import Problem, Request, Table, check_agreement, first_dims
+from dp_plugin.request import Agreed, Problem, Request, check
 from dp_plugin.torch.handles import TABLE, InFlight, Ready
 from dp_plugin.torch.submit import agree, check_factor, check_tensors, contiguous_copy, resolve_op
 
@@ -83,8 +82,7 @@ def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
     pre = check_factor(prescale, what, "prescale_factor")
     post = check_factor(postscale, what, "postscale_factor")
     engine = engine_of(process_set, what)
-    key, _ = agree(engine, "allreduce", tensors, name, process_set,
-                   op=op, prescale=pre, postscale=post)
+    key, _ = agree(engine, "allreduce", tensors, name, process_set, op=op, scales=(pre, post))
     # The result's storage: the caller's tensor in place when it is one dense
     # block, else a fresh contiguous copy (the input is never modified).
     outs = [t.detach() if inplace and t.is_contiguous() else contiguous_copy(t)
@@ -157,17 +155,17 @@ def start_gather(tensors: list[torch.Tensor], name: str | None, process_set: Any
     """Start the all-gathers: (handles, function returning the outputs once
     they are done, first dimensions, name key)."""
     engine = engine_of(process_set, what)
-    key, table = agree(engine, "allgather", tensors, name, process_set)
-    started = start_allgathers(engine, [t.detach().contiguous() for t in tensors], table, name)
+    key, agreed = agree(engine, "allgather", tensors, name, process_set)
+    started = start_allgathers(engine, [t.detach().contiguous() for t in tensors], agreed, name)
     return ([h for h, _ in started], lambda: [result() for _, result in started],
-            [first_dims(table, i) for i in range(len(tensors))], key)
+            [agreed.rows(i) for i in range(len(tensors))], key)
 
 
-def start_allgathers(engine: Engine, bufs: list[torch.Tensor], table: Table,
+def start_allgathers(engine: Engine, bufs: list[torch.Tensor], agreed: Agreed,
                      name: str | None) -> list[Any]:
     """Start the agreed all-gather of each of ``bufs`` (a joined rank runs it
-    too, with no rows): the engine's own agreement is skipped."""
-    return [engine.allgather_async(buf, name=name or "allgather", rows=first_dims(table, i))
+    too, with no rows)."""
+    return [engine.allgather_async(buf, agreed.rows(i), name or "allgather")
             for i, buf in enumerate(bufs)]
 
 
@@ -230,27 +228,14 @@ def exchange(tensor: torch.Tensor, splits: Any, name: str | None, process_set: A
     """Run the alltoall; return the output, the received splits and the name key."""
     (t,) = check_tensors(tensor, what)
     engine = engine_of(process_set, what)
-    counts, problem, detail = _parse_splits(splits, t, engine.size)
-    key, table = agree(engine, "alltoall", [t], name, process_set, problem=problem,
-                       detail=detail, splits=tuple(counts))
-    # The check agreed on every rank's splits too: the engine's agreement is skipped.
-    out, received = engine.alltoall(t.detach().contiguous(), name=name or "alltoall",
-                                    counts=[row[1:] for row in table])
+    key, agreed = agree(engine, "alltoall", [t], name, process_set, splits=splits)
+    out, received = engine.alltoall(t.detach().contiguous(), agreed.counts(),
+                                    name or "alltoall")
     if isinstance(splits, torch.Tensor):
         recv = torch.tensor(received, dtype=splits.dtype, device=splits.device)
     else:
         recv = torch.tensor(received, dtype=torch.int32)
     return out, recv, key
-
-
-def _parse_splits(splits: Any, t: torch.Tensor, size: int) -> tuple[list[int], Problem, str]:
-    """The engine's own splits rule (``exchange.as_splits``), as a problem code
-    (no counts when invalid)."""
-    check = Check(None)
-    counts = as_splits(splits, int(t.shape[0]) if t.dim() else 0, size, check)
-    if check.ok:
-        return counts, Problem.NONE, ""
-    return [], Problem.BAD_SPLITS, check.detail or ""
 
 
 # -- reducescatter --------------------------------------------------------------
@@ -308,7 +293,7 @@ def start_reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any,
     post = check_factor(postscale, what, "postscale_factor")
     engine = engine_of(process_set, what)
     key, _ = agree(engine, "reducescatter", tensors, name, process_set, op=op,
-                   prescale=pre, postscale=post)
+                   scales=(pre, post))
     policy = ReducePolicy.for_collective(op, engine.size, prescale=pre, postscale=post)
     ops = TorchOps()
     started = start_reducescatters(engine, [contiguous_copy(t) for t in tensors], policy, name)
@@ -327,13 +312,13 @@ def start_reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any,
 def start_reducescatters(engine: Engine, bufs: list[torch.Tensor], policy: ReducePolicy,
                          name: str | None) -> list[Any]:
     """Start the agreed reduce-scatter of each of ``bufs`` (pre-scaled in place;
-    a joined rank runs it too, on zeros): the engine's own agreement is skipped."""
+    a joined rank runs it too, on zeros)."""
     ops = TorchOps()
     started = []
     for buf in bufs:
         ops.scale_(buf, policy.prescale)
         started.append(engine.reducescatter_async(buf, policy.engine_op,
-                                                  name=name or "reducescatter", agreed=True))
+                                                  name or "reducescatter"))
     return started
 
 
@@ -346,4 +331,4 @@ def barrier(process_set: Any = global_process_set) -> None:
     It is the agreement check alone (an all-gather completes on no rank
     before every rank has entered it), so a rank that calls another
     collective here instead makes every rank raise."""
-    check_agreement(engine_of(process_set, "barrier"), [Request(kind="barrier", name=None)])
+    check(engine_of(process_set, "barrier"), Request(kind="barrier"), accept_joined=True)

@@ -25,7 +25,7 @@ import torch
 from dp_plugin.agreement import Heard
 from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.hooks import ReducePolicy
-from dp_plugin.torch.agreement import joined_view
+from dp_plugin.request import joined_view
 from dp_plugin.torch.collectives import (
     start_allgathers,
     start_fused_allreduce,

@@ -15,8 +15,8 @@ which ranks have joined, and all agree on when everyone has. A joined rank
 loops over "zero steps" (``synchronize()`` with no gradient marked ready,
 so every gradient contributes zeros) until its flags say everyone has joined.
 
-Other collectives are answered by ``join_service`` (through the agreement's
-``Listener``); ``join`` polls both without blocking, so the others may step
+Other collectives are answered by ``join_service`` (through
+``dp_plugin.join.Listener``); ``join`` polls both without blocking, so the others may step
 and call collectives in any order.
 """
 
@@ -27,10 +27,10 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
-from dp_plugin.agreement import Listener
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.engines.deadline import poll
 from dp_plugin.errors import CollectiveTimeoutError
+from dp_plugin.join import Listener
 from dp_plugin.process_sets import member_engines
 from dp_plugin.torch.basics import engine
 from dp_plugin.torch.control_slot import RankMarks

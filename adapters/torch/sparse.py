@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from dp_plugin import request
 from dp_plugin.arrays import TorchOps
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.process_sets import engine_of, global_process_set
@@ -158,7 +159,7 @@ class SparseGradients:
                 grad = _empty_sparse(p, *dims)
             t, rows = _rows(grad)
             name = f"DistributedOptimizer.sparse.{names[p]}"
-            parts = [engine.allgather_async(part, name=f"{name}.{what}")
+            parts = [request.allgather_async(engine, part, f"{name}.{what}")
                      for what, part in rows.items()]
             started.append((p, t, parts))
         divisor = engine.size if op is ReduceOp.AVERAGE else 1

@@ -2,9 +2,10 @@
 
 Every collective of ``dp_plugin.torch`` starts the same way: find the engine
 of its process set (``process_sets.engine_of``), resolve Horovod's
-``op``/``average`` arguments, look for local mistakes (a name still in
-flight, an unsupported dtype, ...), and run the cross-rank agreement check
-(``agreement.check_agreement``), which raises on every rank alike. Only then does data move.
+``op``/``average`` arguments, refuse a name still in flight on this rank,
+and run the core's one cross-rank check (``dp_plugin.request.check``), which
+finds every rank's own mistakes (an unsupported dtype, bad splits, ...) and
+raises on every rank alike. Only then does data move.
 """
 
 from __future__ import annotations
@@ -16,20 +17,19 @@ from typing import Any
 
 import torch
 from dp_plugin import horovod_names as _names
-from dp_plugin.dtypes import canonical_dtype
 from dp_plugin.engines.base import Engine
-from dp_plugin.torch.agreement import (
-    DuplicateNameError,
-    Problem,
-    Request,
-    Table,
-    check_agreement,
-)
+from dp_plugin.errors import DPPluginError
+from dp_plugin.request import Agreed, Request, check
 from dp_plugin.torch.handles import TABLE
 from dp_plugin.torch.ops import INSTEAD
 
-# Collectives that concatenate or split along the first dimension.
-_NEEDS_FIRST_DIM = frozenset({"allgather", "alltoall", "reducescatter"})
+
+class DuplicateNameError(DPPluginError, ValueError):
+    """A collective was started with a name still in flight on this rank.
+
+    Raised on that rank alone, before anything is sent (Horovod's rule): the
+    other ranks are not involved and the job stays usable."""
+
 
 resolve_op = functools.partial(_names.resolve_op, prefix="hvd.", instead=INSTEAD)
 """Horovod's ``op``/deprecated ``average`` rule; ``None`` means Average."""
@@ -63,17 +63,15 @@ def check_tensors(tensors: Any, what: str) -> list[torch.Tensor]:
 
 
 def agree(engine: Engine, kind: str, tensors: Sequence[torch.Tensor], name: str | None,
-          process_set: Any, *, problem: Problem = Problem.NONE, detail: str = "",
-          **fields: Any) -> tuple[Hashable | None, Table]:
-    """Run the agreement check for one collective over ``tensors``.
+          process_set: Any, **fields: Any) -> tuple[Hashable | None, Agreed]:
+    """Run the core's check (``dp_plugin.request.check``) for one collective
+    over ``tensors``; ``fields`` complete the ``Request`` (op, scales, root,
+    splits, a problem the caller found).
 
     A name still in flight on this rank raises ``DuplicateNameError`` here
     alone, before anything is sent (Horovod's rule; the job stays usable).
-    Adds this rank's other local problems (unsupported dtype, 0-dim input
-    where a first dimension is needed) to ``problem``; raises on every rank
-    if any rank has a problem or the ranks disagree. Returns the name key to
-    register with the handle once the collective is started, and every
-    rank's first dimensions.
+    Returns the name key to register with the handle once the collective is
+    started, and what the ranks agreed.
     """
     key = name_key(process_set, name)
     if key is not None and TABLE.name_in_flight(key):
@@ -85,23 +83,8 @@ def agree(engine: Engine, kind: str, tensors: Sequence[torch.Tensor], name: str 
             "the earlier handle first or use another name. Only this rank raises; nothing "
             "was sent"
         )
-    requests = []
-    for t in tensors:
-        p, d = problem, detail
-        if p is Problem.NONE:
-            p, d = _tensor_problem(kind, t)
-        requests.append(Request(kind=kind, name=name, tensor=t, problem=p, detail=d, **fields))
-    return key, check_agreement(engine, requests)
-
-
-def _tensor_problem(kind: str, t: torch.Tensor) -> tuple[Problem, str]:
-    try:
-        canonical_dtype(t.dtype)
-    except TypeError as exc:
-        return Problem.UNSUPPORTED_DTYPE, str(exc)
-    if kind in _NEEDS_FIRST_DIM and t.dim() == 0:
-        return Problem.ZERO_DIM, f"the {kind} input is 0-dim (shape ())"
-    return Problem.NONE, ""
+    return key, check(engine, Request.of(kind, tensors, name=name, **fields),
+                      accept_joined=True)
 
 
 def contiguous_copy(t: torch.Tensor) -> torch.Tensor:

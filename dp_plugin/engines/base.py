@@ -12,14 +12,17 @@ Contract shared by all engines:
 - every blocking wait honours ``config.timeout_s`` and raises
   ``CollectiveTimeoutError`` naming the collective and the rank, instead of
   hanging;
-- ``allgather``, ``alltoall``, ``reducescatter`` and ``subgroup`` first run
-  the agreement (``exchange.py``, through ``dp_plugin.agreement.compare``),
-  so a mistake on one rank raises the same exception on every rank before
-  any data moves. A caller that has agreed on everything already (every
-  rank, or none) passes what the agreement would give (``rows``, ``counts``,
-  ``agreed``) and skips it. The base class implements alltoall,
+- ``allgather``, ``alltoall``, ``reducescatter`` and ``subgroup`` take a
+  request the ranks have agreed on already (``dp_plugin.request.check``:
+  every rank's rows, the alltoall counts, the member list and hosts) and
+  only move bytes; a buffer whose dtype cannot be reduced (bool, uint16,
+  complex) moves as raw bytes. The base class implements alltoall,
   reducescatter and subgroup on top of all-gather and all-reduce; engines
   override the underscore methods where their library has a native path;
+- Average is one definition on every engine: the sum, then multiplied by
+  ``1 / size`` as ``ArrayOps.scale_`` multiplies (integers in double
+  precision, truncated; float16 in float32) — ``generic.average``, the rule
+  of ``hooks.ReducePolicy`` too. No library's native average is used;
 - lifecycle lives in the base class ``Lifecycle`` (``lifecycle.py``), not
   in the engines: a closed engine, one broken by a timeout, and a subgroup
   whose parent is closed or broken refuse every collective with a
@@ -41,8 +44,9 @@ import numpy as np
 
 from dp_plugin.arrays import as_numpy
 from dp_plugin.config import Config
-from dp_plugin.dtypes import canonical_dtype, is_floating
-from dp_plugin.engines import exchange, generic
+from dp_plugin.dtypes import canonical_dtype
+from dp_plugin.engines import generic
+from dp_plugin.engines.generic import as_bytes
 from dp_plugin.engines.handle import DoneHandle, Handle
 from dp_plugin.engines.lifecycle import Lifecycle
 from dp_plugin.engines.types import Availability as Availability
@@ -105,7 +109,6 @@ class Engine(Lifecycle):
         self._check_usable(f"allreduce {name!r}")
         op = ReduceOp.parse(op)
         dtype = _check_flat(buf, f"allreduce {name!r}")
-        _check_average(op, dtype, f"allreduce {name!r}")
         if postscale != 1.0:
             if op is not ReduceOp.SUM or not self.scales_in_reduction(dtype):
                 raise ValueError(
@@ -118,12 +121,13 @@ class Engine(Lifecycle):
             return self._allreduce_async(buf, op, name)
         handle = self._allreduce_async(buf, ReduceOp.SUM, name)
         size = self.size
-        return handle.then(lambda: generic.divide(buf, size))
+        return handle.then(lambda: generic.average(buf, size))
 
     def broadcast_async(self, buf: Any, root: int, name: str = "broadcast") -> Handle:
         """Start an in-place broadcast of the 1-D buffer ``buf`` from ``root``."""
         self._check_usable(f"broadcast {name!r}")
         self._check_root(root, name)
+        buf = generic.flat_bytes(buf)  # any dtype moves
         _check_flat(buf, f"broadcast {name!r}")
         return self._broadcast_async(buf, root, name)
 
@@ -131,65 +135,48 @@ class Engine(Lifecycle):
         """In-place broadcast of ``buf`` from ``root`` to every rank."""
         self.broadcast_async(buf, root, name).wait()
 
-    def allgather(self, buf: Any, name: str = "allgather",
-                  rows: Sequence[int] | None = None) -> Any:
+    def allgather(self, buf: Any, rows: Sequence[int], name: str = "allgather") -> Any:
         """Concatenate every rank's buffer along the first dimension.
 
-        The first dimension may differ between ranks; the others, and the
-        dtype, must match. Returns a new buffer of the same kind as ``buf``.
-
-        Collective and a synchronization point. The ranks' dtypes and shapes
-        are agreed first (``exchange.py``), so a 0-d input, an unsupported
-        dtype or a mismatch on any rank raises the same exception on every
-        rank; then ``_allgather`` moves the rows. ``rows``: every rank's first
-        dimension, from a caller that has agreed on all of that already.
+        ``rows[r]`` is rank r's first dimension, as the ranks agreed
+        (``dp_plugin.request.check``; ``request.allgather`` checks, then
+        calls this). The other dimensions and the dtype are the same on
+        every rank. Returns a new buffer of the same kind as ``buf``.
+        Collective and a synchronization point.
         """
-        handle, result = self.allgather_async(buf, name, rows)
+        handle, result = self.allgather_async(buf, rows, name)
         handle.wait()
         return result()
 
-    def allgather_async(self, buf: Any, name: str = "allgather",
-                        rows: Sequence[int] | None = None) -> Started:
-        """``allgather`` started: the agreement runs now (a mistake raises
-        here, on every rank), the rows move in the background where the
+    def allgather_async(self, buf: Any, rows: Sequence[int],
+                        name: str = "allgather") -> Started:
+        """``allgather`` started: the rows move in the background where the
         engine can (torch.distributed, MPI). Returns ``(handle, result)``:
         wait for ``handle``, then ``result()`` is the output."""
-        what = f"allgather {name!r}"
-        self._check_usable(what)
-        if rows is None:
-            rows = exchange.agreed_rows(self, buf, what)
-        return self._allgather_start(buf, list(rows), name)
+        self._check_usable(f"allgather {name!r}")
+        raw, restore = as_bytes(buf)
+        handle, result = self._allgather_start(raw, [int(r) for r in rows], name)
+        return handle, lambda: restore(result())
 
     def barrier(self) -> None:
         self._check_usable("barrier")
         self._barrier()
 
-    def alltoall(self, buf: Any, splits: Sequence[int] | None = None,
-                 name: str = "alltoall",
-                 counts: Sequence[Sequence[int]] | None = None) -> tuple[Any, list[int]]:
+    def alltoall(self, buf: Any, counts: Any, name: str = "alltoall") -> tuple[Any, list[int]]:
         """Send row blocks of ``buf`` to every rank; return what this rank got.
 
-        ``buf`` (numpy or torch, at least 1-D) is split along its first
-        dimension: rank r sends rows ``buf[o_j : o_j + splits[j]]`` to rank
-        j, where ``o_j = sum(splits[:j])``. ``splits=None`` divides the first
-        dimension evenly (an error if it does not divide, as in Horovod).
-        Returns ``(received, received_splits)``: the rows that ranks 0, 1, ...
-        sent to this rank, concatenated in rank order (a new buffer of the
-        same kind as ``buf``), and how many rows came from each rank.
-
-        Collective and a synchronization point. Ranks may send different
-        numbers of rows; the dtype and the dimensions after the first must
-        agree. A mistake on any rank (splits of the wrong length, negative,
-        or not summing to the first dimension; a dtype or shape mismatch)
-        raises the same exception on every rank: the ranks agree before any
-        data moves. ``counts[i, j]``, rows rank i sends to rank j, replaces
-        ``splits`` for a caller that has agreed on all of that already.
+        ``counts[i, j]`` (agreed by every rank: ``dp_plugin.request.check``)
+        is the number of rows rank i sends to rank j: rank r sends rows
+        ``buf[o_j : o_j + counts[r, j]]`` to rank j, where ``o_j =
+        sum(counts[r, :j])``. Returns ``(received, received_splits)``: the
+        rows that ranks 0, 1, ... sent to this rank, concatenated in rank
+        order (a new buffer of the same kind as ``buf``), and how many rows
+        came from each rank. Collective and a synchronization point.
         """
-        what = f"alltoall {name!r}"
-        self._check_usable(what)
-        table = (exchange.agreed_splits(self, buf, splits, what) if counts is None
-                 else np.asarray(counts, dtype=np.int64))
-        received = self._alltoall(buf, table, name)
+        self._check_usable(f"alltoall {name!r}")
+        table = np.asarray(counts, dtype=np.int64)
+        raw, restore = as_bytes(buf)
+        received = restore(self._alltoall(raw, table, name))
         return received, [int(c) for c in table[:, self.rank]]
 
     def reducescatter(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM,
@@ -197,55 +184,50 @@ class Engine(Lifecycle):
         """Reduce ``buf`` over the ranks; return this rank's block of rows.
 
         ``buf`` (numpy or torch, at least 1-D) has the same shape and dtype
-        on every rank. The reduced result is split along the first dimension
-        as Horovod 0.28.1 does: each rank gets ``rows // size`` rows and ranks
-        ``0 .. rows % size - 1`` one more, in rank order. Returns a new buffer
-        of the same kind as ``buf``; the input is not modified. ``op``: sum,
-        average (floating dtypes only), min, max or product.
-
-        Collective and a synchronization point; a shape, dtype or op mismatch
-        between ranks raises the same exception on every rank.
+        on every rank (agreed: ``dp_plugin.request.check``). The reduced
+        result is split along the first dimension as Horovod 0.28.1 does:
+        each rank gets ``rows // size`` rows and ranks ``0 .. rows % size - 1``
+        one more, in rank order. Returns a new buffer of the same kind as
+        ``buf``; the input is not modified. ``op``: sum, average (the sum
+        times ``1 / size``, ``generic.average``), min, max or product.
         """
         handle, result = self.reducescatter_async(buf, op, name)
         handle.wait()
         return result()
 
     def reducescatter_async(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM,
-                            name: str = "reducescatter", agreed: bool = False) -> Started:
-        """``reducescatter`` started: the agreement runs now (``agreed``: the
-        caller has run it), the reduction in the background where the engine
-        can. Returns ``(handle, result)`` as ``allgather_async``."""
+                            name: str = "reducescatter") -> Started:
+        """``reducescatter`` started, the reduction in the background where
+        the engine can. Returns ``(handle, result)`` as ``allgather_async``."""
         op = ReduceOp.parse(op)
-        what = f"reducescatter {name!r}"
-        self._check_usable(what)
-        dtype = (canonical_dtype(buf.dtype) if agreed else
-                 exchange.agreed_op(self, buf, op.value, what))
-        _check_average(op, dtype, what)
-        counts = exchange.reducescatter_counts(int(buf.shape[0]), self.size)
+        self._check_usable(f"reducescatter {name!r}")
+        counts = reducescatter_counts(int(buf.shape[0]), self.size)
         if op in self.native_ops:
             return self._reducescatter_start(buf, op, counts, name)
         handle, result = self._reducescatter_start(buf, ReduceOp.SUM, counts, name)
         size = self.size
-        return handle, lambda: generic.divide(result(), size)
+        return handle, lambda: generic.average(result(), size)
 
-    def subgroup(self, ranks: Sequence[int], name: str = "process_set") -> Engine | None:
-        """An engine whose collectives run among ``ranks`` only.
+    def subgroup(self, members: Sequence[int], hosts: Sequence[int],
+                 name: str = "process_set") -> Engine | None:
+        """An engine whose collectives run among ``members`` only.
 
-        ``ranks`` are this engine's ranks, sorted, unique and non-empty.
-        Collective over *all* ranks of this engine: every rank calls it with
-        the same ``ranks``, at the same point among its other collectives
-        (a rank passing another list, or an invalid one, makes every rank
-        raise). Members get a new engine with ``rank``/``size`` relative to
-        the group (group rank i is ``ranks[i]``; broadcast roots are group
-        ranks) and ``global_ranks`` naming the job-wide ranks; non-members
-        get None. The new engine (made by ``_subgroup`` with ``parent=self``)
-        supports every collective while this engine is open and not broken;
-        its ``shutdown()`` releases the group only, never this engine's
-        resources, and must happen before this engine's.
+        ``members`` are this engine's ranks, sorted, unique and non-empty,
+        and ``hosts[r]`` rank r's host key, as every rank agreed
+        (``dp_plugin.request.subgroup`` checks, then calls this). Collective
+        over *all* ranks of this engine. Members get a new engine with
+        ``rank``/``size`` relative to the group (group rank i is
+        ``members[i]``; broadcast roots are group ranks) and ``global_ranks``
+        naming the job-wide ranks; non-members get None. The new engine (made
+        by ``_subgroup`` with ``parent=self``) supports every collective while
+        this engine is open and not broken; its ``shutdown()`` releases the
+        group only, never this engine's resources, and must happen before
+        this engine's.
         """
-        what = f"subgroup {name!r}"
-        self._check_usable(what)
-        members, topology = exchange.agreed_members(self, ranks, what)
+        self._check_usable(f"subgroup {name!r}")
+        members = tuple(members)
+        topology = (group_topology(self.topology, members, self.rank, hosts)
+                    if self.rank in members else None)
         child = self._subgroup(members, topology, name)
         if child is not None:
             child.global_ranks = tuple(self.global_ranks[m] for m in members)
@@ -331,7 +313,9 @@ class Engine(Lifecycle):
 
     def _channel(self, name: str) -> Engine:
         """A new communicator over the same ranks. Default: a subgroup of all."""
-        child = self.subgroup(list(range(self.size)), name)
+        from dp_plugin.request import subgroup  # which imports this module
+
+        child = subgroup(self, list(range(self.size)), name)
         assert child is not None  # every rank is a member
         return child
 
@@ -369,16 +353,43 @@ class Engine(Lifecycle):
         return f"{self.name} {collective} of {name!r}{size}"
 
 
-def _check_average(op: ReduceOp, dtype: str, what: str) -> None:
-    if op is ReduceOp.AVERAGE and not is_floating(dtype):
-        raise TypeError(
-            f"{what}: op=average is not defined for {dtype} buffers; use op='sum' and "
-            "divide, or cast to a floating dtype"
-        )
-
-
 def _check_flat(buf: Any, what: str) -> str:
     shape = tuple(buf.shape)
     if len(shape) != 1:
         raise ValueError(f"{what}: expected a 1-D buffer, got shape {shape}; flatten it first")
     return canonical_dtype(buf.dtype)
+
+
+def reducescatter_counts(rows: int, size: int) -> list[int]:
+    """Rows each rank keeps after a reduce-scatter of ``rows`` rows.
+
+    Horovod 0.28.1's rule (``ReducescatterOp::ComputeOutputShapeForRank``):
+    ``rows // size`` each, and ranks ``0 .. rows % size - 1`` one more.
+    """
+    return [rows // size + (1 if r < rows % size else 0) for r in range(size)]
+
+
+def group_topology(parent: Topology, members: Sequence[int], me: int,
+                   hosts: Sequence[int]) -> Topology:
+    """The topology of parent-rank ``me`` inside the group ``members``.
+
+    ``hosts[r]`` is parent rank r's host key. Local rank and size count the
+    members on this host; cross rank and size follow Horovod's meaning
+    (position among the members with the same local rank).
+    """
+    mine = hosts[me]
+    same_host = [m for m in members if hosts[m] == mine]
+    local_of = {m: sum(1 for n in members if n < m and hosts[n] == hosts[m]) for m in members}
+    peers = [m for m in members if local_of[m] == local_of[me]]
+    return Topology(
+        launcher=parent.launcher,
+        rank=list(members).index(me),
+        size=len(members),
+        local_rank=local_of[me],
+        local_size=len(same_host),
+        cross_rank=peers.index(me),
+        cross_size=len(peers),
+        rendezvous_addr=parent.rendezvous_addr,
+        rendezvous_port=parent.rendezvous_port,
+        hostname=parent.hostname,
+    )

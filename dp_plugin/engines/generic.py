@@ -1,24 +1,28 @@
 """Collectives derived from all-gather and all-reduce, for engines whose
 library has no native path (``Engine``'s defaults call these).
 
-Both run after the agreement, so their inputs are valid and agreed by
-every rank.
+They run after the agreement (``dp_plugin.request.check``), so their
+inputs are valid and agreed by every rank. Also here: the one engine
+Average (``average``) and the raw-bytes view of buffers whose dtype no
+reduction takes (``as_bytes``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from dp_plugin.arrays import as_numpy, as_torch, is_torch
+from dp_plugin.arrays import as_numpy, as_torch, is_torch, ops_for
+from dp_plugin.dtypes import SUPPORTED_DTYPES
 from dp_plugin.engines.handle import Handle
 
 
 def alltoall_by_allgather(engine: Any, buf: Any, counts: np.ndarray, name: str) -> Any:
     """All-gather every rank's buffer and keep the blocks addressed to this
     rank (moves ``size`` times the data). ``counts[i, j]``: rows i sends j."""
-    gathered = engine.allgather(buf, name=name, rows=[int(n) for n in counts.sum(axis=1)])
+    gathered = engine.allgather(buf, [int(n) for n in counts.sum(axis=1)], name)
     me = engine.rank
     starts = np.concatenate([[0], np.cumsum(counts.sum(axis=1))])
     rows = [
@@ -55,11 +59,52 @@ def reducescatter_by_allreduce(engine: Any, buf: Any, op: Any, counts: list[int]
     return handle, result
 
 
-def divide(buf: Any, size: int) -> Any:
-    """``buf /= size`` in place (numpy or torch); returns ``buf``."""
-    if hasattr(buf, "div_"):
-        buf.div_(size)
-    else:
-        arr = as_numpy(buf)
-        arr /= arr.dtype.type(size)
+def average(buf: Any, size: int) -> Any:
+    """``buf *= 1 / size`` in place (numpy or torch), as ``ArrayOps.scale_``
+    multiplies: integers in double precision, truncated toward zero; float16
+    in float32. The one engine Average, equal to ``ReducePolicy``'s post-scale
+    of an Average (``postscale / size``). Returns ``buf``."""
+    ops_for(buf).scale_(buf, 1.0 / size)
     return buf
+
+
+def _movable(buf: Any) -> bool:
+    dtype = buf.dtype
+    name = getattr(dtype, "name", None) or str(dtype).removeprefix("torch.")
+    return name in SUPPORTED_DTYPES
+
+
+def flat_bytes(buf: Any) -> Any:
+    """A 1-D, contiguous ``buf`` as is when its dtype is one the engines
+    reduce, else its raw bytes (a uint8 view sharing its memory, so that an
+    in-place broadcast writes ``buf``)."""
+    if _movable(buf) or len(buf.shape) != 1:
+        return buf
+    if is_torch(buf):
+        import torch
+
+        return buf.view(torch.uint8)
+    return as_numpy(buf).view(np.uint8)
+
+
+def as_bytes(buf: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """``buf`` as the engines move it, and the function that turns what comes
+    back into ``buf``'s dtype: ``buf`` itself when its dtype is one the
+    engines reduce (``dtypes.SUPPORTED_DTYPES``), else its rows as raw bytes
+    (a ``(rows, row_bytes)`` uint8 view), so that all-gather and all-to-all
+    move every dtype (bool, uint16, complex ...) exactly."""
+    dtype = buf.dtype
+    if _movable(buf) or not buf.shape:
+        return buf, lambda out: out
+    trailing = tuple(int(d) for d in buf.shape[1:])
+    if is_torch(buf):
+        import torch
+
+        flat = buf.detach().contiguous().reshape(-1)
+        width = flat.element_size() * int(np.prod(trailing, dtype=np.int64))
+        raw = flat.view(torch.uint8).reshape(int(buf.shape[0]), width)
+        return raw, lambda out: out.reshape(-1).view(dtype).reshape(out.shape[0], *trailing)
+    arr = np.ascontiguousarray(as_numpy(buf))
+    width = arr.dtype.itemsize * int(np.prod(trailing, dtype=np.int64))
+    raw = arr.reshape(-1).view(np.uint8).reshape(arr.shape[0], width)
+    return raw, lambda out: np.asarray(out).reshape(-1).view(dtype).reshape(out.shape[0], *trailing)

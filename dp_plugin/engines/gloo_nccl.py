@@ -90,13 +90,13 @@ class GlooEngine(TorchDistEngine):
 
 class NcclEngine(TorchDistEngine):
     """torch.distributed with NCCL: CUDA buffers, one GPU per rank
-    (``cuda:local_rank``). Average uses NCCL's native AVG. CPU buffers
+    (``cuda:local_rank``). Average is the base class's (sum, then times
+    ``1 / size``), not NCCL's AVG, so every engine rounds alike. CPU buffers
     (``hvd.allreduce(torch.tensor(x))``, ``barrier``, Keras' numpy buffers)
     are copied to the GPU, reduced there and copied back (``_staged``)."""
 
     name = "nccl"
     backend = "nccl"
-    native_ops = frozenset(ReduceOp)
 
     @classmethod
     def _backend_problem(cls, topology: Topology) -> str | None:

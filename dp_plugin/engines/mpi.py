@@ -100,7 +100,7 @@ class MPIEngine(Engine):
     """Collectives through mpi4py on a private duplicate of ``COMM_WORLD``.
 
     Buffers: 1-D, C-contiguous, writable numpy arrays or CPU torch tensors,
-    viewed without copies. Average is SUM followed by a division (base class).
+    viewed without copies. Average is SUM followed by a multiply by 1 / size (base class).
     Creating the engine is collective over ``COMM_WORLD`` and honours the
     timeout; ``shutdown`` is local.
     """

@@ -65,6 +65,13 @@ def problem(topology: Topology) -> str | None:
     launcher = topology.launcher
     if launcher == "single":
         return None if topology.size == 1 else f"launcher 'single' with size {topology.size}"
+    if launcher == "process_group":  # the engine joins the program's group: no rendezvous
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return None
+        return ("the program's torch.distributed group, which dp_plugin adopted, was "
+                "destroyed before the engine started; keep it until hvd.shutdown()")
     if launcher in ("torchrun", "slurm", "horovodrun"):
         if topology.rendezvous_addr is not None and topology.rendezvous_port is not None:
             return None

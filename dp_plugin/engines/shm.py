@@ -1,5 +1,5 @@
-"""Shared-memory all-reduce for the ranks of one host: the gloo engine's
-fast path.
+"""Shared-memory collectives for the ranks of one host: the gloo engine's
+fast path, and the intra-host half of the hierarchical all-reduce.
 
 Gloo moves bytes between the processes of one host through loopback TCP:
 the kernel copies every byte twice and the CPU time comes out of the cores
@@ -21,15 +21,48 @@ chunk k, so barrier 4 of one chunk is barrier 2 of the next (m + 1
 barriers for m chunks). A set is rewritten only two chunks later, after a
 barrier that every rank reaches only once done reading it.
 
+A reduce-scatter is the same with step 5 copying out only this rank's
+shard (``shard``: rank r owns elements [r n / P, (r + 1) n / P)); an
+all-gather copies each rank's shard into its slot (step 1), no step 3,
+and every rank copies every slot's shard out (step 5).
+
+**Every operation says what it is.** Before step 1 each rank writes a
+header into its own line of the segment: sequence number, kind, element
+count, dtype, op, post-scale. After the first barrier every rank reads
+every header and compares; a difference raises ``LayoutMismatchError`` on
+every rank, naming both sides, before any byte is combined (the agreement
+of the layers above is the first line of defence; this one does not trust
+it: a cached collective that skipped it would otherwise pair with another
+rank's different one and silently mix 10 float32 with 20 int64). A header
+is rewritten only by the next operation, after a barrier every rank
+reaches only once done reading it. Cost: ``dp-plugin bench --shm-check``.
+
 A barrier is one byte sent to and read from every peer over UNIX sockets:
 a blocking read with the collective's timeout (no spinning on cores that
 compute), a peer that dies closes its sockets and fails the read at once,
 and the system calls order the memory accesses around them.
 
-All-reduces run on one thread per transport, in the order they were
+**Nothing on disk, nothing left by a crash.** The segment is an anonymous
+``memfd`` made by rank 0 and handed to the others over the UNIX sockets
+(``SCM_RIGHTS``); the sockets live in the abstract namespace (Linux: no
+file). Both vanish with the last process that holds them, whatever the
+moment it dies. Abstract sockets obey no file mode: every connection is
+checked with ``SO_PEERCRED`` and one from another user is dropped (both
+directions), so the transport is private to the job's user whatever the
+umask; the names also carry rank 0's 62 random bits.
+
+**Budget.** The segment (``2 (ranks + 1)`` chunks and a page of headers,
+its pages reserved when made: ``posix_fallocate``) is shared memory: it
+counts against the same pool as ``/dev/shm`` (a container's 64 MiB by
+default). All the segments this process holds stay within
+``budget_bytes`` (``DP_PLUGIN_SHARED_MEMORY_BUDGET``; default a quarter of
+``/dev/shm``'s size) and within the room left there; the chunk halves down
+to ``MIN_CHUNK_BYTES`` to fit, and below that every rank keeps Gloo's TCP,
+said once in the log.
+
+All operations run on one thread per transport, in the order they were
 started (the engine contract: same collectives, same order, every rank).
-The segment and the socket files are unlinked as soon as every rank has
-opened them, so nothing is left behind in ``/dev/shm`` if a process dies.
+``close`` never unmaps the segment while that thread may still touch it.
 """
 
 from __future__ import annotations
@@ -41,6 +74,7 @@ import os
 import queue
 import secrets
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -50,41 +84,83 @@ import numpy as np
 
 from dp_plugin.engines.handle import Handle
 from dp_plugin.engines.types import ReduceOp
-from dp_plugin.errors import DPPluginError
+from dp_plugin.errors import DPPluginError, LayoutMismatchError
 
 log = logging.getLogger("dp_plugin")
 
 SHM_DIR = "/dev/shm"
+"""Where the shared-memory pool's size and room are read (the segment itself
+is a memfd, charged to the same pool, with no name there)."""
 CHUNK_BYTES = 8 << 20
 """Largest chunk one round moves; the segment is 2 x (ranks + 1) chunks.
-Smaller where ``/dev/shm`` has less room (a container's 64 MiB), down to
-``MIN_CHUNK_BYTES``; the ranks take the smallest any of them can afford."""
+Smaller where the budget or the room is smaller (a container's 64 MiB),
+down to ``MIN_CHUNK_BYTES``; the ranks take the smallest any of them can afford."""
 MIN_CHUNK_BYTES = 64 << 10
-DTYPES = frozenset({"float16", "bfloat16", "float32", "float64",
-                    "int8", "uint8", "int16", "int32", "int64"})
+BUDGET_SHARE = 4
+"""Default budget: 1/4 of ``/dev/shm``'s size for all of a process's segments."""
+DTYPES = ("float16", "bfloat16", "float32", "float64",
+          "int8", "uint8", "int16", "int32", "int64")
 """What the transport reduces (torch CPU kernels exist for each); other
-dtypes take the engine's own path."""
+dtypes take the engine's own path. The index is the dtype's code in a header."""
 SCALED_DTYPES = frozenset({"float32", "float64"})
 """Where a post-scale folded into the reduction rounds exactly as the
 scheduler's own multiply afterwards (``arrays.TorchOps`` and ``NumpyOps``
 agree on these; numpy rounds the factor to a 16-bit dtype first, torch not)."""
+KINDS = ("allreduce", "reducescatter", "allgather")
+OPS = tuple(ReduceOp)
+HEADER_FIELDS = 8
+"""int64s per rank's header: sequence, kind, count, dtype, op, post-scale
+(the float64's bits), two spare."""
+HEADER_BYTES = 4096
+"""The headers' page at the start of the segment (512 ranks at most)."""
+MAX_RANKS = HEADER_BYTES // (8 * HEADER_FIELDS)
+_NAME = "dp_plugin-{token:x}-{rank}"
+"""Abstract socket name of a rank (a leading NUL: no file)."""
+
+_held_lock = threading.Lock()
+_held_bytes = 0
+"""Bytes of every segment this process maps now (its share of the budget)."""
+_fallback_said = False
+
+
+def shard(n: int, size: int, rank: int) -> tuple[int, int]:
+    """Elements [lo, hi) of an n-element buffer that ``rank`` owns in a
+    reduce-scatter or all-gather among ``size`` ranks."""
+    return rank * n // size, (rank + 1) * n // size
 
 
 class ShmTransport:
     """The shared segment, the sockets to every peer and the worker thread
     of one single-host group. Made by ``connect`` (collective)."""
 
+    verify_headers = True
+    """Compare every operation's header on every rank (module docstring).
+    Turned off only by ``dp-plugin bench --shm-check``, which times both
+    ways side by side: there is no setting for it."""
+
     def __init__(self, rank: int, size: int, segment: mmap.mmap, socks: dict[int, socket.socket],
                  chunk_bytes: int, timeout_s: float) -> None:
         import torch
 
+        global _held_bytes
         self.rank, self.size, self.chunk_bytes = rank, size, chunk_bytes
         self.timeout_s = timeout_s
         self._segment = segment
-        self._bytes: Any = torch.frombuffer(segment, dtype=torch.uint8)
+        self._nbytes = len(segment)
+        with _held_lock:
+            _held_bytes += self._nbytes
+        self._headers: Any = np.frombuffer(segment, dtype=np.int64,
+                                           count=2 * size * HEADER_FIELDS).reshape(
+                                               2, size, HEADER_FIELDS)
+        self._bytes: Any = torch.frombuffer(segment, dtype=torch.uint8,
+                                            offset=_header_bytes(size))
         self._socks = socks
+        self._seq = 0
+        self._turn = 0  # the set the next chunk uses: alternation runs on across operations
         self._error: BaseException | None = None
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = self._stopped = self._released = False
         self._thread = threading.Thread(target=self._serve, name="dp_plugin-shm", daemon=True)
         self._thread.start()
 
@@ -94,76 +170,185 @@ class ShmTransport:
 
     def allreduce_async(self, t: Any, op: ReduceOp, description: str,
                         on_timeout: Callable[[str], None], board: Any,
-                        postscale: float = 1.0) -> Handle:
+                        postscale: float = 1.0,
+                        across: Callable[[Any, float], None] | None = None) -> Handle:
         """Queue an in-place all-reduce of ``t`` (``takes(t)`` is true).
         ``postscale`` (a sum of a ``SCALED_DTYPES`` tensor only) multiplies
-        the result while it is copied out: no pass of its own."""
+        the result while it is copied out: no pass of its own.
+
+        ``across`` (the hierarchical all-reduce, ``hierarchical.py``): a
+        reduce-scatter instead, then ``across(shard, deadline)`` on this
+        thread with the view of this rank's reduced shard (it all-reduces
+        it with the other hosts, in place, by ``deadline``, a
+        ``time.perf_counter`` value), then an all-gather of the shards."""
+        if across is not None and postscale != 1.0:
+            raise ValueError("a post-scale cannot be folded into a hierarchical all-reduce")
         handle = ShmHandle(description, self.rank, self.timeout_s, on_timeout, board)
-        self._jobs.put(_Job(t, op, handle, postscale))
+        self._jobs.put(_Job(t, op, handle, postscale, across))
         return handle
 
     def close(self) -> None:
         """Stop the thread (bounded), then release the sockets and segment.
-        A read blocked on a peer is woken by shutting the sockets down."""
+        A read blocked on a peer is woken by shutting the sockets down. A
+        thread still running after the timeout (stuck in a reduction, or in
+        the cross-host step of a hierarchical all-reduce) keeps the mapping:
+        it releases it when it stops, never under its feet."""
         for sock in self._socks.values():
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
         self._jobs.put(None)
         self._thread.join(self.timeout_s)
+        with self._lock:
+            self._closed = True
+            if self._stopped:
+                self._release()
+                return
+        log.warning("dp_plugin: the shared-memory transport's thread (rank %d) did not stop "
+                    "within %g s; its segment stays mapped until it does", self.rank,
+                    self.timeout_s)
+
+    def _release(self) -> None:
+        """Close the sockets and unmap, once; under ``_lock``, the thread stopped."""
+        global _held_bytes
+        if self._released:
+            return
+        self._released = True
         for sock in self._socks.values():
             sock.close()
-        self._bytes = None
+        self._headers = self._bytes = None
         with contextlib.suppress(BufferError):  # a view still lives: the mapping goes with it
             self._segment.close()
+        with _held_lock:
+            _held_bytes -= self._nbytes
 
     # -- the worker thread -------------------------------------------------------
     def _serve(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            if self._error is None:
-                try:
-                    self._allreduce(job)
-                except BaseException as exc:
-                    self._error = exc
-            job.handle.finish(self._error)
+        try:
+            while True:
+                job = self._jobs.get()
+                if job is None:
+                    return
+                if self._error is None:
+                    try:
+                        self._run(job)
+                    except BaseException as exc:
+                        self._error = exc
+                job.handle.finish(self._error)
+        finally:
+            with self._lock:
+                self._stopped = True
+                if self._closed:
+                    self._release()
 
-    def _allreduce(self, job: _Job) -> None:
+    def _run(self, job: _Job) -> None:
+        data = job.tensor.view(-1)
+        if job.across is None:
+            self._collective(job, "allreduce", data)
+            return
+        self._collective(job, "reducescatter", data)
+        lo, hi = shard(data.numel(), self.size, self.rank)
+        job.across(data[lo:hi], job.handle.started_at + self.timeout_s)
+        self._collective(job, "allgather", data)
+
+    def _collective(self, job: _Job, kind: str, data: Any) -> None:
         """The module docstring's steps, pipelined over two sets of slots
-        and results: the barrier after round k is also the one before
-        round k + 1, so a buffer of m chunks takes m + 1 barriers."""
+        and results: for a reduction, the barrier after round k is also
+        the one before round k + 1, so a buffer of m chunks takes m + 1
+        barriers; an all-gather copies out right after each barrier."""
         deadline = job.handle.started_at + self.timeout_s
-        data, dtype = job.tensor.view(-1), job.tensor.dtype
-        chunk = self.chunk_bytes // job.tensor.element_size()  # elements per round
-        sets = self._bytes.view(dtype).view(2, self.size + 1, chunk)
-        pieces = [data[start:start + chunk] for start in range(0, data.numel(), chunk)]
-        sets[0, self.rank, :pieces[0].numel()].copy_(pieces[0])
+        chunk = self.chunk_bytes // data.element_size()  # elements per round
+        sets = self._bytes.view(data.dtype).view(2, self.size + 1, chunk)
+        rounds = [(self._turn + k) % 2 for k in range(-(-data.numel() // chunk))]
+        self._turn += len(rounds)
+        self._seq += 1
+        verify = self.verify_headers
+        if verify:
+            self._headers[self._seq % 2, self.rank] = self._header(kind, job, data)
+        self._stage(kind, sets[rounds[0]], data, 0, chunk)
         self._barrier(deadline, job)
-        for k, piece in enumerate(pieces):
+        if verify:
+            self._check(kind, job)
+        if kind == "allgather":
+            for k, s in enumerate(rounds):
+                if k:
+                    self._stage(kind, sets[s], data, k * chunk, chunk)
+                    self._barrier(deadline, job)
+                self._finish(kind, job, sets[s], data, k * chunk, chunk)
+            return
+        for k, s in enumerate(rounds):
             # Every rank has copied chunk k in and reduced chunk k - 1.
             if k:
-                self._copy_out(job, sets[(k - 1) % 2, self.size], pieces[k - 1])
-            slots, n = sets[k % 2], piece.numel()
-            lo, hi = self.rank * n // self.size, (self.rank + 1) * n // self.size
+                self._finish(kind, job, sets[rounds[k - 1]], data, (k - 1) * chunk, chunk)
+            n = min(chunk, data.numel() - k * chunk)
+            lo, hi = shard(n, self.size, self.rank)
             if hi > lo:
+                slots = sets[s]
                 _reduce([slots[j, lo:hi] for j in range(self.size)], slots[self.size, lo:hi],
                         job.op)
-            if k + 1 < len(pieces):
-                nxt = pieces[k + 1]
-                sets[(k + 1) % 2, self.rank, :nxt.numel()].copy_(nxt)
+            if k + 1 < len(rounds):
+                self._stage(kind, sets[rounds[k + 1]], data, (k + 1) * chunk, chunk)
             self._barrier(deadline, job)
-        self._copy_out(job, sets[(len(pieces) - 1) % 2, self.size], pieces[-1])
+        self._finish(kind, job, sets[rounds[-1]], data, (len(rounds) - 1) * chunk, chunk)
 
-    @staticmethod
-    def _copy_out(job: _Job, result: Any, piece: Any) -> None:
+    def _stage(self, kind: str, slots: Any, data: Any, start: int, chunk: int) -> None:
+        """Copy this rank's part of the chunk at ``start`` into its slot:
+        all of it for a reduction, its shard's part for an all-gather."""
+        lo, hi = start, min(start + chunk, data.numel())
+        if kind == "allgather":
+            mine = shard(data.numel(), self.size, self.rank)
+            lo, hi = max(lo, mine[0]), min(hi, mine[1])
+        if hi > lo:
+            slots[self.rank, lo - start:hi - start].copy_(data[lo:hi])
+
+    def _finish(self, kind: str, job: _Job, slots: Any, data: Any, start: int,
+                chunk: int) -> None:
+        """Copy the chunk at ``start`` out: the result (an all-reduce), its
+        part of this rank's shard (a reduce-scatter) or the other ranks'
+        shards from their slots (an all-gather)."""
         import torch
 
-        n = piece.numel()
+        end = min(start + chunk, data.numel())
+        if kind == "allgather":
+            for j in range(self.size):
+                lo, hi = shard(data.numel(), self.size, j)
+                lo, hi = max(lo, start), min(hi, end)
+                if j != self.rank and hi > lo:
+                    data[lo:hi].copy_(slots[j, lo - start:hi - start])
+            return
+        lo, hi = start, end
+        if kind == "reducescatter":
+            mine = shard(data.numel(), self.size, self.rank)
+            lo, hi = max(lo, mine[0]), min(hi, mine[1])
+            if hi <= lo:
+                return
+        result, piece = slots[self.size, lo - start:hi - start], data[lo:hi]
         if job.postscale != 1.0:  # as cheap as the copy: both read and write n once
-            torch.mul(result[:n], job.postscale, out=piece)
+            torch.mul(result, job.postscale, out=piece)
         else:
-            piece.copy_(result[:n])
+            piece.copy_(result)
+
+    def _header(self, kind: str, job: _Job, data: Any) -> list[int]:
+        scale = struct.unpack("<q", struct.pack("<d", job.postscale))[0]
+        dtype = DTYPES.index(str(data.dtype).removeprefix("torch."))
+        return [self._seq, KINDS.index(kind), data.numel(), dtype, OPS.index(job.op), scale, 0, 0]
+
+    def _check(self, kind: str, job: _Job) -> None:
+        """Raise if any rank's header differs from this rank's (read after
+        the first barrier: every rank has written its own)."""
+        table = self._headers[self._seq % 2]
+        mine = table[self.rank]
+        if (table == mine).all():
+            return
+        peer = next(j for j in range(self.size) if (table[j] != mine).any())
+        raise LayoutMismatchError(
+            f"rank {self.rank}: {job.handle.description} does not match what rank {peer} "
+            f"started at the same point of the shared-memory transport: rank {self.rank} has "
+            f"{_said(mine)}, rank {peer} has {_said(table[peer])}. Every rank must start the "
+            "same collectives in the same order, with the same element count, dtype and op; "
+            "a rank that skips or reorders one (a collective only some ranks reach, buffers "
+            "sized by rank-local data) pairs it with another. The transport is broken now; "
+            "fix the program so that every rank issues the same sequence."
+        )
 
     def _barrier(self, deadline: float, job: _Job) -> None:
         for peer, sock in self._socks.items():
@@ -187,14 +372,16 @@ class ShmTransport:
 
 
 class _Job:
-    __slots__ = ("handle", "op", "postscale", "tensor")
+    __slots__ = ("across", "handle", "op", "postscale", "tensor")
 
-    def __init__(self, tensor: Any, op: ReduceOp, handle: ShmHandle, postscale: float) -> None:
+    def __init__(self, tensor: Any, op: ReduceOp, handle: ShmHandle, postscale: float,
+                 across: Callable[[Any, float], None] | None) -> None:
         self.tensor, self.op, self.handle, self.postscale = tensor, op, handle, postscale
+        self.across = across
 
 
 class ShmHandle(Handle):
-    """An all-reduce queued on a ``ShmTransport``: done when its thread says so."""
+    """An operation queued on a ``ShmTransport``: done when its thread says so."""
 
     def __init__(self, description: str, rank: int, timeout_s: float,
                  on_timeout: Callable[[str], None], board: Any) -> None:
@@ -216,6 +403,17 @@ class ShmHandle(Handle):
 
     def _block(self, timeout_s: float) -> bool:
         return self._event.wait(timeout_s) and self._test()
+
+
+def _said(header: Any) -> str:
+    """A header as a person reads it: 'operation #3: allreduce (sum) of 10 float32'."""
+    seq, kind, count, dtype, op, scale = (int(v) for v in header[:6])
+    names = (KINDS[kind] if 0 <= kind < len(KINDS) else f"kind {kind}",
+             DTYPES[dtype] if 0 <= dtype < len(DTYPES) else f"dtype {dtype}",
+             OPS[op].value if 0 <= op < len(OPS) else f"op {op}")
+    factor = struct.unpack("<d", struct.pack("<q", scale))[0]
+    scaled = "" if factor == 1.0 else f", scaled by {factor:g}"
+    return f"operation #{seq}: {names[0]} ({names[2]}{scaled}) of {count} {names[1]}"
 
 
 def _reduce(parts: list[Any], out: Any, op: ReduceOp) -> None:
@@ -240,28 +438,43 @@ def _peer_gone(job: _Job, peer: int, exc: BaseException | None) -> DPPluginError
 
 # -- setup (collective) ----------------------------------------------------------------
 def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: int,
-            eligible: bool, timeout_s: float,
-            chunk_bytes: int | None = None) -> ShmTransport | None:
+            eligible: bool, timeout_s: float, chunk_bytes: int | None = None,
+            budget_bytes: int | None = None) -> ShmTransport | None:
     """Set up the transport among the ranks of one group, or None on every
-    rank if any cannot (not eligible, no ``/dev/shm``, too little room).
+    rank if any cannot (not eligible, no ``/dev/shm``, over the budget, a
+    socket that fails).
 
     Collective over the group: ``exchange`` all-gathers one int64 row per
     rank (the engine's ``_exchange``). Three exchanges: the chunk each rank
-    can afford (0: not eligible) and rank 0's token naming the files;
-    whether rank 0 made the segment and every rank listens; whether every
-    rank attached and connected. ``chunk_bytes``: default ``CHUNK_BYTES``.
+    can afford (0: cannot) and rank 0's token naming the sockets; whether
+    every rank listens (and rank 0 made the segment); whether every rank
+    connected and mapped it. ``chunk_bytes``: default ``CHUNK_BYTES``;
+    ``budget_bytes``: default a quarter of ``/dev/shm``'s size.
+    A process that dies at any point leaves nothing behind (module docstring).
     """
     wanted = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     if wanted <= 0 or wanted % 8:
         raise ValueError(f"chunk_bytes must be a positive multiple of 8, got {wanted}")
     token = secrets.randbits(62) if rank == 0 else 0
-    affordable = _affordable_chunk(size, wanted) if eligible and size > 1 else 0
-    table = exchange(np.array([affordable, token], dtype=np.int64), "shm setup")
+    eligible = eligible and 1 < size <= MAX_RANKS
+    allowed = _allowed_bytes(budget_bytes)
+    affordable = _chunk_within(size, wanted, allowed) if eligible else 0
+    table = exchange(np.array([affordable, token, int(eligible), allowed], dtype=np.int64),
+                     "shm setup")
     if not table[:, 0].all():
+        if table[:, 2].all():  # wanted everywhere, but some rank has no room
+            short = [f"rank {r}: {int(row[3])} bytes" for r, row in enumerate(table)
+                     if not row[0]]
+            _fall_back(f"rank(s) have less than the {_segment_bytes(size, MIN_CHUNK_BYTES)} "
+                       f"bytes of shared memory the smallest segment takes for {size} ranks "
+                       f"within their budget ({'; '.join(short)}); raise "
+                       "DP_PLUGIN_SHARED_MEMORY_BUDGET or give the host or container more "
+                       "/dev/shm (docker run --shm-size=1g)")
         return None
     chunk_bytes = int(table[:, 0].min())
     nbytes = _segment_bytes(size, chunk_bytes)
-    prefix = os.path.join(SHM_DIR, f"dp_plugin-{int(table[0, 1]):x}")
+    token = int(table[0, 1])
+    memfd = -1
     segment: mmap.mmap | None = None
     listener: socket.socket | None = None
     socks: dict[int, socket.socket] = {}
@@ -269,22 +482,21 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
         ok = True
         try:
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # closed by _cleanup
-            listener.bind(f"{prefix}-{rank}.sock")
+            listener.bind(_address(token, rank))
             listener.listen(size)
             if rank == 0:
-                segment = _segment(f"{prefix}.seg", nbytes, create=True)
+                memfd = _memfd(nbytes)
         except OSError as exc:
-            log.debug("dp_plugin: shared-memory setup failed on rank %d: %s", rank, exc)
+            _fall_back(f"rank {rank} cannot listen or make the segment: {exc}")
             ok = False
         if not exchange(np.array([int(ok)], dtype=np.int64), "shm listen")[:, 0].all():
             return None
         try:
-            if rank != 0:
-                segment = _segment(f"{prefix}.seg", nbytes, create=False)
             assert listener is not None
-            _mesh(listener, prefix, rank, size, timeout_s, socks)
+            _mesh(listener, token, rank, size, timeout_s, socks)
+            segment = _share(memfd, socks, rank, nbytes)
         except OSError as exc:
-            log.debug("dp_plugin: shared-memory connect failed on rank %d: %s", rank, exc)
+            _fall_back(f"rank {rank} cannot connect to its peers: {exc}")
             ok = False
         if not exchange(np.array([int(ok)], dtype=np.int64), "shm connect")[:, 0].all():
             return None
@@ -294,71 +506,140 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
         segment, socks = None, {}
         return transport
     finally:
-        _cleanup(prefix, rank, listener, segment, socks)
+        _cleanup(listener, memfd, segment, socks)
 
 
-def describe(ranks: int) -> str:
+def describe(ranks: int, budget_bytes: int | None = None) -> str:
     """What ``make check`` says of the transport for ``ranks`` ranks on this host."""
-    chunk = _affordable_chunk(ranks, CHUNK_BYTES)
+    allowed = _allowed_bytes(budget_bytes)
+    chunk = _chunk_within(ranks, CHUNK_BYTES, allowed)
     if not chunk:
-        return f"all-reduce through Gloo's TCP on one host ({SHM_DIR} missing or too small)"
+        return (f"all-reduce through Gloo's TCP on one host (shared memory: {SHM_DIR} missing "
+                f"or its budget, {allowed >> 20} MiB, too small)")
     return (f"all-reduce through shared memory when every rank is on one host "
-            f"({_segment_bytes(ranks, chunk) >> 20} MiB in {SHM_DIR} for {ranks} ranks)")
+            f"({_segment_bytes(ranks, chunk) >> 20} MiB for {ranks} ranks, within a "
+            f"budget of {allowed >> 20} MiB)")
+
+
+def _header_bytes(size: int) -> int:
+    """The headers' pages: two lines of ``HEADER_FIELDS`` int64 per rank
+    (operations alternate lines, so a header is rewritten only two
+    operations later, after a barrier every rank reaches once done reading it)."""
+    return -(-2 * size * HEADER_FIELDS * 8 // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 def _segment_bytes(size: int, chunk_bytes: int) -> int:
-    """The segment of ``size`` ranks: two sets of a slot per rank and a result area."""
-    return 2 * (size + 1) * chunk_bytes
+    """The segment of ``size`` ranks: the headers, then two sets of a slot
+    per rank and a result area."""
+    return _header_bytes(size) + 2 * (size + 1) * chunk_bytes
 
 
-def _affordable_chunk(size: int, wanted: int) -> int:
-    """The largest chunk up to ``wanted`` (halving) whose segment takes at
-    most half of the room left in ``/dev/shm``; 0 if not even the smallest."""
+def _allowed_bytes(budget_bytes: int | None) -> int:
+    """What one more segment may take now: the budget (default a quarter of
+    ``/dev/shm``'s size) less the segments this process holds, and no more
+    than the room left in ``/dev/shm``; 0 without ``/dev/shm``."""
     try:
         stat = os.statvfs(SHM_DIR)
     except OSError:
         return 0
-    room = stat.f_bavail * stat.f_frsize
+    budget = stat.f_blocks * stat.f_frsize // BUDGET_SHARE if budget_bytes is None else budget_bytes
+    with _held_lock:
+        held = _held_bytes
+    return max(0, min(budget - held, stat.f_bavail * stat.f_frsize))
+
+
+def _chunk_within(size: int, wanted: int, allowed: int) -> int:
+    """The largest chunk up to ``wanted`` (halving) whose segment takes at
+    most ``allowed`` bytes; 0 if not even the smallest."""
     chunk = wanted
-    while 2 * _segment_bytes(size, chunk) > room:
+    while _segment_bytes(size, chunk) > allowed:
         if chunk <= MIN_CHUNK_BYTES:
             return 0
         chunk = max(MIN_CHUNK_BYTES, chunk // 2 - chunk // 2 % 8)
     return chunk
 
 
-def _segment(path: str, nbytes: int, create: bool) -> mmap.mmap:
-    """Create (rank 0) or open the segment and map it. Creating reserves
-    every page now (``posix_fallocate``): a sparse file would get its pages
-    at first touch, and a ``/dev/shm`` filled meanwhile by someone else
-    would then kill the process with SIGBUS mid-all-reduce; a full one
-    fails here instead (OSError: every rank keeps Gloo's TCP)."""
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
+def _fall_back(why: str) -> None:
+    """Say once per process, as a warning, why the gloo engine keeps TCP."""
+    global _fallback_said
+    level = logging.DEBUG if _fallback_said else logging.WARNING
+    _fallback_said = True
+    log.log(level, "dp_plugin: all-reduces go through Gloo's TCP, not shared memory: %s", why)
+
+
+def _address(token: int, rank: int) -> str:
+    return "\0" + _NAME.format(token=token, rank=rank)
+
+
+def _memfd(nbytes: int) -> int:
+    """Make the segment: an anonymous memfd with every page reserved now
+    (``posix_fallocate``): pages given at first touch would, once the
+    pool filled meanwhile, kill the process with SIGBUS mid-all-reduce; a
+    full pool fails here instead (OSError: every rank keeps Gloo's TCP)."""
+    fd = os.memfd_create("dp_plugin-shm", os.MFD_CLOEXEC)
     try:
-        if create:
-            os.posix_fallocate(fd, 0, nbytes)
-        elif os.fstat(fd).st_size != nbytes:
-            raise OSError(f"segment {path} has {os.fstat(fd).st_size} bytes, expected {nbytes}")
-        return mmap.mmap(fd, nbytes)
-    finally:
+        os.ftruncate(fd, nbytes)
+        os.posix_fallocate(fd, 0, nbytes)
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
 
 
-def _mesh(listener: socket.socket, prefix: str, rank: int, size: int, timeout_s: float,
+def _share(memfd: int, socks: dict[int, socket.socket], rank: int, nbytes: int) -> mmap.mmap:
+    """Rank 0 hands the segment's descriptor to every peer (``SCM_RIGHTS``);
+    every rank maps it."""
+    if rank == 0:
+        for sock in socks.values():
+            socket.send_fds(sock, [b"S"], [memfd])
+        return mmap.mmap(memfd, nbytes)
+    _msg, fds, _flags, _addr = socket.recv_fds(socks[0], 1, 1)
+    try:
+        if len(fds) != 1:
+            raise OSError(f"rank 0 sent {len(fds)} descriptors, expected the segment's")
+        size = os.fstat(fds[0]).st_size
+        if size != nbytes:
+            raise OSError(f"the segment has {size} bytes, expected {nbytes}")
+        return mmap.mmap(fds[0], nbytes)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    """The user id of the process at the other end (``SO_PEERCRED``)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", creds)[1])
+
+
+def _mesh(listener: socket.socket, token: int, rank: int, size: int, timeout_s: float,
           socks: dict[int, socket.socket]) -> None:
     """Connect to every peer, into ``socks`` (``_cleanup`` closes them if
     setup fails): rank r dials every lower rank and accepts every higher
-    one, which announces its rank first."""
+    one, which announces its rank first. Both ends check that the other
+    runs as this process's user; a stranger's connection is dropped."""
+    uid = os.getuid()
+    deadline = time.monotonic() + timeout_s
     for peer in range(rank):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         socks[peer] = sock
         sock.settimeout(timeout_s)
-        sock.connect(f"{prefix}-{peer}.sock")
+        sock.connect(_address(token, peer))
+        if _peer_uid(sock) != uid:
+            raise OSError(f"the socket of rank {peer} belongs to user {_peer_uid(sock)}, "
+                          f"not to this job's user {uid}")
         sock.sendall(rank.to_bytes(4, "little"))
-    listener.settimeout(timeout_s)
-    for _ in range(rank + 1, size):
+    while sum(p > rank for p in socks) < size - rank - 1:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise OSError(f"ranks above {rank} did not all connect within {timeout_s:g} s")
+        listener.settimeout(remaining)
         sock, _addr = listener.accept()
+        if _peer_uid(sock) != uid:
+            log.warning("dp_plugin: rank %d dropped a connection to its shared-memory socket "
+                        "from user %d (this job runs as %d)", rank, _peer_uid(sock), uid)
+            sock.close()
+            continue
         sock.settimeout(timeout_s)
         got = b""
         while len(got) < 4 and (more := sock.recv(4 - len(got))):
@@ -366,21 +647,19 @@ def _mesh(listener: socket.socket, prefix: str, rank: int, size: int, timeout_s:
         peer = int.from_bytes(got, "little") if len(got) == 4 else -1
         if not rank < peer < size or peer in socks:
             sock.close()
-            raise OSError(f"an unexpected connection to {prefix}-{rank}.sock")
+            raise OSError(f"an unexpected connection to rank {rank}'s shared-memory socket")
         socks[peer] = sock
 
 
-def _cleanup(prefix: str, rank: int, listener: socket.socket | None,
-             segment: mmap.mmap | None, socks: dict[int, socket.socket]) -> None:
-    """Close what a failed setup left open, and unlink this rank's files
-    (every rank has opened them, or setup failed: nobody needs the names)."""
+def _cleanup(listener: socket.socket | None, memfd: int, segment: mmap.mmap | None,
+             socks: dict[int, socket.socket]) -> None:
+    """Close what setup leaves open: the listener and rank 0's descriptor
+    always, the sockets and mapping if it failed. Nothing has a name to unlink."""
     if listener is not None:
         listener.close()
+    if memfd >= 0:
+        os.close(memfd)
     for sock in socks.values():
         sock.close()
     if segment is not None:
         segment.close()
-    for path in (f"{prefix}-{rank}.sock", f"{prefix}.seg" if rank == 0 else ""):
-        if path:
-            with contextlib.suppress(OSError):
-                os.unlink(path)

@@ -150,7 +150,8 @@ class TorchDistEngine(Engine):
             return f"a new {self.backend} group beside the user's {dist.get_backend()} group"
         if self.backend == "gloo":  # multi-host: advertise the interface that reaches the peers
             topo = self.topology  # one host: listen on loopback only
-            netif.gloo_interface(single_host=topo.local_size == topo.size)
+            netif.gloo_interface(single_host=topo.local_size == topo.size,
+                                 address=topo.rendezvous_addr)
         store, how = rdv.rendezvous(self.topology, self.config)
         kwargs: dict[str, Any] = {"store": store}
         if self.backend == "nccl":

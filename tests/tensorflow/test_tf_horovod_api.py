@@ -129,5 +129,41 @@ def test_graph_helpers_answer_for_the_running_process() -> None:
         dp.size_op(process_set_id=7)
     assert dp.broadcast_object_fn(root_rank=0)({"epoch": 3}) == {"epoch": 3}
     v = tf.Variable([1.0, 2.0])
-    dp.broadcast_([v], root_rank=0)
-    assert v.numpy().tolist() == [1.0, 2.0]
+    (value,) = dp.broadcast_([v], root_rank=0)  # Horovod returns the new values
+    assert value.numpy().tolist() == [1.0, 2.0] and v.numpy().tolist() == [1.0, 2.0]
+    w = tf.Variable([3.0])
+    values = tf.function(lambda: dp.broadcast_([v, w], root_rank=0))()
+    assert [t.numpy().tolist() for t in values] == [[1.0, 2.0], [3.0]]
+
+
+def test_horovod_util_module_and_executing_eagerly() -> None:
+    from dp_plugin.tensorflow import util
+
+    assert dp._executing_eagerly() is True
+    assert tf.function(lambda: tf.constant(dp._executing_eagerly()))().numpy() == False  # noqa: E712
+    calls = []
+    cached = util._cache(lambda n: calls.append(n) or n * 2)
+    assert (cached(3), cached(3), calls) == (6, 6, [3])
+    v, w = tf.Variable(1.0), tf.Variable(2.0)
+    refs = util.vars_to_refs([v, [w]])
+    assert hash(refs) is not None and util.refs_to_vars(refs)[1][0] is w
+    assert float(util._make_subgraph(lambda: v * 3)()) == 3.0
+
+
+def test_tape_local_sources_are_kept_and_scaled_like_horovods() -> None:
+    layer = keras.layers.Dense(1, kernel_initializer="ones")
+    local = keras.layers.Dense(1, kernel_initializer="ones")
+    x = tf.ones([1, 2])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(local(layer(x)))
+    tape = dp.PartialDistributedGradientTape(tape, local_layers=[local])
+    grads = tape.gradient(loss, layer.trainable_weights + local.trainable_weights)
+    assert [g.shape for g in grads] == [(2, 1), (1,), (1, 1), (1,)]
+    assert len(tape._local_sources) == 2
+    with tf.GradientTape() as tape2:
+        loss = tf.reduce_sum(local(layer(x)))
+    tape2 = dp.DistributedGradientTape(tape2)
+    tape2.register_local_source(local.kernel)
+    local_pairs, shared = tape2.get_local_and_global_gradients(
+        loss, [*layer.trainable_weights, local.kernel])
+    assert [s is local.kernel for s, _ in local_pairs] == [True] and len(shared) == 2

@@ -25,8 +25,8 @@ from dp_plugin.config import Config
 from dp_plugin.engines.base import Engine
 from dp_plugin.errors import NotInitializedError
 from dp_plugin.process_sets import ProcessSet
+from dp_plugin.request import MismatchError
 from dp_plugin.torch import handles
-from dp_plugin.torch.agreement import DuplicateNameError, MismatchError
 from dp_plugin.torch.autograd_ops import (
     allgather,
     allreduce,
@@ -57,6 +57,7 @@ from dp_plugin.torch.collectives import (
 from dp_plugin.torch.handles import poll, synchronize
 from dp_plugin.torch.ops import Adasum, Average, Compression, Max, Min, Product, Sum
 from dp_plugin.torch.sparse import sparse_allreduce_async
+from dp_plugin.torch.submit import DuplicateNameError
 from tests.unit.fakes import make_thread_group, run_ranks, run_ranks_outcomes
 
 

@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dp_plugin import request
 from dp_plugin.agreement import AGREE_NAME
 from dp_plugin.config import Config
-from dp_plugin.engines import exchange
+from dp_plugin.engines import base
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.engines.local import LocalEngine
 from dp_plugin.launch import Topology
@@ -43,7 +44,7 @@ def test_local_alltoall_returns_a_copy_and_the_counts(kind: str, splits: Any) ->
     buf = _kind(data, kind)
     if splits == "tensor":
         splits = torch.tensor([3])
-    out, received = engine.alltoall(buf, splits)
+    out, received = request.alltoall(engine, buf, splits)
     assert received == [3]
     assert type(out) is type(buf)
     np.testing.assert_array_equal(np.asarray(out), data)
@@ -63,19 +64,19 @@ def test_local_alltoall_returns_a_copy_and_the_counts(kind: str, splits: Any) ->
 )
 def test_local_alltoall_rejects_bad_splits(splits: Any, needle: str) -> None:
     with pytest.raises(ValueError, match=needle) as info:
-        _local().alltoall(np.zeros(3, np.float32), splits, name="tokens")
-    assert "alltoall 'tokens'" in str(info.value)
+        request.alltoall(_local(), np.zeros(3, np.float32), splits, name="tokens")
+    assert "alltoall 'tokens' cannot run" in str(info.value)
     assert "rank(s) [0] passed invalid splits" in str(info.value)
 
 
 def test_local_alltoall_rejects_bad_buffers() -> None:
     engine = _local()
-    with pytest.raises(ValueError, match="0-d buffer"):
-        engine.alltoall(np.zeros((), np.float32))
-    with pytest.raises(TypeError, match="bool cannot be all-reduced"):
-        engine.alltoall(np.zeros(3, bool))
+    with pytest.raises(ValueError, match=r"0-dim tensor.*reshape it to \(1,\)"):
+        request.alltoall(engine, np.zeros((), np.float32))
+    with pytest.raises(TypeError, match="dtype complex64, which collectives do not support"):
+        request.alltoall(engine, np.zeros(3, np.complex64))
     # Any number of dimensions: the agreement describes them all.
-    assert engine.alltoall(np.zeros((1,) * 10, np.float32))[0].shape == (1,) * 10
+    assert request.alltoall(engine, np.zeros((1,) * 10, np.float32))[0].shape == (1,) * 10
 
 
 @pytest.mark.parametrize("op", list(ReduceOp))
@@ -83,7 +84,7 @@ def test_local_alltoall_rejects_bad_buffers() -> None:
 def test_local_reducescatter_is_a_copy_of_the_input(op: ReduceOp, kind: str) -> None:
     data = np.arange(12, dtype=np.float64).reshape(4, 3)
     buf = _kind(data, kind)
-    out = _local().reducescatter(buf, op)
+    out = request.reducescatter(_local(), buf, op)
     assert type(out) is type(buf)
     np.testing.assert_array_equal(np.asarray(out), data)
     out[0, 0] = -1
@@ -93,25 +94,25 @@ def test_local_reducescatter_is_a_copy_of_the_input(op: ReduceOp, kind: str) -> 
 def test_local_reducescatter_validation() -> None:
     engine = _local()
     with pytest.raises(ValueError, match="'mean' is not known"):
-        engine.reducescatter(np.ones(2, np.float32), "mean")
-    with pytest.raises(TypeError, match="average is not defined for int32"):
-        engine.reducescatter(np.ones(2, np.int32), "average")
-    with pytest.raises(ValueError, match="0-d buffer"):
-        engine.reducescatter(np.ones((), np.float32))
+        request.reducescatter(engine, np.ones(2, np.float32), "mean")
+    with pytest.raises(TypeError, match="dtype bool, which collectives do not support"):
+        request.reducescatter(engine, np.ones(2, bool), "sum")
+    with pytest.raises(ValueError, match="0-dim tensor"):
+        request.reducescatter(engine, np.ones((), np.float32))
 
 
 def test_local_subgroup_of_rank_zero_runs_every_collective() -> None:
     engine = _local()
-    group = engine.subgroup([0], name="solo")
+    group = request.subgroup(engine, [0], name="solo")
     assert group is not None and group is not engine
     assert (group.rank, group.size, group.global_ranks) == (0, 1, (0,))
     buf = np.ones(3, np.float32)
     group.allreduce_async(buf, "average").wait()
     group.broadcast(buf, 0)
-    assert group.allgather(buf).shape == (3,)
+    assert request.allgather(group, buf).shape == (3,)
     group.barrier()
-    assert group.alltoall(np.ones((2, 2), np.float32))[1] == [2]
-    assert group.reducescatter(np.ones((2, 2), np.float32)).shape == (2, 2)
+    assert request.alltoall(group, np.ones((2, 2), np.float32))[1] == [2]
+    assert request.reducescatter(group, np.ones((2, 2), np.float32)).shape == (2, 2)
     group.shutdown()
     engine.allreduce_async(buf).wait()  # the parent is unaffected
 
@@ -128,7 +129,7 @@ def test_local_subgroup_of_rank_zero_runs_every_collective() -> None:
 )
 def test_subgroup_validation(ranks: Any, needle: str) -> None:
     with pytest.raises(ValueError, match=needle) as info:
-        _local().subgroup(ranks, name="ps")
+        request.subgroup(_local(), ranks, name="ps")
     assert "subgroup 'ps'" in str(info.value)
 
 
@@ -141,14 +142,14 @@ def test_subgroup_validation(ranks: Any, needle: str) -> None:
 )
 def test_reducescatter_counts_follow_horovod(rows: int, size: int, counts: list[int]) -> None:
     # Horovod 0.28.1: rows // size each, the first rows % size ranks one more.
-    assert exchange.reducescatter_counts(rows, size) == counts
+    assert base.reducescatter_counts(rows, size) == counts
 
 
 def test_group_topology_counts_members_per_host() -> None:
     parent = Topology(launcher="torchrun", rank=3, size=4, local_rank=1, local_size=2,
                       cross_rank=1, cross_size=2)
     hosts = [10, 10, 20, 20]  # ranks 0,1 on one host, 2,3 on another
-    topo = exchange.group_topology(parent, (1, 2, 3), 3, hosts)
+    topo = base.group_topology(parent, (1, 2, 3), 3, hosts)
     assert (topo.rank, topo.size) == (2, 3)
     assert (topo.local_rank, topo.local_size) == (1, 2)  # rank 2 is before it on its host
     assert (topo.cross_rank, topo.cross_size) == (0, 1)  # the only member with local rank 1
@@ -169,7 +170,8 @@ def test_generic_alltoall_uneven_with_zero_rows() -> None:
 
     def body(engine: FakeEngine) -> tuple[Any, list[int]]:
         mine = _send_counts(engine.rank, 3)
-        return engine.alltoall(_kind(_rows(engine.rank, sum(mine)), "torch"), mine, name="a2a")
+        buf = _kind(_rows(engine.rank, sum(mine)), "torch")
+        return request.alltoall(engine, buf, mine, name="a2a")
 
     for me, (out, received) in enumerate(run_ranks(engines, body)):
         want = []
@@ -188,7 +190,7 @@ def test_generic_reducescatter_uneven_rows(op: str) -> None:
     rows = 5  # ranks get 2, 2 and 1 rows
 
     def body(engine: FakeEngine) -> Any:
-        return engine.reducescatter(_rows(engine.rank, rows), op, name="rs")
+        return request.reducescatter(engine, _rows(engine.rank, rows), op, name="rs")
 
     inputs = np.stack([_rows(r, rows) for r in range(3)])
     reduced = {"sum": inputs.sum(0), "average": inputs.sum(0) / 3, "max": inputs.max(0)}[op]
@@ -202,7 +204,7 @@ def test_a_mistake_on_one_rank_raises_on_every_rank() -> None:
 
     def body(engine: FakeEngine) -> Any:
         splits = [2, 2] if engine.rank == 1 else [2, 2, 2]  # only rank 1 errs
-        return engine.alltoall(np.zeros((6, 2), np.float32), splits, name="a2a")
+        return request.alltoall(engine, np.zeros((6, 2), np.float32), splits, name="a2a")
 
     outcomes = run_ranks_outcomes(engines, body)
     for rank, outcome in enumerate(outcomes):
@@ -215,12 +217,13 @@ def test_a_mistake_on_one_rank_raises_on_every_rank() -> None:
 @pytest.mark.parametrize(
     ("case", "needle"),
     [
-        ("dtype", "ranks passed different buffers"),
+        ("dtype", "Mismatched alltoall tensor types for 'alltoall'"),
         ("trailing", "same dimensions after the first"),
-        ("rs-shape", "same shape"),
-        ("rs-op", "different reduce ops"),
-        ("members", "different members"),
-        ("ag-dtype", "rank 2: float64[4, 2]"),
+        ("rs-shape", "Every rank must pass the same shape"),
+        ("rs-op", "Mismatched reducescatter tensor reduce ops"),
+        ("members", "Mismatched subgroup members for 'process_set': rank(s) 0, 1 passed "
+                    "ranks [0, 1]; rank(s) 2 passed ranks [0]"),
+        ("ag-dtype", "rank(s) 2 passed a float64 tensor"),
         ("ag-trailing", "only the first may differ"),
     ],
 )
@@ -230,19 +233,19 @@ def test_mismatches_between_ranks_raise_everywhere(case: str, needle: str) -> No
     def body(engine: FakeEngine) -> Any:
         odd = engine.rank == 2
         if case == "dtype":
-            return engine.alltoall(np.zeros(3, np.float64 if odd else np.float32))
+            return request.alltoall(engine, np.zeros(3, np.float64 if odd else np.float32))
         if case == "trailing":
-            return engine.alltoall(np.zeros((3, 3 if odd else 2), np.float32))
+            return request.alltoall(engine, np.zeros((3, 3 if odd else 2), np.float32))
         if case == "rs-shape":
-            return engine.reducescatter(np.zeros(4 if odd else 3, np.float32))
+            return request.reducescatter(engine, np.zeros(4 if odd else 3, np.float32))
         if case == "rs-op":
-            return engine.reducescatter(np.zeros(3, np.float32), "min" if odd else "sum")
+            return request.reducescatter(engine, np.zeros(3, np.float32), "min" if odd else "sum")
         if case == "ag-dtype":  # uneven first dimensions are fine, dtypes must agree
             rows = engine.rank + 2
-            return engine.allgather(np.zeros((rows, 2), np.float64 if odd else np.float32))
+            return request.allgather(engine, np.zeros((rows, 2), np.float64 if odd else np.float32))
         if case == "ag-trailing":
-            return engine.allgather(np.zeros((engine.rank, 3 if odd else 2), np.float32))
-        return engine.subgroup([0] if odd else [0, 1])
+            return request.allgather(engine, np.zeros((engine.rank, 3 if odd else 2), np.float32))
+        return request.subgroup(engine, [0] if odd else [0, 1])
 
     outcomes = run_ranks_outcomes(engines, body)
     for outcome in outcomes:
@@ -251,15 +254,16 @@ def test_mismatches_between_ranks_raise_everywhere(case: str, needle: str) -> No
     assert len({str(o) for o in outcomes}) == 1, "every rank must raise the same error"
     if case.startswith("ag-"):  # all-gather names every rank's buffer and the fix
         text = str(outcomes[0])
-        assert all(f"rank {r}: " in text for r in range(3)), text
-        assert "every rank must pass the same dtype" in text
+        assert "rank(s) 0, 1 passed" in text and "rank(s) 2 passed" in text, text
+        assert "Every rank must pass the same" in text
 
 
 def test_allgather_of_uneven_rows_agrees_first() -> None:
     engines = make_thread_group(3)
 
     def body(engine: FakeEngine) -> Any:
-        return engine.allgather(np.full((engine.rank, 2), engine.rank, np.int32), name="ag")
+        buf = np.full((engine.rank, 2), engine.rank, np.int32)
+        return request.allgather(engine, buf, name="ag")
 
     expected = np.concatenate([np.full((r, 2), r, np.int32) for r in range(3)])
     for outcome in run_ranks_outcomes(engines, body):
@@ -272,6 +276,67 @@ def test_allgather_of_uneven_rows_agrees_first() -> None:
 
 def test_an_engine_without_subgroups_says_so_on_every_rank() -> None:
     engines = make_thread_group(2)
-    for outcome in run_ranks_outcomes(engines, lambda e: e.subgroup([0], name="ps")):
+    for outcome in run_ranks_outcomes(engines, lambda e: request.subgroup(e, [0], name="ps")):
         assert isinstance(outcome, NotImplementedError)
         assert "the fake engine cannot create process sets" in str(outcome)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", ["bool", "uint16"])
+def test_gather_and_alltoall_move_every_horovod_dtype(kind: str, dtype: str) -> None:
+    """Horovod all-gathers bool and uint16; the engines move them as raw bytes."""
+    engines = make_thread_group(3)
+
+    def data(rank: int, rows: int) -> np.ndarray:
+        values = (rank * 7 + np.arange(rows * 3)).reshape(rows, 3)
+        return (values % 2 == 0) if dtype == "bool" else (values * 1000 + 3).astype(np.uint16)
+
+    def body(engine: FakeEngine) -> Any:
+        gathered = request.allgather(engine, _kind(data(engine.rank, engine.rank), kind), "ag")
+        splits = [engine.rank] * 3  # rank r sends r rows to everyone (rank 0: none)
+        received, counts = request.alltoall(engine, _kind(data(engine.rank, 3 * engine.rank),
+                                                          kind), splits, "a2a")
+        return gathered, received, counts
+
+    for me, (gathered, received, counts) in enumerate(run_ranks(engines, body)):
+        assert str(gathered.dtype).removeprefix("torch.") == dtype
+        np.testing.assert_array_equal(np.asarray(gathered),
+                                      np.concatenate([data(r, r) for r in range(3)]))
+        want = np.concatenate([data(r, 3 * r)[me * r:(me + 1) * r] for r in range(3)])
+        assert counts == [0, 1, 2] and received.shape == (3, 3)
+        np.testing.assert_array_equal(np.asarray(received), want)
+
+
+def test_integer_average_reducescatter_truncates_like_allreduce() -> None:
+    """op=average of int32 is the sum times 1/size in double precision,
+    truncated toward zero: the rule of the all-reduce (ReducePolicy)."""
+    engines = make_thread_group(3)
+    inputs = [np.array([[7], [-7], [5], [1]], np.int32) * (r + 1) for r in range(3)]
+
+    def body(engine: FakeEngine) -> Any:
+        return request.reducescatter(engine, inputs[engine.rank].copy(), "average", "rs")
+
+    total = sum(inputs).astype(np.float64)
+    expected = np.trunc(total * (1.0 / 3)).astype(np.int32)
+    np.testing.assert_array_equal(np.concatenate(run_ranks(engines, body)), expected)
+
+
+def test_engine_average_is_the_policy_average() -> None:
+    """The engine's op=average and ReducePolicy's Average round alike (bitwise)."""
+    from dp_plugin.arrays import NumpyOps
+    from dp_plugin.hooks import ReducePolicy
+
+    engines = make_thread_group(3)
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal(1000).astype(np.float32) for _ in range(3)]
+
+    def body(engine: FakeEngine) -> Any:
+        buf = inputs[engine.rank].copy()
+        engine.allreduce_async(buf, "average", name="avg").wait()
+        return buf
+
+    policy = ReducePolicy.for_collective("average", 3)
+    summed = inputs[0] + inputs[1] + inputs[2]
+    NumpyOps().scale_(summed, policy.postscale)
+    for out in run_ranks(engines, body):
+        np.testing.assert_array_equal(out, summed)

@@ -27,6 +27,7 @@ from dp_plugin.launch import (
     Torchrun,
     detect,
     detected_launcher,
+    expand_hostlist,
     parse_tasks_per_node,
 )
 
@@ -216,6 +217,53 @@ def test_slurm_takes_master_addr_as_rendezvous() -> None:
     assert (topo.rendezvous_addr, topo.rendezvous_port) == ("node01", 29400)
 
 
+def test_slurm_derives_the_rendezvous_from_the_node_list_and_the_job_id() -> None:
+    # What `srun python train.py` exports, and no MASTER_ADDR/MASTER_PORT:
+    # the step's first host (where rank 0 runs) and Lightning's port.
+    env = {**srun(), "SLURM_JOB_NODELIST": "node[01-04]", "SLURM_STEP_NODELIST": "node[02-04]"}
+    topo = detect(env)
+    assert (topo.rendezvous_addr, topo.rendezvous_port) == ("node02", 15000 + 4242)
+    del env["SLURM_STEP_NODELIST"]  # an older srun: the job's list
+    assert detect(env).rendezvous_addr == "node01"
+    env["SLURM_JOB_ID"] = "1234567"
+    assert detect(env).rendezvous_port == 15000 + 4567
+    # Explicit values win.
+    env.update(MASTER_ADDR="10.1.2.3", MASTER_PORT="29500")
+    assert (detect(env).rendezvous_addr, detect(env).rendezvous_port) == ("10.1.2.3", 29500)
+
+
+def test_slurm_without_a_node_list_derives_nothing() -> None:
+    topo = detect(srun())
+    assert (topo.rendezvous_addr, topo.rendezvous_port) == (None, None)
+
+
+def test_slurm_malformed_node_list_names_the_variable() -> None:
+    env = {**srun(), "SLURM_STEP_NODELIST": "node[01-03"}
+    with pytest.raises(LaunchError, match=r"SLURM_STEP_NODELIST='node\[01-03'.*unclosed"):
+        detect(env)
+
+
+@pytest.mark.parametrize(("raw", "hosts"), [
+    ("node01", ["node01"]),
+    ("node[01-03,7]", ["node01", "node02", "node03", "node7"]),
+    ("node[08-10],gpu5", ["node08", "node09", "node10", "gpu5"]),
+    ("a[1-2]b[0-1]", ["a1b0", "a1b1", "a2b0", "a2b1"]),
+    ("x-[9-11].ib , y", ["x-9.ib", "x-10.ib", "x-11.ib", "y"]),
+    ("n[007]", ["n007"]),
+])
+def test_expand_hostlist(raw: str, hosts: list[str]) -> None:
+    assert expand_hostlist(raw) == hosts
+
+
+@pytest.mark.parametrize(("raw", "why"), [
+    ("node[01-03", "unclosed"), ("node]1", "unbalanced"), ("node[3-1]", "backwards"),
+    ("node[a-b]", "not a number"), ("", "no host names"), ("n[1,,2]", "not a number"),
+])
+def test_expand_hostlist_rejects(raw: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        expand_hostlist(raw)
+
+
 def test_slurm_first_node_of_an_uneven_step() -> None:
     topo = detect(srun(procid=2, localid=2, nodeid=0))
     assert (topo.local_rank, topo.local_size, topo.cross_rank) == (2, 3, 0)
@@ -273,7 +321,8 @@ def test_detect_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_launchers_are_listed_in_priority_order() -> None:
     assert [cls.name for cls in LAUNCHERS] == [
-        "horovodrun", "torchrun", "openmpi", "intelmpi", "mpich", "slurm", "single",
+        "horovodrun", "torchrun", "openmpi", "intelmpi", "mpich", "slurm", "process_group",
+        "single",
     ]
     assert {cls.name for cls in LAUNCHERS} == set(LAUNCHER_NAMES)
     for cls in LAUNCHERS:

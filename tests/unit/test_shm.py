@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,7 +23,7 @@ import pytest
 
 from dp_plugin.engines import shm
 from dp_plugin.engines.types import ReduceOp
-from dp_plugin.errors import CollectiveTimeoutError, DPPluginError
+from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, LayoutMismatchError
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not os.path.isdir(shm.SHM_DIR), reason="no /dev/shm here")
@@ -96,21 +99,10 @@ def reduce_on_all(ts: list[shm.ShmTransport], bufs: list[Any], op: ReduceOp,
     on_ranks(len(ts), lambda r: handles[r].wait())
 
 
-def our_files() -> list[str]:
-    return [f for f in os.listdir(shm.SHM_DIR) if f.startswith("dp_plugin-")]
-
-
-@pytest.fixture
-def no_leftovers() -> Any:
-    before = set(our_files())
-    yield
-    assert set(our_files()) <= before, "the segment or a socket file was left in /dev/shm"
-
-
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int32",
                                    "int64", "int16", "int8", "uint8"])
-def test_sum_matches_reference_across_chunks(size: int, dtype: str, no_leftovers: None) -> None:
+def test_sum_matches_reference_across_chunks(size: int, dtype: str) -> None:
     torch_dtype = getattr(torch, dtype)
     n = 3 * CHUNK + 5  # several chunks, the last a partial one, odd slices
     inputs = [(torch.arange(n) % 7 + r).to(torch_dtype) for r in range(size)]
@@ -126,7 +118,7 @@ def test_sum_matches_reference_across_chunks(size: int, dtype: str, no_leftovers
 
 @pytest.mark.parametrize(("op", "fn"), [(ReduceOp.MIN, np.minimum), (ReduceOp.MAX, np.maximum),
                                         (ReduceOp.PRODUCT, np.multiply)])
-def test_min_max_product_and_many_in_flight(op: ReduceOp, fn: Any, no_leftovers: None) -> None:
+def test_min_max_product_and_many_in_flight(op: ReduceOp, fn: Any) -> None:
     size = 3
     rng = np.random.default_rng(0)
     inputs = [[rng.uniform(0.5, 2.0, 1000 + 700 * k).astype(np.float32) for k in range(4)]
@@ -147,7 +139,7 @@ def test_min_max_product_and_many_in_flight(op: ReduceOp, fn: Any, no_leftovers:
             np.testing.assert_array_equal(bufs[r][k].numpy(), expected)
 
 
-def test_one_ineligible_rank_makes_every_rank_fall_back(no_leftovers: None) -> None:
+def test_one_ineligible_rank_makes_every_rank_fall_back() -> None:
     assert transports(3, eligible=lambda r: r != 1) == [None, None, None]
 
 
@@ -210,34 +202,67 @@ def test_postscale_in_the_reduction_rounds_as_a_multiply_afterwards(dtype: str) 
         assert torch.equal(b, expected)
 
 
-@pytest.mark.parametrize(("room_kib", "size", "chunk"), [
-    (24 << 20, 2, shm.CHUNK_BYTES),  # a roomy /dev/shm: the full chunk
-    (64 << 10, 2, 4 << 20),          # Docker's default 64 MiB: 2 x 3 x 4 MiB fits in half
-    (64 << 10, 8, 1 << 20),
-    (768, 2, 64 << 10),              # the smallest chunk just fits
-    (767, 2, 0),                     # not even that: Gloo's TCP
+@pytest.mark.parametrize(("size_kib", "free_kib", "budget", "size", "chunk"), [
+    (96 << 20, 96 << 20, None, 2, shm.CHUNK_BYTES),  # roomy: a quarter of 96 GiB
+    (64 << 10, 64 << 10, None, 2, 2 << 20),   # Docker's 64 MiB: 2 x 3 x 2 MiB + a page <= 16 MiB
+    (64 << 10, 64 << 10, None, 8, 512 << 10),
+    (64 << 10, 64 << 10, 64 << 20, 2, 8 << 20),  # the budget raised to all of it
+    (64 << 10, 4 << 10, 64 << 20, 2, 512 << 10),  # ... but only 4 MiB free
+    (64 << 10, 64 << 10, 388 << 10, 2, 64 << 10),  # the smallest chunk just fits
+    (64 << 10, 64 << 10, 387 << 10, 2, 0),         # not even that: Gloo's TCP
 ])
-def test_the_chunk_shrinks_to_fit_half_of_dev_shm(monkeypatch: pytest.MonkeyPatch, room_kib: int,
-                                                  size: int, chunk: int) -> None:
+def test_the_segment_stays_within_the_budget_and_the_room(
+        monkeypatch: pytest.MonkeyPatch, size_kib: int, free_kib: int, budget: int | None,
+        size: int, chunk: int) -> None:
     class Stat:
-        f_bavail, f_frsize = room_kib, 1024
+        f_blocks, f_bavail, f_frsize = size_kib, free_kib, 1024
 
     monkeypatch.setattr(shm.os, "statvfs", lambda path: Stat())
-    assert shm._affordable_chunk(size, shm.CHUNK_BYTES) == chunk
+    assert shm._chunk_within(size, shm.CHUNK_BYTES, shm._allowed_bytes(budget)) == chunk
+
+
+def test_segments_held_count_against_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second engine (an optimizer's channel) gets what the first left."""
+    class Stat:
+        f_blocks, f_bavail, f_frsize = 64 << 10, 64 << 10, 1024
+
+    monkeypatch.setattr(shm.os, "statvfs", lambda path: Stat())
+    first = shm._allowed_bytes(None)
+    with connected(2):  # two thread-ranks: this process holds both mappings
+        held = 2 * shm._segment_bytes(2, CHUNK)
+        assert shm._allowed_bytes(None) == first - held
+    assert shm._allowed_bytes(None) == first
+
+
+def test_over_the_budget_every_rank_keeps_tcp_and_says_so_once(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(shm, "_fallback_said", False)
+    caplog.set_level("DEBUG", logger="dp_plugin")
+    def over_budget(ex: Exchange) -> list[Any]:
+        return on_ranks(2, lambda r: shm.connect(ex.for_rank(r), r, 2, True, TIMEOUT_S,
+                                                 chunk_bytes=CHUNK, budget_bytes=1000))
+
+    assert over_budget(Exchange(2)) == [None, None]
+    assert over_budget(Exchange(2)) == [None, None]
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1, [r.getMessage() for r in warned]
+    text = warned[0].getMessage()
+    assert "Gloo's TCP" in text and "rank 0: 1000 bytes" in text
+    assert "DP_PLUGIN_SHARED_MEMORY_BUDGET" in text
 
 
 def test_check_says_where_gloo_all_reduces(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "shared memory" in shm.describe(2)  # this machine's /dev/shm has room
 
     class Stat:
-        f_bavail, f_frsize = 1, 1024
+        f_blocks, f_bavail, f_frsize = 1, 1, 1024
 
     monkeypatch.setattr(shm.os, "statvfs", lambda path: Stat())
     assert "Gloo's TCP" in shm.describe(2)
 
 
-def test_a_full_dev_shm_at_creation_makes_every_rank_keep_tcp(monkeypatch: pytest.MonkeyPatch,
-                                                               no_leftovers: None) -> None:
+def test_a_full_dev_shm_at_creation_makes_every_rank_keep_tcp(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The segment's pages are reserved when it is made: a /dev/shm that cannot
     hold them fails setup on every rank, instead of a SIGBUS at first touch."""
     def full(fd: int, offset: int, length: int) -> None:
@@ -245,3 +270,287 @@ def test_a_full_dev_shm_at_creation_makes_every_rank_keep_tcp(monkeypatch: pytes
 
     monkeypatch.setattr(shm.os, "posix_fallocate", full)
     assert transports(3) == [None, None, None]
+
+
+# -- every operation says what it is --------------------------------------------------
+def started_on_all(ts: list[shm.ShmTransport], per_rank: list[list[Any]]) -> list[list[Any]]:
+    """Rank r starts all-reduces of ``per_rank[r]`` in order; each handle's
+    outcome (None or the exception) per rank."""
+    def run(rank: int) -> list[Any]:
+        hs = [ts[rank].allreduce_async(b, ReduceOp.SUM, f"gloo allreduce of 'b{k}'",
+                                       lambda d: None, None)
+              for k, b in enumerate(per_rank[rank])]
+        out: list[Any] = []
+        for h in hs:
+            try:
+                h.wait()
+                out.append(None)
+            except DPPluginError as exc:
+                out.append(exc)
+        return out
+
+    return on_ranks(len(ts), run)
+
+
+def test_different_element_counts_raise_on_every_rank_naming_both() -> None:
+    with connected(2) as ts:
+        got = started_on_all(ts, [[torch.ones(10)], [torch.ones(20)]])
+    for rank, other in ((0, 1), (1, 0)):
+        exc = got[rank][0]
+        assert isinstance(exc, LayoutMismatchError), got
+        text = str(exc)
+        assert f"rank {rank}: gloo allreduce of 'b0' does not match what rank {other}" in text
+        mine, theirs = (10, 20) if rank == 0 else (20, 10)
+        assert f"rank {rank} has operation #1: allreduce (sum) of {mine} float32" in text
+        assert f"rank {other} has operation #1: allreduce (sum) of {theirs} float32" in text
+
+
+def test_dtypes_in_opposite_orders_raise_and_later_operations_fail_too() -> None:
+    f, i = torch.ones(8), torch.ones(16, dtype=torch.int64)
+    with connected(2) as ts:
+        got = started_on_all(ts, [[f.clone(), i.clone()], [i.clone(), f.clone()]])
+    for rank in (0, 1):
+        assert isinstance(got[rank][0], LayoutMismatchError), got
+        assert "8 float32" in str(got[rank][0]) and "16 int64" in str(got[rank][0])
+        assert got[rank][1] is got[rank][0], "the transport is broken after a mismatch"
+
+
+def test_a_different_op_or_scale_is_a_mismatch() -> None:
+    with connected(2) as ts:
+        hs = [ts[0].allreduce_async(torch.ones(4), ReduceOp.SUM, "a", lambda d: None, None),
+              ts[1].allreduce_async(torch.ones(4), ReduceOp.MAX, "a", lambda d: None, None)]
+        with pytest.raises(LayoutMismatchError, match=r"allreduce \(sum\).*allreduce \(max\)"):
+            hs[0].wait()
+    with connected(2) as ts:
+        hs = [ts[0].allreduce_async(torch.ones(4), ReduceOp.SUM, "a", lambda d: None, None, 0.5),
+              ts[1].allreduce_async(torch.ones(4), ReduceOp.SUM, "a", lambda d: None, None)]
+        with pytest.raises(LayoutMismatchError, match=r"scaled by 0\.5"):
+            hs[0].wait()
+
+
+def test_matching_operations_pass_with_the_check_on_and_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for verify in (True, False):
+        monkeypatch.setattr(shm.ShmTransport, "verify_headers", verify)
+        bufs = [torch.full((3 * CHUNK,), float(r + 1)) for r in range(3)]
+        with connected(3) as ts:
+            reduce_on_all(ts, bufs, ReduceOp.SUM)
+        assert all(torch.equal(b, torch.full((3 * CHUNK,), 6.0)) for b in bufs)
+
+
+# -- reduce-scatter, cross step, all-gather (the hierarchical all-reduce's host part) ------
+@pytest.mark.parametrize("n", [5, 3 * CHUNK // 4 + 7])
+@pytest.mark.parametrize("dtype", ["float32", "int64", "float16"])
+def test_across_reduces_scatters_calls_back_on_the_shard_and_gathers(n: int, dtype: str) -> None:
+    size = 3
+    inputs = [(torch.arange(n) % 11 + r).to(getattr(torch, dtype)) for r in range(size)]
+    total = (inputs[0] + inputs[1]) + inputs[2]
+    bufs = [x.clone() for x in inputs]
+    seen: list[tuple[int, int]] = []
+
+    def across_for(rank: int) -> Any:
+        def across(part: Any, deadline: float) -> None:
+            lo, hi = shard(rank)
+            assert torch.equal(part, total[lo:hi]), "the shard holds the host's sum"
+            assert deadline > time.perf_counter()
+            seen.append((lo, hi))
+            part.mul_(2)  # stands in for the other hosts' sum
+
+        return across
+
+    def shard(rank: int) -> tuple[int, int]:
+        return shm.shard(n, size, rank)
+
+    with connected(size) as ts:
+        hs = [ts[r].allreduce_async(bufs[r], ReduceOp.SUM, "h", lambda d: None, None,
+                                    across=across_for(r)) for r in range(size)]
+        on_ranks(size, lambda r: hs[r].wait())
+        # the next operation after the gather lines up too
+        reduce_on_all(ts, [x.clone() for x in inputs], ReduceOp.SUM)
+    assert sorted(seen) == [shard(r) for r in range(size)]
+    for b in bufs:
+        assert torch.equal(b, total * 2)
+
+
+# -- nothing on disk, nothing left by a crash, private to the user ----------------------
+def setup_until_killed(rank: int, victim: int, phase: str, signo: int, folder: Path) -> int:
+    """One rank of a two-process setup (rows exchanged through files); the
+    victim kills itself once it has given its row for ``phase``."""
+    def exchange(row: np.ndarray, what: str) -> np.ndarray:
+        path = folder / f"{what}.{rank}.npy"
+        np.save(folder / f"{what}.{rank}.tmp.npy", row)
+        os.replace(folder / f"{what}.{rank}.tmp.npy", path)
+        if rank == victim and what == phase:
+            os.kill(os.getpid(), signo)
+            time.sleep(10)
+        deadline = time.monotonic() + 20
+        paths = [folder / f"{what}.{r}.npy" for r in range(2)]
+        while not all(p.exists() for p in paths):
+            if time.monotonic() > deadline:
+                os._exit(3)
+            time.sleep(0.005)
+        return np.stack([np.load(p) for p in paths])
+
+    shm.connect(exchange, rank, 2, True, 20.0, chunk_bytes=1 << 20)
+    time.sleep(20)
+    return 0
+
+
+@pytest.mark.parametrize(("victim", "phase", "signo"), [
+    (0, "shm listen", signal.SIGKILL),   # rank 0 has just made the segment
+    (0, "shm connect", signal.SIGTERM),  # connected and mapped, not yet returned
+    (1, "shm connect", signal.SIGKILL),
+])
+def test_a_rank_killed_during_setup_leaves_nothing(tmp_path: Path, victim: int, phase: str,
+                                                   signo: int) -> None:
+    before = set(os.listdir(shm.SHM_DIR))
+    pids = []
+    for rank in range(2):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                setup_until_killed(rank, victim, phase, signo, tmp_path)
+            finally:
+                os._exit(1)
+        pids.append(pid)
+    try:
+        _, status = os.waitpid(pids[victim], 0)
+        assert os.waitstatus_to_exitcode(status) == -signo
+        token = int(np.load(tmp_path / "shm setup.0.npy")[1])
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+    ours = [f for f in set(os.listdir(shm.SHM_DIR)) - before if f"{token:x}" in f]
+    assert ours == [], f"left in {shm.SHM_DIR}: {ours}"
+    assert f"{token:x}" not in Path("/proc/net/unix").read_text(), "a socket outlived the job"
+
+
+def test_setup_creates_no_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing in /dev/shm at any moment: the sockets are abstract, the segment a memfd."""
+    seen: list[str] = []
+    real = shm._mesh
+
+    def mesh(*args: Any) -> None:
+        seen.extend(f for f in os.listdir(shm.SHM_DIR) if f"{args[1]:x}" in f)
+        real(*args)
+
+    monkeypatch.setattr(shm, "_mesh", mesh)
+    with connected(2):
+        pass
+    assert seen == []
+
+
+def in_child(fn: Callable[[], int], timeout_s: float = 60.0) -> int:
+    """Run ``fn`` in a forked child (it may crash: the test must not); its
+    exit status as ``subprocess`` reports it (-N: killed by signal N)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = fn()
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError(f"the child did not finish within {timeout_s} s")
+
+
+def intrude(token: int, said: Any) -> int:
+    """As user nobody: dial rank 0 (its old socket file or its abstract name)
+    and claim to be rank 1."""
+    os.setgid(65534)
+    os.setuid(65534)
+    names = [f"/dev/shm/dp_plugin-{token:x}-0.sock", f"\0dp_plugin-{token:x}-0"]
+    end = time.monotonic() + 8
+    while time.monotonic() < end:
+        for name in names:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(name)
+            except OSError:
+                s.close()
+                continue
+            os.write(said, b"connected")
+            s.sendall((1).to_bytes(4, "little"))  # "I am rank 1"
+            time.sleep(2)
+            return 0
+        time.sleep(0.002)
+    return 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a process as another user needs root")
+def test_another_user_cannot_take_a_rank_s_place_whatever_the_umask(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    token = 0x2EE_D0D0_CAFE
+    monkeypatch.setattr(shm.secrets, "randbits", lambda bits: token)
+    said_r, said_w = os.pipe()
+    os.set_blocking(said_r, False)
+    intruder = threading.Thread(target=in_child, args=(lambda: intrude(token, said_w), 30.0))
+    intruder.start()
+    ex = Exchange(2)
+
+    def exchange_for(rank: int) -> Any:
+        inner = ex.for_rank(rank)
+
+        def exchange(row: np.ndarray, what: str) -> np.ndarray:
+            table = inner(row, what)
+            if rank == 1 and what == "shm listen":
+                time.sleep(1.0)  # the intruder dials first
+            return table
+
+        return exchange
+
+    old = os.umask(0)
+    try:
+        ts = on_ranks(2, lambda r: shm.connect(exchange_for(r), r, 2, True, 3.0,
+                                               chunk_bytes=CHUNK))
+    finally:
+        os.umask(old)
+    out = os.read(said_r, 100).decode()
+    assert "connected" in out, "the intruder never reached the socket: the test proves nothing"
+    try:
+        assert all(t is not None for t in ts), "setup failed"
+        bufs = [torch.ones(10), torch.ones(10)]
+        reduce_on_all(ts, bufs, ReduceOp.SUM)
+        assert all(torch.equal(b, torch.full((10,), 2.0)) for b in bufs)
+    finally:
+        for t in ts:
+            if t is not None:
+                t.close()
+        intruder.join(30)
+        os.close(said_r)
+        os.close(said_w)
+
+
+def close_under_a_stuck_thread() -> int:
+    """Both ranks' threads stall in their reduction past the close timeout,
+    then go on writing into the segment."""
+    gate = threading.Event()
+    real = shm._reduce
+
+    def stalled(parts: list[Any], out: Any, op: ReduceOp) -> None:
+        gate.wait()
+        real(parts, out, op)
+
+    shm._reduce = stalled
+    ts = [t for t in transports(2, timeout_s=0.5) if t is not None]
+    for t in ts:
+        t.allreduce_async(torch.ones(1 << 12), ReduceOp.SUM, "x", lambda d: None, None)
+    time.sleep(0.2)
+    for t in ts:
+        t.close()  # the threads are still in their reduction
+    gate.set()     # ... and now write into the segment
+    time.sleep(0.5)
+    return 0 if len(ts) == 2 else 2
+
+
+def test_close_never_unmaps_under_a_running_thread() -> None:
+    assert in_child(close_under_a_stuck_thread) == 0, "-11: a segfault"

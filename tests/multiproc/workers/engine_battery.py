@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from _fail_fast import run_cases
 
+from dp_plugin import request
 from dp_plugin.arrays import as_numpy, as_torch, is_torch, numpy_dtype
 from dp_plugin.config import Config
 from dp_plugin.engines import create_engine
@@ -220,7 +221,7 @@ def check_allgather(engine: Engine) -> None:
                 parts = [_rows(r, nrows(r), dtype) for r in range(size)]
                 expected = np.concatenate(parts)
                 mine = to_kind(parts[rank], kind)
-                got = engine.allgather(mine, name=f"gather-{label}")
+                got = request.allgather(engine, mine, f"gather-{label}")
                 what = f"allgather {label} {dtype} {kind}"
                 if (kind == "torch") != (type(got).__module__.startswith("torch")):
                     raise AssertionError(f"{what}: returned a {type(got)}, expected {kind}")
@@ -229,7 +230,7 @@ def check_allgather(engine: Engine) -> None:
                     raise AssertionError(f"{what}: result shares memory with the input")
     # 1-D input: uneven lengths too.
     parts_1d = [np.arange(r * 2 + 1, dtype=np.float64) for r in range(size)]
-    got = engine.allgather(to_kind(parts_1d[rank], Setup.kinds[0]), name="gather-1d")
+    got = request.allgather(engine, to_kind(parts_1d[rank], Setup.kinds[0]), "gather-1d")
     check_equal("allgather 1-D", got, np.concatenate(parts_1d), "float64", "max")
 
 
@@ -258,19 +259,17 @@ def check_errors(engine: Engine) -> None:
     flat = to_kind(np.ones(4, dtype=np.float32), Setup.kinds[0])
     wide = 3 if rank == size - 1 else 2  # the last rank's rows are wider
     uneven = to_kind(np.zeros((rank + 1, wide), dtype=np.float32), Setup.kinds[0])
-    ranks_named = [f"rank {r}: float32[{r + 1}, {3 if r == size - 1 else 2}]"
-                   for r in range(size)]
+    ranks_named = [f"rank(s) {', '.join(map(str, range(size - 1)))} passed shape (*, 2)",
+                   f"rank(s) {size - 1} passed shape (*, 3)"]
     cases = {
         "bad op": (lambda: engine.allreduce_async(flat, "mean"), ["'mean'", "average"]),
         "2-D buffer": (lambda: engine.allreduce_async(np.ones((2, 2), np.float32)),
                        ["(2, 2)", "1-D", "flatten"]),
-        "average int": (lambda: engine.allreduce_async(np.ones(4, np.int32), "average"),
-                        ["average", "int32", "sum"]),
         "root too big": (lambda: engine.broadcast(flat, size), [f"{size}", "root"]),
         "root negative": (lambda: engine.broadcast(flat, -1), ["-1", "root"]),
-        "allgather mismatch": (lambda: engine.allgather(uneven, name="mismatch"),
-                               ["allgather 'mismatch'", "different buffers", *ranks_named,
-                                "only the first may differ"]),
+        "allgather mismatch": (lambda: request.allgather(engine, uneven, "mismatch"),
+                               ["Mismatched allgather tensor shapes for 'mismatch'",
+                                *ranks_named, "only the first may differ"]),
     }
     messages = []
     for label, (fn, needles) in cases.items():
@@ -280,19 +279,25 @@ def check_errors(engine: Engine) -> None:
                 raise AssertionError(f"error for {label} lacks {needle!r}: {message}")
         messages.append(message)
     digest = np.frombuffer(hashlib.sha256("\n".join(messages).encode()).digest(), np.uint8)
-    everyone = host(engine.allgather(to_kind(digest, Setup.kinds[0]), name="error-digests"))
+    everyone = host(request.allgather(engine, to_kind(digest, Setup.kinds[0]), "error-digests"))
     everyone = everyone.reshape(size, -1)
     if not (everyone == everyone[0]).all():
         raise AssertionError(f"error messages differ between ranks; mine: {messages}")
     # A 0-d all-gather input on the last rank only: every rank raises.
     scalar = np.zeros((), np.float32) if rank == size - 1 else np.zeros(2, np.float32)
-    message = _error_of(lambda: engine.allgather(to_kind(scalar, Setup.kinds[0]), name="0d"))
+    message = _error_of(lambda: request.allgather(engine, to_kind(scalar, Setup.kinds[0]), "0d"))
     if not message.startswith("ValueError") or f"rank(s) [{size - 1}]" not in message:
         raise AssertionError(f"0-d all-gather input on rank {size - 1}: {message}")
     # Still usable after the errors.
     ok = to_kind(np.ones(4, dtype=np.float32), Setup.kinds[0])
     engine.allreduce_async(ok, "sum", name="after-errors").wait()
     check_equal("allreduce after errors", ok, np.full(4, size, np.float32), "float32", "sum")
+    # Average of integers: the sum times 1/size, truncated (the one Average rule).
+    ints = to_kind(np.array([1, -1, 2, 7], np.int32) * (rank + 1), Setup.kinds[0])
+    engine.allreduce_async(ints, "average", name="int-average").wait()
+    total = np.array([1, -1, 2, 7], np.float64) * (size * (size + 1) // 2)
+    check_equal("int32 average", ints, np.trunc(total * (1.0 / size)).astype(np.int32),
+                "int32", "average")
 
 
 def case_collectives(engine: Engine) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from _fail_fast import run_cases
 
-from dp_plugin import runtime
+from dp_plugin import request, runtime
 from dp_plugin.errors import CollectiveTimeoutError
 
 
@@ -45,7 +45,7 @@ def _expect_timeout(fn: Any, needle: str) -> None:
 def case_mpi_split(engine: Any) -> None:
     if engine.rank == engine.size - 1:
         type(engine)._subgroup = lambda *args: _stall()  # passes the agreement, not Split
-    _expect_timeout(lambda: engine.subgroup([0, engine.size - 1], name="pair"),
+    _expect_timeout(lambda: request.subgroup(engine, [0, engine.size - 1], "pair"),
                     "mpi Comm.Split ('pair')")
 
 

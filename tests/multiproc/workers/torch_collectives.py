@@ -37,7 +37,7 @@ from _fail_fast import run_cases
 import dp_plugin.torch.ops as ops
 from dp_plugin.errors import DPPluginError
 from dp_plugin.process_sets import add_process_set, remove_process_set
-from dp_plugin.torch.agreement import DuplicateNameError, MismatchError
+from dp_plugin.request import MismatchError
 from dp_plugin.torch.autograd_ops import (
     allgather,
     allreduce,
@@ -67,6 +67,7 @@ from dp_plugin.torch.collectives import (
 )
 from dp_plugin.torch.handles import poll, synchronize
 from dp_plugin.torch.sparse import sparse_allreduce_async
+from dp_plugin.torch.submit import DuplicateNameError
 
 RANK = 0
 SIZE = 1

@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""Training step of the BERT example's model on the rehearsal cluster: dp_plugin beside DDP.
+
+On each configuration (hosts x ranks per host, link rate) it starts
+scripts/cluster.py once and, on every rank, trains the model
+examples/bert_pretrain.py builds with its defaults (``BertForMaskedLM``,
+4 layers, hidden 256, vocabulary 4096, 64 tokens, global batch 32, AdamW)
+on random token batches, one block of steps per method, the blocks
+interleaved so that outside load hits all methods alike:
+
+- ``local``: no communication at all (the compute-only step);
+- ``dp``: ``hvd.DistributedOptimizer`` with its defaults;
+- ``dp fp16``: the same with ``compression=hvd.Compression.fp16``;
+- ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` over the Gloo
+  process group dp_plugin's engine made.
+
+Per method: median step time (slowest rank), tokens/s, the exposed
+communication (step minus the local step), dp_plugin's own count of
+exposed over all-reduce time (``opt.comm_stats()``), and the step
+``dp-plugin plan``'s model predicts (``dp_plugin.cli.alphabeta.predict``
+with the measured local step as compute, the link rate, dp_plugin's
+default bucket size) with its error. Needs root (namespaces).
+
+    sudo .venv/bin/python benchmarks/cluster_step_bench.py
+    sudo .venv/bin/python benchmarks/cluster_step_bench.py --ranks-per-host 2 --links 1gbit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+CLUSTER = ROOT / "scripts" / "cluster.py"
+METHODS = ("local", "dp", "dp fp16", "ddp")
+LAYERS, HIDDEN, HEADS, VOCAB, SEQ, GLOBAL_BATCH = 4, 256, 4, 4096, 64, 32
+ALPHA_S = 50e-6
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--hosts", type=int, default=2)
+    ap.add_argument("--ranks-per-host", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--links", nargs="+", default=["1gbit", "10gbit"])
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per method (per block)")
+    ap.add_argument("--blocks", type=int, default=2, help="interleaved blocks per method")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def worker(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+    from transformers import BertConfig, BertForMaskedLM
+    from transformers.utils import logging as hf_logging
+
+    import dp_plugin.torch as hvd
+
+    hvd.init()
+    hf_logging.set_verbosity_error()
+    rank, size = hvd.rank(), hvd.size()
+    torch.set_num_threads(1)
+    per_rank = GLOBAL_BATCH // size
+    config = BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                        num_attention_heads=HEADS, intermediate_size=4 * HIDDEN,
+                        max_position_embeddings=SEQ)
+    gen = torch.Generator().manual_seed(rank)
+
+    def batch() -> dict[str, torch.Tensor]:
+        ids = torch.randint(5, VOCAB, (per_rank, SEQ), generator=gen)
+        labels = torch.where(torch.rand(ids.shape, generator=gen) < 0.15, ids, -100)
+        return {"input_ids": ids, "labels": labels}
+
+    def make(method: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = BertForMaskedLM(config)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if method == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        elif method.startswith("dp"):
+            comp = hvd.Compression.fp16 if method == "dp fp16" else hvd.Compression.none
+            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                           compression=comp)
+        return model, opt
+
+    setups = {m: make(m) for m in METHODS}
+    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    exposed: dict[str, list[tuple[float, float]]] = {m: [] for m in METHODS}
+    for block in range(args.blocks):
+        order = METHODS if block % 2 == 0 else tuple(reversed(METHODS))
+        for method in order:
+            model, opt = setups[method]
+            for step in range(args.steps + 1):
+                b = batch()
+                dist.barrier()
+                t0 = time.perf_counter()
+                model(**b).loss.backward()
+                opt.step()
+                opt.zero_grad()
+                dt = torch.tensor([time.perf_counter() - t0])
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                if step > 0:  # the first step of a block warms up
+                    times[method].append(dt.item())
+            stats = opt.comm_stats() if method.startswith("dp") else None
+            if stats:
+                recent = list(stats)[-args.steps:]
+                exposed[method].append((sum(min(s.exposed_s, s.allreduce_s) for s in recent),
+                                        sum(s.allreduce_s for s in recent)))
+    if rank == 0:
+        from dp_plugin.cli.alphabeta import Link, predict
+        from dp_plugin.config import DEFAULT_FUSION_THRESHOLD
+
+        model = setups["local"][0]
+        sizes = [p.numel() * 4 for p in model.parameters()]
+        local = statistics.median(times["local"])
+        link_bps = int(os.environ.get("DP_CLUSTER_LINK_BPS", "0"))
+        for method in METHODS:
+            t = statistics.median(times[method])
+            pred = None
+            if link_bps and method != "local":
+                wire = 0.5 if method == "dp fp16" else 1.0
+                pred = predict([int(s * wire) for s in sizes], local, size,
+                               Link(alpha=ALPHA_S, beta=link_bps / 8),
+                               DEFAULT_FUSION_THRESHOLD).step_s
+            exp, total = (sum(x for x, _ in exposed[method]), sum(y for _, y in exposed[method]))
+            print("RESULT " + json.dumps({
+                "method": method, "size": size, "step_s": t, "local_s": local,
+                "tokens_s": GLOBAL_BATCH * SEQ / t, "params": sum(sizes) // 4,
+                "exposed_share": (exp / total) if total else None,
+                "predicted_s": pred, "link_bps": link_bps,
+            }), flush=True)
+    hvd.shutdown()
+    return 0
+
+
+def run_config(args: argparse.Namespace, hosts: int, per_host: int, link: str) -> list[dict]:
+    cmd = [sys.executable, str(CLUSTER), "--hosts", str(hosts), "--ranks-per-host",
+           str(per_host), "--link", link, "--timeout", str(args.timeout), "--",
+           str(Path(__file__).resolve()), "--worker", "--steps", str(args.steps),
+           "--blocks", str(args.blocks)]
+    env = {**os.environ, "DP_PLUGIN_ENGINE": "gloo", "DP_PLUGIN_TIMEOUT": "300"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    rows = [{**json.loads(line.partition("RESULT ")[2]), "hosts": hosts, "per_host": per_host,
+             "link": link} for line in proc.stdout.splitlines() if "RESULT " in line]
+    if proc.returncode != 0 or not rows:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+        raise SystemExit(f"cluster_step_bench: {hosts}x{per_host} at {link} failed "
+                         f"(exit {proc.returncode}):\n{tail}")
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| hosts x ranks | link | method | step (ms) | tokens/s | vs ddp | exposed (ms) "
+           "| exposed / all-reduce | plan (ms) | plan error |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    ddp = {(r["hosts"], r["per_host"], r["link"]): r["step_s"] for r in rows
+           if r["method"] == "ddp"}
+    for r in rows:
+        ref = ddp.get((r["hosts"], r["per_host"], r["link"]))
+        share = "" if r["exposed_share"] is None else f"{r['exposed_share']:.0%}"
+        pred = r["predicted_s"]
+        ratio = "" if ref is None else f"{r['step_s'] / ref:.2f}x"
+        plan = "" if pred is None else f"{pred * 1e3:.0f}"
+        err = "" if pred is None else f"{(pred - r['step_s']) / r['step_s']:+.0%}"
+        out.append(
+            f"| {r['hosts']} x {r['per_host']} | {r['link']} | {r['method']} | "
+            f"{r['step_s'] * 1e3:.0f} | {r['tokens_s']:,.0f} | {ratio} | "
+            f"{(r['step_s'] - r['local_s']) * 1e3:.0f} | {share} | {plan} | {err} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    rows: list[dict] = []
+    for link in args.links:
+        for per_host in args.ranks_per_host:
+            t0 = time.monotonic()
+            rows += run_config(args, args.hosts, per_host, link)
+            print(f"# {args.hosts} x {per_host} at {link}: {time.monotonic() - t0:.0f} s",
+                  file=sys.stderr, flush=True)
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,517 @@
+"""One description of a tensor collective, and the one check that the ranks agree on it.
+
+A collective whose inputs differ between ranks (another shape, dtype, reduce
+op, root, splits or name, or another collective altogether) must fail on
+*every* rank with the same clear error, never leave some ranks waiting —
+Horovod's coordinator gives "Mismatched allreduce tensor shapes" there.
+
+Both adapters and the core describe what they are about to run as a
+``Request`` (kind, name, every tensor's shape, dtype and device, op, scale
+factors, root, splits, members) and call ``check``: every rank looks for its
+own mistakes (an unsupported dtype, a 0-dim tensor where a first dimension
+is needed, bad splits, a bad member list, a root outside the process set),
+then all ranks run the core's one agreement exchange
+(``dp_plugin.agreement.compare``): a small all-reduce of a digest and the
+numbers the collective needs from every rank (first dimensions, splits,
+host); the descriptions themselves travel only when the digests differ.
+Every rank runs the same comparison on the same descriptions, so the
+outcome — an ``Agreed`` to run, or an error — is the same everywhere, and
+so is the message (a problem's local detail is added on the rank that has
+it, after "On this rank:"). The messages come from one table
+(``_PROBLEM_TEXT``, ``_FIELD_TEXT``).
+
+Engines then move bytes only: ``Engine.allgather`` takes the agreed rows,
+``Engine.alltoall`` the agreed counts. ``allgather``, ``alltoall``,
+``reducescatter`` and ``subgroup`` below are check-then-move for callers
+holding plain buffers.
+"""
+
+from __future__ import annotations
+
+import enum
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dp_plugin.agreement import compare
+from dp_plugin.dtypes import SUPPORTED_DTYPES, canonical_dtype
+from dp_plugin.engines.types import ReduceOp, Started
+from dp_plugin.errors import DPPluginError, JoinedRankError
+from dp_plugin.launch import Topology
+from dp_plugin.validate import is_int
+
+
+class MismatchError(DPPluginError, ValueError):
+    """Ranks asked for different collectives, or passed incompatible tensors.
+
+    Raised on every rank of the collective. A ``ValueError`` (bad input) and
+    a ``DPPluginError`` (like Horovod's error from ``synchronize``) both."""
+
+
+class Problem(enum.IntEnum):
+    """A mistake one rank found in its own request; every rank raises for it."""
+
+    NONE = 0
+    UNSUPPORTED_DTYPE = 1
+    ZERO_DIM = 2
+    BAD_ROOT = 3
+    BAD_SPLITS = 4
+    BAD_MEMBERS = 5
+
+
+_PROBLEM_TEXT = {
+    Problem.UNSUPPORTED_DTYPE: (
+        "passed a tensor of dtype {dtypes}, which collectives do not support (supported: "
+        + ", ".join(SUPPORTED_DTYPES) + "; allgather, alltoall and broadcast also move "
+        "bool and uint16); cast it first"
+    ),
+    Problem.ZERO_DIM: (
+        "passed a 0-dim tensor, which has no first dimension to concatenate or split along; "
+        "reshape it to (1,)"
+    ),
+    Problem.BAD_ROOT: "passed a root_rank that is not a rank of the process set",
+    Problem.BAD_SPLITS: (
+        "passed invalid splits (one non-negative row count per rank of the process set, "
+        "summing to the first dimension; without splits the first dimension must divide "
+        "evenly)"
+    ),
+    Problem.BAD_MEMBERS: (
+        "passed an invalid list of ranks (sorted, unique ints of the process set, at least one)"
+    ),
+}
+
+# Which fields must agree, per kind (kind, group size and name always must).
+_CHECKS: dict[str, tuple[str, ...]] = {
+    "allreduce": ("op", "dtype", "device", "shape", "scales"),
+    "allgather": ("dtype", "device", "trailing"),
+    "broadcast": ("dtype", "device", "shape", "root"),
+    "alltoall": ("dtype", "device", "trailing"),
+    "reducescatter": ("op", "dtype", "device", "shape", "scales"),
+    "barrier": (),
+    "subgroup": ("members",),
+}
+
+REDUCING = frozenset({"allreduce", "reducescatter"})
+"""Kinds that add values up: their dtypes must be reducible (``dtypes.py``)."""
+
+MOVABLE = frozenset({*SUPPORTED_DTYPES, "bool", "uint16"})
+"""What the other kinds take: Horovod's dtypes (the engines move the ones
+they do not reduce as raw bytes)."""
+
+_NEEDS_FIRST_DIM = frozenset({"allgather", "alltoall", "reducescatter"})
+
+JOINABLE = frozenset({"allreduce", "allgather", "broadcast", "reducescatter", "barrier"})
+"""The collectives a joined rank (``hvd.join()``) answers, contributing
+nothing (zeros to a reduction, no rows to an all-gather)."""
+
+CHECK_TAG = "dp_plugin.check"
+"""The agreement tag of every request (one tag, so that two ranks in
+different collectives compare their requests and say so)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    """What this rank asks for: one collective over one or more tensors."""
+
+    kind: str
+    name: str | None = None
+    shapes: tuple[tuple[int, ...], ...] = ()
+    dtypes: tuple[str, ...] = ()
+    """Dtype names as the framework spells them without its prefix ("float32", "bool")."""
+    devices: tuple[str, ...] = ()
+    """Device kinds ("cpu", "cuda"): 'cuda:0' and 'cuda:1' are the same kind."""
+    op: ReduceOp | None = None
+    scales: tuple[float, float] = (1.0, 1.0)
+    root: int = -1
+    """``root_rank`` as the user passed it (broadcast; job-wide)."""
+    splits: Any = None
+    """Rows to send to each rank as the user passed them (alltoall; None: even)."""
+    members: Any = None
+    """The ranks of a new process set as the user passed them (subgroup)."""
+    problem: Problem = Problem.NONE
+    detail: str = ""
+    """A problem the caller found (a bad root) and its local explanation."""
+
+    @classmethod
+    def of(cls, kind: str, bufs: Sequence[Any], **fields: Any) -> Request:
+        """The request over numpy arrays, torch or TensorFlow tensors ``bufs``."""
+        return cls(kind=kind, shapes=tuple(tuple(int(d) for d in b.shape) for b in bufs),
+                   dtypes=tuple(dtype_name(b.dtype) for b in bufs),
+                   devices=tuple(_device_kind(b) for b in bufs), **fields)
+
+
+def dtype_name(dtype: Any) -> str:
+    """'float32', 'bool', 'uint16' ... for a numpy, torch or TensorFlow dtype."""
+    name = getattr(dtype, "name", None)
+    if not isinstance(name, str):  # torch.dtype has no .name
+        name = str(dtype).removeprefix("torch.")
+    return name
+
+
+def _device_kind(buf: Any) -> str:
+    device = getattr(buf, "device", "cpu")
+    kind = getattr(device, "type", None)  # torch.device
+    if kind is None:  # numpy: no device (a str attribute on some versions); TF: a string
+        kind = "gpu" if "GPU" in str(device).upper() else "cpu"
+    return str(kind)
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """What every rank agreed to run (the same on every rank)."""
+
+    table: list[list[int]]
+    """``table[rank]``: the rank's first dimension of each tensor (0 on a
+    joined rank), then its splits (alltoall) or host key (subgroup)."""
+    count: int
+    """Tensors in the request."""
+    joined: tuple[int, ...] = ()
+    members: tuple[int, ...] = ()
+    """The agreed, valid member list (subgroup)."""
+    described: list[dict[str, Any]] = field(default_factory=list)
+    """Rank 0's description of each tensor."""
+
+    def rows(self, index: int = 0) -> list[int]:
+        """Every rank's first dimension of tensor ``index`` (allgather)."""
+        return [numbers[index] for numbers in self.table]
+
+    def counts(self) -> np.ndarray:
+        """``counts[i, j]``: rows rank i sends to rank j (alltoall)."""
+        return np.array([n[self.count:] for n in self.table], dtype=np.int64)
+
+    def hosts(self) -> list[int]:
+        """Every rank's host key (subgroup)."""
+        return [n[0] for n in self.table]
+
+
+def check(engine: Any, request: Request, *, accept_joined: bool = False) -> Agreed:
+    """Compare the ranks' requests and raise, on every rank alike, if any
+    rank found a problem in its own or the ranks' requests differ.
+
+    Collective over ``engine``'s ranks: every rank calls it once per
+    collective (or group of collectives), in the same order.
+    ``accept_joined``: the caller can run with a joined rank contributing
+    nothing (``JOINABLE`` kinds of the torch adapter).
+    """
+    if request.kind not in ("barrier", "subgroup") and not request.shapes:
+        raise ValueError("a collective needs at least one tensor; got an empty list")
+    problem, detail, extra, members = _local_problem(engine, request)
+    mine = [_describe(request, i, problem, members) for i in range(max(1, len(request.shapes)))]
+    numbers = [_first_dim(shape) for shape in request.shapes] + extra
+    got = compare(engine, CHECK_TAG, mine, numbers,
+                  joined_ok=accept_joined and request.kind in JOINABLE)
+    blocks = [b for b in got.described if b is not None] if got.described else [mine]
+    _raise_problems(blocks, detail)
+    if got.described is not None:
+        _raise_mismatch(blocks, request)
+        raise MismatchError(  # the digests differ, the descriptions do not
+            "the agreement check's digests differ across ranks although the requests agree; "
+            "the collective engine corrupted data (report this as a bug)"
+        )
+    if got.joined:
+        _check_root_active(engine, mine[0], got.joined)
+    return Agreed(_with_joined(got.numbers, len(numbers)), len(request.shapes), got.joined,
+                  members, mine)
+
+
+def joined_view(engine: Any, heard: Any) -> tuple[list[dict[str, Any]], Agreed]:
+    """On a joined rank: the request the others agreed on (one description
+    per tensor) and what they agreed, or the error they all raise."""
+    blocks = [b for b in heard.described if b is not None]
+    _raise_problems(blocks, "")
+    _check_root_active(engine, blocks[0][0], heard.joined)
+    width = max(len(n) for n in heard.numbers)
+    count = len(blocks[0]) if blocks[0][0]["kind"] != "barrier" else 0
+    return blocks[0], Agreed(_with_joined(heard.numbers, width), count, heard.joined)
+
+
+def _with_joined(numbers: list[list[int]], width: int) -> list[list[int]]:
+    """The table, a joined rank's (empty) numbers as zeros: it contributes
+    nothing, no rows to an all-gather."""
+    return [row or [0] * width for row in numbers]
+
+
+def _check_root_active(engine: Any, described: dict[str, Any],
+                       joined: Sequence[int]) -> None:
+    if described["kind"] != "broadcast":
+        return
+    root = described["root"]
+    if engine.global_ranks.index(root) in joined:
+        raise JoinedRankError(
+            f"broadcast{_named(described['name'])}: "
+            f"its root_rank {root} has called join() and has no tensor to send; broadcast "
+            "from a rank that has not joined. Every rank raises this error"
+        )
+
+
+# -- this rank's own mistakes ----------------------------------------------------------
+
+
+def _local_problem(engine: Any, req: Request) -> tuple[Problem, str, list[int], tuple[int, ...]]:
+    """The first problem of this rank's request, its detail, the numbers the
+    kind sends (splits, host key) and the valid member list (subgroup)."""
+    problem, detail = req.problem, req.detail
+    for shape, dtype in zip(req.shapes, req.dtypes, strict=True):
+        if problem:
+            break
+        if req.kind in REDUCING:
+            try:
+                canonical_dtype(dtype)
+            except TypeError as exc:
+                problem, detail = Problem.UNSUPPORTED_DTYPE, str(exc)
+                continue
+        elif req.kind != "barrier" and dtype not in MOVABLE:
+            problem, detail = Problem.UNSUPPORTED_DTYPE, (
+                f"dtype {dtype} cannot be moved by {req.kind}; supported dtypes: "
+                f"{', '.join(sorted(MOVABLE))}. Cast the tensor (e.g. complex -> two float "
+                "tensors)")
+            continue
+        if req.kind in _NEEDS_FIRST_DIM and not shape:
+            problem, detail = Problem.ZERO_DIM, f"the {req.kind} input is 0-dim (shape ())"
+    extra: list[int] = []
+    members: tuple[int, ...] = ()
+    if req.kind == "alltoall":
+        shape = req.shapes[0]
+        counts, why = as_splits(req.splits, shape[0] if shape else 0, engine.size)
+        if why and not problem:
+            problem, detail = Problem.BAD_SPLITS, why
+        extra = counts if not problem else [0] * engine.size
+    elif req.kind == "subgroup":
+        members, why = as_members(req.members, engine.size)
+        if why and not problem:
+            problem, detail = Problem.BAD_MEMBERS, why
+        extra = [host_key(engine.topology)]
+    return problem, detail, extra, members
+
+
+def as_splits(splits: Any, rows: int, size: int) -> tuple[list[int], str]:
+    """This rank's send counts, and why they are invalid ("" when valid).
+
+    ``None`` divides ``rows`` evenly (an error if it does not divide, as in
+    Horovod). Accepts any sequence of ints, or a 1-D numpy array / tensor.
+    """
+    if splits is None:
+        if rows % size:
+            return [0] * size, (
+                f"no splits were given and the first dimension {rows} is not divisible by "
+                f"{size} ranks; pass splits (rows to send to each rank) or pad the buffer")
+        return [rows // size] * size, ""
+    values = splits.tolist() if hasattr(splits, "tolist") else splits
+    try:
+        counts = list(values)
+    except TypeError:
+        counts = [values]
+    if not all(is_int(c) for c in counts):
+        return [0] * size, f"splits {counts!r} must be ints (rows to send to each rank)"
+    counts = [int(c) for c in counts]
+    if len(counts) != size:
+        why = (f"splits {counts} has {len(counts)} entries but there are {size} ranks; pass "
+               "one row count per rank, in rank order")
+    elif any(c < 0 for c in counts):
+        why = f"splits {counts} contains a negative row count"
+    elif sum(counts) != rows:
+        why = (f"splits {counts} sums to {sum(counts)} but the buffer's first dimension is "
+               f"{rows}; the splits must cover every row exactly once")
+    else:
+        return counts, ""
+    return [0] * size, why
+
+
+def as_members(ranks: Any, size: int) -> tuple[tuple[int, ...], str]:
+    """A subgroup's member list, and why it is invalid ("" when valid)."""
+    try:
+        members = tuple(ranks)
+    except TypeError:
+        return (), f"ranks {ranks!r} is not a sequence of ints"
+    if not all(is_int(r) for r in members):
+        return (), f"ranks {list(members)!r} must be ints"
+    members = tuple(int(r) for r in members)
+    if not members:
+        return (), "ranks is empty; a process set needs at least one rank"
+    if list(members) != sorted(set(members)):
+        return (), f"ranks {list(members)} must be sorted and unique; pass {sorted(set(members))}"
+    if members[0] < 0 or members[-1] >= size:
+        return (), f"ranks {list(members)} must lie in 0..{size - 1}"
+    return members, ""
+
+
+def host_key(topology: Topology) -> int:
+    """A number that is equal for processes on the same host."""
+    import socket
+
+    host = topology.hostname or socket.gethostname()
+    return zlib.crc32(host.encode())
+
+
+# -- what the ranks compare -----------------------------------------------------------
+
+
+def _first_dim(shape: tuple[int, ...]) -> int:
+    return shape[0] if shape else -1
+
+
+def _describe(req: Request, index: int, problem: Problem,
+              members: tuple[int, ...]) -> dict[str, Any]:
+    """The fields of tensor ``index`` of ``req`` that must agree (for its kind)."""
+    out: dict[str, Any] = {"kind": req.kind, "name": req.name, "problem": int(problem)}
+    checks = _CHECKS[req.kind]
+    if index < len(req.shapes):
+        shape: list[Any] = list(req.shapes[index])
+        if "trailing" in checks and shape:
+            shape[0] = "*"  # only the first dimension may differ
+        out.update(dtype=req.dtypes[index], device=req.devices[index], shape=shape)
+    if req.op is not None:
+        out["op"] = req.op.name.capitalize()
+    if "root" in checks:
+        out["root"] = req.root
+    if "scales" in checks:
+        out["scales"] = list(req.scales)
+    if "members" in checks:
+        out["members"] = list(members)
+    return out
+
+
+Described = list[list[dict[str, Any]]]
+"""``described[rank][i]``: rank's description of tensor ``i``."""
+
+
+def _raise_problems(blocks: Described, detail: str) -> None:
+    bad = [(rank, d) for rank, block in enumerate(blocks) for d in block if d["problem"]]
+    if not bad:
+        return
+    first = bad[0][1]
+    problem = Problem(first["problem"])
+    ranks = sorted({r for r, d in bad if d["problem"] == problem})
+    dtypes = sorted({d.get("dtype", "?") for _, d in bad if d["problem"] == problem})
+    said = _PROBLEM_TEXT[problem].replace("{dtypes}", " / ".join(dtypes))
+    mine = f" On this rank: {detail}." if detail else ""
+    text = (f"{first['kind']}{_named(first['name'])} cannot run: rank(s) {ranks} {said}. "
+            f"Every rank of the collective raises this error.{mine}")
+    raise (TypeError if problem is Problem.UNSUPPORTED_DTYPE else ValueError)(text)
+
+
+def _raise_mismatch(blocks: Described, req: Request) -> None:
+    counts = [len(b) for b in blocks]
+    if len(set(counts)) > 1:
+        raise MismatchError(
+            f"Mismatched group sizes for grouped {req.kind}{_named(req.name)}: "
+            + _by_value(counts, lambda n: f"passed {n} tensor(s)")
+            + ". Every rank must pass the same number of tensors, in the same order"
+        )
+    for index in range(counts[0]):
+        column = [b[index] for b in blocks]
+        if len({d["kind"] for d in column}) > 1:
+            raise MismatchError(
+                "Mismatched collectives: at the same point in the program "
+                + _by_value([(d["kind"], _name_text(d)) for d in column],
+                            lambda v: f"called {v[0]} ({v[1]})")
+                + ". Every rank must call the same collectives in the same order"
+            )
+        if len({d["name"] for d in column}) > 1:
+            raise MismatchError(
+                f"Mismatched names for {req.kind}: "
+                + _by_value([_name_text(d) for d in column], lambda t: f"passed {t}")
+                + ". Every rank must give a collective the same name (or none)"
+            )
+        for check_field in _CHECKS[req.kind]:
+            key = "shape" if check_field == "trailing" else check_field
+            values = [_hashable(d.get(key)) for d in column]
+            if len(set(values)) > 1:
+                what, fix = _FIELD_TEXT[check_field]
+                raise MismatchError(
+                    f"Mismatched {req.kind} {what} for {_what(req, index, counts[0])}: "
+                    + _by_value(values, _SHOW[key]) + f". {fix}"
+                )
+
+
+def _what(req: Request, index: int, group: int) -> str:
+    """'g' or 'an unnamed tensor', plus its place in a group."""
+    subject = "an unnamed tensor" if req.name is None else repr(req.name)
+    member = f" (tensor {index} of the group of {group})" if group > 1 else ""
+    return subject + member
+
+
+def _name_text(d: dict[str, Any]) -> str:
+    return "no name" if d["name"] is None else repr(d["name"])
+
+
+def _named(name: str | None) -> str:
+    return "" if name is None else f" {name!r}"
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _by_value(values: Sequence[Any], show: Any) -> str:
+    """'rank(s) 0, 2 <show(v)>; rank(s) 1 <show(w)>' grouped by value, in rank order."""
+    groups: dict[Any, list[int]] = {}
+    for rank, v in enumerate(values):
+        groups.setdefault(v, []).append(rank)
+    return "; ".join(f"rank(s) {', '.join(map(str, ranks))} {show(v)}"
+                     for v, ranks in groups.items())
+
+
+_SHOW: dict[str, Any] = {
+    "op": lambda v: f"passed op={v}",
+    "dtype": lambda v: f"passed a {v} tensor",
+    "device": lambda v: f"passed a {v} tensor",
+    "shape": lambda v: f"passed shape ({', '.join(map(str, v))}{',' if len(v) == 1 else ''})",
+    "root": lambda v: f"passed root_rank={v}",
+    "scales": lambda v: f"passed prescale_factor={v[0]:g}, postscale_factor={v[1]:g}",
+    "members": lambda v: f"passed ranks {list(v)}",
+}
+
+_FIELD_TEXT = {
+    "op": ("tensor reduce ops", "Every rank must pass the same op"),
+    "dtype": ("tensor types", "Every rank must pass the same dtype"),
+    "device": ("tensor devices", "Every rank must pass tensors on the same kind of device"),
+    "shape": ("tensor shapes", "Every rank must pass the same shape"),
+    "trailing": ("tensor shapes", "Every rank must pass the same dimensions after the first "
+                 "(only the first may differ)"),
+    "root": ("tensor root ranks", "Every rank must pass the same root_rank"),
+    "scales": ("tensor scale factors", "Every rank must pass the same prescale_factor and "
+               "postscale_factor"),
+    "members": ("members", "Every rank must pass the same ranks"),
+}
+
+
+# -- check, then move: for callers holding plain buffers --------------------------------
+
+
+def allgather_async(engine: Any, buf: Any, name: str = "allgather") -> Started:
+    """Check, then start ``engine.allgather_async`` with the agreed rows."""
+    agreed = check(engine, Request.of("allgather", [buf], name=name))
+    return engine.allgather_async(buf, agreed.rows(), name)
+
+
+def allgather(engine: Any, buf: Any, name: str = "allgather") -> Any:
+    """Concatenate every rank's ``buf`` along the first dimension (which may
+    differ); dtype and the other dimensions must agree (checked first)."""
+    handle, result = allgather_async(engine, buf, name)
+    handle.wait()
+    return result()
+
+
+def alltoall(engine: Any, buf: Any, splits: Any = None,
+             name: str = "alltoall") -> tuple[Any, list[int]]:
+    """Check (splits too), then ``engine.alltoall`` with the agreed counts."""
+    agreed = check(engine, Request.of("alltoall", [buf], name=name, splits=splits))
+    return engine.alltoall(buf, agreed.counts(), name)
+
+
+def reducescatter(engine: Any, buf: Any, op: ReduceOp | str = ReduceOp.SUM,
+                  name: str = "reducescatter") -> Any:
+    """Check, then ``engine.reducescatter``."""
+    op = ReduceOp.parse(op)
+    check(engine, Request.of("reducescatter", [buf], name=name, op=op))
+    return engine.reducescatter(buf, op, name)
+
+
+def subgroup(engine: Any, ranks: Any, name: str = "process_set") -> Any:
+    """Check every rank passed the same valid ``ranks``, then ``engine.subgroup``."""
+    agreed = check(engine, Request(kind="subgroup", name=name, members=ranks))
+    return engine.subgroup(agreed.members, agreed.hosts(), name)

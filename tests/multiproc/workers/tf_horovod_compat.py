@@ -1,0 +1,91 @@
+"""Worker: Horovod's TensorFlow error types and local gradients on 2 ranks (issue 27).
+
+``python tf_horovod_compat.py --case NAME`` (one case per launch; ``--list-cases``):
+
+- ``errors``: ranks that disagree raise, on every rank and at the call, an
+  error that a Horovod script's ``except tf.errors.FailedPreconditionError``
+  catches (``InvalidArgumentError`` for bad all-to-all splits) and that is
+  still the core's type (``LayoutMismatchError`` / ``ValueError``) with the
+  core's message; inside ``tf.function`` TensorFlow's own ``OpError`` carries
+  the message. The engine keeps working afterwards.
+- ``local_sources``: ``DistributedGradientTape.register_local_source`` keeps a
+  rank's own gradient (divided by the size), the others are averaged.
+
+Every rank prints ``rank R OK``; any failure exits 1 at once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from _fail_fast import run_cases
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import dp_plugin.tensorflow as dp
+
+
+def raises(kinds: tuple[type, ...], words: str, call: Callable[[], Any]) -> None:
+    try:
+        call()
+    except BaseException as error:
+        for kind in kinds:
+            assert isinstance(error, kind), f"{type(error).__mro__} is not a {kind.__name__}"
+        assert words in str(error), f"{words!r} not in the message: {error}"
+        return
+    raise AssertionError(f"no error; expected {[k.__name__ for k in kinds]}")
+
+
+def check_errors(_: Any) -> None:
+    r = dp.rank()
+    precondition = tf.errors.FailedPreconditionError
+    raises((precondition, dp.LayoutMismatchError), "rank",
+           lambda: dp.allreduce(tf.ones([2 + r])))
+    raises((precondition, ValueError), "rank",
+           lambda: dp.allgather(tf.ones([1], tf.float32 if r == 0 else tf.float64)))
+    raises((precondition,), "rank", lambda: dp.broadcast(tf.ones([2 + r]), root_rank=0))
+    raises((tf.errors.InvalidArgumentError, ValueError), "splits",
+           lambda: dp.alltoall(tf.ones([3]), splits=[1, 1] if r == 0 else [1, 2]))
+    fn = tf.function(lambda x: dp.allreduce(x), input_signature=[tf.TensorSpec([None])])
+    raises((tf.errors.OpError,), "rank", lambda: fn(tf.ones([2 + r])))
+    np.testing.assert_allclose(dp.allreduce(tf.constant([float(r)]), op=dp.Sum), [1.0])
+
+
+def check_local_sources(_: Any) -> None:
+    r = dp.rank()
+    shared = tf.Variable([1.0, 1.0])
+    local = tf.Variable([1.0])
+    with tf.GradientTape() as tape:
+        loss = (r + 1.0) * (tf.reduce_sum(shared) + 3.0 * tf.reduce_sum(local))
+    tape = dp.DistributedGradientTape(tape)
+    tape.register_local_source(local)
+    g_shared, g_local = tape.gradient(loss, [shared, local])
+    np.testing.assert_allclose(g_shared, [1.5, 1.5])  # averaged: (1 + 2) / 2
+    np.testing.assert_allclose(g_local, [3.0 * (r + 1) / 2])  # own, scaled by 1/size
+    layer = keras.layers.Dense(1, kernel_initializer="ones", use_bias=False)
+    with tf.GradientTape() as tape:
+        out = tf.reduce_sum(layer(tf.fill([1, 2], r + 1.0)))
+    tape = dp.PartialDistributedGradientTape(tape, local_layers=layer,
+                                             scale_local_gradients=False)
+    (g_kernel,) = tape.gradient(out, layer.trainable_weights)
+    np.testing.assert_allclose(g_kernel, np.full((2, 1), r + 1.0))
+
+
+CASES = {
+    "errors": check_errors,
+    "local_sources": check_local_sources,
+}
+
+
+def start(_: Any) -> None:
+    dp.init()
+
+
+if __name__ == "__main__":
+    run_cases(CASES, setup=start, teardown=lambda _: dp.shutdown())

@@ -1,0 +1,95 @@
+"""A grouped collective (threshold ``UNBOUNDED``) travels in chunks of
+``PIPELINE_CHUNK`` bytes, each with a buffer of its own, so every chunk is
+packed and on its way before the first one finishes (issue 25): packing and
+unpacking overlap the transfer instead of running before and after it."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from dp_plugin import collective
+from dp_plugin.arrays import NumpyOps
+from dp_plugin.collective import UNBOUNDED, FusedCollective
+from dp_plugin.engines.base import ReduceOp
+from dp_plugin.fusion import TensorSpec, plan_buckets
+from dp_plugin.hooks import ReducePolicy
+from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks
+
+# 10 tensors of 64 bytes, one of 400; chunks of 128 bytes.
+SPECS = [TensorSpec(f"t{i}", (16,), "float32") for i in range(10)]
+SPECS.insert(4, TensorSpec("big", (100,), "float32"))
+CHUNK = 128
+
+
+def data(rank: int, spec: TensorSpec) -> np.ndarray:
+    rng = np.random.default_rng([rank, spec.numel, len(spec.name), ord(spec.name[-1])])
+    return rng.integers(-8, 9, spec.numel).astype(np.float32)
+
+
+def test_every_chunk_is_in_flight_before_the_first_completes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 starts only after rank 0 has started every chunk: with chunks
+    that waited for a slab (or one bucket for everything), rank 0 could not
+    start them all while none can complete."""
+    monkeypatch.setattr(collective, "PIPELINE_CHUNK", CHUNK)
+    engines = make_thread_group(2)
+    rank0_started = threading.Event()
+
+    def body(e: FakeEngine) -> tuple[int, list[np.ndarray]]:
+        fused = FusedCollective(
+            SPECS, engine=e, name="grouped", threshold=UNBOUNDED, order=range(len(SPECS)),
+            policy=ReducePolicy.for_collective(ReduceOp.AVERAGE, e.size), array_ops=NumpyOps(),
+            agreed=True)
+        outs = [data(e.rank, s) for s in SPECS]
+        if e.rank == 1:
+            assert rank0_started.wait(20), "rank 0 blocked while starting its chunks"
+        for b in fused.plan:
+            fused.start(b.index, outs)
+        if e.rank == 0:
+            assert not any(fused.done(b.index) for b in fused.plan)
+            rank0_started.set()
+        for b in fused.plan:
+            fused.finish(b.index)
+        return len(fused.plan), outs
+
+    results = run_ranks(engines, body)
+    for buckets, outs in results:
+        # 2 x 64 per chunk before and after the big one (its own): 2 + 1 + 3.
+        assert buckets == 6
+        for spec, out in zip(SPECS, outs, strict=True):
+            np.testing.assert_array_equal(out, (data(0, spec) + data(1, spec)) / 2,
+                                          err_msg=spec.name)
+    np.testing.assert_array_equal(np.concatenate(results[0][1]), np.concatenate(results[1][1]))
+
+
+def test_a_threshold_below_unbounded_keeps_its_buckets_and_slabs() -> None:
+    fused = FusedCollective(SPECS, engine=make_thread_group(1)[0], name="bucketed",
+                            threshold=CHUNK, order=range(len(SPECS)), array_ops=NumpyOps())
+    assert not fused.grouped
+    assert [b.pinned for b in fused.buffers] == [False, False, True, False, False, False]
+
+
+def test_a_large_tensor_travels_alone_without_closing_the_open_bucket() -> None:
+    """``alone_from``: the 400-byte tensor gets a bucket of its own and the
+    small ones on either side of it still share one (without the rule, the
+    large tensor closes the bucket and the last small one opens another)."""
+    specs = [TensorSpec("a", (8,), "float32"), TensorSpec("b", (8,), "float32"),
+             TensorSpec("big", (100,), "float32"), TensorSpec("c", (8,), "float32")]
+    assert [b.members for b in plan_buckets(specs, 128, order=range(4))] == [(0, 1), (2,), (3,)]
+    alone = plan_buckets(specs, 128, order=range(4), alone_from=256)
+    assert [b.members for b in alone] == [(0, 1, 3), (2,)]
+    assert [b.offsets for b in alone] == [(0, 8, 16), (0,)]
+
+
+def test_a_grouped_collective_reduces_its_large_tensors_where_they_lie(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(collective, "PIPELINE_CHUNK", CHUNK)
+    monkeypatch.setattr(collective, "DIRECT_BYTES", 256)
+    fused = FusedCollective(SPECS, engine=make_thread_group(1)[0], name="grouped",
+                            threshold=UNBOUNDED, order=range(len(SPECS)), array_ops=NumpyOps())
+    big = [b for b in fused.buffers if b.names == ("big",)]
+    assert len(big) == 1 and not fused.packs(SPECS.index(SPECS[4]))
+    assert [len(b.names) for b in fused.buffers] == [2, 2, 1, 2, 2, 2]
