@@ -35,6 +35,8 @@ PAIRS = [
     ("horovod.tensorflow", "dp_plugin.tensorflow"),
     ("horovod.tensorflow.keras", "dp_plugin.keras"),
     ("horovod.torch.elastic", "dp_plugin.torch.elastic"),
+    ("horovod.tensorflow.elastic", "dp_plugin.tensorflow.elastic"),
+    ("horovod.tensorflow.keras.elastic", "dp_plugin.keras.elastic"),
 ]
 
 # Horovod helpers that its modules import for their own use, not API.
@@ -91,12 +93,6 @@ NOTES: dict[str, tuple[str, str]] = {
         "`backward_passes_per_step` of `DistributedOptimizer`/`DistributedGradientTape`"),
     "horovod.tensorflow:handle_average_backwards_compatibility": (
         UNSUPPORTED, "an internal helper of Horovod's `average=` deprecation; pass `op=`"),
-    "horovod.tensorflow:BroadcastGlobalVariablesHook": (
-        UNSUPPORTED, "a TF1 `SessionRunHook`; TF2 has no sessions: use "
-        "`BroadcastGlobalVariablesCallback` (Keras) or `broadcast_variables(model.variables, 0)`"),
-    "horovod.tensorflow:PartialDistributedGradientTape": (
-        UNSUPPORTED, "not yet: use `DistributedGradientTape` and reduce only the gradients "
-        "of the shared layers (local layers' gradients stay as the tape returns them)"),
     "horovod.tensorflow:start_timeline": (
         UNSUPPORTED, "not in the TensorFlow adapter: set `DP_PLUGIN_TIMELINE` (or "
         "`HOROVOD_TIMELINE`) before `init()` for a Chrome trace of every rank"),
@@ -109,10 +105,26 @@ NOTES: dict[str, tuple[str, str]] = {
         UNSUPPORTED, "see `start_timeline`: the timeline runs for the whole job"),
     "horovod.tensorflow:check_num_rank_power_of_2": (
         UNSUPPORTED, "an Adasum helper, and Adasum is not supported"),
-    "horovod.tensorflow:vars_to_refs": (UNSUPPORTED, "an internal TF1 helper; not needed "
-                                        "with TF2 variables"),
-    "horovod.tensorflow:refs_to_vars": (UNSUPPORTED, "an internal TF1 helper; not needed "
-                                        "with TF2 variables"),
+    "horovod.tensorflow:elastic": (DIFF, "recovers by restarting processes under `torchrun "
+                                   "--max-restarts` (commits go to `commit_path` on disk), as "
+                                   "`dp_plugin.torch.elastic` (see docs/elastic.md)"),
+    "horovod.tensorflow.keras:elastic": (DIFF, "as `dp_plugin.tensorflow.elastic`: restarts "
+                                         "under `torchrun --max-restarts`, commits on disk"),
+    "horovod.tensorflow.elastic:run": (DIFF, "a failure ends the process and the launcher "
+                                       "(`torchrun --max-restarts`) restarts every worker; each "
+                                       "start resumes from the last commit on disk"),
+    "horovod.tensorflow.elastic:TensorFlowKerasState": (
+        DIFF, "takes `commit_path=` (required under `torchrun --max-restarts`); tracks the "
+        "model's weights, the optimizer's variables and each rank's `random`/numpy states"),
+    "horovod.tensorflow.elastic:TensorFlowState": (
+        DIFF, "takes `commit_path=`; `session=` (TF1) is refused: pass TF2 variables"),
+    "horovod.tensorflow.keras.elastic:KerasState": (
+        DIFF, "is `TensorFlowKerasState`: takes `commit_path=` (required under `torchrun "
+        "--max-restarts`)"),
+    "horovod.tensorflow.elastic:run_fn": (UNSUPPORTED, "Horovod's internal retry loop behind "
+                                          "`run`; use `run`"),
+    "horovod.tensorflow.keras.elastic:run_fn": (UNSUPPORTED, "Horovod's internal retry loop "
+                                                "behind `run`; use `run`"),
 }
 
 PROSE = """\
@@ -176,7 +188,28 @@ method: `opt.variables()` becomes `opt.variables`.
   torchrun's `--max-restarts`: every commit is also written to disk and each
   restart resumes from it (see [elastic.md](elastic.md)); horovodrun's elastic
   mode is refused. `horovod.tensorflow.elastic` and `horovod.tensorflow.keras.elastic`
-  have no counterpart: restart with the new size and resume from a checkpoint.
+  (`TensorFlowKerasState`, `KerasState`, `run`, the commit/batch/epoch
+  callbacks) work the same way in `dp_plugin.tensorflow.elastic` /
+  `dp_plugin.keras.elastic`.
+- **TensorFlow graphs run dp_plugin's ops in the order they were built.** In
+  a TF1 graph or a `tf.function`, each dp_plugin collective op has a control
+  dependency on the previous one built in the same graph, so every rank runs
+  them in the same order (Horovod matches them by name in a background
+  thread instead). Consequence: fetching a collective in `Session.run` also
+  runs the dp_plugin collectives built before it in that graph.
+  `broadcast_global_variables` (and `BroadcastGlobalVariablesHook`) starts a
+  new chain, so it runs alone without the training step; do not fetch it in
+  the same `Session.run` as collectives built before it.
+- **TensorFlow error types.** Ranks that disagree raise, eagerly, an error
+  that is both Horovod's type (`tf.errors.FailedPreconditionError`;
+  `InvalidArgumentError` for bad all-to-all splits) and dp_plugin's
+  (`LayoutMismatchError`, `ValueError`, `TypeError`), on every rank, at the
+  call. Inside a graph (`tf.function`, `Session.run`) TensorFlow converts any
+  Python exception raised by a `tf.numpy_function` into its own type
+  (`InvalidArgumentError` for `ValueError`/`TypeError`, `UnknownError`
+  otherwise), so there the caught type is that one, with dp_plugin's message:
+  a TensorFlow 2.21 limit of `tf.numpy_function` (a custom C++ op could set
+  the code; dp_plugin ships no compiled op).
 - **`broadcast_optimizer_state`** sends the root's whole state (tensors fused
   as raw bytes, the rest pickled) and loads it on the others, so it needs no
   dummy step and works for every `torch.optim` optimizer, LBFGS included
@@ -201,6 +234,8 @@ def public_names(module: str) -> tuple[list[str], bool, str]:
     if top is None or top.origin is None:
         raise SystemExit("horovod is not installed; run `make install` first")
     source = Path(top.origin).parent.joinpath(*module.split(".")[1:], "__init__.py")
+    if not source.exists():  # a module file, not a package (horovod.tensorflow.elastic)
+        source = source.parent.with_suffix(".py")
     tree = ast.parse(source.read_text(), filename=str(source))
     names: set[str] = set()
     for node in _top_level(tree.body):

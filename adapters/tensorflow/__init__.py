@@ -76,6 +76,7 @@ from dp_plugin.tensorflow.functions import (
     rocm_built,
 )
 from dp_plugin.tensorflow.graph_ops import (
+    BroadcastGlobalVariablesHook,
     broadcast_,
     broadcast_object_fn,
     local_rank_op,
@@ -89,10 +90,12 @@ from dp_plugin.tensorflow.optimizer import DistributedOptimizer
 from dp_plugin.tensorflow.sync_batch_norm import SyncBatchNormalization
 from dp_plugin.tensorflow.tape import DistributedGradientTape, PartialDistributedGradientTape
 from dp_plugin.tensorflow.util import _executing_eagerly as _executing_eagerly
+from dp_plugin.tensorflow.util import refs_to_vars, vars_to_refs
 
 __all__ = [
     "BestModelCheckpoint",
     "BroadcastGlobalVariablesCallback",
+    "BroadcastGlobalVariablesHook",
     "DistributedCallback",
     "DistributedGradientTape",
     "DistributedOptimizer",
@@ -139,10 +142,12 @@ __all__ = [
     "rank",
     "rank_op",
     "reducescatter",
+    "refs_to_vars",
     "rocm_built",
     "shard",
     "shutdown",
     "size",
     "size_op",
+    "vars_to_refs",
 ]
 __all__ += _api.__all__

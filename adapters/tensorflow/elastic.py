@@ -51,13 +51,17 @@ import keras
 import numpy as np
 
 from dp_plugin.errors import DPPluginError, LaunchError
+from dp_plugin.errors import DPPluginError as HorovodInternalError
 from dp_plugin.tensorflow import basics
+from dp_plugin.tensorflow.basics import init, rank, shutdown
 from dp_plugin.tensorflow.broadcast import broadcast_variables
 from dp_plugin.tensorflow.functions import allgather_object, barrier, broadcast_object
+from dp_plugin.tensorflow.graph_ops import broadcast_object_fn
 
 __all__ = [
-    "CommitStateCallback", "KerasState", "ObjectState", "State", "TensorFlowKerasState",
-    "TensorFlowState", "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run",
+    "CommitStateCallback", "HorovodInternalError", "KerasState", "ObjectState", "State",
+    "TensorFlowKerasState", "TensorFlowState", "UpdateBatchStateCallback",
+    "UpdateEpochStateCallback", "broadcast_object_fn", "init", "rank", "run", "shutdown",
 ]
 
 _MARK = "dp_plugin.tensorflow.elastic"

@@ -3,14 +3,14 @@
 Horovod's TensorFlow ops fail with ``tf.errors.FailedPreconditionError``
 when ranks disagree (shapes, dtypes, ops, roots) and with
 ``tf.errors.InvalidArgumentError`` for bad all-to-all splits; scripts catch
-those. The core raises its own types (``LayoutMismatchError``, or
-``ValueError`` / ``TypeError`` naming the bad input), with the same message
-on every rank, at the call. The TensorFlow adapter re-raises each as a class
-that is *both*: ``CollectiveValueError`` is a ``ValueError`` and a
-``FailedPreconditionError``, ``CollectiveLayoutError`` a
-``LayoutMismatchError`` and a ``FailedPreconditionError``, and so on; the
-message is the core's, unchanged. The core never imports TensorFlow: these
-classes live here.
+those. The core raises its own types (``MismatchError`` from the
+request check, ``LayoutMismatchError``, or ``ValueError`` / ``TypeError``
+naming the bad input), with the same message on every rank, at the call.
+The TensorFlow adapter re-raises each as a class that is *both*:
+``CollectiveMismatchError`` is a ``MismatchError`` and a
+``FailedPreconditionError``, ``CollectiveValueError`` a ``ValueError`` and a
+``FailedPreconditionError``, and so on; the message is the core's, unchanged.
+The core never imports TensorFlow: these classes live here.
 
 ``translated(fn)`` wraps a collective's data path (the numpy callback of a
 ``tf.numpy_function`` op, or the eager call). Inside a graph TensorFlow
@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import tensorflow as tf
 from dp_plugin.errors import LayoutMismatchError
+from dp_plugin.request import MismatchError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -35,6 +36,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 def _init_op_error(error: Any, op_error: type, message: str) -> None:
     op_error.__init__(error, None, None, message)
     error.args = (message,)
+
+
+class CollectiveMismatchError(MismatchError, tf.errors.FailedPreconditionError):
+    """Ranks asked for different collectives or passed incompatible tensors."""
+
+    def __init__(self, message: str) -> None:
+        _init_op_error(self, tf.errors.FailedPreconditionError, message)
 
 
 class CollectiveValueError(ValueError, tf.errors.FailedPreconditionError):
@@ -73,8 +81,12 @@ def as_tensorflow_error(error: BaseException) -> BaseException | None:
     message = str(error)
     if isinstance(error, LayoutMismatchError):
         return CollectiveLayoutError(message)
+    if "splits" in message and isinstance(error, ValueError):
+        return SplitsError(message)
+    if isinstance(error, MismatchError):
+        return CollectiveMismatchError(message)
     if isinstance(error, ValueError):
-        return SplitsError(message) if "splits" in message else CollectiveValueError(message)
+        return CollectiveValueError(message)
     if isinstance(error, TypeError):
         return CollectiveTypeError(message)
     return None

@@ -15,7 +15,7 @@ import tensorflow as tf
 from dp_plugin.process_sets import global_process_set, registered
 from dp_plugin.tensorflow.basics import local_rank, local_size, rank
 from dp_plugin.tensorflow.broadcast import broadcast_variables
-from dp_plugin.tensorflow.functions import broadcast_object
+from dp_plugin.tensorflow.functions import broadcast_global_variables, broadcast_object
 
 
 def rank_op(name: str | None = None) -> tf.Tensor:
@@ -61,3 +61,28 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
         return [v.read_value() if hasattr(v, "read_value") else tf.identity(v.value)
                 for v in variables]
 
+
+
+class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
+    """Horovod's TF1 ``SessionRunHook``: once the session exists, set the graph's
+    global variables to ``root_rank``'s values (``broadcast_global_variables``)::
+
+        hooks = [dp.BroadcastGlobalVariablesHook(0)]
+        with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as sess: ...
+
+    ``device`` is accepted for compatibility (tensors travel through host memory).
+    """
+
+    def __init__(self, root_rank: int, device: str = "") -> None:
+        super().__init__()
+        self.root_rank = root_rank
+        self.device = device
+        self.bcast_op: Any = None
+
+    def begin(self) -> None:
+        graph = tf.compat.v1.get_default_graph()
+        if self.bcast_op is None or self.bcast_op.graph is not graph:
+            self.bcast_op = broadcast_global_variables(self.root_rank)
+
+    def after_create_session(self, session: Any, coord: Any) -> None:
+        session.run(self.bcast_op)

@@ -283,7 +283,10 @@ class _DistributedOptimizer:
         return self._dp.join_polled()
 
     def _dp_join_finish(self) -> bool:
-        return self._dp.join_finish()
+        return self._dp.join_finish(self)
+
+    def _dp_join_global(self) -> bool:
+        return self._dp.join_global()
 
     def _synchronized(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         """``closure`` followed by ``synchronize()``: its backward is reduced each call."""

@@ -29,6 +29,7 @@ from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.process_sets import ProcessSet
 from dp_plugin.scheduler import GradientScheduler
+from dp_plugin.torch.basics import engine as job_engine
 from dp_plugin.torch.basics import shared_timeline
 from dp_plugin.torch.control_slot import FiniteFlags, RankMarks
 from dp_plugin.torch.joining import JoinFlags
@@ -41,12 +42,16 @@ Groups = list[dict[str, Any]]
 @dataclass(frozen=True, eq=False)
 class Reducer:
     """The scheduler of one optimizer and the flags in its control slot (one
-    element per rank each: join flags, unfrozen marks, then finite flags)."""
+    element per rank each: join flags, unfrozen marks, sparse news, then
+    finite flags)."""
 
     scheduler: GradientScheduler
     flags: JoinFlags
     unfrozen: RankMarks
     """Ranks that found a parameter unfrozen after wrapping (``unfrozen``)."""
+    sparse_news: RankMarks
+    """Ranks on which a parameter's gradient turned sparse this step
+    (``SparseGradients.reduce``: a joined rank learns which)."""
     finite: FiniteFlags | None = None
     """The ``DP_PLUGIN_CHECK_FINITE`` flags; None when the check is off."""
 
@@ -202,7 +207,7 @@ class OptimizerState:
             specs, engine=eng, op=self.op, compression=self.compressor,
             gradient_predivide_factor=self.predivide, backward_passes_per_step=self.passes,
             timeline=shared_timeline, name=self.label,
-            control_numel=n * (2 if check == "off" else 3), hook=self.comm_hook,
+            control_numel=n * (3 if check == "off" else 4), hook=self.comm_hook,
             settings={"DP_PLUGIN_CHECK_FINITE": check}, autotune=eng.config.autotune,
         )
         # Agree on the layout here (the optimizer is made, or a group added, at
@@ -213,9 +218,10 @@ class OptimizerState:
         op, slot, like = self.op, eng.rank, params[0]
         flags = JoinFlags(scheduler, op=op, ranks=ranks, slot=slot, like=like)
         unfrozen = RankMarks(scheduler, op=op, ranks=ranks, slot=slot, offset=n, like=like)
+        news = RankMarks(scheduler, op=op, ranks=ranks, slot=slot, offset=2 * n, like=like)
         finite = None if check == "off" else FiniteFlags(
-            scheduler, mode=check, op=op, ranks=ranks, slot=slot, offset=2 * n, like=like)
-        return Reducer(scheduler, flags, unfrozen, finite)
+            scheduler, mode=check, op=op, ranks=ranks, slot=slot, offset=3 * n, like=like)
+        return Reducer(scheduler, flags, unfrozen, news, finite)
 
     # -- a step ----------------------------------------------------------------------
     def grad_ready(self, index: int, param: torch.Tensor, groups: Groups) -> None:
@@ -263,8 +269,11 @@ class OptimizerState:
                 dense = self._dense(i, p.grad)
                 if dense is not None:
                     sched.mark_ready(i, dense)
+        if self.sparse.changed:  # before the last bucket starts: for a joined rank
+            self.reducer.sparse_news.mark()
         results = sched.synchronize()
-        self.sparse.reduce(self.params, self.names, self.op, self.engine)
+        self.sparse.reduce(self.params, self.names, self.op, self.engine,
+                           self.reducer.sparse_news)
         try:  # after this step's collectives, before any update
             self._check_unfrozen(groups)
         except DPPluginError:  # the step is dropped: the next one starts clean
@@ -356,17 +365,27 @@ class OptimizerState:
     def join_polled(self) -> bool:
         return self.reducer is None or self.reducer.scheduler.all_done()
 
-    def join_finish(self) -> bool:
+    def join_global(self) -> bool:
+        """Does it reduce over every rank of the job (its steps count for
+        ``joining``'s last joined rank)?"""
+        return self.engine is not None and self.engine.size == job_engine("hvd.join()").size
+
+    def join_finish(self, optimizer: Any) -> bool:
         """End the zero step; has every rank of the optimizer's set joined?"""
         reducer = self.reducer
         assert reducer is not None
         results = reducer.scheduler.synchronize()  # every gradient: zeros; results dropped
-        self.sparse.reduce(self.params, self.names, self.op, self.engine, contribute=False)
+        self.sparse.reduce(self.params, self.names, self.op, self.engine,
+                           reducer.sparse_news, contribute=False)
         self._check_unfrozen([], joined=True)  # raise where the training ranks raise
         if reducer.finite is not None:  # raise where the training ranks raise
             reducer.finite.decide([(self.names[p], g) for p, g in zip(self.params, results,
                                                                        strict=True)])
-        return reducer.flags.decide()[0]
+        everyone = reducer.flags.decide()[0]
+        if self.sparse.changed:  # the others' gradients turned sparse: re-plan as they do
+            self.sparse.changed = False
+            self.register(optimizer)
+        return everyone
 
 
 class SynchronizationError(DPPluginError, AssertionError):

@@ -11,6 +11,10 @@ of the same bytes and, under the horovod engine, Horovod's own
 ``grouped_allreduce`` (and with ``--per-tensor`` one all-reduce per
 gradient): one repetition of each in turn, so that their
 ratios are measured side by side.
+With ``--shm-check`` (the gloo engine on shared memory) every size is
+timed twice, interleaved: with the transport's per-operation header check
+(the default) and without (``ShmTransport.verify_headers`` off, which only
+a benchmark does), to measure what the check costs.
 Rank 0 prints ``PROGRESS`` after each item and one ``RESULT {json}`` line at
 the end.
 
@@ -110,23 +114,38 @@ def step(sched: Any, tensors: list[Any]) -> None:
 
 
 def worker(sizes: list[int], reps: int, warmup: int, models: list[str],
-           per_tensor: bool = False) -> None:
+           per_tensor: bool = False, shm_check: bool = False) -> None:
     import torch
 
     import dp_plugin
+    from dp_plugin.engines.shm import ShmTransport
 
     torch.set_num_threads(1)
     engine = dp_plugin.init()
     lead = engine.rank == 0
     time_it = median_timer(engine)
+    shm_check = shm_check and bool(getattr(engine, "shared_memory", False))
     sweep = []
     for nbytes in sizes:
         buf = torch.ones(max(1, nbytes // 4))
         def once(b: Any = buf) -> None:
             engine.allreduce_async(b, "sum", name="sweep").wait()
 
-        t = time_it(once, reps_for(nbytes, reps), warmup)
-        sweep.append({"bytes": nbytes, "time_s": t})
+        if shm_check:
+            def checked(verify: bool) -> Callable[[], None]:
+                def run() -> None:  # every rank runs them in the same order
+                    ShmTransport.verify_headers = verify
+                    once()
+                return run
+
+            got = interleaved_medians(engine, {"time_s": checked(True),
+                                               "unchecked_s": checked(False)},
+                                      reps_for(nbytes, reps), warmup)
+            ShmTransport.verify_headers = True
+            sweep.append({"bytes": nbytes, **got})
+        else:
+            sweep.append({"bytes": nbytes, "time_s": time_it(once, reps_for(nbytes, reps),
+                                                             warmup)})
         if lead:
             print("PROGRESS", flush=True)
     fused = []
@@ -147,9 +166,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, required=True)
     ap.add_argument("--models", default="")
     ap.add_argument("--per-tensor", action="store_true")
+    ap.add_argument("--shm-check", action="store_true")
     args = ap.parse_args(argv)
     worker([int(s) for s in args.sizes.split(",")], args.reps, args.warmup,
-           [m for m in args.models.split(",") if m], args.per_tensor)
+           [m for m in args.models.split(",") if m], args.per_tensor, args.shm_check)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ def markdown(result: dict[str, Any]) -> str:
                  if ref else ["-", "-"])
         lines.append(f"| {mib(size, '.4g')} | " + " | ".join(cells + extra) + " |")
     lines.append("\nBandwidths in GB/s (10^9 bytes/s); busbw = algbw x 2(n-1)/n.")
+    lines += _check_cost(result)
     if result["models"]:
         lines += ["", "| model | engine | workers | gradients | buckets | fused (copies) "
                   "| fused (views) | fused (views, sum) | raw (same bytes, sum) "
@@ -53,6 +54,20 @@ def markdown(result: dict[str, Any]) -> str:
     for name, why in result.get("skipped", {}).items():
         lines.append(f"\nNot run: {name} ({why}).")
     return "\n".join(lines) + "\n"
+
+
+def _check_cost(result: dict[str, Any]) -> list[str]:
+    """The shared-memory header check's cost (``--shm-check``), where measured."""
+    rows = [r for r in result["sweep"] if "unchecked_s" in r]
+    if not rows:
+        return []
+    lines = ["", "| size | engine | workers | checked (default) | unchecked | cost |",
+             "|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {mib(r['bytes'], '.4g')} | {r['engine']} | {r['size']} | "
+                     f"{r['time_s'] * 1e3:.3f} ms | {r['unchecked_s'] * 1e3:.3f} ms | "
+                     f"{(r['time_s'] / r['unchecked_s'] - 1) * 100:+.1f}% |")
+    return lines
 
 
 def _model_row(m: dict[str, Any]) -> str:

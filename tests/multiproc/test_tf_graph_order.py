@@ -22,5 +22,5 @@ ENV = {"DP_PLUGIN_TIMEOUT": "30", "DP_PLUGIN_ENGINE": "gloo", "TF_CPP_MIN_LOG_LE
 
 @pytest.mark.parametrize("case", worker_cases(WORKER))
 def test_graph_collectives_in_construction_order(case: str) -> None:
-    result = run_workers("env", 2, WORKER, args=["--case", case], env=ENV, timeout=180)
+    result = run_workers("env", 2, WORKER, args=["--case", case], env=ENV, timeout=300)
     assert_ranks_ok(result, 2)

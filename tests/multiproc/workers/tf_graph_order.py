@@ -14,7 +14,8 @@
 - ``global_variables``: Horovod's TF1 pattern: a training step whose
   all-reduce reads a placeholder, then ``broadcast_global_variables(0)``
   built after it (as ``BroadcastGlobalVariablesHook`` does) and run alone,
-  without feeding the placeholder; then steps, whose weights stay equal.
+  without feeding the placeholder; then steps, whose weights stay equal;
+  and ``BroadcastGlobalVariablesHook`` in a ``MonitoredSession``.
 
 Every rank prints ``rank R OK``; any failure exits 1 at once.
 """
@@ -145,6 +146,11 @@ def check_global_variables(_: Any) -> None:
         weights = dp.allgather_object(sess.run(w))
         np.testing.assert_array_equal(weights[0], weights[1])
         assert sess.run(step_count) == 3
+    with tf.Graph().as_default():  # Horovod's hook, in a MonitoredSession
+        v = tf.compat.v1.get_variable("v", initializer=tf.constant([float(rank)]))
+        hooks = [dp.BroadcastGlobalVariablesHook(1)]
+        with tf.compat.v1.train.MonitoredSession(hooks=hooks) as sess:
+            assert sess.run(v).tolist() == [1.0]
 
 
 CASES = {
