@@ -56,14 +56,14 @@ def test_bert_runs_across_two_shaped_hosts(launcher: str, tmp_path: Path) -> Non
     example = [*TINY, "--output-dir", str(tmp_path)]
     if launcher == "torchrun":
         script, args = CLUSTER, ["--hosts", "2", "--ranks-per-host", "1", "--link", "1gbit",
-                                 "--port", str(free_port()), "--timeout", "200", "--",
+                                 "--port", str(free_port()), "--timeout", "300", "--",
                                  str(ROOT / "examples" / "bert_pretrain.py"), *example]
     else:  # the two_hosts.py front end, which runs cluster.py --hosts 2
         script, args = TWO_HOSTS, ["--launcher", "mpirun", "--link", "1gbit",
-                                   "--port", str(free_port()), "--timeout", "200", "--",
+                                   "--port", str(free_port()), "--timeout", "300", "--",
                                    *example]
     result = run_workers("env", 1, script, args=args, env={"DP_PLUGIN_TIMEOUT": "60"},
-                         timeout=240)
+                         timeout=360)
     assert "link tbf 1gbit each way" in result.output, result.output
     assert "summary: workers 2" in result.output, result.output
     assert re.search(r"step 4 loss \d", result.output), result.output
