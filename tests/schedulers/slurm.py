@@ -15,8 +15,9 @@ returns why not where that cannot be done, and the tests skip saying so.
 ``ProctrackType=proctrack/linuxproc`` and ``TaskPlugin=task/none``: no
 cgroups needed. ``InactiveLimit=20``: an allocation whose srun was killed
 (a test's deadline) is released after 20 s; with 0 it held its node
-forever and every later job waited behind it (seen here). Every daemon runs in the foreground as our child and is
-stopped by its pid; the slurmds' namespaces are emptied by ``Hosts.close``.
+forever and every later job waited behind it (seen here). Every daemon
+runs in the foreground as our child and is stopped by its pid; the
+slurmds' namespaces are emptied by ``Hosts.close``.
 ``close()`` is idempotent and registered with ``atexit``.
 
 Client commands (``srun``, ``sbatch``, ``sinfo``) find the cluster through
