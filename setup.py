@@ -12,7 +12,7 @@ from setuptools import setup
 setup(
     packages=[
         "dp_plugin", "dp_plugin.engines", "dp_plugin.torch", "dp_plugin.tensorflow",
-        "dp_plugin.keras", "dp_plugin.cli",
+        "dp_plugin.keras", "dp_plugin.cli", "dp_plugin.ray",
     ],
     package_dir={
         "dp_plugin": "dp_plugin",

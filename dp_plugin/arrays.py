@@ -218,9 +218,13 @@ class TorchOps:
 
 
 def _np_scaled(dst: np.ndarray, src: np.ndarray, factor: float) -> None:
-    """``dst = src * factor``; integers in float64, truncated toward zero (Horovod)."""
+    """``dst = src * factor``; integers in float64, truncated toward zero, and
+    16-bit floats in float32, rounded once (Horovod's ScaleBuffer; torch's
+    half multiply does the same)."""
     if np.issubdtype(dst.dtype, np.integer):
         np.copyto(dst, np.trunc(src.astype(np.float64) * factor), casting="unsafe")
+    elif dst.dtype.itemsize < 4:
+        np.copyto(dst, src.astype(np.float32) * np.float32(factor), casting="unsafe")
     else:
         np.multiply(src, dst.dtype.type(factor), out=dst)
 

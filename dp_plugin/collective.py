@@ -39,7 +39,6 @@ from dp_plugin.hooks import (
     CommHook,
     HookState,
     ReducePolicy,
-    allreduce_hook,
     hook_for,
 )
 from dp_plugin.slabs import Slab, SlabPool
@@ -166,6 +165,8 @@ class FusedCollective:
         """Where unpinned buffers lie while they are in flight (``dp_plugin.slabs``)."""
         self._handles: list[Handle | None] = [None] * len(plan)
         self._started_with: list[list[Any] | None] = [None] * len(plan)
+        self._folded = [False] * len(plan)
+        """Per bucket in flight: did its hook fold the post-scale into the reduction?"""
         self._pack_spans = [(0.0, 0.0)] * len(plan)
         self._unpack_spans: list[tuple[float, float] | None] = [None] * len(plan)
 
@@ -258,22 +259,25 @@ class FusedCollective:
         direct = buf.direct_alias(ops, members)
         slab = None if direct is not None or buf.pinned else self._free_slab(index)
         grad_bucket = buf.pack(ops, members, self.policy.prescale, direct, slab)
-        if self._folds(buf):
+        if self._can_fold(buf):
             grad_bucket.postscale = self.policy.postscale
         t1 = time.perf_counter()
         handle: Handle = self.guard(lambda: self.hook(self.state, grad_bucket), buf)
+        self._folded[index] = grad_bucket.folded
         handle.context = buf.describe  # the engine's timeout message names the bucket
         self._handles[index] = handle
         self._started_with[index] = members
         self._pack_spans[index] = (t0, t1)
         return handle
 
-    def _folds(self, buf: FusionBuffer) -> bool:
-        """Does the engine multiply the sum by the post-scale while reducing
-        (exactly as ``unpack`` would)? Plain all-reduce hook, shared memory,
-        and no control slot (its counts are not scaled)."""
+    def _can_fold(self, buf: FusionBuffer) -> bool:
+        """Can the engine multiply the sum by the post-scale while reducing
+        (exactly as ``unpack`` would)? Shared memory, op sum, and no control
+        slot (its counts are not scaled). The bucket then offers the factor
+        to the hook (``GradBucket.postscale``); ``allreduce_hook`` takes it,
+        also when a user's hook wraps it, and says so (``folded``)."""
         scales = getattr(self.engine, "scales_in_reduction", None)
-        return (self.hook is allreduce_hook and self.policy.postscale != 1.0
+        return (self.policy.postscale != 1.0
                 and self.policy.engine_op is ReduceOp.SUM and scales is not None
                 and not buf.control_numel and bool(scales(buf.bucket.dtype)))
 
@@ -314,7 +318,7 @@ class FusedCollective:
         assert members is not None  # started
         t0 = time.perf_counter()
         buf = self.buffers[index]  # engine as at start (use_engine refuses mid-flight)
-        buf.unpack(self.backend(), members, 1.0 if self._folds(buf) else self.policy.postscale)
+        buf.unpack(self.backend(), members, 1.0 if self._folded[index] else self.policy.postscale)
         self._unpack_spans[index] = (t0, time.perf_counter())
 
     def wire_bytes(self, index: int) -> int:

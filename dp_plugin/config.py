@@ -98,6 +98,20 @@ class Config:
     """The gloo engine all-reduces through a shared-memory segment when every
     rank of the job is on one host (``engines/shm.py``); False: Gloo's TCP."""
 
+    shared_memory_budget: int | None = None
+    """Bytes of shared memory all of a process's segments may take (each
+    engine and optimizer channel has one); None: a quarter of ``/dev/shm``'s
+    size. Within it the chunk shrinks; below the smallest segment the gloo
+    engine keeps Gloo's TCP and says so once in the log."""
+
+    hierarchical_allreduce: bool | None = None
+    """The gloo engine's all-reduce on several hosts with several ranks each:
+    True reduces inside each host through shared memory and across hosts
+    between the ranks of the same local rank (``engines/hierarchical.py``);
+    False: one flat Gloo ring over every rank; None: hierarchical where the
+    launcher's topology has more than one host and more than one rank per
+    host, the same number on each."""
+
     rebuild_buckets: bool = True
     """Re-plan buckets from the gradient ready order observed in the first step."""
 
@@ -124,7 +138,9 @@ class Config:
     engines can always add sets."""
 
     job_secret: str | None = field(default=None, repr=False)
-    """Signs rank 0's store address in Horovod's rendezvous server (never printed)."""
+    """Signs rank 0's store address in Horovod's rendezvous server (never
+    printed); from DP_PLUGIN_JOB_SECRET_FILE (preferred: off command lines)
+    or DP_PLUGIN_JOB_SECRET."""
 
     def __post_init__(self) -> None:
         error = ConfigError
@@ -148,6 +164,13 @@ class Config:
         for flag in ("gradient_as_bucket_view", "rebuild_buckets", "process_sets", "autotune"):
             if not isinstance(getattr(self, flag), bool):
                 raise error(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        if self.hierarchical_allreduce not in (None, True, False):
+            raise error(f"hierarchical_allreduce must be None (automatic), True or False, got "
+                        f"{self.hierarchical_allreduce!r}")
+        if self.shared_memory_budget is not None:
+            check_int("shared_memory_budget (bytes)", self.shared_memory_budget, minimum=0,
+                      maximum=MAX_THRESHOLD, fix="set DP_PLUGIN_SHARED_MEMORY_BUDGET to a number "
+                      "of bytes, or leave it unset for a quarter of /dev/shm", error=error)
         if self.timeline is not None and (
                 not isinstance(self.timeline, str) or not self.timeline or "\x00" in self.timeline):
             raise error(f"timeline must be None or a non-empty file path without NUL "
@@ -232,6 +255,8 @@ class Config:
             if name in env:
                 kwargs[key] = env_bool(env, name, error=ConfigError)
 
+        kwargs.update(_shared_memory_settings(env))
+
         if "DP_PLUGIN_CHECK_FINITE" in env:
             kwargs["check_finite"] = env_choice(
                 env, "DP_PLUGIN_CHECK_FINITE", CHECK_FINITE_MODES, kind="mode",
@@ -241,10 +266,33 @@ class Config:
 
         kwargs.update(_autotune_from_env(env))
 
-        if "DP_PLUGIN_JOB_SECRET" in env:
-            kwargs["job_secret"] = env["DP_PLUGIN_JOB_SECRET"]
+        kwargs.update(_job_secret(env))
 
         return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def _job_secret(env: Mapping[str, str]) -> dict[str, object]:
+    """``job_secret`` from DP_PLUGIN_JOB_SECRET_FILE (read here, at init) or
+    DP_PLUGIN_JOB_SECRET. The file keeps the secret off every command line:
+    horovodrun starts its workers as ``env K=V ... python``, which ``ps``
+    shows on every host for the whole job (issue 24)."""
+    path = env.get("DP_PLUGIN_JOB_SECRET_FILE")
+    if not path:
+        return {"job_secret": env["DP_PLUGIN_JOB_SECRET"]} if "DP_PLUGIN_JOB_SECRET" in env else {}
+    if "DP_PLUGIN_JOB_SECRET" in env:
+        raise ConfigError("both DP_PLUGIN_JOB_SECRET and DP_PLUGIN_JOB_SECRET_FILE are set; "
+                          "keep DP_PLUGIN_JOB_SECRET_FILE alone (it stays off command lines)")
+    try:
+        with open(path, encoding="ascii") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            secret = f.read().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"DP_PLUGIN_JOB_SECRET_FILE={path!r} cannot be read ({exc}); give a "
+                          "file holding the secret, readable by this user on every host") from None
+    if mode & 0o077:
+        raise ConfigError(f"DP_PLUGIN_JOB_SECRET_FILE={path!r} has mode {mode & 0o777:o}: other "
+                          f"users may read the secret; `chmod 600 {path}`")
+    return {"job_secret": secret}
 
 
 def _fusion_settings(env: Mapping[str, str]) -> dict[str, object]:
@@ -272,6 +320,22 @@ def _fusion_settings(env: Mapping[str, str]) -> dict[str, object]:
     if "fusion_threshold" in kwargs:  # the user's size, for every bucket (as DDP)
         kwargs["first_bucket_threshold"] = None
         kwargs.setdefault("min_buckets", 1)
+    return kwargs
+
+
+def _shared_memory_settings(env: Mapping[str, str]) -> dict[str, object]:
+    """The shared-memory budget, and the hierarchical switch (Horovod's
+    ``HOROVOD_HIERARCHICAL_ALLREDUCE`` honoured as the same one; ours wins)."""
+    kwargs: dict[str, object] = {}
+    if "DP_PLUGIN_SHARED_MEMORY_BUDGET" in env:
+        kwargs["shared_memory_budget"] = env_int(
+            env, "DP_PLUGIN_SHARED_MEMORY_BUDGET", minimum=0, maximum=MAX_THRESHOLD,
+            unit="bytes", fix="the default (unset) is a quarter of /dev/shm; 0 keeps Gloo's TCP",
+            error=ConfigError)
+    for name in ("DP_PLUGIN_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE"):
+        if name in env:
+            kwargs["hierarchical_allreduce"] = env_bool(env, name, error=ConfigError)
+            break
     return kwargs
 
 

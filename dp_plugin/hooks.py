@@ -41,8 +41,14 @@ class ReducePolicy:
     ``prescale / predivide`` before the sum and the sum by
     ``postscale * predivide / size`` after it; ``op=sum`` applies only the
     user's factors; min/max/product allow none. ``engine_op`` is what the
-    engine runs (Average is always a sum here: no engine's native average
-    is used, so every engine rounds alike).
+    engine runs (Average is always a sum here). The factors are applied by
+    ``ArrayOps.scale_`` (in the fusion buffer's pack/unpack, or on the
+    reduce-scatter's input and output): integers in double precision,
+    truncated; float16/bfloat16 in float32. The engines' own ``op=average``
+    (``engines.generic.average``: times ``1/size``) is the same rule; no
+    library's native average is used. The one exception is Horovod's own:
+    sparse all-reduces (torch ``sparse_allreduce_async``, TensorFlow
+    ``tf.IndexedSlices``) divide the gathered values by the size.
     """
 
     op: ReduceOp
@@ -130,9 +136,13 @@ class GradBucket:
     bucket has a buffer of its own (keep such things in ``scratch``)."""
     shared_numel: int = 0
     postscale: float = 1.0
-    """The factor the engine multiplies the sum by while reducing (set by the
-    scheduler for the plain all-reduce hook where ``scales_in_reduction``;
-    it then skips its own multiply). Other hooks always see 1.0."""
+    """The post-scale the engine may multiply the sum by while reducing
+    (offered where the engine ``scales_in_reduction`` this dtype; 1.0
+    otherwise). A hook that passes it to ``allreduce_async(postscale=)``
+    sets ``folded``; otherwise the fused collective multiplies afterwards."""
+    folded: bool = False
+    """Set by the hook that folded ``postscale`` into the reduction
+    (``allreduce_hook``, also inside a user's wrapper)."""
 
     def buffer(self) -> Any:
         return self.flat
@@ -152,10 +162,13 @@ CommHook = Callable[[HookState, GradBucket], Handle]
 
 
 def allreduce_hook(state: HookState, bucket: GradBucket) -> Handle:
-    """Reduce the bucket in place with the policy's engine op."""
+    """Reduce the bucket in place with the policy's engine op (folding the
+    offered post-scale into the reduction)."""
     if bucket.postscale != 1.0:
-        return state.engine.allreduce_async(bucket.buffer(), state.engine_op, name=bucket.label,
-                                            postscale=bucket.postscale)
+        handle = state.engine.allreduce_async(bucket.buffer(), state.engine_op,
+                                              name=bucket.label, postscale=bucket.postscale)
+        bucket.folded = True
+        return handle
     return state.engine.allreduce_async(bucket.buffer(), state.engine_op, name=bucket.label)
 
 

@@ -1,20 +1,50 @@
-"""Join's wire protocol: what a rank that called ``join()`` answers on the wire.
+"""Join's wire protocol: what a rank that called ``join()`` answers, what it
+refuses, and how long it waits.
 
 A rank that has run out of data calls ``join()``; until every rank has, the
-others may still run collectives. The joined rank keeps one ``Listener``
-posted on each engine it belongs to: its row of the agreement table
-(``dp_plugin.agreement``) marked ``JOINED``, with the number of collectives
-it has answered since it joined. The others' agreement meets it, so every
-rank learns who has joined; the joined rank learns, from the others'
-descriptions, what they are about to run.
+others may still run collectives. Horovod 0.28.1's rule, which a script
+written for Horovod relies on:
 
-Distributed contract: the ranks that have not joined run their agreements
-as usual; every rank, joined or not, reads the same table and draws the
-same conclusion from it.
+- **answered**: the all-reduce family (``allreduce``, ``grouped_allreduce``,
+  their in-place forms, a metric's average, every ``DistributedOptimizer``
+  step) and ``barrier``. The joined rank contributes nothing: the op's
+  identity (zeros for Sum and Average; Average still divides by the full
+  size, as in Horovod).
+- **refused**: ``allgather``, ``broadcast``, ``reducescatter``, ``alltoall``
+  and everything built on them or agreed once (``broadcast_parameters``,
+  ``broadcast_object``, ``SyncBatchNorm`` statistics, ...). Every rank that
+  called it raises ``JoinedRankError`` at the call (Horovod: "Allgather is
+  not supported with Join at this time."); the joined rank is not
+  disturbed and keeps waiting. Those ranks then call ``join()`` themselves,
+  and every rank gets the rank that joined last back.
+
+On the wire: the joined rank keeps one ``Listener`` posted on each engine it
+belongs to: its row of the agreement table (``dp_plugin.agreement``)
+marked ``JOINED``. The others' agreement meets it, so every rank learns who
+has joined, and the joined rank learns from their descriptions what they
+are about to run. A collective that runs without an agreement of its own
+(a cached one, agreed once: ``SyncBatchNorm``'s statistics) must run one
+per call on an engine a joined rank may listen on, or its data would pair
+with the ``Listener`` (the agreement refuses it instead).
+
+Deadline: a ``Listener`` may stand for as long as the others train (their
+optimizer steps run on the optimizer's channel, not on the engine it
+listens on), so its collective carries no deadline of its own
+(``Engine.standing_allreduce_async``). ``join()`` owns the deadline
+(``Deadline``): ``DP_PLUGIN_TIMEOUT`` after the last progress, where
+progress is any collective of the others that this rank answered, an
+optimizer step among them.
+
+Who joined last: every rank counts the rounds it answered on the global
+engine since it joined; once every rank has joined, one all-reduce of the
+counts (``last_joined``) names the rank with the fewest (of ranks that
+joined at the same point, the highest).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -27,25 +57,59 @@ from dp_plugin.agreement import (
     conclude,
     read_table,
     table_buffer,
+    to_device,
+    to_host,
 )
-from dp_plugin.errors import JoinedRankError
+from dp_plugin.errors import CollectiveTimeoutError, JoinedRankError
+
+ANSWERED = frozenset({"allreduce", "barrier"})
+"""The collective kinds a joined rank answers (besides optimizer steps)."""
+
+REFUSED = frozenset({"allgather", "broadcast", "reducescatter", "alltoall"})
+"""The kinds Horovod refuses while a rank is joined; anything else that is
+not ``ANSWERED`` is refused too."""
+
+
+def answers(kind: str) -> bool:
+    """Does a joined rank answer a collective of ``kind``?"""
+    return kind in ANSWERED
+
+
+def admit(kind: str, name: str | None, joined: Sequence[int]) -> None:
+    """On a rank that called ``kind`` while ``joined`` (global ranks) have joined:
+    return if a joined rank answers it, else raise ``JoinedRankError``."""
+    if not joined or answers(kind):
+        return
+    named = "" if name is None else f" {name!r}"
+    raise JoinedRankError(refusal(joined, f"{kind}{named}", kind.capitalize()))
+
+
+def refusal(joined: Sequence[int], what: str, horovod: str | None = None) -> str:
+    """The message of every rank that called ``what`` while ``joined`` have joined."""
+    said = "" if horovod is None else f" (Horovod: '{horovod} is not supported with Join')"
+    return (
+        f"rank(s) {', '.join(map(str, joined))} have called hvd.join(), and {what} cannot "
+        f"run while a rank is joined{said}: a joined rank answers only allreduce, "
+        "grouped_allreduce, barrier and DistributedOptimizer steps. Call it before "
+        "join(), or call hvd.join() on this rank too: join() then returns the rank that "
+        "joined last on every rank. Every rank that called it raises this error"
+    )
 
 
 class Listener:
     """A joined rank's standing answer to the next agreement on ``engine``.
 
-    Posted without blocking; ``done()`` polls it; ``heard()`` returns what
-    the other ranks asked for (``Heard``; every rank joined when its
-    ``envelopes`` are all None). ``answered`` goes into this rank's row, so
-    that once everyone has joined every rank can tell who joined last.
+    Posted without blocking and without a deadline of its own (``Deadline``
+    bounds it); ``done()`` polls it; ``heard()`` returns what the other
+    ranks ran (``Heard``; ``everyone_joined`` tells the end).
     """
 
-    def __init__(self, engine: Any, answered: int) -> None:
+    def __init__(self, engine: Any) -> None:
         self.engine = engine
         row = np.zeros(WIDTH, dtype=np.int64)
-        row[1], row[2] = JOINED, answered
+        row[1] = JOINED
         self._buf = table_buffer(engine, row)
-        self.handle = engine.allreduce_async(self._buf, "sum", name=AGREE_NAME)
+        self.handle = engine.standing_allreduce_async(self._buf, name=AGREE_NAME)
 
     def done(self) -> bool:
         return bool(self.handle.done())
@@ -53,19 +117,49 @@ class Listener:
     def heard(self) -> Heard:
         """The agreement the other ranks ran (collective: it may exchange details)."""
         self.handle.wait()
-        heard = conclude(self.engine, read_table(self.engine, self._buf), b"", ())
-        if not heard.same:
-            raise JoinedRankError(
-                f"rank {self.engine.rank} has joined, and the other ranks called "
-                f"different collectives while it was joined ({heard.tags()}); they raise "
-                "an error saying which"
+        return conclude(self.engine, read_table(self.engine, self._buf), b"", ())
+
+
+def everyone_joined(heard: Heard, size: int) -> bool:
+    return len(heard.joined) == size
+
+
+def answerable(heard: Heard, kind: str) -> bool:
+    """Did the others run something this rank answers? (False: they raise:
+    an agreement that refuses joined ranks, a refused kind, or ranks that
+    disagree among themselves; this rank just keeps listening.)"""
+    return heard.same and all(heard.joined_ok) and answers(kind)
+
+
+class Deadline:
+    """``join()``'s one deadline: ``timeout_s`` after the last progress."""
+
+    def __init__(self, timeout_s: float, rank: int) -> None:
+        self.timeout_s = timeout_s
+        self.rank = rank
+        self.progressed()
+
+    def progressed(self) -> None:
+        self._until = time.perf_counter() + self.timeout_s
+
+    def check(self) -> None:
+        if time.perf_counter() >= self._until:
+            raise CollectiveTimeoutError(
+                f"rank {self.rank}: hvd.join() heard nothing from the other ranks for "
+                f"{self.timeout_s:g} s (DP_PLUGIN_TIMEOUT): a rank that has not joined "
+                "neither stepped a DistributedOptimizer nor called a collective in that "
+                "time; check that every rank calls hvd.join() when its data runs out"
             )
-        if heard.joined and not all(heard.joined_ok):
-            raise JoinedRankError(
-                f"rank(s) {', '.join(map(str, heard.joined))} have called join(), and "
-                f"{heard.tags()} cannot run while a rank is joined: a joined rank answers "
-                "only allreduce, allgather, broadcast, reducescatter, barrier (and their "
-                "grouped forms) and DistributedOptimizer steps. Call it before join(), or "
-                "after join() has returned on every rank. Every rank raises this error"
-            )
-        return heard
+
+
+def last_joined(engine: Any, answered: int) -> int:
+    """Once every rank has joined (collective over ``engine``, the global one):
+    the rank that joined last, i.e. that answered the fewest of the others'
+    rounds since it joined (of several, the highest)."""
+    counts = np.zeros(engine.size, dtype=np.int64)
+    counts[engine.rank] = answered
+    buf = to_device(counts, engine.buffer_device)
+    engine.allreduce_async(buf, "sum", name=f"{AGREE_NAME}.join").wait()
+    got = to_host(buf)
+    fewest = int(got.min())
+    return max(r for r in range(engine.size) if got[r] == fewest)

@@ -36,10 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from dp_plugin.agreement import compare
+from dp_plugin import join
+from dp_plugin.agreement import Heard, compare
 from dp_plugin.dtypes import SUPPORTED_DTYPES, canonical_dtype
 from dp_plugin.engines.types import ReduceOp, Started
-from dp_plugin.errors import DPPluginError, JoinedRankError
+from dp_plugin.errors import DPPluginError
 from dp_plugin.launch import Topology
 from dp_plugin.validate import is_int
 
@@ -102,10 +103,6 @@ MOVABLE = frozenset({*SUPPORTED_DTYPES, "bool", "uint16"})
 they do not reduce as raw bytes)."""
 
 _NEEDS_FIRST_DIM = frozenset({"allgather", "alltoall", "reducescatter"})
-
-JOINABLE = frozenset({"allreduce", "allgather", "broadcast", "reducescatter", "barrier"})
-"""The collectives a joined rank (``hvd.join()``) answers, contributing
-nothing (zeros to a reduction, no rows to an all-gather)."""
 
 CHECK_TAG = "dp_plugin.check"
 """The agreement tag of every request (one tag, so that two ranks in
@@ -193,36 +190,39 @@ def check(engine: Any, request: Request, *, accept_joined: bool = False) -> Agre
 
     Collective over ``engine``'s ranks: every rank calls it once per
     collective (or group of collectives), in the same order.
-    ``accept_joined``: the caller can run with a joined rank contributing
-    nothing (``JOINABLE`` kinds of the torch adapter).
+    ``accept_joined``: the caller's ranks may run with joined ranks (the
+    torch adapter, whose ``hvd.join()`` answers); ``dp_plugin.join`` then
+    says which kinds run and raises ``JoinedRankError`` for the others.
     """
     if request.kind not in ("barrier", "subgroup") and not request.shapes:
         raise ValueError("a collective needs at least one tensor; got an empty list")
     problem, detail, extra, members = _local_problem(engine, request)
     mine = [_describe(request, i, problem, members) for i in range(max(1, len(request.shapes)))]
     numbers = [_first_dim(shape) for shape in request.shapes] + extra
-    got = compare(engine, CHECK_TAG, mine, numbers,
-                  joined_ok=accept_joined and request.kind in JOINABLE)
+    got = compare(engine, CHECK_TAG, mine, numbers, joined_ok=accept_joined)
     blocks = [b for b in got.described if b is not None] if got.described else [mine]
     _raise_problems(blocks, detail)
     if got.described is not None:
         _raise_mismatch(blocks, request)
-        raise MismatchError(  # the digests differ, the descriptions do not
-            "the agreement check's digests differ across ranks although the requests agree; "
-            "the collective engine corrupted data (report this as a bug)"
-        )
-    if got.joined:
-        _check_root_active(engine, mine[0], got.joined)
+        if not got.joined:
+            raise MismatchError(  # the digests differ, the descriptions do not
+                "the agreement check's digests differ across ranks although the requests "
+                "agree; the collective engine corrupted data (report this as a bug)"
+            )
+    join.admit(request.kind, request.name, [engine.global_ranks[r] for r in got.joined])
     return Agreed(_with_joined(got.numbers, len(numbers)), len(request.shapes), got.joined,
                   members, mine)
 
 
-def joined_view(engine: Any, heard: Any) -> tuple[list[dict[str, Any]], Agreed]:
+def joined_view(heard: Heard) -> tuple[list[dict[str, Any]] | None, Agreed]:
     """On a joined rank: the request the others agreed on (one description
-    per tensor) and what they agreed, or the error they all raise."""
+    per tensor) and what they agreed; None when they ran another agreement
+    than ``check`` or reported a problem (they raise, this rank listens on)."""
+    if any(env is not None and env[0] != CHECK_TAG for env in heard.envelopes):
+        return None, Agreed([], 0)
     blocks = [b for b in heard.described if b is not None]
-    _raise_problems(blocks, "")
-    _check_root_active(engine, blocks[0][0], heard.joined)
+    if not blocks or any(d["problem"] for b in blocks for d in b):
+        return None, Agreed([], 0)
     width = max(len(n) for n in heard.numbers)
     count = len(blocks[0]) if blocks[0][0]["kind"] != "barrier" else 0
     return blocks[0], Agreed(_with_joined(heard.numbers, width), count, heard.joined)
@@ -230,21 +230,8 @@ def joined_view(engine: Any, heard: Any) -> tuple[list[dict[str, Any]], Agreed]:
 
 def _with_joined(numbers: list[list[int]], width: int) -> list[list[int]]:
     """The table, a joined rank's (empty) numbers as zeros: it contributes
-    nothing, no rows to an all-gather."""
+    nothing."""
     return [row or [0] * width for row in numbers]
-
-
-def _check_root_active(engine: Any, described: dict[str, Any],
-                       joined: Sequence[int]) -> None:
-    if described["kind"] != "broadcast":
-        return
-    root = described["root"]
-    if engine.global_ranks.index(root) in joined:
-        raise JoinedRankError(
-            f"broadcast{_named(described['name'])}: "
-            f"its root_rank {root} has called join() and has no tensor to send; broadcast "
-            "from a rank that has not joined. Every rank raises this error"
-        )
 
 
 # -- this rank's own mistakes ----------------------------------------------------------

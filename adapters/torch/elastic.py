@@ -30,6 +30,13 @@ Tracked: every keyword value with ``state_dict``/``load_state_dict``
 through those methods; any other value (epoch, batch, ...) as it is; and the
 torch, numpy and ``random`` generator states of every rank.
 
+Where commits go: ``commit_path`` if given; under torchrun without one, a
+file private to the user and to this job (``default_commit_path``:
+``$TMPDIR/dp_plugin-<uid>/elastic-<TORCHELASTIC_RUN_ID>.pt``, in a 0700
+directory), so that Horovod's own elastic examples (``TorchState(model,
+optimizer, batch=0, epoch=0)``) recover a killed worker unchanged. That
+default file is removed when ``run``'s function returns.
+
 horovodrun's elastic mode is refused with an explanation: Horovod hands new
 ranks to running workers through its rendezvous server at ``hvd.init()``,
 while dp_plugin reads a worker's rank once from the environment.
@@ -37,10 +44,14 @@ while dp_plugin reads a worker's rank once from the environment.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
-from collections.abc import Callable
+import re
+import stat
+import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -130,13 +141,17 @@ class ObjectState(State):
     ``commit_path``: where commits go (see ``TorchState``); reserved, not tracked.
     """
 
+    default_path: bool = False
+    """``commit_path`` is ``default_commit_path()`` (removed when ``run`` returns)."""
+
     _objects: list[str] = []
     """Names tracked through ``state_dict``/``load_state_dict`` (``TorchState``)."""
 
     def __init__(self, *, commit_path: str | os.PathLike[str] | None = None,
                  **kwargs: Any) -> None:
         super().__init__()
-        self.commit_path = None if commit_path is None else Path(commit_path)
+        self.commit_path = default_commit_path() if commit_path is None else Path(commit_path)
+        self.default_path = commit_path is None and self.commit_path is not None
         self._values = [n for n in kwargs if n not in self._objects]
         for name, value in kwargs.items():
             setattr(self, name, value)
@@ -223,10 +238,11 @@ class TorchState(ObjectState):
 
     ``commit_path`` (keyword only, not an attribute name Horovod scripts
     use): the file each ``commit()`` replaces atomically and ``run`` resumes
-    from. Required under ``torchrun --max-restarts N`` (N > 0): without it a
-    restart would start from scratch. Multi-host: rank 0 writes and reads
-    it, so it must be where the next attempt's rank 0 can read it (shared
-    storage, or a fixed first node).
+    from. Under torchrun it defaults to a per-job file in the temporary
+    directory (``default_commit_path``); elsewhere (no restarts) commits
+    stay in memory. Multi-host: rank 0 writes and reads it, so it must be
+    where the next attempt's rank 0 can read it (shared storage, or a
+    fixed first node: the default is on rank 0's local disk).
     """
 
     def __init__(self, model: torch.nn.Module | None = None,
@@ -283,9 +299,51 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
             init()
         if not state.load():
             state.sync()
-        return func(state, *args, **kwargs)
+        result = func(state, *args, **kwargs)
+        _remove_default_commit(state)
+        return result
 
     return wrapper
+
+
+def default_commit_path(env: Mapping[str, str] | None = None) -> Path | None:
+    """Where commits go without ``commit_path``: under torchrun,
+    ``<temp dir>/dp_plugin-<uid>/elastic-<TORCHELASTIC_RUN_ID>.pt``; None
+    elsewhere (no launcher restarts the workers, memory is enough).
+
+    Per job: torchrun gives every job its own run id (a UUID unless
+    ``--rdzv-id`` names the job) and keeps it across its restarts. Private:
+    the directory is created 0700 and refused unless this user owns it and
+    no one else may enter it (a commit is unpickled, with
+    ``weights_only=True``, by the next attempt)."""
+    env = os.environ if env is None else env
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    if not run_id:
+        return None
+    folder = Path(tempfile.gettempdir()) / f"dp_plugin-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700)
+    info = folder.lstat()
+    if (not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid()
+            or stat.S_IMODE(info.st_mode) & 0o077):
+        raise LaunchError(
+            f"the default elastic commit directory {str(folder)!r} is not private to this user "
+            f"(mode {stat.S_IMODE(info.st_mode):o}, owner uid {info.st_uid}, this user "
+            f"{os.getuid()}, {'a directory' if stat.S_ISDIR(info.st_mode) else 'not a directory'}"
+            "): another user could replace the commits a restart loads. Remove it, or pass "
+            "TorchState(..., commit_path='some/dir/elastic.pt')"
+        )
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:128]
+    return folder / f"elastic-{safe}.pt"
+
+
+def _remove_default_commit(state: State) -> None:
+    """The job's function returned: its default commit file is not needed again."""
+    path = state.commit_path
+    if getattr(state, "default_path", False) and path is not None and (
+            not basics.is_initialized() or basics.rank() == 0):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 def _check_launcher(state: State) -> None:
@@ -303,7 +361,8 @@ def _check_launcher(state: State) -> None:
             f"torchrun restarts failed workers (TORCHELASTIC_MAX_RESTARTS={restarts}), but "
             f"this {type(state).__name__} has no commit_path: its commits live in the memory "
             "of the processes torchrun replaces, and the restarted job would begin from "
-            "scratch. Pass commit_path='some/dir/elastic.pt' (a file rank 0 can write)"
+            "scratch. Pass commit_path='some/dir/elastic.pt' (a file rank 0 can write); "
+            "torchrun's workers get a default from TORCHELASTIC_RUN_ID, which is not set here"
         )
 
 

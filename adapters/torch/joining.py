@@ -15,26 +15,28 @@ which ranks have joined, and all agree on when everyone has. A joined rank
 loops over "zero steps" (``synchronize()`` with no gradient marked ready,
 so every gradient contributes zeros) until its flags say everyone has joined.
 
-Other collectives are answered by ``join_service`` (through
-``dp_plugin.join.Listener``); ``join`` polls both without blocking, so the others may step
-and call collectives in any order.
+The others' all-reduces and barriers are answered by ``join_service``
+(through ``dp_plugin.join.Listener``, the wire protocol: what is answered,
+what is refused, the deadline); ``join`` polls both without blocking, so
+the others may step and call collectives in any order.
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
+from dp_plugin import join as protocol
 from dp_plugin.engines.base import ReduceOp
-from dp_plugin.engines.deadline import poll
-from dp_plugin.errors import CollectiveTimeoutError
-from dp_plugin.join import Listener
+from dp_plugin.join import Deadline, Listener
 from dp_plugin.process_sets import member_engines
+from dp_plugin.request import joined_view
 from dp_plugin.torch.basics import engine
+from dp_plugin.torch.control_slot import RankMarks
 from dp_plugin.torch.join_service import answer
-from dp_plugin.torch.rank_marks import RankMarks
 
 
 class JoinFlags(RankMarks):
@@ -98,6 +100,10 @@ class Joinable(Protocol):
     def _dp_join_finish(self) -> bool:
         """End the zero step: has every rank joined?"""
 
+    def _dp_join_global(self) -> bool:
+        """Does it reduce over every rank of the job (its steps count for
+        ``last_joined``)?"""
+
 
 _optimizers: list[weakref.ref[Any]] = []
 
@@ -109,30 +115,30 @@ def register(optimizer: Joinable) -> None:
 
 
 def join(device: int = -1) -> int:
-    """Wait, answering the other ranks' collectives, until every rank has joined.
+    """Wait, answering the other ranks' all-reduces, until every rank has joined.
 
     Call it on a rank that has run out of data. Until every rank has called
     ``join()``, this rank takes part, contributing nothing, in what the
-    others run (Horovod's semantics):
+    others run (Horovod 0.28.1's semantics, ``dp_plugin.join``):
 
     - every ``DistributedOptimizer`` step, with zero gradients (averages
       still divide by the full size, as in Horovod);
     - ``allreduce`` (zeros; for Min/Max/Product the op's identity),
-      ``allgather`` (no rows), ``broadcast`` (receives; a joined root is an
-      error on every rank), ``reducescatter`` (zeros), ``barrier``, and
-      their grouped and in-place forms, on the global process set and on
-      every process set this rank belongs to.
+      ``barrier``, and their grouped and in-place forms, on the global
+      process set and on every process set this rank belongs to.
 
-    Anything else the training ranks call meanwhile (``alltoall``,
-    ``broadcast_parameters``, ``broadcast_object``, ``SyncBatchNorm`` in
-    training mode, ...) raises ``JoinedRankError`` on every rank, this one
-    included. This rank's own parameters are not updated while it waits, so
-    broadcast parameters from a rank that trained to the end if you keep
-    training afterwards. Returns, on every rank, the rank that joined last
-    (of ranks that joined at the same point, the highest).
+    ``allgather``, ``broadcast``, ``reducescatter``, ``alltoall`` and what is
+    built on them (``broadcast_parameters``, ``broadcast_object``,
+    ``SyncBatchNorm`` in training mode, ...) raise ``JoinedRankError`` on the
+    ranks that call them meanwhile (Horovod: "Allgather is not supported
+    with Join at this time."); this rank keeps waiting, and those ranks
+    call ``join()`` next. This rank's own parameters are not updated while
+    it waits, so broadcast parameters from a rank that trained to the end if
+    you keep training afterwards. Returns, on every rank, the rank that
+    joined last (of ranks that joined at the same point, the highest).
 
-    Collective. Each wait for the others is bounded by ``DP_PLUGIN_TIMEOUT``
-    (``CollectiveTimeoutError`` when nothing arrives for that long).
+    Collective. Bounded by ``DP_PLUGIN_TIMEOUT`` after the last progress
+    (``CollectiveTimeoutError`` when the others run nothing for that long).
     ``device`` is accepted for compatibility: zeros are made on each
     tensor's own device.
     """
@@ -148,46 +154,48 @@ def join(device: int = -1) -> int:
 
 
 class _Joined:
-    """One ``join()`` call: listeners on this rank's engines, zero steps of
-    its optimizers, polled until every rank has joined."""
+    """One ``join()`` call: listeners on this rank's engines (the global one
+    first), zero steps of its optimizers, polled until every rank has joined."""
 
     def __init__(self, eng: Any, engines: list[Any], optimizers: list[Joinable]) -> None:
         self.eng = eng
         self.answered = 0
-        self.listening: dict[int, tuple[Any, Listener]] = {
-            i: (e, Listener(e, 0)) for i, e in enumerate(engines)}
+        """Rounds of the others answered on the global engine (``last_joined``)."""
+        self.listening: dict[int, Listener] = {i: Listener(e) for i, e in enumerate(engines)}
         self.stepping = list(optimizers)
         for opt in self.stepping:
             opt._dp_join_start()
-        self.last = -1
 
     def run(self) -> int:
-        timeout = self.eng.config.timeout_s
-        while self.listening or self.stepping:  # each progress restarts the deadline
-            if not poll(self._poll, timeout, step=1e-4, longest=2e-3):
-                raise CollectiveTimeoutError(
-                    f"rank {self.eng.rank}: hvd.join() heard nothing from the other ranks for "
-                    f"{timeout:g} s (DP_PLUGIN_TIMEOUT): a rank that has not joined neither "
-                    "stepped a DistributedOptimizer nor called a collective in that time; "
-                    "check that every rank calls hvd.join() when its data runs out"
-                )
-        return self.last
+        deadline = Deadline(self.eng.config.timeout_s, self.eng.rank)
+        pause = 0.0
+        while self.listening or self.stepping:
+            if self._poll():
+                deadline.progressed()
+                pause = 0.0
+                continue
+            deadline.check()
+            time.sleep(pause)
+            pause = min(pause * 2 + 1e-4, 2e-3)
+        return protocol.last_joined(self.eng, self.answered)
 
     def _poll(self) -> bool:
         progressed = False
-        for index, (e, listener) in list(self.listening.items()):
+        for index, listener in list(self.listening.items()):
             if not listener.done():
                 continue
             progressed = True
+            e = listener.engine
             heard = listener.heard()
-            if len(heard.joined) == e.size:  # everyone has joined
+            if protocol.everyone_joined(heard, e.size):
                 del self.listening[index]
-                if index == 0:
-                    self.last = _last_joined(heard.answered)
                 continue
-            answer(e, heard)
-            self.answered += 1
-            self.listening[index] = (e, Listener(e, self.answered))
+            described, agreed = joined_view(heard)
+            if described is not None and protocol.answerable(heard, described[0]["kind"]):
+                answer(e, described, agreed)
+            if index == 0:
+                self.answered += 1
+            self.listening[index] = Listener(e)
         for opt in list(self.stepping):
             if not opt._dp_join_polled():
                 continue
@@ -195,13 +203,7 @@ class _Joined:
             if opt._dp_join_finish():
                 self.stepping.remove(opt)
             else:
-                self.answered += 1
+                if opt._dp_join_global():
+                    self.answered += 1
                 opt._dp_join_start()
         return progressed
-
-
-def _last_joined(answered: list[int]) -> int:
-    """The rank that joined last: it has answered the fewest collectives
-    (of several, the highest rank)."""
-    fewest = min(answered)
-    return max(r for r, n in enumerate(answered) if n == fewest)

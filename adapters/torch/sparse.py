@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 import torch
 from dp_plugin import request
+from dp_plugin.agreement import to_device, to_host
 from dp_plugin.arrays import TorchOps
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.process_sets import engine_of, global_process_set
@@ -134,16 +137,25 @@ class SparseGradients:
         return param.detach().new_empty(0) if param in self.known else param
 
     def reduce(self, params: list[torch.Tensor], names: dict[torch.Tensor, str], op: Any,
-               engine: Any, contribute: bool = True) -> None:
+               engine: Any, news: Any, contribute: bool = True) -> None:
         """Reduce every known sparse gradient over ``engine`` (the optimizer's
         channel; registration order) and store the result as the parameter's
         ``.grad``. With ``contribute=False`` (a joined rank) this rank sends
         empty gradients and keeps nothing.
 
+        ``news`` (``RankMarks`` in the control slot, reduced with this
+        step's buckets) says whether a rank saw a gradient turn sparse this
+        step; the ranks then first tell each other which (``_learn``): a
+        rank that called ``hvd.join()`` before its first step has seen
+        none, and must run the same all-gathers as the others.
+
         The optimizer's layout agreement covers these parameters, so the
         all-gathers go straight to the channel, not through the tensor
         collectives' agreement on the process set's engine (which a joined
         rank keeps listening to)."""
+        if news.marked():
+            self._learn(params, engine)
+        news.reset()
         if self.known and op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
             raise ValueError(
                 f"DistributedOptimizer: op={op.name.capitalize()} cannot reduce sparse "
@@ -170,6 +182,25 @@ class SparseGradients:
             if contribute:
                 p.grad = _assemble(t, indices, values, divisor)
         self.grads.clear()
+
+
+    def _learn(self, params: list[torch.Tensor], engine: Any) -> None:
+        """Every rank learns every parameter some rank knows as sparse, with its
+        ``sparse_dim`` (one all-reduce of two numbers per parameter; collective
+        over the channel); a parameter new here re-plans the buckets after the
+        step (``changed``), as on the ranks that saw its gradient."""
+        mine = np.zeros((2, len(params)), dtype=np.int64)
+        for i, p in enumerate(params):
+            if p in self.known:
+                mine[:, i] = (self.known[p][0], 1)
+        buf = to_device(mine.reshape(-1), engine.buffer_device)
+        engine.allreduce_async(buf, "sum", name="DistributedOptimizer.sparse.known").wait()
+        dims, ranks = to_host(buf).reshape(2, len(params))
+        for i, p in enumerate(params):
+            if ranks[i] and p not in self.known:
+                sparse_dim = int(dims[i] // ranks[i])
+                self.known[p] = (sparse_dim, p.dim() - sparse_dim)
+                self.changed = True
 
 
 def _empty_sparse(param: torch.Tensor, sparse_dim: int, dense_dim: int) -> torch.Tensor:

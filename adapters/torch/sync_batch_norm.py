@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from dp_plugin.agreement import compare
 from dp_plugin.arrays import TorchOps
 from dp_plugin.collective import UNBOUNDED, FusedCollective
 from dp_plugin.fusion import TensorSpec
@@ -39,9 +40,12 @@ class SyncBatchNorm(_BatchNorm):
     hang.)
 
     Distributed contract: in training mode every forward is a
-    synchronization point (one all-gather of 2C+1 numbers per rank) and,
-    when the input needs a gradient, so is every backward (one all-reduce
-    of 2C numbers). All ranks of the process set must therefore call the
+    synchronization point (one agreement, then one all-reduce of a table of
+    2C+1 numbers per rank) and, when the input needs a gradient, so is every
+    backward (one agreement, then one all-reduce of 2C numbers). While a
+    rank has called ``hvd.join()`` it raises ``JoinedRankError`` on the
+    ranks that call it (Horovod's SyncBatchNorm all-gathers, which join
+    refuses too). All ranks of the process set must therefore call the
     layer's forward and backward the same number of times, in the same
     order relative to their other collectives.
 
@@ -111,8 +115,16 @@ _fused: dict[tuple[Any, ...], FusedCollective] = {}
 
 def _sum(engine: Any, t: torch.Tensor, name: str) -> None:
     """Sum ``t`` over the ranks of ``engine``, in place: one fused collective
-    (the statistics are a few numbers per channel). Kept per engine, name and
-    shape, so the ranks agree on the shape once and the buffer is reused."""
+    (the statistics are a few numbers per channel), kept per engine, name and
+    shape so that its buffer is reused.
+
+    Each call first runs the agreement (one small all-reduce): the data's
+    all-reduce never runs without one on an engine where a rank that called
+    ``hvd.join()`` listens (``dp_plugin.join``), so it cannot pair with that
+    rank's standing answer; the agreement refuses instead, with
+    ``JoinedRankError`` on every rank that called it. It also catches ranks
+    that call their SyncBatchNorm layers in different orders."""
+    compare(engine, f"SyncBatchNorm ({name})", [list(t.shape), str(t.dtype)])
     key = (id(engine), name, tuple(t.shape), t.dtype, t.device)
     fused = _fused.get(key)
     if fused is None or fused.engine is not engine:
@@ -120,7 +132,7 @@ def _sum(engine: Any, t: torch.Tensor, name: str) -> None:
             _fused.clear()
         fused = _fused[key] = FusedCollective(
             [TensorSpec.of(name, t)], engine=engine, name=name, threshold=UNBOUNDED,
-            array_ops=TorchOps(), what=f"statistics of {name}",
+            array_ops=TorchOps(), what=f"statistics of {name}", agreed=True,
         )
     fused.run([t])
 

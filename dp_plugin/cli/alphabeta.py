@@ -48,6 +48,30 @@ def ring_allreduce_time(nbytes: float, n: int, link: Link) -> float:
     return 2 * (n - 1) * link.alpha + bus_factor(n) * nbytes / link.beta
 
 
+def hierarchical_allreduce_time(nbytes: float, hosts: int, per_host: int, link: Link,
+                                 local: Link) -> float:
+    """Reduce inside each host over ``local`` (shared memory: a reduce-scatter
+    and an all-gather among the ``per_host`` ranks), and across hosts over
+    ``link``: every local rank all-reduces its ``1/per_host`` shard with its
+    peers, the ``per_host`` rings sharing the host's link, so the link carries
+    ``2 (hosts - 1) / hosts x S`` instead of the flat ring's
+    ``2 (n - 1) / n x S``."""
+    cross = 0.0 if hosts <= 1 else (2 * (hosts - 1) * link.alpha
+                                     + bus_factor(hosts) * nbytes / link.beta)
+    return ring_allreduce_time(nbytes, per_host, local) + cross
+
+
+def allreduce_time(nbytes: float, n: int, link: Link, per_host: int = 1,
+                   local: Link | None = None) -> float:
+    """One all-reduce at ``n`` workers, ``per_host`` on each host: the flat ring
+    (its ``per_host`` ranks of a host add no link traffic: the ring crosses
+    each host's link once per step each way), or hierarchical when ``local``
+    (the hosts' shared-memory link) is given and ``per_host > 1``."""
+    if local is None or per_host <= 1:
+        return ring_allreduce_time(nbytes, n, link)
+    return hierarchical_allreduce_time(nbytes, max(1, n // per_host), per_host, link, local)
+
+
 def fit_link(points: Sequence[tuple[float, float]], n: int) -> Link:
     """A link from a sweep at ``n`` workers: ``[(bytes, seconds), ...]``.
 
@@ -111,8 +135,10 @@ def ready_times(sizes: Sequence[int], backward_s: float, ready_by: str) -> list[
 
 
 def predict(sizes: Sequence[int], compute_s: float, n: int, link: Link, threshold: int,
-            backward_fraction: float = 2 / 3, ready_by: str = "tensors") -> Prediction:
-    """Step time at ``n`` workers; ``sizes`` are gradient bytes in definition order."""
+            backward_fraction: float = 2 / 3, ready_by: str = "tensors",
+            per_host: int = 1, local: Link | None = None) -> Prediction:
+    """Step time at ``n`` workers; ``sizes`` are gradient bytes in definition order;
+    ``per_host`` and ``local`` as in ``allreduce_time``."""
     if not sizes or compute_s <= 0 or not 0 < backward_fraction <= 1 or threshold < 1:
         raise ValueError(f"need gradients, compute > 0 s, 0 < backward fraction <= 1 and "
                          f"threshold >= 1 byte; got {len(sizes)} gradients, compute "
@@ -125,7 +151,7 @@ def predict(sizes: Sequence[int], compute_s: float, n: int, link: Link, threshol
     plan = buckets(order, threshold)
     end = comm = 0.0
     for last, nbytes in plan:
-        t = ring_allreduce_time(nbytes, n, link)
+        t = allreduce_time(nbytes, n, link, per_host, local)
         end = max(end, start_backward + ready[last]) + t
         comm += t
     return Prediction(workers=n, threshold=threshold, buckets=len(plan), compute_s=compute_s,
@@ -137,10 +163,11 @@ CANDIDATE_THRESHOLDS = tuple(2**k * MiB // 4 for k in range(12))
 
 
 def best_threshold(sizes: Sequence[int], compute_s: float, n: int, link: Link,
-                   backward_fraction: float = 2 / 3, ready_by: str = "tensors") -> Prediction:
+                   backward_fraction: float = 2 / 3, ready_by: str = "tensors",
+                   per_host: int = 1, local: Link | None = None) -> Prediction:
     """The candidate threshold with the shortest step; on a tie (within 0.5%), the
     largest: fewer buckets cost less in practice than the model counts."""
-    preds = [predict(sizes, compute_s, n, link, t, backward_fraction, ready_by)
+    preds = [predict(sizes, compute_s, n, link, t, backward_fraction, ready_by, per_host, local)
              for t in CANDIDATE_THRESHOLDS]
     fastest = min(p.step_s for p in preds)
     return max((p for p in preds if p.step_s <= fastest * 1.005), key=lambda p: p.threshold)

@@ -11,6 +11,16 @@ efficiency, and the bucket size that would minimise the step.
 
     dp-plugin plan --model resnet50 --compute-ms 250 --alpha-us 10 --bandwidth-gbit 25
     dp-plugin plan --model bert-base --compute-ms 900 --sweep out/results.json --engine gloo
+    dp-plugin plan --model bert-base --compute-ms 900 --alpha-us 50 --bandwidth-gbit 1 \
+        --ranks-per-host 2 --workers 4
+
+With ``--ranks-per-host P`` the link is each host's, shared by its P ranks,
+and the plan also predicts the hierarchical all-reduce (reduce through
+shared memory inside the host, ``--local-bandwidth-gbit``, then across
+hosts). After the table it says what it would change in the defaults for
+this link, and why: the bucket size, the hierarchy, and fp16 compression
+where the exposed communication is a large share of the step and halving
+the bytes shortens the step (a suggestion: it rounds the gradients).
 """
 
 from __future__ import annotations
@@ -22,11 +32,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dp_plugin.cli import int_list
-from dp_plugin.cli.alphabeta import Link, MiB, best_threshold, fit_link, predict
+from dp_plugin.cli.alphabeta import Link, MiB, Prediction, best_threshold, fit_link, predict
 from dp_plugin.cli.shapes import MODELS, model_shapes, numel, param_count
 
 HELP = "predict step time and scaling efficiency at 8-1024 workers (alpha-beta model)"
 DEFAULT_WORKERS = "8,16,32,64,128,256,512,1024"
+LOCAL_GBIT = 40.0
+"""Default bandwidth between the ranks of one host (a shared-memory all-reduce
+of large buffers on a server; measure yours with ``dp-plugin bench``)."""
+WORTH = 0.05
+"""A change is suggested when it shortens the predicted step by this share."""
+BUSY = 0.10
+"""fp16 is suggested only when exposed communication exceeds this share of the step."""
 
 
 def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
@@ -65,6 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of compute that is backward (default 2/3)")
     parser.add_argument("--ready-by", choices=("tensors", "bytes"), default="tensors",
                         help="gradients ready evenly per tensor (default) or per byte")
+    parser.add_argument("--ranks-per-host", type=int, default=1,
+                        help="ranks on each host; the link is the host's (default 1)")
+    parser.add_argument("--local-bandwidth-gbit", type=_positive(float), default=LOCAL_GBIT,
+                        help="bandwidth between the ranks of one host (shared memory), "
+                             f"Gbit/s (default {LOCAL_GBIT:g})")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -108,7 +130,12 @@ def resolve_link(args: argparse.Namespace) -> tuple[Link, str]:
 def run(args: argparse.Namespace) -> int:
     if args.backward_fraction > 1:
         raise SystemExit(f"--backward-fraction {args.backward_fraction}: must be in (0, 1]")
+    per_host = args.ranks_per_host
+    if per_host < 1 or any(n % per_host for n in args.workers):
+        raise SystemExit(f"--ranks-per-host {per_host}: must be >= 1 and divide every worker "
+                         f"count ({', '.join(map(str, args.workers))})")
     link, source = resolve_link(args)
+    local = Link(alpha=5e-6, beta=args.local_bandwidth_gbit * 1e9 / 8) if per_host > 1 else None
     shapes = model_shapes(args.model)
     sizes = [4 * numel(shape) for _, shape in shapes]
     compute = args.compute_ms / 1e3
@@ -121,22 +148,76 @@ def run(args: argparse.Namespace) -> int:
                      "exposed_ms": p.exposed_s * 1e3, "step_ms": p.step_s * 1e3,
                      "efficiency": p.efficiency, "best_threshold_mib": best.threshold / MiB,
                      "best_efficiency": best.efficiency})
+    n = args.workers[-1]
+    choice = suggest(sizes, compute, n, link, args, per_host, local)
     if args.json:
         json.dump({"model": args.model, "alpha_s": link.alpha, "beta_bytes_s": link.beta,
-                   "rows": rows}, sys.stdout, indent=1)
+                   "rows": rows, "suggested": choice}, sys.stdout, indent=1)
         print()
         return 0
+    hosts = f", {per_host} ranks per host sharing it" if per_host > 1 else ""
     print(f"{args.model}: {param_count(shapes) / 1e6:.1f} M parameters in {len(shapes)} "
           f"tensors ({sum(sizes) / MiB:.0f} MiB of float32 gradients), compute "
           f"{args.compute_ms:g} ms per step\nlink: alpha {link.alpha * 1e6:.1f} us, bandwidth "
-          f"{link.beta * 8 / 1e9:.2f} Gbit/s ({source}); buckets of {args.threshold_mib:g} MiB\n")
+          f"{link.beta * 8 / 1e9:.2f} Gbit/s ({source}){hosts}; buckets of "
+          f"{args.threshold_mib:g} MiB, flat ring\n")
     print(f"{'workers':>7} {'buckets':>7} {'all-reduce':>11} {'exposed':>9} {'step':>9} "
           f"{'efficiency':>10} {'best bucket':>11} {'its eff.':>8}")
     for r in rows:
         print(f"{r['workers']:>7} {r['buckets']:>7} {r['comm_ms']:>8.1f} ms "
               f"{r['exposed_ms']:>6.1f} ms {r['step_ms']:>6.1f} ms {r['efficiency']:>9.1%} "
               f"{r['best_threshold_mib']:>7g} MiB {r['best_efficiency']:>7.1%}")
-    largest = rows[-1]
-    print(f"\nsuggested bucket size: {largest['best_threshold_mib']:g} MiB "
-          f"(best at {largest['workers']} workers)")
+    print(f"\nsuggested at {n} workers: step {choice['step_ms']:.1f} ms "
+          f"(efficiency {choice['efficiency']:.1%})")
+    for line in choice["why"]:
+        print(f"  - {line}")
     return 0
+
+
+def suggest(sizes: list[int], compute: float, n: int, link: Link, args: argparse.Namespace,
+            per_host: int, local: Link | None) -> dict[str, object]:
+    """What to change in the defaults at ``n`` workers on this link: the bucket
+    size, hierarchy (when several ranks share a host) and fp16 compression,
+    each with the prediction that justifies it (``why``)."""
+    frac, ready = args.backward_fraction, args.ready_by
+
+    def best(wire: float, hier: bool) -> Prediction:
+        return best_threshold([int(s * wire) for s in sizes], compute, n, link, frac, ready,
+                              per_host, local if hier else None)
+
+    why = []
+    flat = best(1.0, False)
+    chosen, hierarchical = flat, False
+    if local is not None:
+        hier = best(1.0, True)
+        gain = 1 - hier.step_s / flat.step_s
+        if gain >= WORTH:
+            chosen, hierarchical = hier, True
+            why.append(f"hierarchical all-reduce: step {hier.step_s * 1e3:.1f} ms against "
+                       f"{flat.step_s * 1e3:.1f} ms flat ({gain:.0%} shorter: the host link "
+                       f"carries 2(H-1)/H of the bytes instead of 2(n-1)/n)")
+        else:
+            why.append(f"flat all-reduce: hierarchical would save only {gain:.0%} "
+                       f"(< {WORTH:.0%})")
+    compression = "none"
+    exposed = chosen.exposed_s / chosen.step_s
+    half = best(0.5, hierarchical)
+    gain = 1 - half.step_s / chosen.step_s
+    if exposed > BUSY and gain >= WORTH:
+        compression = "fp16"
+        why.append(f"compression fp16: {exposed:.0%} of the step is communication nobody "
+                   f"hides; halving the bytes makes the step {half.step_s * 1e3:.1f} ms "
+                   f"({gain:.0%} shorter; it rounds gradients to fp16, check convergence)")
+        chosen = half
+    else:
+        why.append(f"no compression: exposed communication is {exposed:.0%} of the step and "
+                   f"fp16 would save {max(gain, 0):.0%}")
+    why.insert(0, f"bucket size {chosen.threshold / MiB:g} MiB (default "
+                  f"{args.threshold_mib:g}): the shortest predicted step among "
+                  f"{CANDIDATES}")
+    return {"workers": n, "threshold_mib": chosen.threshold / MiB,
+            "hierarchical": hierarchical, "compression": compression,
+            "step_ms": chosen.step_s * 1e3, "efficiency": chosen.efficiency, "why": why}
+
+
+CANDIDATES = "256 KiB-512 MiB"

@@ -41,12 +41,14 @@ def markdown(result: dict[str, Any]) -> str:
                  if ref else ["-", "-"])
         lines.append(f"| {mib(size, '.4g')} | " + " | ".join(cells + extra) + " |")
     lines.append("\nBandwidths in GB/s (10^9 bytes/s); busbw = algbw x 2(n-1)/n.")
+    lines += _check_cost(result)
     if result["models"]:
         lines += ["", "| model | engine | workers | gradients | buckets | fused (copies) "
                   "| fused (views) | fused (views, sum) | raw (same bytes, sum) "
                   "| busbw fused (views) / raw | busbw fused (views, sum) / raw | Horovod "
-                  "grouped_allreduce | Horovod grouped / fused (views) |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "grouped_allreduce | Horovod grouped / fused (views) "
+                  "| per-tensor (unfused) | per-tensor / fused (views) |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for m in result["models"]:
             lines.append(_model_row(m))
     for name, why in result.get("skipped", {}).items():
@@ -54,17 +56,33 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _check_cost(result: dict[str, Any]) -> list[str]:
+    """The shared-memory header check's cost (``--shm-check``), where measured."""
+    rows = [r for r in result["sweep"] if "unchecked_s" in r]
+    if not rows:
+        return []
+    lines = ["", "| size | engine | workers | checked (default) | unchecked | cost |",
+             "|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {mib(r['bytes'], '.4g')} | {r['engine']} | {r['size']} | "
+                     f"{r['time_s'] * 1e3:.3f} ms | {r['unchecked_s'] * 1e3:.3f} ms | "
+                     f"{(r['time_s'] / r['unchecked_s'] - 1) * 100:+.1f}% |")
+    return lines
+
+
 def _model_row(m: dict[str, Any]) -> str:
     views = m.get("fused_views_s", m["fused_s"])
     summed = m.get("fused_views_sum_s")
     grouped = m.get("horovod_grouped_s")
+    per = m.get("per_tensor_s")
     cells = [m["model"], m["engine"], str(m["size"]),
              f"{m['tensors']} ({mib(m['bytes'], '.4g')})",
              str(m["buckets"]), f"{m['fused_s'] * 1e3:.1f} ms", f"{views * 1e3:.1f} ms",
              f"{summed * 1e3:.1f} ms" if summed else "-", f"{m['raw_s'] * 1e3:.1f} ms",
              f"{m['raw_s'] / views:.2f}", f"{m['raw_s'] / summed:.2f}" if summed else "-",
              f"{grouped * 1e3:.1f} ms" if grouped else "-",
-             f"{grouped / views:.2f}" if grouped else "-"]
+             f"{grouped / views:.2f}" if grouped else "-",
+             f"{per * 1e3:.1f} ms" if per else "-", f"{per / views:.2f}" if per else "-"]
     return "| " + " | ".join(cells) + " |"
 
 

@@ -123,6 +123,14 @@ class Engine(Lifecycle):
         size = self.size
         return handle.then(lambda: generic.average(buf, size))
 
+    def standing_allreduce_async(self, buf: Any, name: str) -> Handle:
+        """Start a sum all-reduce of ``buf`` that may wait for the other ranks
+        far longer than ``DP_PLUGIN_TIMEOUT``: its library sets no deadline,
+        and its handle is only polled (``done``); the caller bounds the wait
+        (``dp_plugin.join.Deadline``: a joined rank's ``Listener``). Engines
+        whose library gives every collective a deadline override it."""
+        return self.allreduce_async(buf, ReduceOp.SUM, name)
+
     def broadcast_async(self, buf: Any, root: int, name: str = "broadcast") -> Handle:
         """Start an in-place broadcast of the 1-D buffer ``buf`` from ``root``."""
         self._check_usable(f"broadcast {name!r}")

@@ -7,13 +7,18 @@ native average.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import numpy as np
+
 from dp_plugin.config import Config
-from dp_plugin.engines import shm
+from dp_plugin.engines import hierarchical, shm
 from dp_plugin.engines.base import Availability, Handle, ReduceOp
 from dp_plugin.engines.torch_dist import TorchDistEngine
 from dp_plugin.launch import Topology
+
+log = logging.getLogger("dp_plugin")
 
 
 class GlooEngine(TorchDistEngine):
@@ -23,20 +28,37 @@ class GlooEngine(TorchDistEngine):
     and ``DP_PLUGIN_SHARED_MEMORY`` is not 0, all-reduces of CPU buffers go
     through a shared-memory segment instead of Gloo's loopback TCP
     (``shm.py``); a channel or process set inherits the job's answer. Every
-    other collective, and every job across hosts, is Gloo's."""
+    other collective is Gloo's.
+
+    On several hosts with several ranks each, all-reduces are hierarchical
+    (``hierarchical.py``: shared memory inside each host, Gloo between the
+    hosts' ranks of the same local rank), by the launcher's topology or
+    ``DP_PLUGIN_HIERARCHICAL_ALLREDUCE``; the job-wide engine and its
+    channels each get their own segment and cross-host groups, a process
+    set keeps the flat ring."""
 
     name = "gloo"
     backend = "gloo"
     _shm: shm.ShmTransport | None = None
+    _hier: hierarchical.HierarchicalAllreduce | None = None
 
     def __init__(self, topology: Topology, config: Config, *,
                  parent: GlooEngine | None = None, group: Any = None) -> None:
         super().__init__(topology, config, parent=parent, group=group)
         self._shm_wanted: bool = (parent._shm_wanted if parent is not None else
                                   config.shared_memory and topology.local_size == topology.size)
-        if self.size > 1:  # collective: every rank of the group asks
+        if self.size == 1:
+            return
+        # Collective: every rank of the group takes the same branch (the
+        # topology's answer is the same on every rank; a setup that fails
+        # anywhere fails everywhere).
+        if parent is None and hierarchical.wanted(topology, config):
+            self._hier = self._connect_hierarchical()
+        elif parent is not None and parent._hier is not None:
+            return  # a channel: the parent gives it its own hierarchy (_channel)
+        if self._hier is None:
             self._shm = shm.connect(self._exchange, self.rank, self.size, self._shm_wanted,
-                                    config.timeout_s)
+                                    config.timeout_s, budget_bytes=config.shared_memory_budget)
 
     @classmethod
     def availability(cls, topology: Topology) -> Availability:
@@ -48,7 +70,12 @@ class GlooEngine(TorchDistEngine):
     @property
     def shared_memory(self) -> bool:
         """Whether all-reduces of CPU buffers go through shared memory."""
-        return self._shm is not None
+        return self._shm is not None or self._hier is not None
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether all-reduces are hierarchical (``hierarchical.py``)."""
+        return self._hier is not None
 
     def scales_in_reduction(self, dtype: str) -> bool:
         return self._shm is not None and dtype in shm.SCALED_DTYPES
@@ -58,6 +85,12 @@ class GlooEngine(TorchDistEngine):
 
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str,
                          postscale: float = 1.0) -> Handle:
+        if self._hier is not None and postscale == 1.0:
+            t = self._tensor(buf, f"allreduce {name!r}")
+            if self._hier.takes(t) and t.numel():
+                desc = self.describe("allreduce", name, t.numel() * t.element_size())
+                return self._hier.allreduce_async(t, op, desc, self._mark_broken,
+                                                  self.wait_board())
         if self._shm is None:  # across hosts: Gloo's path validates the buffer itself
             return super()._allreduce_async(buf, op, name)
         t = self._tensor(buf, f"allreduce {name!r}")
@@ -71,10 +104,62 @@ class GlooEngine(TorchDistEngine):
         # A CUDA tensor: Gloo's path, then the scheduler's own multiply.
         return handle.then(lambda: self._torch.mul(t, postscale, out=t))
 
+    def standing_allreduce_async(self, buf: Any, name: str) -> Handle:
+        t = self._tensor(buf, f"allreduce {name!r}")
+        if self._shm is None or not self._shm.takes(t):
+            return super().standing_allreduce_async(buf, name)
+        self._check_usable(f"allreduce {name!r}")
+        desc = self.describe("allreduce", name, t.numel() * t.element_size())
+        return self._shm.allreduce_async(t, ReduceOp.SUM, desc, self._mark_broken,
+                                         self.wait_board(), standing=True)
+
     def _close(self) -> None:
         if self._shm is not None:
             self._shm.close()
+        if self._hier is not None:
+            self._hier.close()
         super()._close()
+
+    def _channel(self, name: str) -> GlooEngine:
+        child = super()._channel(name)
+        assert isinstance(child, GlooEngine)
+        if self._hier is not None:
+            child._hier = self._connect_hierarchical()
+        return child
+
+    def _connect_hierarchical(self) -> hierarchical.HierarchicalAllreduce | None:
+        """The hierarchy of one engine or channel: the layout from every
+        rank's (host index, local rank), the host's shared-memory segment,
+        and a Gloo group over this rank's peers of the same local rank (one
+        per local rank, made by every rank, as torch requires). None on
+        every rank, said once in the log, where any of it cannot be had.
+        Collective over the job; only the job-wide engine makes groups."""
+        topo = self.topology
+        table = self._exchange(np.array([topo.cross_rank, topo.local_rank], dtype=np.int64),
+                               "hierarchical layout")
+        layout, why = hierarchical.layout(table)
+        if layout is None:
+            log.warning("dp_plugin: all-reduces use one flat Gloo ring, not the hierarchical "
+                        "path: %s", why)
+            return None
+        host = layout.host_of(self.rank)
+        transport = shm.connect(hierarchical.host_exchange(self._exchange, host),
+                                host.index(self.rank), len(host), self.config.shared_memory,
+                                self.config.timeout_s,
+                                budget_bytes=self.config.shared_memory_budget)
+        if transport is None:
+            log.warning("dp_plugin: all-reduces use one flat Gloo ring, not the hierarchical "
+                        "path: shared memory cannot be set up on every host")
+            return None
+        cross, hosts = None, table[:, 0].tolist()  # the host index is a host key
+        for peers in layout.peer_groups() if len(layout.hosts) > 1 else []:
+            made = self.subgroup(list(peers), hosts, "hierarchical cross-host")
+            cross = made if made is not None else cross
+        if self.rank == 0:
+            log.info("dp_plugin: gloo all-reduces hierarchically over %d hosts x %d ranks "
+                     "(launcher topology; DP_PLUGIN_HIERARCHICAL_ALLREDUCE=0 for one flat ring)",
+                     len(layout.hosts), len(host))
+        return hierarchical.HierarchicalAllreduce(transport, cross, len(layout.hosts))
 
     @classmethod
     def _backend_problem(cls, topology: Topology) -> str | None:

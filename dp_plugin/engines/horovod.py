@@ -53,6 +53,7 @@ not depend on the engine chosen.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 from typing import Any
 
@@ -63,14 +64,17 @@ from dp_plugin.config import Config
 from dp_plugin.dtypes import canonical_dtype
 from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp, Started
 from dp_plugin.engines.deadline import bounded_on
+from dp_plugin.engines.exit_bounds import bound_at_exit
 from dp_plugin.engines.horovod_env import library_settings
 from dp_plugin.engines.horovod_sets import process_set_of
-from dp_plugin.errors import DPPluginError, EngineUnavailableError
+from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, EngineUnavailableError
 from dp_plugin.launch import Topology
 
 # Canonical dtype -> dtype the all-reduce runs in, where Horovod has no kernel.
 ALLREDUCE_WIRE_DTYPES = {"int8": "int32", "uint8": "int32", "int16": "int32",
                          "bfloat16": "float32"}
+
+_SHUTDOWN = "hvd.shutdown() (Horovod agrees on the shutdown with every rank)"
 
 _HVD_OPS = {ReduceOp.SUM: "Sum", ReduceOp.MIN: "Min", ReduceOp.MAX: "Max",
             ReduceOp.PRODUCT: "Product"}
@@ -151,6 +155,8 @@ class HorovodEngine(Engine):
         self._in_flight: dict[str, set[int]] = {}
         self._added_sets: dict[tuple[int, ...], Any] = {}
         self._owns_init = False
+        self._shutdown_stuck = False
+        """An ``hvd.shutdown()`` timed out: Horovod's thread may still run."""
         if parent is not None:
             self._hvd: Any = parent._hvd
             self._torch: Any = parent._torch
@@ -172,6 +178,10 @@ class HorovodEngine(Engine):
         if self._owns_init:
             with library_settings(config):  # Horovod reads them inside hvd.init()
                 bounded_on(self, hvd.init, "hvd.init() (Horovod's rendezvous of every rank)")
+            # Horovod's own atexit hook is an unbounded hvd.shutdown(): ours bounds it.
+            atexit.unregister(hvd.shutdown)
+            bound_at_exit("horovod", self._shutdown_at_exit, f"rank {topology.rank}: "
+                          "hvd.shutdown() at exit")
         if (hvd.rank(), hvd.size()) != (topology.rank, topology.size):
             raise EngineUnavailableError(
                 f"Horovod says this process is rank {hvd.rank()} of {hvd.size()}, but the "
@@ -241,7 +251,27 @@ class HorovodEngine(Engine):
         shutdown cannot be; the set stays registered (reused if the same
         ranks are asked for again) until Horovod shuts down."""
         if self._owns_init and self._hvd.is_initialized():
-            self._hvd.shutdown()
+            # Bounded: it joins Horovod's background thread, which first
+            # agrees on the shutdown with every rank (a dead or stalled rank
+            # kept it waiting for ever). On expiry the thread still runs,
+            # and exiting would join it again: ``_shutdown_at_exit`` ends
+            # the process instead.
+            self._shutdown_stuck = True
+            bounded_on(self, self._hvd.shutdown, _SHUTDOWN)
+            self._shutdown_stuck = False
+
+    def _shutdown_at_exit(self) -> bool:
+        """At interpreter exit: shut Horovod down within the timeout (False:
+        it did not finish, or an earlier ``shutdown`` did not)."""
+        if self._shutdown_stuck:
+            return False
+        if not self._hvd.is_initialized():
+            return True
+        try:
+            bounded_on(self, self._hvd.shutdown, _SHUTDOWN)
+        except CollectiveTimeoutError:
+            return False
+        return True
 
     # -- alltoall, reducescatter, process sets ---------------------------------
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:

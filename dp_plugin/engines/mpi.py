@@ -44,6 +44,7 @@ from dp_plugin.config import Config
 from dp_plugin.dtypes import canonical_dtype
 from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp, Started
 from dp_plugin.engines.deadline import bounded_on
+from dp_plugin.engines.exit_bounds import finalize_mpi_at_exit
 from dp_plugin.engines.mpi_notes import MPINotes
 from dp_plugin.engines.waits import WaitBoard
 from dp_plugin.errors import EngineUnavailableError
@@ -153,6 +154,9 @@ class MPIEngine(Engine):
                 "with DP_PLUGIN_ENGINE"
             ) from exc
         self._MPI = MPI
+        # mpi4py's own MPI_Finalize at exit waits for every rank with no
+        # timeout; finalize earlier, bounded by DP_PLUGIN_TIMEOUT.
+        finalize_mpi_at_exit(topology.rank, config.timeout_s)
         world = MPI.COMM_WORLD
         if (world.Get_rank(), world.Get_size()) != (topology.rank, topology.size):
             library = " ".join(MPI.Get_library_version().splitlines()[0].split())
@@ -224,8 +228,9 @@ class MPIEngine(Engine):
     def _close(self) -> None:
         """Free the communicator, datatypes and ops (local).
 
-        ``MPI_Finalize`` is left to mpi4py at interpreter exit, so the user
-        may keep using MPI, or start the engine again, after this. A
+        ``MPI_Finalize`` is left to interpreter exit, so the user may keep
+        using MPI, or start the engine again, after this; there it is
+        bounded by ``DP_PLUGIN_TIMEOUT`` (``exit_bounds.finalize_mpi_at_exit``). A
         subgroup engine frees only its communicator: the datatypes and ops
         belong to the engine it came from. A broken engine frees nothing."""
         if self._broken is not None:

@@ -36,6 +36,7 @@ from typing import Any
 from dp_plugin.config import Config
 from dp_plugin.engines import job_secret
 from dp_plugin.engines.deadline import poll
+from dp_plugin.engines.exit_bounds import finalize_mpi_at_exit
 from dp_plugin.errors import CollectiveTimeoutError, EngineUnavailableError
 from dp_plugin.launch import Topology
 
@@ -262,6 +263,7 @@ def _exchange_via_mpi(topology: Topology, config: Config, generation: int,
     """Broadcast rank 0's ``address`` over MPI_COMM_WORLD, with a deadline."""
     from mpi4py import MPI
 
+    finalize_mpi_at_exit(topology.rank, config.timeout_s)  # mpi4py's own waits unbounded
     comm = MPI.COMM_WORLD
     if (comm.Get_rank(), comm.Get_size()) != (topology.rank, topology.size):
         raise EngineUnavailableError(

@@ -41,8 +41,12 @@ from dp_plugin.engines import rendezvous as rdv
 from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp, Started
 from dp_plugin.engines.deadline import bounded_on
 from dp_plugin.engines.waits import WaitBoard
-from dp_plugin.errors import DPPluginError, EngineUnavailableError
+from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, EngineUnavailableError
 from dp_plugin.launch import Topology
+
+STANDING_TIMEOUT = timedelta(days=7)
+"""The library's own timeout of a standing all-reduce (``Engine.standing_allreduce_async``):
+long enough never to fire before its caller's deadline does."""
 
 
 class TorchDistEngine(Engine):
@@ -156,9 +160,19 @@ class TorchDistEngine(Engine):
         kwargs: dict[str, Any] = {"store": store}
         if self.backend == "nccl":
             kwargs["device_id"] = self._device
-        dist.init_process_group(
-            self.backend, rank=self.rank, world_size=self.size, timeout=timeout, **kwargs
-        )
+        try:
+            dist.init_process_group(
+                self.backend, rank=self.rank, world_size=self.size, timeout=timeout, **kwargs
+            )
+        except (dist.DistStoreError, dist.DistNetworkError) as exc:
+            # torch's own text names a store key, not what happened (fault matrix, issue 24).
+            kind = CollectiveTimeoutError if isinstance(exc, dist.DistStoreError) else DPPluginError
+            raise kind(
+                f"rank {self.rank}: the {self.backend} process group of {self.size} ranks did not "
+                f"form within {self.config.timeout_s:g} s (DP_PLUGIN_TIMEOUT; ranks met through "
+                f"{how}): another rank has probably died or not started; check the other ranks' "
+                f"logs ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})"
+            ) from None
         self._owns_default = True
         return how
 
@@ -220,6 +234,18 @@ class TorchDistEngine(Engine):
             return PollHandle(work, self, desc).then(back)
         return PollHandle(work, self, desc).then(lambda: (t.copy_(staged), back()))
 
+    def standing_allreduce_async(self, buf: Any, name: str) -> Handle:
+        """A sum all-reduce whose own timeout (the group's is
+        ``DP_PLUGIN_TIMEOUT``) is ``STANDING_TIMEOUT``: its caller bounds it."""
+        self._check_usable(f"allreduce {name!r}")
+        t, back = self._staged(self._tensor(buf, f"allreduce {name!r}"))
+        desc = self.describe("allreduce", name, t.numel() * t.element_size())
+        opts = self._dist.AllreduceOptions()
+        opts.reduceOp = self._dist.ReduceOp.SUM
+        opts.timeout = STANDING_TIMEOUT
+        group = self._dist.group.WORLD if self._group is None else self._group
+        return PollHandle(group.allreduce([t], opts), self, desc).then(back)
+
     def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle:
         t, back = self._staged(self._tensor(buf, f"broadcast {name!r}"))
         desc = self.describe("broadcast", name, t.numel() * t.element_size())
@@ -275,8 +301,11 @@ class TorchDistEngine(Engine):
         out = t.new_empty((sum(received), *trailing))
         # counts and row sizes are agreed: every rank skips alike.
         if row_elems and counts.any():
-            send = t.detach().contiguous().reshape(t.shape[0], row_elems).view(torch.uint8)
-            recv = out.view(out.shape[0], row_elems).view(torch.uint8)
+            # Flattened before the byte view: an empty tensor may carry any
+            # strides (a zero-row input has stride 0), which view(uint8) refuses.
+            width = row_elems * t.element_size()
+            send = t.detach().contiguous().reshape(-1).view(torch.uint8).reshape(-1, width)
+            recv = out.reshape(-1).view(torch.uint8).reshape(-1, width)
             work = self._dist.all_to_all_single(
                 recv, send, output_split_sizes=received,
                 input_split_sizes=[int(c) for c in counts[self.rank]],

@@ -1,8 +1,9 @@
-"""``hvd.join()`` answers the others' tensor collectives: ``workers/torch_join.py``.
+"""``hvd.join()`` with Horovod's semantics: ``workers/torch_join.py``.
 
-One launch per case: 3 ranks on gloo (the process set case needs 3), the
-collectives case also on MPI and under horovodrun (Horovod's engine matches
-collectives by name). Each rank prints ``rank R OK``.
+One launch per case on gloo, at the sizes in ``SIZES`` (the process set
+cases need 3; who joined last at 2 and 3), the collectives case also on MPI
+and under horovodrun (Horovod's engine matches collectives by name). Each
+rank prints ``rank R OK``.
 """
 
 from __future__ import annotations
@@ -17,12 +18,21 @@ WORKER = Path(__file__).parent / "workers" / "torch_join.py"
 ENV = {"DP_PLUGIN_TIMEOUT": "20"}
 
 
+SIZES = {"collectives": (3,), "outside_set": (3,), "last_joiner": (2, 3)}
+"""World sizes per case (default: 2)."""
+
+SHORT = {"slow_steps": "5"}
+"""Cases that step for longer than DP_PLUGIN_TIMEOUT: a short one."""
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize("case", worker_cases(WORKER))
-def test_join_gloo(case: str) -> None:
-    n = 3 if case in ("collectives", "outside_set") else 2
-    result = run_workers("env", n, WORKER, args=["--case", case],
-                         env={**ENV, "DP_PLUGIN_ENGINE": "gloo"}, timeout=180)
+@pytest.mark.parametrize(("case", "n"), [(case, n) for case in worker_cases(WORKER)
+                                         for n in SIZES.get(case, (2,))])
+def test_join_gloo(case: str, n: int) -> None:
+    env = {**ENV, "DP_PLUGIN_ENGINE": "gloo"}
+    if case in SHORT:
+        env["DP_PLUGIN_TIMEOUT"] = SHORT[case]
+    result = run_workers("env", n, WORKER, args=["--case", case], env=env, timeout=180)
     assert_ranks_ok(result, n)
 
 

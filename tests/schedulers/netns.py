@@ -26,6 +26,7 @@ landed when this was written; this helper is the fixture's own.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import signal
@@ -126,17 +127,20 @@ class Hosts:
             h.hosts_file.parent.mkdir(parents=True, exist_ok=True)
             h.hosts_file.write_text("\n".join(lines) + "\n")
 
+    def pids(self, namespace: str) -> list[int]:
+        """The processes in ``namespace``."""
+        out = _ip("netns", "pids", namespace, check=False).stdout.split()
+        return [int(p) for p in out if p.isdigit()]
+
     def kill_all(self, namespace: str) -> None:
         """SIGKILL every process in ``namespace`` (only ours live there)."""
         for _ in range(5):
-            pids = _ip("netns", "pids", namespace, check=False).stdout.split()
+            pids = self.pids(namespace)
             if not pids:
                 return
             for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             time.sleep(0.2)
 
     def close(self) -> None:

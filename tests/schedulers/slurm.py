@@ -24,6 +24,7 @@ Client commands (``srun``, ``sbatch``, ``sinfo``) find the cluster through
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import signal
@@ -202,10 +203,8 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
         atexit.unregister(self.close)
         for _name, proc in reversed(self._procs):  # slurmds first, munged last
             if proc.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
         for _name, proc in reversed(self._procs):
             try:
                 proc.wait(timeout=10)

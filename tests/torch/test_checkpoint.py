@@ -8,7 +8,9 @@ and broadcasts) is exercised by the BERT example's resume test.
 
 from __future__ import annotations
 
+import os
 import random
+import stat
 import subprocess
 import sys
 import textwrap
@@ -129,3 +131,50 @@ def test_a_writer_killed_during_the_save_leaves_the_previous_checkpoint(tmp_path
     # A half-written temporary is refused too, if someone tries it.
     with pytest.raises(hvd.CheckpointError):
         checkpoint.read_verified(tmp_path / leftovers[0])
+
+
+def test_numpy_scalars_and_arrays_load_back(tmp_path: Path) -> None:
+    """What a save accepts, a load reads: ``np.float64(0.91)`` (a metric kept
+    with numpy) failed every later load with ``Weights only load failed``."""
+    path = tmp_path / "c.pt"
+    hvd.save_checkpoint(path, best_acc=np.float64(0.91), epoch=np.int64(3),
+                        flags=np.array([True, False]), hist=np.arange(4.0, dtype=np.float32))
+    state = hvd.load_checkpoint(path)
+    assert type(state["best_acc"]) is np.float64 and state["best_acc"] == 0.91
+    assert type(state["epoch"]) is np.int64 and state["epoch"] == 3
+    assert state["flags"].tolist() == [True, False]
+    assert state["hist"].dtype == np.float32 and state["hist"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+class _Opaque:
+    """A class torch.load(weights_only=True) does not rebuild."""
+
+
+def test_a_value_that_would_not_load_is_refused_at_save_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "c.pt"
+    hvd.save_checkpoint(path, step=1)
+    with pytest.raises(hvd.CheckpointError, match=r"\['extra'\]\['opaque'\] = "
+                                                  r".*_Opaque.*nothing was written.*float\(x\)"):
+        hvd.save_checkpoint(path, step=2, extra={"fine": 1.0, "opaque": _Opaque()})
+    with pytest.raises(hvd.CheckpointError, match=r"\['objs'\] = array\(\[1, 'x'\]"):
+        hvd.save_checkpoint(path, step=3, objs=np.array([1, "x"], dtype=object))
+    assert hvd.load_checkpoint(path)["step"] == 1  # the previous checkpoint is intact
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_the_file_mode_follows_the_umask(tmp_path: Path, umask: int, mode: int) -> None:
+    old = os.umask(umask)
+    try:
+        hvd.save_checkpoint(tmp_path / "c.pt", step=1)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "c.pt").stat().st_mode) == mode
+
+
+def test_an_unwritable_path_is_a_checkpoint_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(hvd.CheckpointError, match=r"rank 0 could not write the checkpoint .*"
+                                                  r"NotADirectoryError|FileExistsError"):
+        hvd.save_checkpoint(blocker / "sub" / "c.pt", step=1)

@@ -6,8 +6,12 @@ bitwise-identical result) is tests/multiproc/test_torch_elastic.py.
 
 from __future__ import annotations
 
+import os
+import stat
+import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -127,3 +131,53 @@ def test_elastic_sampler_resumes_the_epoch_where_it_stopped() -> None:
     assert list(resumed) == order[4:]
     resumed.set_epoch(1)
     assert sorted(resumed) == data and list(resumed) != order
+
+
+def test_numpy_values_commit_and_resume(tmp_path: Path) -> None:
+    """``best_acc=np.float64(0.91)``: the commit was written, and every
+    restart then failed with ``Weights only load failed``."""
+    path = tmp_path / "elastic.pt"
+    model, opt, _ = _objects()
+    state = hvd.elastic.TorchState(model, opt, best_acc=np.float64(0.5), commit_path=path)
+    state.best_acc = np.float64(0.91)
+    state.commit()
+    fresh = hvd.elastic.TorchState(*_objects()[:2], best_acc=np.float64(0.0), commit_path=path)
+    assert fresh.load() and type(fresh.best_acc) is np.float64 and fresh.best_acc == 0.91
+
+
+def test_a_commit_that_would_not_load_is_refused_at_commit(tmp_path: Path) -> None:
+    model, opt, _ = _objects()
+    state = hvd.elastic.TorchState(model, opt, note=object(), commit_path=tmp_path / "e.pt")
+    with pytest.raises(hvd.CheckpointError, match=r"\['values'\]\['note'\] = <object object"):
+        state.commit()
+    assert not (tmp_path / "e.pt").exists()
+
+
+def test_torchrun_gives_a_private_per_job_default_commit_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Horovod's elastic example has no commit_path: under torchrun the
+    commits go to a per-job file in a 0700 directory, which ``run`` resumes
+    from and removes when the function returns."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job/7")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    model, opt, _ = _objects()
+    state = hvd.elastic.TorchState(model, opt, batch=0, epoch=0)
+    folder = tmp_path / f"dp_plugin-{os.getuid()}"
+    assert state.commit_path == folder / "elastic-job_7.pt"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    state.batch = 4
+    state.commit()
+    assert state.commit_path.exists()
+    resumed = hvd.elastic.TorchState(*_objects(seed=3)[:2], batch=0, epoch=0)
+    seen = []
+    hvd.elastic.run(lambda s: seen.append(s.batch))(resumed)  # the LaunchError is gone
+    assert seen == [4] and not state.commit_path.exists()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "other-job")
+    assert hvd.elastic.TorchState(model, opt).commit_path == folder / "elastic-other-job.pt"
+    folder.chmod(0o755)
+    with pytest.raises(LaunchError, match=r"not private to this user \(mode 755"):
+        hvd.elastic.TorchState(model, opt)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert hvd.elastic.TorchState(model, opt).commit_path is None

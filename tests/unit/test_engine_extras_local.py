@@ -340,3 +340,59 @@ def test_engine_average_is_the_policy_average() -> None:
     NumpyOps().scale_(summed, policy.postscale)
     for out in run_ranks(engines, body):
         np.testing.assert_array_equal(out, summed)
+
+
+def test_float16_scales_in_float32_like_horovod_and_torch() -> None:
+    """NumpyOps (TensorFlow's path) scales float16 in float32, rounding once:
+    bitwise what torch's half multiply and Horovod's ScaleBuffer give."""
+    from dp_plugin.arrays import NumpyOps, TorchOps
+
+    halves = np.random.default_rng(1).standard_normal(20000).astype(np.float16)
+    for factor in (0.1, 0.3, 1 / 3, 7.7):
+        numpy_out = halves.copy()
+        NumpyOps().scale_(numpy_out, factor)
+        torch_out = torch.from_numpy(halves.copy())
+        TorchOps().scale_(torch_out, factor)
+        horovod = (halves.astype(np.float32) * np.float32(factor)).astype(np.float16)
+        np.testing.assert_array_equal(numpy_out, horovod)
+        np.testing.assert_array_equal(torch_out.numpy(), horovod)
+
+
+class _FoldingEngine(LocalEngine):
+    """One rank whose reduction scales float32 (as gloo on shared memory)."""
+
+    folded_calls = 0
+
+    def scales_in_reduction(self, dtype: str) -> bool:
+        return dtype == "float32"
+
+    def _allreduce_scaled_async(self, buf: Any, postscale: float, name: str) -> Any:
+        type(self).folded_calls += 1
+        buf *= np.float32(postscale)
+        return self._done(self.describe("allreduce", name))
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_users_wrapper_around_allreduce_hook_keeps_the_fold(wrapped: bool) -> None:
+    """The post-scale is offered to whatever hook runs; allreduce_hook takes it
+    inside a user's wrapper too, and the result is scaled exactly once."""
+    from dp_plugin.collective import UNBOUNDED, FusedCollective
+    from dp_plugin.fusion import TensorSpec
+    from dp_plugin.hooks import ReducePolicy, allreduce_hook
+
+    def users_hook(state: Any, bucket: Any) -> Any:  # e.g. adds logging
+        return allreduce_hook(state, bucket)
+
+    def ignores_the_offer(state: Any, bucket: Any) -> Any:
+        return state.engine.allreduce_async(bucket.buffer(), state.engine_op, name=bucket.label)
+
+    for hook, folds in ((users_hook if wrapped else allreduce_hook, True),
+                        (ignores_the_offer, False)):
+        _FoldingEngine.folded_calls = 0
+        engine = _FoldingEngine(Topology.single(), Config())
+        values = [np.arange(6, dtype=np.float32)]
+        FusedCollective([TensorSpec("w", (6,), "float32")], engine=engine, name="g",
+                        threshold=UNBOUNDED, hook=hook, agreed=True,
+                        policy=ReducePolicy.for_collective("sum", 1, postscale=0.5)).run(values)
+        np.testing.assert_array_equal(values[0], np.arange(6, dtype=np.float32) * 0.5)
+        assert _FoldingEngine.folded_calls == (1 if folds else 0), hook

@@ -8,6 +8,7 @@ import socket
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import psutil
 import pytest
@@ -46,6 +47,28 @@ def test_a_weak_or_malformed_secret_is_refused_without_echoing_it(value: str) ->
     assert value not in str(info.value)
     config = Config.from_env({"DP_PLUGIN_JOB_SECRET": SECRET})
     assert config.job_secret == SECRET and SECRET not in repr(config)
+
+
+def test_the_secret_from_a_file_never_needs_a_command_line(tmp_path: Path) -> None:
+    """horovodrun puts every exported variable on each worker's ``env K=V``
+    command line (``ps`` shows it); DP_PLUGIN_JOB_SECRET_FILE passes a path."""
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    path.chmod(0o600)
+    config = Config.from_env({"DP_PLUGIN_JOB_SECRET_FILE": str(path)})
+    assert config.job_secret == SECRET and SECRET not in repr(config)
+    path.chmod(0o644)
+    with pytest.raises(ConfigError, match=r"has mode 644: other users may read.*chmod 600"):
+        Config.from_env({"DP_PLUGIN_JOB_SECRET_FILE": str(path)})
+    path.chmod(0o600)
+    with pytest.raises(ConfigError, match="both DP_PLUGIN_JOB_SECRET and"):
+        Config.from_env({"DP_PLUGIN_JOB_SECRET_FILE": str(path), "DP_PLUGIN_JOB_SECRET": SECRET})
+    with pytest.raises(ConfigError, match=r"DP_PLUGIN_JOB_SECRET_FILE=.*nope.* cannot be read"):
+        Config.from_env({"DP_PLUGIN_JOB_SECRET_FILE": str(tmp_path / "nope")})
+    path.write_text("short\n")
+    with pytest.raises(ConfigError, match="DP_PLUGIN_JOB_SECRET must be at least 16") as info:
+        Config.from_env({"DP_PLUGIN_JOB_SECRET_FILE": str(path)})
+    assert "short" not in str(info.value)
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ Prints ``rank R raised after S s: <error>``.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -96,7 +97,25 @@ def case_unfrozen_on_one_rank(_: Any) -> None:
     _expect(step, f"on rank {last} requires a gradient", (DPPluginError,))
 
 
+def case_checkpoint_unwritable(_: Any) -> None:
+    """Rank 0 alone writes, and cannot (the directory is under a file):
+    every rank raises, not rank 0 alone while the others go on."""
+    import tempfile
+    from pathlib import Path
+
+    blocker = Path(tempfile.gettempdir()) / f"dp_plugin-test-blocker-{os.getppid()}"
+    if hvd.rank() == 0:
+        blocker.write_text("a file, not a directory")
+    try:
+        _expect(lambda: hvd.save_checkpoint(blocker / "ckpt" / "last.pt", step=1),
+                "rank 0 could not write the checkpoint", (hvd.CheckpointError,))
+    finally:
+        if hvd.rank() == 0:
+            blocker.unlink()
+
+
 CASES = {
+    "checkpoint_unwritable": case_checkpoint_unwritable,
     "object_root_out_of_range": case_object_root_out_of_range,
     "object_roots_differ": case_object_roots_differ,
     "parameters_root_differs": case_parameters_root_differs,

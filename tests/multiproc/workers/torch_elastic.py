@@ -8,7 +8,9 @@ the batch of step ``s`` on rank ``r`` is drawn from a generator seeded with
 
 ``uninterrupted``: the run as it is. ``killed``: on the first attempt rank 1
 SIGKILLs itself right after step ``KILL_AFTER``; torchrun restarts all three
-workers and ``run`` resumes them from the commit of step 5.
+workers and ``run`` resumes them from the commit of step 5. ``killed`` gives
+no ``commit_path`` (as Horovod's own elastic example): the commits go to the
+per-job default under torchrun.
 
 At the end rank 0 writes the raw bytes of every weight to ``--out``/weights.bin
 (the test compares both runs' files) and every rank checks that the ranks
@@ -48,8 +50,10 @@ def _train(out: Path, kill: bool) -> None:
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(base, step_size=3, gamma=0.5)
     opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
-    state = hvd.elastic.TorchState(model, opt, scheduler=scheduler, batch=0,
-                                   commit_path=out / "commit.pt")
+    # ``killed`` is Horovod's elastic example as written: no commit_path,
+    # torchrun's run id gives the default one (elastic.default_commit_path).
+    where = {} if kill else {"commit_path": out / "commit.pt"}
+    state = hvd.elastic.TorchState(model, opt, scheduler=scheduler, batch=0, **where)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     @hvd.elastic.run

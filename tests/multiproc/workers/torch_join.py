@@ -3,14 +3,16 @@
     python torch_join.py --case NAME     # prints "rank R OK"
 
 - ``collectives``: rank 0 joins after one optimizer step; the others then run
-  allreduce (Average, Sum, Min, Max, grouped, in place), allgather (and
-  grouped), broadcast, reducescatter, barrier, an optimizer step and (at 3+
-  ranks) an allreduce on a process set that contains rank 0, and check each
-  result against Horovod's rule (the joined rank contributes nothing: zeros,
-  no rows). Then they join too; ``join()`` returns the last rank everywhere.
-- ``refused``: rank 0 joins, rank 1 calls ``alltoall``, which a joined rank
-  cannot answer: both raise ``JoinedRankError`` at once.
-- ``joined_root``: rank 0 joins, rank 1 broadcasts from root 0: both raise.
+  allreduce (Average, Sum, Min, Max, grouped, in place), barrier, an
+  optimizer step and (at 3+ ranks) an allreduce on a process set that
+  contains rank 0, and check each result against Horovod's rule (the joined
+  rank contributes nothing: zeros). Then they join too; ``join()`` returns
+  the last rank everywhere.
+- ``refused``: rank 0 joins; the others' allgather, broadcast,
+  reducescatter, alltoall and broadcast_object raise ``JoinedRankError``
+  (Horovod's rule), rank 0 keeps waiting; then everyone joins.
+- ``last_joiner``, ``sync_batch_norm``, ``sparse_first``, ``slow_steps``:
+  issue 24's join rows (see each case's docstring).
 - ``different_rates`` (issue 9 item 6): two optimizers stepping at different
   rates (a GAN's discriminator 3x per generator step); rank 0 joins after one
   round, rank 1 trains two more: each gradient is its own half, every time.
@@ -21,6 +23,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from _fail_fast import run_cases
@@ -48,6 +51,7 @@ def one_step(opt: torch.optim.Optimizer, model: nn.Linear, rank: int) -> None:
 
 def training_rank(rank: int, size: int, opt: torch.optim.Optimizer, model: nn.Linear,
                   ps: object) -> None:
+    """What a joined rank answers: the all-reduce family and barrier."""
     others = range(1, size)  # the ranks still training; rank 0 has joined
     f64 = torch.float64
     out = hvd.allreduce(torch.full((3,), float(rank + 1), dtype=f64), name="avg")
@@ -62,16 +66,6 @@ def training_rank(rank: int, size: int, opt: torch.optim.Optimizer, model: nn.Li
     inplace = torch.ones(4)
     hvd.allreduce_(inplace, op=hvd.Sum)
     same(inplace, torch.full((4,), float(size - 1)), "allreduce_ Sum")
-    rows = hvd.allgather(torch.full((rank, 2), rank, dtype=torch.int32), name="rows")
-    same(rows, torch.cat([torch.full((r, 2), r, dtype=torch.int32) for r in others]),
-         "allgather")
-    g1, g2 = hvd.grouped_allgather([torch.full((1,), float(rank)), torch.full((2, 2), rank)])
-    same(g1, torch.tensor([float(r) for r in others]), "grouped allgather 0")
-    check(g2.shape == (2 * (size - 1), 2), f"grouped allgather 1 shape {tuple(g2.shape)}")
-    same(hvd.broadcast(torch.arange(4.0) * rank, root_rank=size - 1),
-         torch.arange(4.0) * (size - 1), "broadcast")
-    block = hvd.reducescatter(torch.ones(2 * size, 1), op=hvd.Sum)
-    same(block, torch.full((2, 1), float(size - 1)), "reducescatter Sum")
     hvd.barrier()
     one_step(opt, model, rank)  # rank 0 contributes a zero gradient
     grad = model.weight.grad
@@ -111,21 +105,32 @@ def expect_refusal(call: object, words: str) -> None:
 
 
 def case_refused(_: object) -> None:
+    """Horovod's rule (its test_horovod_join_allgather/broadcast): rank 0
+    joins; every collective a joined rank does not answer raises on the
+    ranks that call it, naming the joined rank, and rank 0 keeps waiting;
+    then they join too and every rank gets the same last-joined rank, not 0."""
     hvd.init()
-    if hvd.rank() == 0:
-        expect_refusal(hvd.join, "dp_plugin.torch.check cannot run while a rank is joined")
-    else:
-        expect_refusal(lambda: hvd.alltoall(torch.ones(2, 3)), "rank(s) 0 have called join()")
-    hvd.shutdown()
-
-
-def case_joined_root(_: object) -> None:
-    hvd.init()
-    if hvd.rank() == 0:
-        expect_refusal(hvd.join, "its root_rank 0 has called join()")
-    else:
-        expect_refusal(lambda: hvd.broadcast(torch.ones(2), root_rank=0),
-                       "its root_rank 0 has called join()")
+    rank, size = hvd.rank(), hvd.size()
+    if rank > 0:
+        x = torch.ones(size, 2)
+        for kind, call in [
+            ("allgather", lambda: hvd.allgather(x)),
+            ("allgather", lambda: hvd.grouped_allgather([x, x])),
+            ("broadcast", lambda: hvd.broadcast(x, root_rank=0)),
+            ("broadcast", lambda: hvd.broadcast(x, root_rank=size - 1)),
+            ("reducescatter", lambda: hvd.reducescatter(x, op=hvd.Sum)),
+            ("alltoall", lambda: hvd.alltoall(x)),
+            ("broadcast_object", lambda: hvd.broadcast_object({"a": 1}, root_rank=1)),
+        ]:
+            expect_refusal(call, "rank(s) 0 have called hvd.join()")
+            print(f"rank {rank}: {kind} refused", flush=True)
+        # The all-reduce family still runs, with rank 0 contributing nothing.
+        same(hvd.allreduce(torch.ones(1), op=hvd.Sum), torch.full((1,), float(size - 1)),
+             "allreduce after the refusals")
+    last = hvd.join()
+    check(last != 0, f"join() returned {last}, the rank that joined first")
+    rets = hvd.allgather(torch.tensor([last]))
+    check(bool((rets == last).all()), f"join() returned different ranks: {rets.tolist()}")
     hvd.shutdown()
 
 
@@ -182,9 +187,99 @@ def case_outside_set(_: object) -> None:
     hvd.shutdown()
 
 
+def case_last_joiner(_: object) -> None:
+    """Rank ``size - 2`` trains 3 steps, every other rank 1: it joins last, and
+    ``join()`` says so on every rank (not the tie-break, ``size - 1``)."""
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    last = size - 2
+    model = nn.Linear(2, 1, bias=False).double()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for _ in range(3 if rank == last else 1):
+        one_step(opt, model, rank)
+    got = hvd.join()
+    check(got == last, f"join() returned {got}, expected {last} (it trained the longest)")
+    hvd.shutdown()
+
+
+def case_sync_batch_norm(_: object) -> None:
+    """A model with SyncBatchNorm; the last rank joins after one step, the
+    others run one more: their SyncBatchNorm raises JoinedRankError at the
+    call (its statistics would pair with the joined rank's standing answer),
+    they join, and ``join()`` returns on every rank."""
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), hvd.SyncBatchNorm(4), nn.Linear(4, 1))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.full((2, 3), float(rank + 1)) + torch.arange(6.0).view(2, 3)).sum().backward()
+        opt.step()
+
+    step()
+    bn = model[1]
+    if rank < size - 1:
+        before = bn.running_mean.clone()
+        expect_refusal(step, "SyncBatchNorm")
+        check(torch.equal(bn.running_mean, before), "the refused step changed running_mean")
+    got = hvd.join()
+    check(got == size - 2, f"join() returned {got}, expected {size - 2}")
+    hvd.shutdown()
+
+
+def case_sparse_first(_: object) -> None:
+    """Sparse embedding gradients (sparse_as_dense=False); the last rank joins
+    before its first step, the others train two: each gets their own sum."""
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    emb = nn.Embedding(4, 2, sparse=True)
+    nn.init.zeros_(emb.weight)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0),
+                                   named_parameters=emb.named_parameters(), op=hvd.Sum)
+    if rank < size - 1:
+        for _ in range(2):
+            opt.zero_grad()
+            emb(torch.tensor([rank])).sum().backward()
+            opt.step()
+        grad = emb.weight.grad
+        assert grad is not None
+        want = torch.zeros(4, 2)
+        want[: size - 1] = 1.0
+        check(torch.equal(grad.to_dense(), want), f"sparse grad {grad.to_dense()} != {want}")
+    got = hvd.join()
+    check(got == size - 2, f"join() returned {got}, expected {size - 2}")
+    hvd.shutdown()
+
+
+def case_slow_steps(_: object) -> None:
+    """The last rank joins at once; the others step every 0.5 s for longer than
+    DP_PLUGIN_TIMEOUT (2 s longer; the test sets a short timeout): every
+    step is progress, so the joined rank waits without an error."""
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    model = nn.Linear(2, 1, bias=False).double()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    timeout = float(os.environ["DP_PLUGIN_TIMEOUT"])
+    if rank < size - 1:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout + 2:
+            time.sleep(0.5)
+            one_step(opt, model, rank)
+    got = hvd.join()
+    check(got == size - 2, f"join() returned {got}, expected {size - 2}")
+    hvd.shutdown()
+
+
 CASES = {"collectives": case_collectives, "refused": case_refused,
-         "joined_root": case_joined_root, "different_rates": case_different_rates,
-         "outside_set": case_outside_set}
+         "different_rates": case_different_rates,
+         "outside_set": case_outside_set, "last_joiner": case_last_joiner,
+         "sync_batch_norm": case_sync_batch_norm, "sparse_first": case_sparse_first,
+         "slow_steps": case_slow_steps}
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")

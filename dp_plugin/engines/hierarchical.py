@@ -1,0 +1,165 @@
+"""The hierarchical all-reduce of the gloo engine: for jobs with several
+ranks per host and several hosts.
+
+A flat ring over every rank sends each byte ``2 (N - 1) / N`` times across
+the slowest link there is, and the ranks of one host all queue on their
+host's link. Here each host reduces inside itself through shared memory
+first, so only one host's worth of data crosses between hosts, split
+among the host's ranks so that every rank's link share is used at once.
+With P ranks per host, local rank j owns shard j (elements
+[j n / P, (j + 1) n / P), ``shm.shard``) of every buffer:
+
+1. reduce-scatter inside the host through the shared-memory segment
+   (``shm.py``): local rank j holds the host's sum of shard j;
+2. all-reduce of shard j across hosts, over Gloo, among the ranks of
+   local rank j (one group per local rank: P all-reduces run at once, one
+   per rank of the host);
+3. all-gather inside the host through the segment: every rank has every
+   shard.
+
+Steps 1 and 3 copy the same bytes out on every rank of a host, and step 2
+leaves the same bytes on every member of a cross group (Gloo reduces each
+piece once and sends the result on), so the ranks stay bitwise equal. The
+sum is taken in another order than a flat ring's (host first): within
+rounding of it, not bitwise.
+
+**When.** ``wanted``: ``DP_PLUGIN_HIERARCHICAL_ALLREDUCE`` (or Horovod's
+``HOROVOD_HIERARCHICAL_ALLREDUCE``, the same switch) forces it on (1) or
+off (0); unset, it is on where the launcher's topology (``Topology``:
+``cross_size`` hosts of ``local_size`` ranks) has more than one host, more
+than one rank per host and the same number on each, and shared memory is
+allowed (``DP_PLUGIN_SHARED_MEMORY``). The layout itself comes from every
+rank's (host index, local rank) as the launcher gave them (``layout``); a
+layout that is not a full grid, or shared memory that any rank cannot set
+up, leaves every rank on the flat ring, said once in the log.
+
+**Contract.** The engine's: every rank starts the same all-reduces in the
+same order. Each engine and optimizer channel has its own segment and its
+own cross-host groups, and runs its all-reduces on the segment's thread in
+order, so step 2 of one all-reduce never meets another's. Other
+collectives (broadcast, all-gather, ...) stay on the flat Gloo group.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dp_plugin.config import Config
+from dp_plugin.engines.handle import Handle
+from dp_plugin.engines.shm import ShmTransport
+from dp_plugin.engines.types import ReduceOp
+from dp_plugin.launch import Topology
+
+log = logging.getLogger("dp_plugin")
+
+CROSS_DTYPES = frozenset({"float16", "float32", "float64", "int8", "uint8", "int16", "int32",
+                          "int64"})
+"""What the cross-host step moves through Gloo (the engine widens int16);
+other dtypes take the flat ring."""
+
+
+def wanted(topology: Topology, config: Config) -> bool:
+    """Whether the gloo engine of this job reduces hierarchically (module docstring)."""
+    if config.hierarchical_allreduce is not None:
+        return config.hierarchical_allreduce and topology.size > 1
+    return (config.shared_memory and topology.cross_size > 1 and topology.local_size > 1
+            and topology.is_homogeneous)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The job as hosts of ranks, from every rank's (host index, local rank)."""
+
+    hosts: tuple[tuple[int, ...], ...]
+    """Every host's job ranks, by local rank; hosts by index."""
+
+    @property
+    def ranks_per_host(self) -> int:
+        return len(self.hosts[0])
+
+    def host_of(self, rank: int) -> tuple[int, ...]:
+        """The ranks on ``rank``'s host, by local rank."""
+        return next(h for h in self.hosts if rank in h)
+
+    def peer_groups(self) -> list[tuple[int, ...]]:
+        """For each local rank j, the ranks of local rank j on every host."""
+        return [tuple(h[j] for h in self.hosts) for j in range(self.ranks_per_host)]
+
+
+def layout(table: np.ndarray) -> tuple[Layout | None, str]:
+    """The layout from row r = (host index, local rank) of rank r, or None
+    and why it is not a grid of hosts with the same number of ranks each."""
+    hosts: dict[int, dict[int, int]] = {}
+    for rank, (host, local) in enumerate(table.tolist()):
+        if local in hosts.setdefault(host, {}):
+            return None, (f"ranks {hosts[host][local]} and {rank} both say they are local rank "
+                          f"{local} of host {host}")
+        hosts[host][local] = rank
+    sizes = {len(h) for h in hosts.values()}
+    if len(sizes) != 1:
+        counts = ", ".join(f"host {k}: {len(v)}" for k, v in sorted(hosts.items()))
+        return None, f"the hosts run different numbers of ranks ({counts})"
+    per_host = sizes.pop()
+    if per_host < 2:
+        return None, "every host runs one rank: nothing to reduce inside a host"
+    for k, h in hosts.items():
+        if sorted(h) != list(range(per_host)):
+            return None, f"host {k}'s local ranks are {sorted(h)}, not 0..{per_host - 1}"
+    return Layout(tuple(tuple(h[j] for j in range(per_host))
+                        for _, h in sorted(hosts.items()))), ""
+
+
+def host_exchange(exchange: Any, host: Sequence[int]) -> Any:
+    """An exchange among ``host`` (job ranks) made of the job-wide one:
+    every rank of the job calls it at the same point, and each host gets
+    its own rows. Column 0 (what ``shm.connect`` reads as "can go on") is
+    cleared on every host as soon as any rank of the job cleared it, so
+    every host gives up, or goes on, together."""
+    members = list(host)
+
+    def among_host(row: np.ndarray, what: str) -> np.ndarray:
+        table = exchange(row, what)
+        rows = np.array(table[members])
+        if not table[:, 0].all():
+            rows[:, 0] = 0
+        return rows
+
+    return among_host
+
+
+class HierarchicalAllreduce:
+    """One engine's (or channel's) hierarchical all-reduce: the host's
+    shared-memory transport and the Gloo engine over this rank's peers
+    of the same local rank on the other hosts (None with one host)."""
+
+    def __init__(self, transport: ShmTransport, cross: Any, hosts: int) -> None:
+        self._transport = transport
+        self._cross = cross
+        self.hosts, self.ranks_per_host = hosts, transport.size
+
+    def takes(self, t: Any) -> bool:
+        """Whether ``t`` (a contiguous torch tensor) goes this way."""
+        return self._transport.takes(t) and str(t.dtype).removeprefix("torch.") in CROSS_DTYPES
+
+    def allreduce_async(self, t: Any, op: ReduceOp, description: str, on_timeout: Any,
+                        board: Any) -> Handle:
+        """Queue the three steps of the module docstring on the host's
+        transport thread; the handle is done when the all-gather is."""
+        def across(part: Any, deadline: float) -> None:
+            if self._cross is None or part.numel() == 0:  # the same on every peer
+                return
+            self._cross.allreduce_async(part, op, name=f"{description} (across hosts)").wait()
+
+        return self._transport.allreduce_async(t, op, description, on_timeout, board,
+                                               across=across)
+
+    def close(self) -> None:
+        """Stop the transport (its thread may be in a cross step), then the cross group."""
+        self._transport.close()
+        if self._cross is not None:
+            self._cross.shutdown()

@@ -1,0 +1,56 @@
+"""The Ray actor that hosts one dp_plugin rank (``RayExecutor``'s workers).
+
+It holds no collective state of its own: the executor tells it, through
+environment variables, what a launcher would (torchrun's RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), and the user's function then calls
+``hvd.init()``, which detects them as a torchrun-style launch and meets the
+other ranks in rank 0's TCPStore. One process per actor, for the life of
+the executor: ``init()``/``shutdown()`` may run many times in it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+class Worker:
+    """One rank's process. Methods are called through Ray (``.remote``)."""
+
+    def __init__(self) -> None:
+        self.executable: Any = None
+
+    def node(self) -> tuple[str, str]:
+        """(Ray node id, the node's IP address as Ray knows it)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        """A TCP port free on this node now, for rank 0's store (the OS picks it;
+        the store binds it again moments later, as Ray Train does)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
+    def set_env(self, env: Mapping[str, str]) -> None:
+        os.environ.update({k: str(v) for k, v in env.items()})
+
+    def env(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    def start_executable(self, cls: type | None, args: list[Any], kwargs: dict[str, Any]) -> None:
+        """Make the object ``execute`` hands to its functions (Horovod's
+        ``executable_cls``); None without a class."""
+        self.executable = cls(*args, **kwargs) if cls is not None else None
+
+    def execute(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(executable)`` in this process."""
+        return fn(self.executable)
+
+    def call(self, fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> Any:
+        """``fn(*args, **kwargs)`` in this process."""
+        return fn(*args, **kwargs)

@@ -1,0 +1,51 @@
+"""The gloo engine's hierarchical all-reduce (dp_plugin/engines/hierarchical.py)
+and the shared-memory transport's per-operation check, in real processes.
+
+Four ranks as two "hosts" of two (``workers/fake_hosts.py`` sets the
+variables torchrun sets on each host; the engine decides from the
+topology it reads): chosen automatically, and forced flat by Horovod's
+variable, both match a single-process reference within 1e-5, with every
+rank bitwise equal; DistributedOptimizer training (``torch_equivalence.py``,
+bitwise equal ranks, within 1e-5 of one process) forced hierarchical by
+``DP_PLUGIN_HIERARCHICAL_ALLREDUCE=1``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.multiproc.harness import assert_ranks_ok, run_workers
+
+WORKERS = Path(__file__).parent / "workers"
+FAKE_HOSTS = WORKERS / "fake_hosts.py"
+WORKER = WORKERS / "hierarchical_allreduce.py"
+ENV = {"DP_PLUGIN_ENGINE": "gloo", "DP_PLUGIN_TIMEOUT": "60", "DP_TEST_RANKS_PER_HOST": "2"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("setting", "expect"), [({}, "1"),
+                                                  ({"HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}, "0")],
+                         ids=["automatic", "flat-by-horovod-variable"])
+def test_hierarchical_and_flat_match_one_process(setting: dict[str, str], expect: str) -> None:
+    env = dict(ENV, DP_TEST_EXPECT_HIERARCHICAL=expect, **setting)
+    result = run_workers("env", 4, FAKE_HOSTS, [str(WORKER), "--case", "equivalence"], env=env,
+                         timeout=240)
+    assert_ranks_ok(result, 4)
+
+
+@pytest.mark.timeout(300)
+def test_training_under_the_hierarchical_path_matches_one_process() -> None:
+    result = run_workers("env", 4, FAKE_HOSTS,
+                         [str(WORKERS / "torch_equivalence.py"), "--case", "optimizers"],
+                         env=dict(ENV, DP_PLUGIN_HIERARCHICAL_ALLREDUCE="1"), timeout=240)
+    assert_ranks_ok(result, 4)
+
+
+@pytest.mark.timeout(120)
+def test_different_counts_raise_on_both_ranks_through_the_engine() -> None:
+    result = run_workers("env", 2, WORKER, ["--case", "mismatch"],
+                         env={"DP_PLUGIN_ENGINE": "gloo", "DP_PLUGIN_TIMEOUT": "30"}, timeout=100)
+    assert_ranks_ok(result, 2)
+    assert result.output.count("raised: ") == 2, result.output

@@ -1,0 +1,84 @@
+"""Scheduler tests: real SLURM and Ray daemons on namespace "hosts".
+
+Session fixtures start each daemon set once (``hosts``: two network
+namespaces on a bridge; ``slurm``: munged, slurmctld and a slurmd per host;
+``ray_cluster``: a Ray head on host 0 and a worker node on host 1) and stop
+it on every exit path: the fixture's finalizer, and ``atexit`` should the
+session end another way. ``bert_reference``: the BERT example for a few
+steps on 2 ranks on this host (torchrun's variables, set by the
+test harness), the run every scheduler's run
+must equal (same vocabulary, same losses to 1e-5).
+
+Where a piece cannot exist here (not root, no namespaces, SLURM not
+installable, Ray not installed) the tests skip saying why; on the CI
+machine (root, apt-get, the ray extra installed) they run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.multiproc.harness import run_workers
+from tests.schedulers import netns, proc, ray_cluster, slurm
+
+_HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _HERE in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.multiproc)
+
+
+@pytest.fixture(scope="session")
+def hosts() -> Iterator[netns.Hosts]:
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+    made = netns.Hosts(2)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(hosts: netns.Hosts, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[slurm.SlurmCluster]:
+    reason = slurm.ensure_installed()
+    if reason:
+        pytest.skip(reason)
+    workdir = tmp_path_factory.mktemp("slurm")
+    workdir.chmod(0o755)  # munged wants its socket's directory readable by all
+    cluster = slurm.SlurmCluster(hosts, workdir)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="session")
+def ray_hosts(hosts: netns.Hosts, tmp_path_factory: pytest.TempPathFactory
+              ) -> Iterator[ray_cluster.RayCluster]:
+    reason = ray_cluster.unavailable()
+    if reason:
+        pytest.skip(reason)
+    cluster = ray_cluster.RayCluster(hosts, tmp_path_factory.mktemp("ray"))
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="session")
+def bert_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], Path]:
+    """(losses of a 2-rank torchrun-style run, the vocabulary it trained)."""
+    out = tmp_path_factory.mktemp("bert_reference")
+    result = run_workers("env", 2, proc.BERT, args=[*proc.TINY, "--output-dir", str(out)],
+                         env={"DP_PLUGIN_TIMEOUT": "60"}, timeout=600)
+    losses = proc.losses(result.output)
+    assert sorted(losses) == [1, 2, 3, 4], result.output
+    return losses, out / "tokenizer.json"

@@ -1,0 +1,106 @@
+"""SLURM, for real: srun and sbatch on a two-node cluster of namespace hosts.
+
+No MASTER_ADDR/MASTER_PORT anywhere: dp_plugin derives them from SLURM's
+variables (the step's first host, a port from the job id). The BERT
+example's losses under srun (one node) and under the sbatch script of
+docs/multinode.md (two nodes) equal a torchrun run's; ``srun -N 2 -n 4``
+spans both hosts with the right local/cross topology; a rank SIGKILLed
+under srun ends the step with dp_plugin's error on the survivor and SLURM
+reporting the step failed.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.schedulers import proc
+from tests.schedulers.slurm import SlurmCluster
+
+WORKERS = Path(__file__).resolve().parent / "workers"
+FAULTS = proc.ROOT / "tests" / "multiproc" / "workers" / "faults.py"
+DOCS = proc.ROOT / "docs" / "multinode.md"
+# The first test also pays for the session's daemons and reference run.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+
+def _env(cluster: SlurmCluster, **extra: str) -> dict[str, str]:
+    # SLURM_CONF is added after the launcher variables (SLURM_*) are dropped.
+    return proc.clean_env(**{"DP_PLUGIN_TIMEOUT": "60", "SLURM_CONF": str(cluster.conf),
+                             **extra})
+
+
+def test_srun_on_one_node_derives_the_rendezvous_and_trains_like_torchrun(
+        slurm_cluster: SlurmCluster, bert_reference: tuple[dict[int, float], Path],
+        tmp_path: Path) -> None:
+    want, vocabulary = bert_reference
+    done = proc.run(["srun", "-N", "1", "-n", "2", sys.executable, str(proc.BERT), *proc.TINY,
+                     "--tokenizer", str(vocabulary), "--output-dir", str(tmp_path)],
+                    _env(slurm_cluster), timeout=600)
+    assert done.returncode == 0, done.stdout
+    assert "summary: workers 2" in done.stdout, done.stdout
+    proc.assert_same_losses(proc.losses(done.stdout), want, done.stdout)
+
+
+def _sbatch_script() -> str:
+    """The sbatch script of docs/multinode.md, exactly as written there."""
+    text = DOCS.read_text()
+    scripts = re.findall(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", text, flags=re.S)
+    assert len(scripts) == 1, "docs/multinode.md should hold one sbatch script"
+    return scripts[0]
+
+
+def test_the_sbatch_script_of_the_docs_runs_across_two_nodes(
+        slurm_cluster: SlurmCluster, bert_reference: tuple[dict[int, float], Path],
+        tmp_path: Path) -> None:
+    want, vocabulary = bert_reference
+    script = tmp_path / "train.sbatch"
+    script.write_text(_sbatch_script())
+    out = tmp_path / "job.out"
+    # Options on the command line override the script's #SBATCH lines: two
+    # nodes of this cluster, one task each; the example's flags follow the script.
+    done = proc.run(["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=1", f"--output={out}",
+                     str(script), *proc.TINY, "--tokenizer", str(vocabulary),
+                     "--output-dir", str(tmp_path / "bert")],
+                    _env(slurm_cluster), timeout=600)
+    log = out.read_text() if out.exists() else "(no job output)"
+    assert done.returncode == 0, f"{done.stdout}\n{log}"
+    assert "summary: workers 2" in log, log
+    proc.assert_same_losses(proc.losses(log), want, log)
+
+
+def test_srun_spans_two_hosts(slurm_cluster: SlurmCluster) -> None:
+    done = proc.run(["srun", "-N", "2", "-n", "4", "--label", sys.executable,
+                     str(WORKERS / "topology.py")], _env(slurm_cluster), timeout=600)
+    assert done.returncode == 0, done.stdout
+    lines = re.findall(r"rank (\d) of 4 local (\d)/(\d) cross (\d)/(\d) host (\S+) launcher "
+                       r"(\S+) rendezvous (\S+):(\d+) sum (\S+) job (\d+)", done.stdout)
+    assert len(lines) == 4, done.stdout
+    first, second = slurm_cluster.nodes
+    for rank, local, local_size, cross, cross_size, host, launcher, addr, port, total, job in lines:
+        r = int(rank)
+        assert (int(local), int(local_size)) == (r % 2, 2), done.stdout
+        assert (int(cross), int(cross_size)) == (r // 2, 2), done.stdout
+        assert host == (first if r < 2 else second), done.stdout
+        assert launcher == "slurm" and addr == first, done.stdout
+        assert int(port) == 15000 + int(job) % 10000, done.stdout
+        assert float(total) == 6.0, done.stdout
+
+
+def test_a_killed_rank_ends_the_step_with_dp_plugins_error(slurm_cluster: SlurmCluster) -> None:
+    done = proc.run(["srun", "-N", "2", "-n", "2", sys.executable, str(FAULTS), "--case", "kill"],
+                    _env(slurm_cluster, DP_PLUGIN_TIMEOUT="4", DP_PLUGIN_ENGINE="gloo"),
+                    timeout=300)
+    out = done.stdout
+    assert done.returncode != 0, out
+    assert "rank 1 FAULT at" in out, out
+    # The survivor: dp_plugin's error naming its rank and the collective.
+    survivor = re.search(r"rank 0 error at [0-9.]+: (.*)", out)
+    assert survivor is not None, out
+    assert "rank 0" in survivor.group(1) and "allreduce" in survivor.group(1), out
+    # SLURM: the killed task and the failed step.
+    assert re.search(r"srun: error: \S+: task 1: Killed", out), out
+    assert re.search(r"srun: error: \S+: task 0: Exited with exit code 1", out), out
