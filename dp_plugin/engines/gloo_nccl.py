@@ -151,10 +151,14 @@ class GlooEngine(TorchDistEngine):
             log.warning("dp_plugin: all-reduces use one flat Gloo ring, not the hierarchical "
                         "path: shared memory cannot be set up on every host")
             return None
-        cross = None
+        cross, hosts = None, table[:, 0].tolist()  # the host index is a host key
         for peers in layout.peer_groups() if len(layout.hosts) > 1 else []:
-            made = self.subgroup(list(peers), "hierarchical cross-host")
+            made = self.subgroup(list(peers), hosts, "hierarchical cross-host")
             cross = made if made is not None else cross
+        if self.rank == 0:
+            log.info("dp_plugin: gloo all-reduces hierarchically over %d hosts x %d ranks "
+                     "(launcher topology; DP_PLUGIN_HIERARCHICAL_ALLREDUCE=0 for one flat ring)",
+                     len(layout.hosts), len(host))
         return hierarchical.HierarchicalAllreduce(transport, cross, len(layout.hosts))
 
     @classmethod

@@ -1,5 +1,8 @@
-"""Teardowns that wait for every rank end within DP_PLUGIN_TIMEOUT
-(workers/exit_bounds.py): MPI_Finalize at exit, hvd.shutdown()."""
+"""A teardown that waits for every rank ends within DP_PLUGIN_TIMEOUT
+(workers/exit_bounds.py): MPI_Finalize at exit.
+
+(hvd.shutdown() is bounded too, but no case was found here where it waits:
+with the other rank SIGSTOPped it returned at once.)"""
 
 from __future__ import annotations
 
@@ -10,7 +13,9 @@ from pathlib import Path
 from tests.multiproc.harness import run_workers
 
 WORKER = Path(__file__).parent / "workers" / "exit_bounds.py"
-TIMEOUT_S = 3.0
+TIMEOUT_S = 12.0
+"""Long enough for hvd.init() / MPI's start on a loaded machine; the wait
+bounded here begins after both ranks have run a collective."""
 MARGIN_S = 6.0
 
 
@@ -26,18 +31,7 @@ def test_mpi_finalize_at_exit_is_bounded() -> None:
                          timeout=120, check=False)
     ended = time.time()
     out = result.output
-    assert "rank 0: MPI_Finalize at exit did not finish within 3 s (DP_PLUGIN_TIMEOUT)" in out, out
+    assert "rank 0: MPI_Finalize at exit did not finish within 12 s (DP_PLUGIN_TIMEOUT)" in out, out
     assert result.returncodes[0] != 0 and "rank 1 leaves" not in out, out
     assert ended - _late(out) < TIMEOUT_S + MARGIN_S, out
 
-
-def test_horovod_shutdown_is_bounded() -> None:
-    result = run_workers("horovodrun", 2, WORKER, args=["--case", "horovod_shutdown"],
-                         env={"DP_PLUGIN_ENGINE": "horovod", "DP_PLUGIN_TIMEOUT": str(TIMEOUT_S)},
-                         timeout=150, check=False)
-    out = result.output
-    error = re.search(r"rank 0 error at ([0-9.]+): CollectiveTimeoutError: rank 0: "
-                      r"hvd\.shutdown\(\) .* did not finish within 3 s", out)
-    assert error is not None, out
-    assert float(error.group(1)) - _late(out) < TIMEOUT_S + MARGIN_S, out
-    assert result.returncodes[0] != 0 and "rank 0 leaves" not in out, out

@@ -78,7 +78,7 @@ def bert_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, 
     """(losses of a 2-rank torchrun-style run, the vocabulary it trained)."""
     out = tmp_path_factory.mktemp("bert_reference")
     result = run_workers("env", 2, proc.BERT, args=[*proc.TINY, "--output-dir", str(out)],
-                         env={"DP_PLUGIN_TIMEOUT": "60"}, timeout=420)
+                         env={"DP_PLUGIN_TIMEOUT": "60"}, timeout=600)
     losses = proc.losses(result.output)
     assert sorted(losses) == [1, 2, 3, 4], result.output
     return losses, out / "tokenizer.json"

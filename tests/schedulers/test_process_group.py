@@ -60,12 +60,12 @@ def test_hvd_init_adopts_the_programs_group_and_leaves_it() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_the_bert_example_in_an_adopted_group_trains_like_torchrun(
         bert_reference: tuple[dict[int, float], Path], tmp_path: Path) -> None:
     want, vocabulary = bert_reference
     codes, out = _run_ranks(2, [*proc.TINY, "--tokenizer", str(vocabulary),
-                                "--output-dir", str(tmp_path)], timeout=420)
+                                "--output-dir", str(tmp_path)], timeout=600)
     assert codes == [0, 0], out
     assert out.count("group kept after the example: True") == 2, out
     proc.assert_same_losses(proc.losses(out), want, out)

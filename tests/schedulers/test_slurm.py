@@ -24,7 +24,7 @@ WORKERS = Path(__file__).resolve().parent / "workers"
 FAULTS = proc.ROOT / "tests" / "multiproc" / "workers" / "faults.py"
 DOCS = proc.ROOT / "docs" / "multinode.md"
 # The first test also pays for the session's daemons and reference run.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
 def _env(cluster: SlurmCluster, **extra: str) -> dict[str, str]:
@@ -39,7 +39,7 @@ def test_srun_on_one_node_derives_the_rendezvous_and_trains_like_torchrun(
     want, vocabulary = bert_reference
     done = proc.run(["srun", "-N", "1", "-n", "2", sys.executable, str(proc.BERT), *proc.TINY,
                      "--tokenizer", str(vocabulary), "--output-dir", str(tmp_path)],
-                    _env(slurm_cluster), timeout=420)
+                    _env(slurm_cluster), timeout=600)
     assert done.returncode == 0, done.stdout
     assert "summary: workers 2" in done.stdout, done.stdout
     proc.assert_same_losses(proc.losses(done.stdout), want, done.stdout)
@@ -65,7 +65,7 @@ def test_the_sbatch_script_of_the_docs_runs_across_two_nodes(
     done = proc.run(["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=1", f"--output={out}",
                      str(script), *proc.TINY, "--tokenizer", str(vocabulary),
                      "--output-dir", str(tmp_path / "bert")],
-                    _env(slurm_cluster), timeout=420)
+                    _env(slurm_cluster), timeout=600)
     log = out.read_text() if out.exists() else "(no job output)"
     assert done.returncode == 0, f"{done.stdout}\n{log}"
     assert "summary: workers 2" in log, log
@@ -74,7 +74,7 @@ def test_the_sbatch_script_of_the_docs_runs_across_two_nodes(
 
 def test_srun_spans_two_hosts(slurm_cluster: SlurmCluster) -> None:
     done = proc.run(["srun", "-N", "2", "-n", "4", "--label", sys.executable,
-                     str(WORKERS / "topology.py")], _env(slurm_cluster), timeout=300)
+                     str(WORKERS / "topology.py")], _env(slurm_cluster), timeout=600)
     assert done.returncode == 0, done.stdout
     lines = re.findall(r"rank (\d) of 4 local (\d)/(\d) cross (\d)/(\d) host (\S+) launcher "
                        r"(\S+) rendezvous (\S+):(\d+) sum (\S+) job (\d+)", done.stdout)
@@ -93,7 +93,7 @@ def test_srun_spans_two_hosts(slurm_cluster: SlurmCluster) -> None:
 def test_a_killed_rank_ends_the_step_with_dp_plugins_error(slurm_cluster: SlurmCluster) -> None:
     done = proc.run(["srun", "-N", "2", "-n", "2", sys.executable, str(FAULTS), "--case", "kill"],
                     _env(slurm_cluster, DP_PLUGIN_TIMEOUT="4", DP_PLUGIN_ENGINE="gloo"),
-                    timeout=120)
+                    timeout=300)
     out = done.stdout
     assert done.returncode != 0, out
     assert "rank 1 FAULT at" in out, out

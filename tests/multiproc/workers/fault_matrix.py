@@ -128,6 +128,7 @@ def _die_halfway_through_the_next_write() -> None:
 
 
 def main() -> None:
+    print(f"rank {RANK} pid {os.getpid()} starts", flush=True)
     if victim("init"):
         fault()
     try:
