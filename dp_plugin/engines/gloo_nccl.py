@@ -105,11 +105,17 @@ class GlooEngine(TorchDistEngine):
         return handle.then(lambda: self._torch.mul(t, postscale, out=t))
 
     def standing_allreduce_async(self, buf: Any, name: str) -> Handle:
+        """The route ``_allreduce_async`` takes for ``buf`` (it must meet the
+        others' plain all-reduce there), without a deadline of its own."""
         t = self._tensor(buf, f"allreduce {name!r}")
-        if self._shm is None or not self._shm.takes(t):
+        desc = self.describe("allreduce", name, t.numel() * t.element_size())
+        if self._hier is not None and self._hier.takes(t) and t.numel():
+            self._check_usable(f"allreduce {name!r}")
+            return self._hier.allreduce_async(t, ReduceOp.SUM, desc, self._mark_broken,
+                                              self.wait_board(), standing=True)
+        if self._shm is None or not self._shm.takes(t) or not t.numel():
             return super().standing_allreduce_async(buf, name)
         self._check_usable(f"allreduce {name!r}")
-        desc = self.describe("allreduce", name, t.numel() * t.element_size())
         return self._shm.allreduce_async(t, ReduceOp.SUM, desc, self._mark_broken,
                                          self.wait_board(), standing=True)
 

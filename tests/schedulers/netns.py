@@ -30,6 +30,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -125,7 +126,12 @@ class Hosts:
         lines = ["127.0.0.1 localhost"] + [f"{h.address} {h.name}" for h in self.hosts]
         for h in self.hosts:
             h.hosts_file.parent.mkdir(parents=True, exist_ok=True)
-            h.hosts_file.write_text("\n".join(lines) + "\n")
+            # The namespaces share the machine's host name; inside each host it
+            # names that host, as a real host's name does (Gloo, when nobody
+            # sets GLOO_SOCKET_IFNAME, as Ray Train's own init_process_group,
+            # advertises the address its host name resolves to).
+            own = f"{h.address} {socket.gethostname()}"
+            h.hosts_file.write_text("\n".join([*lines, own]) + "\n")
 
     def pids(self, namespace: str) -> list[int]:
         """The processes in ``namespace``."""

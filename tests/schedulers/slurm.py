@@ -13,8 +13,11 @@ returns why not where that cannot be done, and the tests skip saying so.
   address, ``CPUs=2``: ``srun -N 2 -n 4`` spans two "hosts".
 
 ``ProctrackType=proctrack/linuxproc`` and ``TaskPlugin=task/none``: no
-cgroups needed. Every daemon runs in the foreground as our child and is
-stopped by its pid; the slurmds' namespaces are emptied by ``Hosts.close``.
+cgroups needed. ``InactiveLimit=20``: an allocation whose srun was killed
+(a test's deadline) is released after 20 s; with 0 it held its node
+forever and every later job waited behind it (seen here). Every daemon
+runs in the foreground as our child and is stopped by its pid; the
+slurmds' namespaces are emptied by ``Hosts.close``.
 ``close()`` is idempotent and registered with ``atexit``.
 
 Client commands (``srun``, ``sbatch``, ``sinfo``) find the cluster through
@@ -138,7 +141,7 @@ SelectTypeParameters=CR_CPU
 MpiDefault=none
 MailProg=/bin/true
 ReturnToService=2
-InactiveLimit=0
+InactiveLimit=20
 KillWait=5
 MinJobAge=10
 {nodes}

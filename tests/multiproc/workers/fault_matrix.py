@@ -127,8 +127,22 @@ def _die_halfway_through_the_next_write() -> None:
     os.fdopen = lambda fd, mode: Dying(real_fdopen(fd, mode))  # type: ignore[assignment]
 
 
+def _meet() -> None:
+    """Wait until every rank has imported torch (files beside the checkpoint):
+    on a loaded machine the imports end seconds apart, longer than the
+    short DP_PLUGIN_TIMEOUT of the matrix, and init() would time out."""
+    size = int(os.environ.get("WORLD_SIZE") or os.environ.get("PMI_SIZE") or 1)
+    (CHECKPOINT.parent / f"ready.{RANK}").touch()
+    deadline = time.monotonic() + 180
+    while not all((CHECKPOINT.parent / f"ready.{r}").exists() for r in range(size)):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"rank {RANK}: the other ranks did not start within 180 s")
+        time.sleep(0.01)
+
+
 def main() -> None:
     print(f"rank {RANK} pid {os.getpid()} starts", flush=True)
+    _meet()
     if victim("init"):
         fault()
     try:
