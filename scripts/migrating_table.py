@@ -73,11 +73,13 @@ NOTES: dict[str, tuple[str, str]] = {
     "DistributedOptimizer": (DIFF, "`groups`/`num_groups` are validated hints only (the "
                              "planner fuses gradients into `DP_PLUGIN_FUSION_THRESHOLD` "
                              "buckets); `op=Adasum` is not supported"),
-    "horovod.torch:join": (DIFF, "answers `DistributedOptimizer` steps and allreduce, "
-                           "allgather, broadcast, reducescatter, barrier (grouped too) as "
-                           "Horovod does; `broadcast_parameters`/`broadcast_object`-style "
-                           "helpers and `SyncBatchNorm` raise `JoinedRankError` on every rank "
-                           "instead of being answered"),
+    "horovod.torch:join": (DIFF, "Horovod 0.28.1's rule: answers `DistributedOptimizer` "
+                           "steps, allreduce and barrier (grouped too); allgather, broadcast, "
+                           "reducescatter, alltoall and the helpers built on them "
+                           "(`broadcast_parameters`, `broadcast_object`, `SyncBatchNorm`) "
+                           "raise on the ranks that call them, as dp_plugin's "
+                           "`JoinedRankError` naming the joined ranks; returns the rank that "
+                           "joined last"),
     "join": (DIFF, "a synchronization point that returns the rank that called it last; a "
              "joined rank does not answer the other ranks' collectives meanwhile (TensorFlow "
              "collectives run without the agreement step a joined rank listens to)"),
@@ -177,12 +179,18 @@ method: `opt.variables()` becomes `opt.variables`.
   deterministically into buckets of `DP_PLUGIN_FUSION_THRESHOLD` bytes.
 - **Adasum is not supported** (`op=Adasum` raises `NotImplementedError`): use
   `op=Average`, which converges the same for synchronous SGD.
-- **`join()`** (PyTorch) answers the others' optimizer steps and tensor
-  collectives as Horovod does; helpers such as `broadcast_parameters` or
-  `broadcast_object` called while a rank is joined raise `JoinedRankError`
-  on every rank. In `dp_plugin.tensorflow` / `dp_plugin.keras`, `join()` is a
-  synchronization point only: every rank must run the same collectives
-  before joining.
+- **`join()`** (PyTorch) follows Horovod 0.28.1: a joined rank answers the
+  others' optimizer steps, `allreduce` (grouped too) and `barrier`;
+  `allgather`, `broadcast`, `reducescatter`, `alltoall` and the helpers built
+  on them (`broadcast_parameters`, `broadcast_object`, `SyncBatchNorm`) raise
+  `JoinedRankError` on the ranks that call them, and those ranks call
+  `join()` next. *Changed* (issue 24): earlier versions also answered
+  `allgather`, `broadcast` and `reducescatter` (no rows / zeros) and raised
+  on the joined rank too; a script written for Horovod behaves the same now.
+  `join()` returns the rank that joined last (earlier versions could return
+  the highest rank instead). In `dp_plugin.tensorflow` / `dp_plugin.keras`,
+  `join()` is a synchronization point only: every rank must run the same
+  collectives before joining.
 - **`horovod.torch.elastic` restarts processes.** `hvd.elastic.TorchState`,
   `ElasticSampler` and `@hvd.elastic.run` keep Horovod's API, but recovery is
   torchrun's `--max-restarts`: every commit is also written to disk and each
