@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm-up)")
     ap.add_argument("--timeout", type=float, default=900.0, help="per cluster run, seconds")
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--hierarchical", nargs="+", choices=["auto", "0", "1"], default=["auto"],
+                    help="DP_PLUGIN_HIERARCHICAL_ALLREDUCE per launch at 2+ ranks per host "
+                         "(auto: unset, the engine's choice; each value is a launch)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -77,6 +80,9 @@ def worker(args: argparse.Namespace) -> int:
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
+    from dp_plugin import runtime
+
+    path = "hierarchical" if getattr(runtime.engine(), "hierarchical", False) else "flat"
     if not dist.is_initialized():
         raise SystemExit("cluster_bench: torch.distributed is not initialized by dp_plugin's "
                          f"engine {hvd.engine_name() if hasattr(hvd, 'engine_name') else '?'}; "
@@ -125,8 +131,9 @@ def worker(args: argparse.Namespace) -> int:
             for method in methods:
                 t = statistics.median(times[method])
                 tx = statistics.median(sent[method])
+                label = f"{method} ({path})" if method.startswith("dp") else method
                 print("RESULT " + json.dumps({
-                    "model": model, "method": method, "size": size, "bytes": nbytes,
+                    "model": model, "method": label, "size": size, "bytes": nbytes,
                     "tensors": len(grads), "time_s": t, "times_s": times[method],
                     "link_bps": link_bps, "host_tx_bytes": tx,
                     "cpu_s": statistics.median(cpu[method]),
@@ -141,23 +148,25 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def run_config(args: argparse.Namespace, hosts: int, per_host: int, link: str) -> list[dict]:
-    cmd = [sys.executable, str(CLUSTER), "--hosts", str(hosts), "--ranks-per-host",
-           str(per_host), "--link", link, "--timeout", str(args.timeout), "--",
-           str(Path(__file__).resolve()), "--worker", "--rounds", str(args.rounds),
-           "--models", *args.models, "--methods", *args.methods,
-           "--chunks-mib", *map(str, args.chunks_mib)]
-    env = {**os.environ, "DP_PLUGIN_ENGINE": "gloo", "DP_PLUGIN_TIMEOUT": "300"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     rows = []
-    for line in proc.stdout.splitlines():
-        _, sep, rest = line.partition("RESULT ")
-        if sep:
-            rows.append({**json.loads(rest), "hosts": hosts, "per_host": per_host,
-                         "link": link})
-    if proc.returncode != 0 or not rows:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-        raise SystemExit(f"cluster_bench: {hosts}x{per_host} at {link} failed "
-                         f"(exit {proc.returncode}):\n{tail}")
+    for n, hier in enumerate(args.hierarchical if per_host > 1 else ["auto"]):
+        cmd = [sys.executable, str(CLUSTER), "--hosts", str(hosts), "--ranks-per-host",
+               str(per_host), "--link", link, "--timeout", str(args.timeout), "--",
+               str(Path(__file__).resolve()), "--worker", "--rounds", str(args.rounds),
+               "--models", *args.models, "--methods", *args.methods,
+               "--chunks-mib", *map(str, args.chunks_mib)]
+        env = {**os.environ, "DP_PLUGIN_ENGINE": "gloo", "DP_PLUGIN_TIMEOUT": "300"}
+        if hier != "auto":
+            env["DP_PLUGIN_HIERARCHICAL_ALLREDUCE"] = hier
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        got = [{**json.loads(line.partition("RESULT ")[2]), "hosts": hosts,
+                "per_host": per_host, "link": link, "launch": n}
+               for line in proc.stdout.splitlines() if "RESULT " in line]
+        if proc.returncode != 0 or not got:
+            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+            raise SystemExit(f"cluster_bench: {hosts}x{per_host} at {link} failed "
+                             f"(exit {proc.returncode}):\n{tail}")
+        rows += got
     return rows
 
 
@@ -165,26 +174,31 @@ def predicted_s(row: dict) -> float | None:
     """The alpha-beta model's time for one ring all-reduce of the bytes over
     every rank at the link rate (the ranks of a host add no link traffic of
     their own: a ring through ``P`` ranks per host crosses each host link
-    once per step each way, so ``2 (n-1)/n x S`` over the link)."""
-    from dp_plugin.cli.alphabeta import Link, ring_allreduce_time
+    once per step each way, so ``2 (n-1)/n x S`` over the link); for the
+    hierarchical path ``2 (H-1)/H x S`` plus the intra-host reduce
+    (``dp_plugin.cli.alphabeta.allreduce_time``)."""
+    from dp_plugin.cli.alphabeta import Link, allreduce_time
+    from dp_plugin.cli.plan import LOCAL_GBIT
 
     if not row["link_bps"]:
         return None
-    return ring_allreduce_time(row["bytes"], row["size"],
-                               Link(alpha=ALPHA_S, beta=row["link_bps"] / 8))
+    local = (Link(alpha=5e-6, beta=LOCAL_GBIT * 1e9 / 8)
+             if "(hierarchical)" in row["method"] else None)
+    return allreduce_time(row["bytes"], row["size"], Link(alpha=ALPHA_S, beta=row["link_bps"] / 8),
+                          row["per_host"], local)
 
 
 def table(rows: list[dict]) -> str:
     out = ["| hosts x ranks | link | model | method | time (s) | bus bw (Gbit/s) | link share "
            "| vs torch flat | CPU (s) | predicted (s) | error |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
-    base = {(r["hosts"], r["per_host"], r["link"], r["model"]): r["time_s"]
+    base = {(r["hosts"], r["per_host"], r["link"], r["model"], r.get("launch", 0)): r["time_s"]
             for r in rows if r["method"] == "torch flat"}
     for r in rows:
         n = r["size"]
         bus = 2 * (n - 1) / n * r["bytes"] * 8 / r["time_s"] / 1e9
         share = "" if r["link_share"] is None else f"{r['link_share']:.0%}"
-        ref = base.get((r["hosts"], r["per_host"], r["link"], r["model"]))
+        ref = base.get((r["hosts"], r["per_host"], r["link"], r["model"], r.get("launch", 0)))
         speed = "" if ref is None else f"{ref / r['time_s']:.2f}x"
         pred = predicted_s(r)
         err = "" if pred is None else f"{(pred - r['time_s']) / r['time_s']:+.0%}"

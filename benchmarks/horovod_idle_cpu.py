@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from _launch import clean_env, horovodrun_job, run_jobs
+from dp_plugin.cli.jobs import clean_env, horovodrun_job, run_jobs
 
 
 def worker(seconds: float) -> None:

@@ -52,7 +52,7 @@ import sys
 import time
 from typing import Any
 
-from _launch import Job, clean_env, free_port, mpiexec_job, run_jobs, torchrun_jobs
+from dp_plugin.cli.jobs import Job, clean_env, free_port, mpiexec_job, run_jobs, torchrun_jobs
 
 FEATURES, HIDDEN, CLASSES = 512, 1024, 10
 BATCH = 64  # per worker

@@ -32,7 +32,7 @@ import sys
 from itertools import pairwise
 from typing import Any
 
-from _launch import clean_env, run_jobs, torchrun_jobs
+from dp_plugin.cli.jobs import clean_env, run_jobs, torchrun_jobs
 
 CONFIGS = {"views": "1", "copies": "0"}
 """Config name -> DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW."""

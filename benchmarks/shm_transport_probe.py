@@ -27,7 +27,7 @@ import time
 from multiprocessing import shared_memory
 from typing import Any
 
-from _launch import free_port
+from dp_plugin.cli.jobs import free_port
 
 WORKERS = 2
 TIMEOUT_S = 60.0

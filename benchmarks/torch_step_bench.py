@@ -61,7 +61,7 @@ import sys
 import time
 from typing import Any
 
-from _launch import Job, clean_env, horovodrun_job, mpiexec_job, run_jobs, torchrun_jobs
+from dp_plugin.cli.jobs import Job, clean_env, horovodrun_job, mpiexec_job, run_jobs, torchrun_jobs
 
 VOCAB, HIDDEN, LAYERS, HEADS, FFN = 8192, 256, 4, 4, 1024
 SEQ, BATCH, MASK_FRACTION = 128, 8, 0.15

@@ -27,7 +27,9 @@ benchmark can report the share of the link it reached.
 Teardown on every exit path (success, failure, ``--timeout``, an exception,
 Ctrl-C, SIGTERM, SIGHUP): every process left in a namespace is killed, then
 the namespaces are deleted, which deletes the veth pairs, the bridge and the
-qdiscs with them. Every name carries the prefix ``dpc-<pid>-``. Needs root
+qdiscs with them. Every name carries the prefix ``dpc-<pid>-``; a run killed
+with SIGKILL (which no handler sees) leaves them, and the next run deletes
+the namespaces whose pid is gone, with what is left inside. Needs root
 (``ip netns add``) and ``tc`` with the ``tbf`` qdisc; where either is
 missing it refuses with exit status 77 and says what is missing.
 
@@ -196,6 +198,30 @@ class Cluster:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+def reap_stale() -> list[str]:
+    """Delete the namespaces of earlier runs whose ``cluster.py`` is gone (it
+    was killed with SIGKILL, the one exit no handler sees), with every
+    process still inside; returns their names."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    stale = []
+    for line in listed.splitlines():
+        m = re.match(r"(dpc-(\d+)-\S+)", line)
+        if not m:
+            continue
+        try:
+            os.kill(int(m.group(2)), 0)
+        except ProcessLookupError:
+            stale.append(m.group(1))
+        except PermissionError:
+            pass  # alive, someone else's
+    if stale:
+        leftover = Cluster.__new__(Cluster)
+        leftover.created = list(stale)
+        leftover.workdir = Path(tempfile.gettempdir()) / "dpc-none"
+        leftover.close()
+    return stale
+
+
 def _run(*cmd: str) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -297,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     except Refused as exc:
         print(f"cluster: refused: {exc}", file=sys.stderr)
         return REFUSED
+    for ns in reap_stale():
+        print(f"cluster: deleted {ns}, left behind by a run that was killed", file=sys.stderr)
     cluster = Cluster(args.hosts, args.subnet)
     procs: list[subprocess.Popen[bytes]] = []
 

@@ -62,7 +62,6 @@ from dp_plugin.torch.collectives import (
     grouped_reducescatter_async,
     reducescatter_async,
 )
-from dp_plugin.torch.distributed_mixin import SynchronizationError
 from dp_plugin.torch.functions import (
     allgather_object,
     broadcast_object,
@@ -72,6 +71,7 @@ from dp_plugin.torch.functions import (
 from dp_plugin.torch.handles import poll, synchronize
 from dp_plugin.torch.joining import join
 from dp_plugin.torch.optimizer import DistributedOptimizer
+from dp_plugin.torch.optimizer_state import SynchronizationError
 from dp_plugin.torch.sparse import sparse_allreduce_async
 from dp_plugin.torch.sync_batch_norm import SyncBatchNorm
 

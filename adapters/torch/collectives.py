@@ -77,7 +77,8 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None =
 def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
                      name: str | None, op: ReduceOp, prescale: Any, postscale: Any,
                      process_set: Any, what: str) -> int:
-    """One ``FusedCollective`` per call: one bucket per dtype and device, scaled
+    """One ``FusedCollective`` per call: grouped (large tensors alone,
+    the rest in 8 MiB chunks, see ``dp_plugin.collective.UNBOUNDED``), scaled
     by the one ``ReducePolicy``; ``synchronize`` unpacks the results."""
     pre = check_factor(prescale, what, "prescale_factor")
     post = check_factor(postscale, what, "postscale_factor")
@@ -108,7 +109,7 @@ def start_fused_allreduce(engine: Engine, outs: list[torch.Tensor], name: str | 
                           op: ReduceOp, pre: float, post: float
                           ) -> tuple[FusedCollective, list[Handle]]:
     """Start the agreed all-reduce of ``outs`` in place (a joined rank runs
-    it too, on zeros): one bucket per dtype and device."""
+    it too, on zeros), grouped (``dp_plugin.collective.UNBOUNDED``)."""
     label = name or "allreduce"
     specs = [TensorSpec(f"{label}.{i}", tuple(t.shape), str(t.dtype), str(t.device))
              for i, t in enumerate(outs)]

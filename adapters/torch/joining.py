@@ -35,8 +35,8 @@ from dp_plugin.join import Deadline, Listener
 from dp_plugin.process_sets import member_engines
 from dp_plugin.request import joined_view
 from dp_plugin.torch.basics import engine
+from dp_plugin.torch.control_slot import RankMarks
 from dp_plugin.torch.join_service import answer
-from dp_plugin.torch.rank_marks import RankMarks
 
 
 class JoinFlags(RankMarks):

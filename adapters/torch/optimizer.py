@@ -1,33 +1,45 @@
 """``DistributedOptimizer``: the user's optimizer, with gradients averaged across ranks.
 
-The wrapper is an instance of a subclass of the user's optimizer class,
-``Distributed<Name>``, whose MRO puts ``_DistributedMixin`` first; the mixin
-uses plain ``super()``. The subclass is built once per optimizer class and
-cached. The wrapped instance takes over the user's optimizer's attributes
-(``param_groups``, ``state``, ``defaults``, hooks): the two objects share
-them, so keep using only the returned one.
+The wrapper is an instance of ``Distributed<Name>``, a subclass of the
+user's optimizer class whose MRO puts ``_DistributedOptimizer`` (this
+module's one class, plain ``super()``) first; the subclass is built once per
+optimizer class and cached. The wrapped instance takes over the user's
+optimizer's attributes (``param_groups``, ``state``, ``defaults``, hooks):
+the two objects share them, so keep using only the returned one.
 
-Gradients go through ONE ``dp_plugin.scheduler.GradientScheduler`` per
-optimizer: a post-accumulate-grad hook on every parameter that requires a
-gradient reports it ready, and complete fusion buckets are all-reduced while
-backward still runs. ``step()`` first calls ``synchronize()``.
+Everything the wrapper adds lives under one attribute, ``_dp``
+(``optimizer_state.OptimizerState``: the hooks, the scheduler and its
+control slot, the step in progress); the methods here are torch's and
+Horovod's API over it. ``step()`` first calls ``synchronize()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import types
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from dp_plugin.compression import get_compressor
+from dp_plugin.engines.base import ReduceOp
 from dp_plugin.process_sets import ProcessSet, engine_or_none, global_process_set
+from dp_plugin.timeline import StatsHistory
 from dp_plugin.torch import joining as _join
-from dp_plugin.torch.distributed_mixin import _DistributedMixin
-from dp_plugin.torch.misuse import warn_if_ddp
-from dp_plugin.torch.ops import Average, Compression
-from dp_plugin.torch.optimizer_args import checked_arguments, parameter_names
-from dp_plugin.torch.optimizer_state import OptimizerState
+from dp_plugin.torch.ops import Average, Compression, parse_op
+from dp_plugin.torch.optimizer_state import (
+    OptimizerState,
+    SynchronizationError,
+    parameter_names,
+)
+from dp_plugin.validate import check_int
+
+_RACE_MESSAGE = (
+    "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+    "optimizer.synchronize(). This is prohibited as it can cause a race condition."
+)
 
 
 def DistributedOptimizer(
@@ -62,29 +74,326 @@ def DistributedOptimizer(
     ``hvd.join()``, sparse gradients and process sets.
     """
     _check_wrappable(optimizer)
-    reduce_op, groups, passes, compressor = checked_arguments(
-        op, gradient_predivide_factor, num_groups, groups, backward_passes_per_step,
-        compression, process_set)
+    reduce_op, passes = _checked_arguments(op, gradient_predivide_factor, num_groups, groups,
+                                           backward_passes_per_step, compression, process_set)
     eng = engine_or_none(process_set, "hvd.DistributedOptimizer()")
     if named_parameters is not None:
         named_parameters = list(named_parameters)  # read twice
     names = parameter_names(optimizer.param_groups, named_parameters)  # validates them
-    warn_if_ddp(named_parameters)
+    _warn_if_ddp(named_parameters)
     label = f"DistributedOptimizer.{0 if eng is None else eng.channels_made}"
     wrapped = _wrap(optimizer)
     wrapped._dp = OptimizerState(
-        names=names, named=named_parameters is not None, compressor=compressor,
-        compression=compression, op=reduce_op, predivide=float(gradient_predivide_factor),
-        passes=passes, sparse_as_dense=bool(sparse_as_dense), groups=groups,
-        process_set=process_set, label=label,
+        names=names, named=named_parameters is not None, compression=compression,
+        op=reduce_op, predivide=float(gradient_predivide_factor), passes=passes,
+        sparse_as_dense=bool(sparse_as_dense), process_set=process_set, label=label,
         # Its own communicator: buckets start when gradients are ready, which
         # differs between ranks when a parameter is unused on one of them, and
         # must not cross SyncBatchNorm's or the user's collectives.
         engine=None if eng is None else eng.channel(label),
     )
-    wrapped._dp_register()
+    wrapped._dp.register(wrapped)
     _join.register(wrapped)
     return wrapped
+
+
+class _DistributedOptimizer:
+    """The methods placed in front of the user's optimizer class in the MRO."""
+
+    _dp: OptimizerState
+    param_groups: list[dict[str, Any]]
+
+    # -- Horovod's public surface --------------------------------------------------
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self._dp.passes
+
+    @backward_passes_per_step.setter
+    def backward_passes_per_step(self, passes: int) -> None:
+        self.set_backward_passes_per_step(passes)
+
+    @property
+    def op(self) -> ReduceOp:
+        return self._dp.op
+
+    @property
+    def gradient_predivide_factor(self) -> float:
+        return self._dp.predivide
+
+    @property
+    def sparse_as_dense(self) -> bool:
+        return self._dp.sparse_as_dense
+
+    @property
+    def process_set(self) -> ProcessSet:
+        return self._dp.process_set
+
+    @property
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
+        """Parameter -> name, as Horovod's attribute: from ``named_parameters``,
+        else ``allreduce.noname.<group>.<index>`` (parameters added later
+        with ``add_param_group`` get theirs when added)."""
+        return self._dp.names
+
+    @property
+    def _compression(self) -> Any:
+        """The ``compression`` argument, as given (Horovod's attribute)."""
+        return self._dp.compression
+
+    def comm_stats(self) -> StatsHistory | None:
+        """Per-step communication stats of the gradient reduction (``StepStats``:
+        bytes, all-reduce time, exposed time not hidden behind backward); None
+        when nothing is reduced (one rank). Restarts when the buckets are re-planned."""
+        reducer = self._dp.reducer
+        return None if reducer is None else reducer.scheduler.stats
+
+    def register_comm_hook(self, hook: Callable[..., Any]) -> None:
+        """Reduce each fusion bucket with ``hook(state, bucket) -> Handle``
+        instead of the default all-reduce (PyTorch DDP's ``register_comm_hook``).
+
+        ``bucket.buffer()`` holds the packed, pre-scaled gradients; after the
+        returned handle completes it must hold what every rank agrees on (the
+        average is finished by the post-scale on unpack). Hooks compose by
+        wrapping: ``dp_plugin.hooks.compression_wrapper(allreduce_hook, "bf16")``.
+        Replaces ``compression`` (wrap the hook to compress). Every rank must
+        register the same hook before the first step.
+        """
+        if not callable(hook):
+            raise TypeError(
+                f"register_comm_hook expects a callable hook(state, bucket) -> Handle, got "
+                f"{type(hook).__name__}; see dp_plugin.hooks.allreduce_hook"
+            )
+        self._dp.check_idle("register_comm_hook()")
+        self._dp.comm_hook = hook
+        self._dp.register(self)
+
+    def refresh_parameters(self) -> None:
+        """Re-plan which parameters are reduced after ``requires_grad`` changed.
+
+        A parameter that did not require a gradient when the optimizer was
+        wrapped has no hook and no bucket; unfreezing it later makes
+        ``synchronize()`` raise until this is called. Collective: every rank
+        calls it at the same point, between steps (the new layout is checked
+        across ranks). Freezing needs no refresh: a frozen parameter keeps
+        being reduced, contributing zeros.
+        """
+        self._dp.check_open("refresh_parameters()")
+        self._dp.check_idle("refresh_parameters()")
+        self._dp.register(self)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Accumulate ``passes`` backward passes per step from now on (all ranks alike)."""
+        passes = check_int("backward_passes_per_step", passes, minimum=1)
+        self._dp.check_idle("set_backward_passes_per_step()")
+        self._dp.passes = passes
+        self._dp.register(self)
+
+    def synchronize(self) -> None:
+        """Wait for this step's gradient reduction; ``.grad`` then holds the result.
+
+        Synchronization point: every rank calls it once per step (``step()``
+        does, unless inside ``skip_synchronize()``).
+        """
+        self._dp.synchronize(self)
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside it, ``step()`` does not synchronize (call ``synchronize()`` before)."""
+        self._dp.should_synchronize = False
+        try:
+            yield
+        finally:
+            self._dp.should_synchronize = True
+
+    # -- torch.optim.Optimizer overrides -------------------------------------------
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        st = self._dp
+        if closure is not None and st.should_synchronize:
+            closure = self._synchronized(closure)
+        elif st.should_synchronize:
+            if st.synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context "
+                    "after optimizer.synchronize(). This can cause training slowdown. You may "
+                    "want to consider using optimizer.skip_synchronize() context if you use "
+                    "optimizer.synchronize() in your code.", stacklevel=2,
+                )
+            self.synchronize()
+        st.synchronized = False
+        if st.skip_step:  # DP_PLUGIN_CHECK_FINITE=skip: every rank skips this step
+            st.skip_step = False
+            return None
+        try:
+            return super().step(closure)  # type: ignore[misc]
+        except _SkippedStep as skipped:
+            return skipped.loss
+
+    # torch wraps a class's step() for profiling and step hooks unless it is
+    # marked; the user's class's step() is already wrapped, so hooks run once.
+    step.hooked = True  # type: ignore[attr-defined]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._dp.pending:
+            raise SynchronizationError(_RACE_MESSAGE)
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, but the loaded groups and state go into the objects this
+        optimizer shares with the one it wraps: torch rebinds ``param_groups``
+        and ``state``, which would leave an LR scheduler built on the plain
+        optimizer setting learning rates nobody reads any more."""
+        self._dp.check_idle("load_state_dict()")
+        groups, state = self.param_groups, vars(self)["state"]
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        if self.param_groups is not groups and len(self.param_groups) == len(groups):
+            for old, new in zip(groups, self.param_groups, strict=True):
+                old.clear()
+                old.update(new)
+            self.param_groups = groups
+        if vars(self)["state"] is not state:
+            state.clear()
+            state.update(vars(self)["state"])
+            vars(self)["state"] = state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.add_param_group``; the new parameters are reduced too.
+
+        Every rank must add the same group. The next step checks the new
+        layout across ranks (one extra small collective).
+        """
+        st = getattr(self, "_dp", None)
+        if st is not None:
+            st.check_idle("add_param_group()")
+        super().add_param_group(param_group)  # type: ignore[misc]
+        if st is not None:
+            try:
+                st.register(self)
+            except BaseException:
+                self.param_groups.pop()  # as if it had never been added
+                raise
+
+    # -- what hvd.join() drives (joining.Joinable) -----------------------------------
+    def _dp_join_ready(self) -> bool:
+        return self._dp.join_ready()
+
+    def _dp_join_start(self) -> None:
+        self._dp.join_start()
+
+    def _dp_join_polled(self) -> bool:
+        return self._dp.join_polled()
+
+    def _dp_join_finish(self) -> bool:
+        return self._dp.join_finish(self)
+
+    def _dp_join_global(self) -> bool:
+        return self._dp.join_global()
+
+    def _synchronized(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure`` followed by ``synchronize()``: its backward is reduced each call."""
+
+        def synchronized_closure() -> Any:
+            loss = closure()
+            self.synchronize()
+            if self._dp.skip_step:  # abort the user's step before it updates anything
+                self._dp.skip_step = False
+                raise _SkippedStep(loss)
+            return loss
+
+        return synchronized_closure
+
+
+class _SkippedStep(Exception):
+    """Raised by a synchronized closure to abort ``step()`` on every rank alike
+    (``DP_PLUGIN_CHECK_FINITE=skip``; ``step`` catches it and returns ``loss``)."""
+
+    def __init__(self, loss: Any) -> None:
+        super().__init__("step skipped: non-finite gradients")
+        self.loss = loss
+
+
+# -- arguments ---------------------------------------------------------------------
+
+
+def _checked_arguments(op: Any, gradient_predivide_factor: float, num_groups: int,
+                       groups: Any, backward_passes_per_step: Any, compression: Any,
+                       process_set: Any) -> tuple[ReduceOp, int]:
+    """``DistributedOptimizer``'s arguments, validated with Horovod's rules:
+    (op, passes). Every mistake raises naming the argument and the fix."""
+    reduce_op = parse_op(op, "DistributedOptimizer")
+    if gradient_predivide_factor != 1.0 and reduce_op is not ReduceOp.AVERAGE:
+        raise ValueError(
+            f"gradient_predivide_factor={gradient_predivide_factor!r} is only supported with "
+            f"op=hvd.Average, got op={op!r}; leave it at 1.0"
+        )
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups`.",
+                      DeprecationWarning, stacklevel=3)
+        if groups is None:
+            groups = num_groups
+    _check_groups(groups)
+    passes = check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)
+    try:
+        get_compressor(compression)
+    except ValueError:
+        raise ValueError(
+            f"compression={compression!r} is not supported; use hvd.Compression.none, "
+            "hvd.Compression.fp16, hvd.Compression.bf16 or a compressor class with static "
+            "compress(tensor) -> (tensor, ctx) and decompress(tensor, ctx)"
+        ) from None
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(
+            f"DistributedOptimizer(process_set=...) expects an hvd.ProcessSet, got "
+            f"{type(process_set).__name__}; pass hvd.global_process_set (the default) or a set "
+            "registered with hvd.add_process_set(ranks)"
+        )
+    return reduce_op, passes
+
+
+def _check_groups(groups: Any) -> None:
+    """Horovod's validation of ``groups``: an int > 0 or a list of lists of
+    tensors (then only a hint: the planner makes the buckets, docs/torch.md)."""
+    if groups is None:
+        return
+    if isinstance(groups, list):
+        seen: set[int] = set()
+        for group in groups:
+            for p in group:
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError(
+                        f"groups must consist of torch.Tensor, got {type(p).__name__}"
+                    )
+                if id(p) in seen:
+                    raise ValueError("A parameter can only appear once in groups.")
+                seen.add(id(p))
+        return
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
+        raise ValueError(
+            "groups should be a non-negative integer or a list of list of torch.Tensor, "
+            f"got {groups!r}"
+        )
+
+
+def _warn_if_ddp(named: Iterable[tuple[str, torch.Tensor]] | None) -> None:
+    """Warn when ``named_parameters`` look like a ``DistributedDataParallel``'s,
+    whose gradients would be averaged twice. torch's DDP leaves no mark on the
+    parameters it reduces (its reducer hooks the gradient accumulators in C++),
+    so the signal is the names: ``DDP.named_parameters()`` prefixes every one
+    with ``module.``."""
+    if named is None:
+        return
+    names = [name for name, _ in named]
+    if names and all(name.startswith("module.") for name in names):
+        warnings.warn(
+            "every name in named_parameters starts with 'module.', as those of a model "
+            "wrapped in torch.nn.parallel.DistributedDataParallel: if it is, DDP already "
+            "averages the gradients and DistributedOptimizer would reduce them a second "
+            "time. Fix: use one of the two, e.g. pass the plain model "
+            "(model.module.named_parameters()) and do not wrap it in DDP",
+            stacklevel=3,
+        )
+
+
+# -- the Distributed<Name> class ---------------------------------------------------
 
 
 def _check_wrappable(optimizer: Any) -> None:
@@ -95,10 +404,10 @@ def _check_wrappable(optimizer: Any) -> None:
             f"DistributedOptimizer expects a torch.optim.Optimizer, got "
             f"{type(optimizer).__name__}; create the optimizer first, then wrap it"
         )
-    if isinstance(optimizer, _DistributedMixin) and optimizer._dp.closed:
+    if isinstance(optimizer, _DistributedOptimizer) and optimizer._dp.closed:
         for handle in optimizer._dp.hooks:  # its engine was shut down: wrap it anew
             handle.remove()
-    elif isinstance(optimizer, _DistributedMixin):
+    elif isinstance(optimizer, _DistributedOptimizer):
         raise ValueError(
             f"{type(optimizer).__name__} is already a DistributedOptimizer; wrap the plain "
             "optimizer only once (two wrappers would reduce every gradient twice)"
@@ -107,14 +416,14 @@ def _check_wrappable(optimizer: Any) -> None:
 
 def _wrap(optimizer: torch.optim.Optimizer) -> Any:
     """A ``Distributed<Class>`` instance sharing ``optimizer``'s attributes."""
-    plain = type(optimizer).__bases__[1] if isinstance(optimizer, _DistributedMixin) \
+    plain = type(optimizer).__bases__[1] if isinstance(optimizer, _DistributedOptimizer) \
         else type(optimizer)
     cls = _distributed_class(plain)
     wrapped: Any = object.__new__(cls)  # the optimizer exists already: no __init__
     # Take over the optimizer's attributes (shared, not copied), minus
-    # instance attributes that would shadow the mixin's methods (an LR
+    # instance attributes that would shadow the wrapper's methods (an LR
     # scheduler created on the plain optimizer stores a wrapped ``step``).
-    shadowed = {name for name in vars(_DistributedMixin) if not name.startswith("__")}
+    shadowed = {name for name in vars(_DistributedOptimizer) if not name.startswith("__")}
     wrapped.__dict__.update(
         {k: v for k, v in vars(optimizer).items() if k not in shadowed}
     )
@@ -126,11 +435,11 @@ _classes_lock = threading.Lock()
 
 
 def _distributed_class(cls: type[torch.optim.Optimizer]) -> type[Any]:
-    """``Distributed<cls>``: the mixin first, then ``cls``; built once per class."""
+    """``Distributed<cls>``: the wrapper first, then ``cls``; built once per class."""
     with _classes_lock:
         made = _classes.get(cls)
         if made is None:
-            made = types.new_class(f"Distributed{cls.__name__}", (_DistributedMixin, cls))
+            made = types.new_class(f"Distributed{cls.__name__}", (_DistributedOptimizer, cls))
             made.__module__ = __name__
             made.__doc__ = f"{cls.__name__} whose gradients are reduced across ranks " \
                            "(see dp_plugin.torch.DistributedOptimizer)."

@@ -1,34 +1,54 @@
-"""What a ``DistributedOptimizer`` keeps (``OptimizerState``, the ``_dp``
-attribute) and how its reducer is built: one ``GradientScheduler`` on the
-optimizer's own channel, with the join and finite flags in its control slot.
+"""What a ``DistributedOptimizer`` keeps and does for its gradients.
+
+``OptimizerState`` is the wrapper's one attribute, ``_dp`` (not torch's
+``optimizer.state``, which holds the user's momentum buffers): the
+parameters it reduces and their names, a post-accumulate-grad hook on each,
+the ``Reducer`` (ONE ``GradientScheduler`` on the optimizer's own channel,
+with the flags of its control slot: ``control_slot.py``) and the step in
+progress. The wrapper (``optimizer.py``) calls it; nothing else changes its
+fields.
+
+A step: each hook reports its gradient ready (``grad_ready``) and complete
+fusion buckets are all-reduced while backward still runs; ``synchronize``
+reduces what no hook reported, waits, writes the results into ``.grad`` and
+reads the control slot, alike on every rank.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import collections
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from dp_plugin.compression import Compressor
+from dp_plugin.compression import Compressor, get_compressor
 from dp_plugin.engines.base import Engine, ReduceOp
+from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.process_sets import ProcessSet
 from dp_plugin.scheduler import GradientScheduler
+from dp_plugin.torch.basics import engine as job_engine
 from dp_plugin.torch.basics import shared_timeline
-from dp_plugin.torch.finite import FiniteFlags
+from dp_plugin.torch.control_slot import FiniteFlags, RankMarks
 from dp_plugin.torch.joining import JoinFlags
-from dp_plugin.torch.rank_marks import RankMarks
 from dp_plugin.torch.sparse import SparseGradients
+
+Groups = list[dict[str, Any]]
+"""``optimizer.param_groups``."""
 
 
 @dataclass(frozen=True, eq=False)
 class Reducer:
-    """The scheduler of one optimizer and the flags in its control slot."""
+    """The scheduler of one optimizer and the flags in its control slot (one
+    element per rank each: join flags, unfrozen marks, sparse news, then
+    finite flags)."""
 
     scheduler: GradientScheduler
     flags: JoinFlags
     unfrozen: RankMarks
-    """Ranks that found a parameter unfrozen after wrapping (``misuse.unfrozen``)."""
+    """Ranks that found a parameter unfrozen after wrapping (``unfrozen``)."""
     sparse_news: RankMarks
     """Ranks on which a parameter's gradient turned sparse this step
     (``SparseGradients.reduce``: a joined rank learns which)."""
@@ -36,93 +56,428 @@ class Reducer:
     """The ``DP_PLUGIN_CHECK_FINITE`` flags; None when the check is off."""
 
 
-@dataclass(eq=False)
 class OptimizerState:
-    """Everything the mixin adds to the optimizer, under one attribute (``_dp``)."""
+    """One optimizer's gradient reduction (see the module docstring)."""
 
-    names: dict[torch.Tensor, str]
-    named: bool
-    compressor: Compressor
-    compression: Any
-    """The ``compression`` argument as the user gave it."""
-    op: ReduceOp
-    predivide: float
-    passes: int
-    sparse_as_dense: bool
-    groups: Any
-    process_set: ProcessSet
-    engine: Engine | None
-    """The optimizer's own channel of the set's engine (``Engine.channel``);
-    None when this rank is outside the process set: nothing is reduced."""
-    label: str = "DistributedOptimizer"
-    """Names its collectives; unique per optimizer in the process."""
-    params: list[torch.Tensor] = field(default_factory=list)
-    frozen: list[tuple[int, int]] = field(default_factory=list)
-    """(group, index) in ``param_groups`` of each parameter NOT in ``params``
-    (no hook, no bucket): the only ones ``misuse.unfrozen`` must look at."""
-    hooks: list[Any] = field(default_factory=list)
-    comm_hook: Any = None
-    """A user's ``hook(state, bucket) -> Handle`` (``register_comm_hook``), or None."""
-    reducer: Reducer | None = None
-    """None when nothing is reduced (one rank, outside the process set, no parameters)."""
-    marked: list[bool] = field(default_factory=list)
-    sparse_dims: list[int | None] = field(default_factory=list)
-    sparse: SparseGradients = field(default_factory=SparseGradients)
-    """Sparse gradients reduced outside the buckets (``sparse_as_dense=False``)."""
-    pending: bool = False
-    synchronized: bool = False
-    should_synchronize: bool = True
-    skip_step: bool = False
-    """The last reduction held inf/nan and ``DP_PLUGIN_CHECK_FINITE=skip``."""
+    def __init__(self, *, names: dict[torch.Tensor, str], named: bool,
+                 compression: Any, op: ReduceOp, predivide: float, passes: int,
+                 sparse_as_dense: bool, process_set: ProcessSet, engine: Engine | None,
+                 label: str) -> None:
+        self.names = names
+        self.named = named
+        """Names came from ``named_parameters``: a parameter added later needs one."""
+        self.compression = compression
+        """The ``compression`` argument as the user gave it (validated)."""
+        self.compressor: Compressor = get_compressor(compression)
+        self.process_set = process_set
+        self.op = op
+        self.predivide = predivide
+        self.passes = passes
+        self.sparse_as_dense = sparse_as_dense
+        self.engine = engine
+        """The optimizer's own channel of the set's engine (``Engine.channel``);
+        None when this rank is outside the process set: nothing is reduced."""
+        self.label = label
+        """Names its collectives; unique per optimizer in the process."""
+        self.comm_hook: Callable[..., Any] | None = None
+        """A user's ``hook(state, bucket) -> Handle`` (``register_comm_hook``)."""
+        self.params: list[torch.Tensor] = []
+        self.frozen: list[tuple[int, int]] = []
+        """(group, index) in ``param_groups`` of each parameter NOT in ``params``
+        (no hook, no bucket): the only ones ``unfrozen`` must look at."""
+        self.hooks: list[Any] = []
+        self.reducer: Reducer | None = None
+        """None when nothing is reduced (one rank, outside the process set, no parameters)."""
+        self.sparse = SparseGradients()
+        """Sparse gradients reduced outside the buckets (``sparse_as_dense=False``)."""
+        # The step in progress.
+        self.marked: list[bool] = []
+        self.sparse_dims: list[int | None] = []
+        self.pending = False
+        """A hook fired since the last ``synchronize``: a step is half done."""
+        self.synchronized = False
+        self.should_synchronize = True
+        self.skip_step = False
+        """The last reduction held inf/nan and ``DP_PLUGIN_CHECK_FINITE=skip``."""
 
     @property
     def closed(self) -> bool:
         """Wrapped before an ``hvd.shutdown()``: the channel closed with that engine."""
         return self.engine is not None and self.engine.closed
 
+    # -- checks ------------------------------------------------------------------------
+    def check_open(self, what: str) -> None:
+        """Raise if the engine this optimizer was wrapped under was shut down."""
+        if self.closed:
+            raise DPPluginError(
+                f"optimizer.{what}: this DistributedOptimizer was created before "
+                "hvd.shutdown(), and its communicator closed with that engine; a new "
+                "hvd.init() does not reopen it. Fix: after hvd.init(), wrap again on every "
+                "rank: optimizer = hvd.DistributedOptimizer(optimizer, ...) (the old wrapper "
+                "may be passed; its state and param_groups are kept), then "
+                "hvd.broadcast_parameters and hvd.broadcast_optimizer_state"
+            )
 
-def build_reducer(st: OptimizerState, params: list[torch.Tensor],
-                  new_names: dict[torch.Tensor, str]) -> Reducer | None:
-    """The scheduler (and its control-slot flags) for ``params`` on the
-    optimizer's channel; None if nothing is reduced. Collective: runs the
-    layout agreement."""
-    eng = st.engine
-    if eng is None or eng.size == 1 or not params:
-        return None
-    specs = []
-    for p in params:
-        name = st.names.get(p) or new_names[p]
-        try:
-            specs.append(TensorSpec.of(name, st.sparse.dense_stand_in(p)))
-        except TypeError as exc:
-            raise TypeError(
-                f"DistributedOptimizer cannot reduce parameter {name!r}: {exc}"
-            ) from None
-    ranks = list(eng.global_ranks)
-    check = eng.config.check_finite
-    # The control slot: the join flags, the unfrozen marks, the sparse news,
-    # then (if checked) the finite flags; one element per rank each.
-    # The label is unique per optimizer: the horovod engine matches
-    # collectives by name (its channel is the engine itself).
-    scheduler = GradientScheduler(
-        specs, engine=eng, op=st.op, compression=st.compressor,
-        gradient_predivide_factor=st.predivide, backward_passes_per_step=st.passes,
-        timeline=shared_timeline, name=st.label,
-        control_numel=len(ranks) * (3 if check == "off" else 4),
-        hook=st.comm_hook, settings={"DP_PLUGIN_CHECK_FINITE": check},
-        autotune=eng.config.autotune,
+    def check_idle(self, what: str) -> None:
+        if self.pending:
+            raise SynchronizationError(
+                f"optimizer.{what} was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(); finish the step first "
+                "(the gradients of this step are being reduced)"
+            )
+
+    def unfrozen(self, groups: Groups) -> list[str]:
+        """Descriptions of the parameters without a hook (``frozen``) that now
+        require a gradient: unfrozen after wrapping. Runs once per step: it
+        looks only at the parameters that were frozen when the hooks were made."""
+        found = []
+        for gi, pj in self.frozen:
+            p = groups[gi]["params"][pj]
+            if p.requires_grad:
+                name = self.names.get(p, default_name(gi, pj))
+                found.append(f"{name!r} (param_groups[{gi}]['params'][{pj}], shape "
+                             f"{tuple(p.shape)})")
+        return found
+
+    # -- (re)building the hooks and the scheduler -------------------------------------
+    def register(self, optimizer: Any) -> None:
+        """(Re)build the hooks and the scheduler for ``optimizer.param_groups``.
+
+        Transactional: on an error (an unnamed or unsupported parameter) the
+        previous hooks and scheduler stay in place. Collective: the new layout
+        is agreed across ranks.
+        """
+        groups = optimizer.param_groups
+        params, names = self._collect(groups)
+        reducer = self._build_reducer(params, names)
+        for handle in self.hooks:
+            handle.remove()
+        self.names.update(names)
+        self.params, self.reducer, self.hooks = params, reducer, []
+        reduced = {id(p) for p in params}
+        self.frozen = [(gi, pj) for gi, group in enumerate(groups)
+                       for pj, p in enumerate(group["params"]) if id(p) not in reduced]
+        self._reset_step()
+        ref = weakref.ref(optimizer)
+        for index, p in enumerate(params):
+            self.hooks.append(p.register_post_accumulate_grad_hook(_make_hook(ref, index)))
+
+    def _collect(self, groups: Groups) -> tuple[list[torch.Tensor], dict[torch.Tensor, str]]:
+        """The parameters to reduce (requiring grad, in group order) and names for new ones."""
+        params: list[torch.Tensor] = []
+        new_names: dict[torch.Tensor, str] = {}
+        seen: set[int] = set()
+        for gi, group in enumerate(groups):
+            for pj, p in enumerate(group["params"]):
+                if not p.requires_grad or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                params.append(p)
+                if p in self.names:
+                    continue
+                if self.named:
+                    raise ValueError(
+                        "named_parameters was given to DistributedOptimizer, but the parameter "
+                        f"param_groups[{gi}]['params'][{pj}] (shape {tuple(p.shape)}) added "
+                        "later has no name; pass every parameter in named_parameters (e.g. "
+                        "model.named_parameters())"
+                    )
+                new_names[p] = default_name(gi, pj)
+        return params, new_names
+
+    def _build_reducer(self, params: list[torch.Tensor],
+                       new_names: dict[torch.Tensor, str]) -> Reducer | None:
+        eng = self.engine
+        if eng is None or eng.size == 1 or not params:
+            return None
+        specs = []
+        for p in params:
+            name = self.names.get(p) or new_names[p]
+            try:
+                specs.append(TensorSpec.of(name, self.sparse.dense_stand_in(p)))
+            except TypeError as exc:
+                raise TypeError(
+                    f"DistributedOptimizer cannot reduce parameter {name!r}: {exc}"
+                ) from None
+        ranks = list(eng.global_ranks)
+        n, check = len(ranks), eng.config.check_finite
+        # The label is unique per optimizer: the horovod engine matches
+        # collectives by name (its channel is the engine itself).
+        scheduler = GradientScheduler(
+            specs, engine=eng, op=self.op, compression=self.compressor,
+            gradient_predivide_factor=self.predivide, backward_passes_per_step=self.passes,
+            timeline=shared_timeline, name=self.label,
+            control_numel=n * (3 if check == "off" else 4), hook=self.comm_hook,
+            settings={"DP_PLUGIN_CHECK_FINITE": check}, autotune=eng.config.autotune,
+        )
+        # Agree on the layout here (the optimizer is made, or a group added, at
+        # the same point on every rank), not in the first gradient hook, whose
+        # time differs between ranks; a blocking collective there could wait
+        # for a rank that is itself waiting in a SyncBatchNorm all-reduce.
+        scheduler.fused.agree()
+        op, slot, like = self.op, eng.rank, params[0]
+        flags = JoinFlags(scheduler, op=op, ranks=ranks, slot=slot, like=like)
+        unfrozen = RankMarks(scheduler, op=op, ranks=ranks, slot=slot, offset=n, like=like)
+        news = RankMarks(scheduler, op=op, ranks=ranks, slot=slot, offset=2 * n, like=like)
+        finite = None if check == "off" else FiniteFlags(
+            scheduler, mode=check, op=op, ranks=ranks, slot=slot, offset=3 * n, like=like)
+        return Reducer(scheduler, flags, unfrozen, news, finite)
+
+    # -- a step ----------------------------------------------------------------------
+    def grad_ready(self, index: int, param: torch.Tensor, groups: Groups) -> None:
+        """The hook of ``params[index]``: its gradient is accumulated."""
+        if self.closed:
+            return  # a wrapper left over from before hvd.shutdown(): step() raises
+        if not self.pending:  # the step's first gradient: before any bucket launches
+            self._note_unfrozen(groups)
+        self.pending = True
+        grad = param.grad
+        if self.reducer is None or grad is None:
+            return
+        self._note_finite(grad)
+        dense = self._dense(index, grad)
+        if dense is not None:
+            sched = self.reducer.scheduler
+            if dense is grad and _viewable(grad, self.engine):
+                # gradient_as_bucket_view: .grad becomes its slice of the fusion
+                # buffer (one copy now, if it was not already); the bucket then
+                # needs no pack or unpack copy, and a gradient zeroed in place
+                # (zero_grad(set_to_none=False)) stays the view: no copy at all.
+                dense = sched.adopt(index, grad)
+                if dense is not grad:
+                    param.grad = dense
+            sched.mark_ready(index, dense)
+        self.marked[index] = True
+
+    def synchronize(self, optimizer: Any) -> None:
+        """Wait for this step's reduction and write it into ``.grad`` (see
+        ``DistributedOptimizer.synchronize``)."""
+        self.check_open("synchronize()")
+        groups = optimizer.param_groups
+        if self.reducer is None:
+            self.pending = False
+            check_requires_grad(self.unfrozen(groups))
+            self.synchronized = True
+            return
+        if not self.pending:  # no hook fired this step: look for unfrozen parameters now
+            self._note_unfrozen(groups)
+        sched, flags = self.reducer.scheduler, self.reducer.flags
+        for i, p in enumerate(self.params):
+            if not self.marked[i] and p.grad is not None:
+                # Horovod reduces an existing gradient whose hook did not fire.
+                self._note_finite(p.grad)
+                dense = self._dense(i, p.grad)
+                if dense is not None:
+                    sched.mark_ready(i, dense)
+        if self.sparse.changed:  # before the last bucket starts: for a joined rank
+            self.reducer.sparse_news.mark()
+        results = sched.synchronize()
+        self.sparse.reduce(self.params, self.names, self.op, self.engine,
+                           self.reducer.sparse_news)
+        try:  # after this step's collectives, before any update
+            self._check_unfrozen(groups)
+        except DPPluginError:  # the step is dropped: the next one starts clean
+            flags.keep()
+            if self.reducer.finite is not None:
+                self.reducer.finite.reset()
+            self._reset_step()
+            raise
+        for i, p in enumerate(self.params):
+            if self.sparse.owns(p):
+                continue  # reduced above, outside the buckets
+            reduced = results[i]
+            sparse_dim = self.sparse_dims[i]
+            if sparse_dim is not None:
+                p.grad = reduced.to_sparse(sparse_dim)
+            elif p.grad is None:
+                p.grad = reduced
+            elif p.grad is not reduced:
+                with torch.no_grad():
+                    p.grad.copy_(reduced)
+        flags.keep()
+        self._reset_step()
+        self.synchronized = True
+        finite = self.reducer.finite
+        if finite is not None:  # may raise (on every rank alike)
+            self.skip_step = finite.decide([(self.names[p], p.grad) for p in self.params])
+        if self.sparse.changed:  # take the new sparse parameters out of the buckets
+            self.sparse.changed = False
+            self.register(optimizer)
+
+    def _dense(self, index: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """The gradient for the dense buckets; None if it is reduced as sparse."""
+        if not grad.is_sparse:
+            return grad
+        if not self.sparse_as_dense:
+            self.sparse.add(self.params[index], grad)
+            return None
+        self.sparse_dims[index] = grad.sparse_dim()
+        return grad.to_dense()
+
+    def _reset_step(self) -> None:
+        self.marked = [False] * len(self.params)
+        self.sparse_dims = [None] * len(self.params)
+        self.pending = False
+
+    # -- the control slot, outside the join flags ---------------------------------------
+    def _note_unfrozen(self, groups: Groups) -> None:
+        """Mark this rank in the unfrozen marks if a parameter without a hook
+        now requires a gradient (they travel with the last bucket)."""
+        if self.reducer is not None and self.unfrozen(groups):
+            self.reducer.unfrozen.mark()
+
+    def _check_unfrozen(self, groups: Groups, joined: bool = False) -> None:
+        """After the reduction, on every rank alike: raise if any rank marked
+        an unfrozen parameter. A ``joined`` rank trains nothing, so only the
+        others' marks count."""
+        assert self.reducer is not None
+        ranks = self.reducer.unfrozen.marked()
+        if not ranks:  # the usual step: nothing marked, nothing to name
+            return
+        self.reducer.unfrozen.reset()
+        check_requires_grad([] if joined else self.unfrozen(groups), ranks)
+
+    def _note_finite(self, grad: torch.Tensor) -> None:
+        """Mark this rank in the finite flags if ``grad`` holds inf/nan (before it
+        is handed to the scheduler: the flags travel with the last bucket)."""
+        if self.reducer is not None and self.reducer.finite is not None:
+            self.reducer.finite.note(grad)
+
+    # -- hvd.join(): zero steps ---------------------------------------------------------
+    def join_ready(self) -> bool:
+        """Does this optimizer reduce on this rank? Raises if a step is half done."""
+        if self.closed:
+            return False  # left over from before hvd.shutdown(); nothing to answer
+        if self.pending:
+            raise SynchronizationError(
+                "hvd.join() was called after loss.backward() but before optimizer.step() or "
+                "optimizer.synchronize(); finish the step first, then join"
+            )
+        return self.reducer is not None
+
+    def join_start(self) -> None:
+        """Start a step in which this rank contributes zero gradients and its
+        joined flag; poll ``join_polled``, then ``join_finish``."""
+        assert self.reducer is not None  # join_ready said so
+        self.reducer.flags.fill(joined=True)
+        self.reducer.scheduler.launch_all()
+
+    def join_polled(self) -> bool:
+        return self.reducer is None or self.reducer.scheduler.all_done()
+
+    def join_global(self) -> bool:
+        """Does it reduce over every rank of the job (its steps count for
+        ``joining``'s last joined rank)?"""
+        return self.engine is not None and self.engine.size == job_engine("hvd.join()").size
+
+    def join_finish(self, optimizer: Any) -> bool:
+        """End the zero step; has every rank of the optimizer's set joined?"""
+        reducer = self.reducer
+        assert reducer is not None
+        results = reducer.scheduler.synchronize()  # every gradient: zeros; results dropped
+        self.sparse.reduce(self.params, self.names, self.op, self.engine,
+                           reducer.sparse_news, contribute=False)
+        self._check_unfrozen([], joined=True)  # raise where the training ranks raise
+        if reducer.finite is not None:  # raise where the training ranks raise
+            reducer.finite.decide([(self.names[p], g) for p, g in zip(self.params, results,
+                                                                       strict=True)])
+        everyone = reducer.flags.decide()[0]
+        if self.sparse.changed:  # the others' gradients turned sparse: re-plan as they do
+            self.sparse.changed = False
+            self.register(optimizer)
+        return everyone
+
+
+class SynchronizationError(DPPluginError, AssertionError):
+    """The optimizer was used out of order (e.g. ``zero_grad()`` between
+    ``backward()`` and ``step()``). Also an ``AssertionError``, as in Horovod."""
+
+
+def check_requires_grad(mine: list[str], ranks: list[int] | None = None) -> None:
+    """Raise if a parameter was unfrozen after wrapping: here (``mine``, from
+    ``OptimizerState.unfrozen``) or on any of ``ranks`` (every rank learns
+    these from the control slot, so every rank raises at the same
+    ``synchronize()``). A parameter unfrozen after wrapping has no hook and no
+    bucket, so its gradient would stay local; frozen after wrapping is fine:
+    it stays in its bucket and contributes zeros, alike on every rank."""
+    if not mine and not ranks:
+        return
+    where = f" on rank {', '.join(map(str, ranks))}" if ranks else ""
+    what = (f"parameter {', '.join(mine)}" if mine
+            else "a parameter (named in that rank's error)")
+    raise DPPluginError(
+        f"{what}{where} requires a gradient now but did not when the "
+        "DistributedOptimizer was wrapped, so its gradient would not be averaged "
+        "across ranks and the replicas would silently diverge; this step is dropped on "
+        "every rank. Fix: set requires_grad alike on every rank, then call "
+        "optimizer.refresh_parameters() on every rank (between steps), or set "
+        "requires_grad before wrapping (freezing later needs nothing: a frozen "
+        "parameter contributes zeros)"
     )
-    # Agree on the layout here (the optimizer is made, or a group added, at
-    # the same point on every rank), not in the first gradient hook, whose
-    # time differs between ranks; a blocking collective there could wait
-    # for a rank that is itself waiting in a SyncBatchNorm all-reduce.
-    scheduler.fused.agree()
-    flags = JoinFlags(scheduler, op=st.op, ranks=ranks, slot=eng.rank, like=params[0])
-    unfrozen = RankMarks(scheduler, op=st.op, ranks=ranks, slot=eng.rank, offset=len(ranks),
-                         like=params[0])
-    news = RankMarks(scheduler, op=st.op, ranks=ranks, slot=eng.rank, offset=2 * len(ranks),
-                     like=params[0])
-    finite = None if check == "off" else FiniteFlags(
-        scheduler, mode=check, op=st.op, ranks=ranks, slot=eng.rank, offset=3 * len(ranks),
-        like=params[0])
-    return Reducer(scheduler, flags, unfrozen, news, finite)
+
+
+def parameter_names(groups: Groups, named_parameters: Iterable[tuple[str, torch.Tensor]] | None
+                    ) -> dict[torch.Tensor, str]:
+    """Name of each parameter: from ``named_parameters`` (validated), else Horovod's default."""
+    if named_parameters is None:
+        return {p: default_name(i, j)
+                for i, group in enumerate(groups) for j, p in enumerate(group["params"])}
+    named = list(named_parameters)
+    bad = [item for item in named if not isinstance(item, tuple) or len(item) != 2]
+    if bad:
+        raise ValueError(
+            "named_parameters should be a sequence of tuples (name, parameter), usually "
+            f"produced by model.named_parameters(); got {type(bad[0]).__name__} {bad[0]!r:.80}"
+        )
+    counts = collections.Counter(name for name, _ in named)
+    duplicates = sorted(name for name, count in counts.items() if count > 1)
+    if duplicates:
+        raise ValueError(
+            "Parameter names in named_parameters must be unique. Found duplicates: "
+            + ", ".join(duplicates)
+        )
+    names: dict[torch.Tensor, str] = {}
+    for name, p in sorted(named, key=lambda item: item[0]):
+        names.setdefault(p, name)
+    missing = [
+        f"param_groups[{i}]['params'][{j}] (shape {tuple(p.shape)})"
+        for i, group in enumerate(groups) for j, p in enumerate(group["params"])
+        if p not in names
+    ]
+    if missing:
+        raise ValueError(
+            "named_parameters was specified, but one or more model parameters were not "
+            f"named: {', '.join(missing)}. Pass every parameter of the optimizer, e.g. "
+            "named_parameters=model.named_parameters()"
+        )
+    return names
+
+
+def default_name(i: int, j: int) -> str:
+    """Horovod's name for parameter ``j`` of param group ``i`` when no
+    ``named_parameters`` were given: ``allreduce.noname.<i>.<j>``. Horovod's
+    rule is kept even when torch >= 2.6 has the group's ``param_names``
+    (Horovod predates them), so names (and a horovod engine's collective
+    names) are the same as under Horovod."""
+    return f"allreduce.noname.{i}.{j}"
+
+
+def _viewable(grad: torch.Tensor, engine: Any) -> bool:
+    """May ``grad`` become a view of the fusion buffer? Not when the user
+    turned it off, nor for a gradient that is part of a graph
+    (``backward(create_graph=True)``: autograd replaces it out of place), nor
+    for one laid out unlike a flat slice (a channels-last parameter's):
+    docs/torch.md, "Gradients as views of the fusion buffer"."""
+    return bool(engine is not None and engine.config.gradient_as_bucket_view
+                and not grad.requires_grad and grad.layout == torch.strided
+                and grad.is_contiguous())
+
+
+def _make_hook(ref: weakref.ref[Any], index: int) -> Callable[[torch.Tensor], None]:
+    # Weak: a dropped optimizer must not keep reducing through old hooks.
+    def hook(param: torch.Tensor) -> None:
+        optimizer = ref()
+        if optimizer is not None:
+            optimizer._dp.grad_ready(index, param, optimizer.param_groups)
+
+    return hook

@@ -7,7 +7,8 @@ doubling), reporting time, algorithm bandwidth and bus bandwidth as
 nccl-tests defines them (busbw = algbw x 2(n-1)/n). Loopback TCP and memcpy
 are measured in the same run as references. With ``--models`` it also times
 the fused all-reduce of a model's gradient shape list (default threshold)
-against one raw all-reduce of the same bytes. Writes ``results.json``,
+against one raw all-reduce of the same bytes (``--per-tensor``: and unfused,
+one all-reduce per gradient). Writes ``results.json``,
 ``results.md`` and PNG plots into ``--out``.
 
     dp-plugin bench --out bench-out
@@ -89,6 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=20, help="repetitions (fewer above 16 MiB)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=1800, help="per job, seconds")
+    parser.add_argument("--per-tensor", action="store_true",
+                        help="also time the model lists unfused, one all-reduce per gradient")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--shm-check", action="store_true",
                         help="gloo on shared memory: time each size with and without the "
@@ -164,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
     result["references"] = references(sizes, args.reps, args.warmup, bar)
     cmd = [sys.executable, "-m", "dp_plugin.cli.bench_worker", "--sizes",
            ",".join(map(str, sizes)), "--reps", str(args.reps), "--warmup", str(args.warmup),
-           "--models", ",".join(args.models)] + (["--shm-check"] if args.shm_check else [])
+           "--models", ",".join(args.models), *(["--per-tensor"] if args.per_tensor else []),
+           *(["--shm-check"] if args.shm_check else [])]
     for engine in engines:
         for n in args.world_sizes:
             bar.label = f"{engine} x{n}"

@@ -8,7 +8,8 @@ gradients as separate tensors, then as views of the fusion buffer, the
 ``DistributedOptimizer`` default; then views with ``op=sum``, which isolates
 what fusion costs from averaging's pass) against one raw all-reduce (a sum)
 of the same bytes and, under the horovod engine, Horovod's own
-``grouped_allreduce``: one repetition of each in turn, so that their
+``grouped_allreduce`` (and with ``--per-tensor`` one all-reduce per
+gradient): one repetition of each in turn, so that their
 ratios are measured side by side.
 With ``--shm-check`` (the gloo engine on shared memory) every size is
 timed twice, interleaved: with the transport's per-operation header check
@@ -62,7 +63,8 @@ def interleaved_medians(engine: Any, fns: dict[str, Callable[[], None]], reps: i
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def _fused(engine: Any, model: str, reps: int, warmup: int) -> dict[str, Any]:
+def _fused(engine: Any, model: str, reps: int, warmup: int,
+           per_tensor: bool = False) -> dict[str, Any]:
     import torch
 
     from dp_plugin.cli.shapes import model_shapes
@@ -74,8 +76,10 @@ def _fused(engine: Any, model: str, reps: int, warmup: int) -> dict[str, Any]:
     nbytes = sum(4 * g.numel() for g in grads)
     scheds: list[Any] = []
 
-    def stepper(op: str, suffix: str, views: bool) -> Callable[[], None]:
-        sched = GradientScheduler(specs, engine=engine, op=op, name=f"bench_{model}{suffix}")
+    def stepper(op: str, suffix: str, views: bool,
+                threshold: int | None = None) -> Callable[[], None]:
+        sched = GradientScheduler(specs, engine=engine, op=op, name=f"bench_{model}{suffix}",
+                                  fusion_threshold=threshold)
         scheds.append(sched)
         step(sched, grads)  # the plan settles from the observed ready order
         # views: DistributedOptimizer's default, gradients live in the fusion buffer.
@@ -86,6 +90,8 @@ def _fused(engine: Any, model: str, reps: int, warmup: int) -> dict[str, Any]:
            "fused_views_s": stepper("average", "_views", True),
            # op=sum: what fusion costs beside the raw all-reduce (a sum too).
            "fused_views_sum_s": stepper("sum", "_sum", True)}
+    if per_tensor:  # a 1-byte threshold: one all-reduce per gradient, what fusion saves
+        fns["per_tensor_s"] = stepper("average", "_per", False, threshold=1)
     if engine.name == "horovod":  # Horovod's own answer to the same list
         import horovod.torch as hvd
 
@@ -108,7 +114,7 @@ def step(sched: Any, tensors: list[Any]) -> None:
 
 
 def worker(sizes: list[int], reps: int, warmup: int, models: list[str],
-           shm_check: bool = False) -> None:
+           per_tensor: bool = False, shm_check: bool = False) -> None:
     import torch
 
     import dp_plugin
@@ -144,7 +150,7 @@ def worker(sizes: list[int], reps: int, warmup: int, models: list[str],
             print("PROGRESS", flush=True)
     fused = []
     for model in models:
-        fused.append(_fused(engine, model, max(5, reps // 2), 1))
+        fused.append(_fused(engine, model, max(5, reps // 2), 1, per_tensor))
         if lead:
             print("PROGRESS", flush=True)
     if lead:
@@ -159,10 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, required=True)
     ap.add_argument("--warmup", type=int, required=True)
     ap.add_argument("--models", default="")
+    ap.add_argument("--per-tensor", action="store_true")
     ap.add_argument("--shm-check", action="store_true")
     args = ap.parse_args(argv)
     worker([int(s) for s in args.sizes.split(",")], args.reps, args.warmup,
-           [m for m in args.models.split(",") if m], args.shm_check)
+           [m for m in args.models.split(",") if m], args.per_tensor, args.shm_check)
 
 
 if __name__ == "__main__":

@@ -46,8 +46,9 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", "| model | engine | workers | gradients | buckets | fused (copies) "
                   "| fused (views) | fused (views, sum) | raw (same bytes, sum) "
                   "| busbw fused (views) / raw | busbw fused (views, sum) / raw | Horovod "
-                  "grouped_allreduce | Horovod grouped / fused (views) |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "grouped_allreduce | Horovod grouped / fused (views) "
+                  "| per-tensor (unfused) | per-tensor / fused (views) |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for m in result["models"]:
             lines.append(_model_row(m))
     for name, why in result.get("skipped", {}).items():
@@ -73,13 +74,15 @@ def _model_row(m: dict[str, Any]) -> str:
     views = m.get("fused_views_s", m["fused_s"])
     summed = m.get("fused_views_sum_s")
     grouped = m.get("horovod_grouped_s")
+    per = m.get("per_tensor_s")
     cells = [m["model"], m["engine"], str(m["size"]),
              f"{m['tensors']} ({mib(m['bytes'], '.4g')})",
              str(m["buckets"]), f"{m['fused_s'] * 1e3:.1f} ms", f"{views * 1e3:.1f} ms",
              f"{summed * 1e3:.1f} ms" if summed else "-", f"{m['raw_s'] * 1e3:.1f} ms",
              f"{m['raw_s'] / views:.2f}", f"{m['raw_s'] / summed:.2f}" if summed else "-",
              f"{grouped * 1e3:.1f} ms" if grouped else "-",
-             f"{grouped / views:.2f}" if grouped else "-"]
+             f"{grouped / views:.2f}" if grouped else "-",
+             f"{per * 1e3:.1f} ms" if per else "-", f"{per / views:.2f}" if per else "-"]
     return "| " + " | ".join(cells) + " |"
 
 

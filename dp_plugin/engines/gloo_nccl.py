@@ -105,11 +105,17 @@ class GlooEngine(TorchDistEngine):
         return handle.then(lambda: self._torch.mul(t, postscale, out=t))
 
     def standing_allreduce_async(self, buf: Any, name: str) -> Handle:
+        """The route ``_allreduce_async`` takes for ``buf`` (it must meet the
+        others' plain all-reduce there), without a deadline of its own."""
         t = self._tensor(buf, f"allreduce {name!r}")
-        if self._shm is None or not self._shm.takes(t):
+        desc = self.describe("allreduce", name, t.numel() * t.element_size())
+        if self._hier is not None and self._hier.takes(t) and t.numel():
+            self._check_usable(f"allreduce {name!r}")
+            return self._hier.allreduce_async(t, ReduceOp.SUM, desc, self._mark_broken,
+                                              self.wait_board(), standing=True)
+        if self._shm is None or not self._shm.takes(t) or not t.numel():
             return super().standing_allreduce_async(buf, name)
         self._check_usable(f"allreduce {name!r}")
-        desc = self.describe("allreduce", name, t.numel() * t.element_size())
         return self._shm.allreduce_async(t, ReduceOp.SUM, desc, self._mark_broken,
                                          self.wait_board(), standing=True)
 
@@ -151,10 +157,14 @@ class GlooEngine(TorchDistEngine):
             log.warning("dp_plugin: all-reduces use one flat Gloo ring, not the hierarchical "
                         "path: shared memory cannot be set up on every host")
             return None
-        cross = None
+        cross, hosts = None, table[:, 0].tolist()  # the host index is a host key
         for peers in layout.peer_groups() if len(layout.hosts) > 1 else []:
-            made = self.subgroup(list(peers), "hierarchical cross-host")
+            made = self.subgroup(list(peers), hosts, "hierarchical cross-host")
             cross = made if made is not None else cross
+        if self.rank == 0:
+            log.info("dp_plugin: gloo all-reduces hierarchically over %d hosts x %d ranks "
+                     "(launcher topology; DP_PLUGIN_HIERARCHICAL_ALLREDUCE=0 for one flat ring)",
+                     len(layout.hosts), len(host))
         return hierarchical.HierarchicalAllreduce(transport, cross, len(layout.hosts))
 
     @classmethod

@@ -43,6 +43,7 @@ collectives (broadcast, all-gather, ...) stay on the flat Gloo group.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -147,16 +148,25 @@ class HierarchicalAllreduce:
         return self._transport.takes(t) and str(t.dtype).removeprefix("torch.") in CROSS_DTYPES
 
     def allreduce_async(self, t: Any, op: ReduceOp, description: str, on_timeout: Any,
-                        board: Any) -> Handle:
+                        board: Any, standing: bool = False) -> Handle:
         """Queue the three steps of the module docstring on the host's
-        transport thread; the handle is done when the all-gather is."""
+        transport thread; the handle is done when the all-gather is.
+        ``standing`` (a sum; ``Engine.standing_allreduce_async``): no step
+        has a deadline of its own, the caller bounds the wait."""
         def across(part: Any, deadline: float) -> None:
             if self._cross is None or part.numel() == 0:  # the same on every peer
                 return
-            self._cross.allreduce_async(part, op, name=f"{description} (across hosts)").wait()
+            name = f"{description} (across hosts)"
+            if not standing:
+                self._cross.allreduce_async(part, op, name=name).wait()
+                return
+            handle = self._cross.standing_allreduce_async(part, name=name)
+            while not handle.done():
+                time.sleep(1e-3)
+            handle.wait()
 
         return self._transport.allreduce_async(t, op, description, on_timeout, board,
-                                               across=across)
+                                               across=across, standing=standing)
 
     def close(self) -> None:
         """Stop the transport (its thread may be in a cross step), then the cross group."""

@@ -111,9 +111,10 @@ OPS = tuple(ReduceOp)
 HEADER_FIELDS = 8
 """int64s per rank's header: sequence, kind, count, dtype, op, post-scale
 (the float64's bits), two spare."""
-HEADER_BYTES = 4096
-"""The headers' page at the start of the segment (512 ranks at most)."""
-MAX_RANKS = HEADER_BYTES // (8 * HEADER_FIELDS)
+_HEADER = struct.Struct("<6q")
+_DTYPE_CODES: dict[Any, int] = {}
+"""torch dtype -> its index in ``DTYPES`` (filled on first use)."""
+MAX_RANKS = 512
 _NAME = "dp_plugin-{token:x}-{rank}"
 """Abstract socket name of a rank (a leading NUL: no file)."""
 
@@ -121,6 +122,14 @@ _held_lock = threading.Lock()
 _held_bytes = 0
 """Bytes of every segment this process maps now (its share of the budget)."""
 _fallback_said = False
+
+
+def _bits(x: float) -> int:
+    """A float64's bits as an int64 (a post-scale in a header)."""
+    return int(struct.unpack("<q", struct.pack("<d", x))[0])
+
+
+_ONE = _bits(1.0)
 
 
 def shard(n: int, size: int, rank: int) -> tuple[int, int]:
@@ -266,7 +275,7 @@ class ShmTransport:
         self._seq += 1
         verify = self.verify_headers
         if verify:
-            self._headers[self._seq % 2, self.rank] = self._header(kind, job, data)
+            self._write_header(kind, job, data)
         self._stage(kind, sets[rounds[0]], data, 0, chunk)
         self._barrier(deadline, job)
         if verify:
@@ -330,19 +339,25 @@ class ShmTransport:
         else:
             piece.copy_(result)
 
-    def _header(self, kind: str, job: _Job, data: Any) -> list[int]:
-        scale = struct.unpack("<q", struct.pack("<d", job.postscale))[0]
-        dtype = DTYPES.index(str(data.dtype).removeprefix("torch."))
-        return [self._seq, KINDS.index(kind), data.numel(), dtype, OPS.index(job.op), scale, 0, 0]
+    def _write_header(self, kind: str, job: _Job, data: Any) -> None:
+        """This rank's header of the operation, into its line of this
+        operation's parity (a few microseconds: plain struct packing)."""
+        code = _DTYPE_CODES.get(data.dtype)
+        if code is None:
+            code = _DTYPE_CODES[data.dtype] = DTYPES.index(str(data.dtype).removeprefix("torch."))
+        scale = _ONE if job.postscale == 1.0 else _bits(job.postscale)
+        line = (self._seq % 2 * self.size + self.rank) * HEADER_FIELDS * 8
+        _HEADER.pack_into(self._segment, line, self._seq, KINDS.index(kind), data.numel(), code,
+                          OPS.index(job.op), scale)
 
     def _check(self, kind: str, job: _Job) -> None:
         """Raise if any rank's header differs from this rank's (read after
         the first barrier: every rank has written its own)."""
-        table = self._headers[self._seq % 2]
+        table = self._headers[self._seq % 2].tolist()  # lists compare fastest here
         mine = table[self.rank]
-        if (table == mine).all():
+        if table.count(mine) == self.size:
             return
-        peer = next(j for j in range(self.size) if (table[j] != mine).any())
+        peer = next(j for j in range(self.size) if table[j] != mine)
         raise LayoutMismatchError(
             f"rank {self.rank}: {job.handle.description} does not match what rank {peer} "
             f"started at the same point of the shared-memory transport: rank {self.rank} has "
@@ -411,10 +426,10 @@ class ShmHandle(Handle):
 def _said(header: Any) -> str:
     """A header as a person reads it: 'operation #3: allreduce (sum) of 10 float32'."""
     seq, kind, count, dtype, op, scale = (int(v) for v in header[:6])
+    factor = struct.unpack("<d", struct.pack("<q", scale))[0]
     names = (KINDS[kind] if 0 <= kind < len(KINDS) else f"kind {kind}",
              DTYPES[dtype] if 0 <= dtype < len(DTYPES) else f"dtype {dtype}",
              OPS[op].value if 0 <= op < len(OPS) else f"op {op}")
-    factor = struct.unpack("<d", struct.pack("<q", scale))[0]
     scaled = "" if factor == 1.0 else f", scaled by {factor:g}"
     return f"operation #{seq}: {names[0]} ({names[2]}{scaled}) of {count} {names[1]}"
 

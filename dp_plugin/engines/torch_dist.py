@@ -41,7 +41,7 @@ from dp_plugin.engines import rendezvous as rdv
 from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp, Started
 from dp_plugin.engines.deadline import bounded_on
 from dp_plugin.engines.waits import WaitBoard
-from dp_plugin.errors import DPPluginError, EngineUnavailableError
+from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, EngineUnavailableError
 from dp_plugin.launch import Topology
 
 STANDING_TIMEOUT = timedelta(days=7)
@@ -160,9 +160,19 @@ class TorchDistEngine(Engine):
         kwargs: dict[str, Any] = {"store": store}
         if self.backend == "nccl":
             kwargs["device_id"] = self._device
-        dist.init_process_group(
-            self.backend, rank=self.rank, world_size=self.size, timeout=timeout, **kwargs
-        )
+        try:
+            dist.init_process_group(
+                self.backend, rank=self.rank, world_size=self.size, timeout=timeout, **kwargs
+            )
+        except (dist.DistStoreError, dist.DistNetworkError) as exc:
+            # torch's own text names a store key, not what happened (fault matrix, issue 24).
+            kind = CollectiveTimeoutError if isinstance(exc, dist.DistStoreError) else DPPluginError
+            raise kind(
+                f"rank {self.rank}: the {self.backend} process group of {self.size} ranks did not "
+                f"form within {self.config.timeout_s:g} s (DP_PLUGIN_TIMEOUT; ranks met through "
+                f"{how}): another rank has probably died or not started; check the other ranks' "
+                f"logs ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})"
+            ) from None
         self._owns_default = True
         return how
 

@@ -93,3 +93,25 @@ def test_rejects_a_bad_rate() -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "--link 'fast': expected a rate such as 1gbit" in proc.stderr, proc.stderr
+
+
+def test_namespaces_of_a_killed_run_are_deleted_by_the_next() -> None:
+    """SIGKILL leaves a run's namespaces (no handler sees it); the next run
+    deletes those whose cluster.py pid is gone, and no one else's."""
+    reason = _namespaces_unavailable()
+    if reason:
+        pytest.skip(reason)
+    sys.path.insert(0, str(CLUSTER.parent))
+    import cluster  # the script under test
+
+    dead = 1 << 22  # above the default pid_max: no such process
+    mine = f"dpc-{os.getpid()}-h1"  # a live pid: must stay
+    subprocess.run(["ip", "netns", "add", f"dpc-{dead}-h1"], check=True)
+    subprocess.run(["ip", "netns", "add", mine], check=True)
+    try:
+        assert f"dpc-{dead}-h1" in cluster.reap_stale()
+        assert _namespaces(f"dpc-{dead}-") == set()
+        assert _namespaces(mine) == {mine}
+    finally:
+        subprocess.run(["ip", "netns", "del", mine], capture_output=True)
+        subprocess.run(["ip", "netns", "del", f"dpc-{dead}-h1"], capture_output=True)

@@ -21,8 +21,8 @@ import dp_plugin.torch as hvd
 from dp_plugin import process_sets
 from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.errors import DPPluginError
-from dp_plugin.torch.distributed_mixin import _DistributedMixin
 from dp_plugin.torch.joining import JoinFlags
+from dp_plugin.torch.optimizer import _DistributedOptimizer
 from tests.torch.local_runtime import local_engine  # noqa: F401 - autouse fixture
 from tests.unit.fakes import make_thread_group, run_ranks, run_ranks_outcomes
 
@@ -60,14 +60,14 @@ def backward(model: nn.Module, rank: int = 0) -> None:
 # -- the wrapper is the user's optimizer ---------------------------------------------
 
 
-def test_wrapper_is_an_instance_of_the_users_class_with_the_mixin_first() -> None:
+def test_wrapper_is_an_instance_of_the_users_class_with_the_wrapper_first() -> None:
     model = linear_model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters())
     assert isinstance(opt, torch.optim.SGD)
     assert type(opt).__name__ == "DistributedSGD"
-    mro = type(opt).__mro__  # the mixin and its bases, then the user's class
-    assert mro[1:mro.index(torch.optim.SGD)] == _DistributedMixin.__mro__[:-1]
+    mro = type(opt).__mro__  # the one wrapper class, then the user's class
+    assert mro[1:mro.index(torch.optim.SGD)] == (_DistributedOptimizer,)
     again = hvd.DistributedOptimizer(torch.optim.SGD(linear_model().parameters(), lr=0.1))
     assert type(again) is type(opt)  # one class per optimizer class
     adam = hvd.DistributedOptimizer(torch.optim.Adam(linear_model().parameters()))

@@ -189,14 +189,14 @@ def test_markdown_table_has_busbw_and_references() -> None:
     assert "| 1 MiB | 1.000 ms / 1.049 / 1.398 | 2.097 | 10.486 |" in md
     # An old results.json without the views column: copies stand in for views.
     assert ("| resnet50 | gloo | 3 | 161 (4 KiB) | 1 | 20.0 ms | 20.0 ms | - | 10.0 ms | 0.50 "
-            "| - | - | - |") in md
+            "| - | - | - | - | - |") in md
     assert "Not run: nccl (no CUDA)" in md
     result["models"] = [{"model": "bert-base", "engine": "horovod", "size": 2, "bytes": 4096,
                          "tensors": 199, "buckets": 7, "fused_s": 0.02, "fused_views_s": 0.0125,
                          "fused_views_sum_s": 0.01, "raw_s": 0.0125,
-                         "horovod_grouped_s": 0.05}]
+                         "horovod_grouped_s": 0.05, "per_tensor_s": 0.1}]
     assert ("| bert-base | horovod | 2 | 199 (4 KiB) | 7 | 20.0 ms | 12.5 ms | 10.0 ms "
-            "| 12.5 ms | 1.00 | 1.25 | 50.0 ms | 4.00 |") in markdown(result)
+            "| 12.5 ms | 1.00 | 1.25 | 50.0 ms | 4.00 | 100.0 ms | 8.00 |") in markdown(result)
 
 
 def test_bench_worker_times_copies_views_and_raw_on_one_engine() -> None:
@@ -207,9 +207,10 @@ def test_bench_worker_times_copies_views_and_raw_on_one_engine() -> None:
     from dp_plugin.launch import Topology
 
     engine = LocalEngine(Topology.single(), Config())
-    row = _fused(engine, "encoder-mlm", reps=2, warmup=0)
+    row = _fused(engine, "encoder-mlm", reps=2, warmup=0, per_tensor=True)
     assert row["tensors"] > 20 and row["bytes"] > 20 << 20 and row["buckets"] >= 2
-    assert min(row["fused_s"], row["fused_views_s"], row["fused_views_sum_s"], row["raw_s"]) > 0
+    assert min(row["fused_s"], row["fused_views_s"], row["fused_views_sum_s"], row["raw_s"],
+               row["per_tensor_s"]) > 0
     assert "horovod_grouped_s" not in row  # only under the horovod engine
 
 

@@ -66,7 +66,8 @@ def check_engine(engine: Any, what: str) -> None:
         if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
             worst = (got - want).abs().max().item()
             raise AssertionError(f"{what} {op} {dtype} n={n}: off by {worst}")
-        seen = engine.allgather(np.array([[digest(buf)]], dtype=np.int64), name=f"{what}.digest")
+        seen = engine.allgather(np.array([[digest(buf)]], dtype=np.int64), [1] * size,
+                                name=f"{what}.digest")
         if len(set(seen[:, 0].tolist())) != 1:
             raise AssertionError(f"{what} {op} {dtype} n={n}: ranks differ: {seen[:, 0]}")
 

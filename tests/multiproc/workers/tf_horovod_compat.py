@@ -5,7 +5,7 @@
 - ``errors``: ranks that disagree raise, on every rank and at the call, an
   error that a Horovod script's ``except tf.errors.FailedPreconditionError``
   catches (``InvalidArgumentError`` for bad all-to-all splits) and that is
-  still the core's type (``LayoutMismatchError`` / ``ValueError``) with the
+  still the core's type (``MismatchError`` / ``ValueError``) with the
   core's message; inside ``tf.function`` TensorFlow's own ``OpError`` carries
   the message. The engine keeps working afterwards.
 - ``local_sources``: ``DistributedGradientTape.register_local_source`` keeps a
@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 import dp_plugin.tensorflow as dp
+from dp_plugin.errors import DPPluginError
 
 
 def raises(kinds: tuple[type, ...], words: str, call: Callable[[], Any]) -> None:
@@ -45,7 +46,7 @@ def raises(kinds: tuple[type, ...], words: str, call: Callable[[], Any]) -> None
 def check_errors(_: Any) -> None:
     r = dp.rank()
     precondition = tf.errors.FailedPreconditionError
-    raises((precondition, dp.LayoutMismatchError), "rank",
+    raises((precondition, DPPluginError, ValueError), "rank",
            lambda: dp.allreduce(tf.ones([2 + r])))
     raises((precondition, ValueError), "rank",
            lambda: dp.allgather(tf.ones([1], tf.float32 if r == 0 else tf.float64)))

@@ -1,0 +1,78 @@
+"""Join's wire protocol (``dp_plugin.join``) on a fake thread group, no processes:
+what a joined rank answers, what the others' check refuses, who joined last."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dp_plugin import join, request
+from dp_plugin.agreement import compare
+from dp_plugin.engines.base import ReduceOp
+from dp_plugin.errors import JoinedRankError
+from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks_outcomes
+
+
+def _one_round(req: request.Request, n: int = 3) -> list[object]:
+    """Rank 0 has joined (a Listener); the others check ``req``. Per rank:
+    rank 0's ``answerable``, the others' ``Agreed`` or error."""
+
+    def body(e: FakeEngine) -> object:
+        if e.rank == 0:
+            heard = join.Listener(e).heard()
+            assert heard.joined == (0,)
+            described, _ = request.joined_view(heard)
+            return described is not None and join.answerable(heard, described[0]["kind"])
+        return request.check(e, req, accept_joined=True)
+
+    return run_ranks_outcomes(make_thread_group(n), body)
+
+
+def test_allreduce_and_barrier_are_answered() -> None:
+    buf = np.ones(4, dtype=np.float32)
+    for req in (request.Request.of("allreduce", [buf], op=ReduceOp.SUM),
+                request.Request(kind="barrier")):
+        answered, *agreed = _one_round(req)
+        assert answered is True
+        assert all(isinstance(a, request.Agreed) and a.joined == (0,) for a in agreed)
+
+
+@pytest.mark.parametrize(("kind", "fields"), [
+    ("allgather", {}), ("broadcast", {"root": 1}), ("reducescatter", {"op": ReduceOp.SUM}),
+    ("alltoall", {}),
+])
+def test_horovods_refusals(kind: str, fields: dict[str, object]) -> None:
+    req = request.Request.of(kind, [np.ones((6, 2), dtype=np.float32)], name="t", **fields)
+    answered, *errors = _one_round(req)
+    assert answered is False  # the joined rank is not disturbed: it listens on
+    for exc in errors:
+        assert isinstance(exc, JoinedRankError), exc
+        assert "rank(s) 0 have called hvd.join()" in str(exc)
+        assert f"'{kind.capitalize()} is not supported with Join'" in str(exc)
+
+
+def test_an_agreement_that_refuses_joined_ranks_is_not_answered() -> None:
+    def body(e: FakeEngine) -> object:
+        if e.rank == 0:
+            heard = join.Listener(e).heard()
+            return join.answerable(heard, "allreduce")
+        return compare(e, "SyncBatchNorm (stats)", [[3], "float64"])
+
+    answered, *errors = run_ranks_outcomes(make_thread_group(2), body)
+    assert answered is False
+    assert isinstance(errors[0], JoinedRankError)
+    assert "SyncBatchNorm (stats) cannot run while a rank is joined" in str(errors[0])
+
+
+def test_everyone_joined_ends_the_listening() -> None:
+    outcomes = run_ranks_outcomes(
+        make_thread_group(3), lambda e: join.everyone_joined(join.Listener(e).heard(), e.size))
+    assert outcomes == [True, True, True]
+
+
+@pytest.mark.parametrize(("answered", "last"), [
+    ([2, 0], 1), ([0, 2], 0), ([0, 0], 1), ([3, 0, 1], 1), ([0, 1, 1], 0), ([1, 0, 0], 2)])
+def test_last_joined_answered_the_fewest_rounds(answered: list[int], last: int) -> None:
+    engines = make_thread_group(len(answered))
+    got = run_ranks_outcomes(engines, lambda e: join.last_joined(e, answered[e.rank]))
+    assert got == [last] * len(answered)
