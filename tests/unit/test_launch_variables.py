@@ -142,11 +142,8 @@ def test_harness_and_benchmarks_use_the_one_list() -> None:
 
     assert harness.is_launcher_variable is is_launcher_variable
     assert harness.LAUNCHER_VARIABLE_NAMES is LAUNCHER_VARIABLE_NAMES
-    # The benchmarks' launching lives in dp_plugin.cli.jobs (dp-plugin bench uses it too);
-    # benchmarks/_launch.py only re-exports it.
+    # The benchmarks' launching lives in dp_plugin.cli.jobs (dp-plugin bench uses it too).
     root = Path(__file__).resolve().parents[2]
     source = (root / "dp_plugin" / "cli" / "jobs.py").read_text()
     assert "from dp_plugin.launch_variables import is_launcher_variable" in source
     assert "HOROVOD_RANK" not in source  # no list of its own
-    shim = (root / "benchmarks" / "_launch.py").read_text()
-    assert "from dp_plugin.cli.jobs import" in shim and "HOROVOD_RANK" not in shim
