@@ -39,7 +39,8 @@ def allgather_object(obj: Any, session: Any = None, name: str | None = None,
                      process_set: Any = global_process_set) -> list[Any]:
     """Every rank's ``obj``, in rank order of the set (pickled). Collective."""
     engine = engine_of(process_set, "allgather_object")
-    return _objects.allgather_object(engine, obj, name or type(obj).__name__)
+    # Not type(obj).__name__: ranks may hold objects of different types (see torch's).
+    return _objects.allgather_object(engine, obj, name or "allgather_object")
 
 
 # -- synchronization -----------------------------------------------------------------

@@ -105,7 +105,9 @@ def allgather_object(obj: Any, name: str | None = None,
     Collective: two all-gathers (lengths, then bytes).
     """
     eng = engine_of(process_set, "hvd.allgather_object()")
-    return _objects.allgather_object(eng, obj, type(obj).__name__ if name is None else name)
+    # Not Horovod's type(obj).__name__: the check compares names across ranks,
+    # and ranks legitimately hold objects of different types (None on some).
+    return _objects.allgather_object(eng, obj, "allgather_object" if name is None else name)
 
 
 # -- tensors as bytes ----------------------------------------------------------------

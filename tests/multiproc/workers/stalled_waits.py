@@ -53,7 +53,7 @@ def case_hvd_add_process_set(engine: Any) -> None:
     if engine.rank == engine.size - 1:
         engine._hvd.add_process_set = lambda ranks: _stall()
     # [0]: not every rank (that is Horovod's global set), yet collective over all.
-    _expect_timeout(lambda: engine.subgroup([0], name="first"), "hvd.add_process_set([0])")
+    _expect_timeout(lambda: request.subgroup(engine, [0], "first"), "hvd.add_process_set([0])")
 
 
 CASES = {"mpi_split": case_mpi_split, "hvd_add_process_set": case_hvd_add_process_set}
