@@ -16,7 +16,7 @@ WORKER = Path(__file__).parent / "workers" / "grouped_pipeline.py"
 @pytest.mark.multiproc
 @pytest.mark.parametrize(("engine", "nprocs"), [("gloo", 3)])
 def test_chunked_grouped_allreduce_matches_reference(engine: str, nprocs: int) -> None:
-    result = run_workers("env", nprocs, WORKER, args=["--engine", engine],
+    result = run_workers("env", nprocs, WORKER, args=["--engine", engine, "--case", "chunked"],
                          env={"DP_PLUGIN_TIMEOUT": "60", "DP_PLUGIN_SHARED_MEMORY": "0"},
                          timeout=180)
     assert_ranks_ok(result, nprocs)

@@ -17,8 +17,11 @@ from tests.multiproc.harness import assert_ranks_ok, run_workers, worker_cases
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 # User-style training scripts (Horovod programs with only the import
-# changed), not test workers: they have no cases.
-NOT_CASE_WORKERS = {"_fail_fast.py", "typical_horovod_script.py", "horovod_keras_script.py"}
+# changed), not test workers: they have no cases. fake_hosts.py wraps another
+# worker; fault_matrix.py's ranks die or exit 1 on purpose with timed lines
+# the matrix reads, which run_cases' fail-fast exit would replace.
+NOT_CASE_WORKERS = {"_fail_fast.py", "typical_horovod_script.py", "horovod_keras_script.py",
+                    "fake_hosts.py", "fault_matrix.py"}
 CASE_WORKERS = sorted(p for p in WORKERS.glob("*.py") if p.name not in NOT_CASE_WORKERS)
 
 TINY = f'''

@@ -7,7 +7,7 @@ not, Sum of integer-valued inputs (exact) and Average (within 1e-5, relative), a
 results bitwise equal on every rank (sha256 all-gathered). Prints
 ``rank R OK``.
 
-    python grouped_pipeline.py --engine gloo
+    python grouped_pipeline.py --engine gloo --case chunked
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import hashlib
 import os
 
 import torch
+from _fail_fast import run_cases
 
 import dp_plugin.torch as hvd
 from dp_plugin import collective
@@ -39,10 +40,8 @@ def inputs(rank: int) -> list[torch.Tensor]:
     return [torch.randint(-50, 50, shape, generator=rng).to(dtype) for shape, dtype in shapes()]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--engine", required=True)
-    os.environ["DP_PLUGIN_ENGINE"] = ap.parse_args().engine
+def case_chunked(args: argparse.Namespace) -> None:
+    os.environ["DP_PLUGIN_ENGINE"] = args.engine
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     total = sum(t.numel() * t.element_size() for t in inputs(rank))
@@ -61,9 +60,12 @@ def main() -> None:
         digest.update(o.numpy().tobytes())
     digests = hvd.allgather_object(digest.hexdigest(), name="digests")
     assert len(set(digests)) == 1, f"ranks differ: {digests}"
-    print(f"rank {rank} OK", flush=True)
     hvd.shutdown()
 
 
+CASES = {"chunked": case_chunked}
+
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--engine", required=True)
+    run_cases(CASES, parser=parser)
