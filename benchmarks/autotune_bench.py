@@ -16,10 +16,8 @@ threshold chosen and rank 0's medians measured while tuning.
     python benchmarks/autotune_bench.py --rounds 3 --tune-steps 5 --tune-warmup 2
     python benchmarks/autotune_bench.py --launcher horovodrun --thresholds fusion=4,default
 
-Under ``--launcher horovodrun`` (or ``mpirun``) the engine is ``auto``
-(Horovod's ring, or MPI), so autotune also times gloo at the threshold it
-chose (one more candidate); the fixed rows are then each threshold on each
-engine.
+Under ``--launcher horovodrun`` (or ``mpirun``) every row runs on the engine
+``auto`` picks there (Horovod's ring, or MPI).
 
 The fixed rows: ``fusion=N`` sets DP_PLUGIN_FUSION_THRESHOLD (every bucket N
 MiB, the first included); ``default`` is the default plan: a 1 MiB first
@@ -43,19 +41,8 @@ THRESHOLDS = {"fusion=1": ":fusion=1", "fusion=4": ":fusion=4", "fusion=8": ":fu
               "default (1, then 7.1)": "", "fusion=64": ":fusion=64"}
 CANDIDATES = 6
 """1, 4, 8, 25, 64 MiB and the default's 7.1: all distinct plans for this 30 MB model."""
-LAUNCHED = {"horovodrun": ("dp_plugin@hvd", "horovod"), "mpirun": ("dp_plugin@mpi", "mpi")}
-"""Per launcher: torch_step_bench's configuration, and the engine ``auto`` picks there."""
-
-
-def fixed_configs(launcher: str, thresholds: list[str]) -> dict[str, str]:
-    """The fixed settings to compare autotune with: each threshold, and under
-    horovodrun each on Horovod's ring and on gloo (the engines autotune times)."""
-    rows = {k: v for k, v in THRESHOLDS.items() if k.split(" ")[0] in thresholds}
-    if launcher == "torchrun":
-        return {name: f"dp_plugin{opt}" for name, opt in rows.items()}
-    base, first = LAUNCHED[launcher]
-    return {f"{engine} {name}": f"{base}{opt}:engine={engine}"
-            for engine in (first, "gloo") for name, opt in rows.items()}
+LAUNCHED = {"torchrun": "dp_plugin", "horovodrun": "dp_plugin@hvd", "mpirun": "dp_plugin@mpi"}
+"""Per launcher: torch_step_bench's configuration (engine ``auto``)."""
 
 
 def main() -> None:
@@ -67,18 +54,18 @@ def main() -> None:
                     help="DP_PLUGIN_AUTOTUNE_WARMUP_STEPS")
     ap.add_argument("--warmup", type=int, default=3, help="warm-up of the fixed settings")
     ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--launcher", choices=("torchrun", *LAUNCHED), default="torchrun",
-                    help="horovodrun, mpirun: engine auto, so autotune also times gloo "
-                         "beside Horovod's ring or MPI")
+    ap.add_argument("--launcher", choices=tuple(LAUNCHED), default="torchrun",
+                    help="horovodrun, mpirun: Horovod's ring or MPI (engine auto)")
     ap.add_argument("--thresholds", default="fusion=1,fusion=4,fusion=8,default,fusion=64",
                     help="the fixed rows (comma-separated, of the defaults)")
     args = ap.parse_args()
-    base = "dp_plugin" if args.launcher == "torchrun" else LAUNCHED[args.launcher][0]
+    base = LAUNCHED[args.launcher]
     tuned = f"{base}:autotune=1:tune_steps={args.tune_steps}:tune_warmup={args.tune_warmup}"
-    fixed = fixed_configs(args.launcher, args.thresholds.split(","))
+    wanted = args.thresholds.split(",")
+    fixed = {name: f"{base}{opt}" for name, opt in THRESHOLDS.items()
+             if name.split(" ")[0] in wanted}
     configs = {**fixed, "autotune": tuned}
-    engines = 1 if args.launcher == "torchrun" else 2
-    tuning = 1 + (CANDIDATES + engines - 1) * (args.tune_steps + args.tune_warmup) + 1
+    tuning = 1 + CANDIDATES * (args.tune_steps + args.tune_warmup) + 1
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
     start = time.monotonic()
     for rnd in range(args.rounds):
@@ -117,13 +104,7 @@ def report(runs: dict[str, list[dict[str, Any]]], fixed: dict[str, str],
         timings = ", ".join(f"{t >> 20} MiB: {m * 1e3:.0f} ms"
                             for t, m in zip(d.get("candidates", []), d.get("rank0_median_s", []),
                                             strict=True))
-        chose = f"{d.get('chosen', 0) >> 20} MiB"
-        if "engine" in d:
-            chose += f" on {d['engine']}"
-            timings += "; " + ", ".join(
-                f"{e}: {m * 1e3:.0f} ms"
-                for e, m in zip(d["engines"], d["engine_rank0_median_s"], strict=True))
-        print(f"| round {i + 1} | {chose} | {timings} |")
+        print(f"| round {i + 1} | {d.get('chosen', 0) >> 20} MiB | {timings} |")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,4 @@
-"""Autotune of the fusion threshold, and of the engine under ``auto``
-(``DP_PLUGIN_AUTOTUNE=1``).
+"""Autotune of the fusion threshold (``DP_PLUGIN_AUTOTUNE=1``).
 
 During the first steps the gradient scheduler tries each candidate bucket
 size in turn: after the first step (and its bucket rebuild) it switches to
@@ -7,28 +6,20 @@ the first candidate, drops ``warmup_steps`` steps (new buffers, first
 touches), then times ``steps`` steps as the wall time between the ends of
 successive ``synchronize()`` calls, i.e. one whole training step. After the
 last candidate the medians are compared and the fastest threshold is kept.
-Under ``DP_PLUGIN_ENGINE=auto`` the runtime also started the other engines
-that can run here (``runtime.alternates``: gloo beside Horovod's ring under
-horovodrun, beside MPI under mpirun); each is then timed the same way with
-the chosen threshold, the gradients' fusion buffers moving to it in place,
-and the fastest engine (ties: the one ``auto`` picked) carries the
-gradients for the rest of the run. Other collectives stay on the engine
-``auto`` picked.
 
 Distributed contract: every rank builds its ``Autotuner`` with the same
-candidates, engines and step counts (they come from the ``Config``, which
-the first step's agreement compares, and from the engine lists the ranks
-compared at ``init``) and calls ``step_ended`` once per step, at the end of
+candidates and step counts (they come from the ``Config``, which the first
+step's agreement compares) and calls ``step_ended`` once per step, at the end of
 ``synchronize()``, so every rank switches at the same step, outside any
 backward pass. The decision is never taken by a rank alone: rank 0's
-medians are broadcast (``share``, one small collective per phase) and every
-rank picks from those same numbers with the same rule (``choose``), so the
-bucket plans and engines stay identical. Candidates that give the same
+medians are broadcast (``share``, one small collective) and every rank
+picks from those same numbers with the same rule (``choose``), so the
+bucket plans stay identical. Candidates that give the same
 bucket plan (e.g. every threshold larger than the model) are measured once.
 
 No framework and no engine: the scheduler passes its ``FusedCollective``
-(re-planned through ``retune``, moved through ``use_engine``), its timeline,
-the engines by name and ``share`` (rank 0's values on every rank).
+(re-planned through ``retune``), its timeline and ``share`` (rank 0's
+values on every rank).
 """
 
 from __future__ import annotations
@@ -36,9 +27,9 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -62,39 +53,19 @@ class Decision:
     """This rank's own medians (for the timeline; they decide nothing)."""
     chosen: int
     configured: int
-    engines: tuple[str, ...] = ("",)
-    """The engines timed at ``chosen`` (the one ``auto`` picked first); one
-    name when only the bucket size was tuned."""
-    engine_medians: tuple[float, ...] = ()
-    """Rank 0's median step time per engine (empty when only one)."""
-    engine: str = ""
-    """The engine chosen (``engines[0]`` when only one)."""
-    engine_local_medians: tuple[float, ...] = ()
 
     def describe(self) -> str:
         timings = ", ".join(f"{mib(t)}: {m * 1e3:.2f} ms"
                             for t, m in zip(self.candidates, self.medians, strict=True))
-        text = (f"autotune chose fusion threshold {mib(self.chosen)} ({self.chosen} bytes; "
+        return (f"autotune chose fusion threshold {mib(self.chosen)} ({self.chosen} bytes; "
                 f"configured {mib(self.configured)}); median step time per threshold on "
                 f"rank 0: {timings}")
-        if self.engine_medians:
-            per_engine = ", ".join(f"{e}: {m * 1e3:.2f} ms"
-                                   for e, m in zip(self.engines, self.engine_medians, strict=True))
-            text += (f"; engine {self.engine} (auto picked {self.engines[0]}); median step "
-                     f"time per engine at {mib(self.chosen)} on rank 0: {per_engine}")
-        return text
 
     def as_args(self) -> dict[str, object]:
         """The measurements as timeline event arguments."""
-        args: dict[str, object] = {
-            "chosen": self.chosen, "configured": self.configured,
-            "candidates": list(self.candidates), "rank0_median_s": list(self.medians),
-            "local_median_s": list(self.local_medians)}
-        if self.engine_medians:
-            args.update(engine=self.engine, engines=list(self.engines),
-                        engine_rank0_median_s=list(self.engine_medians),
-                        engine_local_median_s=list(self.engine_local_medians))
-        return args
+        return {"chosen": self.chosen, "configured": self.configured,
+                "candidates": list(self.candidates), "rank0_median_s": list(self.medians),
+                "local_median_s": list(self.local_medians)}
 
 
 def mib(nbytes: float, spec: str = "g") -> str:
@@ -142,45 +113,32 @@ def distinct(candidates: Sequence[int], configured: int,
     return tuple(sorted(out.values()))
 
 
-class Setting(NamedTuple):
-    """What one step runs with: a bucket size and the engine's name."""
-
-    threshold: int
-    engine: str
-
-
 class Autotuner:
     """The measuring state machine of one scheduler (see the module docstring).
 
-    ``engines`` names the engines to time, the one in use first (more than
-    one only under ``auto``: ``runtime.alternates``). ``step_ended(plan_key,
-    share)`` is called at the end of every step; it returns the ``Setting``
-    to use from the next step on when that changes (a new candidate, or the
-    final choice), else None. ``decision`` is set once the choice is made.
+    ``step_ended(plan_key, share)`` is called at the end of every step; it
+    returns the threshold to use from the next step on when that changes (a
+    new candidate, or the final choice), else None. ``decision`` is set once
+    the choice is made.
     """
 
     def __init__(self, candidates: Sequence[int], configured: int, *,
-                 warmup_steps: int, steps: int, engines: Sequence[str] = ("",)) -> None:
+                 warmup_steps: int, steps: int) -> None:
         self.requested = tuple(candidates)
         self.configured = configured
         self.warmup_steps = warmup_steps
         self.steps = steps
-        self.engines = tuple(engines) or ("",)
         self.candidates: tuple[int, ...] | None = None
-        self.trials: list[Setting] = []
-        """The settings of the phase being measured (thresholds, then engines)."""
         self.times: list[list[float]] = []
         self.index = 0
         self.seen = 0
         self.last = 0.0
-        self.thresholds: tuple[tuple[float, ...], tuple[float, ...], int] | None = None
-        """Rank 0's and this rank's medians per threshold, and the chosen one."""
         self.decision: Decision | None = None
 
     @classmethod
-    def of(cls, config: Any, configured: int, engines: Sequence[str] = ("",)) -> Autotuner:
+    def of(cls, config: Any, configured: int) -> Autotuner:
         """The tuner ``config`` (a ``dp_plugin.Config``) asks for."""
-        return cls(config.autotune_candidates, configured, engines=engines,
+        return cls(config.autotune_candidates, configured,
                    warmup_steps=config.autotune_warmup_steps, steps=config.autotune_steps)
 
     @property
@@ -188,16 +146,17 @@ class Autotuner:
         return self.decision is not None
 
     def step_ended(self, plan_key: Callable[[int], Hashable],
-                   share: Callable[[np.ndarray], np.ndarray]) -> Setting | None:
+                   share: Callable[[np.ndarray], np.ndarray]) -> int | None:
         now = clock()
         if self.decision is not None:
             return None
         if self.candidates is None:  # the first step ended: plans are final now
             self.candidates = distinct(self.requested, self.configured, plan_key)
             self.last = now
-            if len(self.candidates) == 1 and len(self.engines) == 1:
+            if len(self.candidates) == 1:
                 return self._decide((0.0,), (0.0,))  # nothing to compare (alike on every rank)
-            return self._measure([Setting(t, self.engines[0]) for t in self.candidates])
+            self.times = [[] for _ in self.candidates]
+            return self.candidates[0]
         self.seen += 1
         if self.seen > self.warmup_steps:
             self.times[self.index].append(now - self.last)
@@ -206,23 +165,17 @@ class Autotuner:
             return None
         self.index += 1
         self.seen = 0
-        if self.index < len(self.trials):
-            return self.trials[self.index]
+        if self.index < len(self.candidates):
+            return self.candidates[self.index]
         local = tuple(statistics.median(t) for t in self.times)
         shared = tuple(float(m) for m in share(np.array(local, dtype=np.float64)))
         return self._decide(shared, local)
 
-    def _measure(self, trials: list[Setting]) -> Setting:
-        self.trials, self.times, self.index, self.seen = trials, [[] for _ in trials], 0, 0
-        return trials[0]
-
     def after_step(self, fused: Any, order: Sequence[int], timeline: Any,
-                   share: Callable[[np.ndarray], np.ndarray], *, log_here: bool,
-                   engines: Mapping[str, Any] | None = None) -> int:
+                   share: Callable[[np.ndarray], np.ndarray], *, log_here: bool) -> int:
         """One step of tuning for a scheduler: re-plans ``fused`` (a
         ``FusedCollective``, buckets in ``order``) when the threshold
-        changes and moves it to another of ``engines`` (by name) when the
-        engine does, records it in ``timeline``, logs the decision if
+        changes, records it in ``timeline``, logs the decision if
         ``log_here``. Returns the threshold in use from now on."""
 
         def plan_key(threshold: int) -> Hashable:
@@ -230,46 +183,24 @@ class Autotuner:
                                 first_threshold=fused.first_threshold)
             return tuple(b.members for b in plan)
 
-        setting = self.step_ended(plan_key, share)
-        if setting is None:
+        threshold = self.step_ended(plan_key, share)
+        if threshold is None:
             return int(fused.threshold)
-        fused.retune(setting.threshold, order)
-        if engines and engines[setting.engine] is not fused.engine:
-            fused.use_engine(engines[setting.engine])
+        fused.retune(threshold, order)
         now = time.perf_counter()
         if self.decision is None:
-            timeline.instant(f"autotune: try {mib(setting.threshold)}"
-                             + (f" on {setting.engine}" if len(self.engines) > 1 else ""),
-                             "autotune", now, tid="step", args=setting._asdict())
-            return setting.threshold
+            timeline.instant(f"autotune: try {mib(threshold)}", "autotune", now, tid="step",
+                             args={"threshold": threshold})
+            return threshold
         timeline.instant("autotune: decision", "autotune", now, tid="step",
                          args=self.decision.as_args())
         if log_here:
             log.info("dp_plugin: %s [%s]", self.decision.describe(), fused.name)
-        return setting.threshold
+        return threshold
 
-    def _decide(self, medians: tuple[float, ...], local: tuple[float, ...]) -> Setting:
-        """The end of a phase: choose the threshold (then time the other
-        engines with it), or the engine; returns the setting to use next."""
+    def _decide(self, medians: tuple[float, ...], local: tuple[float, ...]) -> int:
+        """Record the decision from rank 0's ``medians``; returns the threshold chosen."""
         assert self.candidates is not None
-        if self.thresholds is None:  # the thresholds phase ended
-            chosen = choose(self.candidates, medians, self.configured)
-            self.thresholds = (medians, local, chosen)
-            if len(self.engines) > 1:
-                return self._measure([Setting(chosen, e) for e in self.engines[1:]])
-            return self._conclude((), ())
-        thresholds, thresholds_local, chosen = self.thresholds
-        at = self.candidates.index(chosen)  # the engine in use was timed there already
-        return self._conclude((thresholds[at], *medians), (thresholds_local[at], *local))
-
-    def _conclude(self, engine_medians: tuple[float, ...],
-                  engine_local: tuple[float, ...]) -> Setting:
-        """Record the decision; ``engine_medians`` per engine (empty: one engine)."""
-        assert self.candidates is not None and self.thresholds is not None
-        thresholds, thresholds_local, chosen = self.thresholds
-        best = engine_medians.index(min(engine_medians)) if engine_medians else 0  # ties: first
-        engine = self.engines[best]
-        self.decision = Decision(self.candidates, thresholds, thresholds_local, chosen,
-                                 self.configured, self.engines, engine_medians, engine,
-                                 engine_local)
-        return Setting(chosen, engine)
+        chosen = choose(self.candidates, medians, self.configured)
+        self.decision = Decision(self.candidates, medians, local, chosen, self.configured)
+        return chosen

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from dp_plugin import agreement
@@ -189,16 +188,6 @@ class FusedCollective:
         self.settings["fusion threshold"] = threshold
         return self.replan(order)
 
-    def use_engine(self, engine: Any) -> None:
-        """Run the buckets on ``engine`` from now on (autotune under ``auto``):
-        the same ranks, buffers on the same device; every rank at the same
-        point, between steps, with no bucket in flight."""
-        if any(h is not None for h in self._handles):
-            raise DPPluginError(f"{self.name!r}: cannot change engines while a bucket is "
-                                "in flight (a programming error in the caller)")
-        self.engine = engine
-        self.state = replace(self.state, engine=engine)
-
     def backend(self, like: Any = None) -> ArrayOps:
         if self.ops is None:
             if like is not None:
@@ -317,7 +306,7 @@ class FusedCollective:
         members = self._started_with[index]
         assert members is not None  # started
         t0 = time.perf_counter()
-        buf = self.buffers[index]  # engine as at start (use_engine refuses mid-flight)
+        buf = self.buffers[index]
         buf.unpack(self.backend(), members, 1.0 if self._folded[index] else self.policy.postscale)
         self._unpack_spans[index] = (t0, time.perf_counter())
 

@@ -22,11 +22,6 @@ log = logging.getLogger("dp_plugin")
 
 _lock = threading.Lock()
 _engine: Engine | None = None
-_alternates: dict[str, Engine] = {}
-"""Engines started beside ``_engine`` for autotune to time (``alternates``)."""
-_alternate_channels: dict[tuple[str, str], Engine] = {}
-"""Their channels by (engine, name): a scheduler re-planned under the same
-name (``add_param_group``) reuses its channels instead of making more."""
 
 
 def init(config: Config | None = None, env: Mapping[str, str] | None = None, *,
@@ -38,8 +33,8 @@ def init(config: Config | None = None, env: Mapping[str, str] | None = None, *,
     ``process_sets``: the program will add process sets (an adapter's
     ``init(process_sets=...)``); sets ``Config.process_sets``.
     """
-    global _engine, _alternates
-    from dp_plugin.engines import choose_engine, create_engine, start_alternates
+    global _engine
+    from dp_plugin.engines import choose_engine, create_engine
 
     with _lock:
         if _engine is not None:
@@ -53,18 +48,10 @@ def init(config: Config | None = None, env: Mapping[str, str] | None = None, *,
         else:
             name, reason = config.engine, "requested by DP_PLUGIN_ENGINE / Config.engine"
         _engine = create_engine(name, topo, config)
-        if config.engine == "auto" and config.autotune and topo.size > 1:
-            try:
-                _alternates = start_alternates(_engine, topo, config)
-            except BaseException:
-                _engine.shutdown()
-                _engine = None
-                raise
         if topo.rank == 0:
-            tried = f"; autotune also times {', '.join(_alternates)}" if _alternates else ""
             log.info(
-                "dp_plugin: engine %s (%s); launcher %s, %d rank(s), %d per host%s",
-                name, reason, topo.launcher, topo.size, topo.local_size, tried,
+                "dp_plugin: engine %s (%s); launcher %s, %d rank(s), %d per host",
+                name, reason, topo.launcher, topo.size, topo.local_size,
             )
         return _engine
 
@@ -80,26 +67,6 @@ def engine() -> Engine:
     return _engine
 
 
-def alternates(engine: Engine, name: str) -> dict[str, Engine]:
-    """The engines autotune may move ``engine``'s gradients to, by name, the
-    one in use first; empty unless ``engine`` (or the channel it is) comes
-    from the engine ``init()`` started under ``auto`` with
-    ``DP_PLUGIN_AUTOTUNE=1`` (``engines.start_alternates``). Each other
-    engine gives a channel of its own, named ``name``, so that no two
-    schedulers' buckets meet (the same ``name`` again gets the same
-    channels). Collective when it makes channels: every rank calls it at
-    the same point."""
-    with _lock:
-        if _engine is None or not _alternates:
-            return {}
-        if engine is not _engine and engine not in _engine.channels:
-            return {}
-        for other, alternate in _alternates.items():
-            if (other, name) not in _alternate_channels:
-                _alternate_channels[other, name] = alternate.channel(name)
-        return {engine.name: engine, **{n: _alternate_channels[n, name] for n in _alternates}}
-
-
 def topology() -> Topology:
     return engine().topology
 
@@ -113,18 +80,9 @@ def size() -> int:
 
 
 def shutdown() -> None:
-    """Release the engine (and autotune's others). Collective for engines
-    whose teardown is (MPI, gloo)."""
-    global _engine, _alternates
+    """Release the engine. Collective for engines whose teardown is (MPI, gloo)."""
+    global _engine
     with _lock:
-        engines = [*_alternates.values(), *([] if _engine is None else [_engine])]
-        _engine, _alternates = None, {}
-        _alternate_channels.clear()  # shut down with their engines
-        errors = []
-        for engine in engines:  # every one, even after a failure: each is collective
-            try:
-                engine.shutdown()
-            except Exception as exc:
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        engine, _engine = _engine, None
+        if engine is not None:
+            engine.shutdown()

@@ -24,7 +24,6 @@ from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import TensorSpec, checked_specs, default_order
 from dp_plugin.hooks import CommHook, ReducePolicy
-from dp_plugin.runtime import alternates as runtime_alternates
 from dp_plugin.step_state import StepState
 from dp_plugin.timeline import StatsHistory, open_timeline
 from dp_plugin.validate import check_int
@@ -142,11 +141,8 @@ class GradientScheduler:
                       "DP_PLUGIN_AUTOTUNE": agreement_setting(config, autotune)},
             timeline=self._timeline, array_ops=array_ops, what=f"tensors of scheduler {name!r}")
         self.fusion_threshold = threshold
-        # Engines autotune times, by name (under ``auto`` only; else empty).
-        self._engines = runtime_alternates(engine, f"{name}.autotune") if autotune else {}
-        engines = tuple(self._engines) or (engine.name,)
-        self.autotuner = Autotuner.of(config, threshold, engines) if autotune else None
-        """Measures bucket sizes (and engines) in the first steps (``autotune=True``), else None."""
+        self.autotuner = Autotuner.of(config, threshold) if autotune else None
+        """Measures bucket sizes in the first steps (``autotune=True``), else None."""
         self._order = default_order(len(self.specs))
         self.rebuilt = False
         """True once the plan was rebuilt from the ready order of the first step."""
@@ -221,7 +217,7 @@ class GradientScheduler:
                 self.fusion_threshold = self.autotuner.after_step(
                     self.fused, self._order, self._timeline,
                     lambda medians: self._from_root(medians, "autotune"),
-                    log_here=self.engine.rank == 0, engines=self._engines)
+                    log_here=self.engine.rank == 0)
             self._state = StepState(st.step + 1, len(self.specs), len(self.plan))
             return result
 

@@ -1,8 +1,7 @@
 """``dp-plugin check``: what this installation can do, and why not.
 
 Like ``horovodrun --check-build``: frameworks, engines and launchers, each
-with the reason when it is unavailable, which engine ``auto`` picks here, and
-which others autotune would time beside it.
+with the reason when it is unavailable, and which engine ``auto`` picks here.
 Importing this module loads nothing; ``main()`` probes lazily. ``make check``
 and ``python -m dp_plugin check`` print the same.
 """
@@ -74,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    from dp_plugin.engines import alternate_names, availability_report, choose_engine
+    from dp_plugin.engines import availability_report, choose_engine
     from dp_plugin.launch import detect
 
     topo = detect()
@@ -94,9 +93,6 @@ def main() -> int:
         f"\nThis process: launcher {topo.launcher}, rank {topo.rank} of {topo.size}; "
         f"DP_PLUGIN_ENGINE=auto would pick '{chosen}' ({reason}).\n"
     )
-    others = alternate_names(chosen, topo)
-    out.write("With DP_PLUGIN_AUTOTUNE=1 under auto, autotune would also time: "
-              f"{', '.join(others) if others else 'no other engine'}.\n")
     return 0
 
 

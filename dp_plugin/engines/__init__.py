@@ -116,61 +116,11 @@ def create_engine(name: str, topology: Topology, config: Config) -> Engine:
     return cls(topology, config)
 
 
-def alternate_names(chosen: str, topology: Topology) -> list[str]:
-    """The engines autotune times beside ``chosen`` under ``auto`` (before
-    the buffer-device check of ``start_alternates``): every other engine
-    that can run here, ``local`` excepted; none for a single process."""
-    if topology.size == 1:
-        return []
-    return [n for n in ENGINE_NAMES
-            if n not in ("local", chosen) and availability(n, topology).ok]
-
-
-def start_alternates(chosen: Engine, topology: Topology, config: Config) -> dict[str, Engine]:
-    """The other engines ``auto`` could have picked, started beside ``chosen``
-    for autotune to time (``DP_PLUGIN_AUTOTUNE=1`` under ``auto``).
-
-    Every engine that can run here except ``local`` and ``chosen``'s own,
-    keeping those whose buffers live where ``chosen``'s do (the gradients'
-    fusion buffers switch engines in place; a GPU job under nccl gets no
-    CPU-only alternative). Collective: the ranks first compare their lists
-    over ``chosen``, so an engine that one host cannot run (mpi4py missing
-    there) fails on every rank with the lists, not in a rendezvous.
-    """
-    from dp_plugin.agreement import compare
-
-    names = alternate_names(chosen.name, topology)
-    described = compare(chosen, "autotune engines", names).described
-    if described is not None:
-        lists = "; ".join(f"rank {r}: {d}" for r, d in enumerate(described))
-        raise EngineUnavailableError(
-            f"rank {chosen.rank}: DP_PLUGIN_AUTOTUNE=1 under engine 'auto' times the engines "
-            f"every rank can run, but the ranks can run different ones ({lists}). Install the "
-            "same libraries on every host, or set DP_PLUGIN_ENGINE to one engine")
-    started: dict[str, Engine] = {}
-    try:
-        for name in names:
-            engine = create_engine(name, topology, config)
-            if engine.buffer_device == chosen.buffer_device:
-                started[name] = engine
-                continue
-            engine.shutdown()
-            log.debug("dp_plugin: autotune skips engine %s: its buffers live on %s, the "
-                      "gradients' on %s", name, engine.buffer_device, chosen.buffer_device)
-    except BaseException:
-        for engine in started.values():
-            engine.shutdown()
-        raise
-    return started
-
-
 __all__ = [
     "ENGINE_NAMES",
-    "alternate_names",
     "availability",
     "availability_report",
     "choose_engine",
     "create_engine",
     "engine_class",
-    "start_alternates",
 ]

@@ -53,11 +53,6 @@ class Lifecycle(ABC):
             engine = engine._parent
         return False
 
-    @property
-    def channels(self) -> tuple[Lifecycle, ...]:
-        """The engines ``channel`` made from this one (not itself)."""
-        return tuple(self._channels)
-
     def shutdown(self) -> None:
         """Release this engine's resources (idempotent; local, not
         collective). Collectives raise afterwards. A subgroup engine

@@ -15,7 +15,7 @@ channels do. One all-reduce, in chunks of at most ``chunk_bytes``:
 5. every rank copies the result area back into its buffer.
 
 Every rank copies the same bytes out, so the ranks are bitwise equal. The
-segment holds two sets of slots and result area, used by alternate chunks:
+segment holds two sets of slots and result area, used by even and odd chunks:
 step 1 of chunk k + 1 and step 5 of chunk k - 1 run beside step 3 of
 chunk k, so barrier 4 of one chunk is barrier 2 of the next (m + 1
 barriers for m chunks). A set is rewritten only two chunks later, after a
@@ -541,7 +541,7 @@ def describe(ranks: int, budget_bytes: int | None = None) -> str:
 
 def _header_bytes(size: int) -> int:
     """The headers' pages: two lines of ``HEADER_FIELDS`` int64 per rank
-    (operations alternate lines, so a header is rewritten only two
+    (even and odd operations use one line each, so a header is rewritten only two
     operations later, after a barrier every rank reaches once done reading it)."""
     return -(-2 * size * HEADER_FIELDS * 8 // mmap.PAGESIZE) * mmap.PAGESIZE
 

@@ -20,16 +20,12 @@ ENV = {"DP_PLUGIN_TIMEOUT": "60", "TF_CPP_MIN_LOG_LEVEL": "2"}
 CORE_CASES = ("fit", "mirrored", "tape")
 AUTOTUNE = {"DP_PLUGIN_AUTOTUNE": "1", "DP_PLUGIN_AUTOTUNE_CANDIDATES": "64",
             "DP_PLUGIN_AUTOTUNE_WARMUP_STEPS": "0", "DP_PLUGIN_AUTOTUNE_STEPS": "1"}
-"""For ``fit_autotune``: 64 bytes and the default plan, then gloo beside MPI: 1 + 3 steps
-of tuning, the last of the 4 steps ending it."""
+"""For ``fit_autotune``: 64 bytes and the default plan, 1 + 2 steps of tuning out of 4."""
 RUNS = [
-    *(pytest.param("env", "gloo", case, id=f"{case}-env") for case in worker_cases(WORKER)
-      if case != "fit_autotune"),
+    *(pytest.param("env", "gloo", case, id=f"{case}-env") for case in worker_cases(WORKER)),
     *(pytest.param(launcher, engine, case, id=f"{case}-{launcher}")
       for launcher, engine in (("horovodrun", "horovod"), ("mpirun", "mpi"))
       for case in CORE_CASES),
-    # Under auto, autotune also times gloo beside MPI (the bucket size first).
-    pytest.param("mpirun", "auto", "fit_autotune", id="fit_autotune-mpirun-auto"),
 ]
 
 
@@ -38,4 +34,4 @@ def test_keras_training_matches_single_process(launcher: str, engine: str, case:
     env = {**ENV, "DP_PLUGIN_ENGINE": engine, **(AUTOTUNE if case == "fit_autotune" else {})}
     result = run_workers(launcher, 2, WORKER, args=["--case", case], env=env, timeout=240)
     assert_ranks_ok(result, 2)
-    assert f"engine {'mpi' if engine == 'auto' else engine}," in result.output
+    assert f"engine {engine}," in result.output

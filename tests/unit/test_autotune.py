@@ -83,9 +83,8 @@ def test_state_machine_switches_measures_and_decides(fake_clock: list[float]) ->
         fake_clock.append(now)
         new = tuner.step_ended(lambda t: t, share)
         if new is not None:
-            assert new.engine == ""  # only the bucket size is tuned
-            switched.append(new.threshold)
-            active = new.threshold
+            switched.append(new)
+            active = new
         now += costs[active]
     assert switched == [1, 2, 3, 2]  # each candidate, then the choice
     assert tuner.decision is not None
@@ -103,55 +102,8 @@ def test_single_candidate_decides_at_once_without_a_collective(fake_clock: list[
     def share(values: np.ndarray) -> np.ndarray:
         raise AssertionError("no collective for a single candidate")
 
-    assert tuner.step_ended(lambda t: "one bucket", share) == (25, "")
+    assert tuner.step_ended(lambda t: "one bucket", share) == 25
     assert tuner.decision is not None and tuner.decision.chosen == 25
-
-
-def test_engines_are_timed_with_the_chosen_threshold(fake_clock: list[float]) -> None:
-    """Under ``auto``: the thresholds on the engine in use, then every other
-    engine with the threshold chosen; the fastest engine wins, from rank 0's
-    medians (one shared collective per phase)."""
-    tuner = Autotuner([1, 2], 2, warmup_steps=1, steps=2, engines=("mpi", "gloo"))
-    shared: list[np.ndarray] = []
-
-    def share(values: np.ndarray) -> np.ndarray:
-        shared.append(values.copy())
-        return values / 2  # "rank 0's" numbers: only these decide
-
-    costs = {(1, "mpi"): 0.5, (2, "mpi"): 0.3, (2, "gloo"): 0.2, (1, "gloo"): 9.0}
-    now, active, switched = 0.0, (2, "mpi"), []
-    for _ in range(1 + 3 * 3):
-        fake_clock.append(now)
-        new = tuner.step_ended(lambda t: t, share)
-        if new is not None:
-            switched.append(tuple(new))
-            active = tuple(new)
-        now += costs[active]
-    assert switched == [(1, "mpi"), (2, "mpi"), (2, "gloo"), (2, "gloo")]
-    d = tuner.decision
-    assert d is not None and (d.chosen, d.engine) == (2, "gloo")
-    assert d.medians == pytest.approx((0.25, 0.15)) and d.local_medians == pytest.approx((0.5, 0.3))
-    assert d.engines == ("mpi", "gloo")
-    assert d.engine_medians == pytest.approx((0.15, 0.1))  # mpi's from the threshold phase
-    assert d.engine_local_medians == pytest.approx((0.3, 0.2))
-    assert len(shared) == 2
-    assert "engine gloo (auto picked mpi)" in d.describe()
-    assert d.as_args()["engines"] == ["mpi", "gloo"]
-
-
-def test_a_slower_other_engine_keeps_the_one_auto_picked(fake_clock: list[float]) -> None:
-    tuner = Autotuner([64], 64, warmup_steps=0, steps=1, engines=("horovod", "gloo"))
-    costs = {"horovod": 0.2, "gloo": 0.4}
-    now, active, switched = 0.0, "horovod", []
-    for _ in range(3):
-        fake_clock.append(now)
-        new = tuner.step_ended(lambda t: t, lambda v: v)
-        if new is not None:
-            switched.append(tuple(new))
-            active = new.engine
-        now += costs[active]
-    assert switched == [(64, "horovod"), (64, "gloo"), (64, "horovod")]
-    assert tuner.decision is not None and tuner.decision.engine == "horovod"
 
 
 # -- configuration ---------------------------------------------------------------------
@@ -333,43 +285,3 @@ def test_ranks_with_different_autotune_settings_fail_the_agreement() -> None:
     outcomes = run_ranks_outcomes(engines, body)
     for o in outcomes:
         assert isinstance(o, LayoutMismatchError) and "DP_PLUGIN_AUTOTUNE" in str(o), o
-
-
-# -- the engines under auto ------------------------------------------------------------
-
-
-def test_ranks_that_can_run_different_engines_fail_together(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """``start_alternates`` compares the ranks' lists before any rendezvous:
-    a host without mpi4py fails every rank with both lists, and no hang."""
-    from dp_plugin import engines as registry
-    from dp_plugin.engines.base import Availability
-    from dp_plugin.errors import EngineUnavailableError
-
-    def availability(name: str, topology: Any) -> Availability:
-        ok = name == "gloo" or (name == "mpi" and topology.rank == 0)
-        return Availability(ok, "test")
-
-    def create(name: str, topology: Any, config: Any) -> Any:
-        raise AssertionError(f"engine {name} started although the ranks disagree")
-
-    monkeypatch.setattr(registry, "availability", availability)
-    monkeypatch.setattr(registry, "create_engine", create)
-    group = make_thread_group(2)
-    outcomes = run_ranks_outcomes(
-        group, lambda e: registry.start_alternates(e, e.topology, e.config))
-    for rank, outcome in enumerate(outcomes):
-        assert isinstance(outcome, EngineUnavailableError), outcome
-        text = str(outcome)
-        assert text.startswith(f"rank {rank}: DP_PLUGIN_AUTOTUNE=1 under engine 'auto'")
-        assert "rank 0: ['gloo', 'mpi']; rank 1: ['gloo']" in text
-        assert "set DP_PLUGIN_ENGINE to one engine" in text
-
-
-def test_the_scheduler_gets_no_other_engines_outside_auto() -> None:
-    """Without ``init()`` under ``auto`` (here: fake engines), autotune tunes
-    the bucket size only, on the scheduler's engine."""
-    [engine] = make_thread_group(1)
-    sched = GradientScheduler([TensorSpec("w", (4,), "float32")], engine=engine, autotune=True)
-    assert sched._engines == {}
-    assert sched.autotuner is not None and sched.autotuner.engines == ("fake",)

@@ -268,14 +268,13 @@ def test_plan_fits_the_link_from_a_sweep_file(tmp_path: Path,
 
 
 @pytest.mark.parametrize(("usable", "expected"), [
-    ({"mpi", "gloo", "local"}, "autotune would also time: gloo."),
-    ({"mpi"}, "autotune would also time: no other engine."),
+    ({"mpi", "gloo", "local"}, "would pick 'mpi' (launched by mpich; mpi is available"),
+    ({"gloo", "local"}, "would pick 'gloo' (launched by mpich; mpi is not available"),
 ])
-def test_check_names_the_engines_autotune_would_time(
+def test_check_names_the_engine_auto_picks(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         usable: set[str], expected: str) -> None:
-    """Under mpirun, ``auto`` picks mpi; autotune also times every other
-    engine that can run there (never ``local``)."""
+    """Under mpirun ``auto`` picks mpi, else gloo, and says why."""
     from dp_plugin import engines, launch
     from dp_plugin.cli import check
     from dp_plugin.engines.base import Availability
@@ -288,5 +287,4 @@ def test_check_names_the_engines_autotune_would_time(
                         lambda name, t: Availability(name in usable, "test"))
     assert check.main() == 0
     out = capsys.readouterr().out
-    assert "DP_PLUGIN_ENGINE=auto would pick 'mpi'" in out
-    assert f"With DP_PLUGIN_AUTOTUNE=1 under auto, {expected}" in out
+    assert f"launcher mpich, rank 0 of 2; DP_PLUGIN_ENGINE=auto {expected}" in out

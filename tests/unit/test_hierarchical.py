@@ -45,7 +45,7 @@ def test_a_bad_switch_names_the_variable() -> None:
 
 
 def test_layout_of_round_robin_placement() -> None:
-    # mpirun --map-by node: ranks alternate between the hosts
+    # mpirun --map-by node: ranks go round the hosts in turn
     table = np.array([[0, 0], [1, 0], [0, 1], [1, 1], [0, 2], [1, 2]])
     layout, why = hierarchical.layout(table)
     assert layout is not None, why

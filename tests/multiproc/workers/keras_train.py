@@ -392,8 +392,8 @@ def case_fit_variants() -> None:
 
 def case_fit_autotune() -> None:
     """``fit`` under DP_PLUGIN_AUTOTUNE=1 (set by the test, with candidates and
-    step counts that end the tuning by the last step): same results, and
-    every rank took rank 0's decision (under ``auto``: the engine too)."""
+    step counts that end the tuning before the last step): same results, and
+    every rank took rank 0's decision."""
     if os.environ.get("DP_PLUGIN_AUTOTUNE") != "1":
         raise AssertionError("the test sets DP_PLUGIN_AUTOTUNE=1 for this case")
     model = case_fit()
@@ -401,14 +401,8 @@ def case_fit_autotune() -> None:
     decision = sched.autotuner.decision if sched.autotuner is not None else None
     if decision is None or len(decision.candidates) < 2:
         raise AssertionError(f"autotune did not decide among several sizes: {decision}")
-    if os.environ.get("DP_PLUGIN_ENGINE") == "auto":  # then gloo was timed beside mpi
-        moved = sched.fused.engine.name
-        if decision.engines != ("mpi", "gloo") or moved != decision.engine:
-            raise AssertionError(f"engines timed {decision.engines}, chose {decision.engine}, "
-                                 f"the gradients run on {moved}")
-    plan = repr(([b.members for b in sched.plan], decision.engine)).encode()
-    shared = [np.array([decision.chosen, *decision.medians, *decision.engine_medians],
-                       dtype=np.float64),
+    plan = repr([b.members for b in sched.plan]).encode()
+    shared = [np.array([decision.chosen, *decision.medians], dtype=np.float64),
               np.frombuffer(plan, dtype=np.uint8)]
     assert_identical_on_all_ranks(shared, "autotune decision and plan")
     print(f"rank {dp.rank()} {decision.describe()}", flush=True)

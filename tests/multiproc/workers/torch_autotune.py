@@ -15,10 +15,6 @@ so that the test can compare a run with autotune to one without.
 - ``sleepy``: the real clock, and rank 1 sleeps after some steps (its
   measurements differ from rank 0's); whatever is chosen, every rank
   chooses it and the plans are identical.
-- ``engines``: under ``DP_PLUGIN_ENGINE=auto`` (mpirun, horovodrun) the
-  other engine that can run (gloo) is timed too; a fake clock makes rank 0
-  find gloo faster, rank 1 the engine ``auto`` picked: every rank moves its
-  gradients to gloo, the scheduler's own collectives stay where they were.
 - ``plain``: autotune off (the reference run).
 """
 
@@ -36,12 +32,11 @@ from torch import nn
 from torch_equivalence import Net, flat  # the same model and flattening as the equivalence test
 
 import dp_plugin.torch as hvd
-from dp_plugin import autotune, runtime
+from dp_plugin import autotune
 
 PER_RANK = 4
 STEPS = 16
-"""Enough for the tuning (1 + 4 candidates x (1 warm-up + 2 timed) = 13) and 3 steps after;
-the ``engines`` case tunes 2 candidates and 2 engines (1 + 3 x 3 = 10)."""
+"""Enough for the tuning (1 + 4 candidates x (1 warm-up + 2 timed) = 13) and 3 steps after."""
 TOLERANCE = 1e-5
 COSTS = [{256: 0.3, 1024: 0.1, 2048: 0.2}, {256: 0.05, 1024: 0.5, 2048: 0.2}]
 """Fake seconds per step for each rank and threshold (anything else: 0.4)."""
@@ -70,15 +65,6 @@ def train(case: str, out: Path) -> dict[str, Any]:
             return now[0]
 
         autotune.clock = fake
-    if case == "engines":
-        now = [0.0]
-
-        def fake_engines() -> float:  # rank 0 finds gloo faster, rank 1 the engine auto picked
-            faster = (sched.fused.engine.name == "gloo") == (rank == 0)
-            now[0] += 0.1 if faster else 0.3
-            return now[0]
-
-        autotune.clock = fake_engines
     thresholds = []
     for step in range(STEPS):
         x, y = batch(step, PER_RANK * size)
@@ -103,14 +89,8 @@ def train(case: str, out: Path) -> dict[str, Any]:
     if rank == 0:
         torch.save(mine_flat, out / f"{case}.pt")
     tuner = sched.autotuner
-    if case == "engines":  # a scheduler re-planned under its name gets the same channel
-        again = runtime.alternates(sched.engine, f"{sched.name}.autotune")
-        if again["gloo"] is not sched.fused.engine:
-            raise AssertionError("runtime.alternates made a second gloo channel for one name")
     return {"thresholds": thresholds, "plan": [b.members for b in sched.plan],
-            "decision": None if tuner is None else tuner.decision,
-            "engine": sched.fused.engine.name,
-            "own": sched.engine in (runtime.engine(), *runtime.engine().channels)}
+            "decision": None if tuner is None else tuner.decision}
 
 
 def check_agreed(case: str, mine: dict[str, Any]) -> dict[str, Any]:
@@ -148,22 +128,6 @@ def case_sleepy(args: argparse.Namespace) -> None:
     check_agreed("sleepy", train("sleepy", args.out))
 
 
-def case_engines(args: argparse.Namespace) -> None:
-    """Under ``auto``: the gradients move to gloo, rank 0's choice, on every
-    rank; other collectives stay on the engine ``auto`` picked."""
-    mine = train("engines", args.out)
-    check_agreed("engines", mine)
-    decision = mine["decision"]
-    picked = runtime.engine().name
-    if decision.engines != (picked, "gloo") or picked == "gloo":
-        raise AssertionError(f"engines timed: {decision.engines} (auto picked {picked})")
-    if decision.engine != "gloo" or mine["engine"] != "gloo":
-        raise AssertionError(f"rank 0's choice (gloo) was not adopted: {decision}, gradients "
-                             f"on {mine['engine']}")
-    if not mine["own"]:
-        raise AssertionError("the scheduler's own collectives left the engine auto picked")
-
-
 def case_plain(args: argparse.Namespace) -> None:
     mine = train("plain", args.out)
     if mine["decision"] is not None or set(mine["thresholds"]) != {25 << 20}:
@@ -173,7 +137,6 @@ def case_plain(args: argparse.Namespace) -> None:
 CASES = {
     "fake_clock": case_fake_clock,
     "sleepy": case_sleepy,
-    "engines": case_engines,
     "plain": case_plain,
 }
 
