@@ -16,6 +16,7 @@ machine (root, apt-get, the ray extra installed) they run.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +32,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _HERE in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.multiproc)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_single_host_gloo_interface() -> Iterator[None]:
+    """An earlier test's in-process ``hvd.init()`` on one host leaves
+    ``GLOO_SOCKET_IFNAME=lo`` in this process's environment
+    (``netif.gloo_interface``). The daemons and jobs started here inherit
+    it, and ranks on two namespace hosts then dial each other on loopback
+    (``Gloo connectFullMesh failed``). Seen when the whole suite ran in
+    one pytest process; ``pytest tests/schedulers`` alone passed."""
+    saved = os.environ.pop("GLOO_SOCKET_IFNAME", None)
+    yield
+    if saved is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = saved
 
 
 @pytest.fixture(scope="session")
