@@ -148,8 +148,25 @@ def run_workers(
             cmd = [str(BIN_DIR / "horovodrun"), "--gloo", "-np", str(nprocs),
                    "-H", f"localhost:{nprocs}", *launcher_args, python, script, *args]
             jobs.append((cmd, base_env, ""))
-        return _run(jobs, rank_files, Path(tmp), timeout, check,
-                    f"{launcher} x{nprocs} {Path(script).name}")
+        mpich_before = _mpich_segments() if launcher == "mpirun" else set()
+        try:
+            return _run(jobs, rank_files, Path(tmp), timeout, check,
+                        f"{launcher} x{nprocs} {Path(script).name}")
+        finally:
+            # MPICH unlinks its shared-memory segments at MPI_Finalize; a rank
+            # killed (by a test, mpiexec or the deadline) leaves its 2 MiB
+            # mpich_shm_* behind. The job is over here and tests run one at a
+            # time, so what appeared during it was this job's.
+            for name in _mpich_segments() - mpich_before:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join("/dev/shm", name))
+
+
+def _mpich_segments() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("mpich_shm_")}
+    except FileNotFoundError:
+        return set()
 
 
 def worker_cases(script: str | Path) -> list[str]:
