@@ -50,6 +50,7 @@ from typing import Any, TypeVar
 import keras
 import numpy as np
 
+from dp_plugin.atomic_file import write_atomic
 from dp_plugin.errors import DPPluginError, LaunchError
 from dp_plugin.errors import DPPluginError as HorovodInternalError
 from dp_plugin.tensorflow import basics
@@ -171,8 +172,8 @@ class ObjectState(State):
             return
         rng = allgather_object(self._saved_rng, name="dp_plugin.elastic.rng")
         if basics.rank() == 0:
-            _write_atomically(self.commit_path, pickle.dumps(
-                {_MARK: self._tracked(), "commit": self._saved, "rng": rng}))
+            write_atomic(self.commit_path, [pickle.dumps(
+                {_MARK: self._tracked(), "commit": self._saved, "rng": rng})])
         barrier()  # the commit is on disk before any rank goes on
 
     def restore(self) -> None:
@@ -379,22 +380,6 @@ def _rng_state() -> dict[str, Any]:
 def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["random"])
     np.random.set_state(state["numpy"])
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    """``data`` at ``path``: a temporary file beside it, fsynced, then renamed over it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
 
 
 def _check_launcher(state: State) -> None:

@@ -48,7 +48,6 @@ import io
 import os
 import pickle
 import random
-import secrets
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,6 +56,7 @@ from typing import Any, Literal, overload
 import numpy as np
 
 import torch
+from dp_plugin import atomic_file
 from dp_plugin.errors import DPPluginError
 from dp_plugin.torch import basics
 from dp_plugin.torch.functions import allgather_object, broadcast_object
@@ -239,30 +239,10 @@ def _numpy_allowed() -> Iterator[None]:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` with the checkpoint header to ``path``: temporary file in
-    the same directory, fsync, rename over ``path``, fsync the directory.
-    The file is created with mode 0666 less the umask (``mkstemp``'s 0600
-    would make checkpoints private whatever the user's umask says)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``data`` with the checkpoint header to ``path``, atomically
+    (``dp_plugin.atomic_file``: old or new file after a crash, mode per umask)."""
     header = _HEADER.pack(MAGIC, VERSION, len(data), hashlib.sha256(data).digest())
-    tmp = str(path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    atomic_file.write_atomic(path, (header, data))
 
 
 def read_verified(path: Path) -> bytes:

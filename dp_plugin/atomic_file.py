@@ -1,0 +1,39 @@
+"""Replace a file so that a crash leaves either the old or the new one, never a torn one.
+
+Used by the torch checkpoints / elastic commits and the TensorFlow elastic
+commits alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Iterable
+from pathlib import Path
+
+
+def write_atomic(path: Path, chunks: Iterable[bytes]) -> None:
+    """Write ``chunks`` to ``path``: a temporary file in the same directory,
+    fsync, rename over ``path``, fsync the directory; the temporary file is
+    removed if anything fails. The file is created with mode 0666 less the
+    umask (``mkstemp``'s 0600 would make it private whatever the umask says)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = str(path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
