@@ -478,7 +478,9 @@ def expand_hostlist(raw: str) -> list[str]:
 
 def _split_top_level(raw: str) -> list[str]:
     """``raw`` split at the commas outside brackets, empty pieces dropped."""
-    parts, depth, current = [], 0, []
+    parts: list[str] = []
+    current: list[str] = []
+    depth = 0
     for ch in raw.strip():
         if ch == "[":
             depth += 1

@@ -67,10 +67,12 @@ _HEADER = struct.Struct("<6sHQ32s")
 """magic, format version, payload length, payload SHA-256."""
 
 
+_NP_CORE: Any = getattr(np, "_core", None) or np.core  # numpy 2 / 1
+
 NUMPY_SAFE_GLOBALS: list[Any] = [
     np.dtype, np.ndarray,
-    getattr(np, "_core", getattr(np, "core", None)).multiarray.scalar,  # numpy 2 / 1
-    getattr(np, "_core", getattr(np, "core", None)).multiarray._reconstruct,
+    _NP_CORE.multiarray.scalar,
+    _NP_CORE.multiarray._reconstruct,
     # The dtype classes of numbers, booleans, strings and times; never
     # object or void, whose items would be arbitrary pickled objects.
     *{type(np.dtype(code)) for code in ("?", *np.typecodes["All"]) if code not in "OV"},
