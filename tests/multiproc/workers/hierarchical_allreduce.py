@@ -57,19 +57,33 @@ def digest(t: torch.Tensor) -> int:
 
 
 def check_engine(engine: Any, what: str) -> None:
-    rank, size = engine.rank, engine.size
-    for op, dtype, n in CASES_RUN:
+    rank = engine.rank
+    for op, dtype, n in CASES_RUN:  # one at a time
         buf = inputs(rank, n, dtype)
         engine.allreduce_async(buf, op, name=f"{what}.{op}.{dtype}.{n}").wait()
-        want = reference(op, n, dtype, size)
-        got = buf.to(torch.float64)
-        if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
-            worst = (got - want).abs().max().item()
-            raise AssertionError(f"{what} {op} {dtype} n={n}: off by {worst}")
-        seen = engine.allgather(np.array([[digest(buf)]], dtype=np.int64), [1] * size,
-                                name=f"{what}.digest")
-        if len(set(seen[:, 0].tolist())) != 1:
-            raise AssertionError(f"{what} {op} {dtype} n={n}: ranks differ: {seen[:, 0]}")
+        check_result(engine, what, op, dtype, n, buf)
+    # All in flight at once, mixed sizes and dtypes (the pipeline's pieces of
+    # several all-reduces in its stages together).
+    bufs = [inputs(rank, n, dtype) for _, dtype, n in CASES_RUN]
+    handles = [engine.allreduce_async(buf, op, name=f"{what}.many.{k}")
+               for k, ((op, _, _), buf) in enumerate(zip(CASES_RUN, bufs, strict=True))]
+    for h in handles:
+        h.wait()
+    for (op, dtype, n), buf in zip(CASES_RUN, bufs, strict=True):
+        check_result(engine, f"{what} (many in flight)", op, dtype, n, buf)
+
+
+def check_result(engine: Any, what: str, op: str, dtype: str, n: int, buf: torch.Tensor) -> None:
+    size = engine.size
+    want = reference(op, n, dtype, size)
+    got = buf.to(torch.float64)
+    if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+        worst = (got - want).abs().max().item()
+        raise AssertionError(f"{what} {op} {dtype} n={n}: off by {worst}")
+    seen = engine.allgather(np.array([[digest(buf)]], dtype=np.int64), [1] * size,
+                            name=f"{what}.digest")
+    if len(set(seen[:, 0].tolist())) != 1:
+        raise AssertionError(f"{what} {op} {dtype} n={n}: ranks differ: {seen[:, 0]}")
 
 
 def case_equivalence(engine: Any) -> None:
