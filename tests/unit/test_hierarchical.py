@@ -309,3 +309,29 @@ def test_a_peer_that_dies_mid_pipeline_fails_every_rank_at_once(
     assert any("rank 1 of this shared-memory group" in str(e) for e in got[2] if e), got[2]
     for rank in (0, 1):
         assert isinstance(got[rank][-1], DPPluginError), got[rank]
+
+
+def test_a_second_segment_over_the_budget_leaves_every_rank_unpipelined_said_once(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pipeline's second segment counts against the budget with the
+    first (the engine asks for it with this ``instead`` text)."""
+    monkeypatch.setattr(shm, "_fallback_said", set())
+    caplog.set_level("DEBUG", logger="dp_plugin")
+    instead = "the hierarchical all-reduce runs its steps one after another, not pipelined"
+    one = shm._segment_bytes(2, CHUNK)
+    budget = 3 * one - 1  # both thread-ranks' first mappings are this process's: 2 held
+
+    def setup(ex: list[Exchange]) -> list[Any]:
+        return on_ranks(2, lambda r: [shm.connect(e.for_rank(r), r, 2, True, TIMEOUT_S,
+                                                  chunk_bytes=CHUNK, budget_bytes=budget,
+                                                  instead=instead) for e in ex])
+
+    for _ in range(2):
+        made = setup([Exchange(2), Exchange(2)])
+        assert [m[0] is not None for m in made] == [True, True]
+        assert [m[1] for m in made] == [None, None]
+        for m in made:
+            m[0].close()
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and instead in warned[0], warned
+    assert "DP_PLUGIN_SHARED_MEMORY_BUDGET" in warned[0]

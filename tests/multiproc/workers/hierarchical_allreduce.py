@@ -14,12 +14,18 @@ for integers and min/max), and all ranks must hold the same bytes.
 
 ``mismatch``: rank 0 all-reduces 10 float32, the others 20; every rank
 must raise ``LayoutMismatchError`` naming both sides.
+
+``killed``: four ranks as two hosts; rank 3 kills itself mid-pipeline;
+every other rank must raise (its host peer at once, the others by their
+deadline), never hang.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import signal
+import time
 from typing import Any
 
 import numpy as np
@@ -27,7 +33,7 @@ import torch
 from _fail_fast import run_cases
 
 import dp_plugin
-from dp_plugin.errors import LayoutMismatchError
+from dp_plugin.errors import DPPluginError, LayoutMismatchError
 
 CASES_RUN = [(op, dtype, n) for n in (1, 3, 1001)
              for op, dtype in (("sum", "float32"), ("average", "float32"), ("sum", "float64"),
@@ -117,7 +123,28 @@ def case_mismatch(engine: Any) -> None:
     raise AssertionError(f"rank {engine.rank}: no error; buffer now {buf[:4]}...")
 
 
-CASES = {"equivalence": case_equivalence, "mismatch": case_mismatch}
+def case_killed(engine: Any) -> None:
+    """Rank 3 is killed (SIGKILL) while pieces of many all-reduces are in
+    the pipeline's stages; every other rank must raise, not hang."""
+    if not engine.hierarchical:
+        raise AssertionError("this case needs the hierarchical path")
+    bufs = [torch.ones(3 << 20) for _ in range(6)]  # 12 MiB each: 3 pieces
+    handles = [engine.allreduce_async(b, "sum", name=f"killed.{k}") for k, b in enumerate(bufs)]
+    if engine.rank == 3:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    errors = []
+    for h in handles:
+        try:
+            h.wait()
+        except DPPluginError as exc:
+            errors.append(exc)
+    if not errors:
+        raise AssertionError(f"rank {engine.rank}: every all-reduce completed without rank 3")
+    print(f"rank {engine.rank} raised: {str(errors[-1]).splitlines()[0][:200]}", flush=True)
+
+
+CASES = {"equivalence": case_equivalence, "mismatch": case_mismatch, "killed": case_killed}
 
 
 def start(_: object) -> Any:
