@@ -316,6 +316,9 @@ class ShmTransport:
         verify = self.verify_headers
         if verify:
             self._write_header(kind, job, data)
+        if kind == "reducescatter" and len(rounds) == 1:
+            self._scatter_once(job, sets[rounds[0]], data, verify)
+            return
         self._stage(kind, sets[rounds[0]], data, 0, chunk)
         self._barrier(deadline, job)
         if verify:
@@ -341,6 +344,34 @@ class ShmTransport:
                 self._stage(kind, sets[rounds[k + 1]], data, (k + 1) * chunk, chunk)
             self._barrier(deadline, job)
         self._finish(kind, job, sets[rounds[-1]], data, (len(rounds) - 1) * chunk, chunk)
+
+    def _scatter_once(self, job: _Job, slots: Any, data: Any, verify: bool) -> None:
+        """A reduce-scatter of one round (a piece of the pipelined
+        hierarchical all-reduce): each rank stages only the shards the
+        others own, and reduces its own shard, in rank order as always,
+        from the others' slots and its own buffer, straight into the
+        buffer: half the copy in and no copy out at 2 ranks, and one
+        barrier (a set is rewritten two operations later, after the next
+        operation's barrier, which every rank reaches only once done
+        reading it)."""
+        n = data.numel()
+        lo, hi = shard(n, self.size, self.rank)
+        if lo > 0:
+            slots[self.rank, :lo].copy_(data[:lo])
+        if hi < n:
+            slots[self.rank, hi:n].copy_(data[hi:n])
+        self._barrier(job.deadline, job)
+        if verify:
+            self._check("reducescatter", job)
+        if hi <= lo:
+            return
+        mine = data[lo:hi]
+        parts = [mine if j == self.rank else slots[j, lo:hi] for j in range(self.size)]
+        if self.rank < 2:  # its own part is read by the first step, before it is written
+            _reduce(parts, mine, job.op)
+            return
+        _reduce(parts, slots[self.size, lo:hi], job.op)
+        mine.copy_(slots[self.size, lo:hi])
 
     def _stage(self, kind: str, slots: Any, data: Any, start: int, chunk: int) -> None:
         """Copy this rank's part of the chunk at ``start`` into its slot:
