@@ -26,21 +26,23 @@ shard (``shard``: rank r owns elements [r n / P, (r + 1) n / P)); an
 all-gather copies each rank's shard into its slot (step 1), no step 3,
 and every rank copies every slot's shard out (step 5).
 
-**Every operation says what it is.** Before step 1 each rank writes a
-header into its own line of the segment: sequence number, kind, element
-count, dtype, op, post-scale. After the first barrier every rank reads
-every header and compares; a difference raises ``LayoutMismatchError`` on
-every rank, naming both sides, before any byte is combined (the agreement
-of the layers above is the first line of defence; this one does not trust
-it: a cached collective that skipped it would otherwise pair with another
-rank's different one and silently mix 10 float32 with 20 int64). A header
-is rewritten only by the next operation, after a barrier every rank
-reaches only once done reading it. Cost: ``dp-plugin bench --shm-check``.
-
 A barrier is one byte sent to and read from every peer over UNIX sockets:
 a blocking read with the collective's timeout (no spinning on cores that
 compute), a peer that dies closes its sockets and fails the read at once,
 and the system calls order the memory accesses around them.
+
+**Every operation says what it is.** The first barrier of an operation
+carries, instead of its one byte, the operation's header: sequence
+number, kind, element count, dtype, op, post-scale (and, for a piece of a
+pipelined hierarchical all-reduce, its offset and its tensor's size).
+Every rank compares each peer's header with its own once it has read them
+all; a difference raises ``LayoutMismatchError`` on every rank, naming
+both sides, before any byte is combined (the agreement of the layers
+above is the first line of defence; this one does not trust it: a cached
+collective that skipped it would otherwise pair with another rank's
+different one and silently mix 10 float32 with 20 int64). Riding on the
+barrier, the check costs one struct pack and a bytes comparison per peer,
+no extra system call: ``dp-plugin bench --shm-check`` measures it.
 
 **Nothing on disk, nothing left by a crash.** The segment is an anonymous
 ``memfd`` made by rank 0 and handed to the others over the UNIX sockets
@@ -51,7 +53,7 @@ checked with ``SO_PEERCRED`` and one from another user is dropped (both
 directions), so the transport is private to the job's user whatever the
 umask; the names also carry rank 0's 62 random bits.
 
-**Budget.** The segment (``2 (ranks + 1)`` chunks and a page of headers,
+**Budget.** The segment (``2 (ranks + 1)`` chunks,
 its pages reserved when made: ``posix_fallocate``) is shared memory: it
 counts against the same pool as ``/dev/shm`` (a container's 64 MiB by
 default). All the segments this process holds stay within
@@ -111,8 +113,10 @@ scheduler's own multiply afterwards (``arrays.TorchOps`` and ``NumpyOps``
 agree on these; numpy rounds the factor to a 16-bit dtype first, torch not)."""
 KINDS = ("allreduce", "reducescatter", "allgather")
 OPS = tuple(ReduceOp)
+_PLAIN = b"\x01"
+"""A barrier's byte when the operation is not checked (``verify_headers``)."""
 HEADER_FIELDS = 8
-"""int64s per rank's header: sequence, kind, count, dtype, op, post-scale
+"""int64s in an operation's header: sequence, kind, count, dtype, op, post-scale
 (the float64's bits), and for a stage of a pipelined all-reduce the
 piece's offset in its tensor and the tensor's element count (0 and 0
 otherwise: a piece of the same size from another tensor does not pass)."""
@@ -165,11 +169,8 @@ class ShmTransport:
         self._nbytes = len(segment)
         with _held_lock:
             _held_bytes += self._nbytes
-        self._headers: Any = np.frombuffer(segment, dtype=np.int64,
-                                           count=2 * size * HEADER_FIELDS).reshape(
-                                               2, size, HEADER_FIELDS)
         self._bytes: Any = torch.frombuffer(segment, dtype=torch.uint8,
-                                            offset=_header_bytes(size))
+                                            )
         self._socks = socks
         self._seq = 0
         self._turn = 0  # the set the next chunk uses: alternation runs on across operations
@@ -256,7 +257,7 @@ class ShmTransport:
         self._released = True
         for sock in self._socks.values():
             sock.close()
-        self._headers = self._bytes = None
+        self._bytes = None
         with contextlib.suppress(BufferError):  # a view still lives: the mapping goes with it
             self._segment.close()
         with _held_lock:
@@ -313,16 +314,12 @@ class ShmTransport:
         rounds = [(self._turn + k) % 2 for k in range(-(-data.numel() // chunk))]
         self._turn += len(rounds)
         self._seq += 1
-        verify = self.verify_headers
-        if verify:
-            self._write_header(kind, job, data)
+        first = self._header(kind, job, data) if self.verify_headers else _PLAIN
         if kind == "reducescatter" and len(rounds) == 1:
-            self._scatter_once(job, sets[rounds[0]], data, verify)
+            self._scatter_once(job, sets[rounds[0]], data, first)
             return
         self._stage(kind, sets[rounds[0]], data, 0, chunk)
-        self._barrier(deadline, job)
-        if verify:
-            self._check(kind, job)
+        self._barrier(deadline, job, first)
         if kind == "allgather":
             for k, s in enumerate(rounds):
                 if k:
@@ -345,7 +342,7 @@ class ShmTransport:
             self._barrier(deadline, job)
         self._finish(kind, job, sets[rounds[-1]], data, (len(rounds) - 1) * chunk, chunk)
 
-    def _scatter_once(self, job: _Job, slots: Any, data: Any, verify: bool) -> None:
+    def _scatter_once(self, job: _Job, slots: Any, data: Any, first: bytes) -> None:
         """A reduce-scatter of one round (a piece of the pipelined
         hierarchical all-reduce): each rank stages only the shards the
         others own, and reduces its own shard, in rank order as always,
@@ -360,9 +357,7 @@ class ShmTransport:
             slots[self.rank, :lo].copy_(data[:lo])
         if hi < n:
             slots[self.rank, hi:n].copy_(data[hi:n])
-        self._barrier(job.deadline, job)
-        if verify:
-            self._check("reducescatter", job)
+        self._barrier(job.deadline, job, first)
         if hi <= lo:
             return
         mine = data[lo:hi]
@@ -410,54 +405,58 @@ class ShmTransport:
         else:
             piece.copy_(result)
 
-    def _write_header(self, kind: str, job: _Job, data: Any) -> None:
-        """This rank's header of the operation, into its line of this
-        operation's parity (a few microseconds: plain struct packing)."""
+    def _header(self, kind: str, job: _Job, data: Any) -> bytes:
+        """This rank's header of the operation, sent with its first barrier
+        (a few microseconds: one struct pack)."""
         code = _DTYPE_CODES.get(data.dtype)
         if code is None:
             code = _DTYPE_CODES[data.dtype] = DTYPES.index(str(data.dtype).removeprefix("torch."))
         scale = _ONE if job.postscale == 1.0 else _bits(job.postscale)
-        line = (self._seq % 2 * self.size + self.rank) * HEADER_FIELDS * 8
-        _HEADER.pack_into(self._segment, line, self._seq, KINDS.index(kind), data.numel(), code,
-                          OPS.index(job.op), scale, *job.whole)
+        return _HEADER.pack(self._seq, KINDS.index(kind), data.numel(), code,
+                            OPS.index(job.op), scale, *job.whole)
 
-    def _check(self, kind: str, job: _Job) -> None:
-        """Raise if any rank's header differs from this rank's (read after
-        the first barrier: every rank has written its own)."""
-        table = self._headers[self._seq % 2].tolist()  # lists compare fastest here
-        mine = table[self.rank]
-        if table.count(mine) == self.size:
-            return
-        peer = next(j for j in range(self.size) if table[j] != mine)
-        raise LayoutMismatchError(
-            f"rank {self.rank}: {job.handle.description} does not match what rank {peer} "
-            f"started at the same point of the shared-memory transport: rank {self.rank} has "
-            f"{_said(mine)}, rank {peer} has {_said(table[peer])}. Every rank must start the "
-            "same collectives in the same order, with the same element count, dtype and op; "
-            "a rank that skips or reorders one (a collective only some ranks reach, buffers "
-            "sized by rank-local data) pairs it with another. The transport is broken now; "
-            "fix the program so that every rank issues the same sequence."
-        )
-
-    def _barrier(self, deadline: float | None, job: _Job) -> None:
+    def _barrier(self, deadline: float | None, job: _Job, said: bytes = b"\x01") -> None:
+        """Wait until every rank has reached this point. ``said``: what this
+        rank sends every peer, one byte or the operation's header (the first
+        barrier, checked); a peer that sent other bytes raises
+        ``LayoutMismatchError``, once every peer's have been read (the
+        streams stay in step)."""
         for peer, sock in self._socks.items():
             try:
-                sock.sendall(b"\x01")
+                sock.sendall(said)
             except OSError as exc:
                 raise _peer_gone(job, peer, exc) from exc
+        differs: tuple[int, bytes] | None = None
         for peer, sock in self._socks.items():
-            remaining = None if deadline is None else deadline - time.perf_counter()
-            if remaining is not None and remaining <= 0:
-                raise job.handle.timeout_error()
-            sock.settimeout(remaining)
-            try:
-                got = sock.recv(1)
-            except TimeoutError:
-                raise job.handle.timeout_error() from None
-            except OSError as exc:
-                raise _peer_gone(job, peer, exc) from exc
-            if not got:
-                raise _peer_gone(job, peer, None)
+            got = b""
+            while len(got) < len(said):
+                remaining = None if deadline is None else deadline - time.perf_counter()
+                if remaining is not None and remaining <= 0:
+                    raise job.handle.timeout_error()
+                sock.settimeout(remaining)
+                try:
+                    part = sock.recv(len(said) - len(got))
+                except TimeoutError:
+                    raise job.handle.timeout_error() from None
+                except OSError as exc:
+                    raise _peer_gone(job, peer, exc) from exc
+                if not part:
+                    raise _peer_gone(job, peer, None)
+                got += part
+            if got != said and differs is None:
+                differs = (peer, got)
+        if differs is not None:
+            peer, theirs = differs
+            raise LayoutMismatchError(
+                f"rank {self.rank}: {job.handle.description} does not match what rank {peer} "
+                f"started at the same point of the shared-memory transport: rank {self.rank} "
+                f"has {_said_bytes(said)}, rank {peer} has {_said_bytes(theirs)}. Every rank "
+                "must start the same collectives "
+                "in the same order, with the same element count, dtype and op; a rank that "
+                "skips or reorders one (a collective only some ranks reach, buffers sized by "
+                "rank-local data) pairs it with another. The transport is broken now; fix the "
+                "program so that every rank issues the same sequence."
+            )
 
 
 class _Job:
@@ -505,6 +504,14 @@ class ShmHandle(Handle):
 
     def _block(self, timeout_s: float) -> bool:
         return self._event.wait(timeout_s) and self._test()
+
+
+def _said_bytes(sent: bytes) -> str:
+    """What a barrier's bytes say: an operation's header, or the plain byte
+    of a barrier inside an operation (the streams are out of step)."""
+    if len(sent) == _HEADER.size:
+        return _said(_HEADER.unpack(sent))
+    return "a barrier in the middle of an operation (no header)"
 
 
 def _said(header: Any) -> str:
@@ -627,17 +634,10 @@ def describe(ranks: int, budget_bytes: int | None = None) -> str:
             f"budget of {allowed >> 20} MiB)")
 
 
-def _header_bytes(size: int) -> int:
-    """The headers' pages: two lines of ``HEADER_FIELDS`` int64 per rank
-    (even and odd operations use one line each, so a header is rewritten only two
-    operations later, after a barrier every rank reaches once done reading it)."""
-    return -(-2 * size * HEADER_FIELDS * 8 // mmap.PAGESIZE) * mmap.PAGESIZE
-
-
 def _segment_bytes(size: int, chunk_bytes: int) -> int:
-    """The segment of ``size`` ranks: the headers, then two sets of a slot
-    per rank and a result area."""
-    return _header_bytes(size) + 2 * (size + 1) * chunk_bytes
+    """The segment of ``size`` ranks: two sets of a slot per rank and a
+    result area."""
+    return 2 * (size + 1) * chunk_bytes
 
 
 def _allowed_bytes(budget_bytes: int | None) -> int:

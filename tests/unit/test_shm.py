@@ -204,12 +204,12 @@ def test_postscale_in_the_reduction_rounds_as_a_multiply_afterwards(dtype: str) 
 
 @pytest.mark.parametrize(("size_kib", "free_kib", "budget", "size", "chunk"), [
     (96 << 20, 96 << 20, None, 2, shm.CHUNK_BYTES),  # roomy: a quarter of 96 GiB
-    (64 << 10, 64 << 10, None, 2, 2 << 20),   # Docker's 64 MiB: 2 x 3 x 2 MiB + a page <= 16 MiB
+    (64 << 10, 64 << 10, None, 2, 2 << 20),   # Docker's 64 MiB: 2 x 3 x 2 MiB <= 16 MiB
     (64 << 10, 64 << 10, None, 8, 512 << 10),
     (64 << 10, 64 << 10, 64 << 20, 2, 8 << 20),  # the budget raised to all of it
     (64 << 10, 4 << 10, 64 << 20, 2, 512 << 10),  # ... but only 4 MiB free
-    (64 << 10, 64 << 10, 388 << 10, 2, 64 << 10),  # the smallest chunk just fits
-    (64 << 10, 64 << 10, 387 << 10, 2, 0),         # not even that: Gloo's TCP
+    (64 << 10, 64 << 10, 384 << 10, 2, 64 << 10),  # the smallest chunk just fits
+    (64 << 10, 64 << 10, 383 << 10, 2, 0),         # not even that: Gloo's TCP
 ])
 def test_the_segment_stays_within_the_budget_and_the_room(
         monkeypatch: pytest.MonkeyPatch, size_kib: int, free_kib: int, budget: int | None,
