@@ -60,8 +60,12 @@ ENGINES = {  # name: (launcher, environment)
     "mpi": ("mpirun", {"DP_PLUGIN_ENGINE": "mpi"}),
 }
 SIGNUM = {"SIGKILL": 9, "SIGTERM": 15}
-CONCURRENT = 3
-"""Cells of one engine at a time (2 ranks each, on the 2-core CI machine)."""
+CONCURRENT = 2
+"""Cells of one engine at a time (2 ranks each, on the 2-core CI machine).
+3 failed a gloo-shm cell at load ~10 (two other sessions' jobs beside it):
+rank 1 reached ``init_process_group`` 22 s after rank 0, past the 4 s
+timeout (the load-caused failure docs/reliability.md records, sequential
+too at load 30)."""
 _table_lock = threading.Lock()
 
 
