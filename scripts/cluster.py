@@ -136,6 +136,29 @@ def tbf(rate_bps: int) -> list[str]:
     return ["root", "tbf", "rate", f"{rate_bps}bit", "burst", str(burst), "latency", "50ms"]
 
 
+def shape(namespace: str | None, dev: str, rate_bps: int) -> None:
+    """Limit what ``dev`` sends to ``rate_bps`` (a ``tbf`` root qdisc); ``dev``
+    lives in network namespace ``namespace`` (None: this process's). Shaping
+    both ends of a veth pair shapes the link both ways. Raises ``Refused``
+    where tc or its tbf qdisc is missing. The tests' namespace hosts
+    (tests/schedulers/netns.py) shape their links with this too."""
+    try:
+        _run(*_inside(namespace, "tc", "qdisc", "add", "dev", dev, *tbf(rate_bps)))
+    except RuntimeError as exc:
+        raise Refused(f"cannot shape the link with tc's tbf qdisc ({exc}); load the sch_tbf "
+                      "kernel module, or run with --link none for an unshaped link") from None
+
+
+def qdisc(namespace: str | None, dev: str, stats: bool = False) -> str:
+    """``tc qdisc show dev DEV`` (``-s``: with the bytes sent) in ``namespace``."""
+    cmd = ["tc", *(["-s"] if stats else []), "qdisc", "show", "dev", dev]
+    return subprocess.run(_inside(namespace, *cmd), capture_output=True, text=True).stdout.strip()
+
+
+def _inside(namespace: str | None, *cmd: str) -> list[str]:
+    return ["ip", "netns", "exec", namespace, *cmd] if namespace else list(cmd)
+
+
 class Cluster:
     """H host namespaces and a switch namespace with a bridge; ``close()``
     removes everything, whatever was made."""
@@ -170,14 +193,12 @@ class Cluster:
             _run("ip", "-n", ns, "link", "set", "lo", "up")
             if rate_bps:
                 # The host's egress, and the switch port's egress (the host's ingress).
-                _tc(ns, "qdisc", "add", "dev", HOST_IFACE, *tbf(rate_bps))
-                _tc(self.switch, "qdisc", "add", "dev", port, *tbf(rate_bps))
+                shape(ns, HOST_IFACE, rate_bps)
+                shape(self.switch, port, rate_bps)
 
     def qdiscs(self) -> list[str]:
         """Every host's egress qdisc, as tc shows it (for the start-up line)."""
-        return [subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev",
-                                HOST_IFACE], capture_output=True, text=True).stdout.strip()
-                for ns in self.names]
+        return [qdisc(ns, HOST_IFACE) for ns in self.names]
 
     def close(self) -> None:
         for ns in reversed(self.created):
@@ -226,14 +247,6 @@ def _run(*cmd: str) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}")
-
-
-def _tc(ns: str, *args: str) -> None:
-    try:
-        _run("ip", "netns", "exec", ns, "tc", *args)
-    except RuntimeError as exc:
-        raise Refused(f"cannot shape the link with tc's tbf qdisc ({exc}); load the sch_tbf "
-                      "kernel module, or run with --link none for an unshaped link") from None
 
 
 def check_tools(rate_bps: int) -> None:

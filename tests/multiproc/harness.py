@@ -18,6 +18,11 @@ Launchers:
 Workers run one case per launch (``--case NAME``, see workers/_fail_fast.py);
 ``worker_cases`` lists a worker's cases for ``pytest.mark.parametrize``.
 
+``run_cells`` runs independent launches ("cells") of one test concurrently,
+in threads: for cells that mostly wait (a deadline, a killed rank), not
+for CPU-bound ones. Each cell is an ordinary ``run_workers`` call with its
+own port, deadline and exit-code checks; a failure names its cell.
+
 ``RunResult.returncodes`` holds one exit code per worker for ``env`` and the
 launcher's single exit code otherwise (launchers fail when any worker fails).
 """
@@ -33,8 +38,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -58,8 +65,8 @@ BIN_DIR = Path(sys.executable).parent
 # would believe it is someone else.
 __all__ = [
     "LAUNCHERS", "LAUNCHER_VARIABLE_NAMES", "LAUNCHER_VARIABLE_PREFIXES", "RunResult",
-    "assert_ranks_ok", "free_port", "is_launcher_variable", "launcher_variables", "run_workers",
-    "worker_cases",
+    "assert_ranks_ok", "free_port", "is_launcher_variable", "launcher_variables", "run_cells",
+    "run_workers", "worker_cases",
 ]
 
 
@@ -148,18 +155,71 @@ def run_workers(
             cmd = [str(BIN_DIR / "horovodrun"), "--gloo", "-np", str(nprocs),
                    "-H", f"localhost:{nprocs}", *launcher_args, python, script, *args]
             jobs.append((cmd, base_env, ""))
-        mpich_before = _mpich_segments() if launcher == "mpirun" else set()
+        if launcher == "mpirun":
+            _mpich_jobs.enter()
         try:
             return _run(jobs, rank_files, Path(tmp), timeout, check,
                         f"{launcher} x{nprocs} {Path(script).name}")
         finally:
-            # MPICH unlinks its shared-memory segments at MPI_Finalize; a rank
-            # killed (by a test, mpiexec or the deadline) leaves its 2 MiB
-            # mpich_shm_* behind. The job is over here and tests run one at a
-            # time, so what appeared during it was this job's.
-            for name in _mpich_segments() - mpich_before:
+            if launcher == "mpirun":
+                _mpich_jobs.leave()
+
+
+def run_cells(cells: Mapping[str, Callable[[], object]], workers: int) -> dict[str, object]:
+    """Call every cell (a function that launches and checks one run) with at
+    most ``workers`` at a time, in threads; return each cell's result by
+    name. Every cell runs to its end even when others fail; then one
+    ``AssertionError`` names each failed cell with its error. For cells that
+    mostly wait (a deadline, a dead rank): CPU-bound launches gain nothing."""
+    results: dict[str, object] = {}
+    failures: dict[str, BaseException] = {}
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="cell") as pool:
+        futures = {name: pool.submit(cell) for name, cell in cells.items()}
+        for name, future in futures.items():
+            try:
+                results[name] = future.result()
+            except BaseException as exc:  # also pytest.fail's; reported below, by cell
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                failures[name] = exc
+    if failures:
+        raise AssertionError(
+            f"{len(failures)} of {len(cells)} cells failed: {', '.join(failures)}\n\n"
+            + "\n\n".join(f"=== cell {name}: {type(exc).__name__}: {exc}"
+                           for name, exc in failures.items()))
+    return results
+
+
+class _MpichJobs:
+    """MPICH unlinks its shared-memory segments at MPI_Finalize; a rank
+    killed (by a test, mpiexec or the deadline) leaves its 2 MiB
+    ``mpich_shm_*`` behind. What appeared in /dev/shm while mpirun jobs of
+    this process ran is theirs; it is deleted when the last of them ends
+    (``run_cells`` may run several at once: deleting a segment a running
+    job has yet to open would break it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0
+        self._before: set[str] = set()
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._running == 0:
+                self._before = _mpich_segments()
+            self._running += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._running -= 1
+            if self._running:
+                return
+            for name in _mpich_segments() - self._before:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join("/dev/shm", name))
+
+
+_mpich_jobs = _MpichJobs()
 
 
 def _mpich_segments() -> set[str]:

@@ -19,6 +19,7 @@ BATTERY = Path(__file__).parent / "workers" / "engine_battery.py"
 CASES = [c for c in worker_cases(BATTERY) if c != "timeout"]
 # Generous but finite: a broken collective fails the run instead of hanging it.
 ENV = {"DP_PLUGIN_TIMEOUT": "60"}
+SECRET = "a" * 32
 
 
 @pytest.mark.parametrize(
@@ -36,23 +37,21 @@ ENV = {"DP_PLUGIN_TIMEOUT": "60"}
 @pytest.mark.parametrize("case", CASES)
 def test_gloo_battery(case: str, launcher: str, nprocs: int, rendezvous: str, shm: str) -> None:
     """One host: all-reduces go through shared memory unless
-    DP_PLUGIN_SHARED_MEMORY=0 keeps them on Gloo's TCP (the path across hosts)."""
+    DP_PLUGIN_SHARED_MEMORY=0 keeps them on Gloo's TCP (the path across hosts).
+
+    Under horovodrun the ``errors`` case runs with DP_PLUGIN_JOB_SECRET on
+    every rank (``collectives`` without): rank 0 signs the store address it
+    publishes in Horovod's rendezvous server and the others verify it, or
+    they would not meet."""
+    env = {**ENV, "DP_PLUGIN_SHARED_MEMORY": shm}
+    if (launcher, case) == ("horovodrun", "errors"):
+        env["DP_PLUGIN_JOB_SECRET"] = SECRET
     result = run_workers(launcher, nprocs, BATTERY, ["--engine", "gloo", "--case", case],
-                         env={**ENV, "DP_PLUGIN_SHARED_MEMORY": shm}, timeout=180)
+                         env=env, timeout=180)
     assert_ranks_ok(result, nprocs)
     assert result.output.count(rendezvous) == nprocs, result.output
     used = "shared memory: True" if shm == "1" else "shared memory: False"
     assert result.output.count(used) == nprocs, result.output
-
-
-def test_gloo_under_horovodrun_with_a_job_secret() -> None:
-    """DP_PLUGIN_JOB_SECRET on every rank: rank 0 signs the store address it
-    publishes in Horovod's rendezvous server and the others verify it."""
-    result = run_workers("horovodrun", 2, BATTERY, ["--engine", "gloo", "--case", "errors"],
-                         env={**ENV, "DP_PLUGIN_JOB_SECRET": "a" * 32}, timeout=180)
-    assert_ranks_ok(result, 2)
-    assert result.output.count("announced through Horovod's rendezvous server") == 2, \
-        result.output
 
 
 def test_gloo_timeout_names_collective_and_rank_and_exits() -> None:

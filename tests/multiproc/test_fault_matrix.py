@@ -1,7 +1,11 @@
 """The fault matrix (issue 24): one rank of two killed by SIGKILL or SIGTERM
 at each phase of a run (workers/fault_matrix.py), on the gloo engine over
 shared memory and over TCP (``DP_PLUGIN_SHARED_MEMORY=0``) and on the mpi
-engine: 6 phases x 2 signals x 3 engines = 36 cells, one launch each.
+engine: 6 phases x 2 signals x 3 engines = 36 cells, one launch each. One
+test per engine runs its 12 cells ``CONCURRENT`` at a time (threads,
+``harness.run_cells``): a cell mostly waits (for the other rank's import,
+the fault, the survivor's deadline), and each keeps its own launch, port,
+deadline, directory and checks; a failure names its cells.
 
 Every cell asserts:
 
@@ -33,15 +37,17 @@ the launch ended (process teardown included), and the whole launch.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.multiproc.harness import RunResult, run_workers
+from tests.multiproc.harness import RunResult, run_cells, run_workers
 
 WORKER = Path(__file__).parent / "workers" / "fault_matrix.py"
 TIMEOUT_S = 4.0
@@ -54,6 +60,13 @@ ENGINES = {  # name: (launcher, environment)
     "mpi": ("mpirun", {"DP_PLUGIN_ENGINE": "mpi"}),
 }
 SIGNUM = {"SIGKILL": 9, "SIGTERM": 15}
+CONCURRENT = 2
+"""Cells of one engine at a time (2 ranks each, on the 2-core CI machine).
+3 failed a gloo-shm cell at load ~10 (two other sessions' jobs beside it):
+rank 1 reached ``init_process_group`` 22 s after rank 0, past the 4 s
+timeout (the load-caused failure docs/reliability.md records, sequential
+too at load 30)."""
+_table_lock = threading.Lock()
 
 
 def _shm() -> set[str]:
@@ -68,10 +81,17 @@ def _times(result: RunResult, what: str) -> dict[int, float]:
             re.findall(rf"\brank (\d+) {what} at ([0-9.]+)", result.output)}
 
 
-@pytest.mark.parametrize("phase", PHASES)
-@pytest.mark.parametrize("sig", SIGNALS)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("engine", list(ENGINES))
-def test_fault_matrix(engine: str, sig: str, phase: str, tmp_path: Path) -> None:
+def test_fault_matrix(engine: str, tmp_path: Path) -> None:
+    cells = {f"{engine} {sig} {phase}": functools.partial(
+        _cell, engine, sig, phase, tmp_path / f"{sig}-{phase}")
+        for sig in SIGNALS for phase in PHASES}
+    run_cells(cells, CONCURRENT)
+
+
+def _cell(engine: str, sig: str, phase: str, tmp_path: Path) -> None:
+    tmp_path.mkdir()
     launcher, env = ENGINES[engine]
     checkpoint = tmp_path / "ckpt.pt"
     before = _shm()
@@ -130,6 +150,6 @@ def test_fault_matrix(engine: str, sig: str, phase: str, tmp_path: Path) -> None
     if table:  # measured times, for docs/reliability.md
         codes = ("exit codes " + ", ".join(map(str, result.returncodes)) if launcher == "env"
                  else f"mpiexec exit {result.returncodes[0]}, BAD TERMINATION")
-        with open(table, "a") as f:
+        with _table_lock, open(table, "a") as f:
             f.write(f"| {engine} | {sig} | {phase} | {codes} | {took:.1f} s | "
                     f"{ended - faults[victim]:.1f} s | {ended - started:.1f} s |\n")

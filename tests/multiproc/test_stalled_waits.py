@@ -21,9 +21,12 @@ MARGIN_S = 20.0
     ("hvd_add_process_set", "horovodrun", "horovod"),
 ])
 def test_a_rank_that_never_arrives_is_reported_within_the_timeout(
-        case: str, launcher: str, engine: str) -> None:
+        case: str, launcher: str, engine: str, tmp_path: Path) -> None:
+    # The stalled rank leaves once rank 0 has reported (STALL_RELEASE), not
+    # after sleeping out its 19 s: the launcher waits for it.
     result = run_workers(launcher, 2, WORKER, args=["--case", case],
-                         env={"DP_PLUGIN_ENGINE": engine, "DP_PLUGIN_TIMEOUT": str(TIMEOUT_S)},
+                         env={"DP_PLUGIN_ENGINE": engine, "DP_PLUGIN_TIMEOUT": str(TIMEOUT_S),
+                              "STALL_RELEASE": str(tmp_path / "reported")},
                          timeout=120)
     assert_ranks_ok(result, 1)  # rank 0; the launcher may end the stalled rank first
     found = re.search(r"rank 0 timed out after ([0-9.]+) s: rank 0: (.*)", result.output)

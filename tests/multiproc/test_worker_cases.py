@@ -7,13 +7,15 @@ so they cost an interpreter start per rank, not a torch import.
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.multiproc.harness import assert_ranks_ok, run_workers, worker_cases
+from tests.multiproc import harness
+from tests.multiproc.harness import assert_ranks_ok, run_cells, run_workers, worker_cases
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 # User-style training scripts (Horovod programs with only the import
@@ -95,3 +97,40 @@ def test_an_unknown_case_is_refused_on_every_rank(tiny: Path) -> None:
                          check=False)
     assert result.returncodes == [2, 2], result.output
     assert "invalid choice: 'nope'" in result.output
+
+
+def test_run_cells_runs_every_cell_and_names_the_failed_ones(tiny: Path) -> None:
+    def good() -> str:
+        result = run_workers("env", 2, tiny, ["--case", "good", "--greeting", "hi"], timeout=60)
+        return result.output
+
+    def bad() -> str:
+        return run_workers("env", 2, tiny, ["--case", "bad", "--greeting", "hi"],
+                           timeout=60).output
+
+    outputs = run_cells({"a": good, "b": good}, 2)
+    assert [str(outputs[k]).count("ran good hi") for k in "ab"] == [2, 2], outputs
+    with pytest.raises(AssertionError) as raised:
+        run_cells({"first": good, "second": bad, "third": good}, 2)
+    text = str(raised.value)
+    assert text.startswith("1 of 3 cells failed: second\n"), text
+    assert "=== cell second: AssertionError:" in text and "case bad fails on rank 1" in text
+    assert "=== cell first" not in text and "=== cell third" not in text, text
+
+
+def test_mpich_segments_are_removed_when_the_last_concurrent_mpirun_ends() -> None:
+    """Two mpirun jobs overlap (run_cells): the segment that appeared while
+    both ran stays until the second ends (the other job may still open it),
+    then goes."""
+    jobs = harness._MpichJobs()
+    segment = Path("/dev/shm") / f"mpich_shm_dp_test_{os.getpid()}"
+    try:
+        jobs.enter()
+        jobs.enter()
+        segment.write_bytes(b"x")
+        jobs.leave()
+        assert segment.exists(), "removed while another mpirun job still ran"
+        jobs.leave()
+        assert not segment.exists(), "left behind after the last mpirun job"
+    finally:
+        segment.unlink(missing_ok=True)

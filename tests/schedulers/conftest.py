@@ -1,7 +1,8 @@
 """Scheduler tests: real SLURM and Ray daemons on namespace "hosts".
 
 Session fixtures start each daemon set once (``hosts``: two network
-namespaces on a bridge; ``slurm``: munged, slurmctld and a slurmd per host;
+namespaces on a bridge, each link shaped with tc's tbf at 1gbit both ways;
+``slurm``: munged, slurmctld and a slurmd per host;
 ``ray_cluster``: a Ray head on host 0 and a worker node on host 1) and stop
 it on every exit path: the fixture's finalizer, and ``atexit`` should the
 session end another way. ``bert_reference``: the BERT example for a few

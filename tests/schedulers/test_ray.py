@@ -7,7 +7,10 @@ example a few steps with the same losses (1e-5) as a torchrun-style run;
 the executor's ``execute``/``execute_single``/``run(args, kwargs)`` do what
 Horovod's do; a worker SIGKILLed mid-run makes ``run`` raise dp_plugin's
 error from the survivor on the driver, within DP_PLUGIN_TIMEOUT and the
-grace period, with the dead rank named in the error's note.
+grace period, with the dead rank named in the error's note. The hosts'
+links are shaped (1gbit tbf each way, as scripts/cluster.py's): the
+training tests check the qdiscs are in place and that the job's traffic
+went through them.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.schedulers import proc
+from tests.schedulers import netns, proc
 from tests.schedulers.ray_cluster import RayCluster
 
 DRIVER = Path(__file__).resolve().parent / "workers" / "ray_driver.py"
@@ -50,6 +53,7 @@ def test_ray_executor_spans_two_hosts_and_trains_like_torchrun(
         ray_hosts: RayCluster, bert_reference: tuple[dict[int, float], Path],
         tmp_path: Path) -> None:
     want, vocabulary = bert_reference
+    before = netns.traffic(ray_hosts.hosts)
     out = _drive(ray_hosts, "executor", str(vocabulary), str(tmp_path))
     where = re.search(r"^where (.*)$", out, flags=re.M)
     assert where is not None, out
@@ -60,15 +64,18 @@ def test_ray_executor_spans_two_hosts_and_trains_like_torchrun(
     assert "execute ['hi', 'hi']" in out and "execute_single hi!" in out, out
     assert "run [10.0, 10.0]" in out, out  # (0 + 1) * scale on both ranks
     _check_bert(out, ray_hosts, want)
+    netns.assert_links_shaped(ray_hosts.hosts, before)
 
 
 def test_torch_trainer_spans_two_hosts_and_trains_like_torchrun(
         ray_hosts: RayCluster, bert_reference: tuple[dict[int, float], Path],
         tmp_path: Path) -> None:
     want, vocabulary = bert_reference
+    before = netns.traffic(ray_hosts.hosts)
     out = _drive(ray_hosts, "trainer", str(vocabulary), str(tmp_path))
     assert "trainer error: None" in out, out
     _check_bert(out, ray_hosts, want)
+    netns.assert_links_shaped(ray_hosts.hosts, before)
 
 
 def test_a_killed_worker_makes_run_raise_dp_plugins_error(ray_hosts: RayCluster) -> None:

@@ -6,7 +6,9 @@ example's losses under srun (one node) and under the sbatch script of
 docs/multinode.md (two nodes) equal a torchrun run's; ``srun -N 2 -n 4``
 spans both hosts with the right local/cross topology; a rank SIGKILLed
 under srun ends the step with dp_plugin's error on the survivor and SLURM
-reporting the step failed.
+reporting the step failed. The two-node jobs run over shaped links (1gbit
+tbf each way, as scripts/cluster.py's): each test checks the qdiscs are in
+place and that its job's traffic went through them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.schedulers import proc
+from tests.schedulers import netns, proc
 from tests.schedulers.slurm import SlurmCluster
 
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -60,6 +62,7 @@ def test_the_sbatch_script_of_the_docs_runs_across_two_nodes(
     script = tmp_path / "train.sbatch"
     script.write_text(_sbatch_script())
     out = tmp_path / "job.out"
+    before = netns.traffic(slurm_cluster.hosts)
     # Options on the command line override the script's #SBATCH lines: two
     # nodes of this cluster, one task each; the example's flags follow the script.
     done = proc.run(["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=1", f"--output={out}",
@@ -70,9 +73,11 @@ def test_the_sbatch_script_of_the_docs_runs_across_two_nodes(
     assert done.returncode == 0, f"{done.stdout}\n{log}"
     assert "summary: workers 2" in log, log
     proc.assert_same_losses(proc.losses(log), want, log)
+    netns.assert_links_shaped(slurm_cluster.hosts, before)
 
 
 def test_srun_spans_two_hosts(slurm_cluster: SlurmCluster) -> None:
+    before = netns.traffic(slurm_cluster.hosts)
     done = proc.run(["srun", "-N", "2", "-n", "4", "--label", sys.executable,
                      str(WORKERS / "topology.py")], _env(slurm_cluster), timeout=600)
     assert done.returncode == 0, done.stdout
@@ -88,6 +93,7 @@ def test_srun_spans_two_hosts(slurm_cluster: SlurmCluster) -> None:
         assert launcher == "slurm" and addr == first, done.stdout
         assert int(port) == 15000 + int(job) % 10000, done.stdout
         assert float(total) == 6.0, done.stdout
+    netns.assert_links_shaped(slurm_cluster.hosts, before)
 
 
 def test_a_killed_rank_ends_the_step_with_dp_plugins_error(slurm_cluster: SlurmCluster) -> None:

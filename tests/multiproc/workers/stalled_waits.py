@@ -2,7 +2,9 @@
 
 Rank 0 must get ``CollectiveTimeoutError`` naming the wait within
 DP_PLUGIN_TIMEOUT (plus a margin the pytest side checks from the printed
-time); the stalled last rank sleeps past that and then leaves with exit 0.
+time); the stalled last rank sleeps past that and then leaves with exit 0:
+until rank 0 has reported (it creates the file ``STALL_RELEASE`` names,
+when set) or DP_PLUGIN_TIMEOUT + 15 s, whichever comes first.
 Cases:
 - ``mpi_split``: the last rank passes subgroup's agreement, then stalls
   before ``MPI_Comm_split`` (mpirun, engine mpi).
@@ -21,9 +23,14 @@ from _fail_fast import run_cases
 from dp_plugin import request, runtime
 from dp_plugin.errors import CollectiveTimeoutError
 
+RELEASE = os.environ.get("STALL_RELEASE")
+"""A file rank 0 creates once it has reported: the stall may end then."""
+
 
 def _stall() -> None:
-    time.sleep(runtime.engine().config.timeout_s + 15)
+    deadline = time.monotonic() + runtime.engine().config.timeout_s + 15
+    while time.monotonic() < deadline and not (RELEASE and os.path.exists(RELEASE)):
+        time.sleep(0.1)
     print(f"rank {runtime.engine().rank} OK (stalled)", flush=True)
     os._exit(0)
 
@@ -38,6 +45,8 @@ def _expect_timeout(fn: Any, needle: str) -> None:
             raise AssertionError(f"the error does not name {needle!r}: {exc}") from exc
         print(f"rank 0 timed out after {elapsed:.1f} s: {exc}", flush=True)
         print("rank 0 OK", flush=True)
+        if RELEASE:
+            open(RELEASE, "w").close()
         os._exit(0)  # the stalled rank is still inside the library: no clean teardown
     raise AssertionError("no CollectiveTimeoutError")
 
