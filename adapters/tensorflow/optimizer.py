@@ -41,6 +41,7 @@ import keras
 
 import tensorflow as tf
 from dp_plugin.compression import Compressor
+from dp_plugin.edge import calling
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import DPPluginError
 from dp_plugin.tensorflow.bridge import GradientBridge, next_bridge_name
@@ -54,8 +55,10 @@ def parse_reduction(owner: str, op: Any, compression: Any, backward_passes_per_s
                     gradient_predivide_factor: Any) -> tuple[ReduceOp, Compressor, int, float]:
     """The reduction arguments of ``DistributedOptimizer``, ``DistributedCallback`` and
     ``DistributedGradientTape``, validated (errors name ``owner``)."""
+    with calling(owner):
+        op, compressor = parse_gradient_op(op), parse_compression(compression)
     return (
-        parse_gradient_op(op, owner), parse_compression(compression, owner),
+        op, compressor,
         check_int("backward_passes_per_step", backward_passes_per_step, minimum=1, where=owner),
         check_positive_float("gradient_predivide_factor", gradient_predivide_factor, where=owner),
     )

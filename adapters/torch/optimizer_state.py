@@ -368,7 +368,7 @@ class OptimizerState:
     def join_global(self) -> bool:
         """Does it reduce over every rank of the job (its steps count for
         ``joining``'s last joined rank)?"""
-        return self.engine is not None and self.engine.size == job_engine("hvd.join()").size
+        return self.engine is not None and self.engine.size == job_engine().size
 
     def join_finish(self, optimizer: Any) -> bool:
         """End the zero step; has every rank of the optimizer's set joined?"""
