@@ -35,7 +35,7 @@ from dp_plugin.torch.optimizer_state import (
     SynchronizationError,
     parameter_names,
 )
-from dp_plugin.validate import check_int
+from dp_plugin.validate import check_int, check_positive_float
 
 _RACE_MESSAGE = (
     "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
@@ -328,6 +328,7 @@ def _checked_arguments(op: Any, gradient_predivide_factor: float, num_groups: in
             f"gradient_predivide_factor={gradient_predivide_factor!r} is only supported with "
             f"op=hvd.Average, got op={op!r}; leave it at 1.0"
         )
+    check_positive_float("gradient_predivide_factor", gradient_predivide_factor)
     if num_groups != 0:
         warnings.warn("Parameter `num_groups` has been replaced by `groups`.",
                       DeprecationWarning, stacklevel=3)
