@@ -27,7 +27,7 @@ def main() -> None:
     with connected(2) as ts:
         t = ts[0]
         data = torch.ones(1 << 18)
-        job = shm._Job(data, ReduceOp.SUM, None, 1.0, None)  # type: ignore[arg-type]
+        job = shm._Job(data, ReduceOp.SUM, None, 1.0, None, None)  # type: ignore[arg-type]
         t._seq += 1
         for rank in (1, 0):  # rank 1's line as rank 1 would write it: the usual, equal case
             t.rank = rank
