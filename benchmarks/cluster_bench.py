@@ -42,6 +42,13 @@ METHODS = ("dp grouped", "dp grouped_", "torch flat")
 ALPHA_S = 50e-6
 """Latency per ring step the predictions use (Gloo over veth, measured small
 next to the transfers here)."""
+LINK_PAYLOAD = 0.93
+"""The share of a shaped link's rate that arrives as payload, the
+predictions' bandwidth: what one flat Gloo buffer reached on the quiet
+machine (BENCHMARKS.md, "Issue 25 on a quiet machine": 0.936 and 0.930 of
+1 Gbit/s as bus bandwidth at 2 x 1 and 2 x 2); the rest is TCP/IP and
+Ethernet headers and tbf's accounting. As ``dp-plugin plan --sweep`` takes
+a measured bandwidth, not the nominal one."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm-up)")
     ap.add_argument("--timeout", type=float, default=900.0, help="per cluster run, seconds")
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--table-of", type=Path, nargs="+", metavar="JSON",
+                    help="print the table of rows written by --json (today's predictions); "
+                         "run nothing")
     ap.add_argument("--hierarchical", nargs="+", choices=["auto", "0", "1"], default=["auto"],
                     help="DP_PLUGIN_HIERARCHICAL_ALLREDUCE per launch at 2+ ranks per host "
                          "(auto: unset, the engine's choice; each value is a launch)")
@@ -172,11 +182,12 @@ def run_config(args: argparse.Namespace, hosts: int, per_host: int, link: str) -
 
 def predicted_s(row: dict) -> float | None:
     """The alpha-beta model's time for one ring all-reduce of the bytes over
-    every rank at the link rate (the ranks of a host add no link traffic of
-    their own: a ring through ``P`` ranks per host crosses each host link
-    once per step each way, so ``2 (n-1)/n x S`` over the link); for the
-    hierarchical path ``2 (H-1)/H x S`` plus the intra-host reduce
-    (``dp_plugin.cli.alphabeta.allreduce_time``)."""
+    every rank at the link's payload rate (``LINK_PAYLOAD``; the ranks of a
+    host add no link traffic of their own: a ring through ``P`` ranks per
+    host crosses each host link once per step each way, so ``2 (n-1)/n x S``
+    over the link); for the hierarchical path ``2 (H-1)/H x S`` over the
+    link beside the intra-host reduce-scatter and all-gather, pipelined in
+    pieces (``dp_plugin.cli.alphabeta.allreduce_time``)."""
     from dp_plugin.cli.alphabeta import Link, allreduce_time
     from dp_plugin.cli.plan import LOCAL_GBIT
 
@@ -184,8 +195,8 @@ def predicted_s(row: dict) -> float | None:
         return None
     local = (Link(alpha=5e-6, beta=LOCAL_GBIT * 1e9 / 8)
              if "(hierarchical)" in row["method"] else None)
-    return allreduce_time(row["bytes"], row["size"], Link(alpha=ALPHA_S, beta=row["link_bps"] / 8),
-                          row["per_host"], local)
+    link = Link(alpha=ALPHA_S, beta=row["link_bps"] / 8 * LINK_PAYLOAD)
+    return allreduce_time(row["bytes"], row["size"], link, row["per_host"], local)
 
 
 def table(rows: list[dict]) -> str:
@@ -213,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.table_of:
+        for path in args.table_of:
+            print(f"{path}:\n{table(json.loads(path.read_text()))}\n")
+        return 0
     rows: list[dict] = []
     for link in args.links:
         for per_host in args.ranks_per_host:

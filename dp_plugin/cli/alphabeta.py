@@ -48,17 +48,32 @@ def ring_allreduce_time(nbytes: float, n: int, link: Link) -> float:
     return 2 * (n - 1) * link.alpha + bus_factor(n) * nbytes / link.beta
 
 
+PIECE_BYTES = 4 * MiB
+"""The pipelined hierarchical all-reduce's piece (``engines/hierarchical.py``)."""
+
+
 def hierarchical_allreduce_time(nbytes: float, hosts: int, per_host: int, link: Link,
-                                 local: Link) -> float:
+                                 local: Link, piece: float | None = PIECE_BYTES) -> float:
     """Reduce inside each host over ``local`` (shared memory: a reduce-scatter
-    and an all-gather among the ``per_host`` ranks), and across hosts over
-    ``link``: every local rank all-reduces its ``1/per_host`` shard with its
-    peers, the ``per_host`` rings sharing the host's link, so the link carries
-    ``2 (hosts - 1) / hosts x S`` instead of the flat ring's
-    ``2 (n - 1) / n x S``."""
+    and an all-gather among the ``per_host`` ranks, priced as a ring
+    all-reduce over ``local``: the memory traffic of both steps), and across
+    hosts over ``link``: every local rank all-reduces its ``1/per_host`` shard
+    with its peers, the ``per_host`` rings sharing the host's link, so the
+    link carries ``2 (hosts - 1) / hosts x S`` instead of the flat ring's
+    ``2 (n - 1) / n x S``.
+
+    Pipelined in pieces of ``piece`` bytes (the engine's way), the two run
+    at once: the slower sets the pace and the faster shows only for one
+    piece, the first reduce-scatter or the last all-gather (fill and
+    drain): ``max(inside, cross) + min(inside, cross) / pieces``.
+    ``piece=None``: one after the other, ``inside + cross``."""
+    inside = ring_allreduce_time(nbytes, per_host, local)
     cross = 0.0 if hosts <= 1 else (2 * (hosts - 1) * link.alpha
                                      + bus_factor(hosts) * nbytes / link.beta)
-    return ring_allreduce_time(nbytes, per_host, local) + cross
+    if piece is None:
+        return inside + cross
+    pieces = max(1, -(-int(nbytes) // int(piece)))
+    return max(inside, cross) + min(inside, cross) / pieces
 
 
 def allreduce_time(nbytes: float, n: int, link: Link, per_host: int = 1,

@@ -162,11 +162,19 @@ class GlooEngine(TorchDistEngine):
         for peers in layout.peer_groups() if len(layout.hosts) > 1 else []:
             made = self.subgroup(list(peers), hosts, "hierarchical cross-host")
             cross = made if made is not None else cross
+        # The all-gather stage's own segment (the pipeline); any rank of the
+        # job that cannot have it leaves every rank unpipelined (host_exchange).
+        gather = shm.connect(hierarchical.host_exchange(self._exchange, host),
+                             host.index(self.rank), len(host), True, self.config.timeout_s,
+                             budget_bytes=self.config.shared_memory_budget,
+                             instead="the hierarchical all-reduce runs its steps one after "
+                                     "another, not pipelined (a second segment is needed)")
         if self.rank == 0:
-            log.info("dp_plugin: gloo all-reduces hierarchically over %d hosts x %d ranks "
+            log.info("dp_plugin: gloo all-reduces hierarchically over %d hosts x %d ranks, %s "
                      "(launcher topology; DP_PLUGIN_HIERARCHICAL_ALLREDUCE=0 for one flat ring)",
-                     len(layout.hosts), len(host))
-        return hierarchical.HierarchicalAllreduce(transport, cross, len(layout.hosts))
+                     len(layout.hosts), len(host),
+                     "pipelined" if gather is not None else "unpipelined")
+        return hierarchical.HierarchicalAllreduce(transport, cross, len(layout.hosts), gather)
 
     @classmethod
     def _backend_problem(cls, topology: Topology) -> str | None:

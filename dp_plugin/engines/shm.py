@@ -62,6 +62,9 @@ said once in the log.
 
 All operations run on one thread per transport, in the order they were
 started (the engine contract: same collectives, same order, every rank).
+The pipelined hierarchical all-reduce holds two transports, one per
+stage (``stage_async``): each runs its stages in the order they were
+queued, so each segment sees the same sequence on every rank.
 ``close`` never unmaps the segment while that thread may still touch it.
 """
 
@@ -110,8 +113,10 @@ KINDS = ("allreduce", "reducescatter", "allgather")
 OPS = tuple(ReduceOp)
 HEADER_FIELDS = 8
 """int64s per rank's header: sequence, kind, count, dtype, op, post-scale
-(the float64's bits), two spare."""
-_HEADER = struct.Struct("<6q")
+(the float64's bits), and for a stage of a pipelined all-reduce the
+piece's offset in its tensor and the tensor's element count (0 and 0
+otherwise: a piece of the same size from another tensor does not pass)."""
+_HEADER = struct.Struct("<8q")
 _DTYPE_CODES: dict[Any, int] = {}
 """torch dtype -> its index in ``DTYPES`` (filled on first use)."""
 MAX_RANKS = 512
@@ -121,7 +126,9 @@ _NAME = "dp_plugin-{token:x}-{rank}"
 _held_lock = threading.Lock()
 _held_bytes = 0
 """Bytes of every segment this process maps now (its share of the budget)."""
-_fallback_said = False
+_fallback_said: set[str] = set()
+"""The ``instead`` texts already said (``_fall_back``)."""
+TCP_INSTEAD = "all-reduces go through Gloo's TCP, not shared memory"
 
 
 def _bits(x: float) -> int:
@@ -199,6 +206,28 @@ class ShmTransport:
         self._jobs.put(_Job(t, op, handle, postscale, across, deadline))
         return handle
 
+    def stage_async(self, kind: str, data: Any, op: ReduceOp, handle: ShmHandle,
+                    deadline: float | None, *, before: Callable[[float | None], None] | None = None,
+                    after: Callable[[Any], None] | None = None,
+                    on_error: Callable[[BaseException], None] | None = None,
+                    last: bool = False, whole: tuple[int, int] = (0, 0)) -> None:
+        """Queue one stage of a pipelined hierarchical all-reduce
+        (``hierarchical.py``) on this transport's thread, after everything
+        queued before it: ``before(deadline)``, then a ``"reducescatter"``
+        or ``"allgather"`` of ``data`` in place (header check included),
+        then ``after(shard)`` with the view of this rank's shard. ``handle``
+        (shared by the stages of one all-reduce) is finished with the error
+        of the first stage that fails, or with success by the ``last``
+        stage; ``on_error(exc)`` runs on the thread when this stage fails or
+        is skipped because the transport broke earlier. ``deadline``: a
+        ``time.perf_counter`` value, or None (a standing all-reduce).
+        ``whole``: the piece's offset in its tensor and the tensor's element
+        count, both in the header (compared on every rank)."""
+        if kind not in ("reducescatter", "allgather"):
+            raise ValueError(f"a stage is a reducescatter or an allgather, got {kind!r}")
+        self._jobs.put(_Job(data, op, handle, 1.0, None, deadline, kind=kind, before=before,
+                            after=after, on_error=on_error, last=last, whole=whole))
+
     def close(self) -> None:
         """Stop the thread (bounded), then release the sockets and segment.
         A read blocked on a peer is woken by shutting the sockets down. A
@@ -245,7 +274,10 @@ class ShmTransport:
                         self._run(job)
                     except BaseException as exc:
                         self._error = exc
-                job.handle.finish(self._error)
+                if self._error is not None and job.on_error is not None:
+                    job.on_error(self._error)
+                if job.last or self._error is not None:
+                    job.handle.finish(self._error)
         finally:
             with self._lock:
                 self._stopped = True
@@ -254,6 +286,14 @@ class ShmTransport:
 
     def _run(self, job: _Job) -> None:
         data = job.tensor.view(-1)
+        if job.kind != "allreduce":  # a stage of a pipelined hierarchical all-reduce
+            if job.before is not None:
+                job.before(job.deadline)
+            self._collective(job, job.kind, data)
+            if job.after is not None:
+                lo, hi = shard(data.numel(), self.size, self.rank)
+                job.after(data[lo:hi])
+            return
         if job.across is None:
             self._collective(job, "allreduce", data)
             return
@@ -276,6 +316,9 @@ class ShmTransport:
         verify = self.verify_headers
         if verify:
             self._write_header(kind, job, data)
+        if kind == "reducescatter" and len(rounds) == 1:
+            self._scatter_once(job, sets[rounds[0]], data, verify)
+            return
         self._stage(kind, sets[rounds[0]], data, 0, chunk)
         self._barrier(deadline, job)
         if verify:
@@ -301,6 +344,34 @@ class ShmTransport:
                 self._stage(kind, sets[rounds[k + 1]], data, (k + 1) * chunk, chunk)
             self._barrier(deadline, job)
         self._finish(kind, job, sets[rounds[-1]], data, (len(rounds) - 1) * chunk, chunk)
+
+    def _scatter_once(self, job: _Job, slots: Any, data: Any, verify: bool) -> None:
+        """A reduce-scatter of one round (a piece of the pipelined
+        hierarchical all-reduce): each rank stages only the shards the
+        others own, and reduces its own shard, in rank order as always,
+        from the others' slots and its own buffer, straight into the
+        buffer: half the copy in and no copy out at 2 ranks, and one
+        barrier (a set is rewritten two operations later, after the next
+        operation's barrier, which every rank reaches only once done
+        reading it)."""
+        n = data.numel()
+        lo, hi = shard(n, self.size, self.rank)
+        if lo > 0:
+            slots[self.rank, :lo].copy_(data[:lo])
+        if hi < n:
+            slots[self.rank, hi:n].copy_(data[hi:n])
+        self._barrier(job.deadline, job)
+        if verify:
+            self._check("reducescatter", job)
+        if hi <= lo:
+            return
+        mine = data[lo:hi]
+        parts = [mine if j == self.rank else slots[j, lo:hi] for j in range(self.size)]
+        if self.rank < 2:  # its own part is read by the first step, before it is written
+            _reduce(parts, mine, job.op)
+            return
+        _reduce(parts, slots[self.size, lo:hi], job.op)
+        mine.copy_(slots[self.size, lo:hi])
 
     def _stage(self, kind: str, slots: Any, data: Any, start: int, chunk: int) -> None:
         """Copy this rank's part of the chunk at ``start`` into its slot:
@@ -348,7 +419,7 @@ class ShmTransport:
         scale = _ONE if job.postscale == 1.0 else _bits(job.postscale)
         line = (self._seq % 2 * self.size + self.rank) * HEADER_FIELDS * 8
         _HEADER.pack_into(self._segment, line, self._seq, KINDS.index(kind), data.numel(), code,
-                          OPS.index(job.op), scale)
+                          OPS.index(job.op), scale, *job.whole)
 
     def _check(self, kind: str, job: _Job) -> None:
         """Raise if any rank's header differs from this rank's (read after
@@ -390,12 +461,19 @@ class ShmTransport:
 
 
 class _Job:
-    __slots__ = ("across", "deadline", "handle", "op", "postscale", "tensor")
+    __slots__ = ("across", "after", "before", "deadline", "handle", "kind", "last", "on_error",
+                 "op", "postscale", "tensor", "whole")
 
     def __init__(self, tensor: Any, op: ReduceOp, handle: ShmHandle, postscale: float,
-                 across: Callable[[Any, float], None] | None, deadline: float | None) -> None:
+                 across: Callable[[Any, float], None] | None, deadline: float | None, *,
+                 kind: str = "allreduce", before: Callable[[float | None], None] | None = None,
+                 after: Callable[[Any], None] | None = None,
+                 on_error: Callable[[BaseException], None] | None = None,
+                 last: bool = True, whole: tuple[int, int] = (0, 0)) -> None:
         self.tensor, self.op, self.handle, self.postscale = tensor, op, handle, postscale
-        self.across, self.deadline = across, deadline
+        self.whole = whole
+        self.across, self.deadline, self.kind = across, deadline, kind
+        self.before, self.after, self.on_error, self.last = before, after, on_error, last
 
 
 class ShmHandle(Handle):
@@ -405,12 +483,18 @@ class ShmHandle(Handle):
                  on_timeout: Callable[[str], None], board: Any) -> None:
         super().__init__(description, rank, timeout_s, on_timeout, board)
         self._event = threading.Event()
+        self._finishing = threading.Lock()
         self._failure: BaseException | None = None
 
     def finish(self, failure: BaseException | None) -> None:
-        """Called by the transport's thread, once."""
-        self._failure = failure
-        self._event.set()
+        """Called by a transport's thread; the first call counts (the stages
+        of a pipelined hierarchical all-reduce share one handle, and the
+        first that fails finishes it)."""
+        with self._finishing:
+            if self._event.is_set():
+                return
+            self._failure = failure
+            self._event.set()
 
     def _test(self) -> bool:
         if not self._event.is_set():
@@ -425,13 +509,14 @@ class ShmHandle(Handle):
 
 def _said(header: Any) -> str:
     """A header as a person reads it: 'operation #3: allreduce (sum) of 10 float32'."""
-    seq, kind, count, dtype, op, scale = (int(v) for v in header[:6])
+    seq, kind, count, dtype, op, scale, offset, whole = (int(v) for v in header[:8])
     factor = struct.unpack("<d", struct.pack("<q", scale))[0]
     names = (KINDS[kind] if 0 <= kind < len(KINDS) else f"kind {kind}",
              DTYPES[dtype] if 0 <= dtype < len(DTYPES) else f"dtype {dtype}",
              OPS[op].value if 0 <= op < len(OPS) else f"op {op}")
     scaled = "" if factor == 1.0 else f", scaled by {factor:g}"
-    return f"operation #{seq}: {names[0]} ({names[2]}{scaled}) of {count} {names[1]}"
+    piece = "" if not whole else f" (elements {offset}.. of an all-reduce of {whole})"
+    return f"operation #{seq}: {names[0]} ({names[2]}{scaled}) of {count} {names[1]}{piece}"
 
 
 def _reduce(parts: list[Any], out: Any, op: ReduceOp) -> None:
@@ -457,7 +542,8 @@ def _peer_gone(job: _Job, peer: int, exc: BaseException | None) -> DPPluginError
 # -- setup (collective) ----------------------------------------------------------------
 def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: int,
             eligible: bool, timeout_s: float, chunk_bytes: int | None = None,
-            budget_bytes: int | None = None) -> ShmTransport | None:
+            budget_bytes: int | None = None,
+            instead: str = TCP_INSTEAD) -> ShmTransport | None:
     """Set up the transport among the ranks of one group, or None on every
     rank if any cannot (not eligible, no ``/dev/shm``, over the budget, a
     socket that fails).
@@ -467,7 +553,8 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
     can afford (0: cannot) and rank 0's token naming the sockets; whether
     every rank listens (and rank 0 made the segment); whether every rank
     connected and mapped it. ``chunk_bytes``: default ``CHUNK_BYTES``;
-    ``budget_bytes``: default a quarter of ``/dev/shm``'s size.
+    ``budget_bytes``: default a quarter of ``/dev/shm``'s size; ``instead``:
+    what the log says happens instead when it cannot (once per process and text).
     A process that dies at any point leaves nothing behind (module docstring).
     """
     wanted = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
@@ -483,7 +570,8 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
         if table[:, 2].all():  # wanted everywhere, but some rank has no room
             short = [f"rank {r}: {int(row[3])} bytes" for r, row in enumerate(table)
                      if not row[0]]
-            _fall_back(f"rank(s) have less than the {_segment_bytes(size, MIN_CHUNK_BYTES)} "
+            smallest = _segment_bytes(size, MIN_CHUNK_BYTES)
+            _fall_back(instead, f"rank(s) have less than the {smallest} "
                        f"bytes of shared memory the smallest segment takes for {size} ranks "
                        f"within their budget ({'; '.join(short)}); raise "
                        "DP_PLUGIN_SHARED_MEMORY_BUDGET or give the host or container more "
@@ -505,7 +593,7 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
             if rank == 0:
                 memfd = _memfd(nbytes)
         except OSError as exc:
-            _fall_back(f"rank {rank} cannot listen or make the segment: {exc}")
+            _fall_back(instead, f"rank {rank} cannot listen or make the segment: {exc}")
             ok = False
         if not exchange(np.array([int(ok)], dtype=np.int64), "shm listen")[:, 0].all():
             return None
@@ -514,7 +602,7 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
             _mesh(listener, token, rank, size, timeout_s, socks)
             segment = _share(memfd, socks, rank, nbytes)
         except OSError as exc:
-            _fall_back(f"rank {rank} cannot connect to its peers: {exc}")
+            _fall_back(instead, f"rank {rank} cannot connect to its peers: {exc}")
             ok = False
         if not exchange(np.array([int(ok)], dtype=np.int64), "shm connect")[:, 0].all():
             return None
@@ -577,12 +665,12 @@ def _chunk_within(size: int, wanted: int, allowed: int) -> int:
     return chunk
 
 
-def _fall_back(why: str) -> None:
-    """Say once per process, as a warning, why the gloo engine keeps TCP."""
-    global _fallback_said
-    level = logging.DEBUG if _fallback_said else logging.WARNING
-    _fallback_said = True
-    log.log(level, "dp_plugin: all-reduces go through Gloo's TCP, not shared memory: %s", why)
+def _fall_back(instead: str, why: str) -> None:
+    """Say once per process (and ``instead``), as a warning, what the gloo
+    engine does instead of this transport and why."""
+    level = logging.DEBUG if instead in _fallback_said else logging.WARNING
+    _fallback_said.add(instead)
+    log.log(level, "dp_plugin: %s: %s", instead, why)
 
 
 def _address(token: int, rank: int) -> str:

@@ -7,7 +7,8 @@ topology it reads): chosen automatically, and forced flat by Horovod's
 variable, both match a single-process reference within 1e-5, with every
 rank bitwise equal; DistributedOptimizer training (``torch_equivalence.py``,
 bitwise equal ranks, within 1e-5 of one process) forced hierarchical by
-``DP_PLUGIN_HIERARCHICAL_ALLREDUCE=1``.
+``DP_PLUGIN_HIERARCHICAL_ALLREDUCE=1``; a rank killed while pieces are in
+the pipeline fails every other rank, none hangs.
 """
 
 from __future__ import annotations
@@ -41,6 +42,15 @@ def test_training_under_the_hierarchical_path_matches_one_process() -> None:
                          [str(WORKERS / "torch_equivalence.py"), "--case", "optimizers"],
                          env=dict(ENV, DP_PLUGIN_HIERARCHICAL_ALLREDUCE="1"), timeout=240)
     assert_ranks_ok(result, 4)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_mid_pipeline_fails_every_other_rank() -> None:
+    result = run_workers("env", 4, FAKE_HOSTS, [str(WORKER), "--case", "killed"],
+                         env=dict(ENV, DP_PLUGIN_TIMEOUT="8"), timeout=100, check=False)
+    assert result.returncodes[3] == -9, result.returncodes
+    for rank in (0, 1, 2):
+        assert f"rank {rank} raised: " in result.output, result.output
 
 
 @pytest.mark.timeout(120)

@@ -72,3 +72,266 @@ def test_the_host_exchange_gives_up_everywhere_when_one_rank_does() -> None:
     assert got.tolist() == [[0, 7], [0, 0]]
     job[2, 0] = 4096
     assert among(np.array([4096, 7]), "shm setup").tolist() == [[4096, 7], [4096, 0]]
+
+
+# -- the pipelined all-reduce, its ranks as threads of one process ----------------------
+# Each "host" of two thread-ranks has its two segments (tests/unit/test_shm.py's
+# helpers); a Wire stands in for Gloo between the peers of one local rank: the
+# k-th cross-host all-reduce of every member pairs up, and completes after a
+# random delay, so that what is in flight at a given moment differs from rank
+# to rank while the result must not.
+torch = pytest.importorskip("torch")
+
+import random  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from typing import Any  # noqa: E402
+
+from dp_plugin.engines import shm  # noqa: E402
+from dp_plugin.engines.types import ReduceOp  # noqa: E402
+from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, LayoutMismatchError  # noqa: E402
+from tests.unit.test_shm import CHUNK, TIMEOUT_S, Exchange, on_ranks  # noqa: E402
+
+
+class WireHandle:
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def done(self) -> bool:
+        return self.event.is_set()
+
+    def wait(self) -> None:
+        if not self.event.wait(TIMEOUT_S):
+            raise CollectiveTimeoutError("the wire's all-reduce did not finish")
+
+
+class Wire:
+    """Cross-host all-reduces among ``members`` thread-ranks (one per host)."""
+
+    def __init__(self, members: int, seed: int) -> None:
+        self.members, self.lock, self.rng = members, threading.Lock(), random.Random(seed)
+        self.parts: dict[int, list[Any]] = {}
+        self.handles: dict[int, WireHandle] = {}
+        self.ops: list[str] = []  # (member, name) in the order they were started
+
+    def engine(self, member: int) -> Any:
+        wire, count = self, [0]
+
+        class Cross:
+            def allreduce_async(self, part: Any, op: ReduceOp, name: str) -> WireHandle:
+                count[0] += 1
+                return wire.post(member, count[0], part, op, name)
+
+            def standing_allreduce_async(self, part: Any, name: str) -> WireHandle:
+                return self.allreduce_async(part, ReduceOp.SUM, name)
+
+            def shutdown(self) -> None:
+                pass
+
+        return Cross()
+
+    def post(self, member: int, k: int, part: Any, op: ReduceOp, name: str) -> WireHandle:
+        with self.lock:
+            self.ops.append(f"{member}: {name}")
+            parts = self.parts.setdefault(k, [None] * self.members)
+            handle = self.handles.setdefault(k, WireHandle())
+            parts[member] = part
+            if any(p is None for p in parts):
+                return handle
+            delay = self.rng.uniform(0, 3e-3)
+
+        def finish() -> None:
+            total = parts[0].clone()
+            shm._reduce(parts, total, op)
+            for p in parts:
+                p.copy_(total)
+            handle.event.set()
+
+        threading.Timer(delay, finish).start()
+        return handle
+
+
+@contextmanager
+def pipelined(hosts: int, per_host: int, gather: bool = True,
+              timeout_s: float = TIMEOUT_S) -> Iterator[list[Any]]:
+    """``hosts x per_host`` thread-ranks (rank = host * per_host + local rank),
+    each with its HierarchicalAllreduce; every one closed after the block."""
+    size = hosts * per_host
+    reduce_ex = [Exchange(per_host) for _ in range(hosts)]
+    gather_ex = [Exchange(per_host) for _ in range(hosts)]
+    wires = [Wire(hosts, seed=j) for j in range(per_host)]
+
+    def setup(rank: int) -> Any:
+        host, local = divmod(rank, per_host)
+        made = [shm.connect(ex[host].for_rank(local), local, per_host, True, timeout_s,
+                            chunk_bytes=CHUNK) for ex in (reduce_ex, gather_ex)]
+        assert made[0] is not None and made[1] is not None
+        if not gather:
+            made[1].close()
+        cross = wires[local].engine(host) if hosts > 1 else None
+        return hierarchical.HierarchicalAllreduce(made[0], cross, hosts,
+                                                  made[1] if gather else None)
+
+    hiers = on_ranks(size, setup)
+    try:
+        yield hiers
+    finally:
+        on_ranks(size, lambda r: hiers[r].close())
+
+
+def mixed(rank: int) -> list[Any]:
+    """Many tensors of mixed sizes and dtypes, integer-valued (sums exact in
+    every dtype), and random float32 ones."""
+    out = []
+    for k, n in enumerate((1, 3, 100, 1001, 3 * CHUNK // 4 + 7, 5000)):
+        for dtype in ("float32", "float64", "int64", "float16", "int8", "int32"):
+            out.append((torch.arange(n) % 7 + rank + k).to(getattr(torch, dtype)))
+        gen = torch.Generator().manual_seed(100 * rank + k)
+        out.append(torch.randn(n, generator=gen))
+    return out
+
+
+@pytest.mark.parametrize("piece", [1000, 3 * CHUNK + 8])
+@pytest.mark.parametrize(("hosts", "per_host", "standing"),
+                         [(2, 2, False), (2, 2, True), (3, 2, False), (1, 3, False)])
+def test_pipelined_pieces_of_many_tensors_match_the_sum_bitwise_equal_on_every_rank(
+        monkeypatch: pytest.MonkeyPatch, piece: int, hosts: int, per_host: int,
+        standing: bool) -> None:
+    monkeypatch.setattr(hierarchical, "PIECE_BYTES", piece)
+    size = hosts * per_host
+    inputs = [mixed(r) for r in range(size)]
+    bufs = [[t.clone() for t in ts] for ts in inputs]
+    with pipelined(hosts, per_host) as hiers:
+        assert all(h.pipelined for h in hiers)
+
+        def run(rank: int) -> None:
+            hs = [hiers[rank].allreduce_async(b, ReduceOp.SUM, f"t{k}", lambda d: None, None,
+                                              standing=standing)
+                  for k, b in enumerate(bufs[rank])]  # all in flight at once
+            for h in hs:
+                h.wait()
+
+        on_ranks(size, run)
+    for k in range(len(inputs[0])):
+        want = sum(inputs[r][k].double() for r in range(size))
+        got = bufs[0][k]
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5), (k, got.dtype)
+        for r in range(1, size):
+            assert torch.equal(bufs[r][k], got), f"rank {r} differs from rank 0 on tensor {k}"
+
+
+def test_unpipelined_fallback_gives_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hierarchical, "PIECE_BYTES", 1000)
+    got = []
+    for gather in (True, False):
+        bufs = [[t.clone() for t in mixed(r)] for r in range(4)]
+        with pipelined(2, 2, gather=gather) as hiers:
+            assert [h.pipelined for h in hiers] == [gather] * 4
+            on_ranks(4, lambda r, b=bufs, hs=hiers: [
+                h.wait() for h in [hs[r].allreduce_async(x, ReduceOp.SUM, "t", lambda d: None,
+                                                         None) for x in b[r]]])
+        got.append(bufs[0])
+    # The pieces are reduced in the same order as the whole: the same bytes.
+    assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
+
+
+def outcomes(hiers: list[Any], per_rank: Callable[[int], list[Any]]) -> list[list[Any]]:
+    """Rank r starts all-reduces of ``per_rank(r)``, all in flight; each one's
+    outcome (None or the exception)."""
+    def run(rank: int) -> list[Any]:
+        hs = [hiers[rank].allreduce_async(b, ReduceOp.SUM, f"gloo allreduce of 'b{k}'",
+                                          lambda d: None, None)
+              for k, b in enumerate(per_rank(rank))]
+        out: list[Any] = []
+        for h in hs:
+            try:
+                h.wait()
+                out.append(None)
+            except DPPluginError as exc:
+                out.append(exc)
+        return out
+
+    return on_ranks(len(hiers), run)
+
+
+def test_a_mismatch_mid_pipeline_raises_on_every_rank_and_breaks_later_ones(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hierarchical, "PIECE_BYTES", 256)
+    with pipelined(1, 2) as hiers:
+        got = outcomes(hiers, lambda r: [torch.ones(1000), torch.ones(300 if r else 301),
+                                         torch.ones(500)])
+    for rank, other in ((0, 1), (1, 0)):
+        assert got[rank][0] is None, "the all-reduce before the mismatch completes"
+        exc = got[rank][1]
+        assert isinstance(exc, LayoutMismatchError), got
+        text = str(exc)
+        assert f"rank {rank}: gloo allreduce of 'b1' does not match what rank {other}" in text
+        # Found at the first piece (256 bytes each side), not only at the last.
+        mine, theirs = (300, 301) if rank else (301, 300)
+        for who, n in ((rank, mine), (other, theirs)):  # b0 took operations #1-#16
+            assert (f"rank {who} has operation #17: reducescatter (sum) of 64 float32 "
+                    f"(elements 0.. of an all-reduce of {n})") in text, text
+        assert isinstance(got[rank][2], DPPluginError), "the transport is broken after it"
+
+
+def test_a_peer_that_dies_mid_pipeline_fails_every_rank_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 3 (host 1) dies while pieces are in flight: its sockets close (what
+    the kernel does for a killed process). Its host peer fails naming it; the
+    other host's ranks fail by their deadline; nobody hangs."""
+    monkeypatch.setattr(hierarchical, "PIECE_BYTES", 256)
+    with pipelined(2, 2, timeout_s=2.0) as hiers:
+        def run(rank: int) -> list[Any]:
+            bufs = [torch.ones(20_000) for _ in range(4)]
+            hs = [hiers[rank].allreduce_async(b, ReduceOp.SUM, f"gloo allreduce of 'b{k}'",
+                                              lambda d: None, None) for k, b in enumerate(bufs)]
+            if rank == 3:
+                time.sleep(0.05)  # mid-pipeline
+                for t in (hiers[3]._transport, hiers[3]._gather):
+                    for sock in t._socks.values():
+                        sock.shutdown(2)
+                return []
+            out = []
+            for h in hs:
+                try:
+                    h.wait()
+                    out.append(None)
+                except DPPluginError as exc:
+                    out.append(exc)
+            return out
+
+        started = time.perf_counter()
+        got = on_ranks(4, run)
+        assert time.perf_counter() - started < 2.0 * 3
+    assert isinstance(got[2][-1], DPPluginError)
+    assert any("rank 1 of this shared-memory group" in str(e) for e in got[2] if e), got[2]
+    for rank in (0, 1):
+        assert isinstance(got[rank][-1], DPPluginError), got[rank]
+
+
+def test_a_second_segment_over_the_budget_leaves_every_rank_unpipelined_said_once(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pipeline's second segment counts against the budget with the
+    first (the engine asks for it with this ``instead`` text)."""
+    monkeypatch.setattr(shm, "_fallback_said", set())
+    caplog.set_level("DEBUG", logger="dp_plugin")
+    instead = "the hierarchical all-reduce runs its steps one after another, not pipelined"
+    one = shm._segment_bytes(2, CHUNK)
+    budget = 3 * one - 1  # both thread-ranks' first mappings are this process's: 2 held
+
+    def setup(ex: list[Exchange]) -> list[Any]:
+        return on_ranks(2, lambda r: [shm.connect(e.for_rank(r), r, 2, True, TIMEOUT_S,
+                                                  chunk_bytes=CHUNK, budget_bytes=budget,
+                                                  instead=instead) for e in ex])
+
+    for _ in range(2):
+        made = setup([Exchange(2), Exchange(2)])
+        assert [m[0] is not None for m in made] == [True, True]
+        assert [m[1] for m in made] == [None, None]
+        for m in made:
+            m[0].close()
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and instead in warned[0], warned
+    assert "DP_PLUGIN_SHARED_MEMORY_BUDGET" in warned[0]

@@ -9,7 +9,12 @@ import json
 import pytest
 
 from dp_plugin.cli import main
-from dp_plugin.cli.alphabeta import Link, allreduce_time, ring_allreduce_time
+from dp_plugin.cli.alphabeta import (
+    Link,
+    allreduce_time,
+    hierarchical_allreduce_time,
+    ring_allreduce_time,
+)
 
 
 def plan(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
@@ -36,6 +41,22 @@ def test_hierarchy_moves_fewer_bytes_over_the_host_link() -> None:
     flat = ring_allreduce_time(1e9, 4, link)  # 1.5 S over the link
     hier = allreduce_time(1e9, 4, link, per_host=2, local=local)  # 1.0 S, plus ~0 inside
     assert flat == pytest.approx(15.0) and hier == pytest.approx(10.0, rel=1e-3)
+
+
+def test_the_pipelined_hierarchy_overlaps_its_shared_memory_steps_with_the_link() -> None:
+    """The engine pipelines the hierarchical all-reduce in pieces: the host's
+    shared-memory steps hide behind the link but for one piece (fill and
+    drain); unpipelined they add up."""
+    link, local = Link(alpha=0.0, beta=1e8), Link(alpha=0.0, beta=4e8)
+    inside = ring_allreduce_time(4e8, 2, local)  # 1 s of shared memory
+    cross = 4.0  # 1.0 S over the link
+    piped = hierarchical_allreduce_time(4e8, 2, 2, link, local, piece=4e6)  # 100 pieces
+    assert piped == pytest.approx(cross + inside / 100)
+    assert hierarchical_allreduce_time(4e8, 2, 2, link, local, piece=None) == \
+        pytest.approx(cross + inside)
+    fast = Link(alpha=0.0, beta=1e10)  # the shared memory is the slower stage now
+    assert hierarchical_allreduce_time(4e8, 2, 2, fast, local, piece=4e6) == \
+        pytest.approx(inside + 0.04 / 100)
 
 
 def test_ranks_per_host_must_divide_the_workers(capsys: pytest.CaptureFixture[str]) -> None:

@@ -236,7 +236,7 @@ def test_segments_held_count_against_the_budget(monkeypatch: pytest.MonkeyPatch)
 
 def test_over_the_budget_every_rank_keeps_tcp_and_says_so_once(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(shm, "_fallback_said", False)
+    monkeypatch.setattr(shm, "_fallback_said", set())
     caplog.set_level("DEBUG", logger="dp_plugin")
     def over_budget(ex: Exchange) -> list[Any]:
         return on_ranks(2, lambda r: shm.connect(ex.for_rank(r), r, 2, True, TIMEOUT_S,

@@ -14,12 +14,18 @@ for integers and min/max), and all ranks must hold the same bytes.
 
 ``mismatch``: rank 0 all-reduces 10 float32, the others 20; every rank
 must raise ``LayoutMismatchError`` naming both sides.
+
+``killed``: four ranks as two hosts; rank 3 kills itself mid-pipeline;
+every other rank must raise (its host peer at once, the others by their
+deadline), never hang.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import signal
+import time
 from typing import Any
 
 import numpy as np
@@ -27,7 +33,7 @@ import torch
 from _fail_fast import run_cases
 
 import dp_plugin
-from dp_plugin.errors import LayoutMismatchError
+from dp_plugin.errors import DPPluginError, LayoutMismatchError
 
 CASES_RUN = [(op, dtype, n) for n in (1, 3, 1001)
              for op, dtype in (("sum", "float32"), ("average", "float32"), ("sum", "float64"),
@@ -57,19 +63,33 @@ def digest(t: torch.Tensor) -> int:
 
 
 def check_engine(engine: Any, what: str) -> None:
-    rank, size = engine.rank, engine.size
-    for op, dtype, n in CASES_RUN:
+    rank = engine.rank
+    for op, dtype, n in CASES_RUN:  # one at a time
         buf = inputs(rank, n, dtype)
         engine.allreduce_async(buf, op, name=f"{what}.{op}.{dtype}.{n}").wait()
-        want = reference(op, n, dtype, size)
-        got = buf.to(torch.float64)
-        if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
-            worst = (got - want).abs().max().item()
-            raise AssertionError(f"{what} {op} {dtype} n={n}: off by {worst}")
-        seen = engine.allgather(np.array([[digest(buf)]], dtype=np.int64), [1] * size,
-                                name=f"{what}.digest")
-        if len(set(seen[:, 0].tolist())) != 1:
-            raise AssertionError(f"{what} {op} {dtype} n={n}: ranks differ: {seen[:, 0]}")
+        check_result(engine, what, op, dtype, n, buf)
+    # All in flight at once, mixed sizes and dtypes (the pipeline's pieces of
+    # several all-reduces in its stages together).
+    bufs = [inputs(rank, n, dtype) for _, dtype, n in CASES_RUN]
+    handles = [engine.allreduce_async(buf, op, name=f"{what}.many.{k}")
+               for k, ((op, _, _), buf) in enumerate(zip(CASES_RUN, bufs, strict=True))]
+    for h in handles:
+        h.wait()
+    for (op, dtype, n), buf in zip(CASES_RUN, bufs, strict=True):
+        check_result(engine, f"{what} (many in flight)", op, dtype, n, buf)
+
+
+def check_result(engine: Any, what: str, op: str, dtype: str, n: int, buf: torch.Tensor) -> None:
+    size = engine.size
+    want = reference(op, n, dtype, size)
+    got = buf.to(torch.float64)
+    if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+        worst = (got - want).abs().max().item()
+        raise AssertionError(f"{what} {op} {dtype} n={n}: off by {worst}")
+    seen = engine.allgather(np.array([[digest(buf)]], dtype=np.int64), [1] * size,
+                            name=f"{what}.digest")
+    if len(set(seen[:, 0].tolist())) != 1:
+        raise AssertionError(f"{what} {op} {dtype} n={n}: ranks differ: {seen[:, 0]}")
 
 
 def case_equivalence(engine: Any) -> None:
@@ -103,7 +123,28 @@ def case_mismatch(engine: Any) -> None:
     raise AssertionError(f"rank {engine.rank}: no error; buffer now {buf[:4]}...")
 
 
-CASES = {"equivalence": case_equivalence, "mismatch": case_mismatch}
+def case_killed(engine: Any) -> None:
+    """Rank 3 is killed (SIGKILL) while pieces of many all-reduces are in
+    the pipeline's stages; every other rank must raise, not hang."""
+    if not engine.hierarchical:
+        raise AssertionError("this case needs the hierarchical path")
+    bufs = [torch.ones(3 << 20) for _ in range(6)]  # 12 MiB each: 3 pieces
+    handles = [engine.allreduce_async(b, "sum", name=f"killed.{k}") for k, b in enumerate(bufs)]
+    if engine.rank == 3:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    errors = []
+    for h in handles:
+        try:
+            h.wait()
+        except DPPluginError as exc:
+            errors.append(exc)
+    if not errors:
+        raise AssertionError(f"rank {engine.rank}: every all-reduce completed without rank 3")
+    print(f"rank {engine.rank} raised: {str(errors[-1]).splitlines()[0][:200]}", flush=True)
+
+
+CASES = {"equivalence": case_equivalence, "mismatch": case_mismatch, "killed": case_killed}
 
 
 def start(_: object) -> Any:
