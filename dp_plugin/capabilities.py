@@ -13,6 +13,7 @@ import importlib.util
 from typing import Any
 
 from dp_plugin import runtime
+from dp_plugin.edge import caller
 from dp_plugin.engines.base import Engine
 
 
@@ -50,15 +51,15 @@ def mpi_enabled() -> bool:
     return _moves_data_with("mpi")
 
 
-def mpi_threads_supported(engine: Engine | None = None,
-                          what: str = "mpi_threads_supported()") -> bool:
+def mpi_threads_supported(engine: Engine | None = None) -> bool:
     """Whether MPI runs with ``MPI_THREAD_MULTIPLE``; ``ValueError`` naming
-    ``what`` unless MPI is enabled. ``engine``: the running one (the default
+    the caller unless MPI is enabled. ``engine``: the running one (the default
     raises ``NotInitializedError`` before ``init()``)."""
     engine = runtime.engine() if engine is None else engine
     if not mpi_enabled():
         raise ValueError(
-            f"{what}: MPI is not enabled (the running engine is {engine.name!r}); launch "
+            f"{caller('mpi_threads_supported()')}: MPI is not enabled (the running engine "
+            f"is {engine.name!r}); launch "
             "with mpirun and DP_PLUGIN_ENGINE=mpi (or auto) to use MPI"
         )
     if engine.name == "horovod":

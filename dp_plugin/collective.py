@@ -30,6 +30,7 @@ from dp_plugin.arrays import ArrayOps, NumpyOps, ops_for
 from dp_plugin.buffer import FusionBuffer
 from dp_plugin.compression import get_compressor
 from dp_plugin.dtypes import itemsize
+from dp_plugin.edge import caller
 from dp_plugin.engines.base import Handle, ReduceOp
 from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import TensorSpec, plan_buckets
@@ -380,10 +381,11 @@ class FusedCollective:
             ) from self.broken
 
 
-def root_of(engine: Any, root_rank: Any, what: str) -> int:
+def root_of(engine: Any, root_rank: Any) -> int:
     """Horovod's rule for every rooted function: ``root_rank`` is a job-wide
     rank that must belong to the ranks ``engine`` runs (a process set, or the
     whole job); returns its rank within ``engine``."""
+    what = caller()
     if isinstance(root_rank, bool) or not isinstance(root_rank, int):
         raise TypeError(f"{what}: root_rank={root_rank!r} must be an int (a job-wide rank)")
     members = list(engine.global_ranks)
@@ -395,13 +397,14 @@ def root_of(engine: Any, root_rank: Any, what: str) -> int:
     return members.index(root_rank)
 
 
-def agreed_root(engine: Any, root_rank: Any, what: str) -> int:
+def agreed_root(engine: Any, root_rank: Any) -> int:
     """``root_of`` checked on every rank at once (one small all-gather of each
     rank's ``root_rank``): a bad or differing root on one rank raises on every
     rank at the call, instead of leaving the others waiting in the broadcast
     until DP_PLUGIN_TIMEOUT. Collective over ``engine``'s ranks."""
+    what = caller()
     try:
-        root, problem = root_of(engine, root_rank, what), None
+        root, problem = root_of(engine, root_rank), None
     except (TypeError, ValueError) as exc:
         root, problem = -1, exc
     described = agreement.compare(engine, f"{what}.root", repr(root_rank)).described

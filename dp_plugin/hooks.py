@@ -61,9 +61,11 @@ class ReducePolicy:
              predivide: float = 1.0, prescale: float = 1.0,
              postscale: float = 1.0) -> ReducePolicy:
         """Validate the arguments against the ``(name, dtype)`` of every tensor
-        and build the policy."""
+        and build the policy: ``GradientScheduler``'s public edge (an adapter
+        that validated its own arguments calls ``for_gradients``)."""
         op = ReduceOp.parse(op)
         predivide = check_positive_float("gradient_predivide_factor", predivide)
+        check_predivide_op(op, predivide)
         prescale = check_positive_float("prescale_factor", prescale)
         postscale = check_positive_float("postscale_factor", postscale)
         ints = [(name, dtype) for name, dtype in tensors if not is_floating(dtype)]
@@ -74,14 +76,7 @@ class ReducePolicy:
                     "tensors; use "
                     "op='sum' for integer tensors, or register only floating ones"
                 )
-            return cls(op=op, engine_op=ReduceOp.SUM, prescale=prescale / predivide,
-                       postscale=postscale * predivide / size)
-        if predivide != 1.0:
-            raise ValueError(
-                f"gradient_predivide_factor={predivide:g} only applies to op='average' (got "
-                f"op={op.value!r}); leave it at 1.0"
-            )
-        if op is ReduceOp.SUM:
+        elif op is ReduceOp.SUM:
             if ints and (prescale != 1.0 or postscale != 1.0):
                 raise TypeError(
                     f"tensor {ints[0][0]!r} is {ints[0][1]}, which cannot be scaled by "
@@ -89,13 +84,25 @@ class ReducePolicy:
                     f"{prescale:g} / postscale_factor={postscale:g}; leave both at 1.0 for "
                     "integer tensors"
                 )
-            return cls(op=op, engine_op=op, prescale=prescale, postscale=postscale)
-        if prescale != 1.0 or postscale != 1.0:
+        elif prescale != 1.0 or postscale != 1.0:
             raise ValueError(
                 f"op={op.value!r} does not allow scaling (prescale_factor={prescale:g}, "
                 f"postscale_factor={postscale:g}); leave both at 1.0, or use op='sum'/'average'"
             )
-        return cls(op=op, engine_op=op, prescale=1.0, postscale=1.0)
+        return cls.for_gradients(op, size, predivide=predivide, prescale=prescale,
+                                 postscale=postscale)
+
+    @classmethod
+    def for_gradients(cls, op: ReduceOp, size: int, *, predivide: float = 1.0,
+                      prescale: float = 1.0, postscale: float = 1.0) -> ReducePolicy:
+        """The policy of arguments a public function has validated (``make``
+        for ``GradientScheduler``, ``DistributedOptimizer`` its own): Average
+        is ``prescale / predivide`` before the sum, ``postscale * predivide /
+        size`` after it; the other ops keep the user's factors."""
+        if op is ReduceOp.AVERAGE:
+            return cls(op=op, engine_op=ReduceOp.SUM, prescale=prescale / predivide,
+                       postscale=postscale * predivide / size)
+        return cls(op=op, engine_op=op, prescale=prescale, postscale=postscale)
 
 
     @classmethod
@@ -108,6 +115,15 @@ class ReducePolicy:
         post = postscale / size if op is ReduceOp.AVERAGE else postscale
         engine_op = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
         return cls(op=op, engine_op=engine_op, prescale=float(prescale), postscale=float(post))
+
+
+def check_predivide_op(op: ReduceOp, predivide: float) -> None:
+    """Horovod's rule: ``gradient_predivide_factor`` only scales an average."""
+    if predivide != 1.0 and op is not ReduceOp.AVERAGE:
+        raise ValueError(
+            f"gradient_predivide_factor={predivide:g} only applies to op='average' (got "
+            f"op={op.value!r}); leave it at 1.0"
+        )
 
 
 NO_SCALING = ReducePolicy(op=ReduceOp.SUM, engine_op=ReduceOp.SUM, prescale=1.0, postscale=1.0)

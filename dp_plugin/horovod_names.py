@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 
 from dp_plugin.compression import BF16Compressor, FP16Compressor, NoneCompressor
+from dp_plugin.edge import caller
 from dp_plugin.engines.base import ReduceOp
 
 Average = ReduceOp.AVERAGE
@@ -40,31 +41,32 @@ class Compression:
     bf16 = BF16Compressor
 
 
-def parse_op(op: object, what: str, *, prefix: str, instead: str) -> ReduceOp:
+def parse_op(op: object, *, prefix: str, instead: str) -> ReduceOp:
     """A user's ``op=`` as a ``ReduceOp`` (``None``: Average). ``Adasum`` is
     refused with a NotImplementedError naming ``instead``; ``prefix`` is how
     the adapter's users spell the module (``hvd.``, ``dp.``)."""
     if op is Adasum:
         raise NotImplementedError(
-            f"{what}: op={prefix}Adasum is not supported by dp_plugin; use {instead}")
+            f"{caller()}: op={prefix}Adasum is not supported by dp_plugin; use {instead}")
     return ReduceOp.AVERAGE if op is None else ReduceOp.parse(op)  # type: ignore[arg-type]
 
 
-def resolve_op(op: object, average: bool | None, what: str, *, prefix: str,
+def resolve_op(op: object, average: bool | None, *, prefix: str,
                instead: str) -> ReduceOp:
     """Horovod's ``op`` with its deprecated ``average`` flag (True: Average,
     False: Sum, with a DeprecationWarning, as Horovod's); then ``parse_op``.
-    Call it from the function the user called (the warning points at its caller)."""
+    Call it from a ``@public`` function (the warning points at its caller,
+    past the decorator)."""
     if op is not None and average is not None:
         raise ValueError(
-            f"{what}: the op parameter supersedes average; pass only one of them "
+            f"{caller()}: the op parameter supersedes average; pass only one of them "
             f"(got op={op!r}, average={average!r})"
         )
     if average is not None:
         warnings.warn(
             f"Parameter `average` has been replaced with `op` and will be removed in v1.0; "
             f"pass op={prefix}Average or op={prefix}Sum",
-            DeprecationWarning, stacklevel=3,
+            DeprecationWarning, stacklevel=4,
         )
         return ReduceOp.AVERAGE if average else ReduceOp.SUM
-    return parse_op(op, what, prefix=prefix, instead=instead)
+    return parse_op(op, prefix=prefix, instead=instead)

@@ -36,6 +36,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from dp_plugin import request, runtime
+from dp_plugin.edge import caller, calling, public
 from dp_plugin.engines.base import Engine
 from dp_plugin.errors import NotInitializedError
 
@@ -96,11 +97,12 @@ class ProcessSet:
             return None
         return _global_engine().rank in self._all_ranks()
 
-    def engine(self, what: str = "process set") -> Engine:
+    def engine(self) -> Engine:
         """The engine that runs this set's collectives on this rank.
 
-        Raises ``ValueError`` naming ``what`` if the set was not added (or was
-        removed), or if this rank is not a member."""
+        Raises ``ValueError`` naming the caller (``dp_plugin.edge``) if the set
+        was not added (or was removed), or if this rank is not a member."""
+        what = caller("process set")
         if self.process_set_id is None:
             raise ValueError(
                 f"{what}: {self} is not registered: call hvd.add_process_set() with it (on "
@@ -108,10 +110,10 @@ class ProcessSet:
                 "a collective"
             )
         if self.process_set_id == 0:
-            return _global_engine(what)
+            return _global_engine()
         if self._engine is None:
             raise ValueError(
-                f"{what}: this rank ({_global_engine(what).rank}) is not in {self}; only its "
+                f"{what}: this rank ({_global_engine().rank}) is not in {self}; only its "
                 "ranks may run its collectives"
             )
         return self._engine
@@ -146,6 +148,7 @@ _next_id = 1
 _not_initialized: type[NotInitializedError] = NotInitializedError
 
 
+@public("hvd.add_process_set()")
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """Register a process set after ``init()`` and return it, ready to use.
 
@@ -153,7 +156,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     the same order on every rank. A set whose ranks equal a registered set's
     (including the global set's) raises ``ValueError``."""
     global _next_id
-    engine = _global_engine("hvd.add_process_set()")
+    engine = _global_engine()
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
     ranks = list(process_set.ranks or [])
@@ -170,6 +173,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     return process_set
 
 
+@public("hvd.remove_process_set()")
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister ``process_set``; True if it was registered (the global set
     cannot be removed). Collective like ``add_process_set``: a job-wide
@@ -179,7 +183,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     set_id = process_set.process_set_id
     if set_id is None or set_id == 0 or _registered.get(set_id) is not process_set:
         return False
-    eng = _global_engine("hvd.remove_process_set()")
+    eng = _global_engine()
     if eng.size > 1:
         eng.barrier()
     del _registered[set_id]
@@ -188,16 +192,16 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return True
 
 
-def registered(process_set_id: int, what: str) -> ProcessSet:
+def registered(process_set_id: int) -> ProcessSet:
     """The set registered under ``process_set_id`` (0: the global set), else
     ``ValueError`` naming the id."""
     if process_set_id == 0:
-        _global_engine(what)
+        _global_engine()
         return global_process_set
     if process_set_id in _registered:
         return _registered[process_set_id]
     raise ValueError(
-        f"{what}: process_set_id={process_set_id} is not a registered process set; use the "
+        f"{caller()}: process_set_id={process_set_id} is not a registered process set; use the "
         "process_set_id of a set returned by hvd.add_process_set(ranks) (0: the whole job)"
     )
 
@@ -219,7 +223,8 @@ def setup(process_sets: Any, adapter: str) -> None:
     be added later), or a list of ``ProcessSet`` registered in list order.
     A duplicate entry raises ``ValueError`` naming its position, as Horovod's
     init does; ``adapter`` names the module whose init failed."""
-    engine = _global_engine("hvd.init()")
+    with calling("hvd.init()"):
+        engine = _global_engine()
     global_process_set.ranks = list(range(engine.size))
     if process_sets is None or (isinstance(process_sets, str)
                                 and process_sets.lower() == "dynamic"):
@@ -258,52 +263,52 @@ def reset() -> None:
         process_set._invalidate()
 
 
-def engine_of(process_set: Any, what: str) -> Engine:
+def engine_of(process_set: Any) -> Engine:
     """The engine that runs ``process_set``'s collectives on this rank.
 
     The one rule every caller uses: ``None`` or the global set means every
     rank; anything else must be a registered ``ProcessSet`` that contains
     this rank (else ``ValueError`` naming the rank and the set).
     """
-    eng = engine_or_none(process_set, what)
+    eng = engine_or_none(process_set)
     if eng is None:
         raise ValueError(
-            f"{what}: this rank ({_global_engine(what).rank}) is not in its process set "
+            f"{caller()}: this rank ({_global_engine().rank}) is not in its process set "
             f"{process_set!r}; call it only on the ranks of the process set"
         )
     return eng
 
 
-def engine_or_none(process_set: Any, what: str) -> Engine | None:
+def engine_or_none(process_set: Any) -> Engine | None:
     """``engine_of``, but None on a rank outside the set (``DistributedOptimizer``
     then steps on local gradients, as in Horovod)."""
     if process_set is None:
-        return _global_engine(what)
+        return _global_engine()
     if not isinstance(process_set, ProcessSet):
         raise TypeError(
-            f"{what}: process_set must be an hvd.ProcessSet, got {type(process_set).__name__}; "
+            f"{caller()}: process_set must be an hvd.ProcessSet, got {type(process_set).__name__}; "
             "pass hvd.global_process_set (the default) or one made by hvd.add_process_set(ranks)"
         )
     if process_set.process_set_id == 0:
-        return _global_engine(what)
+        return _global_engine()
     if process_set.process_set_id is not None and not process_set.included():
         return None
-    return process_set.engine(what)
+    return process_set.engine()
 
 
-def member_engines(what: str) -> list[Engine]:
+def member_engines() -> list[Engine]:
     """The global engine, then the engine of every registered set this rank is in."""
-    engines = [_global_engine(what)]
+    engines = [_global_engine()]
     for process_set in _registered.values():
         if process_set.included():
-            engines.append(process_set.engine(what))
+            engines.append(process_set.engine())
     return engines
 
 
-def _global_engine(what: str = "hvd.ProcessSet") -> Engine:
-    """``runtime.engine()``, or the adapter's ``NotInitializedError`` naming ``what``."""
+def _global_engine() -> Engine:
+    """``runtime.engine()``, or the adapter's ``NotInitializedError`` naming the caller."""
     if not runtime.is_initialized():
-        raise _not_initialized(what)
+        raise _not_initialized(caller("hvd.ProcessSet"))
     return runtime.engine()
 
 

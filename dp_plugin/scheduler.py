@@ -118,15 +118,38 @@ class GradientScheduler:
             from dp_plugin import runtime
 
             engine = runtime.engine()
+        checked = checked_specs(specs)
+        passes = check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)
+        policy = ReducePolicy.make(op, engine.size, [(s.name, s.dtype) for s in checked],
+                                   predivide=gradient_predivide_factor,
+                                   prescale=prescale_factor, postscale=postscale_factor)
+        self._setup(checked, engine=engine, policy=policy, passes=passes, compression=compression,
+                    fusion_threshold=fusion_threshold, timeline=timeline, name=name,
+                    array_ops=array_ops, hook=hook, control_numel=control_numel,
+                    settings=settings, autotune=autotune)
+
+    @classmethod
+    def validated(cls, specs: Sequence[TensorSpec], *, engine: Any, policy: ReducePolicy,
+                  passes: int, compression: Compressor, **options: Any) -> GradientScheduler:
+        """The scheduler of an adapter whose public function validated the user's
+        arguments (``hvd.DistributedOptimizer``): ``policy`` built from them
+        (``ReducePolicy.for_gradients``), ``passes`` >= 1; ``options`` as for
+        the constructor."""
+        scheduler = cls.__new__(cls)
+        scheduler._setup(checked_specs(specs), engine=engine, policy=policy, passes=passes,
+                         compression=compression, **options)
+        return scheduler
+
+    def _setup(self, specs: tuple[TensorSpec, ...], *, engine: Any, policy: ReducePolicy,
+               passes: int, compression: str | Compressor, fusion_threshold: int | None = None,
+               timeline: Any = None, name: str = "grads", array_ops: ArrayOps | None = None,
+               hook: CommHook | None = None, control_numel: int = 0,
+               settings: dict[str, Any] | None = None, autotune: bool = False) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
         self.engine, self.name, config = engine, name, engine.config
-        self.specs: tuple[TensorSpec, ...] = checked_specs(specs)
-        passes = check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)
+        self.specs: tuple[TensorSpec, ...] = specs
         self.backward_passes_per_step = passes
-        policy = ReducePolicy.make(op, engine.size, [(s.name, s.dtype) for s in self.specs],
-                                   predivide=gradient_predivide_factor,
-                                   prescale=prescale_factor, postscale=postscale_factor)
         self.op = policy.op
         threshold, first = config.bucket_caps(fusion_threshold,
                                               sum(s.nbytes for s in self.specs))

@@ -65,6 +65,7 @@ from dp_plugin.arrays import NumpyOps, numpy_dtype
 from dp_plugin.compression import Compressor
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.fusion import TensorSpec
+from dp_plugin.hooks import ReducePolicy
 from dp_plugin.scheduler import GradientScheduler
 from dp_plugin.tensorflow import graph_order
 
@@ -173,12 +174,14 @@ class GradientBridge:
             # After shutdown() and init() a step traced anew needs the new engine.
             if sched is None or sched.engine is not engine:
                 k = len(self._schedulers)
-                sched = GradientScheduler(
+                # Arguments validated at the public edge (``parse_reduction``).
+                sched = GradientScheduler.validated(
                     specs,
                     engine=engine,
-                    op=self.op,
+                    policy=ReducePolicy.for_gradients(
+                        self.op, engine.size, predivide=self.gradient_predivide_factor),
+                    passes=1,  # DistributedApply accumulates the passes itself
                     compression=self.compression,
-                    gradient_predivide_factor=self.gradient_predivide_factor,
                     name=self.name if k == 0 else f"{self.name}.{k}",
                     autotune=engine.config.autotune,
                     array_ops=AlignedNumpyOps(),

@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 from dp_plugin import runtime
 from dp_plugin.collective import root_of
+from dp_plugin.edge import caller, calling
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.objects import broadcast_bytes, byte_layout
 
@@ -41,25 +42,24 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, process_se
 
     variables = list(variables)
     labels = [f"{i}:{getattr(v, 'name', '?')}" for i, v in enumerate(variables)]
-    return broadcast_labelled(variables, labels, root_rank, what="broadcast_variables",
-                              engine=engine_of(process_set, "broadcast_variables"))
+    with calling("broadcast_variables"):
+        return broadcast_labelled(variables, labels, root_rank, engine=engine_of(process_set))
 
 
 @tf.autograph.experimental.do_not_convert
 def broadcast_labelled(
-    variables: Sequence[Any], labels: Sequence[str], root_rank: int, what: str,
-    engine: Any = None,
+    variables: Sequence[Any], labels: Sequence[str], root_rank: int, engine: Any = None,
 ) -> Any:
     """``broadcast_variables`` with the labels that name the variables in layout errors
     (they must be the same on every rank); ``engine`` defaults to the running one."""
     engine = runtime.engine() if engine is None else engine
-    root = root_of(engine, root_rank, what)
+    root = root_of(engine, root_rank)
     if not variables:
         return None
     specs = tuple(_spec(label, v) for label, v in zip(labels, variables, strict=True))
     from dp_plugin.tensorflow.collectives import run_op  # which imports this module
 
-    values = run_op(functools.partial(_exchange, engine, specs, root_rank, root, what),
+    values = run_op(functools.partial(_exchange, engine, specs, root_rank, root),
                     [tf.convert_to_tensor(v) for v in variables],
                     [tf.as_dtype(v.dtype) for v in variables], [v.shape for v in variables],
                     "dp_plugin_broadcast")
@@ -75,8 +75,7 @@ def _spec(label: str, variable: Any) -> TensorSpec:
 
 
 def _exchange(
-    engine: Any, specs: tuple[TensorSpec, ...], root_rank: int, root: int, what: str,
-    *arrays: np.ndarray,
+    engine: Any, specs: tuple[TensorSpec, ...], root_rank: int, root: int, *arrays: np.ndarray,
 ) -> list[np.ndarray]:
     """The numpy callback: ``root_rank`` is job-wide (it names the collective),
     ``root`` the same rank within ``engine``."""
@@ -86,11 +85,11 @@ def _exchange(
     wires = [o.reshape(-1).view(np.uint8) for o in out]
     broadcast_bytes(engine, [s.name for s in specs], wires, root, layout=specs,
                     name=f"broadcast_variables.root{root_rank}",
-                    what=f"variables of {what} (root rank {root_rank})")
+                    what=f"variables of {caller()} (root rank {root_rank})")
     return out
 
 
-def broadcast_model_state(model: Any, root_rank: int, what: str) -> None:
+def broadcast_model_state(model: Any, root_rank: int) -> None:
     """Broadcast the model's weights and its optimizer's variables from ``root_rank``.
 
     The optimizer's variables are created first if needed (under the model's
@@ -108,4 +107,4 @@ def broadcast_model_state(model: Any, root_rank: int, what: str) -> None:
     # Optimizer variable names embed the model's layer paths ('dense_3_kernel_momentum'),
     # which differ between processes that built different numbers of layers.
     labels += [f"optimizer.variables[{i}]" for i in range(len(opt_vars))]
-    broadcast_labelled(weights + opt_vars, labels, root_rank, what=what)
+    broadcast_labelled(weights + opt_vars, labels, root_rank)

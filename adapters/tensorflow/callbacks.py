@@ -19,6 +19,7 @@ from typing import Any
 import keras
 
 from dp_plugin import runtime
+from dp_plugin.edge import calling
 from dp_plugin.errors import DPPluginError, NotInitializedError
 from dp_plugin.tensorflow.broadcast import broadcast_model_state
 from dp_plugin.tensorflow.callbacks_lr import (
@@ -127,7 +128,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         changed = self._install(model.optimizer)
         _rebuild_train_function(model, find_hook(model.optimizer)[1], changed, self._who)
         if model.built:
-            broadcast_model_state(model, self.root_rank, self._who)
+            with calling(self._who):
+                broadcast_model_state(model, self.root_rank)
             return
         warnings.warn(
             f"{self._who}: model {model.name!r} has no weights before its first batch, so "
@@ -141,7 +143,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if self._pending:
             self._pending = False
-            broadcast_model_state(self.model, self.root_rank, self._who)
+            with calling(self._who):
+                broadcast_model_state(self.model, self.root_rank)
 
     def _install(self, optimizer: Any) -> bool:
         """Move ``DistributedOptimizer``'s reduction onto a ``LossScaleOptimizer`` that

@@ -39,6 +39,7 @@ from dp_plugin import horovod_names as _names
 from dp_plugin import runtime
 from dp_plugin.arrays import NumpyOps
 from dp_plugin.collective import UNBOUNDED, FusedCollective, root_of
+from dp_plugin.edge import caller, deferred, public
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
@@ -55,7 +56,9 @@ def run_op(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
     """``fn`` on numpy values: called directly when eager, a ``tf.numpy_function``
     op (with ``shapes`` set on its outputs) inside ``tf.function`` or a TF1 graph,
     ordered after the graph's previous dp_plugin op (``graph_order``)."""
-    fn = tf_errors.translated(fn)  # Horovod's error types (dp_plugin.tensorflow.errors)
+    # Runs under this call's name (``dp_plugin.edge``), raising Horovod's
+    # error types (``dp_plugin.tensorflow.errors``).
+    fn = deferred(tf_errors.translated(fn))
     if tf.executing_eagerly():
         arrays = fn(*[np.asarray(t) for t in inputs])
         return [tf.convert_to_tensor(np.asarray(o, dtype=tf.as_dtype(d).as_numpy_dtype))
@@ -75,6 +78,7 @@ def _differentiable(forward: Callable[..., list[Any]], backward: Callable[..., l
     ``forward`` (row counts, received splits) are not differentiated; ``backward``
     gets them first: ``backward(*side_outputs, *dys)``."""
     kept: list[Any] = []
+    backward = deferred(backward)  # run by the tape later, under this call's name
 
     def split(*args: Any) -> list[Any]:
         outs = list(forward(*args))
@@ -99,9 +103,9 @@ def _writable(array: np.ndarray) -> np.ndarray:
     return np.require(array, requirements=["C", "W"])
 
 
-def _tensors(values: Any, what: str) -> list[Any]:
+def _tensors(values: Any) -> list[Any]:
     if not isinstance(values, list | tuple):
-        raise TypeError(f"{what} takes a list of tensors, got {type(values).__name__}")
+        raise TypeError(f"{caller()} takes a list of tensors, got {type(values).__name__}")
     return [tf.convert_to_tensor(v) for v in values]
 
 
@@ -113,6 +117,7 @@ resolve_op = functools.partial(_names.resolve_op, prefix="",
 # -- allreduce ----------------------------------------------------------------------
 
 
+@public("allreduce")
 def allreduce(tensor: Any, average: Any = None, device_dense: str = "",
               device_sparse: str = "", compression: Any = Compression.none, op: Any = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -121,39 +126,37 @@ def allreduce(tensor: Any, average: Any = None, device_dense: str = "",
     """Reduce ``tensor`` over the process set (Average by default): a new tensor of the
     same shape and dtype. A ``tf.IndexedSlices`` is all-gathered (values and indices;
     values divided by the set size for Average), as Horovod does."""
-    what = "allreduce"
-    op = resolve_op(op, average, what)
+    op = resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
-        return reduce_indexed_slices(tensor, op, prescale_factor, postscale_factor,
-                                     process_set, what)
+        return reduce_indexed_slices(tensor, op, prescale_factor, postscale_factor, process_set)
     return grouped_allreduce([tensor], None, compression=compression, op=op,
                              prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                             name=name or what, process_set=process_set)[0]
+                             name=name or "allreduce", process_set=process_set)[0]
 
 
+@public("grouped_allreduce")
 def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense: str = "",
                       device_sparse: str = "", compression: Any = Compression.none,
                       op: Any = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: Any = global_process_set,
                       ignore_name_scope: bool = False, name: str | None = None) -> list[Any]:
     """``allreduce`` of a list, fused into one collective per dtype."""
-    what = "grouped_allreduce"
-    op = resolve_op(op, average, what)
+    op = resolve_op(op, average)
     if any(isinstance(t, tf.IndexedSlices) for t in tensors):
-        return [reduce_indexed_slices(t, op, prescale_factor, postscale_factor, process_set,
-                                      what) if isinstance(t, tf.IndexedSlices)
+        return [reduce_indexed_slices(t, op, prescale_factor, postscale_factor, process_set)
+                if isinstance(t, tf.IndexedSlices)
                 else allreduce(t, compression=compression, op=op, process_set=process_set,
                                prescale_factor=prescale_factor,
                                postscale_factor=postscale_factor) for t in tensors]
-    xs = _tensors(tensors, what)
-    pre = check_positive_float("prescale_factor", prescale_factor, where=what)
-    post = check_positive_float("postscale_factor", postscale_factor, where=what)
-    compressor = parse_compression(compression, what)
-    engine_of(process_set, what)  # not a member: fails here, while tracing
-    label = name or what
+    xs = _tensors(tensors)
+    pre = check_positive_float("prescale_factor", prescale_factor, where="grouped_allreduce")
+    post = check_positive_float("postscale_factor", postscale_factor, where="grouped_allreduce")
+    compressor = parse_compression(compression)
+    engine_of(process_set)  # not a member: fails here, while tracing
+    label = name or "grouped_allreduce"
 
     def reduce(*arrays: np.ndarray) -> list[np.ndarray]:
-        engine = engine_of(process_set, what)
+        engine = engine_of(process_set)
         outs = [np.array(a, order="C", copy=True) for a in arrays]
         check(engine, Request.of("allreduce", outs, name=label, op=op, scales=(pre, post)))
         specs = [TensorSpec(f"{label}.{i}", o.shape, o.dtype.name) for i, o in enumerate(outs)]
@@ -165,27 +168,28 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense:
         return outs
 
     def forward(*args: Any) -> list[Any]:
-        return run_op(reduce, args, [x.dtype for x in args], [x.shape for x in args], what)
+        return run_op(reduce, args, [x.dtype for x in args], [x.shape for x in args],
+                      "grouped_allreduce")
 
     return _differentiable(forward, forward, xs) if xs else []
 
 
 def reduce_indexed_slices(slices: Any, op: ReduceOp, prescale: float, postscale: float,
-                          process_set: Any, what: str) -> Any:
+                          process_set: Any) -> Any:
     """Horovod's sparse all-reduce: all-gather values and indices (an IndexedSlices
     whose duplicate indices add up); Average divides the values by the set size."""
     if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
         raise NotImplementedError(
-            f"{what}: only Sum and Average are supported with tf.IndexedSlices, got "
+            f"{caller()}: only Sum and Average are supported with tf.IndexedSlices, got "
             f"op={op.value!r}; pass sparse_as_dense=True or convert with tf.convert_to_tensor")
     if prescale != 1.0 or postscale != 1.0:
         raise NotImplementedError(
-            f"{what}: prescale_factor/postscale_factor are not supported with tf.IndexedSlices "
+            f"{caller()}: prescale_factor/postscale_factor are not supported with tf.IndexedSlices "
             f"(got {prescale}, {postscale}); scale the values yourself")
     values, indices = grouped_allgather([slices.values, slices.indices],
                                         process_set=process_set)
     if op is ReduceOp.AVERAGE:
-        values = values / tf.cast(engine_of(process_set, what).size, values.dtype)
+        values = values / tf.cast(engine_of(process_set).size, values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
@@ -198,21 +202,22 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
     return grouped_allgather([tensor], name=name or "allgather", process_set=process_set)[0]
 
 
+@public("grouped_allgather")
 def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
                       ignore_name_scope: bool = False,
                       process_set: Any = global_process_set) -> list[Any]:
     """``allgather`` of each tensor of a list."""
-    what = "grouped_allgather"
-    xs = _tensors(tensors, what)
-    engine_of(process_set, what)
-    label = name or what
+    xs = _tensors(tensors)
+    engine_of(process_set)
+    label = name or "grouped_allgather"
     for x in xs:
         if x.shape.rank == 0:
-            raise ValueError(f"{what}: a scalar cannot be all-gathered; reshape it to [1]")
+            raise ValueError(
+                "grouped_allgather: a scalar cannot be all-gathered; reshape it to [1]")
     n = len(xs)
 
     def gather(*arrays: np.ndarray) -> list[np.ndarray]:
-        engine = engine_of(process_set, what)
+        engine = engine_of(process_set)
         bufs = [_writable(a) for a in arrays]
         agreed = check(engine, Request.of("allgather", bufs, name=label))
         outs = [np.asarray(engine.allgather(b, agreed.rows(i), f"{label}.{i}"))
@@ -222,10 +227,10 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
 
     def forward(*args: Any) -> list[Any]:
         return run_op(gather, args, [*(x.dtype for x in args), tf.int64],
-                      [*([None, *x.shape[1:]] for x in args), [None, n]], what)
+                      [*([None, *x.shape[1:]] for x in args), [None, n]], "grouped_allgather")
 
     def backward(firsts: Any, *dys: Any) -> list[Any]:
-        me = engine_of(process_set, what).rank
+        me = engine_of(process_set).rank
         reduced = grouped_allreduce(list(dys), op=ReduceOp.AVERAGE, process_set=process_set,
                                     name=f"{label}.grad")
         out = []
@@ -240,18 +245,18 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
 # -- broadcast ----------------------------------------------------------------------
 
 
+@public("broadcast")
 def broadcast(tensor: Any, root_rank: int, name: str | None = None,
               ignore_name_scope: bool = False, process_set: Any = global_process_set) -> Any:
     """``root_rank``'s ``tensor`` on every rank of the set (``root_rank`` is job-wide)."""
-    what = "broadcast"
-    (x,) = _tensors([tensor], what)
-    root_of(engine_of(process_set, what), root_rank, what)
-    label = name or what
+    (x,) = _tensors([tensor])
+    root_of(engine_of(process_set), root_rank)
+    label = name or "broadcast"
 
     def bcast(array: np.ndarray) -> list[np.ndarray]:
-        engine = engine_of(process_set, what)
+        engine = engine_of(process_set)
         try:
-            root, problem, detail = root_of(engine, root_rank, what), Problem.NONE, ""
+            root, problem, detail = root_of(engine, root_rank), Problem.NONE, ""
         except ValueError as exc:
             root, problem, detail = -1, Problem.BAD_ROOT, str(exc)
         out = np.array(array, order="C", copy=True)  # TensorFlow may adopt it
@@ -262,11 +267,11 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
         return [out]
 
     def forward(arg: Any) -> list[Any]:
-        return run_op(bcast, [arg], [arg.dtype], [arg.shape], what)
+        return run_op(bcast, [arg], [arg.dtype], [arg.shape], "broadcast")
 
     def backward(dy: Any) -> list[Any]:
         (reduced,) = grouped_allreduce([dy], op=ReduceOp.AVERAGE, process_set=process_set,
-                                       name=f"{name or what}.grad")
+                                       name=f"{label}.grad")
         return [reduced if runtime.rank() == root_rank else reduced * 0]
 
     return _differentiable(forward, backward, [x])[0]
@@ -275,31 +280,32 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
 # -- alltoall, reducescatter -------------------------------------------------------
 
 
+@public("alltoall")
 def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
              ignore_name_scope: bool = False, process_set: Any = global_process_set) -> Any:
     """Send ``splits[j]`` rows (default: equal parts) to rank j; return the rows
     received, in rank order, and (when ``splits`` is given) how many came from each rank."""
-    what = "alltoall"
-    (x,) = _tensors([tensor], what)
-    size = engine_of(process_set, what).size
+    (x,) = _tensors([tensor])
+    size = engine_of(process_set).size
+    label = name or "alltoall"
     given = splits is not None
     s = (tf.cast(tf.reshape(tf.convert_to_tensor(splits), [-1]), tf.int64) if given
          else tf.constant([], tf.int64))
 
     def exchange(array: np.ndarray, sp: np.ndarray) -> list[np.ndarray]:
-        engine = engine_of(process_set, what)
+        engine = engine_of(process_set)
         buf = _writable(array)
-        agreed = check(engine, Request.of("alltoall", [buf], name=name or what,
+        agreed = check(engine, Request.of("alltoall", [buf], name=label,
                                           splits=[int(c) for c in sp] if given else None))
-        received, counts = engine.alltoall(buf, agreed.counts(), name or what)
+        received, counts = engine.alltoall(buf, agreed.counts(), label)
         return [np.asarray(received), np.asarray(counts, np.int64)]
 
     def forward(arg: Any) -> list[Any]:
         return run_op(exchange, [arg, s], [arg.dtype, tf.int64],
-                      [[None, *arg.shape[1:]], [size]], what)
+                      [[None, *arg.shape[1:]], [size]], "alltoall")
 
     def backward(rsplits: Any, dy: Any) -> list[Any]:
-        back, _ = alltoall(dy, rsplits, name=f"{name or what}.grad", process_set=process_set)
+        back, _ = alltoall(dy, rsplits, name=f"{label}.grad", process_set=process_set)
         return [back]
 
     out, rsplits = _differentiable(forward, backward, [x], side=1)
@@ -317,24 +323,24 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
                                  postscale_factor=postscale_factor)[0]
 
 
+@public("reducescatter")
 def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
                           compression: Any = Compression.none, op: Any = ReduceOp.AVERAGE,
                           name: str | None = None, process_set: Any = global_process_set,
                           ignore_name_scope: bool = False, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[Any]:
     """``reducescatter`` of each tensor of a list."""
-    what = "reducescatter"
-    op = resolve_op(op, None, what)
-    xs = _tensors(tensors, what)
-    pre = check_positive_float("prescale_factor", prescale_factor, where=what)
-    post = check_positive_float("postscale_factor", postscale_factor, where=what)
-    size = engine_of(process_set, what).size
-    label = name or what
+    op = resolve_op(op, None)
+    xs = _tensors(tensors)
+    pre = check_positive_float("prescale_factor", prescale_factor, where="reducescatter")
+    post = check_positive_float("postscale_factor", postscale_factor, where="reducescatter")
+    size = engine_of(process_set).size
+    label = name or "reducescatter"
 
     def scatter(*arrays: np.ndarray) -> list[np.ndarray]:
         # The torch adapter's path (``start_reducescatters``): one check, then
         # per tensor the policy's pre-scale, the engine's op, the post-scale.
-        engine = engine_of(process_set, what)
+        engine = engine_of(process_set)
         bufs = [np.array(a, order="C", copy=True) for a in arrays]
         check(engine, Request.of("reducescatter", bufs, name=label, op=op, scales=(pre, post)))
         policy = ReducePolicy.for_collective(op, engine.size, prescale=pre, postscale=post)
@@ -348,7 +354,7 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
 
     def forward(*args: Any) -> list[Any]:
         return run_op(scatter, args, [x.dtype for x in args],
-                      [[None, *x.shape[1:]] for x in args], what)
+                      [[None, *x.shape[1:]] for x in args], "reducescatter")
 
     def backward(*dys: Any) -> list[Any]:
         factor = (size if op is ReduceOp.SUM else 1) * pre * post

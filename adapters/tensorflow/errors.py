@@ -33,7 +33,7 @@ from dp_plugin.request import MismatchError
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _init_op_error(error: Any, op_error: type, message: str) -> None:
+def _init_op_error(error: Any, op_error: type[tf.errors.OpError], message: str) -> None:
     op_error.__init__(error, None, None, message)
     error.args = (message,)
 

@@ -20,25 +20,27 @@ import tensorflow as tf
 from dp_plugin import objects as _objects
 from dp_plugin import request, runtime
 from dp_plugin.collective import root_of
+from dp_plugin.edge import public
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.tensorflow import graph_order
 
 # -- objects ---------------------------------------------------------------------
 
 
+@public("broadcast_object")
 def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None,
                      process_set: Any = global_process_set) -> Any:
     """``root_rank``'s ``obj`` on every rank of the set (pickled). Collective."""
-    what = "broadcast_object"
-    engine = engine_of(process_set, what)
-    root = root_of(engine, root_rank, what)
+    engine = engine_of(process_set)
+    root = root_of(engine, root_rank)
     return _objects.broadcast_object(engine, obj, root, name or type(obj).__name__)
 
 
+@public("allgather_object")
 def allgather_object(obj: Any, session: Any = None, name: str | None = None,
                      process_set: Any = global_process_set) -> list[Any]:
     """Every rank's ``obj``, in rank order of the set (pickled). Collective."""
-    engine = engine_of(process_set, "allgather_object")
+    engine = engine_of(process_set)
     # Not type(obj).__name__: ranks may hold objects of different types (see torch's).
     return _objects.allgather_object(engine, obj, name or "allgather_object")
 
@@ -46,9 +48,10 @@ def allgather_object(obj: Any, session: Any = None, name: str | None = None,
 # -- synchronization -----------------------------------------------------------------
 
 
+@public("barrier")
 def barrier(process_set: Any = global_process_set) -> None:
     """Return once every rank of the set has called it."""
-    engine_of(process_set, "barrier").barrier()
+    engine_of(process_set).barrier()
 
 
 def join() -> Any:

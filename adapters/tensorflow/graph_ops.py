@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
+from dp_plugin.edge import public
 from dp_plugin.process_sets import global_process_set, registered
 from dp_plugin.tensorflow.basics import local_rank, local_size, rank
 from dp_plugin.tensorflow.broadcast import broadcast_variables
@@ -23,9 +24,10 @@ def rank_op(name: str | None = None) -> tf.Tensor:
     return tf.constant(rank(), dtype=tf.int32, name=name)
 
 
+@public("size_op")
 def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     """The number of ranks (of the job, or of process set ``process_set_id``)."""
-    process_set = registered(process_set_id, "size_op")
+    process_set = registered(process_set_id)
     return tf.constant(process_set.size() or 0, dtype=tf.int32, name=name)
 
 
@@ -37,9 +39,10 @@ def local_size_op(name: str | None = None) -> tf.Tensor:
     return tf.constant(local_size(), dtype=tf.int32, name=name)
 
 
+@public("process_set_included_op")
 def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     """1 if this rank belongs to process set ``process_set_id``, else 0."""
-    process_set = registered(process_set_id, "process_set_included_op")
+    process_set = registered(process_set_id)
     return tf.constant(int(bool(process_set.included())), dtype=tf.int32, name=name)
 
 

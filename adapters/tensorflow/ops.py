@@ -10,6 +10,7 @@ from __future__ import annotations
 from dp_plugin import horovod_names as _names
 from dp_plugin.compression import Compressor
 from dp_plugin.compression import get_compressor as _get_compressor
+from dp_plugin.edge import caller
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.horovod_names import Adasum, Average, Compression, Max, Min, Product, Sum
 
@@ -23,21 +24,21 @@ __all__ = [
 _GRADIENT_OPS = (ReduceOp.AVERAGE, ReduceOp.SUM)
 
 
-def parse_gradient_op(op: object, what: str) -> ReduceOp:
+def parse_gradient_op(op: object) -> ReduceOp:
     """Validate a user's ``op=`` for gradients: Average (default) or Sum."""
-    parsed = _names.parse_op(op, what, prefix="dp.",
+    parsed = _names.parse_op(op, prefix="dp.",
                              instead="op=dp.Average (the default) or op=dp.Sum")
     if parsed not in _GRADIENT_OPS:
         raise ValueError(
-            f"{what}: op={parsed.value!r} is not a gradient reduction; use op=dp.Average "
+            f"{caller()}: op={parsed.value!r} is not a gradient reduction; use op=dp.Average "
             "(the default) or op=dp.Sum"
         )
     return parsed
 
 
-def parse_compression(compression: object, what: str) -> Compressor:
+def parse_compression(compression: object) -> Compressor:
     """A compressor from ``Compression.x``, a name ('none', 'fp16', 'bf16') or an object."""
     try:
         return _get_compressor(compression)  # type: ignore[arg-type]
     except ValueError as exc:
-        raise ValueError(f"{what}: {exc}; use dp.Compression.none/fp16/bf16") from None
+        raise ValueError(f"{caller()}: {exc}; use dp.Compression.none/fp16/bf16") from None

@@ -41,8 +41,10 @@ import keras
 
 import tensorflow as tf
 from dp_plugin.compression import Compressor
+from dp_plugin.edge import calling
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import DPPluginError
+from dp_plugin.hooks import check_predivide_op
 from dp_plugin.tensorflow.bridge import GradientBridge, next_bridge_name
 from dp_plugin.tensorflow.compat import UnsupportedStrategyError, check_keras
 from dp_plugin.tensorflow.ops import Average, Compression, parse_compression, parse_gradient_op
@@ -54,11 +56,14 @@ def parse_reduction(owner: str, op: Any, compression: Any, backward_passes_per_s
                     gradient_predivide_factor: Any) -> tuple[ReduceOp, Compressor, int, float]:
     """The reduction arguments of ``DistributedOptimizer``, ``DistributedCallback`` and
     ``DistributedGradientTape``, validated (errors name ``owner``)."""
-    return (
-        parse_gradient_op(op, owner), parse_compression(compression, owner),
-        check_int("backward_passes_per_step", backward_passes_per_step, minimum=1, where=owner),
-        check_positive_float("gradient_predivide_factor", gradient_predivide_factor, where=owner),
-    )
+    with calling(owner):
+        op, compressor = parse_gradient_op(op), parse_compression(compression)
+    passes = check_int("backward_passes_per_step", backward_passes_per_step, minimum=1,
+                       where=owner)
+    predivide = check_positive_float("gradient_predivide_factor", gradient_predivide_factor,
+                                     where=owner)
+    check_predivide_op(op, predivide)
+    return op, compressor, passes, predivide
 
 
 class DistributedApply:

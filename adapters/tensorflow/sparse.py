@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
+from dp_plugin.edge import calling
 from dp_plugin.tensorflow.bridge import GradientBridge
 from dp_plugin.tensorflow.collectives import reduce_indexed_slices
 
@@ -33,6 +34,6 @@ def reduce_gradients(bridge: GradientBridge, grads: Sequence[Any], labels: Seque
     for i, r in zip(dense, reduced, strict=True):
         out[i] = r
     for i in sparse:
-        out[i] = reduce_indexed_slices(grads[i], bridge.op, 1.0, 1.0, None,
-                                       f"sparse gradient {labels[i]!r}")
+        with calling(f"sparse gradient {labels[i]!r}"):
+            out[i] = reduce_indexed_slices(grads[i], bridge.op, 1.0, 1.0, None)
     return out

@@ -20,6 +20,7 @@ from typing import Any
 import keras
 
 import tensorflow as tf
+from dp_plugin.edge import calling
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.tensorflow.collectives import grouped_allreduce
@@ -40,7 +41,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
 
     def _moments(self, inputs: Any, mask: Any) -> Any:
         mean, variance = super()._moments(inputs, mask)
-        if engine_of(self.process_set, "SyncBatchNormalization").size == 1:
+        with calling("SyncBatchNormalization"):
+            size = engine_of(self.process_set).size
+        if size == 1:
             return mean, variance
         mean_of_square = variance + tf.math.square(mean)
         group_mean, group_mean_of_square = grouped_allreduce(

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from dp_plugin.collective import root_of
+from dp_plugin.edge import public
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.torch.collectives import (
@@ -112,6 +113,7 @@ def _allreduce(tensors: list[torch.Tensor], grouped: bool, name: str | None, com
         name, op, prescale, postscale, process_set, grouped, *wires))
 
 
+@public("allreduce")
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
               compression: Any = _NONE, op: Any = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0,
@@ -119,42 +121,45 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     """Average (default) or reduce ``tensor`` over the process set; returns a
     new tensor, the input is not modified. Differentiable. ``compression``
     casts the tensor for the wire and back. See ``allreduce_async``."""
-    op = resolve_op(op, average, "allreduce")
-    check_tensors(tensor, "allreduce")
+    op = resolve_op(op, average)
+    check_tensors(tensor)
     return _allreduce([tensor], False, name, compression, op, prescale_factor,
                       postscale_factor, process_set)[0]
 
 
+@public("allreduce_")
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: Any = global_process_set) -> torch.Tensor:
     """In-place ``allreduce`` (not differentiable); returns ``tensor``."""
-    op = resolve_op(op, average, "allreduce_")
+    op = resolve_op(op, average)
     out: torch.Tensor = synchronize(allreduce_async_(
         tensor, name=name, op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, process_set=process_set))
     return out
 
 
+@public("grouped_allreduce")
 def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
                       name: str | None = None, compression: Any = _NONE, op: Any = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: Any = global_process_set) -> list[torch.Tensor]:
     """``allreduce`` of a list of tensors as one fused collective; returns a
     list of new tensors. Differentiable."""
-    op = resolve_op(op, average, "grouped_allreduce")
-    tensors = check_tensors(tensors, "grouped_allreduce")
+    op = resolve_op(op, average)
+    tensors = check_tensors(tensors)
     return _allreduce(tensors, True, name, compression, op, prescale_factor, postscale_factor,
                       process_set)
 
 
+@public("grouped_allreduce_")
 def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None,
                        name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
                        postscale_factor: float = 1.0,
                        process_set: Any = global_process_set) -> tuple[torch.Tensor, ...]:
     """In-place ``grouped_allreduce`` (not differentiable); returns the tuple
     of input tensors, as Horovod's."""
-    op = resolve_op(op, average, "grouped_allreduce_")
+    op = resolve_op(op, average)
     out: tuple[torch.Tensor, ...] = synchronize(grouped_allreduce_async_(
         tensors, name=name, op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, process_set=process_set))
@@ -168,10 +173,10 @@ class _GroupedAllgather(torch.autograd.Function):
     """allgather of one or more tensors; the gradient keeps this rank's rows."""
 
     @staticmethod
-    def forward(ctx: Any, name: str | None, process_set: Any, what: str,
+    def forward(ctx: Any, name: str | None, process_set: Any,
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        outs, rows, _ = gather(list(tensors), name, process_set, what)
-        engine = engine_of(process_set, what)
+        outs, rows, _ = gather(list(tensors), name, process_set)
+        engine = engine_of(process_set)
         ctx.process_set = process_set
         # (offset, count) of this rank's rows in each output.
         ctx.slices = [(sum(r[:engine.rank]), r[engine.rank]) for r in rows]
@@ -183,23 +188,25 @@ class _GroupedAllgather(torch.autograd.Function):
                                      process_set=ctx.process_set)
         mine = [g.narrow(0, offset, count) for g, (offset, count) in
                 zip(averaged, ctx.slices, strict=True)]
-        return (None, None, None, *mine)
+        return (None, None, *mine)
 
 
+@public("allgather")
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: Any = global_process_set) -> torch.Tensor:
     """Concatenate ``tensor`` from every rank along the first dimension (its
     size may differ between ranks). Differentiable."""
-    check_tensors(tensor, "allgather")
-    out: torch.Tensor = _GroupedAllgather.apply(name, process_set, "allgather", tensor)[0]
+    check_tensors(tensor)
+    out: torch.Tensor = _GroupedAllgather.apply(name, process_set, tensor)[0]
     return out
 
 
+@public("grouped_allgather")
 def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None,
                       process_set: Any = global_process_set) -> list[torch.Tensor]:
     """``allgather`` of each tensor of a list; returns a list. Differentiable."""
-    tensors = check_tensors(tensors, "grouped_allgather")
-    return list(_GroupedAllgather.apply(name, process_set, "grouped_allgather", *tensors))
+    tensors = check_tensors(tensors)
+    return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
 # -- broadcast ------------------------------------------------------------------
@@ -210,8 +217,8 @@ class _Broadcast(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None,
                 process_set: Any) -> torch.Tensor:
         out: torch.Tensor = synchronize(broadcast_async(tensor, root_rank, name, process_set))
-        engine = engine_of(process_set, "broadcast")
-        ctx.is_root = engine.rank == root_of(engine, root_rank, "broadcast")  # valid: it ran
+        engine = engine_of(process_set)
+        ctx.is_root = engine.rank == root_of(engine, root_rank)  # valid: it ran
         ctx.process_set = process_set
         return out
 
@@ -221,15 +228,17 @@ class _Broadcast(torch.autograd.Function):
         return (averaged if ctx.is_root else torch.zeros_like(averaged)), None, None, None
 
 
+@public("broadcast")
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: Any = global_process_set) -> torch.Tensor:
     """Return a new tensor holding ``root_rank``'s ``tensor`` (a job-wide rank
     of the process set). Differentiable."""
-    check_tensors(tensor, "broadcast")
+    check_tensors(tensor)
     out: torch.Tensor = _Broadcast.apply(tensor, root_rank, name, process_set)
     return out
 
 
+@public("broadcast_")
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: Any = global_process_set) -> torch.Tensor:
     """In-place ``broadcast`` (not differentiable); returns ``tensor``."""
@@ -244,7 +253,7 @@ class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None,
                 process_set: Any) -> Any:
-        out, received, _ = exchange(tensor, splits, name, process_set, "alltoall")
+        out, received, _ = exchange(tensor, splits, name, process_set)
         ctx.process_set = process_set
         ctx.received = received
         if splits is None:
@@ -258,12 +267,13 @@ class _Alltoall(torch.autograd.Function):
         return back, None, None, None
 
 
+@public("alltoall")
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
              process_set: Any = global_process_set) -> Any:
     """Scatter row blocks of ``tensor`` to the ranks and gather theirs (see
     ``alltoall_async``). Returns the output alone when ``splits`` is None,
     else ``(output, received_splits)``, as Horovod's. Differentiable."""
-    check_tensors(tensor, "alltoall")
+    check_tensors(tensor)
     return _Alltoall.apply(tensor, splits, name, process_set)
 
 
@@ -273,10 +283,9 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
 class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
-                process_set: Any, what: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        outs, _ = reduce_scatter(list(tensors), name, op, prescale, postscale, process_set,
-                                   what)
-        size = engine_of(process_set, what).size
+                process_set: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outs, _ = reduce_scatter(list(tensors), name, op, prescale, postscale, process_set)
+        size = engine_of(process_set).size
         ctx.factor = (size if op is ReduceOp.SUM else 1) * float(prescale) * float(postscale)
         ctx.process_set = process_set
         return tuple(outs)
@@ -285,27 +294,28 @@ class _GroupedReducescatter(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         scaled = [g * ctx.factor if ctx.factor != 1 else g for g in grads]
         gathered = grouped_allgather(scaled, process_set=ctx.process_set)
-        return (None, None, None, None, None, None, *gathered)
+        return (None, None, None, None, None, *gathered)
 
 
+@public("reducescatter")
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = _NONE,
                   op: Any = ReduceOp.AVERAGE, process_set: Any = global_process_set,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce ``tensor`` over the ranks and return this rank's block of rows
     (see ``reducescatter_async``). Differentiable."""
-    check_tensors(tensor, "reducescatter")
-    op = resolve_op(op, None, "reducescatter")
+    check_tensors(tensor)
+    op = resolve_op(op, None)
     return _compressed(compression, [tensor], lambda wire: _GroupedReducescatter.apply(
-        name, op, prescale_factor, postscale_factor, process_set, "reducescatter", wire))[0]
+        name, op, prescale_factor, postscale_factor, process_set, wire))[0]
 
 
+@public("grouped_reducescatter")
 def grouped_reducescatter(tensors: list[torch.Tensor], name: str | None = None,
                           compression: Any = _NONE, op: Any = ReduceOp.AVERAGE,
                           process_set: Any = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """``reducescatter`` of each tensor of a list; returns a list. Differentiable."""
-    tensors = check_tensors(tensors, "grouped_reducescatter")
-    op = resolve_op(op, None, "grouped_reducescatter")
+    tensors = check_tensors(tensors)
+    op = resolve_op(op, None)
     return _compressed(compression, tensors, lambda *wires: _GroupedReducescatter.apply(
-        name, op, prescale_factor, postscale_factor, process_set, "grouped_reducescatter",
-        *wires))
+        name, op, prescale_factor, postscale_factor, process_set, *wires))

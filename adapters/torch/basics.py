@@ -20,6 +20,7 @@ from typing import Any
 from dp_plugin import capabilities as _capabilities
 from dp_plugin import process_sets as _process_sets
 from dp_plugin import runtime
+from dp_plugin.edge import caller, public
 from dp_plugin.engines.base import Engine
 from dp_plugin.errors import NotInitializedError as _CoreNotInitializedError
 from dp_plugin.launch import detect
@@ -46,10 +47,10 @@ class NotInitializedError(_CoreNotInitializedError, ValueError):
 _process_sets.use_not_initialized_error(NotInitializedError)
 
 
-def engine(what: str = "dp_plugin.torch") -> Engine:
-    """The running global engine; ``NotInitializedError`` naming ``what`` before ``init()``."""
+def engine() -> Engine:
+    """The running global engine; ``NotInitializedError`` naming the caller before ``init()``."""
     if not runtime.is_initialized():
-        raise NotInitializedError(what)
+        raise NotInitializedError(caller("dp_plugin.torch"))
     return runtime.engine()
 
 
@@ -125,39 +126,46 @@ def _check_comm(comm: Any) -> None:
 # -- ranks ----------------------------------------------------------------------
 
 
+@public("hvd.size()")
 def size() -> int:
     """Number of processes in the job."""
-    return engine("hvd.size()").size
+    return engine().size
 
 
+@public("hvd.rank()")
 def rank() -> int:
     """This process's rank, 0 .. size()-1."""
-    return engine("hvd.rank()").rank
+    return engine().rank
 
 
+@public("hvd.local_size()")
 def local_size() -> int:
     """Number of processes on this host."""
-    return engine("hvd.local_size()").topology.local_size
+    return engine().topology.local_size
 
 
+@public("hvd.local_rank()")
 def local_rank() -> int:
     """Index of this process among those on its host (pin your GPU with it)."""
-    return engine("hvd.local_rank()").topology.local_rank
+    return engine().topology.local_rank
 
 
+@public("hvd.cross_size()")
 def cross_size() -> int:
     """Number of hosts (Horovod: processes with this process's local rank)."""
-    return engine("hvd.cross_size()").topology.cross_size
+    return engine().topology.cross_size
 
 
+@public("hvd.cross_rank()")
 def cross_rank() -> int:
     """Index of this process's host."""
-    return engine("hvd.cross_rank()").topology.cross_rank
+    return engine().topology.cross_rank
 
 
+@public("hvd.is_homogeneous()")
 def is_homogeneous() -> bool:
     """True when every host runs the same number of processes."""
-    return engine("hvd.is_homogeneous()").topology.is_homogeneous
+    return engine().topology.is_homogeneous
 
 
 # -- what is built, what is running ---------------------------------------------
@@ -191,15 +199,16 @@ def rocm_built() -> bool:
     return torch.version.hip is not None
 
 
+@public("hvd.mpi_threads_supported()")
 def mpi_threads_supported() -> bool:
     """Whether MPI runs with ``MPI_THREAD_MULTIPLE``; ``ValueError`` unless MPI is enabled."""
-    what = "hvd.mpi_threads_supported()"
-    return _capabilities.mpi_threads_supported(engine(what), what)
+    return _capabilities.mpi_threads_supported(engine())
 
 
 # -- timeline -------------------------------------------------------------------
 
 
+@public("hvd.start_timeline()")
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Start writing this rank's Chrome trace to ``file_path`` (per-rank file names as
     ``DP_PLUGIN_TIMELINE``: ``{rank}`` replaced, else ``.rankN`` before the extension).
@@ -209,15 +218,16 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     is closed first. ``mark_cycles`` adds an instant event at every step.
     Local: no communication.
     """
-    eng = engine("hvd.start_timeline()")
+    eng = engine()
     if not isinstance(file_path, str) or not file_path:
         raise ValueError(f"start_timeline: file_path must be a non-empty string, got {file_path!r}")
     shared_timeline.start(file_path, eng.rank, mark_cycles, eng.config.timeline_max_bytes)
 
 
+@public("hvd.stop_timeline()")
 def stop_timeline() -> None:
     """Stop recording and close the timeline file (nothing happens if none is running)."""
-    engine("hvd.stop_timeline()")
+    engine()
     shared_timeline.stop()
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from dp_plugin.arrays import TorchOps
 from dp_plugin.collective import UNBOUNDED, FusedCollective, root_of
+from dp_plugin.edge import caller, public
 from dp_plugin.engines.base import Engine, Handle, ReduceOp
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
@@ -24,6 +25,7 @@ from dp_plugin.torch.submit import agree, check_factor, check_tensors, contiguou
 # -- allreduce ------------------------------------------------------------------
 
 
+@public("allreduce_async")
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: Any = global_process_set) -> int:
@@ -32,57 +34,56 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     of the same shape and dtype. ``op``: Average, Sum, Min, Max, Product;
     ``average`` is deprecated (True: Average, False: Sum). Average of integer
     tensors truncates toward zero, as Horovod's."""
-    what = "allreduce_async"
-    op = resolve_op(op, average, what)
-    return _start_allreduce(check_tensors(tensor, what), False, False, name, op,
-                            prescale_factor, postscale_factor, process_set, what)
+    op = resolve_op(op, average)
+    return _start_allreduce(check_tensors(tensor), False, False, name, op,
+                            prescale_factor, postscale_factor, process_set)
 
 
+@public("allreduce_async_")
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: Any = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0,
                      process_set: Any = global_process_set) -> int:
     """In-place ``allreduce_async``: ``synchronize`` writes the result into
     ``tensor`` and returns it."""
-    what = "allreduce_async_"
-    op = resolve_op(op, average, what)
-    return _start_allreduce(check_tensors(tensor, what), True, False, name, op,
-                            prescale_factor, postscale_factor, process_set, what)
+    op = resolve_op(op, average)
+    return _start_allreduce(check_tensors(tensor), True, False, name, op,
+                            prescale_factor, postscale_factor, process_set)
 
 
+@public("grouped_allreduce_async")
 def grouped_allreduce_async(tensors: list[torch.Tensor], average: bool | None = None,
                             name: str | None = None, op: Any = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: Any = global_process_set) -> int:
     """``allreduce_async`` of a list of tensors, fused into one collective per
     dtype and device; ``synchronize`` returns a tuple of new tensors."""
-    what = "grouped_allreduce_async"
-    op = resolve_op(op, average, what)
-    return _start_allreduce(check_tensors(tensors, what), False, True, name, op,
-                            prescale_factor, postscale_factor, process_set, what)
+    op = resolve_op(op, average)
+    return _start_allreduce(check_tensors(tensors), False, True, name, op,
+                            prescale_factor, postscale_factor, process_set)
 
 
+@public("grouped_allreduce_async_")
 def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None = None,
                              name: str | None = None, op: Any = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: Any = global_process_set) -> int:
     """In-place ``grouped_allreduce_async``: ``synchronize`` returns the tuple
     of input tensors, now holding the results."""
-    what = "grouped_allreduce_async_"
-    op = resolve_op(op, average, what)
-    return _start_allreduce(check_tensors(tensors, what), True, True, name, op,
-                            prescale_factor, postscale_factor, process_set, what)
+    op = resolve_op(op, average)
+    return _start_allreduce(check_tensors(tensors), True, True, name, op,
+                            prescale_factor, postscale_factor, process_set)
 
 
 def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
                      name: str | None, op: ReduceOp, prescale: Any, postscale: Any,
-                     process_set: Any, what: str) -> int:
+                     process_set: Any) -> int:
     """One ``FusedCollective`` per call: grouped (large tensors alone,
     the rest in 8 MiB chunks, see ``dp_plugin.collective.UNBOUNDED``), scaled
     by the one ``ReducePolicy``; ``synchronize`` unpacks the results."""
-    pre = check_factor(prescale, what, "prescale_factor")
-    post = check_factor(postscale, what, "postscale_factor")
-    engine = engine_of(process_set, what)
+    pre = check_factor(prescale, "prescale_factor")
+    post = check_factor(postscale, "postscale_factor")
+    engine = engine_of(process_set)
     key, _ = agree(engine, "allreduce", tensors, name, process_set, op=op, scales=(pre, post))
     # The result's storage: the caller's tensor in place when it is one dense
     # block, else a fresh contiguous copy (the input is never modified).
@@ -124,38 +125,37 @@ def start_fused_allreduce(engine: Engine, outs: list[torch.Tensor], name: str | 
 # -- allgather ------------------------------------------------------------------
 
 
+@public("allgather_async")
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: Any = global_process_set) -> int:
     """Concatenate ``tensor`` from every rank along the first dimension (which
     may differ between ranks). The rows move in the background (gloo, nccl,
     mpi): ``poll`` says when; ``synchronize`` returns the result."""
-    handles, finish, _, key = start_gather(check_tensors(tensor, "allgather_async"), name,
-                                           process_set, "allgather_async")
+    handles, finish, _, key = start_gather(check_tensors(tensor), name, process_set)
     return TABLE.add(InFlight(handles, lambda: finish()[0]), key)
 
 
+@public("grouped_allgather_async")
 def grouped_allgather_async(tensors: list[torch.Tensor], name: str | None = None,
                             process_set: Any = global_process_set) -> int:
     """``allgather_async`` of each tensor of a list; ``synchronize`` returns a tuple."""
-    handles, finish, _, key = start_gather(check_tensors(tensors, "grouped_allgather_async"),
-                                           name, process_set, "grouped_allgather_async")
+    handles, finish, _, key = start_gather(check_tensors(tensors), name, process_set)
     return TABLE.add(InFlight(handles, lambda: tuple(finish())), key)
 
 
-def gather(tensors: list[torch.Tensor], name: str | None, process_set: Any,
-           what: str) -> tuple[list[torch.Tensor], list[list[int]], Any]:
+def gather(tensors: list[torch.Tensor], name: str | None,
+           process_set: Any) -> tuple[list[torch.Tensor], list[list[int]], Any]:
     """Run the all-gathers to completion; return the outputs, every rank's
     first dimension per tensor (for the gradient), and the name key."""
-    handles, finish, dims, key = start_gather(tensors, name, process_set, what)
+    handles, finish, dims, key = start_gather(tensors, name, process_set)
     return InFlight(handles, finish).result(), dims, key
 
 
-def start_gather(tensors: list[torch.Tensor], name: str | None, process_set: Any,
-                 what: str) -> tuple[list[Handle], Callable[[], list[torch.Tensor]],
-                                     list[list[int]], Any]:
+def start_gather(tensors: list[torch.Tensor], name: str | None, process_set: Any
+                 ) -> tuple[list[Handle], Callable[[], list[torch.Tensor]], list[list[int]], Any]:
     """Start the all-gathers: (handles, function returning the outputs once
     they are done, first dimensions, name key)."""
-    engine = engine_of(process_set, what)
+    engine = engine_of(process_set)
     key, agreed = agree(engine, "allgather", tensors, name, process_set)
     started = start_allgathers(engine, [t.detach().contiguous() for t in tensors], agreed, name)
     return ([h for h, _ in started], lambda: [result() for _, result in started],
@@ -173,28 +173,30 @@ def start_allgathers(engine: Engine, bufs: list[torch.Tensor], agreed: Agreed,
 # -- broadcast ------------------------------------------------------------------
 
 
+@public("broadcast_async")
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: Any = global_process_set) -> int:
     """Broadcast ``tensor`` from ``root_rank`` (a job-wide rank, as in Horovod,
     that belongs to the process set); the input is not modified. Runs at the
     call; ``synchronize`` returns a new tensor."""
-    return _start_broadcast(tensor, root_rank, name, process_set, False, "broadcast_async")
+    return _start_broadcast(tensor, root_rank, name, process_set, False)
 
 
+@public("broadcast_async_")
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: Any = global_process_set) -> int:
     """In-place ``broadcast_async``: ``tensor`` receives the root's values."""
-    return _start_broadcast(tensor, root_rank, name, process_set, True, "broadcast_async_")
+    return _start_broadcast(tensor, root_rank, name, process_set, True)
 
 
 def _start_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: Any,
-                     inplace: bool, what: str) -> int:
-    (t,) = check_tensors(tensor, what)
-    engine = engine_of(process_set, what)
+                     inplace: bool) -> int:
+    (t,) = check_tensors(tensor)
+    engine = engine_of(process_set)
     # Horovod's root rule (an int raises at once); a root outside the set is
     # a problem for the agreement, so that every rank raises.
     try:
-        root, problem, detail = root_of(engine, root_rank, what), Problem.NONE, ""
+        root, problem, detail = root_of(engine, root_rank), Problem.NONE, ""
     except ValueError as exc:
         root, problem, detail = -1, Problem.BAD_ROOT, str(exc)
     key, _ = agree(engine, "broadcast", [t], name, process_set, problem=problem,
@@ -213,6 +215,7 @@ def _start_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, pro
 # -- alltoall -------------------------------------------------------------------
 
 
+@public("alltoall_async")
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
                    process_set: Any = global_process_set) -> int:
     """Send ``splits[j]`` rows of ``tensor`` (first dimension, in order) to
@@ -220,15 +223,15 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     concatenated in rank order. ``splits=None`` divides the first dimension
     evenly. Runs at the call; ``synchronize`` returns ``(output,
     received_splits)`` (int32, or ``splits``' dtype when it is a tensor)."""
-    out, received, key = exchange(tensor, splits, name, process_set, "alltoall_async")
+    out, received, key = exchange(tensor, splits, name, process_set)
     return TABLE.add(Ready((out, received)), key)
 
 
-def exchange(tensor: torch.Tensor, splits: Any, name: str | None, process_set: Any,
-             what: str) -> tuple[torch.Tensor, torch.Tensor, Any]:
+def exchange(tensor: torch.Tensor, splits: Any, name: str | None,
+             process_set: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """Run the alltoall; return the output, the received splits and the name key."""
-    (t,) = check_tensors(tensor, what)
-    engine = engine_of(process_set, what)
+    (t,) = check_tensors(tensor)
+    engine = engine_of(process_set)
     key, agreed = agree(engine, "alltoall", [t], name, process_set, splits=splits)
     out, received = engine.alltoall(t.detach().contiguous(), agreed.counts(),
                                     name or "alltoall")
@@ -242,6 +245,7 @@ def exchange(tensor: torch.Tensor, splits: Any, name: str | None, process_set: A
 # -- reducescatter --------------------------------------------------------------
 
 
+@public("reducescatter_async")
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = ReduceOp.AVERAGE,
                         process_set: Any = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> int:
@@ -250,11 +254,11 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     (Horovod's rule). ``op``: Average (default) or Sum. The reduction runs in
     the background (gloo, nccl, mpi, horovod); ``synchronize`` returns the block."""
     handles, finish, key = start_reduce_scatter(
-        check_tensors(tensor, "reducescatter_async"), name, op, prescale_factor,
-        postscale_factor, process_set, "reducescatter_async")
+        check_tensors(tensor), name, op, prescale_factor, postscale_factor, process_set)
     return TABLE.add(InFlight(handles, lambda: finish()[0]), key)
 
 
+@public("grouped_reducescatter_async")
 def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = None,
                                 op: Any = ReduceOp.AVERAGE,
                                 process_set: Any = global_process_set,
@@ -262,37 +266,33 @@ def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = 
                                 postscale_factor: float = 1.0) -> int:
     """``reducescatter_async`` of each tensor of a list; ``synchronize``
     returns a tuple."""
-    what = "grouped_reducescatter_async"
-    handles, finish, key = start_reduce_scatter(check_tensors(tensors, what), name, op,
-                                                prescale_factor, postscale_factor,
-                                                process_set, what)
+    handles, finish, key = start_reduce_scatter(check_tensors(tensors), name, op,
+                                                prescale_factor, postscale_factor, process_set)
     return TABLE.add(InFlight(handles, lambda: tuple(finish())), key)
 
 
 def reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any, prescale: Any,
-                   postscale: Any, process_set: Any,
-                   what: str) -> tuple[list[torch.Tensor], Any]:
+                   postscale: Any, process_set: Any) -> tuple[list[torch.Tensor], Any]:
     """Run the reduce-scatters to completion; return the outputs and the name key."""
     handles, finish, key = start_reduce_scatter(tensors, name, op, prescale, postscale,
-                                                process_set, what)
+                                                process_set)
     return InFlight(handles, finish).result(), key
 
 
 def start_reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any,
-                         prescale: Any, postscale: Any, process_set: Any,
-                         what: str) -> tuple[list[Handle], Callable[[], list[torch.Tensor]],
-                                             Any]:
+                         prescale: Any, postscale: Any, process_set: Any
+                         ) -> tuple[list[Handle], Callable[[], list[torch.Tensor]], Any]:
     """Start the reduce-scatters: (handles, function returning the scaled
     outputs once they are done, name key)."""
-    op = resolve_op(op, None, what)
+    op = resolve_op(op, None)
     if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError(
-            f"{what}: op={op.name.capitalize()} is not supported; reducescatter supports "
+            f"{caller()}: op={op.name.capitalize()} is not supported; reducescatter supports "
             "op=hvd.Average and op=hvd.Sum (as Horovod's)"
         )
-    pre = check_factor(prescale, what, "prescale_factor")
-    post = check_factor(postscale, what, "postscale_factor")
-    engine = engine_of(process_set, what)
+    pre = check_factor(prescale, "prescale_factor")
+    post = check_factor(postscale, "postscale_factor")
+    engine = engine_of(process_set)
     key, _ = agree(engine, "reducescatter", tensors, name, process_set, op=op,
                    scales=(pre, post))
     policy = ReducePolicy.for_collective(op, engine.size, prescale=pre, postscale=post)
@@ -326,10 +326,11 @@ def start_reducescatters(engine: Engine, bufs: list[torch.Tensor], policy: Reduc
 # -- barrier --------------------------------------------------------------------
 
 
+@public("barrier")
 def barrier(process_set: Any = global_process_set) -> None:
     """Block until every rank of the process set has called ``barrier``.
 
     It is the agreement check alone (an all-gather completes on no rank
     before every rank has entered it), so a rank that calls another
     collective here instead makes every rank raise."""
-    check(engine_of(process_set, "barrier"), Request(kind="barrier"), accept_joined=True)
+    check(engine_of(process_set), Request(kind="barrier"), accept_joined=True)

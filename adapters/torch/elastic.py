@@ -46,16 +46,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import os
 import re
 import stat
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
+from dp_plugin import elastic as _core
+from dp_plugin.elastic import State
 from dp_plugin.errors import LaunchError
 from dp_plugin.torch import basics
 from dp_plugin.torch.basics import init, shutdown
@@ -75,157 +76,36 @@ from dp_plugin.torch.functions import (
 
 __all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "init", "run", "shutdown"]
 
-_MARK = "dp_plugin.elastic"
-"""Key of the commit record inside the checkpoint (tells it from other checkpoints)."""
 
-R = TypeVar("R")
-
-
-class State:
-    """What ``run`` needs from a state: ``sync``, ``save``, ``restore``, ``load``.
-
-    ``commit()`` = ``save()`` (in memory) + ``persist()`` (to ``commit_path``).
-    """
-
-    commit_path: Path | None = None
-
-    def __init__(self) -> None:
-        self._reset_callbacks: list[Callable[[], Any]] = []
-
-    def register_reset_callbacks(self, callbacks: list[Callable[[], Any]]) -> None:
-        """Functions to call after a reset (Horovod's API). dp_plugin resets by
-        restarting processes, so they run when ``run`` resumes from a commit."""
-        self._reset_callbacks.extend(callbacks)
-
-    def on_reset(self) -> None:
-        self.reset()
-        for callback in self._reset_callbacks:
-            callback()
-
-    def reset(self) -> None:
-        """Hook for subclasses: adjust to a new world size (e.g. the learning rate)."""
-
-    def commit(self) -> None:
-        """Keep the current state as the point to resume from. Collective.
-
-        In memory (``restore()`` returns to it) and, with ``commit_path``, on
-        disk through the atomic checkpoint writer: a process killed during a
-        commit leaves the previous commit loadable. A commit copies every
-        tracked state dict and costs a file write: commit every few hundred
-        steps, not every step."""
-        self.save()
-        self.persist()
-
-    def check_host_updates(self) -> None:
-        """Horovod's host-change check; no-op (hosts change only through a restart)."""
-
-    def save(self) -> None:
-        raise NotImplementedError
-
-    def persist(self) -> None:
-        raise NotImplementedError
-
-    def restore(self) -> None:
-        raise NotImplementedError
-
-    def sync(self) -> None:
-        raise NotImplementedError
-
-    def load(self) -> bool:
-        raise NotImplementedError
-
-
-class ObjectState(State):
+class ObjectState(_core.ObjectState):
     """Plain Python values, each keyword argument an attribute (Horovod's ``ObjectState``).
 
     ``commit_path``: where commits go (see ``TorchState``); reserved, not tracked.
     """
 
-    default_path: bool = False
-    """``commit_path`` is ``default_commit_path()`` (removed when ``run`` returns)."""
+    runtime = basics
+    commit_error = CheckpointError
 
-    _objects: list[str] = []
-    """Names tracked through ``state_dict``/``load_state_dict`` (``TorchState``)."""
+    @staticmethod
+    def default_commit_path() -> Path | None:
+        return default_commit_path()
 
-    def __init__(self, *, commit_path: str | os.PathLike[str] | None = None,
-                 **kwargs: Any) -> None:
-        super().__init__()
-        self.commit_path = default_commit_path() if commit_path is None else Path(commit_path)
-        self.default_path = commit_path is None and self.commit_path is not None
-        self._values = [n for n in kwargs if n not in self._objects]
-        for name, value in kwargs.items():
-            setattr(self, name, value)
-        self._saved: dict[str, Any] = {}
-        self._saved_rng: dict[str, Any] = {}
-        self.save()
+    def _rng_state(self) -> Any:
+        return rng_state()
 
-    # -- what subclasses extend ------------------------------------------------
+    def _set_rng_state(self, state: Any) -> None:
+        set_rng_state(state)
 
-    def _snapshot(self) -> dict[str, Any]:
-        return {"values": {n: copy.deepcopy(getattr(self, n)) for n in self._values}}
+    def _broadcast_object(self, obj: Any, name: str) -> Any:
+        return broadcast_object(obj, 0, name=name)
 
-    def _apply(self, snapshot: dict[str, Any]) -> None:
-        self._set_values(snapshot["values"])
+    def _write(self, record: dict[str, Any]) -> None:
+        assert self.commit_path is not None  # persist() checked
+        save_checkpoint(self.commit_path, **record)  # every rank's RNG states with it
 
-    def _set_values(self, values: dict[str, Any]) -> None:
-        for name, value in values.items():
-            setattr(self, name, copy.deepcopy(value))
-
-    def _tracked(self) -> dict[str, list[str]]:
-        return {"values": sorted(self._values)}
-
-    # -- the State protocol ------------------------------------------------------
-
-    def save(self) -> None:
-        """Copy the tracked state (and this rank's RNG states) into memory."""
-        self._saved = self._snapshot()
-        self._saved_rng = rng_state()
-
-    def persist(self) -> None:
-        """Write the last ``save()`` to ``commit_path`` (nothing without one). Collective."""
-        if self.commit_path is not None:
-            save_checkpoint(self.commit_path, **{_MARK: self._tracked(), "commit": self._saved})
-
-    def restore(self) -> None:
-        """Return to the last ``save()``/``commit()``, RNG states included."""
-        self._apply(self._saved)
-        set_rng_state(self._saved_rng)
-
-    def sync(self) -> None:
-        """Make every rank's state rank 0's (a first start). Collective."""
-        if basics.is_initialized() and basics.size() > 1:
-            self._apply_synced()
-        self.save()
-
-    def _apply_synced(self) -> None:
-        values = {n: getattr(self, n) for n in self._values}
-        self._set_values(broadcast_object(values, 0, name="dp_plugin.elastic.values"))
-
-    def load(self) -> bool:
-        """Resume from the commit at ``commit_path``: True if there was one
-        (state and this rank's RNG states are restored), False on a first
-        start or without ``commit_path``. Collective."""
-        if self.commit_path is None:
-            return False
-        state = load_checkpoint(self.commit_path, missing_ok=True)
-        if state is None:
-            return False
-        if _MARK not in state:
-            raise CheckpointError(
-                f"{str(self.commit_path)!r} is a dp_plugin checkpoint but not an elastic "
-                "commit (written by save_checkpoint, not TorchState.commit); give "
-                "commit_path a file of its own"
-            )
-        if state[_MARK] != self._tracked():
-            raise CheckpointError(
-                f"the commit at {str(self.commit_path)!r} tracks {state[_MARK]}, this state "
-                f"tracks {self._tracked()}: it was written by another script or another "
-                "version of it; delete the file to start afresh, or track the same names"
-            )
-        self._apply(state["commit"])
-        self.save()  # the RNG states are the restored ones now
-        self.on_reset()
-        return True
+    def _read(self) -> Any:
+        assert self.commit_path is not None  # load() checked
+        return load_checkpoint(self.commit_path, missing_ok=True)  # restores the RNG states
 
 
 class TorchState(ObjectState):
@@ -279,31 +159,8 @@ class TorchState(ObjectState):
         super()._apply_synced()
 
 
-def run(func: Callable[..., R]) -> Callable[..., R]:
-    """Decorate the training function ``func(state, *args, **kwargs)`` (Horovod's ``run``).
-
-    Each call: refuse launchers it cannot serve (see the module docstring),
-    ``init()`` if needed, then resume from the last commit on disk
-    (``state.load()``) or, on a first start, broadcast rank 0's state
-    (``state.sync()``), then run ``func``. A failure (a worker died, a
-    collective timed out) propagates and ends the process; the launcher
-    restarts every worker and the next attempt resumes from the commit.
-    ``func`` must not begin with a collective that the resume could meet
-    (as in Horovod).
-    """
-
-    @functools.wraps(func)
-    def wrapper(state: State, *args: Any, **kwargs: Any) -> R:
-        _check_launcher(state)
-        if not basics.is_initialized():
-            init()
-        if not state.load():
-            state.sync()
-        result = func(state, *args, **kwargs)
-        _remove_default_commit(state)
-        return result
-
-    return wrapper
+run = _core.runner(basics)
+"""Horovod's ``run``: see ``dp_plugin.elastic.runner``."""
 
 
 def default_commit_path(env: Mapping[str, str] | None = None) -> Path | None:
@@ -335,35 +192,6 @@ def default_commit_path(env: Mapping[str, str] | None = None) -> Path | None:
         )
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:128]
     return folder / f"elastic-{safe}.pt"
-
-
-def _remove_default_commit(state: State) -> None:
-    """The job's function returned: its default commit file is not needed again."""
-    path = state.commit_path
-    if getattr(state, "default_path", False) and path is not None and (
-            not basics.is_initialized() or basics.rank() == 0):
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-
-
-def _check_launcher(state: State) -> None:
-    if os.environ.get("HOROVOD_ELASTIC") == "1":
-        raise LaunchError(
-            "horovodrun's elastic mode (--min-np/--max-np/--host-discovery-script) is not "
-            "supported: Horovod gives running workers new ranks through its rendezvous server "
-            "inside hvd.init(), dp_plugin reads each worker's rank once from its environment. "
-            "Launch with `torchrun --max-restarts N --nproc_per_node M train.py` and "
-            "TorchState(..., commit_path=...), or horovodrun without the elastic flags"
-        )
-    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
-    if state.commit_path is None and restarts.isdigit() and int(restarts) > 0:
-        raise LaunchError(
-            f"torchrun restarts failed workers (TORCHELASTIC_MAX_RESTARTS={restarts}), but "
-            f"this {type(state).__name__} has no commit_path: its commits live in the memory "
-            "of the processes torchrun replaces, and the restarted job would begin from "
-            "scratch. Pass commit_path='some/dir/elastic.pt' (a file rank 0 can write); "
-            "torchrun's workers get a default from TORCHELASTIC_RUN_ID, which is not set here"
-        )
 
 
 def _has_state_dict(value: Any) -> bool:

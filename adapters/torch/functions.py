@@ -22,11 +22,13 @@ from typing import Any
 import torch
 from dp_plugin import objects as _objects
 from dp_plugin.collective import agreed_root
+from dp_plugin.edge import calling, public
 from dp_plugin.engines.base import Engine
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.process_sets import ProcessSet, engine_of, global_process_set
 
 
+@public("broadcast_parameters")
 def broadcast_parameters(params: Any, root_rank: int,
                          process_set: ProcessSet = global_process_set) -> None:
     """Overwrite ``params`` on every rank with ``root_rank``'s values, in place.
@@ -37,12 +39,14 @@ def broadcast_parameters(params: Any, root_rank: int,
     Collective: every rank passes the same tensors (names, shapes, dtypes),
     in the same order.
     """
-    eng = engine_of(process_set, "hvd.broadcast_parameters()")
+    with calling("hvd.broadcast_parameters()"):
+        eng = engine_of(process_set)
     named = _named_tensors(params)
-    root = agreed_root(eng, root_rank, "broadcast_parameters")
+    root = agreed_root(eng, root_rank)
     _broadcast_tensors(eng, named, root, "broadcast_parameters")
 
 
+@public("broadcast_optimizer_state")
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                               model: Any = None,
                               process_set: ProcessSet = global_process_set) -> None:
@@ -71,8 +75,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
             f"broadcast_optimizer_state(model=...) expects a torch.nn.Module or None, got "
             f"{type(model).__name__}"
         )
-    eng = engine_of(process_set, "hvd.broadcast_optimizer_state()")
-    root = agreed_root(eng, root_rank, "broadcast_optimizer_state")
+    with calling("hvd.broadcast_optimizer_state()"):
+        eng = engine_of(process_set)
+    root = agreed_root(eng, root_rank)
     is_root = eng.rank == root
     tensors: list[torch.Tensor] = []
     skeleton = _strip(optimizer.state_dict(), tensors) if is_root else None
@@ -86,6 +91,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         optimizer.load_state_dict(_fill(skeleton, tensors))
 
 
+@public("broadcast_object")
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Return ``root_rank``'s ``obj`` on every rank (pickled; the root gets ``obj`` itself).
@@ -93,18 +99,20 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     Pickled with cloudpickle when installed (lambdas, local classes), else
     pickle. Collective: two broadcasts (length, then bytes).
     """
-    eng = engine_of(process_set, "hvd.broadcast_object()")
-    root = agreed_root(eng, root_rank, "broadcast_object")
+    with calling("hvd.broadcast_object()"):
+        eng = engine_of(process_set)
+    root = agreed_root(eng, root_rank)
     return _objects.broadcast_object(eng, obj, root, type(obj).__name__ if name is None else name)
 
 
+@public("hvd.allgather_object()")
 def allgather_object(obj: Any, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Every rank's ``obj``, as a list in rank order (each entry unpickled, own one too).
 
     Collective: two all-gathers (lengths, then bytes).
     """
-    eng = engine_of(process_set, "hvd.allgather_object()")
+    eng = engine_of(process_set)
     # Not Horovod's type(obj).__name__: the check compares names across ranks,
     # and ranks legitimately hold objects of different types (None on some).
     return _objects.allgather_object(eng, obj, "allgather_object" if name is None else name)

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import torch
 from dp_plugin import join as protocol
+from dp_plugin.edge import public
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.join import Deadline, Listener
 from dp_plugin.process_sets import member_engines
@@ -114,6 +115,7 @@ def register(optimizer: Joinable) -> None:
     _optimizers.append(weakref.ref(optimizer))
 
 
+@public("hvd.join()")
 def join(device: int = -1) -> int:
     """Wait, answering the other ranks' all-reduces, until every rank has joined.
 
@@ -145,12 +147,12 @@ def join(device: int = -1) -> int:
     if isinstance(device, bool) or not isinstance(device, int):
         raise TypeError(f"join(device=...) must be an int device index (-1 for CPU), got "
                         f"{device!r}")
-    eng = engine("hvd.join()")
+    eng = engine()
     if eng.size == 1:
         return 0
     live: list[Joinable] = [opt for opt in (r() for r in _optimizers) if opt is not None]
     optimizers = [opt for opt in live if opt._dp_join_ready()]
-    return _Joined(eng, member_engines("hvd.join()"), optimizers).run()
+    return _Joined(eng, member_engines(), optimizers).run()
 
 
 class _Joined:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from dp_plugin.compression import get_compressor
+from dp_plugin.edge import calling
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.process_sets import ProcessSet, engine_or_none, global_process_set
 from dp_plugin.timeline import StatsHistory
@@ -34,7 +35,7 @@ from dp_plugin.torch.optimizer_state import (
     SynchronizationError,
     parameter_names,
 )
-from dp_plugin.validate import check_int
+from dp_plugin.validate import check_int, check_positive_float
 
 _RACE_MESSAGE = (
     "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
@@ -76,7 +77,8 @@ def DistributedOptimizer(
     _check_wrappable(optimizer)
     reduce_op, passes = _checked_arguments(op, gradient_predivide_factor, num_groups, groups,
                                            backward_passes_per_step, compression, process_set)
-    eng = engine_or_none(process_set, "hvd.DistributedOptimizer()")
+    with calling("hvd.DistributedOptimizer()"):
+        eng = engine_or_none(process_set)
     if named_parameters is not None:
         named_parameters = list(named_parameters)  # read twice
     names = parameter_names(optimizer.param_groups, named_parameters)  # validates them
@@ -319,12 +321,14 @@ def _checked_arguments(op: Any, gradient_predivide_factor: float, num_groups: in
                        process_set: Any) -> tuple[ReduceOp, int]:
     """``DistributedOptimizer``'s arguments, validated with Horovod's rules:
     (op, passes). Every mistake raises naming the argument and the fix."""
-    reduce_op = parse_op(op, "DistributedOptimizer")
+    with calling("DistributedOptimizer"):
+        reduce_op = parse_op(op)
     if gradient_predivide_factor != 1.0 and reduce_op is not ReduceOp.AVERAGE:
         raise ValueError(
             f"gradient_predivide_factor={gradient_predivide_factor!r} is only supported with "
             f"op=hvd.Average, got op={op!r}; leave it at 1.0"
         )
+    check_positive_float("gradient_predivide_factor", gradient_predivide_factor)
     if num_groups != 0:
         warnings.warn("Parameter `num_groups` has been replaced by `groups`.",
                       DeprecationWarning, stacklevel=3)

@@ -27,6 +27,7 @@ from dp_plugin.compression import Compressor, get_compressor
 from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import TensorSpec
+from dp_plugin.hooks import ReducePolicy
 from dp_plugin.process_sets import ProcessSet
 from dp_plugin.scheduler import GradientScheduler
 from dp_plugin.torch.basics import engine as job_engine
@@ -203,9 +204,11 @@ class OptimizerState:
         n, check = len(ranks), eng.config.check_finite
         # The label is unique per optimizer: the horovod engine matches
         # collectives by name (its channel is the engine itself).
-        scheduler = GradientScheduler(
-            specs, engine=eng, op=self.op, compression=self.compressor,
-            gradient_predivide_factor=self.predivide, backward_passes_per_step=self.passes,
+        # The arguments were validated by DistributedOptimizer (and the setter of
+        # backward_passes_per_step), the public edge: the scheduler takes them as they are.
+        scheduler = GradientScheduler.validated(
+            specs, engine=eng, compression=self.compressor, passes=self.passes,
+            policy=ReducePolicy.for_gradients(self.op, eng.size, predivide=self.predivide),
             timeline=shared_timeline, name=self.label,
             control_numel=n * (3 if check == "off" else 4), hook=self.comm_hook,
             settings={"DP_PLUGIN_CHECK_FINITE": check}, autotune=eng.config.autotune,
@@ -368,7 +371,7 @@ class OptimizerState:
     def join_global(self) -> bool:
         """Does it reduce over every rank of the job (its steps count for
         ``joining``'s last joined rank)?"""
-        return self.engine is not None and self.engine.size == job_engine("hvd.join()").size
+        return self.engine is not None and self.engine.size == job_engine().size
 
     def join_finish(self, optimizer: Any) -> bool:
         """End the zero step; has every rank of the optimizer's set joined?"""

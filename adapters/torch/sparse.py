@@ -17,6 +17,7 @@ import torch
 from dp_plugin import request
 from dp_plugin.agreement import to_device, to_host
 from dp_plugin.arrays import TorchOps
+from dp_plugin.edge import public
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.torch.collectives import allgather_async
@@ -60,6 +61,7 @@ def _assemble(like: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
     ).coalesce()
 
 
+@public("sparse_allreduce_async")
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: Any,
                            process_set: Any = global_process_set) -> SparseAllreduceHandle:
     """Start summing (``op=Sum``) or averaging (``op=Average``) a sparse COO
@@ -68,23 +70,22 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: Any,
     passes a tensor of the same dense size and dtype; the number of non-zeros
     may differ. Returns a callable handle (Horovod's): calling it waits and
     returns the reduced, coalesced sparse tensor."""
-    what = "sparse_allreduce_async"
     if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
         layout = getattr(tensor, "layout", type(tensor).__name__)
         raise TypeError(
-            f"{what}: expected a sparse COO tensor, got {layout}; use allreduce_async for "
-            "dense tensors (or tensor.to_sparse())"
+            f"sparse_allreduce_async: expected a sparse COO tensor, got {layout}; use "
+            "allreduce_async for dense tensors (or tensor.to_sparse())"
         )
-    op = resolve_op(op, None, what)
+    op = resolve_op(op, None)
     if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
         raise ValueError(
-            f"{what}: op={op.name.capitalize()} is not supported for sparse tensors; pass "
-            "op=hvd.Average or op=hvd.Sum"
+            f"sparse_allreduce_async: op={op.name.capitalize()} is not supported for sparse "
+            "tensors; pass op=hvd.Average or op=hvd.Sum"
         )
     t, rows = _rows(tensor)
     handles = [allgather_async(part, None if name is None else f"{name}.{part_name}", process_set)
                for part_name, part in rows.items()]
-    size = engine_of(process_set, what).size
+    size = engine_of(process_set).size
     return SparseAllreduceHandle(t, handles, size if op is ReduceOp.AVERAGE else 1)
 
 

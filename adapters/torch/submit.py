@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from dp_plugin import horovod_names as _names
+from dp_plugin.edge import caller
 from dp_plugin.engines.base import Engine
 from dp_plugin.errors import DPPluginError
 from dp_plugin.request import Agreed, Request, check
@@ -43,11 +44,12 @@ def name_key(process_set: Any, name: str | None) -> Hashable | None:
     return (id(process_set) if set_id is None else set_id, name)
 
 
-def check_tensors(tensors: Any, what: str) -> list[torch.Tensor]:
+def check_tensors(tensors: Any) -> list[torch.Tensor]:
     """The inputs as a list of dense tensors (TypeError/ValueError otherwise).
 
     Argument-type mistakes raise at once on the rank that made them: in an
     SPMD program every rank makes them alike."""
+    what = caller()
     items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     for i, t in enumerate(items):
         if not isinstance(t, torch.Tensor):
@@ -92,7 +94,7 @@ def contiguous_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone(memory_format=torch.contiguous_format)
 
 
-def check_factor(value: Any, what: str, arg: str) -> float:
+def check_factor(value: Any, arg: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{what}: {arg}={value!r} must be a number (default 1.0)")
+        raise TypeError(f"{caller()}: {arg}={value!r} must be a number (default 1.0)")
     return float(value)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from dp_plugin.agreement import compare
 from dp_plugin.arrays import TorchOps
 from dp_plugin.collective import UNBOUNDED, FusedCollective
+from dp_plugin.edge import calling
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.process_sets import engine_of
 from torch.autograd.function import Function
@@ -97,7 +98,8 @@ class SyncBatchNorm(_BatchNorm):
         running_var = self.running_var if track else None
         use_batch_stats = self.training or (running_mean is None and running_var is None)
         if self.training:
-            engine = engine_of(self.process_set, "hvd.SyncBatchNorm")
+            with calling("hvd.SyncBatchNorm"):
+                engine = engine_of(self.process_set)
             if engine.size > 1:
                 out: torch.Tensor = _SyncBatchNormFunction.apply(
                     input, self.weight, self.bias, running_mean, running_var,

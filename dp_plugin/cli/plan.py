@@ -30,6 +30,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 from dp_plugin.cli import int_list
 from dp_plugin.cli.alphabeta import Link, MiB, Prediction, best_threshold, fit_link, predict
@@ -174,8 +175,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+class Suggestion(TypedDict):
+    """``suggest``'s answer (also the JSON output's ``suggested``)."""
+
+    workers: int
+    threshold_mib: float
+    hierarchical: bool
+    compression: str
+    step_ms: float
+    efficiency: float
+    why: list[str]
+
+
 def suggest(sizes: list[int], compute: float, n: int, link: Link, args: argparse.Namespace,
-            per_host: int, local: Link | None) -> dict[str, object]:
+            per_host: int, local: Link | None) -> Suggestion:
     """What to change in the defaults at ``n`` workers on this link: the bucket
     size, hierarchy (when several ranks share a host) and fp16 compression,
     each with the prediction that justifies it (``why``)."""
@@ -185,7 +198,7 @@ def suggest(sizes: list[int], compute: float, n: int, link: Link, args: argparse
         return best_threshold([int(s * wire) for s in sizes], compute, n, link, frac, ready,
                               per_host, local if hier else None)
 
-    why = []
+    why: list[str] = []
     flat = best(1.0, False)
     chosen, hierarchical = flat, False
     if local is not None:

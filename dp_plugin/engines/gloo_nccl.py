@@ -15,6 +15,7 @@ import numpy as np
 from dp_plugin.config import Config
 from dp_plugin.engines import hierarchical, shm
 from dp_plugin.engines.base import Availability, Handle, ReduceOp
+from dp_plugin.engines.hierarchical import HierarchicalAllreduce
 from dp_plugin.engines.torch_dist import TorchDistEngine
 from dp_plugin.launch import Topology
 
@@ -133,7 +134,7 @@ class GlooEngine(TorchDistEngine):
             child._hier = self._connect_hierarchical()
         return child
 
-    def _connect_hierarchical(self) -> hierarchical.HierarchicalAllreduce | None:
+    def _connect_hierarchical(self) -> HierarchicalAllreduce | None:
         """The hierarchy of one engine or channel: the layout from every
         rank's (host index, local rank), the host's shared-memory segment,
         and a Gloo group over this rank's peers of the same local rank (one

@@ -190,6 +190,9 @@ def test_tape_errors() -> None:
     ({"compression": "zip"}, ValueError, "compression 'zip'"),
     ({"backward_passes_per_step": 0}, ValueError, "backward_passes_per_step"),
     ({"gradient_predivide_factor": 0}, ValueError, "gradient_predivide_factor"),
+    # Refused at the public edge, not first at the first traced step.
+    ({"op": dp.Sum, "gradient_predivide_factor": 2.0}, ValueError,
+     r"gradient_predivide_factor=2 only applies to op='average' \(got op='sum'\)"),
     ({"root_rank": -1}, ValueError, "root_rank"),
 ])
 def test_bad_arguments(kwargs: dict, error: type[Exception], match: str) -> None:

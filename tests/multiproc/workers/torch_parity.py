@@ -186,7 +186,7 @@ def case_state_every_optimizer(_: object) -> None:
 def delay_on_rank_1(method: str) -> None:
     """On rank 1, wait 2 s before sending the data of collectives named
     'delayed' (headers included): rank 0 then has them in flight."""
-    eng = engine_of(hvd.global_process_set, "test")
+    eng = engine_of(hvd.global_process_set)
     if hvd.rank() != 1:
         return
     original = getattr(eng, method)

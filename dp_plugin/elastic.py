@@ -1,0 +1,289 @@
+"""Elastic restart without a framework: the ``State`` protocol, ``ObjectState`` and ``run``.
+
+dp_plugin recovers by restarting processes (docs/elastic.md): torchrun
+(``--max-restarts``) restarts every worker when one fails, so a commit must
+outlive the process. ``commit()`` is ``save()`` (in memory) plus
+``persist()`` (to ``commit_path``, atomically, from rank 0), and ``run``
+starts each attempt by loading the last commit (rank 0 reads it, every rank
+receives the same bytes) or, on a first start, by broadcasting rank 0's
+state, as Horovod's ``run`` does.
+
+This module holds what does not depend on the framework: the protocol,
+the plain values of ``ObjectState``, the commit record's checks and the
+launcher check. An adapter subclasses ``ObjectState`` with its generator
+states, its commit file and its broadcast (``dp_plugin.torch.elastic``,
+``dp_plugin.tensorflow.elastic``) and builds its ``run`` with ``runner``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from dp_plugin.errors import DPPluginError, LaunchError
+
+MARK = "dp_plugin.elastic"
+"""Key of the record of what a commit tracks (tells a commit from other files)."""
+
+R = TypeVar("R")
+
+
+class CommitError(DPPluginError):
+    """A commit file cannot be used by this state (another script's, or not a commit)."""
+
+
+class Runtime(Protocol):
+    """What ``run`` needs of an adapter: its ``basics`` module."""
+
+    def is_initialized(self) -> bool: ...
+    def init(self) -> None: ...
+    def rank(self) -> int: ...
+    def size(self) -> int: ...
+
+
+class State:
+    """What ``run`` needs from a state: ``sync``, ``save``, ``restore``, ``load``.
+
+    ``commit()`` = ``save()`` (in memory) + ``persist()`` (to ``commit_path``).
+    """
+
+    commit_path: Path | None = None
+
+    def __init__(self) -> None:
+        self._reset_callbacks: list[Callable[[], Any]] = []
+
+    def register_reset_callbacks(self, callbacks: list[Callable[[], Any]]) -> None:
+        """Functions to call after a reset (Horovod's API). dp_plugin resets by
+        restarting processes, so they run when ``run`` resumes from a commit."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        self.reset()
+        for callback in self._reset_callbacks:
+            callback()
+
+    def reset(self) -> None:
+        """Hook for subclasses: adjust to a new world size (e.g. the learning rate)."""
+
+    def commit(self) -> None:
+        """Keep the current state as the point to resume from. Collective.
+
+        In memory (``restore()`` returns to it) and, with ``commit_path``, on
+        disk, atomically: a process killed during a commit leaves the previous
+        commit loadable. A commit copies the tracked state and costs a file
+        write: commit every few hundred steps, not every step."""
+        self.save()
+        self.persist()
+
+    def check_host_updates(self) -> None:
+        """Horovod's host-change check; a no-op (hosts change only through a restart)."""
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def persist(self) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        raise NotImplementedError
+
+    def load(self) -> bool:
+        raise NotImplementedError
+
+
+class ObjectState(State):
+    """Plain Python values, each keyword argument an attribute (Horovod's ``ObjectState``).
+
+    ``commit_path``: the file each ``commit()`` replaces and ``run`` resumes
+    from (keyword only; without one, ``default_commit_path()``). Multi-host:
+    rank 0 writes and reads it, so it must be where the next attempt's rank 0
+    finds it. An adapter supplies ``runtime``, the generator states
+    (``_rng_state``/``_set_rng_state``), the commit file (``_write``/``_read``)
+    and the broadcast (``_broadcast_object``).
+    """
+
+    runtime: Runtime
+    """The adapter's ``basics`` module."""
+
+    commit_error: type[Exception] = CommitError
+    """What a commit this state cannot use raises."""
+
+    default_path: bool = False
+    """``commit_path`` is ``default_commit_path()`` (removed when ``run`` returns)."""
+
+    _objects: list[str] = []
+    """Keyword names a subclass tracks itself (through ``state_dict``, ...)."""
+
+    def __init__(self, *, commit_path: str | os.PathLike[str] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__()
+        self.commit_path = self.default_commit_path() if commit_path is None else Path(commit_path)
+        self.default_path = commit_path is None and self.commit_path is not None
+        self._values = [n for n in kwargs if n not in self._objects]
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+        self._saved: dict[str, Any] = {}
+        self._saved_rng: Any = None
+        self.save()
+
+    @staticmethod
+    def default_commit_path() -> Path | None:
+        """Where commits go without ``commit_path``: nowhere (they stay in memory)."""
+        return None
+
+    # -- what an adapter supplies ----------------------------------------------------
+
+    def _rng_state(self) -> Any:
+        raise NotImplementedError
+
+    def _set_rng_state(self, state: Any) -> None:
+        raise NotImplementedError
+
+    def _broadcast_object(self, obj: Any, name: str) -> Any:
+        """Rank 0's ``obj`` on every rank. Collective."""
+        raise NotImplementedError
+
+    def _write(self, record: dict[str, Any]) -> None:
+        """Write ``record`` (with every rank's generator states) to ``commit_path``
+        atomically. Collective."""
+        raise NotImplementedError
+
+    def _read(self) -> Any:
+        """The record at ``commit_path`` (None if there is no file), this rank's
+        generator states restored from it. Collective."""
+        raise NotImplementedError
+
+    # -- what subclasses extend ------------------------------------------------------
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {"values": {n: copy.deepcopy(getattr(self, n)) for n in self._values}}
+
+    def _apply(self, snapshot: dict[str, Any]) -> None:
+        self._set_values(snapshot["values"])
+
+    def _set_values(self, values: dict[str, Any]) -> None:
+        for name, value in values.items():
+            setattr(self, name, copy.deepcopy(value))
+
+    def _tracked(self) -> dict[str, Any]:
+        return {"values": sorted(self._values)}
+
+    def _apply_synced(self) -> None:
+        values = {n: getattr(self, n) for n in self._values}
+        self._set_values(self._broadcast_object(values, "dp_plugin.elastic.values"))
+
+    # -- the State protocol ----------------------------------------------------------
+
+    def save(self) -> None:
+        """Copy the tracked state (and this rank's generator states) into memory."""
+        self._saved = self._snapshot()
+        self._saved_rng = self._rng_state()
+
+    def persist(self) -> None:
+        """Write the last ``save()`` to ``commit_path`` (nothing without one). Collective."""
+        if self.commit_path is not None:
+            self._write({MARK: self._tracked(), "commit": self._saved})
+
+    def restore(self) -> None:
+        """Return to the last ``save()``/``commit()``, generator states included."""
+        self._apply(self._saved)
+        self._set_rng_state(self._saved_rng)
+
+    def sync(self) -> None:
+        """Make every rank's state rank 0's (a first start). Collective."""
+        if self.runtime.is_initialized() and self.runtime.size() > 1:
+            self._apply_synced()
+        self.save()
+
+    def load(self) -> bool:
+        """Resume from the commit at ``commit_path``: True if there was one
+        (state and this rank's generator states are restored), False on a
+        first start or without ``commit_path``. Collective."""
+        if self.commit_path is None:
+            return False
+        record = self._read()
+        if record is None:
+            return False
+        if not isinstance(record, dict) or MARK not in record:
+            raise self.commit_error(
+                f"{str(self.commit_path)!r} is not an elastic commit (not written by "
+                f"{type(self).__name__}.commit); give commit_path a file of its own, or "
+                "delete it to start afresh"
+            )
+        if record[MARK] != self._tracked():
+            raise self.commit_error(
+                f"the commit at {str(self.commit_path)!r} tracks {record[MARK]}, this state "
+                f"tracks {self._tracked()}: it was written by another script or another "
+                "version of it; delete the file to start afresh, or track the same names"
+            )
+        self._apply(record["commit"])
+        self.save()  # the generator states are the restored ones now
+        self.on_reset()
+        return True
+
+
+def runner(runtime: Runtime) -> Callable[[Callable[..., R]], Callable[..., R]]:
+    """The adapter's ``run`` (Horovod's): decorate the training function
+    ``func(state, *args, **kwargs)``.
+
+    Each call: refuse launchers it cannot serve (``check_launcher``),
+    ``init()`` if needed, then resume from the last commit on disk
+    (``state.load()``) or, on a first start, broadcast rank 0's state
+    (``state.sync()``), then run ``func``. A failure (a worker died, a
+    collective timed out) propagates and ends the process; the launcher
+    restarts every worker and the next attempt resumes from the commit.
+    ``func`` must not begin with a collective that the resume could meet
+    (as in Horovod). A default commit file is removed when ``func`` returns."""
+
+    def run(func: Callable[..., R]) -> Callable[..., R]:
+        @functools.wraps(func)
+        def wrapper(state: State, *args: Any, **kwargs: Any) -> R:
+            check_launcher(state)
+            if not runtime.is_initialized():
+                runtime.init()
+            if not state.load():
+                state.sync()
+            result = func(state, *args, **kwargs)
+            _remove_default_commit(state, runtime)
+            return result
+
+        return wrapper
+
+    return run
+
+
+def _remove_default_commit(state: State, runtime: Runtime) -> None:
+    """The job's function returned: its default commit file is not needed again."""
+    path = state.commit_path
+    if getattr(state, "default_path", False) and path is not None and (
+            not runtime.is_initialized() or runtime.rank() == 0):
+        path.unlink(missing_ok=True)
+
+
+def check_launcher(state: State) -> None:
+    """Refuse horovodrun's elastic mode, and torchrun restarts that would
+    find no commit to resume from."""
+    example = f"{type(state).__name__}(..., commit_path='some/dir/elastic.commit')"
+    if os.environ.get("HOROVOD_ELASTIC") == "1":
+        raise LaunchError(
+            "horovodrun's elastic mode (--min-np/--max-np/--host-discovery-script) is not "
+            "supported: Horovod gives running workers new ranks through its rendezvous server "
+            "inside hvd.init(), dp_plugin reads each worker's rank once from its environment. "
+            "Launch with `torchrun --max-restarts N --nproc_per_node M train.py` and "
+            f"{example}, or horovodrun without the elastic flags"
+        )
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if state.commit_path is None and restarts.isdigit() and int(restarts) > 0:
+        raise LaunchError(
+            f"torchrun restarts failed workers (TORCHELASTIC_MAX_RESTARTS={restarts}), but "
+            f"this {type(state).__name__} has no commit_path: its commits live in the memory "
+            "of the processes torchrun replaces, and the restarted job would begin from "
+            f"scratch. Pass {example} (a file rank 0 can write)"
+        )
