@@ -85,14 +85,21 @@ torch = pytest.importorskip("torch")
 import random  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable, Iterator  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from typing import Any  # noqa: E402
 
 from dp_plugin.engines import shm  # noqa: E402
 from dp_plugin.engines.types import ReduceOp  # noqa: E402
 from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, LayoutMismatchError  # noqa: E402
-from tests.unit.test_shm import CHUNK, TIMEOUT_S, Exchange, on_ranks  # noqa: E402
+from tests.unit.test_shm import (  # noqa: E402
+    CHUNK,
+    TIMEOUT_S,
+    Exchange,
+    on_ranks,
+    outcomes_of,
+    started_on_all,
+)
 
 
 class WireHandle:
@@ -237,31 +244,12 @@ def test_unpipelined_fallback_gives_the_same_bytes(monkeypatch: pytest.MonkeyPat
     assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
 
 
-def outcomes(hiers: list[Any], per_rank: Callable[[int], list[Any]]) -> list[list[Any]]:
-    """Rank r starts all-reduces of ``per_rank(r)``, all in flight; each one's
-    outcome (None or the exception)."""
-    def run(rank: int) -> list[Any]:
-        hs = [hiers[rank].allreduce_async(b, ReduceOp.SUM, f"gloo allreduce of 'b{k}'",
-                                          lambda d: None, None)
-              for k, b in enumerate(per_rank(rank))]
-        out: list[Any] = []
-        for h in hs:
-            try:
-                h.wait()
-                out.append(None)
-            except DPPluginError as exc:
-                out.append(exc)
-        return out
-
-    return on_ranks(len(hiers), run)
-
-
 def test_a_mismatch_mid_pipeline_raises_on_every_rank_and_breaks_later_ones(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hierarchical, "PIECE_BYTES", 256)
     with pipelined(1, 2) as hiers:
-        got = outcomes(hiers, lambda r: [torch.ones(1000), torch.ones(300 if r else 301),
-                                         torch.ones(500)])
+        got = started_on_all(hiers, [[torch.ones(1000), torch.ones(300 if r else 301),
+                                      torch.ones(500)] for r in range(2)])
     for rank, other in ((0, 1), (1, 0)):
         assert got[rank][0] is None, "the all-reduce before the mismatch completes"
         exc = got[rank][1]
@@ -293,14 +281,7 @@ def test_a_peer_that_dies_mid_pipeline_fails_every_rank_at_once(
                     for sock in t._socks.values():
                         sock.shutdown(2)
                 return []
-            out = []
-            for h in hs:
-                try:
-                    h.wait()
-                    out.append(None)
-                except DPPluginError as exc:
-                    out.append(exc)
-            return out
+            return outcomes_of(hs)
 
         started = time.perf_counter()
         got = on_ranks(4, run)

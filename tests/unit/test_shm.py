@@ -273,21 +273,27 @@ def test_a_full_dev_shm_at_creation_makes_every_rank_keep_tcp(
 
 
 # -- every operation says what it is --------------------------------------------------
-def started_on_all(ts: list[shm.ShmTransport], per_rank: list[list[Any]]) -> list[list[Any]]:
-    """Rank r starts all-reduces of ``per_rank[r]`` in order; each handle's
+def outcomes_of(handles: list[Any]) -> list[Any]:
+    """Wait for each handle in turn: None, or the dp_plugin error it raised."""
+    out: list[Any] = []
+    for h in handles:
+        try:
+            h.wait()
+            out.append(None)
+        except DPPluginError as exc:
+            out.append(exc)
+    return out
+
+
+def started_on_all(ts: list[Any], per_rank: list[list[Any]]) -> list[list[Any]]:
+    """Rank r starts all-reduces of ``per_rank[r]`` in order on ``ts[r]`` (a
+    transport, or anything with its ``allreduce_async``); each handle's
     outcome (None or the exception) per rank."""
     def run(rank: int) -> list[Any]:
-        hs = [ts[rank].allreduce_async(b, ReduceOp.SUM, f"gloo allreduce of 'b{k}'",
-                                       lambda d: None, None)
-              for k, b in enumerate(per_rank[rank])]
-        out: list[Any] = []
-        for h in hs:
-            try:
-                h.wait()
-                out.append(None)
-            except DPPluginError as exc:
-                out.append(exc)
-        return out
+        return outcomes_of([ts[rank].allreduce_async(b, ReduceOp.SUM,
+                                                     f"gloo allreduce of 'b{k}'",
+                                                     lambda d: None, None)
+                            for k, b in enumerate(per_rank[rank])])
 
     return on_ranks(len(ts), run)
 
