@@ -115,12 +115,11 @@ KINDS = ("allreduce", "reducescatter", "allgather")
 OPS = tuple(ReduceOp)
 _PLAIN = b"\x01"
 """A barrier's byte when the operation is not checked (``verify_headers``)."""
-HEADER_FIELDS = 8
-"""int64s in an operation's header: sequence, kind, count, dtype, op, post-scale
-(the float64's bits), and for a stage of a pipelined all-reduce the
-piece's offset in its tensor and the tensor's element count (0 and 0
-otherwise: a piece of the same size from another tensor does not pass)."""
 _HEADER = struct.Struct("<8q")
+"""An operation's header, 8 int64s: sequence, kind, count, dtype, op,
+post-scale (the float64's bits), and for a stage of a pipelined all-reduce
+the piece's offset in its tensor and the tensor's element count (0 and 0
+otherwise: a piece of the same size from another tensor does not pass)."""
 _DTYPE_CODES: dict[Any, int] = {}
 """torch dtype -> its index in ``DTYPES`` (filled on first use)."""
 MAX_RANKS = 512
