@@ -218,14 +218,10 @@ class HierarchicalAllreduce:
     def _unpipelined(self, t: Any, op: ReduceOp, description: str, on_timeout: Any,
                      board: Any, standing: bool) -> Handle:
         def across(part: Any, deadline: float) -> None:
-            if self._cross is None or part.numel() == 0:  # the same on every peer
+            handle = self.start_across(part, op, f"{description} (across hosts)", standing)
+            if handle is None:
                 return
-            name = f"{description} (across hosts)"
-            if not standing:
-                self._cross.allreduce_async(part, op, name=name).wait()
-                return
-            handle = self._cross.standing_allreduce_async(part, name=name)
-            while not handle.done():
+            while standing and not handle.done():  # no deadline of its own: the caller's
                 time.sleep(STANDING_POLL_S)
             handle.wait()
 
