@@ -15,6 +15,16 @@ Launchers:
   lines ``[mpiexec] ``).
 - ``horovodrun``: ``horovodrun --gloo -np N -H localhost:N`` (prefixes ``[R]<stdout>:``).
 
+Warm ranks: under ``env`` and ``horovodrun`` each rank is forked
+by a pre-warmed server (tests/multiproc/forkserver.py: torch and dp_plugin
+imported, one optimizer step run, never initialised) instead of starting a
+fresh interpreter; the launchers themselves stay real (what they start is
+``warm_client.py`` in place of ``python``). ``fresh=True`` runs one launch
+fresh (the canaries that cover interpreter start-up and exit, and runs that
+need a process of their own: network namespaces, process scans);
+``DP_PLUGIN_TEST_FRESH=1`` runs every launch fresh. torchrun and mpirun
+launches are always fresh.
+
 Workers run one case per launch (``--case NAME``, see workers/_fail_fast.py);
 ``worker_cases`` lists a worker's cases for ``pytest.mark.parametrize``.
 
@@ -30,9 +40,12 @@ launcher's single exit code otherwise (launchers fail when any worker fails).
 from __future__ import annotations
 
 import ast
+import atexit
 import contextlib
 import os
 import re
+import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -59,6 +72,15 @@ LAUNCHERS = ("env", "torchrun", "mpirun", "horovodrun")
 
 BIN_DIR = Path(sys.executable).parent
 """The venv's bin: torchrun, mpiexec and horovodrun are taken from here."""
+
+_HERE = Path(__file__).resolve().parent
+WARM_LAUNCHERS = ("env", "horovodrun")
+"""Launchers whose ranks the fork server starts; torchrun's and mpiexec's are
+always fresh (forkserver.py says why for mpiexec)."""
+ALL_FRESH = os.environ.get("DP_PLUGIN_TEST_FRESH", "") == "1"
+"""``DP_PLUGIN_TEST_FRESH=1``: every launch starts fresh interpreters."""
+_TF_IMPORT = re.compile(
+    r"^\s*(import|from)\s+(tensorflow|keras|dp_plugin\.tensorflow|dp_plugin\.keras)\b", re.M)
 
 # Variables that say "a launcher started this process" (dp_plugin.launch_variables
 # owns the one list). If any leaks in from the shell that runs pytest, a worker
@@ -95,6 +117,7 @@ def run_workers(
     check: bool = True,
     hosts: Sequence[tuple[str, str]] | None = None,
     launcher_args: Sequence[str] = (),
+    fresh: bool = False,
 ) -> RunResult:
     """Run ``script`` on ``nprocs`` ranks under ``launcher`` and wait for all.
 
@@ -107,6 +130,9 @@ def run_workers(
     address is MASTER_ADDR, as on several hosts (see test_faults.py).
     ``launcher_args`` go to the launcher before the script (e.g. torchrun's
     ``--max-restarts 1``); launcher ``env`` has none.
+
+    ``fresh=True``: the ranks are fresh interpreters, not forks of the warm
+    server (always so for torchrun, ``hosts=`` and ``DP_PLUGIN_TEST_FRESH=1``).
     """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher {launcher!r} is not known; valid launchers: {LAUNCHERS}")
@@ -116,7 +142,13 @@ def run_workers(
         raise ValueError("launcher_args need a real launcher; launcher 'env' has none")
     script = str(Path(script).resolve())
     base_env = _clean_env(env)
-    python = sys.executable
+    warm = not (fresh or ALL_FRESH or hosts is not None or launcher not in WARM_LAUNCHERS)
+    # What starts one rank's "python script args": a fresh interpreter, or a
+    # client of the warm server of the script's flavour.
+    python = [sys.executable]
+    if warm:
+        python = [sys.executable, "-S", str(_HERE / "warm_client.py"),
+                  _warm_servers.path(_flavour(script))]
     with tempfile.TemporaryDirectory(prefix="dp_plugin_run_") as tmp:
         jobs: list[tuple[list[str], dict[str, str], str]] = []
         rank_files: list[tuple[Path, str]] = []
@@ -130,7 +162,7 @@ def run_workers(
                     RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
                     LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                 )
-                cmd = [python, script, *args]
+                cmd = [*python, script, *args]
                 if hosts is not None:  # one rank per host: local rank 0 of 1
                     rank_env.update(MASTER_ADDR=hosts[0][1], LOCAL_RANK="0",
                                     LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank),
@@ -148,18 +180,18 @@ def run_workers(
             redirect = (f'exec "$0" "$@" > "{tmp}/rank.${{PMI_RANK:-$OMPI_COMM_WORLD_RANK}}.txt" '
                         "2>&1")
             cmd = [str(BIN_DIR / "mpiexec"), "-n", str(nprocs), *launcher_args, "sh", "-c",
-                   redirect, python, script, *args]
+                   redirect, *python, script, *args]
             jobs.append((cmd, base_env, "[mpiexec] "))
             rank_files = [(Path(tmp) / f"rank.{r}.txt", f"[rank {r}] ") for r in range(nprocs)]
         else:
             cmd = [str(BIN_DIR / "horovodrun"), "--gloo", "-np", str(nprocs),
-                   "-H", f"localhost:{nprocs}", *launcher_args, python, script, *args]
+                   "-H", f"localhost:{nprocs}", *launcher_args, *python, script, *args]
             jobs.append((cmd, base_env, ""))
         if launcher == "mpirun":
             _mpich_jobs.enter()
+        what = f"{launcher} x{nprocs} {Path(script).name}" + ("" if warm else " (fresh)")
         try:
-            return _run(jobs, rank_files, Path(tmp), timeout, check,
-                        f"{launcher} x{nprocs} {Path(script).name}")
+            return _run(jobs, rank_files, Path(tmp), timeout, check, what)
         finally:
             if launcher == "mpirun":
                 _mpich_jobs.leave()
@@ -188,6 +220,74 @@ def run_cells(cells: Mapping[str, Callable[[], object]], workers: int) -> dict[s
             + "\n\n".join(f"=== cell {name}: {type(exc).__name__}: {exc}"
                            for name, exc in failures.items()))
     return results
+
+
+def _flavour(script: str) -> str:
+    """``tensorflow`` for a worker that imports TensorFlow or Keras itself,
+    else ``torch``."""
+    return "tensorflow" if _TF_IMPORT.search(Path(script).read_text()) else "torch"
+
+
+class _WarmServers:
+    """One fork server per flavour, started at its first use and stopped at
+    exit (closing its stdin ends it and every rank it still has)."""
+
+    START_TIMEOUT_S = 180.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._servers: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+        self._dir = ""
+
+    def path(self, flavour: str) -> str:
+        with self._lock:
+            server = self._servers.get(flavour)
+            if server is None or server[0].poll() is not None:
+                server = self._servers[flavour] = self._start(flavour)
+            return server[1]
+
+    def _start(self, flavour: str) -> tuple[subprocess.Popen[bytes], str]:
+        if not self._dir:
+            self._dir = tempfile.mkdtemp(prefix="dp_plugin_warm_")
+            atexit.register(self.stop)
+        path = os.path.join(self._dir, f"{flavour}.sock")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        log = os.path.join(self._dir, f"{flavour}.log")
+        env = _clean_env({"TF_CPP_MIN_LOG_LEVEL": "2"})
+        with open(log, "wb") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-u", str(_HERE / "forkserver.py"), flavour, path],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
+                start_new_session=True)
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], self.START_TIMEOUT_S)
+        line = proc.stdout.readline() if ready else b""
+        if line.strip() != b"ready":
+            proc.kill()
+            proc.wait()
+            raise AssertionError(
+                f"the {flavour} fork server did not start within {self.START_TIMEOUT_S:g} s "
+                f"(exit code {proc.returncode}); its log:\n{Path(log).read_text()}")
+        return proc, path
+
+    def stop(self) -> None:
+        with self._lock:
+            for proc, _ in self._servers.values():
+                with contextlib.suppress(OSError):
+                    assert proc.stdin is not None
+                    proc.stdin.close()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            self._servers.clear()
+            if self._dir:
+                shutil.rmtree(self._dir, ignore_errors=True)
+
+
+_warm_servers = _WarmServers()
 
 
 class _MpichJobs:
