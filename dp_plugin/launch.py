@@ -318,23 +318,32 @@ class Slurm(Launcher):
                 "on this node is unknown"
             )
         raw = env[name]
-        counts = parse_tasks_per_node(raw, name)
-        if len(counts) == 1 and name == "SLURM_NTASKS_PER_NODE":
+        # Runs of (tasks per node, nodes), never expanded: a malformed count
+        # of nodes must not become a list of billions (the fuzz test's
+        # SLURM_STEP_NUM_NODES=3623878656 took 23 GB before it failed).
+        runs = parse_tasks_per_node(raw, name)
+        if len(runs) == 1 and runs[0][1] == 1 and name == "SLURM_NTASKS_PER_NODE":
             # --ntasks-per-node is an upper bound: under block placement the
             # last node holds what is left.
-            n = min(counts[0], size.value - (rank.value - local_rank.value))
+            n = min(runs[0][0], size.value - (rank.value - local_rank.value))
             return _Val(name, n, raw, note=f"{n} task(s) on this node")
-        if len(counts) == 1:
-            counts = counts * nodes.value  # a plain '4' means 4 on every node
-        if len(counts) != nodes.value or sum(counts) != size.value:
+        if len(runs) == 1 and runs[0][1] == 1:
+            runs = [(runs[0][0], nodes.value)]  # a plain '4' means 4 on every node
+        described = sum(repeat for _, repeat in runs)
+        tasks = sum(count * repeat for count, repeat in runs)
+        if described != nodes.value or tasks != size.value:
             raise r.error(
-                f"{name}={raw!r} describes {len(counts)} node(s) running {sum(counts)} task(s) "
+                f"{name}={raw!r} describes {described} node(s) running {tasks} task(s) "
                 f"in all, but {nodes.label} and {size.label}"
             )
-        if node.value >= len(counts):
+        if node.value >= described:
             raise r.error(f"{node.label} must be less than {nodes.label}")
-        n = counts[node.value]
-        return _Val(name, n, raw, note=f"{n} task(s) on node {node.value}")
+        index = node.value
+        for count, repeat in runs:
+            if index < repeat:
+                return _Val(name, count, raw, note=f"{count} task(s) on node {node.value}")
+            index -= repeat
+        raise AssertionError("unreachable: node.value < described")
 
 
 class ProcessGroup(Launcher):
@@ -430,9 +439,11 @@ def detect(env: Mapping[str, str] | None = None) -> Topology:
 _TASKS_ITEM = re.compile(r"^\s*(\d+)\s*(?:\(\s*x\s*(\d+)\s*\))?\s*$")
 
 
-def parse_tasks_per_node(raw: str, name: str = "SLURM_STEP_TASKS_PER_NODE") -> list[int]:
-    """Expand SLURM's compressed task counts: ``'2(x3),1'`` -> ``[2, 2, 2, 1]``."""
-    counts: list[int] = []
+def parse_tasks_per_node(raw: str,
+                         name: str = "SLURM_STEP_TASKS_PER_NODE") -> list[tuple[int, int]]:
+    """SLURM's compressed task counts as runs of (tasks, nodes):
+    ``'2(x3),1'`` -> ``[(2, 3), (1, 1)]``."""
+    runs: list[tuple[int, int]] = []
     for item in raw.split(","):
         m = _TASKS_ITEM.match(item)
         if m is None or int(m.group(1)) < 1 or (m.group(2) is not None and int(m.group(2)) < 1):
@@ -440,8 +451,8 @@ def parse_tasks_per_node(raw: str, name: str = "SLURM_STEP_TASKS_PER_NODE") -> l
                 f"{name}={raw!r} is not a SLURM task count list; expected items like '4' or "
                 f"'2(x3)' separated by commas (e.g. '2(x3),1'); {Slurm.fix}"
             )
-        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
-    return counts
+        runs.append((int(m.group(1)), int(m.group(2) or 1)))
+    return runs
 
 
 

@@ -289,12 +289,24 @@ def test_slurm_batch_script_and_salloc_shell_are_not_srun_steps() -> None:
 
 
 def test_parse_tasks_per_node() -> None:
-    assert parse_tasks_per_node("4") == [4]
-    assert parse_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
-    assert parse_tasks_per_node("3, 2(x2)") == [3, 2, 2]
+    assert parse_tasks_per_node("4") == [(4, 1)]
+    assert parse_tasks_per_node("2(x3),1") == [(2, 3), (1, 1)]
+    assert parse_tasks_per_node("3, 2(x2)") == [(3, 1), (2, 2)]
     for bad in ("", "2(x)", "x3", "2(3)", "0", "2(x0)", "-1", "2,,1"):
         with pytest.raises(LaunchError, match="SLURM_STEP_TASKS_PER_NODE"):
             parse_tasks_per_node(bad)
+
+
+@pytest.mark.parametrize("nodes", ["3623878656", "9223372036854775808"])
+def test_a_huge_node_count_is_refused_without_expanding_it(nodes: str) -> None:
+    """Found by the fuzz test: a plain task count on billions of nodes was
+    expanded into a list (MemoryError after 23 GB, or OverflowError)."""
+    env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "4",
+           "SLURM_NTASKS": "7", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+           "SLURM_STEP_NUM_NODES": nodes, "SLURM_STEP_TASKS_PER_NODE": "1",
+           "SLURM_STEP_NUM_TASKS": "7"}
+    with pytest.raises(LaunchError, match=f"describes {nodes} node.*running {nodes} task"):
+        detect(env)
 
 
 def test_single_process_fallback() -> None:
