@@ -119,7 +119,11 @@ class FusedCollective:
         self.settings = {
             "fusion threshold": threshold, "first bucket threshold": first_threshold,
             "compression": self.compressor.name,
-            "op": policy.op.value, "prescale": policy.prescale, "postscale": policy.postscale,
+            "op": policy.op.value,
+            # The user's factors, by their names; without them (a policy built by hand)
+            # the derived ones.
+            **(dict(policy.settings) or {"prescale": policy.prescale,
+                                         "postscale": policy.postscale}),
             "root": root, **(settings or {}),
         }
         self.timeline = NullTimeline() if timeline is None else timeline

@@ -55,6 +55,10 @@ class ReducePolicy:
     engine_op: ReduceOp
     prescale: float
     postscale: float
+    settings: tuple[tuple[str, float], ...] = ()
+    """The factors as the user set them (``gradient_predivide_factor``,
+    ``prescale_factor``, ``postscale_factor``), which a mismatch across ranks
+    names: ``prescale``/``postscale`` are derived from them (issue 32)."""
 
     @classmethod
     def make(cls, op: ReduceOp | str, size: int, tensors: Sequence[tuple[str, str]] = (), *,
@@ -99,10 +103,13 @@ class ReducePolicy:
         for ``GradientScheduler``, ``DistributedOptimizer`` its own): Average
         is ``prescale / predivide`` before the sum, ``postscale * predivide /
         size`` after it; the other ops keep the user's factors."""
+        settings = (("gradient_predivide_factor", float(predivide)),
+                    ("prescale_factor", float(prescale)), ("postscale_factor", float(postscale)))
         if op is ReduceOp.AVERAGE:
             return cls(op=op, engine_op=ReduceOp.SUM, prescale=prescale / predivide,
-                       postscale=postscale * predivide / size)
-        return cls(op=op, engine_op=op, prescale=prescale, postscale=postscale)
+                       postscale=postscale * predivide / size, settings=settings)
+        return cls(op=op, engine_op=op, prescale=prescale, postscale=postscale,
+                   settings=settings)
 
 
     @classmethod
@@ -114,7 +121,9 @@ class ReducePolicy:
         op = ReduceOp.parse(op)
         post = postscale / size if op is ReduceOp.AVERAGE else postscale
         engine_op = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
-        return cls(op=op, engine_op=engine_op, prescale=float(prescale), postscale=float(post))
+        return cls(op=op, engine_op=engine_op, prescale=float(prescale), postscale=float(post),
+                   settings=(("prescale_factor", float(prescale)),
+                             ("postscale_factor", float(postscale))))
 
 
 def check_predivide_op(op: ReduceOp, predivide: float) -> None:

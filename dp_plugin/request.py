@@ -201,7 +201,10 @@ def check(engine: Any, request: Request, *, accept_joined: bool = False) -> Agre
     numbers = [_first_dim(shape) for shape in request.shapes] + extra
     got = compare(engine, CHECK_TAG, mine, numbers, joined_ok=accept_joined)
     blocks = [b for b in got.described if b is not None] if got.described else [mine]
-    _raise_problems(blocks, detail)
+    # Equal digests on several ranks: every rank described the same request, its
+    # problem included, and only this rank's copy is at hand (issue 32: it was
+    # blamed on "rank(s) [0]" alone).
+    _raise_problems(blocks, detail, every_rank=got.described is None and engine.size > 1)
     if got.described is not None:
         _raise_mismatch(blocks, request)
         if not got.joined:
@@ -365,7 +368,9 @@ Described = list[list[dict[str, Any]]]
 """``described[rank][i]``: rank's description of tensor ``i``."""
 
 
-def _raise_problems(blocks: Described, detail: str) -> None:
+def _raise_problems(blocks: Described, detail: str, *, every_rank: bool = False) -> None:
+    """Raise the first problem a rank found in its own request, naming the ranks
+    that have it (``every_rank``: ``blocks`` is this rank's, the same on all)."""
     bad = [(rank, d) for rank, block in enumerate(blocks) for d in block if d["problem"]]
     if not bad:
         return
@@ -375,7 +380,8 @@ def _raise_problems(blocks: Described, detail: str) -> None:
     dtypes = sorted({d.get("dtype", "?") for _, d in bad if d["problem"] == problem})
     said = _PROBLEM_TEXT[problem].replace("{dtypes}", " / ".join(dtypes))
     mine = f" On this rank: {detail}." if detail else ""
-    text = (f"{first['kind']}{_named(first['name'])} cannot run: rank(s) {ranks} {said}. "
+    who = "every rank" if every_rank else f"rank(s) {ranks}"
+    text = (f"{first['kind']}{_named(first['name'])} cannot run: {who} {said}. "
             f"Every rank of the collective raises this error.{mine}")
     raise (TypeError if problem is Problem.UNSUPPORTED_DTYPE else ValueError)(text)
 

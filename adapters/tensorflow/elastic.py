@@ -30,18 +30,26 @@ state.
 
 Tracked: the model's weights and the optimizer's variables (as numpy arrays,
 assigned back into the same variables), the variables of a
-``TensorFlowState``, any other keyword value (epoch, batch, ...) as it is
-(it must pickle), and each rank's ``random`` and numpy generator states.
+``TensorFlowState``, any other keyword value (epoch, batch, ...) as it is,
+and each rank's ``random`` and numpy generator states. The commit file is a
+pickle read back by a restricted unpickler (``_PlainUnpickler``: plain
+Python values and numpy arrays, scalars and dtypes; no code of the file's
+choosing runs), so a keyword value must be one of those: ``commit()``
+refuses anything else with ``CommitError`` naming it, before writing.
+A failure on rank 0 (writing, reading or loading the file) raises
+``CommitError`` on every rank at once: rank 0's outcome is broadcast.
 TensorFlow's own global generator and Keras ``SeedGenerator`` states are not
 (seed them from ``state.batch`` if a replay must be bitwise).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import random
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import keras
@@ -54,7 +62,7 @@ from dp_plugin.errors import DPPluginError as HorovodInternalError
 from dp_plugin.tensorflow import basics
 from dp_plugin.tensorflow.basics import init, rank, shutdown
 from dp_plugin.tensorflow.broadcast import broadcast_variables
-from dp_plugin.tensorflow.functions import allgather_object, barrier, broadcast_object
+from dp_plugin.tensorflow.functions import allgather_object, broadcast_object
 from dp_plugin.tensorflow.graph_ops import broadcast_object_fn
 
 __all__ = [
@@ -87,19 +95,43 @@ class ObjectState(_core.ObjectState):
     def _write(self, record: dict[str, Any]) -> None:
         assert self.commit_path is not None  # persist() checked
         rng = allgather_object(self._saved_rng, name="dp_plugin.elastic.rng")
+        problem: str | None = None
+        failure: BaseException | None = None
         if basics.rank() == 0:
-            write_atomic(self.commit_path, [pickle.dumps({**record, "rng": rng})])
-        barrier()  # the commit is on disk before any rank goes on
+            try:
+                write_atomic(self.commit_path, [_dumps({**record, "rng": rng}, self.commit_path)])
+            except Exception as exc:  # every rank must hear of it, whatever it is
+                failure = exc
+                problem = (str(exc) if isinstance(exc, CommitError) else
+                           f"rank 0 could not write the commit {str(self.commit_path)!r} "
+                           f"({type(exc).__name__}: {exc}); the previous commit there is "
+                           "unchanged. Check that its directory can be created and written by "
+                           "this user on rank 0's host, and that the disk has room")
+        # Rank 0's outcome, after its write: no rank goes on believing a failed commit
+        # succeeded, and none waits for a rank 0 that has already raised (issue 32).
+        problem = broadcast_object(problem, 0, name="dp_plugin.elastic.committed")
+        if problem is not None:
+            raise CommitError(problem) from failure
 
     def _read(self) -> Any:
         assert self.commit_path is not None  # load() checked
-        data = None
-        if basics.rank() == 0 and self.commit_path.exists():
-            data = self.commit_path.read_bytes()
-        data = broadcast_object(data, 0, name="dp_plugin.elastic.load")
+        data: bytes | None = None
+        problem: str | None = None
+        if basics.rank() == 0:
+            try:
+                data = self.commit_path.read_bytes()
+            except FileNotFoundError:
+                data = None  # a first start
+            except OSError as exc:
+                problem = (f"rank 0 could not read the commit {str(self.commit_path)!r} "
+                           f"({type(exc).__name__}: {exc}); check that this user can read it "
+                           "on rank 0's host, or delete it to start afresh")
+        data, problem = broadcast_object((data, problem), 0, name="dp_plugin.elastic.load")
+        if problem is not None:
+            raise CommitError(problem)
         if data is None:
             return None
-        record = pickle.loads(data)
+        record = _loads(data, self.commit_path)  # the same bytes: the same outcome everywhere
         rng = record.get("rng") if isinstance(record, dict) else None
         if rng is not None and len(rng) == basics.size():
             self._set_rng_state(rng[basics.rank()])
@@ -230,6 +262,80 @@ class UpdateEpochStateCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         self.state.epoch = epoch + 1  # type: ignore[attr-defined]
+
+
+# -- the commit file ----------------------------------------------------------------
+
+_LOADABLE = frozenset({
+    ("builtins", "complex"), ("builtins", "set"), ("builtins", "frozenset"),
+    ("builtins", "bytearray"), ("collections", "OrderedDict"),
+    ("numpy", "ndarray"), ("numpy", "dtype"),
+    ("numpy._core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "scalar"),
+    ("numpy.core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),  # numpy 1
+})
+"""What a commit may name when it is unpickled: Python's plain values and numpy
+arrays, scalars and dtypes. Rebuilding these runs no code of the file's choosing."""
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` that refuses any class or function outside ``_LOADABLE``:
+    whoever can write ``commit_path`` must not be able to run code in every rank
+    (``torch.load(weights_only=True)`` is the same rule for the torch adapter)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _LOADABLE:
+            raise pickle.UnpicklingError(
+                f"{module}.{name} is not a plain value (numbers, strings, bytes, lists, "
+                "tuples, dicts, sets, numpy arrays and scalars)")
+        return super().find_class(module, name)
+
+
+def _loads(data: bytes, path: Path) -> Any:
+    """The commit in ``data``, unpickled without running code it names."""
+    try:
+        return _PlainUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:
+        raise CommitError(
+            f"{str(path)!r} cannot be loaded as an elastic commit ({type(exc).__name__}: "
+            f"{exc}): it was not written by commit(), or was changed since; delete it to start "
+            "afresh, or give commit_path a file of its own") from None
+
+
+def _dumps(record: dict[str, Any], path: Path) -> bytes:
+    """``record`` pickled, after checking that ``_loads`` can read it back (a commit that
+    was written always loads on restart); ``CommitError`` naming the first value that
+    could not be, otherwise."""
+    data = pickle.dumps(record)
+    try:
+        _PlainUnpickler(io.BytesIO(data)).load()
+        return data
+    except pickle.UnpicklingError as exc:
+        reason = str(exc)
+    where, value = _first_unloadable(record.get("commit", {}), "")
+    raise CommitError(
+        f"commit {str(path)!r}: {where or 'the state'} = {_short(value)} (a "
+        f"{type(value).__module__}.{type(value).__qualname__}) could not be loaded back "
+        f"safely, so a restart could not read this commit ({reason}); nothing was written. "
+        "Store it as a plain Python value (float(x), int(x), x.tolist()), a string, or a "
+        "numpy array of a plain dtype")
+
+
+def _first_unloadable(value: Any, where: str) -> tuple[str, Any]:
+    """(path such as ``['values']['note']``, value) of the innermost value that does
+    not load back; ``value`` itself if no part of it is to blame alone."""
+    items: Any = (value.items() if isinstance(value, dict) else
+                  enumerate(value) if isinstance(value, list | tuple) else ())
+    for key, item in items:
+        try:
+            _PlainUnpickler(io.BytesIO(pickle.dumps(item))).load()
+        except Exception:
+            return _first_unloadable(item, f"{where}[{key!r}]")
+    return where, value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # -- helpers -------------------------------------------------------------------------

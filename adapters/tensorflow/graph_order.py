@@ -17,17 +17,26 @@ ops this way (its automatic control dependencies); the explicit edge makes
 the rule ours rather than an implementation detail of tracing, and covers
 TF1 graphs, where nothing else does.
 
-Control-flow contexts of TF1 graphs (``tf.compat.v1.cond``/``while_loop``)
-keep a chain of their own, started after the enclosing context's last op:
-an edge out of a branch would make later ops "dead" when the branch is not
-taken. (In a ``tf.function`` each branch or loop body is a graph of its own,
-and the ``If``/``While`` op that holds it is ordered by TensorFlow.)
+Collectives inside ``tf.compat.v1.cond``/``while_loop`` of a TF1 graph are
+refused when they are built (issue 32). There the construct's ops live in
+v1 control-flow contexts (``disable_control_flow_v2``) or in the branch and
+body graphs of an ``If``/``While`` op (TensorFlow 2's default, also in TF1
+graphs), and nothing orders an op built after the construct against the
+collectives inside it: with rank 0's predicate slow and rank 1's outer input
+slow, an all-reduce in the branch paired with a different all-reduce on the
+other rank. Ordering them soundly would need an edge out of every branch
+that does not kill the op after the construct when its branch is not taken,
+and, in a loop, from each iteration's last collective to the next
+iteration's first; TensorFlow exposes neither after the construct is built.
+Inside a ``tf.function`` TensorFlow's automatic control dependencies order
+the ``If``/``While`` op among the function's stateful ops, so there they
+are allowed.
 
 The consequence a user sees: fetching a dp_plugin op in ``Session.run`` also
 runs the dp_plugin ops built before it in that graph (they are its control
 inputs). Horovod matches collectives by name in a background thread instead;
 without one, this is the order every rank can agree on when the graph is
-built. The one exception is ``chain_start``, for ops that only read
+built. The one exception is ``new_chain``, for ops that only read
 variables and are run on their own (the broadcast of the global variables,
 which Horovod's ``BroadcastGlobalVariablesHook`` builds after the training
 step): they depend on no earlier op, and later ops follow them.
@@ -42,12 +51,12 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import tensorflow as tf
+from dp_plugin.edge import caller
 
 T = TypeVar("T")
 
 _lock = threading.Lock()
-# graph -> {control-flow context (None outside one): last dp_plugin op built there}
-_tails: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+_tails: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # graph -> last op
 _starting = threading.local()  # .graph: the graph whose next op starts a new chain
 
 
@@ -63,8 +72,32 @@ def new_chain() -> Iterator[None]:
         _starting.graph = saved
 
 
-def _context(graph: Any) -> Any:
-    return graph._get_control_flow_context()  # TF1 cond/while; None in tf.function graphs
+def _tf1_construct(graph: Any) -> str | None:
+    """``"cond"`` or ``"while_loop"`` when ops built now in ``graph`` land inside
+    that construct of a TF1 graph (not of a ``tf.function``); else None."""
+    context = graph._get_control_flow_context()  # v1 control flow: CondContext, WhileContext
+    if context is not None and (context.IsCondContext() or context.IsWhileContext()):
+        return "while_loop" if context.GetWhileContext() is not None else "cond"
+    # v2 control flow: a branch or body graph; inside a tf.function it is traced with
+    # automatic control dependencies, in a TF1 graph without them.
+    if getattr(graph, "is_control_flow_graph", False) and not graph._add_control_dependencies:
+        return "while_loop" if type(graph).__name__.startswith("While") else "cond"
+    return None
+
+
+def _refuse_tf1_control_flow(graph: Any) -> None:
+    construct = _tf1_construct(graph)
+    if construct is None:
+        return
+    outside = ("before the cond: reduce every candidate there and pick the result with "
+               "tf.where, or use the reduced tensors inside the branches" if construct == "cond"
+               else "outside the while_loop: a Python loop builds one collective per iteration")
+    raise ValueError(
+        f"{caller()}: a dp_plugin collective cannot be built inside "
+        f"tf.compat.v1.{construct} of a TF1 graph: nothing orders it against the "
+        f"collectives built before and after the {construct}, so ranks could pair it with "
+        f"a different collective (issue 32). Build it {outside}; or build the step in a "
+        f"tf.function, where TensorFlow orders the {construct} as one op.")
 
 
 def _first_op(result: Any) -> Any:
@@ -79,23 +112,20 @@ def _first_op(result: Any) -> Any:
 def ordered(make: Callable[[], T]) -> T:
     """``make()``, which builds one dp_plugin op, after the previous one of this graph.
 
-    Eagerly ``make()`` is simply called.
+    Eagerly ``make()`` is simply called. Inside TF1 control flow it raises
+    ``ValueError`` (module docstring).
     """
     if tf.executing_eagerly():
         return make()
     graph = tf.compat.v1.get_default_graph()
-    context = _context(graph)
+    _refuse_tf1_control_flow(graph)
     starts = getattr(_starting, "graph", None) is graph
     if starts:
         _starting.graph = None  # only the first op inside new_chain()
     with _lock:
-        tails = _tails.setdefault(graph, {})
-        previous = None if starts else tails.get(context, tails.get(None))
-    # An op built inside a TF1 context may wait for one outside (TensorFlow routes
-    # the edge into the context); never the other way (see the module docstring).
+        previous = None if starts else _tails.get(graph)
     with graph.control_dependencies([previous] if previous is not None else []):
         result = make()
     with _lock:
-        tails[context] = _first_op(result)
+        _tails[graph] = _first_op(result)
     return result
-

@@ -32,8 +32,10 @@ torch, numpy and ``random`` generator states of every rank.
 
 Where commits go: ``commit_path`` if given; under torchrun without one, a
 file private to the user and to this job (``default_commit_path``:
-``$TMPDIR/dp_plugin-<uid>/elastic-<TORCHELASTIC_RUN_ID>.pt``, in a 0700
-directory), so that Horovod's own elastic examples (``TorchState(model,
+``$TMPDIR/dp_plugin-<uid>/elastic-<job id>.pt``, in a 0700 directory: the
+job id is torchrun's run id, or under its static rendezvous, where the run id
+is ``none`` for every job, one derived from the job's own log directory), so
+that Horovod's own elastic examples (``TorchState(model,
 optimizer, batch=0, epoch=0)``) recover a killed worker unchanged. That
 default file is removed when ``run``'s function returns.
 
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import os
 import re
 import stat
@@ -165,18 +168,27 @@ run = _core.runner(basics)
 
 def default_commit_path(env: Mapping[str, str] | None = None) -> Path | None:
     """Where commits go without ``commit_path``: under torchrun,
-    ``<temp dir>/dp_plugin-<uid>/elastic-<TORCHELASTIC_RUN_ID>.pt``; None
-    elsewhere (no launcher restarts the workers, memory is enough).
+    ``<temp dir>/dp_plugin-<uid>/elastic-<job id>.pt``; None elsewhere (no
+    launcher restarts the workers, memory is enough).
 
-    Per job: torchrun gives every job its own run id (a UUID unless
-    ``--rdzv-id`` names the job) and keeps it across its restarts. Private:
-    the directory is created 0700 and refused unless this user owns it and
-    no one else may enter it (a commit is unpickled, with
-    ``weights_only=True``, by the next attempt)."""
+    Per job: the job id is torchrun's run id (a UUID under ``--standalone``,
+    the job's name with ``--rdzv-id``), which it keeps across its restarts.
+    Without either, torchrun gives every job the run id ``none`` (its static
+    rendezvous: any ``--master_port`` launch, multi-node ``--node_rank``
+    launches); there the id is derived from the job's own log directory
+    (``_static_job_id``), and without one restarts are refused (issue 32:
+    every such job shared ``elastic-none.pt`` and a fresh job started from
+    another job's commit). Private: the directory is created 0700 and refused
+    unless this user owns it and no one else may enter it (a commit is
+    unpickled, with ``weights_only=True``, by the next attempt)."""
     env = os.environ if env is None else env
     run_id = env.get("TORCHELASTIC_RUN_ID")
     if not run_id:
         return None
+    if run_id == "none":
+        run_id = _static_job_id(env)
+        if run_id is None:
+            return None
     folder = Path(tempfile.gettempdir()) / f"dp_plugin-{os.getuid()}"
     with contextlib.suppress(FileExistsError):
         folder.mkdir(mode=0o700)
@@ -192,6 +204,40 @@ def default_commit_path(env: Mapping[str, str] | None = None) -> Path | None:
         )
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:128]
     return folder / f"elastic-{safe}.pt"
+
+
+def _static_job_id(env: Mapping[str, str]) -> str | None:
+    """A job id for torchrun's static rendezvous (run id ``none``), or None when
+    nothing restarts the workers and none can be derived.
+
+    torchrun makes one log directory per job (``mkdtemp``, under ``--log-dir``
+    or the temporary directory) and gives each worker
+    ``TORCHELASTIC_ERROR_FILE=<that directory>/attempt_<restart>/<local rank>/error.json``:
+    the directory is the same for every worker of the job's agent and for
+    every restart, and never the same for two jobs. Only rank 0 writes and
+    reads the commit, so ranks on other hosts (another agent, another
+    directory) never use theirs."""
+    error_file = Path(env.get("TORCHELASTIC_ERROR_FILE") or "error.json")
+    rank_dir = error_file.parent
+    if (error_file.name == "error.json" and rank_dir.name.isdigit()
+            and re.fullmatch(r"attempt_\d+", rank_dir.parent.name) and error_file.is_absolute()):
+        job_dir = str(rank_dir.parent.parent)
+        return "none-" + hashlib.sha256(job_dir.encode()).hexdigest()[:16]
+    restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if not (restarts.isdigit() and int(restarts) > 0):
+        return None  # nothing restarts the workers: commits stay in memory
+    raise LaunchError(
+        "torchrun gives every job launched without --rdzv-id or --standalone (its static "
+        "rendezvous: --master_port, --node_rank) the run id 'none' (TORCHELASTIC_RUN_ID=none), "
+        "and this "
+        "job's own torchrun log directory is unknown (TORCHELASTIC_ERROR_FILE="
+        f"{env.get('TORCHELASTIC_ERROR_FILE', '')!r}, expected "
+        "<log dir>/attempt_<n>/<local rank>/error.json; --log-dir /dev/null leaves it empty): "
+        "a default commit file named after the run id would be shared by every such job, and "
+        f"a restart (TORCHELASTIC_MAX_RESTARTS={restarts}) could resume another job's commit. "
+        "Pass TorchState(..., commit_path='some/dir/elastic.pt'), a file of this job's own, "
+        "or give torchrun --rdzv-id <a name unique to this job>"
+    )
 
 
 def _has_state_dict(value: Any) -> bool:

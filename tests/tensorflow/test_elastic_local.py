@@ -7,8 +7,10 @@ protocol as the TensorFlow adapter fills it in.
 
 from __future__ import annotations
 
+import pickle
 import random
 from pathlib import Path
+from typing import Any
 
 import keras
 import numpy as np
@@ -43,7 +45,7 @@ def test_a_commit_resumes_weights_values_and_generators(tmp_path: Path) -> None:
 
 def test_a_foreign_or_different_commit_is_refused(tmp_path: Path) -> None:
     foreign = tmp_path / "foreign.pkl"
-    foreign.write_bytes(__import__("pickle").dumps({"weights": 1}))
+    foreign.write_bytes(pickle.dumps({"weights": 1}))
     with pytest.raises(dp.elastic.CommitError, match="not an elastic commit"):
         dp.elastic.ObjectState(epoch=0, commit_path=foreign).load()
     path = tmp_path / "elastic.pkl"
@@ -56,3 +58,38 @@ def test_restarts_without_a_commit_path_are_refused(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
     with pytest.raises(LaunchError, match=r"TORCHELASTIC_MAX_RESTARTS=2.*no commit_path"):
         dp.elastic.run(lambda s: None)(dp.elastic.ObjectState(epoch=0))
+
+
+class _RunsCode:
+    """A pickle that calls ``Path.touch`` on load: what a forged commit could run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.marker,))
+
+
+def test_a_commit_is_loaded_without_running_code(tmp_path: Path) -> None:
+    """``_read`` unpickled whatever the file held (issue 32): anyone who could write
+    ``commit_path`` could run code in every rank. Now only plain values and numpy
+    load; a forged file is refused with CommitError and its code never runs."""
+    path, marker = tmp_path / "elastic.pkl", tmp_path / "ran"
+    state = dp.elastic.ObjectState(epoch=0, best=np.float64(0.5), commit_path=path)
+    state.commit()
+    record = pickle.loads(path.read_bytes())
+    record["commit"]["values"]["epoch"] = _RunsCode(marker)
+    path.write_bytes(pickle.dumps(record))
+    with pytest.raises(dp.elastic.CommitError, match=r"cannot be loaded as an elastic commit "
+                       r"\(UnpicklingError: pathlib.*Path.touch is not a plain value"):
+        dp.elastic.ObjectState(epoch=0, best=0.0, commit_path=path).load()
+    assert not marker.exists()
+
+
+def test_a_value_that_would_not_load_is_refused_at_commit(tmp_path: Path) -> None:
+    path = tmp_path / "elastic.pkl"
+    state = dp.elastic.ObjectState(epoch=0, note=object(), commit_path=path)
+    with pytest.raises(dp.elastic.CommitError,
+                       match=r"\['values'\]\['note'\] = <object object .*nothing was written"):
+        state.commit()
+    assert not path.exists()

@@ -181,3 +181,42 @@ def test_torchrun_gives_a_private_per_job_default_commit_path(
         hvd.elastic.TorchState(model, opt)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     assert hvd.elastic.TorchState(model, opt).commit_path is None
+
+
+def test_static_rendezvous_jobs_get_commit_paths_of_their_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun without --rdzv-id/--standalone (any --master_port launch) sets
+    TORCHELASTIC_RUN_ID=none for every job: before, all of them shared
+    ``elastic-none.pt`` and a fresh job resumed another job's commit (issue 32).
+    The id now comes from the job's own torchrun log directory: the same for
+    every local rank and restart of one job, another for the next job; without
+    one, restarts are refused naming commit_path=."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+
+    def job(name: str, attempt: int = 0, local_rank: int = 0) -> hvd.elastic.TorchState:
+        error_file = (tmp_path / f"torchelastic_{name}" / f"none_{name}" / f"attempt_{attempt}"
+                      / str(local_rank) / "error.json")
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        model, opt, _ = _objects()
+        return hvd.elastic.TorchState(model, opt, batch=0)
+
+    first = job("a")
+    assert first.commit_path is not None and first.commit_path.name != "elastic-none.pt"
+    assert job("a", attempt=1, local_rank=2).commit_path == first.commit_path
+    first.batch = 5
+    first.commit()
+    seen = []
+    hvd.elastic.run(lambda s: seen.append(s.batch))(job("b"))  # another job: a first start
+    assert seen == [0] and first.commit_path.exists()
+    hvd.elastic.run(lambda s: seen.append(s.batch))(job("a", attempt=1))  # its restart
+    assert seen == [0, 5] and not first.commit_path.exists()
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", "")  # torchrun --log-dir /dev/null
+    model, opt, _ = _objects()
+    with pytest.raises(LaunchError, match=r"run id 'none'.*commit_path='some/dir/elastic.pt'"):
+        hvd.elastic.TorchState(model, opt)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # nothing restarts: in memory
+    assert hvd.elastic.TorchState(model, opt).commit_path is None

@@ -214,6 +214,24 @@ def test_a_mistake_on_one_rank_raises_on_every_rank() -> None:
         assert ("has 2 entries" in str(outcome)) == (rank == 1)
 
 
+@pytest.mark.parametrize("mistake", ["bool", "splits"])
+def test_a_mistake_every_rank_makes_is_blamed_on_every_rank(mistake: str) -> None:
+    """Issue 32: when every rank made the same mistake the digests agree, only this
+    rank's description was at hand, and the message blamed "rank(s) [0]"."""
+    engines = make_thread_group(3)
+
+    def body(engine: FakeEngine) -> Any:
+        if mistake == "bool":
+            return request.reducescatter(engine, np.zeros((6, 2), bool), name="flags")
+        return request.alltoall(engine, np.zeros((6, 2), np.float32), [3, 3], name="a2a")
+
+    said = ("every rank passed a tensor of dtype bool" if mistake == "bool"
+            else "every rank passed invalid splits")
+    for outcome in run_ranks_outcomes(engines, body):
+        assert isinstance(outcome, TypeError if mistake == "bool" else ValueError), outcome
+        assert said in str(outcome) and "rank(s)" not in str(outcome), str(outcome)
+
+
 @pytest.mark.parametrize(
     ("case", "needle"),
     [

@@ -191,6 +191,29 @@ def test_predivide_scales_before_the_sum() -> None:
     np.testing.assert_array_equal(divided[0], np.full(4, 40000.0, np.float16))
 
 
+@pytest.mark.parametrize(("setting", "values"), [
+    ("gradient_predivide_factor", (1.0, 2.0)),
+    ("prescale_factor", (1.0, 0.5)),
+    ("postscale_factor", (3.0, 1.0)),
+])
+def test_differing_scale_settings_are_named_as_the_user_set_them(
+        setting: str, values: tuple[float, float]) -> None:
+    """Issue 32: a different gradient_predivide_factor was reported as the derived
+    ``postscale`` (``postscale * predivide / size``), not the argument the user set."""
+    spec = [TensorSpec("g", (4,), "float32")]
+
+    def body(e: FakeEngine) -> None:
+        sched = GradientScheduler(spec, engine=e, **{setting: values[e.rank]})
+        sched.mark_ready(0, np.ones(4, np.float32))
+        sched.synchronize()
+
+    outcomes = run_ranks_outcomes(make_thread_group(2), body)
+    for err in outcomes:
+        assert isinstance(err, LayoutMismatchError), outcomes
+        assert f"{setting} differs (rank 0: {values[0]!r}; rank 1: {values[1]!r})" in str(err), \
+            str(err)
+
+
 @pytest.mark.parametrize(("compression", "wire"), [("fp16", "float16"), ("bf16", "bfloat16")])
 def test_compression(compression: str, wire: str) -> None:
     specs = make_specs(["float32", "float64", "int32"])

@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
+from pathlib import Path
 from typing import Any
 
 from _fail_fast import run_cases
@@ -90,7 +92,35 @@ def check_killed(args: argparse.Namespace) -> None:
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-CASES = {"killed": check_killed}
+def check_rank0_fails(args: argparse.Namespace) -> None:
+    """A commit rank 0 cannot write, and one it cannot read, raise ``CommitError``
+    on every rank at once, and the engine still works (issue 32). Before, rank 0
+    raised its own ``OSError`` while the other ranks waited for it in the commit's
+    barrier or the load's broadcast until ``DP_PLUGIN_TIMEOUT``.
+
+    ``--commit`` is a regular file (made by the test): nothing can be written
+    under it. Next to it, ``unreadable.pkl`` is a directory: it cannot be read."""
+    hvd.init()
+    rank, blocked = hvd.rank(), Path(args.commit)
+    cases = [("commit", blocked / "elastic.pkl", "rank 0 could not write the commit"),
+             ("load", blocked.parent / "unreadable.pkl", "rank 0 could not read the commit")]
+    for what, path, message in cases:
+        state = hvd.elastic.ObjectState(epoch=rank, commit_path=path)
+        started = time.monotonic()
+        try:
+            state.commit() if what == "commit" else state.load()
+        except hvd.elastic.CommitError as exc:
+            assert message in str(exc) and str(path) in str(exc), str(exc)
+        else:
+            raise AssertionError(f"rank {rank}: {what} of {path} did not raise CommitError")
+        took = time.monotonic() - started
+        assert took < 10, f"rank {rank}: the {what} failure took {took:.1f} s to arrive"
+    total = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum)  # the engine is not broken
+    assert np.asarray(total).tolist() == [2.0], total
+    print(f"rank {rank}: both failures raised CommitError at once", flush=True)
+
+
+CASES = {"killed": check_killed, "rank0_fails": check_rank0_fails}
 
 
 if __name__ == "__main__":
