@@ -23,15 +23,23 @@ piece once and sends the result on), so the ranks stay bitwise equal. The
 sum is taken in another order than a flat ring's (host first): within
 rounding of it, not bitwise.
 
-**When.** ``wanted``: ``DP_PLUGIN_HIERARCHICAL_ALLREDUCE`` (or Horovod's
+**When.** Decided once for the whole job, as Horovod does, from one
+exchange of every rank's row (``row``): its vote and where its launcher
+variables put it (host index, local rank, ranks on its host). A rank's
+vote (``vote``): ``DP_PLUGIN_HIERARCHICAL_ALLREDUCE`` (or Horovod's
 ``HOROVOD_HIERARCHICAL_ALLREDUCE``, the same switch) forces it on (1) or
-off (0); unset, it is on where the launcher's topology (``Topology``:
-``cross_size`` hosts of ``local_size`` ranks) has more than one host, more
-than one rank per host and the same number on each, and shared memory is
-allowed (``DP_PLUGIN_SHARED_MEMORY``). The layout itself comes from every
-rank's (host index, local rank) as the launcher gave them (``layout``); a
-layout that is not a full grid, or shared memory that any rank cannot set
-up, leaves every rank on the flat ring, said once in the log.
+off (0); unset, it is on where the rank's own topology (``Topology``:
+``cross_size`` hosts of ``local_size`` ranks) has more than one host and
+more than one rank per host, and shared memory is allowed
+(``DP_PLUGIN_SHARED_MEMORY``). ``decide`` reads the same table on every
+rank, so every rank takes the same path: hierarchical where every rank
+votes for it and the ranks form a full grid of hosts with the same
+number of ranks each (``layout``). Anything else (hosts of 3, 1 and 2
+ranks; under horovodrun, whose cross size counts the ranks of one local
+rank and so differs between the ranks of such a host; ranks whose
+settings differ) leaves every rank on the flat ring, said once in the
+log (a warning where a rank forced it on). Shared memory that any rank
+cannot set up does the same.
 
 **Pipelined.** Run one after another, the three steps leave the link
 idle during every shared-memory step and every gap between operations
@@ -96,12 +104,45 @@ WAKE_S = 0.05
 """How often a wait between the stages looks whether the engine is closing."""
 
 
-def wanted(topology: Topology, config: Config) -> bool:
-    """Whether the gloo engine of this job reduces hierarchically (module docstring)."""
+NO, AUTOMATIC, FORCED = 0, 1, 2
+"""A rank's vote (``vote``)."""
+
+
+def vote(topology: Topology, config: Config) -> int:
+    """What this rank's own settings and launcher variables say: ``FORCED``
+    (the switch is on), ``AUTOMATIC`` (unset, and its topology has several
+    hosts of several ranks) or ``NO``. Only ``decide``, over every rank's
+    vote, says what the job does."""
     if config.hierarchical_allreduce is not None:
-        return config.hierarchical_allreduce and topology.size > 1
-    return (config.shared_memory and topology.cross_size > 1 and topology.local_size > 1
-            and topology.is_homogeneous)
+        return FORCED if config.hierarchical_allreduce and topology.size > 1 else NO
+    several = topology.cross_size > 1 and topology.local_size > 1
+    return AUTOMATIC if config.shared_memory and several else NO
+
+
+def row(topology: Topology, config: Config) -> np.ndarray:
+    """This rank's row of the exchange ``decide`` reads: its vote, host
+    index, local rank and the number of ranks on its host."""
+    return np.array([vote(topology, config), topology.cross_rank, topology.local_rank,
+                     topology.local_size], dtype=np.int64)
+
+
+def decide(table: np.ndarray) -> tuple[Layout | None, str]:
+    """The job's one answer from every rank's ``row`` (the same table on
+    every rank, so the same answer): the layout where every rank votes for
+    the hierarchical path and the ranks form a grid; else None, and why
+    ("" when no rank wants it: nothing to say)."""
+    votes = table[:, 0]
+    if not votes.any():
+        return None, ""
+    grid, why = layout(table[:, 1:])
+    if grid is None:
+        return None, why
+    against = [r for r, v in enumerate(votes.tolist()) if v == NO]
+    if against:
+        return None, (f"rank(s) {_ranks(against)} do not want it (DP_PLUGIN_HIERARCHICAL_ALLREDUCE"
+                      "=0 or DP_PLUGIN_SHARED_MEMORY=0 there) and the others do; set the same "
+                      "values on every rank")
+    return grid, ""
 
 
 @dataclass(frozen=True)
@@ -125,17 +166,25 @@ class Layout:
 
 
 def layout(table: np.ndarray) -> tuple[Layout | None, str]:
-    """The layout from row r = (host index, local rank) of rank r, or None
-    and why it is not a grid of hosts with the same number of ranks each."""
+    """The layout from row r = (host index, local rank, ranks on its host)
+    of rank r, or None and why it is not a grid of hosts with the same
+    number of ranks each (naming job ranks)."""
+    said: dict[int, list[int]] = {}
+    for rank, local_size in enumerate(table[:, 2].tolist()):
+        said.setdefault(local_size, []).append(rank)
+    if len(said) > 1:
+        counts = "; ".join(f"{_ranks(ranks, True)}: {n}" for n, ranks in said.items())
+        return None, f"the hosts run different numbers of ranks (ranks on its host: {counts})"
     hosts: dict[int, dict[int, int]] = {}
-    for rank, (host, local) in enumerate(table.tolist()):
+    for rank, (host, local, _) in enumerate(table.tolist()):
         if local in hosts.setdefault(host, {}):
             return None, (f"ranks {hosts[host][local]} and {rank} both say they are local rank "
                           f"{local} of host {host}")
         hosts[host][local] = rank
     sizes = {len(h) for h in hosts.values()}
     if len(sizes) != 1:
-        counts = ", ".join(f"host {k}: {len(v)}" for k, v in sorted(hosts.items()))
+        counts = "; ".join(f"host {k}: {_ranks(sorted(v.values()), True)}"
+                           for k, v in sorted(hosts.items()))
         return None, f"the hosts run different numbers of ranks ({counts})"
     per_host = sizes.pop()
     if per_host < 2:
@@ -145,6 +194,12 @@ def layout(table: np.ndarray) -> tuple[Layout | None, str]:
             return None, f"host {k}'s local ranks are {sorted(h)}, not 0..{per_host - 1}"
     return Layout(tuple(tuple(h[j] for j in range(per_host))
                         for _, h in sorted(hosts.items()))), ""
+
+
+def _ranks(ranks: Sequence[int], named: bool = False) -> str:
+    """Job ranks as a message lists them: '0, 1, 2' ('ranks 0, 1, 2', 'rank 3')."""
+    text = ", ".join(map(str, ranks))
+    return text if not named else f"rank{'s' if len(ranks) > 1 else ''} {text}"
 
 
 def host_exchange(exchange: Any, host: Sequence[int]) -> Any:

@@ -4,6 +4,9 @@ processes in tests/multiproc/test_hierarchical.py."""
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -19,20 +22,35 @@ def topo(size: int, local_size: int, cross_size: int) -> Topology:
 
 
 @pytest.mark.parametrize(("env", "t", "expect"), [
-    ({}, topo(4, 2, 2), True),                 # 2 hosts x 2: automatic
-    ({}, topo(2, 1, 2), False),                # one rank per host: nothing inside a host
-    ({}, topo(4, 4, 1), False),                # one host: flat shared memory
-    ({}, topo(5, 3, 2), False),                # uneven hosts
-    ({"DP_PLUGIN_SHARED_MEMORY": "0"}, topo(4, 2, 2), False),
-    ({"HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}, topo(4, 2, 2), False),
-    ({"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, topo(4, 4, 1), True),
+    ({}, topo(4, 2, 2), hierarchical.AUTOMATIC),  # 2 hosts x 2
+    ({}, topo(2, 1, 2), hierarchical.NO),         # one rank per host: nothing inside a host
+    ({}, topo(4, 4, 1), hierarchical.NO),         # one host: flat shared memory
+    ({}, topo(5, 3, 2), hierarchical.AUTOMATIC),  # uneven hosts: the job's layout says no
+    ({"DP_PLUGIN_SHARED_MEMORY": "0"}, topo(4, 2, 2), hierarchical.NO),
+    ({"HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}, topo(4, 2, 2), hierarchical.NO),
+    ({"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, topo(4, 4, 1), hierarchical.FORCED),
     ({"DP_PLUGIN_HIERARCHICAL_ALLREDUCE": "0", "HOROVOD_HIERARCHICAL_ALLREDUCE": "1"},
-     topo(4, 2, 2), False),                    # ours wins
-    ({"DP_PLUGIN_HIERARCHICAL_ALLREDUCE": "1"}, Topology.single(), False),
+     topo(4, 2, 2), hierarchical.NO),             # ours wins
+    ({"DP_PLUGIN_HIERARCHICAL_ALLREDUCE": "1"}, Topology.single(), hierarchical.NO),
 ])
-def test_wanted_follows_the_topology_and_the_switch(env: dict[str, str], t: Topology,
-                                                    expect: bool) -> None:
-    assert hierarchical.wanted(t, Config.from_env(env)) is expect
+def test_a_ranks_vote_follows_its_topology_and_the_switch(env: dict[str, str], t: Topology,
+                                                          expect: int) -> None:
+    assert hierarchical.vote(t, Config.from_env(env)) == expect
+
+
+@pytest.mark.parametrize(("votes", "expect", "why"), [
+    ([1, 1, 1, 1], True, ""),
+    ([2, 1, 2, 1], True, ""),
+    ([0, 0, 0, 0], False, ""),                   # nobody wants it: nothing to say
+    ([1, 0, 1, 1], False, "rank(s) 1 do not want it"),
+])
+def test_the_job_decides_once_from_every_ranks_vote(votes: list[int], expect: bool,
+                                                    why: str) -> None:
+    grid = [[0, 0, 2], [0, 1, 2], [1, 0, 2], [1, 1, 2]]
+    table = np.array([[v, *where] for v, where in zip(votes, grid, strict=True)])
+    got, said = hierarchical.decide(table)
+    assert (got is not None) is expect
+    assert why in said and bool(said) is bool(why), said
 
 
 def test_a_bad_switch_names_the_variable() -> None:
@@ -46,7 +64,7 @@ def test_a_bad_switch_names_the_variable() -> None:
 
 def test_layout_of_round_robin_placement() -> None:
     # mpirun --map-by node: ranks go round the hosts in turn
-    table = np.array([[0, 0], [1, 0], [0, 1], [1, 1], [0, 2], [1, 2]])
+    table = np.array([[0, 0, 3], [1, 0, 3], [0, 1, 3], [1, 1, 3], [0, 2, 3], [1, 2, 3]])
     layout, why = hierarchical.layout(table)
     assert layout is not None, why
     assert layout.hosts == ((0, 2, 4), (1, 3, 5))
@@ -55,14 +73,17 @@ def test_layout_of_round_robin_placement() -> None:
 
 
 @pytest.mark.parametrize(("table", "why"), [
-    ([[0, 0], [0, 1], [1, 0]], "different numbers of ranks (host 0: 2, host 1: 1)"),
-    ([[0, 0], [0, 0]], "ranks 0 and 1 both say they are local rank 0 of host 0"),
-    ([[0, 0], [1, 0]], "every host runs one rank"),
-    ([[0, 0], [0, 2]], "host 0's local ranks are [0, 2], not 0..1"),
+    ([[0, 0, 2], [0, 1, 2], [1, 0, 1]],
+     "different numbers of ranks (ranks on its host: ranks 0, 1: 2; rank 2: 1)"),
+    ([[0, 0, 2], [0, 1, 2], [0, 2, 2], [1, 0, 2]],
+     "different numbers of ranks (host 0: ranks 0, 1, 2; host 1: rank 3)"),
+    ([[0, 0, 2], [0, 0, 2]], "ranks 0 and 1 both say they are local rank 0 of host 0"),
+    ([[0, 0, 1], [1, 0, 1]], "every host runs one rank"),
+    ([[0, 0, 2], [0, 2, 2]], "host 0's local ranks are [0, 2], not 0..1"),
 ])
 def test_layouts_that_are_not_a_grid_keep_the_flat_ring(table: list[list[int]], why: str) -> None:
     layout, said = hierarchical.layout(np.array(table))
-    assert layout is None and why in said
+    assert layout is None and why in said, said
 
 
 def test_the_host_exchange_gives_up_everywhere_when_one_rank_does() -> None:
@@ -74,6 +95,93 @@ def test_the_host_exchange_gives_up_everywhere_when_one_rank_does() -> None:
     assert among(np.array([4096, 7]), "shm setup").tolist() == [[4096, 7], [4096, 0]]
 
 
+# -- the job-wide choice, with hosts of unequal rank counts -----------------------------
+# Every rank builds its Topology from its own launcher variables, then runs
+# GlooEngine's constructor (the process group stubbed out) on a thread, with an
+# exchange that, as Gloo's all-gather does, needs every rank to send the same
+# kind of row at the same point: different choices on different ranks show up
+# as a mismatch, not as gloo's abort.
+def hosts_env(launcher: str, counts: list[int], rank: int) -> dict[str, str]:
+    """The variables ``launcher`` gives rank ``rank`` of hosts running ``counts`` ranks."""
+    size = sum(counts)
+    host = next(h for h in range(len(counts)) if rank < sum(counts[:h + 1]))
+    local, local_size = rank - sum(counts[:host]), counts[host]
+    if launcher == "env":  # torchrun, one agent per host
+        return {"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(local),
+                "LOCAL_WORLD_SIZE": str(local_size), "GROUP_RANK": str(host),
+                "GROUP_WORLD_SIZE": str(len(counts)), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29500"}
+    if launcher == "slurm":
+        return {"SLURM_PROCID": str(rank), "SLURM_STEP_ID": "0", "SLURM_NTASKS": str(size),
+                "SLURM_LOCALID": str(local), "SLURM_NODEID": str(host),
+                "SLURM_STEP_NUM_NODES": str(len(counts)),
+                "SLURM_STEP_TASKS_PER_NODE": ",".join(map(str, counts)),
+                "SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": f"node[1-{len(counts)}]"}
+    # horovodrun: cross rank/size count the ranks of the same local rank, so
+    # they differ between the ranks of one host when the hosts are unequal.
+    peers = [h for h in range(len(counts)) if counts[h] > local]
+    return {"HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(size), "HOROVOD_LOCAL_RANK": str(local),
+            "HOROVOD_LOCAL_SIZE": str(local_size), "HOROVOD_CROSS_RANK": str(peers.index(host)),
+            "HOROVOD_CROSS_SIZE": str(len(peers)), "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": "29500"}
+
+
+class JobExchange:
+    """``Engine._exchange`` over thread-ranks that, like Gloo, fails every
+    rank when they do not all send the same kind of row at the same point."""
+
+    def __init__(self, size: int) -> None:
+        self.rows: list[Any] = [None] * size
+        self.barrier = threading.Barrier(size, timeout=10.0)
+        self.said: list[list[str]] = [[] for _ in range(size)]
+
+    def for_rank(self, rank: int) -> Any:
+        def exchange(row: np.ndarray, what: str) -> np.ndarray:
+            self.said[rank].append(what)
+            self.rows[rank] = (what, row)
+            self.barrier.wait()
+            rows = list(self.rows)
+            self.barrier.wait()
+            kinds = {(w, len(r)) for w, r in rows}
+            if len(kinds) > 1:
+                raise AssertionError(f"rank {rank}: the ranks exchanged different rows at the "
+                                     f"same point: {[(w, len(r)) for w, r in rows]}")
+            return np.stack([r for _, r in rows])
+
+        return exchange
+
+
+@pytest.mark.parametrize("launcher", ["env", "slurm", "horovodrun"])
+@pytest.mark.parametrize("counts", [[3, 1, 2], [2, 1]], ids=["3,1,2", "2,1"])
+def test_unequal_hosts_take_the_flat_ring_on_every_rank(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, launcher: str,
+        counts: list[int]) -> None:
+    from dp_plugin.engines.base import Engine
+    from dp_plugin.engines.gloo_nccl import GlooEngine
+    from dp_plugin.engines.torch_dist import TorchDistEngine
+    from dp_plugin.launch import detect
+
+    size = sum(counts)
+    job = JobExchange(size)
+
+    def no_group(self: Any, topology: Topology, config: Config, *, parent: Any = None,
+                 group: Any = None) -> None:
+        Engine.__init__(self, topology, config, parent=parent)
+        self._exchange = job.for_rank(topology.rank)
+
+    monkeypatch.setattr(TorchDistEngine, "__init__", no_group)
+    caplog.set_level("INFO", logger="dp_plugin")
+    topologies = [detect(hosts_env(launcher, counts, r)) for r in range(size)]
+    assert [t.launcher for t in topologies] == [launcher.replace("env", "torchrun")] * size
+    engines = on_ranks(size, lambda r: GlooEngine(topologies[r], Config()))
+    assert [e.hierarchical for e in engines] == [False] * size
+    assert all(said == job.said[0] for said in job.said), job.said
+    said = " ".join(r.getMessage() for r in caplog.records)
+    if counts == [3, 1, 2]:  # some ranks' own variables looked like a grid: said why not
+        assert ("flat Gloo ring, not the hierarchical path: the hosts run different numbers "
+                "of ranks (ranks on its host: ranks 0, 1, 2: 3; rank 3: 1; ranks 4, 5: 2)") in said
+
+
 # -- the pipelined all-reduce, its ranks as threads of one process ----------------------
 # Each "host" of two thread-ranks has its two segments (tests/unit/test_shm.py's
 # helpers); a Wire stands in for Gloo between the peers of one local rank: the
@@ -83,11 +191,9 @@ def test_the_host_exchange_gives_up_everywhere_when_one_rank_does() -> None:
 torch = pytest.importorskip("torch")
 
 import random  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
-from typing import Any  # noqa: E402
 
 from dp_plugin.engines import shm  # noqa: E402
 from dp_plugin.engines.types import ReduceOp  # noqa: E402
