@@ -99,7 +99,6 @@ first reduce-scatter and the last all-gather, the only shared-memory steps
 the link waits for, are short (one 94 MB embedding becomes 23 pieces);
 large enough that a piece's fixed cost (four barriers and one Gloo
 operation) stays small next to its transfer."""
-STANDING_POLL_S = 1e-3
 WAKE_S = 0.05
 """How often a wait between the stages looks whether the engine is closing."""
 
@@ -272,16 +271,32 @@ class HierarchicalAllreduce:
 
     def _unpipelined(self, t: Any, op: ReduceOp, description: str, on_timeout: Any,
                      board: Any, standing: bool) -> Handle:
-        def across(part: Any, deadline: float) -> None:
-            handle = self.start_across(part, op, f"{description} (across hosts)", standing)
+        name = f"{description} (across hosts)"
+
+        def across(part: Any, job: ShmHandle, deadline: float | None) -> None:
+            handle = self.start_across(part, op, name, standing)
             if handle is None:
                 return
-            while standing and not handle.done():  # no deadline of its own: the caller's
-                time.sleep(STANDING_POLL_S)
-            handle.wait()
+            self.until(handle.done, deadline, job, name)  # as the pipeline's gather stage
+            handle.wait()  # done: raises the cross step's own error, if any
 
         return self._transport.allreduce_async(t, op, description, on_timeout, board,
                                                across=across, standing=standing)
+
+    def until(self, done: Any, deadline: float | None, job: ShmHandle, name: str) -> None:
+        """Wait for ``done()`` on a transport's thread: by ``deadline`` (a
+        ``time.perf_counter`` value; ``job``'s timeout error after it), or
+        with none (a standing all-reduce) while the engine is open. Closing
+        ends the wait at once, with an error naming ``name``."""
+        while True:
+            left = WAKE_S if deadline is None else min(WAKE_S, deadline - time.perf_counter())
+            if poll(done, max(0.0, left), step=2e-5, longest=1e-3):
+                return
+            if self._closing.is_set():
+                raise DPPluginError(f"rank {job.rank}: {name} was still waiting when the "
+                                    "engine shut down")
+            if deadline is not None and time.perf_counter() >= deadline:
+                raise job.timeout_error()
 
     def start_across(self, part: Any, op: ReduceOp, name: str, standing: bool) -> Handle | None:
         """Start the cross-host all-reduce of one shard (None: nothing to do,
@@ -331,21 +346,10 @@ class _Crossing:
     def wait(self, deadline: float | None) -> None:
         """Until the cross-host all-reduce is done: by ``deadline`` (a
         ``time.perf_counter`` value; the all-reduce's timeout error after
-        it), or with none while the owner is open."""
-        self._until(self._ready.is_set, deadline)
+        it), or with none while the owner is open (``HierarchicalAllreduce.until``)."""
+        self._owner.until(self._ready.is_set, deadline, self._job, self._name)
         if self._error is not None:
             raise self._error
         if self._handle is not None:
-            self._until(self._handle.done, deadline)
+            self._owner.until(self._handle.done, deadline, self._job, self._name)
             self._handle.wait()  # done: raises the cross step's own error, if any
-
-    def _until(self, done: Any, deadline: float | None) -> None:
-        while True:
-            left = WAKE_S if deadline is None else min(WAKE_S, deadline - time.perf_counter())
-            if poll(done, max(0.0, left), step=2e-5, longest=1e-3):
-                return
-            if self._owner._closing.is_set():
-                raise DPPluginError(f"rank {self._job.rank}: {self._name} was still waiting "
-                                    "when the engine shut down")
-            if deadline is not None and time.perf_counter() >= deadline:
-                raise self._job.timeout_error()

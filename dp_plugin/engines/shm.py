@@ -187,17 +187,18 @@ class ShmTransport:
     def allreduce_async(self, t: Any, op: ReduceOp, description: str,
                         on_timeout: Callable[[str], None], board: Any,
                         postscale: float = 1.0,
-                        across: Callable[[Any, float], None] | None = None,
+                        across: Callable[[Any, ShmHandle, float | None], None] | None = None,
                         standing: bool = False) -> Handle:
         """Queue an in-place all-reduce of ``t`` (``takes(t)`` is true).
         ``postscale`` (a sum of a ``SCALED_DTYPES`` tensor only) multiplies
         the result while it is copied out: no pass of its own.
 
         ``across`` (the hierarchical all-reduce, ``hierarchical.py``): a
-        reduce-scatter instead, then ``across(shard, deadline)`` on this
-        thread with the view of this rank's reduced shard (it all-reduces
-        it with the other hosts, in place, by ``deadline``, a
-        ``time.perf_counter`` value), then an all-gather of the shards.
+        reduce-scatter instead, then ``across(shard, handle, deadline)`` on
+        this thread with the view of this rank's reduced shard (it
+        all-reduces it with the other hosts, in place, by ``deadline``, a
+        ``time.perf_counter`` value, or None: standing), then an all-gather
+        of the shards.
         ``standing``: no deadline of its own (``Engine.standing_allreduce_async``)."""
         if across is not None and postscale != 1.0:
             raise ValueError("a post-scale cannot be folded into a hierarchical all-reduce")
@@ -299,7 +300,7 @@ class ShmTransport:
             return
         self._collective(job, "reducescatter", data)
         lo, hi = shard(data.numel(), self.size, self.rank)
-        job.across(data[lo:hi], job.handle.started_at + self.timeout_s)
+        job.across(data[lo:hi], job.handle, job.deadline)
         self._collective(job, "allgather", data)
 
     def _collective(self, job: _Job, kind: str, data: Any) -> None:
@@ -463,7 +464,8 @@ class _Job:
                  "op", "postscale", "tensor", "whole")
 
     def __init__(self, tensor: Any, op: ReduceOp, handle: ShmHandle, postscale: float,
-                 across: Callable[[Any, float], None] | None, deadline: float | None, *,
+                 across: Callable[[Any, ShmHandle, float | None], None] | None,
+                 deadline: float | None, *,
                  kind: str = "allreduce", before: Callable[[float | None], None] | None = None,
                  after: Callable[[Any], None] | None = None,
                  on_error: Callable[[BaseException], None] | None = None,

@@ -398,6 +398,27 @@ def test_a_peer_that_dies_mid_pipeline_fails_every_rank_at_once(
         assert isinstance(got[rank][-1], DPPluginError), got[rank]
 
 
+@pytest.mark.parametrize("gather", [False, True], ids=["unpipelined", "pipelined"])
+def test_shutdown_ends_a_standing_allreduce_waiting_in_its_cross_host_step_at_once(
+        gather: bool) -> None:
+    """join's listener: a standing all-reduce (no deadline of its own) that
+    the other host never starts. ``close()`` ends it at once, with an error
+    on its handle; the unpipelined path used to wait the whole timeout in
+    ``close()`` while its thread kept polling the cross-host step for ever."""
+    with pipelined(2, 2, gather=gather, timeout_s=4.0) as hiers:
+        handles = on_ranks(2, lambda r: hiers[r].allreduce_async(
+            torch.ones(1000), ReduceOp.SUM, "listener", lambda d: None, None, standing=True))
+        time.sleep(0.3)  # host 0 is in its cross-host step, waiting for host 1
+        assert not any(h.done() for h in handles)
+        started = time.perf_counter()
+        on_ranks(2, lambda r: hiers[r].close())
+        assert time.perf_counter() - started < 1.0, "close() waited for the thread"
+        for h in handles:
+            with pytest.raises(DPPluginError, match="still waiting when the engine shut down"):
+                h.wait()
+        assert time.perf_counter() - started < 1.0, "the thread kept waiting"
+
+
 def test_a_second_segment_over_the_budget_leaves_every_rank_unpipelined_said_once(
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """The pipeline's second segment counts against the budget with the
