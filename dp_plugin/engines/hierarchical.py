@@ -70,6 +70,7 @@ collectives (broadcast, all-gather, ...) stay on the flat Gloo group.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -233,6 +234,9 @@ class HierarchicalAllreduce:
         self._queueing = threading.Lock()
         self._closing = threading.Event()
         self.hosts, self.ranks_per_host = hosts, transport.size
+        # The last stage breaks everything: every piece before the one it
+        # failed on is done here, every stage queued after it is at or past it.
+        (gather or transport).on_break = self._break
 
     @property
     def pipelined(self) -> bool:
@@ -247,26 +251,30 @@ class HierarchicalAllreduce:
                         board: Any, standing: bool = False) -> Handle:
         """Queue the three steps of the module docstring: pipelined in
         pieces over the two transports, or one after another on the host's
-        transport thread; the handle is done when the last all-gather is.
-        ``standing`` (a sum; ``Engine.standing_allreduce_async``): no step
-        has a deadline of its own, the caller bounds the wait."""
+        transport thread; the handle is done when every stage of every
+        piece has run, failed or been skipped (after a failure, nothing
+        touches ``t`` once its handle has raised). ``standing`` (a sum;
+        ``Engine.standing_allreduce_async``): no step has a deadline of its
+        own, the caller bounds the wait."""
         if self._gather is None:
             return self._unpipelined(t, op, description, on_timeout, board, standing)
         reduce_t, gather_t = self._transport, self._gather
-        handle = ShmHandle(description, reduce_t.rank, reduce_t.timeout_s, on_timeout, board)
-        deadline = None if standing else handle.started_at + reduce_t.timeout_s
         data = t.view(-1)
         n, step = data.numel(), max(1, PIECE_BYTES // t.element_size())
+        handle = ShmHandle(description, reduce_t.rank, reduce_t.timeout_s, on_timeout, board,
+                           parts=2 * -(-n // step))
+        deadline = None if standing else handle.started_at + reduce_t.timeout_s
         with self._queueing:  # both queues take the pieces in the same order
             for lo in range(0, n, step):
                 piece = data[lo:lo + step]
                 crossing = _Crossing(self, handle, op, f"{description} (across hosts, elements "
-                                     f"{lo}..{lo + piece.numel()})", standing)
+                                     f"{lo}..{lo + piece.numel()})", standing, deadline)
                 reduce_t.stage_async("reducescatter", piece, op, handle, deadline,
                                      after=crossing.start, on_error=crossing.fail,
                                      whole=(lo, n))
                 gather_t.stage_async("allgather", piece, op, handle, deadline,
-                                     before=crossing.wait, last=lo + step >= n, whole=(lo, n))
+                                     before=crossing.wait, on_error=crossing.settle,
+                                     whole=(lo, n))
         return handle
 
     def _unpipelined(self, t: Any, op: ReduceOp, description: str, on_timeout: Any,
@@ -282,6 +290,16 @@ class HierarchicalAllreduce:
 
         return self._transport.allreduce_async(t, op, description, on_timeout, board,
                                                across=across, standing=standing)
+
+    def _break(self, error: BaseException) -> None:
+        """The last stage's transport broke (on its thread): break the
+        reduce stage's too, whose queue holds only pieces at or past the
+        failed one, and shut both down so that the host's peers stop at
+        once (``ShmTransport.fail``). A reduce stage that breaks first
+        reaches here through its pieces' crossings."""
+        for t in (self._transport, self._gather):
+            if t is not None:
+                t.fail(error)
 
     def until(self, done: Any, deadline: float | None, job: ShmHandle, name: str) -> None:
         """Wait for ``done()`` on a transport's thread: by ``deadline`` (a
@@ -323,14 +341,20 @@ class _Crossing:
     """One piece's cross-host all-reduce, between its two stages: started by
     the reduce transport's thread once the piece is reduce-scattered (or
     failed, if that stage failed or was skipped), waited for by the gather
-    transport's thread before the piece's all-gather."""
+    transport's thread before the piece's all-gather (or, if that stage
+    fails or is skipped, until it no longer writes into the piece: ``settle``).
 
-    __slots__ = ("_error", "_handle", "_job", "_name", "_op", "_owner", "_ready", "_standing")
+    No stand-in is started for a piece this rank skips: the peers on the
+    other hosts would take its bytes for this host's sum and succeed with a
+    wrong result. A peer that started its own waits for it to its deadline."""
+
+    __slots__ = ("_deadline", "_error", "_handle", "_job", "_name", "_op", "_owner", "_ready",
+                 "_standing")
 
     def __init__(self, owner: HierarchicalAllreduce, job: ShmHandle, op: ReduceOp, name: str,
-                 standing: bool) -> None:
+                 standing: bool, deadline: float | None) -> None:
         self._owner, self._job, self._op, self._name = owner, job, op, name
-        self._standing = standing
+        self._standing, self._deadline = standing, deadline
         self._ready = threading.Event()
         self._handle: Handle | None = None
         self._error: BaseException | None = None
@@ -342,6 +366,16 @@ class _Crossing:
     def fail(self, error: BaseException) -> None:
         self._error = error
         self._ready.set()
+
+    def settle(self, _: BaseException) -> None:
+        """The all-gather of this piece failed or was skipped: wait until
+        its cross-host all-reduce, if it started on the piece, is over (done
+        or failed; bounded as ``wait``), so that nothing writes into the
+        piece once the handle has raised. Its outcome is not the handle's."""
+        with contextlib.suppress(Exception):
+            self._owner.until(self._ready.is_set, self._deadline, self._job, self._name)
+            if self._handle is not None:
+                self._owner.until(self._handle.done, self._deadline, self._job, self._name)
 
     def wait(self, deadline: float | None) -> None:
         """Until the cross-host all-reduce is done: by ``deadline`` (a

@@ -174,6 +174,9 @@ class ShmTransport:
         self._seq = 0
         self._turn = 0  # the set the next chunk uses: alternation runs on across operations
         self._error: BaseException | None = None
+        self.on_break: Callable[[BaseException], None] | None = None
+        """Called on the thread with the error when an operation breaks the
+        transport (the hierarchical all-reduce then breaks its other one)."""
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = self._stopped = self._released = False
@@ -211,15 +214,17 @@ class ShmTransport:
                     deadline: float | None, *, before: Callable[[float | None], None] | None = None,
                     after: Callable[[Any], None] | None = None,
                     on_error: Callable[[BaseException], None] | None = None,
-                    last: bool = False, whole: tuple[int, int] = (0, 0)) -> None:
+                    whole: tuple[int, int] = (0, 0)) -> None:
         """Queue one stage of a pipelined hierarchical all-reduce
         (``hierarchical.py``) on this transport's thread, after everything
         queued before it: ``before(deadline)``, then a ``"reducescatter"``
         or ``"allgather"`` of ``data`` in place (header check included),
         then ``after(shard)`` with the view of this rank's shard. ``handle``
-        (shared by the stages of one all-reduce) is finished with the error
-        of the first stage that fails, or with success by the ``last``
-        stage; ``on_error(exc)`` runs on the thread when this stage fails or
+        (shared by the stages of one all-reduce, made with one part per
+        stage) counts this stage as one part once it has run, failed or
+        been skipped: it is done when every stage is, with the error of the
+        first that failed, so no stage touches the buffer after its handle
+        raised. ``on_error(exc)`` runs on the thread when this stage fails or
         is skipped because the transport broke earlier. ``deadline``: a
         ``time.perf_counter`` value, or None (a standing all-reduce).
         ``whole``: the piece's offset in its tensor and the tensor's element
@@ -227,7 +232,26 @@ class ShmTransport:
         if kind not in ("reducescatter", "allgather"):
             raise ValueError(f"a stage is a reducescatter or an allgather, got {kind!r}")
         self._jobs.put(_Job(data, op, handle, 1.0, None, deadline, kind=kind, before=before,
-                            after=after, on_error=on_error, last=last, whole=whole))
+                            after=after, on_error=on_error, whole=whole))
+
+    def fail(self, error: BaseException) -> None:
+        """Break the transport from outside with ``error`` (the other stage
+        of a pipelined hierarchical all-reduce failed): every operation not
+        done yet fails with it and touches no buffer. A wait for a peer ends
+        at once (the sockets are shut down), and so do the peers' waits for
+        this rank: they break in turn, and no host waits out its deadline."""
+        self._break(error)
+        for sock in self._socks.values():
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _break(self, error: BaseException) -> bool:
+        """Keep the first error; True if it is this one."""
+        with self._lock:
+            if self._error is not None:
+                return False
+            self._error = error
+            return True
 
     def close(self) -> None:
         """Stop the thread (bounded), then release the sockets and segment.
@@ -270,15 +294,17 @@ class ShmTransport:
                 job = self._jobs.get()
                 if job is None:
                     return
-                if self._error is None:
+                failure = self._error
+                if failure is None:
                     try:
                         self._run(job)
                     except BaseException as exc:
-                        self._error = exc
-                if self._error is not None and job.on_error is not None:
-                    job.on_error(self._error)
-                if job.last or self._error is not None:
-                    job.handle.finish(self._error)
+                        if self._break(exc) and self.on_break is not None:
+                            self.on_break(exc)
+                        failure = self._error
+                if failure is not None and job.on_error is not None:
+                    job.on_error(failure)
+                job.handle.finish(failure)
         finally:
             with self._lock:
                 self._stopped = True
@@ -460,8 +486,8 @@ class ShmTransport:
 
 
 class _Job:
-    __slots__ = ("across", "after", "before", "deadline", "handle", "kind", "last", "on_error",
-                 "op", "postscale", "tensor", "whole")
+    __slots__ = ("across", "after", "before", "deadline", "handle", "kind", "on_error", "op",
+                 "postscale", "tensor", "whole")
 
     def __init__(self, tensor: Any, op: ReduceOp, handle: ShmHandle, postscale: float,
                  across: Callable[[Any, ShmHandle, float | None], None] | None,
@@ -469,32 +495,36 @@ class _Job:
                  kind: str = "allreduce", before: Callable[[float | None], None] | None = None,
                  after: Callable[[Any], None] | None = None,
                  on_error: Callable[[BaseException], None] | None = None,
-                 last: bool = True, whole: tuple[int, int] = (0, 0)) -> None:
+                 whole: tuple[int, int] = (0, 0)) -> None:
         self.tensor, self.op, self.handle, self.postscale = tensor, op, handle, postscale
         self.whole = whole
         self.across, self.deadline, self.kind = across, deadline, kind
-        self.before, self.after, self.on_error, self.last = before, after, on_error, last
+        self.before, self.after, self.on_error = before, after, on_error
 
 
 class ShmHandle(Handle):
-    """An operation queued on a ``ShmTransport``: done when its thread says so."""
+    """An operation queued on a ``ShmTransport``: done when its thread(s)
+    say so for each of its ``parts`` (the stages of a pipelined hierarchical
+    all-reduce, one each; a plain operation is one part)."""
 
     def __init__(self, description: str, rank: int, timeout_s: float,
-                 on_timeout: Callable[[str], None], board: Any) -> None:
+                 on_timeout: Callable[[str], None], board: Any, parts: int = 1) -> None:
         super().__init__(description, rank, timeout_s, on_timeout, board)
         self._event = threading.Event()
         self._finishing = threading.Lock()
         self._failure: BaseException | None = None
+        self._left = parts
 
     def finish(self, failure: BaseException | None) -> None:
-        """Called by a transport's thread; the first call counts (the stages
-        of a pipelined hierarchical all-reduce share one handle, and the
-        first that fails finishes it)."""
+        """Called by a transport's thread once per part, when that part has
+        run, failed or been skipped: done when every part is (nothing
+        touches the buffer any more), failed with the first failure."""
         with self._finishing:
-            if self._event.is_set():
-                return
-            self._failure = failure
-            self._event.set()
+            if failure is not None and self._failure is None:
+                self._failure = failure
+            self._left -= 1
+            if self._left == 0:
+                self._event.set()
 
     def _test(self) -> bool:
         if not self._event.is_set():

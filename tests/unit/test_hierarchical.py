@@ -211,6 +211,7 @@ from tests.unit.test_shm import (  # noqa: E402
 class WireHandle:
     def __init__(self) -> None:
         self.event = threading.Event()
+        self.error: BaseException | None = None
 
     def done(self) -> bool:
         return self.event.is_set()
@@ -218,6 +219,8 @@ class WireHandle:
     def wait(self) -> None:
         if not self.event.wait(TIMEOUT_S):
             raise CollectiveTimeoutError("the wire's all-reduce did not finish")
+        if self.error is not None:
+            raise self.error
 
 
 class Wire:
@@ -225,6 +228,8 @@ class Wire:
 
     def __init__(self, members: int, seed: int) -> None:
         self.members, self.lock, self.rng = members, threading.Lock(), random.Random(seed)
+        self.fails: set[int] = set()
+        """The k-th all-reduces that fail on every member (a peer host gone)."""
         self.parts: dict[int, list[Any]] = {}
         self.handles: dict[int, WireHandle] = {}
         self.ops: list[str] = []  # (member, name) in the order they were started
@@ -256,6 +261,11 @@ class Wire:
             delay = self.rng.uniform(0, 3e-3)
 
         def finish() -> None:
+            if k in self.fails:
+                handle.error = DPPluginError(f"cross-host all-reduce #{k} failed: "
+                                             "Connection reset by peer")
+                handle.event.set()
+                return
             total = parts[0].clone()
             shm._reduce(parts, total, op)
             for p in parts:
@@ -267,14 +277,14 @@ class Wire:
 
 
 @contextmanager
-def pipelined(hosts: int, per_host: int, gather: bool = True,
-              timeout_s: float = TIMEOUT_S) -> Iterator[list[Any]]:
+def pipelined(hosts: int, per_host: int, gather: bool = True, timeout_s: float = TIMEOUT_S,
+              wires: list[Wire] | None = None) -> Iterator[list[Any]]:
     """``hosts x per_host`` thread-ranks (rank = host * per_host + local rank),
     each with its HierarchicalAllreduce; every one closed after the block."""
     size = hosts * per_host
     reduce_ex = [Exchange(per_host) for _ in range(hosts)]
     gather_ex = [Exchange(per_host) for _ in range(hosts)]
-    wires = [Wire(hosts, seed=j) for j in range(per_host)]
+    wires = [Wire(hosts, seed=j) for j in range(per_host)] if wires is None else wires
 
     def setup(rank: int) -> Any:
         host, local = divmod(rank, per_host)
@@ -417,6 +427,46 @@ def test_shutdown_ends_a_standing_allreduce_waiting_in_its_cross_host_step_at_on
             with pytest.raises(DPPluginError, match="still waiting when the engine shut down"):
                 h.wait()
         assert time.perf_counter() - started < 1.0, "the thread kept waiting"
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["unpipelined", "pipelined"])
+def test_after_a_cross_host_failure_no_stage_touches_a_buffer_whose_handle_failed(
+        monkeypatch: pytest.MonkeyPatch, gather: bool) -> None:
+    """Local rank 0's second cross-host all-reduce fails (its peer host's
+    link gone). That all-reduce and every later one raise on every rank, and
+    once a handle has raised, nothing writes into its buffer any more (the
+    contract: a buffer is free once ``wait()`` returns or raises). It used
+    to break only the gather stage: the reduce stage went on
+    reduce-scattering later buffers in place after their handles failed."""
+    monkeypatch.setattr(hierarchical, "PIECE_BYTES", 256)
+    wires = [Wire(2, seed=j) for j in range(2)]
+    wires[0].fails.add(2)
+    timeout_s = 3.0
+    with pipelined(2, 2, gather=gather, wires=wires, timeout_s=timeout_s) as hiers:
+        def run(rank: int) -> list[Any]:
+            bufs = [torch.full((20_000,), float(rank + 1)) for _ in range(4)]
+            hs = [hiers[rank].allreduce_async(b, ReduceOp.SUM, f"b{k}", lambda d: None, None)
+                  for k, b in enumerate(bufs)]
+            seen = []
+            for h, b in zip(hs, bufs, strict=True):
+                try:
+                    h.wait()
+                    seen.append(None)
+                except DPPluginError:
+                    seen.append(b.clone())  # what it holds when its handle raised
+            time.sleep(0.3)  # whatever still runs in the stages
+            return [None if was is None else torch.equal(was, b)
+                    for was, b in zip(seen, bufs, strict=True)]
+
+        started = time.perf_counter()
+        got = on_ranks(4, run)
+        # Nobody hangs: a cross-host all-reduce this rank started and its peer
+        # did not is waited for (it may still write) to its deadline at most.
+        assert time.perf_counter() - started < 3 * timeout_s
+    for rank, unchanged in enumerate(got):
+        assert unchanged[-1] is not None, f"rank {rank}: the last all-reduce did not fail"
+        assert all(u in (None, True) for u in unchanged), (
+            f"rank {rank}: buffers written after their handle failed: {unchanged}")
 
 
 def test_a_second_segment_over_the_budget_leaves_every_rank_unpipelined_said_once(
