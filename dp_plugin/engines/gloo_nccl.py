@@ -10,8 +10,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import numpy as np
-
 from dp_plugin.config import Config
 from dp_plugin.engines import hierarchical, shm
 from dp_plugin.engines.base import Availability, Handle, ReduceOp
@@ -155,10 +153,11 @@ class GlooEngine(TorchDistEngine):
                          "path: %s", why)
             return None
         host = layout.host_of(self.rank)
-        transport = shm.connect(hierarchical.host_exchange(self._exchange, host),
-                                host.index(self.rank), len(host), self.config.shared_memory,
-                                self.config.timeout_s,
-                                budget_bytes=self.config.shared_memory_budget)
+        # Each host sets up its own segment; the exchange is the job's (rows:
+        # job ranks), so that every host gives up, or goes on, together.
+        transport = shm.connect(self._exchange, host.index(self.rank), len(host),
+                                self.config.shared_memory, self.config.timeout_s,
+                                budget_bytes=self.config.shared_memory_budget, members=host)
         if transport is None:
             log.warning("dp_plugin: all-reduces use one flat Gloo ring, not the hierarchical "
                         "path: shared memory cannot be set up on every host")
@@ -168,12 +167,12 @@ class GlooEngine(TorchDistEngine):
             made = self.subgroup(list(peers), hosts, "hierarchical cross-host")
             cross = made if made is not None else cross
         # The all-gather stage's own segment (the pipeline); any rank of the
-        # job that cannot have it leaves every rank unpipelined (host_exchange).
-        gather = shm.connect(hierarchical.host_exchange(self._exchange, host),
-                             host.index(self.rank), len(host), True, self.config.timeout_s,
-                             budget_bytes=self.config.shared_memory_budget,
+        # job that cannot have it leaves every rank unpipelined.
+        gather = shm.connect(self._exchange, host.index(self.rank), len(host), True,
+                             self.config.timeout_s, budget_bytes=self.config.shared_memory_budget,
                              instead="the hierarchical all-reduce runs its steps one after "
-                                     "another, not pipelined (a second segment is needed)")
+                                     "another, not pipelined (a second segment is needed)",
+                             members=host)
         if self.rank == 0:
             log.info("dp_plugin: gloo all-reduces hierarchically over %d hosts x %d ranks, %s "
                      "(launcher topology; DP_PLUGIN_HIERARCHICAL_ALLREDUCE=0 for one flat ring)",

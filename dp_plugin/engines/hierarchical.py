@@ -202,24 +202,6 @@ def _ranks(ranks: Sequence[int], named: bool = False) -> str:
     return text if not named else f"rank{'s' if len(ranks) > 1 else ''} {text}"
 
 
-def host_exchange(exchange: Any, host: Sequence[int]) -> Any:
-    """An exchange among ``host`` (job ranks) made of the job-wide one:
-    every rank of the job calls it at the same point, and each host gets
-    its own rows. Column 0 (what ``shm.connect`` reads as "can go on") is
-    cleared on every host as soon as any rank of the job cleared it, so
-    every host gives up, or goes on, together."""
-    members = list(host)
-
-    def among_host(row: np.ndarray, what: str) -> np.ndarray:
-        table = exchange(row, what)
-        rows = np.array(table[members])
-        if not table[:, 0].all():
-            rows[:, 0] = 0
-        return rows
-
-    return among_host
-
-
 class HierarchicalAllreduce:
     """One engine's (or channel's) hierarchical all-reduce: the host's
     shared-memory transport, the second one of the all-gather stage
@@ -261,7 +243,7 @@ class HierarchicalAllreduce:
         reduce_t, gather_t = self._transport, self._gather
         data = t.view(-1)
         n, step = data.numel(), max(1, PIECE_BYTES // t.element_size())
-        handle = ShmHandle(description, reduce_t.rank, reduce_t.timeout_s, on_timeout, board,
+        handle = ShmHandle(description, reduce_t.job_rank, reduce_t.timeout_s, on_timeout, board,
                            parts=2 * -(-n // step))
         deadline = None if standing else handle.started_at + reduce_t.timeout_s
         with self._queueing:  # both queues take the pieces in the same order

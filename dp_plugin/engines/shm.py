@@ -82,7 +82,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -158,11 +158,14 @@ class ShmTransport:
     ways side by side: there is no setting for it."""
 
     def __init__(self, rank: int, size: int, segment: mmap.mmap, socks: dict[int, socket.socket],
-                 chunk_bytes: int, timeout_s: float) -> None:
+                 chunk_bytes: int, timeout_s: float, ranks: Sequence[int] | None = None) -> None:
         import torch
 
         global _held_bytes
         self.rank, self.size, self.chunk_bytes = rank, size, chunk_bytes
+        self.ranks = tuple(range(size)) if ranks is None else tuple(ranks)
+        """Each member's job rank, by its rank in this group: what messages name."""
+        self.job_rank = self.ranks[rank]
         self.timeout_s = timeout_s
         self._segment = segment
         self._nbytes = len(segment)
@@ -205,7 +208,7 @@ class ShmTransport:
         ``standing``: no deadline of its own (``Engine.standing_allreduce_async``)."""
         if across is not None and postscale != 1.0:
             raise ValueError("a post-scale cannot be folded into a hierarchical all-reduce")
-        handle = ShmHandle(description, self.rank, self.timeout_s, on_timeout, board)
+        handle = ShmHandle(description, self.job_rank, self.timeout_s, on_timeout, board)
         deadline = None if standing else handle.started_at + self.timeout_s
         self._jobs.put(_Job(t, op, handle, postscale, across, deadline))
         return handle
@@ -270,7 +273,7 @@ class ShmTransport:
                 self._release()
                 return
         log.warning("dp_plugin: the shared-memory transport's thread (rank %d) did not stop "
-                    "within %g s; its segment stays mapped until it does", self.rank,
+                    "within %g s; its segment stays mapped until it does", self.job_rank,
                     self.timeout_s)
 
     def _release(self) -> None:
@@ -451,7 +454,7 @@ class ShmTransport:
             try:
                 sock.sendall(said)
             except OSError as exc:
-                raise _peer_gone(job, peer, exc) from exc
+                raise _peer_gone(job, self.ranks[peer], exc) from exc
         differs: tuple[int, bytes] | None = None
         for peer, sock in self._socks.items():
             got = b""
@@ -465,17 +468,18 @@ class ShmTransport:
                 except TimeoutError:
                     raise job.handle.timeout_error() from None
                 except OSError as exc:
-                    raise _peer_gone(job, peer, exc) from exc
+                    raise _peer_gone(job, self.ranks[peer], exc) from exc
                 if not part:
-                    raise _peer_gone(job, peer, None)
+                    raise _peer_gone(job, self.ranks[peer], None)
                 got += part
             if got != said and differs is None:
                 differs = (peer, got)
         if differs is not None:
             peer, theirs = differs
+            me, peer = self.job_rank, self.ranks[peer]
             raise LayoutMismatchError(
-                f"rank {self.rank}: {job.handle.description} does not match what rank {peer} "
-                f"started at the same point of the shared-memory transport: rank {self.rank} "
+                f"rank {me}: {job.handle.description} does not match what rank {peer} "
+                f"started at the same point of the shared-memory transport: rank {me} "
                 f"has {_said_bytes(said)}, rank {peer} has {_said_bytes(theirs)}. Every rank "
                 "must start the same collectives "
                 "in the same order, with the same element count, dtype and op; a rank that "
@@ -581,13 +585,20 @@ def _peer_gone(job: _Job, peer: int, exc: BaseException | None) -> DPPluginError
 def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: int,
             eligible: bool, timeout_s: float, chunk_bytes: int | None = None,
             budget_bytes: int | None = None,
-            instead: str = TCP_INSTEAD) -> ShmTransport | None:
+            instead: str = TCP_INSTEAD, members: Sequence[int] | None = None,
+            ranks: Sequence[int] | None = None) -> ShmTransport | None:
     """Set up the transport among the ranks of one group, or None on every
     rank if any cannot (not eligible, no ``/dev/shm``, over the budget, a
     socket that fails).
 
-    Collective over the group: ``exchange`` all-gathers one int64 row per
-    rank (the engine's ``_exchange``). Three exchanges: the chunk each rank
+    Collective over everyone ``exchange`` reaches: it all-gathers one int64
+    row from each (the engine's ``_exchange``). ``members``: the rows of
+    this group, by group rank (default every row); where the exchange
+    reaches several groups (the hosts of a hierarchical all-reduce, each
+    setting up its own segment), every group gives up if any participant
+    cannot, so every rank of the job takes the same path. ``ranks``: the
+    job rank of each row (default its index), which the log and the
+    transport's errors name. Three exchanges: the chunk each rank
     can afford (0: cannot) and rank 0's token naming the sockets; whether
     every rank listens (and rank 0 made the segment); whether every rank
     connected and mapped it. ``chunk_bytes``: default ``CHUNK_BYTES``;
@@ -604,9 +615,12 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
     affordable = _chunk_within(size, wanted, allowed) if eligible else 0
     table = exchange(np.array([affordable, token, int(eligible), allowed], dtype=np.int64),
                      "shm setup")
+    rows = list(range(len(table))) if members is None else list(members)
+    names = list(range(len(table))) if ranks is None else list(ranks)
+    me = names[rows[rank]]
     if not table[:, 0].all():
         if table[:, 2].all():  # wanted everywhere, but some rank has no room
-            short = [f"rank {r}: {int(row[3])} bytes" for r, row in enumerate(table)
+            short = [f"rank {names[r]}: {int(row[3])} bytes" for r, row in enumerate(table)
                      if not row[0]]
             smallest = _segment_bytes(size, MIN_CHUNK_BYTES)
             _fall_back(instead, f"rank(s) have less than the {smallest} "
@@ -615,9 +629,10 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
                        "DP_PLUGIN_SHARED_MEMORY_BUDGET or give the host or container more "
                        "/dev/shm (docker run --shm-size=1g)")
         return None
-    chunk_bytes = int(table[:, 0].min())
+    group = table[rows]
+    chunk_bytes = int(group[:, 0].min())
     nbytes = _segment_bytes(size, chunk_bytes)
-    token = int(table[0, 1])
+    token = int(group[0, 1])
     memfd = -1
     segment: mmap.mmap | None = None
     listener: socket.socket | None = None
@@ -631,22 +646,22 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
             if rank == 0:
                 memfd = _memfd(nbytes)
         except OSError as exc:
-            _fall_back(instead, f"rank {rank} cannot listen or make the segment: {exc}")
+            _fall_back(instead, f"rank {me} cannot listen or make the segment: {exc}")
             ok = False
         if not exchange(np.array([int(ok)], dtype=np.int64), "shm listen")[:, 0].all():
             return None
         try:
             assert listener is not None
-            _mesh(listener, token, rank, size, timeout_s, socks)
+            _mesh(listener, token, rank, size, timeout_s, socks, [names[r] for r in rows])
             segment = _share(memfd, socks, rank, nbytes)
         except OSError as exc:
-            _fall_back(instead, f"rank {rank} cannot connect to its peers: {exc}")
+            _fall_back(instead, f"rank {me} cannot connect to its peers: {exc}")
             ok = False
         if not exchange(np.array([int(ok)], dtype=np.int64), "shm connect")[:, 0].all():
             return None
         assert segment is not None
         transport = ShmTransport(rank, size, segment, dict(sorted(socks.items())), chunk_bytes,
-                                 timeout_s)
+                                 timeout_s, ranks=[names[r] for r in rows])
         segment, socks = None, {}
         return transport
     finally:
@@ -750,11 +765,12 @@ def _peer_uid(sock: socket.socket) -> int:
 
 
 def _mesh(listener: socket.socket, token: int, rank: int, size: int, timeout_s: float,
-          socks: dict[int, socket.socket]) -> None:
+          socks: dict[int, socket.socket], names: Sequence[int]) -> None:
     """Connect to every peer, into ``socks`` (``_cleanup`` closes them if
     setup fails): rank r dials every lower rank and accepts every higher
     one, which announces its rank first. Both ends check that the other
-    runs as this process's user; a stranger's connection is dropped."""
+    runs as this process's user; a stranger's connection is dropped.
+    ``names``: each group rank's job rank, for the messages."""
     uid = os.getuid()
     deadline = time.monotonic() + timeout_s
     for peer in range(rank):
@@ -763,18 +779,20 @@ def _mesh(listener: socket.socket, token: int, rank: int, size: int, timeout_s: 
         sock.settimeout(timeout_s)
         sock.connect(_address(token, peer))
         if _peer_uid(sock) != uid:
-            raise OSError(f"the socket of rank {peer} belongs to user {_peer_uid(sock)}, "
+            raise OSError(f"the socket of rank {names[peer]} belongs to user {_peer_uid(sock)}, "
                           f"not to this job's user {uid}")
         sock.sendall(rank.to_bytes(4, "little"))
     while sum(p > rank for p in socks) < size - rank - 1:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise OSError(f"ranks above {rank} did not all connect within {timeout_s:g} s")
+            late = [names[p] for p in range(rank + 1, size) if p not in socks]
+            raise OSError(f"rank(s) {late} did not connect to rank {names[rank]} within "
+                          f"{timeout_s:g} s")
         listener.settimeout(remaining)
         sock, _addr = listener.accept()
         if _peer_uid(sock) != uid:
             log.warning("dp_plugin: rank %d dropped a connection to its shared-memory socket "
-                        "from user %d (this job runs as %d)", rank, _peer_uid(sock), uid)
+                        "from user %d (this job runs as %d)", names[rank], _peer_uid(sock), uid)
             sock.close()
             continue
         sock.settimeout(timeout_s)
@@ -784,7 +802,8 @@ def _mesh(listener: socket.socket, token: int, rank: int, size: int, timeout_s: 
         peer = int.from_bytes(got, "little") if len(got) == 4 else -1
         if not rank < peer < size or peer in socks:
             sock.close()
-            raise OSError(f"an unexpected connection to rank {rank}'s shared-memory socket")
+            raise OSError(f"an unexpected connection to rank {names[rank]}'s shared-memory "
+                          "socket")
         socks[peer] = sock
 
 

@@ -13,7 +13,7 @@ import pytest
 from dp_plugin.config import Config
 from dp_plugin.engines import hierarchical
 from dp_plugin.errors import ConfigError
-from dp_plugin.launch import Topology
+from dp_plugin.launch import Topology, detect
 
 
 def topo(size: int, local_size: int, cross_size: int) -> Topology:
@@ -86,15 +86,6 @@ def test_layouts_that_are_not_a_grid_keep_the_flat_ring(table: list[list[int]], 
     assert layout is None and why in said, said
 
 
-def test_the_host_exchange_gives_up_everywhere_when_one_rank_does() -> None:
-    job = np.array([[4096, 7], [4096, 0], [0, 0], [4096, 0]])  # rank 2 (host 1) cannot
-    among = hierarchical.host_exchange(lambda row, what: job, (0, 1))
-    got = among(np.array([4096, 7]), "shm setup")
-    assert got.tolist() == [[0, 7], [0, 0]]
-    job[2, 0] = 4096
-    assert among(np.array([4096, 7]), "shm setup").tolist() == [[4096, 7], [4096, 0]]
-
-
 # -- the job-wide choice, with hosts of unequal rank counts -----------------------------
 # Every rank builds its Topology from its own launcher variables, then runs
 # GlooEngine's constructor (the process group stubbed out) on a thread, with an
@@ -151,18 +142,15 @@ class JobExchange:
         return exchange
 
 
-@pytest.mark.parametrize("launcher", ["env", "slurm", "horovodrun"])
-@pytest.mark.parametrize("counts", [[3, 1, 2], [2, 1]], ids=["3,1,2", "2,1"])
-def test_unequal_hosts_take_the_flat_ring_on_every_rank(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, launcher: str,
-        counts: list[int]) -> None:
+def gloo_engines(monkeypatch: pytest.MonkeyPatch, topologies: list[Topology],
+                 configs: list[Config]) -> tuple[list[Any], JobExchange]:
+    """One GlooEngine per thread-rank, made by its real constructor with
+    the process group stubbed out (its ``_exchange`` is a ``JobExchange``)."""
     from dp_plugin.engines.base import Engine
     from dp_plugin.engines.gloo_nccl import GlooEngine
     from dp_plugin.engines.torch_dist import TorchDistEngine
-    from dp_plugin.launch import detect
 
-    size = sum(counts)
-    job = JobExchange(size)
+    job = JobExchange(len(topologies))
 
     def no_group(self: Any, topology: Topology, config: Config, *, parent: Any = None,
                  group: Any = None) -> None:
@@ -170,10 +158,39 @@ def test_unequal_hosts_take_the_flat_ring_on_every_rank(
         self._exchange = job.for_rank(topology.rank)
 
     monkeypatch.setattr(TorchDistEngine, "__init__", no_group)
+    engines = on_ranks(len(topologies), lambda r: GlooEngine(topologies[r], configs[r]))
+    return engines, job
+
+
+def test_the_budget_fallback_names_the_job_rank_that_is_short(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """2 hosts x 2; job rank 3 (local rank 1 of host 1) has a 1000-byte
+    budget: every rank keeps the flat ring, and every log line blames rank
+    3 with its own number. It used to say, on host 0, 'rank 0: ... bytes;
+    rank 1: ... bytes' (the wrong host, host-local ranks), and on host 1
+    'rank 1: 1000 bytes'."""
+    monkeypatch.setattr(shm, "_fallback_said", set())
+    caplog.set_level("DEBUG", logger="dp_plugin")
+    topologies = [detect(hosts_env("env", [2, 2], r)) for r in range(4)]
+    configs = [Config(shared_memory_budget=1000 if r == 3 else None) for r in range(4)]
+    engines, _ = gloo_engines(monkeypatch, topologies, configs)
+    assert [e.hierarchical for e in engines] == [False] * 4
+    said = [r.getMessage() for r in caplog.records if "less than the" in r.getMessage()]
+    assert len(said) == 4, said  # every rank says it (one as a warning)
+    for line in said:
+        assert "within their budget (rank 3: 1000 bytes)" in line, line
+
+
+@pytest.mark.parametrize("launcher", ["env", "slurm", "horovodrun"])
+@pytest.mark.parametrize("counts", [[3, 1, 2], [2, 1]], ids=["3,1,2", "2,1"])
+def test_unequal_hosts_take_the_flat_ring_on_every_rank(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, launcher: str,
+        counts: list[int]) -> None:
+    size = sum(counts)
     caplog.set_level("INFO", logger="dp_plugin")
     topologies = [detect(hosts_env(launcher, counts, r)) for r in range(size)]
     assert [t.launcher for t in topologies] == [launcher.replace("env", "torchrun")] * size
-    engines = on_ranks(size, lambda r: GlooEngine(topologies[r], Config()))
+    engines, job = gloo_engines(monkeypatch, topologies, [Config()] * size)
     assert [e.hierarchical for e in engines] == [False] * size
     assert all(said == job.said[0] for said in job.said), job.said
     said = " ".join(r.getMessage() for r in caplog.records)
@@ -288,8 +305,9 @@ def pipelined(hosts: int, per_host: int, gather: bool = True, timeout_s: float =
 
     def setup(rank: int) -> Any:
         host, local = divmod(rank, per_host)
+        ranks = [host * per_host + j for j in range(per_host)]
         made = [shm.connect(ex[host].for_rank(local), local, per_host, True, timeout_s,
-                            chunk_bytes=CHUNK) for ex in (reduce_ex, gather_ex)]
+                            chunk_bytes=CHUNK, ranks=ranks) for ex in (reduce_ex, gather_ex)]
         assert made[0] is not None and made[1] is not None
         if not gather:
             made[1].close()
@@ -403,7 +421,9 @@ def test_a_peer_that_dies_mid_pipeline_fails_every_rank_at_once(
         got = on_ranks(4, run)
         assert time.perf_counter() - started < 2.0 * 3
     assert isinstance(got[2][-1], DPPluginError)
-    assert any("rank 1 of this shared-memory group" in str(e) for e in got[2] if e), got[2]
+    # Job ranks, not host-local ones: rank 2 names rank 3 (local rank 1 of its host).
+    assert any(str(e).startswith("rank 2: ") and "rank 3 of this shared-memory group" in str(e)
+               for e in got[2] if e), got[2]
     for rank in (0, 1):
         assert isinstance(got[rank][-1], DPPluginError), got[rank]
 
