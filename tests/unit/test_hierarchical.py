@@ -53,6 +53,18 @@ def test_the_job_decides_once_from_every_ranks_vote(votes: list[int], expect: bo
     assert why in said and bool(said) is bool(why), said
 
 
+@pytest.mark.parametrize(("env", "expect"), [
+    ({"DP_PLUGIN_HIERARCHICAL_ALLREDUCE": "", "HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, True),
+    ({"DP_PLUGIN_HIERARCHICAL_ALLREDUCE": " ", "HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}, False),
+    ({"DP_PLUGIN_HIERARCHICAL_ALLREDUCE": ""}, None),
+    ({"HOROVOD_HIERARCHICAL_ALLREDUCE": ""}, None),
+])
+def test_an_empty_switch_counts_as_unset(env: dict[str, str], expect: bool | None) -> None:
+    """``DP_PLUGIN_HIERARCHICAL_ALLREDUCE=`` (a launcher template's blank)
+    used to force the flat ring, over ``HOROVOD_HIERARCHICAL_ALLREDUCE=1``."""
+    assert Config.from_env(env).hierarchical_allreduce is expect
+
+
 def test_a_bad_switch_names_the_variable() -> None:
     with pytest.raises(ConfigError, match="HOROVOD_HIERARCHICAL_ALLREDUCE='maybe'"):
         Config.from_env({"HOROVOD_HIERARCHICAL_ALLREDUCE": "maybe"})
