@@ -325,7 +325,8 @@ def _fusion_settings(env: Mapping[str, str]) -> dict[str, object]:
 
 def _shared_memory_settings(env: Mapping[str, str]) -> dict[str, object]:
     """The shared-memory budget, and the hierarchical switch (Horovod's
-    ``HOROVOD_HIERARCHICAL_ALLREDUCE`` honoured as the same one; ours wins)."""
+    ``HOROVOD_HIERARCHICAL_ALLREDUCE`` honoured as the same one; ours wins
+    where it is set to something: an empty value counts as unset)."""
     kwargs: dict[str, object] = {}
     if "DP_PLUGIN_SHARED_MEMORY_BUDGET" in env:
         kwargs["shared_memory_budget"] = env_int(
@@ -333,7 +334,7 @@ def _shared_memory_settings(env: Mapping[str, str]) -> dict[str, object]:
             unit="bytes", fix="the default (unset) is a quarter of /dev/shm; 0 keeps Gloo's TCP",
             error=ConfigError)
     for name in ("DP_PLUGIN_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE"):
-        if name in env:
+        if env.get(name, "").strip():
             kwargs["hierarchical_allreduce"] = env_bool(env, name, error=ConfigError)
             break
     return kwargs

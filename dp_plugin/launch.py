@@ -227,8 +227,11 @@ class Slurm(Launcher):
     exported: the address is the first host of the step's node list
     (SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST, expanded by
     ``expand_hostlist``), where rank 0 runs under block placement, and the
-    port is ``15000 + SLURM_JOB_ID % 10000``. Two steps of one job that run at
-    the same time would meet on the same port: give them MASTER_PORT.
+    port is ``15000 + SLURM_JOB_ID % 10000``. Neither is always right, and
+    docs/multinode.md says when to export them instead: rank 0 elsewhere
+    than on the first listed node (``--distribution=arbitrary``), and two
+    steps or jobs (ids equal modulo 10000) starting on the same first node
+    at once, which derive the same port.
     """
 
     name = "slurm"

@@ -93,6 +93,10 @@ class Engine(Lifecycle):
         return self.topology.size
 
     @property
+    def job_rank(self) -> int:
+        return self.global_ranks[self.rank]
+
+    @property
     def buffer_device(self) -> str:
         """Where this engine takes buffers: "cpu", or "cuda:<i>" (nccl).
         Control buffers and staging copies belong there."""
@@ -354,7 +358,7 @@ class Engine(Lifecycle):
 
     def _done(self, description: str) -> Handle:
         """The handle of a collective that needs no communication (done already)."""
-        return DoneHandle(description, self.rank, self.config.timeout_s)
+        return DoneHandle(description, self.job_rank, self.config.timeout_s)
 
     def describe(self, collective: str, name: str, nbytes: int | None = None) -> str:
         size = "" if nbytes is None else f", {nbytes} bytes"

@@ -10,8 +10,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import numpy as np
-
 from dp_plugin.config import Config
 from dp_plugin.engines import hierarchical, shm
 from dp_plugin.engines.base import Availability, Handle, ReduceOp
@@ -51,11 +49,11 @@ class GlooEngine(TorchDistEngine):
         if self.size == 1:
             return
         # Collective: every rank of the group takes the same branch (the
-        # topology's answer is the same on every rank; a setup that fails
-        # anywhere fails everywhere).
-        if parent is None and hierarchical.wanted(topology, config):
+        # job-wide engine decides from every rank's row, the same table on
+        # every rank; a setup that fails anywhere fails everywhere).
+        if parent is None:
             self._hier = self._connect_hierarchical()
-        elif parent is not None and parent._hier is not None:
+        elif parent._hier is not None:
             return  # a channel: the parent gives it its own hierarchy (_channel)
         if self._hier is None:
             self._shm = shm.connect(self._exchange, self.rank, self.size, self._shm_wanted,
@@ -135,25 +133,31 @@ class GlooEngine(TorchDistEngine):
         return child
 
     def _connect_hierarchical(self) -> HierarchicalAllreduce | None:
-        """The hierarchy of one engine or channel: the layout from every
-        rank's (host index, local rank), the host's shared-memory segment,
-        and a Gloo group over this rank's peers of the same local rank (one
-        per local rank, made by every rank, as torch requires). None on
-        every rank, said once in the log, where any of it cannot be had.
-        Collective over the job; only the job-wide engine makes groups."""
-        topo = self.topology
-        table = self._exchange(np.array([topo.cross_rank, topo.local_rank], dtype=np.int64),
+        """The hierarchy of one engine or channel, if the job takes it: the
+        job's one decision from every rank's row (``hierarchical.decide``),
+        the host's shared-memory segment, and a Gloo group over this rank's
+        peers of the same local rank (one per local rank, made by every
+        rank, as torch requires). None on every rank where the job does not
+        take it (said once in the log where a rank wanted it) or any of it
+        cannot be had. Collective over the job; only the job-wide engine
+        makes groups."""
+        table = self._exchange(hierarchical.row(self.topology, self.config),
                                "hierarchical layout")
-        layout, why = hierarchical.layout(table)
+        layout, why = hierarchical.decide(table)
         if layout is None:
-            log.warning("dp_plugin: all-reduces use one flat Gloo ring, not the hierarchical "
-                        "path: %s", why)
+            if (table[:, 0] == hierarchical.FORCED).any():
+                log.warning("dp_plugin: all-reduces use one flat Gloo ring, not the "
+                            "hierarchical path: %s", why)
+            elif why and self.rank == 0:
+                log.info("dp_plugin: all-reduces use one flat Gloo ring, not the hierarchical "
+                         "path: %s", why)
             return None
         host = layout.host_of(self.rank)
-        transport = shm.connect(hierarchical.host_exchange(self._exchange, host),
-                                host.index(self.rank), len(host), self.config.shared_memory,
-                                self.config.timeout_s,
-                                budget_bytes=self.config.shared_memory_budget)
+        # Each host sets up its own segment; the exchange is the job's (rows:
+        # job ranks), so that every host gives up, or goes on, together.
+        transport = shm.connect(self._exchange, host.index(self.rank), len(host),
+                                self.config.shared_memory, self.config.timeout_s,
+                                budget_bytes=self.config.shared_memory_budget, members=host)
         if transport is None:
             log.warning("dp_plugin: all-reduces use one flat Gloo ring, not the hierarchical "
                         "path: shared memory cannot be set up on every host")
@@ -163,12 +167,12 @@ class GlooEngine(TorchDistEngine):
             made = self.subgroup(list(peers), hosts, "hierarchical cross-host")
             cross = made if made is not None else cross
         # The all-gather stage's own segment (the pipeline); any rank of the
-        # job that cannot have it leaves every rank unpipelined (host_exchange).
-        gather = shm.connect(hierarchical.host_exchange(self._exchange, host),
-                             host.index(self.rank), len(host), True, self.config.timeout_s,
-                             budget_bytes=self.config.shared_memory_budget,
+        # job that cannot have it leaves every rank unpipelined.
+        gather = shm.connect(self._exchange, host.index(self.rank), len(host), True,
+                             self.config.timeout_s, budget_bytes=self.config.shared_memory_budget,
                              instead="the hierarchical all-reduce runs its steps one after "
-                                     "another, not pipelined (a second segment is needed)")
+                                     "another, not pipelined (a second segment is needed)",
+                             members=host)
         if self.rank == 0:
             log.info("dp_plugin: gloo all-reduces hierarchically over %d hosts x %d ranks, %s "
                      "(launcher topology; DP_PLUGIN_HIERARCHICAL_ALLREDUCE=0 for one flat ring)",

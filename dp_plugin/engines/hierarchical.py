@@ -23,15 +23,23 @@ piece once and sends the result on), so the ranks stay bitwise equal. The
 sum is taken in another order than a flat ring's (host first): within
 rounding of it, not bitwise.
 
-**When.** ``wanted``: ``DP_PLUGIN_HIERARCHICAL_ALLREDUCE`` (or Horovod's
+**When.** Decided once for the whole job, as Horovod does, from one
+exchange of every rank's row (``row``): its vote and where its launcher
+variables put it (host index, local rank, ranks on its host). A rank's
+vote (``vote``): ``DP_PLUGIN_HIERARCHICAL_ALLREDUCE`` (or Horovod's
 ``HOROVOD_HIERARCHICAL_ALLREDUCE``, the same switch) forces it on (1) or
-off (0); unset, it is on where the launcher's topology (``Topology``:
-``cross_size`` hosts of ``local_size`` ranks) has more than one host, more
-than one rank per host and the same number on each, and shared memory is
-allowed (``DP_PLUGIN_SHARED_MEMORY``). The layout itself comes from every
-rank's (host index, local rank) as the launcher gave them (``layout``); a
-layout that is not a full grid, or shared memory that any rank cannot set
-up, leaves every rank on the flat ring, said once in the log.
+off (0); unset, it is on where the rank's own topology (``Topology``:
+``cross_size`` hosts of ``local_size`` ranks) has more than one host and
+more than one rank per host, and shared memory is allowed
+(``DP_PLUGIN_SHARED_MEMORY``). ``decide`` reads the same table on every
+rank, so every rank takes the same path: hierarchical where every rank
+votes for it and the ranks form a full grid of hosts with the same
+number of ranks each (``layout``). Anything else (hosts of 3, 1 and 2
+ranks; under horovodrun, whose cross size counts the ranks of one local
+rank and so differs between the ranks of such a host; ranks whose
+settings differ) leaves every rank on the flat ring, said once in the
+log (a warning where a rank forced it on). Shared memory that any rank
+cannot set up does the same.
 
 **Pipelined.** Run one after another, the three steps leave the link
 idle during every shared-memory step and every gap between operations
@@ -62,6 +70,7 @@ collectives (broadcast, all-gather, ...) stay on the flat Gloo group.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -91,17 +100,49 @@ first reduce-scatter and the last all-gather, the only shared-memory steps
 the link waits for, are short (one 94 MB embedding becomes 23 pieces);
 large enough that a piece's fixed cost (four barriers and one Gloo
 operation) stays small next to its transfer."""
-STANDING_POLL_S = 1e-3
 WAKE_S = 0.05
 """How often a wait between the stages looks whether the engine is closing."""
 
 
-def wanted(topology: Topology, config: Config) -> bool:
-    """Whether the gloo engine of this job reduces hierarchically (module docstring)."""
+NO, AUTOMATIC, FORCED = 0, 1, 2
+"""A rank's vote (``vote``)."""
+
+
+def vote(topology: Topology, config: Config) -> int:
+    """What this rank's own settings and launcher variables say: ``FORCED``
+    (the switch is on), ``AUTOMATIC`` (unset, and its topology has several
+    hosts of several ranks) or ``NO``. Only ``decide``, over every rank's
+    vote, says what the job does."""
     if config.hierarchical_allreduce is not None:
-        return config.hierarchical_allreduce and topology.size > 1
-    return (config.shared_memory and topology.cross_size > 1 and topology.local_size > 1
-            and topology.is_homogeneous)
+        return FORCED if config.hierarchical_allreduce and topology.size > 1 else NO
+    several = topology.cross_size > 1 and topology.local_size > 1
+    return AUTOMATIC if config.shared_memory and several else NO
+
+
+def row(topology: Topology, config: Config) -> np.ndarray:
+    """This rank's row of the exchange ``decide`` reads: its vote, host
+    index, local rank and the number of ranks on its host."""
+    return np.array([vote(topology, config), topology.cross_rank, topology.local_rank,
+                     topology.local_size], dtype=np.int64)
+
+
+def decide(table: np.ndarray) -> tuple[Layout | None, str]:
+    """The job's one answer from every rank's ``row`` (the same table on
+    every rank, so the same answer): the layout where every rank votes for
+    the hierarchical path and the ranks form a grid; else None, and why
+    ("" when no rank wants it: nothing to say)."""
+    votes = table[:, 0]
+    if not votes.any():
+        return None, ""
+    grid, why = layout(table[:, 1:])
+    if grid is None:
+        return None, why
+    against = [r for r, v in enumerate(votes.tolist()) if v == NO]
+    if against:
+        return None, (f"rank(s) {_ranks(against)} do not want it (DP_PLUGIN_HIERARCHICAL_ALLREDUCE"
+                      "=0 or DP_PLUGIN_SHARED_MEMORY=0 there) and the others do; set the same "
+                      "values on every rank")
+    return grid, ""
 
 
 @dataclass(frozen=True)
@@ -125,17 +166,25 @@ class Layout:
 
 
 def layout(table: np.ndarray) -> tuple[Layout | None, str]:
-    """The layout from row r = (host index, local rank) of rank r, or None
-    and why it is not a grid of hosts with the same number of ranks each."""
+    """The layout from row r = (host index, local rank, ranks on its host)
+    of rank r, or None and why it is not a grid of hosts with the same
+    number of ranks each (naming job ranks)."""
+    said: dict[int, list[int]] = {}
+    for rank, local_size in enumerate(table[:, 2].tolist()):
+        said.setdefault(local_size, []).append(rank)
+    if len(said) > 1:
+        counts = "; ".join(f"{_ranks(ranks, True)}: {n}" for n, ranks in said.items())
+        return None, f"the hosts run different numbers of ranks (ranks on its host: {counts})"
     hosts: dict[int, dict[int, int]] = {}
-    for rank, (host, local) in enumerate(table.tolist()):
+    for rank, (host, local, _) in enumerate(table.tolist()):
         if local in hosts.setdefault(host, {}):
             return None, (f"ranks {hosts[host][local]} and {rank} both say they are local rank "
                           f"{local} of host {host}")
         hosts[host][local] = rank
     sizes = {len(h) for h in hosts.values()}
     if len(sizes) != 1:
-        counts = ", ".join(f"host {k}: {len(v)}" for k, v in sorted(hosts.items()))
+        counts = "; ".join(f"host {k}: {_ranks(sorted(v.values()), True)}"
+                           for k, v in sorted(hosts.items()))
         return None, f"the hosts run different numbers of ranks ({counts})"
     per_host = sizes.pop()
     if per_host < 2:
@@ -147,22 +196,10 @@ def layout(table: np.ndarray) -> tuple[Layout | None, str]:
                         for _, h in sorted(hosts.items()))), ""
 
 
-def host_exchange(exchange: Any, host: Sequence[int]) -> Any:
-    """An exchange among ``host`` (job ranks) made of the job-wide one:
-    every rank of the job calls it at the same point, and each host gets
-    its own rows. Column 0 (what ``shm.connect`` reads as "can go on") is
-    cleared on every host as soon as any rank of the job cleared it, so
-    every host gives up, or goes on, together."""
-    members = list(host)
-
-    def among_host(row: np.ndarray, what: str) -> np.ndarray:
-        table = exchange(row, what)
-        rows = np.array(table[members])
-        if not table[:, 0].all():
-            rows[:, 0] = 0
-        return rows
-
-    return among_host
+def _ranks(ranks: Sequence[int], named: bool = False) -> str:
+    """Job ranks as a message lists them: '0, 1, 2' ('ranks 0, 1, 2', 'rank 3')."""
+    text = ", ".join(map(str, ranks))
+    return text if not named else f"rank{'s' if len(ranks) > 1 else ''} {text}"
 
 
 class HierarchicalAllreduce:
@@ -179,6 +216,9 @@ class HierarchicalAllreduce:
         self._queueing = threading.Lock()
         self._closing = threading.Event()
         self.hosts, self.ranks_per_host = hosts, transport.size
+        # The last stage breaks everything: every piece before the one it
+        # failed on is done here, every stage queued after it is at or past it.
+        (gather or transport).on_break = self._break
 
     @property
     def pipelined(self) -> bool:
@@ -193,40 +233,70 @@ class HierarchicalAllreduce:
                         board: Any, standing: bool = False) -> Handle:
         """Queue the three steps of the module docstring: pipelined in
         pieces over the two transports, or one after another on the host's
-        transport thread; the handle is done when the last all-gather is.
-        ``standing`` (a sum; ``Engine.standing_allreduce_async``): no step
-        has a deadline of its own, the caller bounds the wait."""
+        transport thread; the handle is done when every stage of every
+        piece has run, failed or been skipped (after a failure, nothing
+        touches ``t`` once its handle has raised). ``standing`` (a sum;
+        ``Engine.standing_allreduce_async``): no step has a deadline of its
+        own, the caller bounds the wait."""
         if self._gather is None:
             return self._unpipelined(t, op, description, on_timeout, board, standing)
         reduce_t, gather_t = self._transport, self._gather
-        handle = ShmHandle(description, reduce_t.rank, reduce_t.timeout_s, on_timeout, board)
-        deadline = None if standing else handle.started_at + reduce_t.timeout_s
         data = t.view(-1)
         n, step = data.numel(), max(1, PIECE_BYTES // t.element_size())
+        handle = ShmHandle(description, reduce_t.job_rank, reduce_t.timeout_s, on_timeout, board,
+                           parts=2 * -(-n // step))
+        deadline = None if standing else handle.started_at + reduce_t.timeout_s
         with self._queueing:  # both queues take the pieces in the same order
             for lo in range(0, n, step):
                 piece = data[lo:lo + step]
                 crossing = _Crossing(self, handle, op, f"{description} (across hosts, elements "
-                                     f"{lo}..{lo + piece.numel()})", standing)
+                                     f"{lo}..{lo + piece.numel()})", standing, deadline)
                 reduce_t.stage_async("reducescatter", piece, op, handle, deadline,
                                      after=crossing.start, on_error=crossing.fail,
                                      whole=(lo, n))
                 gather_t.stage_async("allgather", piece, op, handle, deadline,
-                                     before=crossing.wait, last=lo + step >= n, whole=(lo, n))
+                                     before=crossing.wait, on_error=crossing.settle,
+                                     whole=(lo, n))
         return handle
 
     def _unpipelined(self, t: Any, op: ReduceOp, description: str, on_timeout: Any,
                      board: Any, standing: bool) -> Handle:
-        def across(part: Any, deadline: float) -> None:
-            handle = self.start_across(part, op, f"{description} (across hosts)", standing)
+        name = f"{description} (across hosts)"
+
+        def across(part: Any, job: ShmHandle, deadline: float | None) -> None:
+            handle = self.start_across(part, op, name, standing)
             if handle is None:
                 return
-            while standing and not handle.done():  # no deadline of its own: the caller's
-                time.sleep(STANDING_POLL_S)
-            handle.wait()
+            self.until(handle.done, deadline, job, name)  # as the pipeline's gather stage
+            handle.wait()  # done: raises the cross step's own error, if any
 
         return self._transport.allreduce_async(t, op, description, on_timeout, board,
                                                across=across, standing=standing)
+
+    def _break(self, error: BaseException) -> None:
+        """The last stage's transport broke (on its thread): break the
+        reduce stage's too, whose queue holds only pieces at or past the
+        failed one, and shut both down so that the host's peers stop at
+        once (``ShmTransport.fail``). A reduce stage that breaks first
+        reaches here through its pieces' crossings."""
+        for t in (self._transport, self._gather):
+            if t is not None:
+                t.fail(error)
+
+    def until(self, done: Any, deadline: float | None, job: ShmHandle, name: str) -> None:
+        """Wait for ``done()`` on a transport's thread: by ``deadline`` (a
+        ``time.perf_counter`` value; ``job``'s timeout error after it), or
+        with none (a standing all-reduce) while the engine is open. Closing
+        ends the wait at once, with an error naming ``name``."""
+        while True:
+            left = WAKE_S if deadline is None else min(WAKE_S, deadline - time.perf_counter())
+            if poll(done, max(0.0, left), step=2e-5, longest=1e-3):
+                return
+            if self._closing.is_set():
+                raise DPPluginError(f"rank {job.rank}: {name} was still waiting when the "
+                                    "engine shut down")
+            if deadline is not None and time.perf_counter() >= deadline:
+                raise job.timeout_error()
 
     def start_across(self, part: Any, op: ReduceOp, name: str, standing: bool) -> Handle | None:
         """Start the cross-host all-reduce of one shard (None: nothing to do,
@@ -253,14 +323,20 @@ class _Crossing:
     """One piece's cross-host all-reduce, between its two stages: started by
     the reduce transport's thread once the piece is reduce-scattered (or
     failed, if that stage failed or was skipped), waited for by the gather
-    transport's thread before the piece's all-gather."""
+    transport's thread before the piece's all-gather (or, if that stage
+    fails or is skipped, until it no longer writes into the piece: ``settle``).
 
-    __slots__ = ("_error", "_handle", "_job", "_name", "_op", "_owner", "_ready", "_standing")
+    No stand-in is started for a piece this rank skips: the peers on the
+    other hosts would take its bytes for this host's sum and succeed with a
+    wrong result. A peer that started its own waits for it to its deadline."""
+
+    __slots__ = ("_deadline", "_error", "_handle", "_job", "_name", "_op", "_owner", "_ready",
+                 "_standing")
 
     def __init__(self, owner: HierarchicalAllreduce, job: ShmHandle, op: ReduceOp, name: str,
-                 standing: bool) -> None:
+                 standing: bool, deadline: float | None) -> None:
         self._owner, self._job, self._op, self._name = owner, job, op, name
-        self._standing = standing
+        self._standing, self._deadline = standing, deadline
         self._ready = threading.Event()
         self._handle: Handle | None = None
         self._error: BaseException | None = None
@@ -273,24 +349,23 @@ class _Crossing:
         self._error = error
         self._ready.set()
 
+    def settle(self, _: BaseException) -> None:
+        """The all-gather of this piece failed or was skipped: wait until
+        its cross-host all-reduce, if it started on the piece, is over (done
+        or failed; bounded as ``wait``), so that nothing writes into the
+        piece once the handle has raised. Its outcome is not the handle's."""
+        with contextlib.suppress(Exception):
+            self._owner.until(self._ready.is_set, self._deadline, self._job, self._name)
+            if self._handle is not None:
+                self._owner.until(self._handle.done, self._deadline, self._job, self._name)
+
     def wait(self, deadline: float | None) -> None:
         """Until the cross-host all-reduce is done: by ``deadline`` (a
         ``time.perf_counter`` value; the all-reduce's timeout error after
-        it), or with none while the owner is open."""
-        self._until(self._ready.is_set, deadline)
+        it), or with none while the owner is open (``HierarchicalAllreduce.until``)."""
+        self._owner.until(self._ready.is_set, deadline, self._job, self._name)
         if self._error is not None:
             raise self._error
         if self._handle is not None:
-            self._until(self._handle.done, deadline)
+            self._owner.until(self._handle.done, deadline, self._job, self._name)
             self._handle.wait()  # done: raises the cross step's own error, if any
-
-    def _until(self, done: Any, deadline: float | None) -> None:
-        while True:
-            left = WAKE_S if deadline is None else min(WAKE_S, deadline - time.perf_counter())
-            if poll(done, max(0.0, left), step=2e-5, longest=1e-3):
-                return
-            if self._owner._closing.is_set():
-                raise DPPluginError(f"rank {self._job.rank}: {self._name} was still waiting "
-                                    "when the engine shut down")
-            if deadline is not None and time.perf_counter() >= deadline:
-                raise self._job.timeout_error()

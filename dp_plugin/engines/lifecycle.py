@@ -41,7 +41,14 @@ class Lifecycle(ABC):
     @property
     @abstractmethod
     def rank(self) -> int:
-        """This process's rank in the engine (named by the errors)."""
+        """This process's rank in the engine."""
+
+    @property
+    def job_rank(self) -> int:
+        """This process's rank in the job, which errors name (a subgroup's
+        own rank differs: a process set's, a hierarchical all-reduce's
+        cross-host group's)."""
+        return self.rank
 
     @property
     def closed(self) -> bool:
@@ -78,7 +85,7 @@ class Lifecycle(ABC):
 
     def _check_usable(self, what: str) -> None:
         """Raise ``DPPluginError`` if collectives cannot run on this engine."""
-        where = f"rank {self.rank}: {what}: the {self.name} engine"
+        where = f"rank {self.job_rank}: {what}: the {self.name} engine"
         if self._broken is not None:
             raise DPPluginError(
                 f"{where} is unusable because an earlier collective timed out "

@@ -82,7 +82,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -158,11 +158,14 @@ class ShmTransport:
     ways side by side: there is no setting for it."""
 
     def __init__(self, rank: int, size: int, segment: mmap.mmap, socks: dict[int, socket.socket],
-                 chunk_bytes: int, timeout_s: float) -> None:
+                 chunk_bytes: int, timeout_s: float, ranks: Sequence[int] | None = None) -> None:
         import torch
 
         global _held_bytes
         self.rank, self.size, self.chunk_bytes = rank, size, chunk_bytes
+        self.ranks = tuple(range(size)) if ranks is None else tuple(ranks)
+        """Each member's job rank, by its rank in this group: what messages name."""
+        self.job_rank = self.ranks[rank]
         self.timeout_s = timeout_s
         self._segment = segment
         self._nbytes = len(segment)
@@ -174,6 +177,9 @@ class ShmTransport:
         self._seq = 0
         self._turn = 0  # the set the next chunk uses: alternation runs on across operations
         self._error: BaseException | None = None
+        self.on_break: Callable[[BaseException], None] | None = None
+        """Called on the thread with the error when an operation breaks the
+        transport (the hierarchical all-reduce then breaks its other one)."""
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = self._stopped = self._released = False
@@ -187,21 +193,22 @@ class ShmTransport:
     def allreduce_async(self, t: Any, op: ReduceOp, description: str,
                         on_timeout: Callable[[str], None], board: Any,
                         postscale: float = 1.0,
-                        across: Callable[[Any, float], None] | None = None,
+                        across: Callable[[Any, ShmHandle, float | None], None] | None = None,
                         standing: bool = False) -> Handle:
         """Queue an in-place all-reduce of ``t`` (``takes(t)`` is true).
         ``postscale`` (a sum of a ``SCALED_DTYPES`` tensor only) multiplies
         the result while it is copied out: no pass of its own.
 
         ``across`` (the hierarchical all-reduce, ``hierarchical.py``): a
-        reduce-scatter instead, then ``across(shard, deadline)`` on this
-        thread with the view of this rank's reduced shard (it all-reduces
-        it with the other hosts, in place, by ``deadline``, a
-        ``time.perf_counter`` value), then an all-gather of the shards.
+        reduce-scatter instead, then ``across(shard, handle, deadline)`` on
+        this thread with the view of this rank's reduced shard (it
+        all-reduces it with the other hosts, in place, by ``deadline``, a
+        ``time.perf_counter`` value, or None: standing), then an all-gather
+        of the shards.
         ``standing``: no deadline of its own (``Engine.standing_allreduce_async``)."""
         if across is not None and postscale != 1.0:
             raise ValueError("a post-scale cannot be folded into a hierarchical all-reduce")
-        handle = ShmHandle(description, self.rank, self.timeout_s, on_timeout, board)
+        handle = ShmHandle(description, self.job_rank, self.timeout_s, on_timeout, board)
         deadline = None if standing else handle.started_at + self.timeout_s
         self._jobs.put(_Job(t, op, handle, postscale, across, deadline))
         return handle
@@ -210,15 +217,17 @@ class ShmTransport:
                     deadline: float | None, *, before: Callable[[float | None], None] | None = None,
                     after: Callable[[Any], None] | None = None,
                     on_error: Callable[[BaseException], None] | None = None,
-                    last: bool = False, whole: tuple[int, int] = (0, 0)) -> None:
+                    whole: tuple[int, int] = (0, 0)) -> None:
         """Queue one stage of a pipelined hierarchical all-reduce
         (``hierarchical.py``) on this transport's thread, after everything
         queued before it: ``before(deadline)``, then a ``"reducescatter"``
         or ``"allgather"`` of ``data`` in place (header check included),
         then ``after(shard)`` with the view of this rank's shard. ``handle``
-        (shared by the stages of one all-reduce) is finished with the error
-        of the first stage that fails, or with success by the ``last``
-        stage; ``on_error(exc)`` runs on the thread when this stage fails or
+        (shared by the stages of one all-reduce, made with one part per
+        stage) counts this stage as one part once it has run, failed or
+        been skipped: it is done when every stage is, with the error of the
+        first that failed, so no stage touches the buffer after its handle
+        raised. ``on_error(exc)`` runs on the thread when this stage fails or
         is skipped because the transport broke earlier. ``deadline``: a
         ``time.perf_counter`` value, or None (a standing all-reduce).
         ``whole``: the piece's offset in its tensor and the tensor's element
@@ -226,7 +235,26 @@ class ShmTransport:
         if kind not in ("reducescatter", "allgather"):
             raise ValueError(f"a stage is a reducescatter or an allgather, got {kind!r}")
         self._jobs.put(_Job(data, op, handle, 1.0, None, deadline, kind=kind, before=before,
-                            after=after, on_error=on_error, last=last, whole=whole))
+                            after=after, on_error=on_error, whole=whole))
+
+    def fail(self, error: BaseException) -> None:
+        """Break the transport from outside with ``error`` (the other stage
+        of a pipelined hierarchical all-reduce failed): every operation not
+        done yet fails with it and touches no buffer. A wait for a peer ends
+        at once (the sockets are shut down), and so do the peers' waits for
+        this rank: they break in turn, and no host waits out its deadline."""
+        self._break(error)
+        for sock in self._socks.values():
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _break(self, error: BaseException) -> bool:
+        """Keep the first error; True if it is this one."""
+        with self._lock:
+            if self._error is not None:
+                return False
+            self._error = error
+            return True
 
     def close(self) -> None:
         """Stop the thread (bounded), then release the sockets and segment.
@@ -245,7 +273,7 @@ class ShmTransport:
                 self._release()
                 return
         log.warning("dp_plugin: the shared-memory transport's thread (rank %d) did not stop "
-                    "within %g s; its segment stays mapped until it does", self.rank,
+                    "within %g s; its segment stays mapped until it does", self.job_rank,
                     self.timeout_s)
 
     def _release(self) -> None:
@@ -269,15 +297,17 @@ class ShmTransport:
                 job = self._jobs.get()
                 if job is None:
                     return
-                if self._error is None:
+                failure = self._error
+                if failure is None:
                     try:
                         self._run(job)
                     except BaseException as exc:
-                        self._error = exc
-                if self._error is not None and job.on_error is not None:
-                    job.on_error(self._error)
-                if job.last or self._error is not None:
-                    job.handle.finish(self._error)
+                        if self._break(exc) and self.on_break is not None:
+                            self.on_break(exc)
+                        failure = self._error
+                if failure is not None and job.on_error is not None:
+                    job.on_error(failure)
+                job.handle.finish(failure)
         finally:
             with self._lock:
                 self._stopped = True
@@ -299,7 +329,7 @@ class ShmTransport:
             return
         self._collective(job, "reducescatter", data)
         lo, hi = shard(data.numel(), self.size, self.rank)
-        job.across(data[lo:hi], job.handle.started_at + self.timeout_s)
+        job.across(data[lo:hi], job.handle, job.deadline)
         self._collective(job, "allgather", data)
 
     def _collective(self, job: _Job, kind: str, data: Any) -> None:
@@ -424,7 +454,7 @@ class ShmTransport:
             try:
                 sock.sendall(said)
             except OSError as exc:
-                raise _peer_gone(job, peer, exc) from exc
+                raise _peer_gone(job, self.ranks[peer], exc) from exc
         differs: tuple[int, bytes] | None = None
         for peer, sock in self._socks.items():
             got = b""
@@ -438,17 +468,18 @@ class ShmTransport:
                 except TimeoutError:
                     raise job.handle.timeout_error() from None
                 except OSError as exc:
-                    raise _peer_gone(job, peer, exc) from exc
+                    raise _peer_gone(job, self.ranks[peer], exc) from exc
                 if not part:
-                    raise _peer_gone(job, peer, None)
+                    raise _peer_gone(job, self.ranks[peer], None)
                 got += part
             if got != said and differs is None:
                 differs = (peer, got)
         if differs is not None:
             peer, theirs = differs
+            me, peer = self.job_rank, self.ranks[peer]
             raise LayoutMismatchError(
-                f"rank {self.rank}: {job.handle.description} does not match what rank {peer} "
-                f"started at the same point of the shared-memory transport: rank {self.rank} "
+                f"rank {me}: {job.handle.description} does not match what rank {peer} "
+                f"started at the same point of the shared-memory transport: rank {me} "
                 f"has {_said_bytes(said)}, rank {peer} has {_said_bytes(theirs)}. Every rank "
                 "must start the same collectives "
                 "in the same order, with the same element count, dtype and op; a rank that "
@@ -459,40 +490,45 @@ class ShmTransport:
 
 
 class _Job:
-    __slots__ = ("across", "after", "before", "deadline", "handle", "kind", "last", "on_error",
-                 "op", "postscale", "tensor", "whole")
+    __slots__ = ("across", "after", "before", "deadline", "handle", "kind", "on_error", "op",
+                 "postscale", "tensor", "whole")
 
     def __init__(self, tensor: Any, op: ReduceOp, handle: ShmHandle, postscale: float,
-                 across: Callable[[Any, float], None] | None, deadline: float | None, *,
+                 across: Callable[[Any, ShmHandle, float | None], None] | None,
+                 deadline: float | None, *,
                  kind: str = "allreduce", before: Callable[[float | None], None] | None = None,
                  after: Callable[[Any], None] | None = None,
                  on_error: Callable[[BaseException], None] | None = None,
-                 last: bool = True, whole: tuple[int, int] = (0, 0)) -> None:
+                 whole: tuple[int, int] = (0, 0)) -> None:
         self.tensor, self.op, self.handle, self.postscale = tensor, op, handle, postscale
         self.whole = whole
         self.across, self.deadline, self.kind = across, deadline, kind
-        self.before, self.after, self.on_error, self.last = before, after, on_error, last
+        self.before, self.after, self.on_error = before, after, on_error
 
 
 class ShmHandle(Handle):
-    """An operation queued on a ``ShmTransport``: done when its thread says so."""
+    """An operation queued on a ``ShmTransport``: done when its thread(s)
+    say so for each of its ``parts`` (the stages of a pipelined hierarchical
+    all-reduce, one each; a plain operation is one part)."""
 
     def __init__(self, description: str, rank: int, timeout_s: float,
-                 on_timeout: Callable[[str], None], board: Any) -> None:
+                 on_timeout: Callable[[str], None], board: Any, parts: int = 1) -> None:
         super().__init__(description, rank, timeout_s, on_timeout, board)
         self._event = threading.Event()
         self._finishing = threading.Lock()
         self._failure: BaseException | None = None
+        self._left = parts
 
     def finish(self, failure: BaseException | None) -> None:
-        """Called by a transport's thread; the first call counts (the stages
-        of a pipelined hierarchical all-reduce share one handle, and the
-        first that fails finishes it)."""
+        """Called by a transport's thread once per part, when that part has
+        run, failed or been skipped: done when every part is (nothing
+        touches the buffer any more), failed with the first failure."""
         with self._finishing:
-            if self._event.is_set():
-                return
-            self._failure = failure
-            self._event.set()
+            if failure is not None and self._failure is None:
+                self._failure = failure
+            self._left -= 1
+            if self._left == 0:
+                self._event.set()
 
     def _test(self) -> bool:
         if not self._event.is_set():
@@ -549,13 +585,20 @@ def _peer_gone(job: _Job, peer: int, exc: BaseException | None) -> DPPluginError
 def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: int,
             eligible: bool, timeout_s: float, chunk_bytes: int | None = None,
             budget_bytes: int | None = None,
-            instead: str = TCP_INSTEAD) -> ShmTransport | None:
+            instead: str = TCP_INSTEAD, members: Sequence[int] | None = None,
+            ranks: Sequence[int] | None = None) -> ShmTransport | None:
     """Set up the transport among the ranks of one group, or None on every
     rank if any cannot (not eligible, no ``/dev/shm``, over the budget, a
     socket that fails).
 
-    Collective over the group: ``exchange`` all-gathers one int64 row per
-    rank (the engine's ``_exchange``). Three exchanges: the chunk each rank
+    Collective over everyone ``exchange`` reaches: it all-gathers one int64
+    row from each (the engine's ``_exchange``). ``members``: the rows of
+    this group, by group rank (default every row); where the exchange
+    reaches several groups (the hosts of a hierarchical all-reduce, each
+    setting up its own segment), every group gives up if any participant
+    cannot, so every rank of the job takes the same path. ``ranks``: the
+    job rank of each row (default its index), which the log and the
+    transport's errors name. Three exchanges: the chunk each rank
     can afford (0: cannot) and rank 0's token naming the sockets; whether
     every rank listens (and rank 0 made the segment); whether every rank
     connected and mapped it. ``chunk_bytes``: default ``CHUNK_BYTES``;
@@ -572,9 +615,12 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
     affordable = _chunk_within(size, wanted, allowed) if eligible else 0
     table = exchange(np.array([affordable, token, int(eligible), allowed], dtype=np.int64),
                      "shm setup")
+    rows = list(range(len(table))) if members is None else list(members)
+    names = list(range(len(table))) if ranks is None else list(ranks)
+    me = names[rows[rank]]
     if not table[:, 0].all():
         if table[:, 2].all():  # wanted everywhere, but some rank has no room
-            short = [f"rank {r}: {int(row[3])} bytes" for r, row in enumerate(table)
+            short = [f"rank {names[r]}: {int(row[3])} bytes" for r, row in enumerate(table)
                      if not row[0]]
             smallest = _segment_bytes(size, MIN_CHUNK_BYTES)
             _fall_back(instead, f"rank(s) have less than the {smallest} "
@@ -583,9 +629,10 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
                        "DP_PLUGIN_SHARED_MEMORY_BUDGET or give the host or container more "
                        "/dev/shm (docker run --shm-size=1g)")
         return None
-    chunk_bytes = int(table[:, 0].min())
+    group = table[rows]
+    chunk_bytes = int(group[:, 0].min())
     nbytes = _segment_bytes(size, chunk_bytes)
-    token = int(table[0, 1])
+    token = int(group[0, 1])
     memfd = -1
     segment: mmap.mmap | None = None
     listener: socket.socket | None = None
@@ -599,22 +646,22 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
             if rank == 0:
                 memfd = _memfd(nbytes)
         except OSError as exc:
-            _fall_back(instead, f"rank {rank} cannot listen or make the segment: {exc}")
+            _fall_back(instead, f"rank {me} cannot listen or make the segment: {exc}")
             ok = False
         if not exchange(np.array([int(ok)], dtype=np.int64), "shm listen")[:, 0].all():
             return None
         try:
             assert listener is not None
-            _mesh(listener, token, rank, size, timeout_s, socks)
+            _mesh(listener, token, rank, size, timeout_s, socks, [names[r] for r in rows])
             segment = _share(memfd, socks, rank, nbytes)
         except OSError as exc:
-            _fall_back(instead, f"rank {rank} cannot connect to its peers: {exc}")
+            _fall_back(instead, f"rank {me} cannot connect to its peers: {exc}")
             ok = False
         if not exchange(np.array([int(ok)], dtype=np.int64), "shm connect")[:, 0].all():
             return None
         assert segment is not None
         transport = ShmTransport(rank, size, segment, dict(sorted(socks.items())), chunk_bytes,
-                                 timeout_s)
+                                 timeout_s, ranks=[names[r] for r in rows])
         segment, socks = None, {}
         return transport
     finally:
@@ -718,11 +765,12 @@ def _peer_uid(sock: socket.socket) -> int:
 
 
 def _mesh(listener: socket.socket, token: int, rank: int, size: int, timeout_s: float,
-          socks: dict[int, socket.socket]) -> None:
+          socks: dict[int, socket.socket], names: Sequence[int]) -> None:
     """Connect to every peer, into ``socks`` (``_cleanup`` closes them if
     setup fails): rank r dials every lower rank and accepts every higher
     one, which announces its rank first. Both ends check that the other
-    runs as this process's user; a stranger's connection is dropped."""
+    runs as this process's user; a stranger's connection is dropped.
+    ``names``: each group rank's job rank, for the messages."""
     uid = os.getuid()
     deadline = time.monotonic() + timeout_s
     for peer in range(rank):
@@ -731,18 +779,20 @@ def _mesh(listener: socket.socket, token: int, rank: int, size: int, timeout_s: 
         sock.settimeout(timeout_s)
         sock.connect(_address(token, peer))
         if _peer_uid(sock) != uid:
-            raise OSError(f"the socket of rank {peer} belongs to user {_peer_uid(sock)}, "
+            raise OSError(f"the socket of rank {names[peer]} belongs to user {_peer_uid(sock)}, "
                           f"not to this job's user {uid}")
         sock.sendall(rank.to_bytes(4, "little"))
     while sum(p > rank for p in socks) < size - rank - 1:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise OSError(f"ranks above {rank} did not all connect within {timeout_s:g} s")
+            late = [names[p] for p in range(rank + 1, size) if p not in socks]
+            raise OSError(f"rank(s) {late} did not connect to rank {names[rank]} within "
+                          f"{timeout_s:g} s")
         listener.settimeout(remaining)
         sock, _addr = listener.accept()
         if _peer_uid(sock) != uid:
             log.warning("dp_plugin: rank %d dropped a connection to its shared-memory socket "
-                        "from user %d (this job runs as %d)", rank, _peer_uid(sock), uid)
+                        "from user %d (this job runs as %d)", names[rank], _peer_uid(sock), uid)
             sock.close()
             continue
         sock.settimeout(timeout_s)
@@ -752,7 +802,8 @@ def _mesh(listener: socket.socket, token: int, rank: int, size: int, timeout_s: 
         peer = int.from_bytes(got, "little") if len(got) == 4 else -1
         if not rank < peer < size or peer in socks:
             sock.close()
-            raise OSError(f"an unexpected connection to rank {rank}'s shared-memory socket")
+            raise OSError(f"an unexpected connection to rank {names[rank]}'s shared-memory "
+                          "socket")
         socks[peer] = sock
 
 

@@ -149,7 +149,7 @@ class TorchDistEngine(Engine):
                 return "the already-initialized default group"
             # The user's group speaks another backend: add one of ours over
             # the same ranks (collective on the default group).
-            self._group = dist.new_group(backend=self.backend, timeout=timeout)
+            self._group = self._new_group(f"a {self.backend} group beside the user's")
             self._owns_group = True
             return f"a new {self.backend} group beside the user's {dist.get_backend()} group"
         if self.backend == "gloo":  # multi-host: advertise the interface that reaches the peers
@@ -166,15 +166,33 @@ class TorchDistEngine(Engine):
             )
         except (dist.DistStoreError, dist.DistNetworkError) as exc:
             # torch's own text names a store key, not what happened (fault matrix, issue 24).
-            kind = CollectiveTimeoutError if isinstance(exc, dist.DistStoreError) else DPPluginError
-            raise kind(
-                f"rank {self.rank}: the {self.backend} process group of {self.size} ranks did not "
-                f"form within {self.config.timeout_s:g} s (DP_PLUGIN_TIMEOUT; ranks met through "
-                f"{how}): another rank has probably died or not started; check the other ranks' "
-                f"logs ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})"
-            ) from None
+            raise _formation_error(
+                exc, f"rank {self.rank}: the {self.backend} process group of {self.size} ranks "
+                f"did not form within {self.config.timeout_s:g} s (DP_PLUGIN_TIMEOUT; ranks met "
+                f"through {how}): another rank has probably died or not started; check the "
+                "other ranks' logs") from None
         self._owns_default = True
         return how
+
+    def _new_group(self, what: str, **kwargs: Any) -> Any:
+        """``dist.new_group(**kwargs)`` (collective: every rank of the job
+        makes every group, in the same order). Its wait for the others in
+        the store, and Gloo's connection of the group, end after
+        ``DP_PLUGIN_TIMEOUT`` with dp_plugin's error naming the call, as
+        ``init()``'s do, not torch's raw ``DistStoreError`` naming a store key
+        (ranks that reach it more than the timeout apart: a stalled or dead
+        rank, or a loaded machine; fault matrix)."""
+        dist = self._dist
+        try:
+            return dist.new_group(timeout=timedelta(seconds=self.config.timeout_s),
+                                  backend=self.backend, **kwargs)
+        except (dist.DistStoreError, dist.DistNetworkError) as exc:
+            raise _formation_error(
+                exc, f"rank {self.job_rank}: torch.distributed.new_group ({what}) did not finish "
+                f"within {self.config.timeout_s:g} s (DP_PLUGIN_TIMEOUT): another rank has not "
+                "reached the same call; it has probably died or stalls, or the ranks create "
+                "groups (channels, process sets, optimizers) in different orders; check the "
+                "other ranks' logs") from None
 
     def _close(self) -> None:
         """Destroy the group this engine created (not a user's), broken or not.
@@ -199,10 +217,8 @@ class TorchDistEngine(Engine):
         job-wide engine without: torch's hashed-name groups over every rank
         never connect once a group that some ranks are not in exists (seen
         with torch 2.13 / gloo: a hang)."""
-        group = self._dist.new_group(
-            ranks=list(self.global_ranks), timeout=timedelta(seconds=self.config.timeout_s),
-            backend=self.backend, use_local_synchronization=self._parent is not None,
-        )
+        group = self._new_group(f"channel {name!r}", ranks=list(self.global_ranks),
+                                use_local_synchronization=self._parent is not None)
         return type(self)(self.topology, self.config, parent=self, group=group)
 
     def _subgroup(self, members: tuple[int, ...], topology: Topology | None,
@@ -211,11 +227,9 @@ class TorchDistEngine(Engine):
         over every process of the job, members or not (a subgroup has only its own)."""
         self._job_wide_only(members, name, "torch.distributed creates groups collectively "
                             "over the whole job")
-        group = self._dist.new_group(
-            ranks=[self.global_ranks[m] for m in members],
-            timeout=timedelta(seconds=self.config.timeout_s),
-            backend=self.backend,
-        )
+        group = self._new_group(f"subgroup {name!r} of job ranks "
+                                f"{[self.global_ranks[m] for m in members]}",
+                                ranks=[self.global_ranks[m] for m in members])
         if topology is None:
             return None
         return type(self)(topology, self.config, parent=self, group=group)
@@ -369,7 +383,7 @@ class PollHandle(Handle):
     """
 
     def __init__(self, work: Any, engine: TorchDistEngine, description: str) -> None:
-        super().__init__(description, engine.rank, engine.config.timeout_s, engine._mark_broken,
+        super().__init__(description, engine.job_rank, engine.config.timeout_s, engine._mark_broken,
                          engine.wait_board())
         self._work = work
 
@@ -381,6 +395,16 @@ class PollHandle(Handle):
         except Exception as exc:
             raise _library_error(self, exc) from exc
         return True
+
+
+def _formation_error(exc: Exception, message: str) -> DPPluginError:
+    """A group that did not form: a ``CollectiveTimeoutError`` where torch's
+    store wait timed out (``DistStoreError``), else a ``DPPluginError``;
+    ``message`` first, torch's own text after it."""
+    import torch.distributed as dist
+
+    kind = CollectiveTimeoutError if isinstance(exc, dist.DistStoreError) else DPPluginError
+    return kind(f"{message} ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})")
 
 
 def _library_error(handle: Handle, exc: Exception) -> DPPluginError:

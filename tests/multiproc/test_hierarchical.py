@@ -51,6 +51,10 @@ def test_a_rank_killed_mid_pipeline_fails_every_other_rank() -> None:
     assert result.returncodes[3] == -9, result.returncodes
     for rank in (0, 1, 2):
         assert f"rank {rank} raised: " in result.output, result.output
+    # Its host peer names job ranks: itself (2) and the dead one (3), not
+    # their local ranks on the host (0 and 1).
+    line = next(x for x in result.output.splitlines() if "rank 2 raised: " in x)
+    assert "rank 2 raised: rank 2: " in line and "rank 3 of this shared-memory group" in line, line
 
 
 @pytest.mark.timeout(120)

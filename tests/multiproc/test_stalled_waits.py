@@ -19,6 +19,7 @@ MARGIN_S = 20.0
 @pytest.mark.parametrize(("case", "launcher", "engine"), [
     ("mpi_split", "mpirun", "mpi"),
     ("hvd_add_process_set", "horovodrun", "horovod"),
+    ("gloo_new_group", "env", "gloo"),
 ])
 def test_a_rank_that_never_arrives_is_reported_within_the_timeout(
         case: str, launcher: str, engine: str, tmp_path: Path) -> None:

@@ -4,13 +4,16 @@ processes in tests/multiproc/test_hierarchical.py."""
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import numpy as np
 import pytest
 
 from dp_plugin.config import Config
 from dp_plugin.engines import hierarchical
 from dp_plugin.errors import ConfigError
-from dp_plugin.launch import Topology
+from dp_plugin.launch import Topology, detect
 
 
 def topo(size: int, local_size: int, cross_size: int) -> Topology:
@@ -19,20 +22,47 @@ def topo(size: int, local_size: int, cross_size: int) -> Topology:
 
 
 @pytest.mark.parametrize(("env", "t", "expect"), [
-    ({}, topo(4, 2, 2), True),                 # 2 hosts x 2: automatic
-    ({}, topo(2, 1, 2), False),                # one rank per host: nothing inside a host
-    ({}, topo(4, 4, 1), False),                # one host: flat shared memory
-    ({}, topo(5, 3, 2), False),                # uneven hosts
-    ({"DP_PLUGIN_SHARED_MEMORY": "0"}, topo(4, 2, 2), False),
-    ({"HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}, topo(4, 2, 2), False),
-    ({"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, topo(4, 4, 1), True),
+    ({}, topo(4, 2, 2), hierarchical.AUTOMATIC),  # 2 hosts x 2
+    ({}, topo(2, 1, 2), hierarchical.NO),         # one rank per host: nothing inside a host
+    ({}, topo(4, 4, 1), hierarchical.NO),         # one host: flat shared memory
+    ({}, topo(5, 3, 2), hierarchical.AUTOMATIC),  # uneven hosts: the job's layout says no
+    ({"DP_PLUGIN_SHARED_MEMORY": "0"}, topo(4, 2, 2), hierarchical.NO),
+    ({"HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}, topo(4, 2, 2), hierarchical.NO),
+    ({"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, topo(4, 4, 1), hierarchical.FORCED),
     ({"DP_PLUGIN_HIERARCHICAL_ALLREDUCE": "0", "HOROVOD_HIERARCHICAL_ALLREDUCE": "1"},
-     topo(4, 2, 2), False),                    # ours wins
-    ({"DP_PLUGIN_HIERARCHICAL_ALLREDUCE": "1"}, Topology.single(), False),
+     topo(4, 2, 2), hierarchical.NO),             # ours wins
+    ({"DP_PLUGIN_HIERARCHICAL_ALLREDUCE": "1"}, Topology.single(), hierarchical.NO),
 ])
-def test_wanted_follows_the_topology_and_the_switch(env: dict[str, str], t: Topology,
-                                                    expect: bool) -> None:
-    assert hierarchical.wanted(t, Config.from_env(env)) is expect
+def test_a_ranks_vote_follows_its_topology_and_the_switch(env: dict[str, str], t: Topology,
+                                                          expect: int) -> None:
+    assert hierarchical.vote(t, Config.from_env(env)) == expect
+
+
+@pytest.mark.parametrize(("votes", "expect", "why"), [
+    ([1, 1, 1, 1], True, ""),
+    ([2, 1, 2, 1], True, ""),
+    ([0, 0, 0, 0], False, ""),                   # nobody wants it: nothing to say
+    ([1, 0, 1, 1], False, "rank(s) 1 do not want it"),
+])
+def test_the_job_decides_once_from_every_ranks_vote(votes: list[int], expect: bool,
+                                                    why: str) -> None:
+    grid = [[0, 0, 2], [0, 1, 2], [1, 0, 2], [1, 1, 2]]
+    table = np.array([[v, *where] for v, where in zip(votes, grid, strict=True)])
+    got, said = hierarchical.decide(table)
+    assert (got is not None) is expect
+    assert why in said and bool(said) is bool(why), said
+
+
+@pytest.mark.parametrize(("env", "expect"), [
+    ({"DP_PLUGIN_HIERARCHICAL_ALLREDUCE": "", "HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, True),
+    ({"DP_PLUGIN_HIERARCHICAL_ALLREDUCE": " ", "HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}, False),
+    ({"DP_PLUGIN_HIERARCHICAL_ALLREDUCE": ""}, None),
+    ({"HOROVOD_HIERARCHICAL_ALLREDUCE": ""}, None),
+])
+def test_an_empty_switch_counts_as_unset(env: dict[str, str], expect: bool | None) -> None:
+    """``DP_PLUGIN_HIERARCHICAL_ALLREDUCE=`` (a launcher template's blank)
+    used to force the flat ring, over ``HOROVOD_HIERARCHICAL_ALLREDUCE=1``."""
+    assert Config.from_env(env).hierarchical_allreduce is expect
 
 
 def test_a_bad_switch_names_the_variable() -> None:
@@ -46,7 +76,7 @@ def test_a_bad_switch_names_the_variable() -> None:
 
 def test_layout_of_round_robin_placement() -> None:
     # mpirun --map-by node: ranks go round the hosts in turn
-    table = np.array([[0, 0], [1, 0], [0, 1], [1, 1], [0, 2], [1, 2]])
+    table = np.array([[0, 0, 3], [1, 0, 3], [0, 1, 3], [1, 1, 3], [0, 2, 3], [1, 2, 3]])
     layout, why = hierarchical.layout(table)
     assert layout is not None, why
     assert layout.hosts == ((0, 2, 4), (1, 3, 5))
@@ -55,23 +85,130 @@ def test_layout_of_round_robin_placement() -> None:
 
 
 @pytest.mark.parametrize(("table", "why"), [
-    ([[0, 0], [0, 1], [1, 0]], "different numbers of ranks (host 0: 2, host 1: 1)"),
-    ([[0, 0], [0, 0]], "ranks 0 and 1 both say they are local rank 0 of host 0"),
-    ([[0, 0], [1, 0]], "every host runs one rank"),
-    ([[0, 0], [0, 2]], "host 0's local ranks are [0, 2], not 0..1"),
+    ([[0, 0, 2], [0, 1, 2], [1, 0, 1]],
+     "different numbers of ranks (ranks on its host: ranks 0, 1: 2; rank 2: 1)"),
+    ([[0, 0, 2], [0, 1, 2], [0, 2, 2], [1, 0, 2]],
+     "different numbers of ranks (host 0: ranks 0, 1, 2; host 1: rank 3)"),
+    ([[0, 0, 2], [0, 0, 2]], "ranks 0 and 1 both say they are local rank 0 of host 0"),
+    ([[0, 0, 1], [1, 0, 1]], "every host runs one rank"),
+    ([[0, 0, 2], [0, 2, 2]], "host 0's local ranks are [0, 2], not 0..1"),
 ])
 def test_layouts_that_are_not_a_grid_keep_the_flat_ring(table: list[list[int]], why: str) -> None:
     layout, said = hierarchical.layout(np.array(table))
-    assert layout is None and why in said
+    assert layout is None and why in said, said
 
 
-def test_the_host_exchange_gives_up_everywhere_when_one_rank_does() -> None:
-    job = np.array([[4096, 7], [4096, 0], [0, 0], [4096, 0]])  # rank 2 (host 1) cannot
-    among = hierarchical.host_exchange(lambda row, what: job, (0, 1))
-    got = among(np.array([4096, 7]), "shm setup")
-    assert got.tolist() == [[0, 7], [0, 0]]
-    job[2, 0] = 4096
-    assert among(np.array([4096, 7]), "shm setup").tolist() == [[4096, 7], [4096, 0]]
+# -- the job-wide choice, with hosts of unequal rank counts -----------------------------
+# Every rank builds its Topology from its own launcher variables, then runs
+# GlooEngine's constructor (the process group stubbed out) on a thread, with an
+# exchange that, as Gloo's all-gather does, needs every rank to send the same
+# kind of row at the same point: different choices on different ranks show up
+# as a mismatch, not as gloo's abort.
+def hosts_env(launcher: str, counts: list[int], rank: int) -> dict[str, str]:
+    """The variables ``launcher`` gives rank ``rank`` of hosts running ``counts`` ranks."""
+    size = sum(counts)
+    host = next(h for h in range(len(counts)) if rank < sum(counts[:h + 1]))
+    local, local_size = rank - sum(counts[:host]), counts[host]
+    if launcher == "env":  # torchrun, one agent per host
+        return {"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(local),
+                "LOCAL_WORLD_SIZE": str(local_size), "GROUP_RANK": str(host),
+                "GROUP_WORLD_SIZE": str(len(counts)), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29500"}
+    if launcher == "slurm":
+        return {"SLURM_PROCID": str(rank), "SLURM_STEP_ID": "0", "SLURM_NTASKS": str(size),
+                "SLURM_LOCALID": str(local), "SLURM_NODEID": str(host),
+                "SLURM_STEP_NUM_NODES": str(len(counts)),
+                "SLURM_STEP_TASKS_PER_NODE": ",".join(map(str, counts)),
+                "SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": f"node[1-{len(counts)}]"}
+    # horovodrun: cross rank/size count the ranks of the same local rank, so
+    # they differ between the ranks of one host when the hosts are unequal.
+    peers = [h for h in range(len(counts)) if counts[h] > local]
+    return {"HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(size), "HOROVOD_LOCAL_RANK": str(local),
+            "HOROVOD_LOCAL_SIZE": str(local_size), "HOROVOD_CROSS_RANK": str(peers.index(host)),
+            "HOROVOD_CROSS_SIZE": str(len(peers)), "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": "29500"}
+
+
+class JobExchange:
+    """``Engine._exchange`` over thread-ranks that, like Gloo, fails every
+    rank when they do not all send the same kind of row at the same point."""
+
+    def __init__(self, size: int) -> None:
+        self.rows: list[Any] = [None] * size
+        self.barrier = threading.Barrier(size, timeout=10.0)
+        self.said: list[list[str]] = [[] for _ in range(size)]
+
+    def for_rank(self, rank: int) -> Any:
+        def exchange(row: np.ndarray, what: str) -> np.ndarray:
+            self.said[rank].append(what)
+            self.rows[rank] = (what, row)
+            self.barrier.wait()
+            rows = list(self.rows)
+            self.barrier.wait()
+            kinds = {(w, len(r)) for w, r in rows}
+            if len(kinds) > 1:
+                raise AssertionError(f"rank {rank}: the ranks exchanged different rows at the "
+                                     f"same point: {[(w, len(r)) for w, r in rows]}")
+            return np.stack([r for _, r in rows])
+
+        return exchange
+
+
+def gloo_engines(monkeypatch: pytest.MonkeyPatch, topologies: list[Topology],
+                 configs: list[Config]) -> tuple[list[Any], JobExchange]:
+    """One GlooEngine per thread-rank, made by its real constructor with
+    the process group stubbed out (its ``_exchange`` is a ``JobExchange``)."""
+    from dp_plugin.engines.base import Engine
+    from dp_plugin.engines.gloo_nccl import GlooEngine
+    from dp_plugin.engines.torch_dist import TorchDistEngine
+
+    job = JobExchange(len(topologies))
+
+    def no_group(self: Any, topology: Topology, config: Config, *, parent: Any = None,
+                 group: Any = None) -> None:
+        Engine.__init__(self, topology, config, parent=parent)
+        self._exchange = job.for_rank(topology.rank)
+
+    monkeypatch.setattr(TorchDistEngine, "__init__", no_group)
+    engines = on_ranks(len(topologies), lambda r: GlooEngine(topologies[r], configs[r]))
+    return engines, job
+
+
+def test_the_budget_fallback_names_the_job_rank_that_is_short(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """2 hosts x 2; job rank 3 (local rank 1 of host 1) has a 1000-byte
+    budget: every rank keeps the flat ring, and every log line blames rank
+    3 with its own number. It used to say, on host 0, 'rank 0: ... bytes;
+    rank 1: ... bytes' (the wrong host, host-local ranks), and on host 1
+    'rank 1: 1000 bytes'."""
+    monkeypatch.setattr(shm, "_fallback_said", set())
+    caplog.set_level("DEBUG", logger="dp_plugin")
+    topologies = [detect(hosts_env("env", [2, 2], r)) for r in range(4)]
+    configs = [Config(shared_memory_budget=1000 if r == 3 else None) for r in range(4)]
+    engines, _ = gloo_engines(monkeypatch, topologies, configs)
+    assert [e.hierarchical for e in engines] == [False] * 4
+    said = [r.getMessage() for r in caplog.records if "less than the" in r.getMessage()]
+    assert len(said) == 4, said  # every rank says it (one as a warning)
+    for line in said:
+        assert "within their budget (rank 3: 1000 bytes)" in line, line
+
+
+@pytest.mark.parametrize("launcher", ["env", "slurm", "horovodrun"])
+@pytest.mark.parametrize("counts", [[3, 1, 2], [2, 1]], ids=["3,1,2", "2,1"])
+def test_unequal_hosts_take_the_flat_ring_on_every_rank(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, launcher: str,
+        counts: list[int]) -> None:
+    size = sum(counts)
+    caplog.set_level("INFO", logger="dp_plugin")
+    topologies = [detect(hosts_env(launcher, counts, r)) for r in range(size)]
+    assert [t.launcher for t in topologies] == [launcher.replace("env", "torchrun")] * size
+    engines, job = gloo_engines(monkeypatch, topologies, [Config()] * size)
+    assert [e.hierarchical for e in engines] == [False] * size
+    assert all(said == job.said[0] for said in job.said), job.said
+    said = " ".join(r.getMessage() for r in caplog.records)
+    if counts == [3, 1, 2]:  # some ranks' own variables looked like a grid: said why not
+        assert ("flat Gloo ring, not the hierarchical path: the hosts run different numbers "
+                "of ranks (ranks on its host: ranks 0, 1, 2: 3; rank 3: 1; ranks 4, 5: 2)") in said
 
 
 # -- the pipelined all-reduce, its ranks as threads of one process ----------------------
@@ -83,11 +220,9 @@ def test_the_host_exchange_gives_up_everywhere_when_one_rank_does() -> None:
 torch = pytest.importorskip("torch")
 
 import random  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
-from typing import Any  # noqa: E402
 
 from dp_plugin.engines import shm  # noqa: E402
 from dp_plugin.engines.types import ReduceOp  # noqa: E402
@@ -105,6 +240,7 @@ from tests.unit.test_shm import (  # noqa: E402
 class WireHandle:
     def __init__(self) -> None:
         self.event = threading.Event()
+        self.error: BaseException | None = None
 
     def done(self) -> bool:
         return self.event.is_set()
@@ -112,6 +248,8 @@ class WireHandle:
     def wait(self) -> None:
         if not self.event.wait(TIMEOUT_S):
             raise CollectiveTimeoutError("the wire's all-reduce did not finish")
+        if self.error is not None:
+            raise self.error
 
 
 class Wire:
@@ -119,6 +257,8 @@ class Wire:
 
     def __init__(self, members: int, seed: int) -> None:
         self.members, self.lock, self.rng = members, threading.Lock(), random.Random(seed)
+        self.fails: set[int] = set()
+        """The k-th all-reduces that fail on every member (a peer host gone)."""
         self.parts: dict[int, list[Any]] = {}
         self.handles: dict[int, WireHandle] = {}
         self.ops: list[str] = []  # (member, name) in the order they were started
@@ -150,6 +290,11 @@ class Wire:
             delay = self.rng.uniform(0, 3e-3)
 
         def finish() -> None:
+            if k in self.fails:
+                handle.error = DPPluginError(f"cross-host all-reduce #{k} failed: "
+                                             "Connection reset by peer")
+                handle.event.set()
+                return
             total = parts[0].clone()
             shm._reduce(parts, total, op)
             for p in parts:
@@ -161,19 +306,20 @@ class Wire:
 
 
 @contextmanager
-def pipelined(hosts: int, per_host: int, gather: bool = True,
-              timeout_s: float = TIMEOUT_S) -> Iterator[list[Any]]:
+def pipelined(hosts: int, per_host: int, gather: bool = True, timeout_s: float = TIMEOUT_S,
+              wires: list[Wire] | None = None) -> Iterator[list[Any]]:
     """``hosts x per_host`` thread-ranks (rank = host * per_host + local rank),
     each with its HierarchicalAllreduce; every one closed after the block."""
     size = hosts * per_host
     reduce_ex = [Exchange(per_host) for _ in range(hosts)]
     gather_ex = [Exchange(per_host) for _ in range(hosts)]
-    wires = [Wire(hosts, seed=j) for j in range(per_host)]
+    wires = [Wire(hosts, seed=j) for j in range(per_host)] if wires is None else wires
 
     def setup(rank: int) -> Any:
         host, local = divmod(rank, per_host)
+        ranks = [host * per_host + j for j in range(per_host)]
         made = [shm.connect(ex[host].for_rank(local), local, per_host, True, timeout_s,
-                            chunk_bytes=CHUNK) for ex in (reduce_ex, gather_ex)]
+                            chunk_bytes=CHUNK, ranks=ranks) for ex in (reduce_ex, gather_ex)]
         assert made[0] is not None and made[1] is not None
         if not gather:
             made[1].close()
@@ -287,9 +433,72 @@ def test_a_peer_that_dies_mid_pipeline_fails_every_rank_at_once(
         got = on_ranks(4, run)
         assert time.perf_counter() - started < 2.0 * 3
     assert isinstance(got[2][-1], DPPluginError)
-    assert any("rank 1 of this shared-memory group" in str(e) for e in got[2] if e), got[2]
+    # Job ranks, not host-local ones: rank 2 names rank 3 (local rank 1 of its host).
+    assert any(str(e).startswith("rank 2: ") and "rank 3 of this shared-memory group" in str(e)
+               for e in got[2] if e), got[2]
     for rank in (0, 1):
         assert isinstance(got[rank][-1], DPPluginError), got[rank]
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["unpipelined", "pipelined"])
+def test_shutdown_ends_a_standing_allreduce_waiting_in_its_cross_host_step_at_once(
+        gather: bool) -> None:
+    """join's listener: a standing all-reduce (no deadline of its own) that
+    the other host never starts. ``close()`` ends it at once, with an error
+    on its handle; the unpipelined path used to wait the whole timeout in
+    ``close()`` while its thread kept polling the cross-host step for ever."""
+    with pipelined(2, 2, gather=gather, timeout_s=4.0) as hiers:
+        handles = on_ranks(2, lambda r: hiers[r].allreduce_async(
+            torch.ones(1000), ReduceOp.SUM, "listener", lambda d: None, None, standing=True))
+        time.sleep(0.3)  # host 0 is in its cross-host step, waiting for host 1
+        assert not any(h.done() for h in handles)
+        started = time.perf_counter()
+        on_ranks(2, lambda r: hiers[r].close())
+        assert time.perf_counter() - started < 1.0, "close() waited for the thread"
+        for h in handles:
+            with pytest.raises(DPPluginError, match="still waiting when the engine shut down"):
+                h.wait()
+        assert time.perf_counter() - started < 1.0, "the thread kept waiting"
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["unpipelined", "pipelined"])
+def test_after_a_cross_host_failure_no_stage_touches_a_buffer_whose_handle_failed(
+        monkeypatch: pytest.MonkeyPatch, gather: bool) -> None:
+    """Local rank 0's second cross-host all-reduce fails (its peer host's
+    link gone). That all-reduce and every later one raise on every rank, and
+    once a handle has raised, nothing writes into its buffer any more (the
+    contract: a buffer is free once ``wait()`` returns or raises). It used
+    to break only the gather stage: the reduce stage went on
+    reduce-scattering later buffers in place after their handles failed."""
+    monkeypatch.setattr(hierarchical, "PIECE_BYTES", 256)
+    wires = [Wire(2, seed=j) for j in range(2)]
+    wires[0].fails.add(2)
+    timeout_s = 3.0
+    with pipelined(2, 2, gather=gather, wires=wires, timeout_s=timeout_s) as hiers:
+        def run(rank: int) -> list[Any]:
+            bufs = [torch.full((20_000,), float(rank + 1)) for _ in range(4)]
+            hs = [hiers[rank].allreduce_async(b, ReduceOp.SUM, f"b{k}", lambda d: None, None)
+                  for k, b in enumerate(bufs)]
+            seen = []
+            for h, b in zip(hs, bufs, strict=True):
+                try:
+                    h.wait()
+                    seen.append(None)
+                except DPPluginError:
+                    seen.append(b.clone())  # what it holds when its handle raised
+            time.sleep(0.3)  # whatever still runs in the stages
+            return [None if was is None else torch.equal(was, b)
+                    for was, b in zip(seen, bufs, strict=True)]
+
+        started = time.perf_counter()
+        got = on_ranks(4, run)
+        # Nobody hangs: a cross-host all-reduce this rank started and its peer
+        # did not is waited for (it may still write) to its deadline at most.
+        assert time.perf_counter() - started < 3 * timeout_s
+    for rank, unchanged in enumerate(got):
+        assert unchanged[-1] is not None, f"rank {rank}: the last all-reduce did not fail"
+        assert all(u in (None, True) for u in unchanged), (
+            f"rank {rank}: buffers written after their handle failed: {unchanged}")
 
 
 def test_a_second_segment_over_the_budget_leaves_every_rank_unpipelined_said_once(

@@ -355,10 +355,11 @@ def test_across_reduces_scatters_calls_back_on_the_shard_and_gathers(n: int, dty
     seen: list[tuple[int, int]] = []
 
     def across_for(rank: int) -> Any:
-        def across(part: Any, deadline: float) -> None:
+        def across(part: Any, handle: Any, deadline: float | None) -> None:
             lo, hi = shard(rank)
             assert torch.equal(part, total[lo:hi]), "the shard holds the host's sum"
-            assert deadline > time.perf_counter()
+            assert deadline is not None and deadline > time.perf_counter()
+            assert handle.description == "h"
             seen.append((lo, hi))
             part.mul_(2)  # stands in for the other hosts' sum
 

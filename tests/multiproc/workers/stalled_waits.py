@@ -10,6 +10,9 @@ Cases:
   before ``MPI_Comm_split`` (mpirun, engine mpi).
 - ``hvd_add_process_set``: the last rank stalls inside ``hvd.add_process_set``
   (horovodrun, engine horovod).
+- ``gloo_new_group``: the last rank stalls before a channel's
+  ``dist.new_group`` (env launcher, engine gloo): Gloo's connection of the
+  new group waits in the store (torch raised its raw ``DistStoreError``).
 """
 
 from __future__ import annotations
@@ -65,7 +68,14 @@ def case_hvd_add_process_set(engine: Any) -> None:
     _expect_timeout(lambda: request.subgroup(engine, [0], "first"), "hvd.add_process_set([0])")
 
 
-CASES = {"mpi_split": case_mpi_split, "hvd_add_process_set": case_hvd_add_process_set}
+def case_gloo_new_group(engine: Any) -> None:
+    if engine.rank == engine.size - 1:
+        _stall()
+    _expect_timeout(lambda: engine.channel("late"), "torch.distributed.new_group")
+
+
+CASES = {"mpi_split": case_mpi_split, "hvd_add_process_set": case_hvd_add_process_set,
+         "gloo_new_group": case_gloo_new_group}
 
 
 if __name__ == "__main__":
