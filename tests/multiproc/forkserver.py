@@ -9,21 +9,28 @@ rank that asks. The launchers stay real: ``horovodrun`` and the harness's
 ``env`` launcher start :mod:`tests.multiproc.warm_client` where they would
 start ``python``, and the client hands its arguments, environment, working
 directory and open file descriptors to this server, which forks the rank.
-(Not ``mpiexec``: Hydra kills the process group of every rank still running
-once all have called ``MPI_Finalize``, and a client that has yet to hear its
-rank's exit status is such a process, seen as a ``BAD TERMINATION`` at 3
-ranks; mpirun launches stay fresh.)
+Not ``mpiexec``: once every rank has called ``MPI_Finalize`` and one has
+exited, MPICH's Hydra kills every rank process still running (seen here
+with fresh ranks that linger 1 s after it), and with forked ranks it killed
+a client still ending after its rank in about one mpirun launch of ten,
+reported as a ``BAD TERMINATION``, even with the status pipe below; mpirun
+launches stay fresh.
 
 - the child takes the client's descriptors at their numbers, its environment
   (``os.environ`` replaced: C ``getenv`` sees it too), working directory and
   argv, reseeds what a fresh interpreter seeds from entropy (``random``,
-  numpy's global generator) and resets torch's generator to its fresh
-  default, restores default signal handlers, and runs the script as
-  ``__main__``, ending as the interpreter would (``SystemExit``, traceback
-  and exit 1, non-daemon threads joined, ``atexit`` handlers, stdio flushed);
+  numpy's and torch's global generators), restores default signal handlers,
+  and runs the script as ``__main__``, ending as the interpreter would
+  (``SystemExit``, traceback and exit 1, non-daemon threads joined,
+  ``atexit`` handlers, mpi4py's ``MPI_Finalize``, stdio flushed; not the
+  module teardown: see ``_exit_like_python``);
 - the client forwards the signals a launcher sends (SIGTERM, SIGINT, ...) to
   the child and ends as the child ended: same exit code, or killed by the same
-  signal, so the launcher sees what it would have seen;
+  signal, so the launcher sees what it would have seen. The child writes its
+  exit status into a pipe of the client's as its last act, so the client
+  ends at once, not a reap and a message later (a launcher that ends a job
+  when its first process ends sees the others end as soon as it would);
+  the server's word (``signal N``) covers a rank that died;
 - the child dies (SIGKILL) the moment its client dies: the server watches
   each client's connection, so a killed process tree never leaves a rank
   behind, even one stuck in a C call that holds the GIL.
@@ -38,9 +45,11 @@ keeps a handful of fresh launches (``fresh=True`` in the harness, or
 ``DP_PLUGIN_TEST_FRESH=1`` for everything).
 
 Protocol on the Unix socket, one connection per rank: the client sends one
-JSON request (argv, env, cwd, its pid, the numbers of the descriptors it passes) with
-the descriptors as SCM_RIGHTS, then reads ``pid N`` and later ``exit N`` or
-``signal N``, each a line.
+JSON request (argv, env, cwd, its pid, the numbers of the descriptors it
+passes, the one of its status pipe) with the descriptors as SCM_RIGHTS,
+then reads ``pid N``; later the rank writes ``exit N`` into the status pipe,
+and the server says ``exit N`` or ``signal N`` once it has reaped the rank,
+each a line.
 """
 
 from __future__ import annotations
@@ -160,7 +169,10 @@ def _fork_rank(conn: socket.socket, selector: selectors.BaseSelector) -> int:
         except BaseException:
             traceback.print_exc()
             os._exit(70)  # the fork server's own failure, not the script's
-        os._exit(_exit_like_python(code))
+        status = _exit_like_python(code)
+        with contextlib.suppress(OSError):  # the client ends at once on this line
+            os.write(request["status_fd"], f"exit {status}\n".encode())
+        os._exit(status)
     for fd in fds:
         os.close(fd)
     _send(conn, f"pid {pid}")
