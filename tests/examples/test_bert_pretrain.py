@@ -45,7 +45,9 @@ def test_loss_falls_and_a_resumed_run_continues_exactly(tmp_path: Path) -> None:
     # WordPiece training breaks ties differently from run to run: reuse run a's vocabulary.
     out_b = ["--output-dir", str(tmp_path / "b"), "--tokenizer", str(tmp_path / "a" /
                                                                       "tokenizer.json")]
-    stopped = run_workers("torchrun", 2, SCRIPT, args=[*TINY, *out_b, "--stop-after", "6"],
+    # The stopped run under the harness's env launcher (ranks forked warm,
+    # torchrun's variables); the whole run is mpirun's, the resumed torchrun's.
+    stopped = run_workers("env", 2, SCRIPT, args=[*TINY, *out_b, "--stop-after", "6"],
                           env=env, timeout=240)
     before = _losses(stopped.output)
     assert sorted(before) == list(range(1, 7)), stopped.output

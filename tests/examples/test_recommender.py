@@ -26,8 +26,8 @@ def test_sparse_reduction_matches_dense_and_beats_popularity(tmp_path: Path) -> 
     args = ["--data-dir", str(tmp_path), "--users", "1200", "--items", "200", "--epochs", "2",
             "--lr", "0.2", "--dim", "16", "--hidden", "32"]
     runs = {}
-    for dense in (False, True):
-        result = run_workers("torchrun", 2, SCRIPT,
+    for dense in (False, True):  # dense under the harness's env launcher (ranks forked warm)
+        result = run_workers("env" if dense else "torchrun", 2, SCRIPT,
                              args=[*args, *(["--sparse-as-dense"] if dense else [])],
                              env={"DP_PLUGIN_TIMEOUT": "60"}, timeout=180)
         runs[dense] = result.output

@@ -27,7 +27,9 @@ ARGS = ["--epochs", "2", "--global-batch", "96", "--width", "8", "--image-size",
 @pytest.mark.slow
 def test_accuracy_agrees_across_1_2_and_3_workers() -> None:
     accuracy = {}
-    for nprocs, launcher in ((1, "torchrun"), (2, "torchrun"), (3, "mpirun")):
+    # One worker under the harness's env launcher (forked warm: torchrun's
+    # variables, no launcher start-up); 2 under torchrun, 3 under mpirun.
+    for nprocs, launcher in ((1, "env"), (2, "torchrun"), (3, "mpirun")):
         result = run_workers(launcher, nprocs, SCRIPT, args=ARGS,
                              env={"DP_PLUGIN_TIMEOUT": "60"}, timeout=240)
         found = re.findall(rf"final: workers {nprocs} held-out accuracy (\d\.\d+)",
