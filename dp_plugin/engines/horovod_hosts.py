@@ -46,7 +46,7 @@ def has_process_set_iface_fix() -> bool:
     if importlib.util.find_spec("horovod") is None:
         return False
     try:
-        from horovod.dp_plugin_patches import PATCH_SET  # type: ignore[import-not-found]
+        from horovod.dp_plugin_patches import PATCH_SET
     except ImportError:
         return False
     return PATCH_SET in FIXED_PATCH_SETS
