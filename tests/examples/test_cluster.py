@@ -112,13 +112,18 @@ def test_namespaces_of_a_killed_run_are_deleted_by_the_next() -> None:
     mine = f"dpc-{os.getpid()}-h1"  # a live pid: must stay
     subprocess.run(["ip", "netns", "add", f"dpc-{dead}-h1"], check=True)
     subprocess.run(["ip", "netns", "add", mine], check=True)
+    hosts_file = Path("/etc/netns") / f"dpc-{dead}-h1" / "hosts"  # as Cluster writes it
+    hosts_file.parent.mkdir(parents=True, exist_ok=True)
+    hosts_file.write_text("127.0.0.1 localhost\n")
     try:
         assert f"dpc-{dead}-h1" in cluster.reap_stale()
         assert _namespaces(f"dpc-{dead}-") == set()
+        assert not hosts_file.parent.exists(), "the killed run's hosts file was left"
         assert _namespaces(mine) == {mine}
     finally:
         subprocess.run(["ip", "netns", "del", mine], capture_output=True)
         subprocess.run(["ip", "netns", "del", f"dpc-{dead}-h1"], capture_output=True)
+        shutil.rmtree(hosts_file.parent, ignore_errors=True)
 
 
 # -- horovodrun across hosts (issue 34) ----------------------------------------------
