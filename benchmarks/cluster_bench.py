@@ -13,6 +13,12 @@ by round so that load from outside hits all methods alike:
   buffer of the same bytes (DDP's path without its bucketing: the best a
   ring over Gloo does here).
 
+``--engines gloo horovod`` launches the cluster once per dp_plugin engine
+(``DP_PLUGIN_ENGINE``); ``torch flat`` runs in the gloo launch only (the
+horovod engine makes no torch.distributed group). ``--launcher horovodrun``
+starts the ranks with horovodrun across the hosts (``cluster.py
+--launcher``), the only launcher the horovod engine runs under.
+
 Per method: the slowest rank's time (median over rounds), bus bandwidth
 ``2 (n-1)/n x S / t``, the bytes host 1 sent on its link while it ran
 (``/sys/class/net/eth0``) as a share of the link rate, and the
@@ -22,6 +28,8 @@ alpha-beta model's prediction (``dp_plugin.cli.alphabeta``, the model
     sudo .venv/bin/python benchmarks/cluster_bench.py                       # the full table
     sudo .venv/bin/python benchmarks/cluster_bench.py --ranks-per-host 2 --links 1gbit \\
         --models bert-base --rounds 3
+    sudo .venv/bin/python benchmarks/cluster_bench.py --launcher horovodrun \\
+        --engines horovod gloo --ranks-per-host 2 --links 1gbit --models bert-base
 """
 
 from __future__ import annotations
@@ -70,6 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hierarchical", nargs="+", choices=["auto", "0", "1"], default=["auto"],
                     help="DP_PLUGIN_HIERARCHICAL_ALLREDUCE per launch at 2+ ranks per host "
                          "(auto: unset, the engine's choice; each value is a launch)")
+    ap.add_argument("--launcher", choices=["torchrun", "horovodrun"], default="torchrun",
+                    help="how cluster.py starts the ranks")
+    ap.add_argument("--engines", nargs="+", choices=["gloo", "horovod"], default=["gloo"],
+                    help="dp_plugin engines, one cluster launch each (horovod: horovodrun only)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -92,18 +104,19 @@ def worker(args: argparse.Namespace) -> int:
     rank, size = hvd.rank(), hvd.size()
     from dp_plugin import runtime
 
-    path = "hierarchical" if getattr(runtime.engine(), "hierarchical", False) else "flat"
-    if not dist.is_initialized():
-        raise SystemExit("cluster_bench: torch.distributed is not initialized by dp_plugin's "
-                         f"engine {hvd.engine_name() if hasattr(hvd, 'engine_name') else '?'}; "
-                         "run it with the gloo engine (DP_PLUGIN_ENGINE=gloo)")
+    engine = runtime.engine()
+    if engine.name == "horovod":
+        path = "horovod engine"
+    else:
+        path = "hierarchical" if getattr(engine, "hierarchical", False) else "flat"
     from dp_plugin import collective
 
     link_bps = int(os.environ.get("DP_CLUSTER_LINK_BPS", "0"))
     default_chunk = collective.PIPELINE_CHUNK
     chunked = {f"dp grouped_ chunk={c:g}MiB": int(c * 2**20) or collective.UNBOUNDED
                for c in args.chunks_mib}
-    methods = [*args.methods, *chunked]
+    # torch flat needs the torch.distributed group of the gloo engine.
+    methods = [m for m in [*args.methods, *chunked] if m != "torch flat" or dist.is_initialized()]
     gen = torch.Generator().manual_seed(rank)
     for model in args.models:
         shapes = model_shapes(model)
@@ -116,7 +129,7 @@ def worker(args: argparse.Namespace) -> int:
         for r in range(args.rounds + 1):
             order = methods if r % 2 == 0 else list(reversed(methods))
             for method in order:
-                dist.barrier()
+                hvd.barrier()
                 tx0, t0, c0 = tx_bytes(), time.perf_counter(), time.process_time()
                 collective.PIPELINE_CHUNK = chunked.get(method, default_chunk)
                 if method == "dp grouped":
@@ -131,8 +144,7 @@ def worker(args: argparse.Namespace) -> int:
                 dt, tx = time.perf_counter() - t0, tx_bytes() - tx0
                 used = time.process_time() - c0
                 # The slowest rank's time; host 1's bytes (local rank 0 there is rank 0).
-                slowest = torch.tensor([dt])
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                slowest = hvd.allreduce(torch.tensor([dt]), op=hvd.Max, name="slowest")
                 if r > 0:  # round 0 warms up (buffers, connections)
                     times[method].append(slowest.item())
                     sent[method].append(tx)
@@ -159,18 +171,21 @@ def worker(args: argparse.Namespace) -> int:
 
 def run_config(args: argparse.Namespace, hosts: int, per_host: int, link: str) -> list[dict]:
     rows = []
-    for n, hier in enumerate(args.hierarchical if per_host > 1 else ["auto"]):
+    launches = [(engine, hier) for engine in args.engines
+                for hier in (args.hierarchical if per_host > 1 and engine == "gloo" else ["auto"])]
+    for n, (engine, hier) in enumerate(launches):
         cmd = [sys.executable, str(CLUSTER), "--hosts", str(hosts), "--ranks-per-host",
-               str(per_host), "--link", link, "--timeout", str(args.timeout), "--",
+               str(per_host), "--link", link, "--launcher", args.launcher,
+               "--timeout", str(args.timeout), "--",
                str(Path(__file__).resolve()), "--worker", "--rounds", str(args.rounds),
                "--models", *args.models, "--methods", *args.methods,
                "--chunks-mib", *map(str, args.chunks_mib)]
-        env = {**os.environ, "DP_PLUGIN_ENGINE": "gloo", "DP_PLUGIN_TIMEOUT": "300"}
+        env = {**os.environ, "DP_PLUGIN_ENGINE": engine, "DP_PLUGIN_TIMEOUT": "300"}
         if hier != "auto":
             env["DP_PLUGIN_HIERARCHICAL_ALLREDUCE"] = hier
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         got = [{**json.loads(line.partition("RESULT ")[2]), "hosts": hosts,
-                "per_host": per_host, "link": link, "launch": n}
+                "per_host": per_host, "link": link, "launch": n, "launcher": args.launcher}
                for line in proc.stdout.splitlines() if "RESULT " in line]
         if proc.returncode != 0 or not got:
             tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
@@ -203,13 +218,18 @@ def table(rows: list[dict]) -> str:
     out = ["| hosts x ranks | link | model | method | time (s) | bus bw (Gbit/s) | link share "
            "| vs torch flat | CPU (s) | predicted (s) | error |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    # Against torch flat of the same launch, else of the configuration's first launch.
     base = {(r["hosts"], r["per_host"], r["link"], r["model"], r.get("launch", 0)): r["time_s"]
             for r in rows if r["method"] == "torch flat"}
+    for r in rows:
+        if r["method"] == "torch flat":
+            base.setdefault((r["hosts"], r["per_host"], r["link"], r["model"], None), r["time_s"])
     for r in rows:
         n = r["size"]
         bus = 2 * (n - 1) / n * r["bytes"] * 8 / r["time_s"] / 1e9
         share = "" if r["link_share"] is None else f"{r['link_share']:.0%}"
-        ref = base.get((r["hosts"], r["per_host"], r["link"], r["model"], r.get("launch", 0)))
+        ref = base.get((r["hosts"], r["per_host"], r["link"], r["model"], r.get("launch", 0)),
+                       base.get((r["hosts"], r["per_host"], r["link"], r["model"], None)))
         speed = "" if ref is None else f"{ref / r['time_s']:.2f}x"
         pred = predicted_s(r)
         err = "" if pred is None else f"{(pred - r['time_s']) / r['time_s']:+.0%}"

@@ -14,6 +14,11 @@ interleaved so that outside load hits all methods alike:
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` over the Gloo
   process group dp_plugin's engine made.
 
+``--engines gloo horovod`` adds a launch with the horovod engine (local and
+dp only: it makes no torch.distributed group for DDP), compared with the
+gloo launch's DDP; ``--launcher horovodrun`` starts every launch with
+horovodrun across the hosts, the only launcher the horovod engine runs under.
+
 Per method: median step time (slowest rank), tokens/s, the exposed
 communication (step minus the local step), dp_plugin's own count of
 exposed over all-reduce time (``opt.comm_stats()``), and the step
@@ -23,6 +28,8 @@ default bucket size) with its error. Needs root (namespaces).
 
     sudo .venv/bin/python benchmarks/cluster_step_bench.py
     sudo .venv/bin/python benchmarks/cluster_step_bench.py --ranks-per-host 2 --links 1gbit
+    sudo .venv/bin/python benchmarks/cluster_step_bench.py --launcher horovodrun \\
+        --engines horovod gloo --ranks-per-host 2 --links 1gbit --no-fp16
 """
 
 from __future__ import annotations
@@ -56,6 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--no-fp16", action="store_true",
                     help="skip the launch with fp16 compression (see LAUNCHES)")
+    ap.add_argument("--launcher", choices=["torchrun", "horovodrun"], default="torchrun",
+                    help="how cluster.py starts the ranks")
+    ap.add_argument("--engines", nargs="+", choices=["gloo", "horovod"], default=["gloo"],
+                    help="dp_plugin engines, launches of their own (horovod: horovodrun only)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -63,11 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def worker(args: argparse.Namespace) -> int:
     import torch
-    import torch.distributed as dist
     from transformers import BertConfig, BertForMaskedLM
     from transformers.utils import logging as hf_logging
 
     import dp_plugin.torch as hvd
+    from dp_plugin import runtime
 
     hvd.init()
     hf_logging.set_verbosity_error()
@@ -107,13 +118,13 @@ def worker(args: argparse.Namespace) -> int:
             model, opt = setups[method]
             for step in range(args.steps + 1):
                 b = batch()
-                dist.barrier()
+                hvd.barrier()
                 t0 = time.perf_counter()
                 model(**b).loss.backward()
                 opt.step()
                 opt.zero_grad()
-                dt = torch.tensor([time.perf_counter() - t0])
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                dt = hvd.allreduce(torch.tensor([time.perf_counter() - t0]), op=hvd.Max,
+                                   name="slowest")
                 if step > 0:  # the first step of a block warms up
                     times[method].append(dt.item())
             stats = opt.comm_stats() if method.startswith("dp") else None
@@ -138,8 +149,10 @@ def worker(args: argparse.Namespace) -> int:
                                Link(alpha=ALPHA_S, beta=link_bps / 8),
                                DEFAULT_FUSION_THRESHOLD).step_s
             exp, total = (sum(x for x, _ in exposed[method]), sum(y for _, y in exposed[method]))
+            on_horovod = runtime.engine().name == "horovod" and method.startswith("dp")
+            label = f"{method} (horovod engine)" if on_horovod else method
             print("RESULT " + json.dumps({
-                "method": method, "size": size, "step_s": t, "local_s": local,
+                "method": label, "size": size, "step_s": t, "local_s": local,
                 "tokens_s": GLOBAL_BATCH * SEQ / t, "params": sum(sizes) // 4,
                 "exposed_share": (exp / total) if total else None,
                 "predicted_s": pred, "link_bps": link_bps,
@@ -157,12 +170,17 @@ launch of its own, beside its own local and DDP blocks."""
 
 def run_config(args: argparse.Namespace, hosts: int, per_host: int, link: str) -> list[dict]:
     rows = []
-    for n, methods in enumerate(LAUNCHES[:1] if args.no_fp16 else LAUNCHES):
+    launches = [("gloo", m) for m in (LAUNCHES[:1] if args.no_fp16 else LAUNCHES)
+                if "gloo" in args.engines]
+    if "horovod" in args.engines:
+        launches.append(("horovod", ("local", "dp")))
+    for n, (engine, methods) in enumerate(launches):
         cmd = [sys.executable, str(CLUSTER), "--hosts", str(hosts), "--ranks-per-host",
-               str(per_host), "--link", link, "--timeout", str(args.timeout), "--",
+               str(per_host), "--link", link, "--launcher", args.launcher,
+               "--timeout", str(args.timeout), "--",
                str(Path(__file__).resolve()), "--worker", "--steps", str(args.steps),
                "--blocks", str(args.blocks), "--methods", *methods]
-        env = {**os.environ, "DP_PLUGIN_ENGINE": "gloo", "DP_PLUGIN_TIMEOUT": "300"}
+        env = {**os.environ, "DP_PLUGIN_ENGINE": engine, "DP_PLUGIN_TIMEOUT": "300"}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         got = [{**json.loads(line.partition("RESULT ")[2]), "hosts": hosts,
                 "per_host": per_host, "link": link}
@@ -172,7 +190,8 @@ def run_config(args: argparse.Namespace, hosts: int, per_host: int, link: str) -
             raise SystemExit(f"cluster_step_bench: {hosts}x{per_host} at {link} failed "
                              f"(exit {proc.returncode}):\n{tail}")
         rows += [r for r in got if n == 0 or r["method"] not in LAUNCHES[0]]
-    return rows
+    ddp = next((r["ddp_s"] for r in rows if r["ddp_s"] is not None), None)
+    return [{**r, "ddp_s": ddp if r["ddp_s"] is None else r["ddp_s"]} for r in rows]
 
 
 def table(rows: list[dict]) -> str:

@@ -34,7 +34,7 @@ def init(config: Config | None = None, env: Mapping[str, str] | None = None, *,
     ``init(process_sets=...)``); sets ``Config.process_sets``.
     """
     global _engine
-    from dp_plugin.engines import choose_engine, create_engine
+    from dp_plugin.engines import choose_for_job, create_engine
 
     with _lock:
         if _engine is not None:
@@ -43,10 +43,7 @@ def init(config: Config | None = None, env: Mapping[str, str] | None = None, *,
         if process_sets:
             config = replace(config, process_sets=True)
         topo = detect(env)
-        if config.engine == "auto":
-            name, reason = choose_engine(topo)
-        else:
-            name, reason = config.engine, "requested by DP_PLUGIN_ENGINE / Config.engine"
+        name, reason = choose_for_job(config.engine, topo, config)
         _engine = create_engine(name, topo, config)
         if topo.rank == 0:
             log.info(

@@ -33,6 +33,7 @@ the loss continues exactly as if the run had never stopped.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import os
 import sys
@@ -129,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--log-every", type=int, default=10,
                    help="print a 'step N loss X' line every N steps (rank 0)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--report-digest", action="store_true",
+                   help="at the end every rank prints a SHA-256 of its parameters: equal "
+                        "digests show the ranks hold the same model")
     args = ap.parse_args(argv)
     if args.intermediate == 0:
         args.intermediate = 4 * args.hidden
@@ -372,6 +376,11 @@ def main(argv: list[str] | None = None) -> None:
             f"checkpoint {ckpt_path}",
             flush=True,
         )
+    if args.report_digest:
+        digest = hashlib.sha256()
+        for tensor in model.state_dict().values():
+            digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        print(f"parameters sha256 {digest.hexdigest()[:16]} (rank {rank} of {size})", flush=True)
     hvd.shutdown()
 
 

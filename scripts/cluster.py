@@ -17,7 +17,20 @@ One launcher per host runs the command given after ``--`` on every rank:
   address), ``--local-addr`` on each host, ``--no-python``;
 - ``mpirun``: MPICH's ``mpiexec -hosts 1,..,H`` on host 1; Hydra starts its
   proxy on every host through ``-launcher-exec``, which here is this script
-  entering the host's namespace instead of ssh.
+  entering the host's namespace instead of ssh;
+- ``horovodrun``: ``horovodrun --gloo -np H*P -H h1:P,..`` on host 1, by the
+  hosts' names; it reaches the other hosts with ``ssh``, which here is a
+  command first on every host's PATH that parses ssh's own options and runs
+  the remote command with ``sh -c`` inside the named host's namespace, in a
+  fresh login environment as sshd would.
+
+Each host namespace has its own hosts file (``/etc/netns/<ns>/hosts``, which
+``ip netns exec`` mounts over ``/etc/hosts``): every host's name (its
+namespace's name) resolves to its address, and the machine's host name,
+which all namespaces share, resolves inside each host to that host's own
+address, as a real host's name does (``--loopback-hostname``: to 127.0.0.1,
+as in many hosts' ``/etc/hosts``, which is what breaks Horovod 0.28.1's
+unpatched Gloo process sets; see docs/horovod-build.md).
 
 A command whose first word ends in ``.py`` is run with this Python. Every
 rank sees ``DP_CLUSTER_HOSTS``, ``DP_CLUSTER_RANKS_PER_HOST`` and
@@ -27,15 +40,18 @@ benchmark can report the share of the link it reached.
 Teardown on every exit path (success, failure, ``--timeout``, an exception,
 Ctrl-C, SIGTERM, SIGHUP): every process left in a namespace is killed, then
 the namespaces are deleted, which deletes the veth pairs, the bridge and the
-qdiscs with them. Every name carries the prefix ``dpc-<pid>-``; a run killed
-with SIGKILL (which no handler sees) leaves them, and the next run deletes
-the namespaces whose pid is gone, with what is left inside. Needs root
+qdiscs with them, and the hosts files. Every name carries the prefix
+``dpc-<pid>-``; a run killed with SIGKILL (which no handler sees) leaves them,
+and the next run deletes the namespaces whose pid is gone, with what is left
+inside and their hosts files. At the end of a shaped run it prints the bytes
+each host's link carried (``tc -s``'s ``Sent``, both ends). Needs root
 (``ip netns add``) and ``tc`` with the ``tbf`` qdisc; where either is
 missing it refuses with exit status 77 and says what is missing.
 
     sudo .venv/bin/python scripts/cluster.py --hosts 2 --ranks-per-host 2 --link 1gbit \\
         -- examples/bert_pretrain.py --steps 20 --no-progress
     sudo .venv/bin/python scripts/cluster.py --launcher mpirun --hosts 3 --link 500mbit
+    sudo .venv/bin/python scripts/cluster.py --launcher horovodrun --ranks-per-host 2
 
 The documented recipe is docs/multinode.md ("Rehearse it on one machine").
 """
@@ -49,6 +65,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -74,6 +91,13 @@ _RATE = re.compile(r"^(\d+(?:\.\d+)?)([kmg]?)bit$")
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
 HOST_IFACE = "eth0"
 """Every host's interface to the switch (the same name in each namespace)."""
+NETNS_ETC = Path("/etc/netns")
+"""``ip netns exec NS`` bind-mounts the files of ``NETNS_ETC/NS`` over ``/etc``."""
+LOGIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+"""PATH of a fresh ssh login (what sshd gives a remote command)."""
+# ssh's options (OpenSSH's ssh(1) synopsis): flags, and options taking a value.
+_SSH_FLAGS = frozenset("46AaCfGgKkMNnqsTtVvXxYy")
+_SSH_VALUED = frozenset("BbcDEeFIiJLlmOoPpQRSWw")
 
 
 class Refused(Exception):
@@ -103,8 +127,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ranks-per-host", type=int, default=1, help="ranks on each host")
     ap.add_argument("--link", default="1gbit",
                     help="each host's link rate, both directions (tc units; none: unshaped)")
-    ap.add_argument("--launcher", choices=["torchrun", "mpirun"], default="torchrun",
-                    help="multi-node launcher to start the job with")
+    ap.add_argument("--launcher", choices=["torchrun", "mpirun", "horovodrun"],
+                    default="torchrun", help="multi-node launcher to start the job with")
+    ap.add_argument("--loopback-hostname", action="store_true",
+                    help="the machine's host name resolves to 127.0.0.1 inside every host "
+                         "(default: to the host's own address)")
     ap.add_argument("--subnet", default="10.212.0.0/24",
                     help="private subnet of the hosts (host i gets address i)")
     ap.add_argument("--port", type=int, default=29412, help="rendezvous port on host 1")
@@ -175,10 +202,11 @@ class Cluster:
         self.created: list[str] = []
         self.workdir = Path(tempfile.mkdtemp(prefix=self.prefix))
 
-    def create(self, rate_bps: int) -> None:
+    def create(self, rate_bps: int, loopback_hostname: bool = False) -> None:
         for ns in [self.switch, *self.names]:
             _run("ip", "netns", "add", ns)
             self.created.append(ns)
+        self._write_hosts_files(loopback_hostname)
         _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
         _run("ip", "-n", self.switch, "link", "set", "br0", "up")
         for i, (ns, addr) in enumerate(zip(self.names, self.addrs, strict=True)):
@@ -195,6 +223,36 @@ class Cluster:
                 # The host's egress, and the switch port's egress (the host's ingress).
                 shape(ns, HOST_IFACE, rate_bps)
                 shape(self.switch, port, rate_bps)
+
+    def _write_hosts_files(self, loopback_hostname: bool) -> None:
+        """Each host's ``/etc/hosts``: every host by name, and the machine's
+        host name as this host (or as loopback)."""
+        names = [f"{a} {n}" for n, a in zip(self.names, self.addrs, strict=True)]
+        for ns, addr in zip(self.names, self.addrs, strict=True):
+            own = "127.0.0.1" if loopback_hostname else addr
+            (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)
+            (NETNS_ETC / ns / "hosts").write_text(
+                "\n".join(["127.0.0.1 localhost", *names, f"{own} {socket.gethostname()}"]) + "\n")
+
+    def ssh(self) -> Path:
+        """A directory holding ``ssh``: this script entering a host of this
+        cluster (for PATH, and as Hydra's launcher-exec)."""
+        bindir = self.workdir / "bin"
+        bindir.mkdir(exist_ok=True)
+        enter = bindir / "ssh"
+        enter.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{Path(__file__).resolve()}" '
+                         f'--enter {self.prefix} "$@"\n')
+        enter.chmod(0o755)
+        return bindir
+
+    def link_bytes(self) -> str:
+        """Bytes each host's link carried so far (both ends' qdiscs), one line."""
+        parts = []
+        for i, ns in enumerate(self.names):
+            sent = _sent_bytes(qdisc(ns, HOST_IFACE, stats=True))
+            received = _sent_bytes(qdisc(self.switch, f"port{i + 1}", stats=True))
+            parts.append(f"{ns} sent {sent} received {received}")
+        return "; ".join(parts)
 
     def qdiscs(self) -> list[str]:
         """Every host's egress qdisc, as tc shows it (for the start-up line)."""
@@ -215,6 +273,7 @@ class Cluster:
                         os.kill(int(pid), signal.SIGKILL)
                 time.sleep(0.1)
             subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
+            shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
         self.created.clear()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -241,6 +300,12 @@ def reap_stale() -> list[str]:
         leftover.workdir = Path(tempfile.gettempdir()) / "dpc-none"
         leftover.close()
     return stale
+
+
+def _sent_bytes(stats: str) -> int:
+    """``Sent N bytes`` of ``tc -s qdisc show`` (-1 when absent)."""
+    m = re.search(r"Sent (\d+) bytes", stats)
+    return int(m.group(1)) if m else -1
 
 
 def _run(*cmd: str) -> None:
@@ -284,39 +349,94 @@ def commands(args: argparse.Namespace, cluster: Cluster) -> list[tuple[str, list
             "--rdzv-conf", f"is_host={1 if node == 0 else 0}",
             "--local-addr", addr, "--max-restarts", "0", "--no-python", *args.command,
         ]) for node, (ns, addr) in enumerate(zip(cluster.names, cluster.addrs, strict=True))]
-    # mpirun: started on host 1; Hydra reaches the others through this script
-    # (launcher-exec must be one executable: a two-line shell wrapper).
-    enter = cluster.workdir / "enter-host"
-    enter.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{Path(__file__).resolve()}" '
-                     '--enter "$@"\n')
-    enter.chmod(0o755)
+    ranks = str(args.hosts * args.ranks_per_host)
+    if args.launcher == "horovodrun":
+        # Started on host 1, by host names; the ssh first on PATH reaches the
+        # others. --disable-cache: nothing left in ~/.horovod between runs.
+        hostlist = ",".join(f"{n}:{args.ranks_per_host}" for n in cluster.names)
+        return [(cluster.names[0], [
+            str(bindir / "horovodrun"), "--gloo", "-np", ranks, "-H", hostlist,
+            "--disable-cache", *args.command,
+        ])]
+    # mpirun: started on host 1; Hydra reaches the others through the ssh
+    # wrapper (launcher-exec must be one executable).
     hostlist = ",".join(f"{a}:{args.ranks_per_host}" for a in cluster.addrs)
     return [(cluster.names[0], [
         str(bindir / "mpiexec"), "-hosts", hostlist, "-launcher", "ssh",
-        "-launcher-exec", str(enter), "-iface", HOST_IFACE,
-        "-n", str(args.hosts * args.ranks_per_host), *args.command,
+        "-launcher-exec", str(cluster.ssh() / "ssh"), "-iface", HOST_IFACE,
+        "-n", ranks, *args.command,
     ])]
 
 
-def enter_host(argv: list[str]) -> int:
-    """Hydra's remote start (``launcher-exec HOST COMMAND...``): run COMMAND in
-    the namespace that owns HOST's address, via a shell like ssh would."""
+def parse_ssh(argv: list[str]) -> tuple[str, list[str]]:
+    """``ssh [options] [user@]host [options] [command...]`` -> (host, command).
+
+    ssh's grammar: single-letter options, clustered (``-xT``), a value
+    attached or in the next word (``-p22``, ``-o Foo=bar``); options may also
+    follow the host (horovodrun puts ``-p``/``-i`` there); the first other
+    word after the host starts the command. Raises ``ValueError`` naming a
+    word it cannot parse."""
+    host: str | None = None
     i = 0
-    while i < len(argv) and argv[i].startswith("-"):  # ssh options Hydra passes (-x)
+    while i < len(argv):
+        word = argv[i]
         i += 1
-    if i >= len(argv):
-        print("cluster --enter: no host given", file=sys.stderr)
+        if word == "--" and host is None:
+            if i >= len(argv):
+                break
+            host, i = argv[i], i + 1
+            break
+        if word.startswith("-") and len(word) > 1:
+            for j, letter in enumerate(word[1:], start=1):
+                if letter in _SSH_VALUED:
+                    if j == len(word) - 1:  # the value is the next word
+                        if i >= len(argv):
+                            raise ValueError(f"ssh option -{letter} needs a value")
+                        i += 1
+                    break
+                if letter not in _SSH_FLAGS:
+                    raise ValueError(f"unknown ssh option -{letter} in {word!r}")
+            continue
+        if host is not None:
+            i -= 1  # the command's first word
+            break
+        host = word
+    if host is None:
+        raise ValueError(f"no host in ssh arguments {argv!r}")
+    return host.rpartition("@")[2], argv[i:]
+
+
+def enter_host(prefix: str, argv: list[str]) -> int:
+    """``ssh`` for the hosts whose namespaces start with ``prefix``: run the
+    command in the host named (by namespace name, a name its hosts file
+    resolves, or an address) with ``sh -c``, in a fresh login environment."""
+    try:
+        host, command = parse_ssh(argv)
+    except ValueError as exc:
+        print(f"cluster ssh: {exc}", file=sys.stderr)
         return 255
-    host, command = argv[i], argv[i + 1:]
+    if not command:
+        print(f"cluster ssh: {host}: no command given (no interactive logins here)",
+              file=sys.stderr)
+        return 255
+    try:
+        address = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
+    except OSError:
+        address = host
     for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
                              check=True).stdout.split():
-        if not ns.startswith("dpc-"):
+        if not ns.startswith(prefix) or ns.endswith("-sw"):
             continue
         addrs = subprocess.run(["ip", "-n", ns, "-o", "-4", "addr", "show"],
                                capture_output=True, text=True).stdout
-        if f" {host}/" in addrs:
-            return subprocess.call(["ip", "netns", "exec", ns, "sh", "-c", " ".join(command)])
-    print(f"cluster: no namespace has address {host}", file=sys.stderr)
+        if ns == host or f" {address}/" in addrs:
+            login = {"PATH": LOGIN_PATH, "HOME": os.environ.get("HOME", "/"),
+                     "USER": os.environ.get("USER", "root"), "SHELL": "/bin/sh",
+                     "LANG": os.environ.get("LANG", "C.UTF-8")}
+            return subprocess.call(["ip", "netns", "exec", ns, "sh", "-c", " ".join(command)],
+                                   env=login)
+    print(f"cluster ssh: {host}: no host of this cluster ({prefix}*) has that name or "
+          "address", file=sys.stderr)
     return 255
 
 
@@ -329,7 +449,7 @@ def _pump(stream: object, prefix: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--enter":
-        return enter_host(argv[1:])
+        return enter_host(argv[1], argv[2:])
     args = parse_args(argv)
     try:
         check_tools(args.link)
@@ -350,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signum, on_signal)
     try:
         try:
-            cluster.create(args.link)
+            cluster.create(args.link, args.loopback_hostname)
         except Refused as exc:
             print(f"cluster: refused: {exc}", file=sys.stderr)
             return REFUSED
@@ -363,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cluster: {args.hosts} hosts x {args.ranks_per_host} ranks ({args.launcher}), "
               f"link {shaped}: {hosts}", flush=True)
         env = clean_env(args)
+        env["PATH"] = f"{cluster.ssh()}{os.pathsep}{env['PATH']}"  # ssh reaches the hosts
         pumps = []
         for i, (ns, cmd) in enumerate(commands(args, cluster)):
             proc = subprocess.Popen(["ip", "netns", "exec", ns, *cmd], env=env,
@@ -382,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 124
         for pump in pumps:
             pump.join(timeout=5)
+        if args.link:
+            print(f"cluster: link bytes: {cluster.link_bytes()}", flush=True)
         print(f"cluster: launchers exited with {codes}", flush=True)
         return max(codes, key=abs) if any(codes) else 0
     except KeyboardInterrupt:

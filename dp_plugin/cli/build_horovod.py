@@ -1,11 +1,14 @@
 """``dp-plugin build-horovod``: Horovod 0.28.1 (PyTorch + Gloo, CPU) for this torch.
 
 Downloads Horovod's source distribution with pip, raises its C++ standard
-from 14 to 17 (torch >= 2.1 headers need C++17; see docs/horovod-build.md),
-builds a wheel against the torch that ``--python`` imports and installs it.
-The wheel is cached outside any project, keyed by the Horovod, torch and
-Python versions (``DP_PLUGIN_WHEEL_CACHE``, default
-``~/.cache/dp_plugin/wheels``), so a second install takes seconds.
+from 14 to 17 (torch >= 2.1 headers need C++17), gives Gloo process sets the
+global context's network interface (Horovod's process-set contexts otherwise
+bind to ``gethostname()``, which breaks multi-host jobs whose host name
+resolves to loopback; see docs/horovod-build.md), builds a wheel against the
+torch that ``--python`` imports and installs it. The wheel is cached outside
+any project, keyed by the Horovod, patch set, torch and Python versions
+(``DP_PLUGIN_WHEEL_CACHE``, default ``~/.cache/dp_plugin/wheels``), so a
+second install takes seconds.
 
 Standard library only: ``scripts/build_horovod.sh`` runs this file directly,
 before dp_plugin itself is installed.
@@ -26,6 +29,19 @@ HELP = "build and install Horovod 0.28.1 (PyTorch, Gloo) against the installed t
 HOROVOD_VERSION = "0.28.1"
 PATCHED_FILES = ("CMakeLists.txt", "horovod/torch/CMakeLists.txt")
 OLD_STANDARD, NEW_STANDARD = "set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)"
+# The patch set this file applies. It names the wheel cache directory and is
+# written into the built package as ``horovod/dp_plugin_patches.py``, so an
+# install or a cached wheel from an older patch set is rebuilt, and dp_plugin
+# can tell at run time whether Horovod has the process-set interface fix.
+PATCH_SET = "p2"
+PATCH_MODULE = "horovod/dp_plugin_patches.py"
+GLOO_CONTEXT = "horovod/common/gloo/gloo_context.cc"
+PROCESS_SET_INIT = "void GlooContext::InitializeForProcessSet("
+OLD_IFACE = "  device_attr.iface = gloo_iface_;\n"
+# Horovod 0.28.1 never assigns a process set's gloo_iface_, so its device binds
+# to the address of gethostname(); the global context's interface (horovodrun's
+# HOROVOD_GLOO_IFACE) is the one every rank's peers can reach.
+NEW_IFACE = "  gloo_iface_ = global_context.gloo_iface_;\n" + OLD_IFACE
 BUILD_ENV = {"HOROVOD_WITH_PYTORCH": "1", "HOROVOD_WITH_GLOO": "1", "HOROVOD_WITHOUT_MPI": "1",
              "HOROVOD_WITHOUT_TENSORFLOW": "1", "HOROVOD_WITHOUT_MXNET": "1"}
 
@@ -55,7 +71,7 @@ def cache_dir(root: Path | None, torch_version: str, py_tag: str) -> Path:
         env = os.environ.get("DP_PLUGIN_WHEEL_CACHE")
         xdg = os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache"))
         root = Path(env) if env else Path(xdg) / "dp_plugin" / "wheels"
-    return root / f"horovod-{HOROVOD_VERSION}-torch{torch_version}-{py_tag}"
+    return root / f"horovod-{HOROVOD_VERSION}-{PATCH_SET}-torch{torch_version}-{py_tag}"
 
 
 def patch_cxx_standard(src: Path) -> None:
@@ -69,6 +85,26 @@ def patch_cxx_standard(src: Path) -> None:
         f.write_text(text.replace(OLD_STANDARD, NEW_STANDARD))
 
 
+def patch_process_set_iface(src: Path) -> None:
+    """Process-set Gloo contexts take the global context's interface; fails loudly if moved."""
+    f = src / GLOO_CONTEXT
+    text = f.read_text()
+    start = text.find(PROCESS_SET_INIT)
+    at = text.find(OLD_IFACE, start) if start >= 0 else -1
+    if at < 0 or NEW_IFACE in text:
+        raise BuildError(f"{f} has no {OLD_IFACE.strip()!r} in {PROCESS_SET_INIT}...); the "
+                         f"patch no longer applies (is this Horovod {HOROVOD_VERSION}?)")
+    f.write_text(text[:at] + NEW_IFACE + text[at + len(OLD_IFACE):])
+
+
+def mark_patch_set(src: Path) -> None:
+    """Ship the patch set's name inside the wheel (read by ``installed_patch_set``)."""
+    (src / PATCH_MODULE).write_text(
+        '"""Written by dp_plugin\'s build-horovod: the patches this build carries."""\n'
+        f"PATCH_SET = {PATCH_SET!r}\n"
+        "PATCHES = ('C++17 for torch >= 2.1', 'Gloo process sets use the global interface')\n")
+
+
 def _build_wheel(python: str, out: Path, work: Path) -> None:
     pip = [python, "-m", "pip"]
     subprocess.run([*pip, "download", "--quiet", "--no-deps", "--no-binary", ":all:",
@@ -80,6 +116,8 @@ def _build_wheel(python: str, out: Path, work: Path) -> None:
             tar.extractall(work)
     src = work / f"horovod-{HOROVOD_VERSION}"
     patch_cxx_standard(src)
+    patch_process_set_iface(src)
+    mark_patch_set(src)
     env = dict(os.environ, MAKEFLAGS=f"-j{os.cpu_count() or 1}", **BUILD_ENV)
     log = work / "build.log"
     with log.open("w") as f:
@@ -98,8 +136,9 @@ def build(python: str, root: Path | None = None, force: bool = False) -> str:
         raise BuildError(f"{python} cannot import torch; install torch>=2.1 first "
                          "(pip install torch), then run this again")
     installed = _ask(python, "import horovod.torch, horovod; print(horovod.__version__)")
-    if installed == HOROVOD_VERSION and not force:
-        return f"horovod {HOROVOD_VERSION} already installed"
+    patches = _ask(python, "from horovod.dp_plugin_patches import PATCH_SET; print(PATCH_SET)")
+    if installed == HOROVOD_VERSION and patches == PATCH_SET and not force:
+        return f"horovod {HOROVOD_VERSION} (patch set {PATCH_SET}) already installed"
     py_tag = _ask(python, "import sys; print(f'cp{sys.version_info[0]}{sys.version_info[1]}')")
     where = cache_dir(root, torch_version, str(py_tag))
     wheels = sorted(where.glob(f"horovod-{HOROVOD_VERSION}-*.whl"))
@@ -114,9 +153,12 @@ def build(python: str, root: Path | None = None, force: bool = False) -> str:
         wheels = sorted(where.glob(f"horovod-{HOROVOD_VERSION}-*.whl"))
     subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-deps",
                     "--force-reinstall", str(wheels[0])], check=True)
-    if _ask(python, "import horovod.torch as h; assert h.gloo_built()") is None:
-        raise BuildError(f"{wheels[0]} installed but horovod.torch fails to import or was "
-                         f"built without Gloo; delete {where} and run this again")
+    check = ("import horovod.torch as h; from horovod.dp_plugin_patches import PATCH_SET; "
+             f"assert h.gloo_built() and PATCH_SET == {PATCH_SET!r}")
+    if _ask(python, check) is None:
+        raise BuildError(f"{wheels[0]} installed but horovod.torch fails to import, was "
+                         f"built without Gloo or lacks patch set {PATCH_SET}; delete {where} "
+                         "and run this again")
     return f"installed {wheels[0]}"
 
 

@@ -90,6 +90,34 @@ def choose_engine(topology: Topology) -> tuple[str, str]:
     return fallback, f"launched by {launcher}; {preferred} is not available: {avail.reason}"
 
 
+def choose_for_job(requested: str, topology: Topology, config: Config) -> tuple[str, str]:
+    """The engine this job runs, ``(name, reason)``: ``requested``, or for
+    ``auto`` what ``choose_engine`` picks, after one check for the whole job
+    that Horovod's engine can connect its hosts (``horovod_hosts``).
+
+    Collective under horovodrun across hosts: every rank must call it, and
+    every rank gets the same name. Where Horovod's engine cannot connect the
+    hosts, ``auto`` runs ``gloo`` and an explicit ``horovod`` raises
+    ``EngineUnavailableError`` with the cause and the fix, on every rank.
+    """
+    if requested == "auto":
+        name, reason = choose_engine(topology)
+    else:
+        name, reason = requested, "requested by DP_PLUGIN_ENGINE / Config.engine"
+    if name != "horovod" or not availability(name, topology).ok:
+        return name, reason  # create_engine says why an unavailable engine cannot run
+    from dp_plugin.engines.horovod_hosts import FIX, job_problem
+
+    problem = job_problem(topology, config)
+    if not problem:
+        return name, reason
+    if requested == "auto":
+        return "gloo", f"launched by horovodrun; horovod cannot connect the hosts: {problem}"
+    raise EngineUnavailableError(
+        f"rank {topology.rank}: engine 'horovod' cannot run this job: {problem}. Fix: {FIX}"
+    )
+
+
 def create_engine(name: str, topology: Topology, config: Config) -> Engine:
     """Start engine ``name`` (or the one ``auto`` picks) for this process.
 
@@ -121,6 +149,7 @@ __all__ = [
     "availability",
     "availability_report",
     "choose_engine",
+    "choose_for_job",
     "create_engine",
     "engine_class",
 ]

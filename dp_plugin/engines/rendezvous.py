@@ -215,20 +215,35 @@ def _advertised_host(topology: Topology) -> str:
 def _exchange_via_horovod(topology: Topology, config: Config, generation: int,
                           address: str | None) -> str:
     """Rank 0 PUTs ``address``; the others GET it, polling until it appears."""
-    server = f"{topology.rendezvous_addr}:{topology.rendezvous_port}"
-    url = f"http://{server}/{HOROVOD_SCOPE}/torch_store_{generation}"
-    context = f"{server}|{generation}"
+    key = f"torch_store_{generation}"
     if address is not None:
-        published = job_secret.sign(config.job_secret, context, address)
-        request = urllib.request.Request(url, data=published.encode(), method="PUT")
-        with urllib.request.urlopen(request, timeout=config.timeout_s) as response:
-            if response.status != 200:
-                raise EngineUnavailableError(
-                    f"rank 0: Horovod's rendezvous server at {url} answered HTTP "
-                    f"{response.status} to publishing the store address; is horovodrun "
-                    "still running?"
-                )
+        horovod_put(topology, config, key, address)
         return address
+    return horovod_get(topology, config, key, "rank 0's torch.distributed store address",
+                       "Rank 0 has probably failed to start; check its log")
+
+
+def horovod_put(topology: Topology, config: Config, key: str, value: str) -> None:
+    """Publish ``value`` under ``key`` in horovodrun's rendezvous server
+    (scope ``HOROVOD_SCOPE``), signed with the job secret when there is one."""
+    server = f"{topology.rendezvous_addr}:{topology.rendezvous_port}"
+    url = f"http://{server}/{HOROVOD_SCOPE}/{key}"
+    published = job_secret.sign(config.job_secret, f"{server}|{key}", value)
+    request = urllib.request.Request(url, data=published.encode(), method="PUT")
+    with urllib.request.urlopen(request, timeout=config.timeout_s) as response:
+        if response.status != 200:
+            raise EngineUnavailableError(
+                f"rank {topology.rank}: Horovod's rendezvous server at {url} answered HTTP "
+                f"{response.status} to publishing {key!r}; is horovodrun still running?"
+            )
+
+
+def horovod_get(topology: Topology, config: Config, key: str, what: str, hint: str) -> str:
+    """The value another rank published under ``key`` (``horovod_put``),
+    polling until it appears; ``CollectiveTimeoutError`` naming ``what`` and
+    ``hint`` after ``config.timeout_s``."""
+    server = f"{topology.rendezvous_addr}:{topology.rendezvous_port}"
+    url = f"http://{server}/{HOROVOD_SCOPE}/{key}"
     deadline = time.monotonic() + config.timeout_s
     pause = 0.01
     last_error = "no answer yet"
@@ -236,12 +251,12 @@ def _exchange_via_horovod(topology: Topology, config: Config, generation: int,
         try:
             with urllib.request.urlopen(url, timeout=max(0.1, deadline - time.monotonic())) as r:
                 value = r.read().decode(errors="replace")
-            trusted, why = job_secret.verify(config.job_secret, context, value)
+            trusted, why = job_secret.verify(config.job_secret, f"{server}|{key}", value)
             if trusted is not None:
                 return trusted
-            last_error = f"the value there is refused: {why}"  # rank 0 may still overwrite it
+            last_error = f"the value there is refused: {why}"  # it may still be overwritten
         except urllib.error.HTTPError as exc:
-            if exc.code != 404:  # 404: rank 0 has not published yet
+            if exc.code != 404:  # 404: not published yet
                 raise EngineUnavailableError(
                     f"rank {topology.rank}: Horovod's rendezvous server at {url} answered "
                     f"HTTP {exc.code}; is horovodrun still running?"
@@ -252,9 +267,8 @@ def _exchange_via_horovod(topology: Topology, config: Config, generation: int,
         time.sleep(pause)
         pause = min(pause * 2, 0.5)
     raise CollectiveTimeoutError(
-        f"rank {topology.rank}: rank 0 did not publish its torch.distributed store address at "
-        f"{url} within {config.timeout_s:g} s (DP_PLUGIN_TIMEOUT; last answer: {last_error}). "
-        "Rank 0 has probably failed to start; check its log"
+        f"rank {topology.rank}: {what} did not appear at {url} within {config.timeout_s:g} s "
+        f"(DP_PLUGIN_TIMEOUT; last answer: {last_error}). {hint}"
     )
 
 

@@ -13,7 +13,14 @@ from dp_plugin.cli import parse
 from dp_plugin.cli.alphabeta import Link, buckets, fit_link, predict, ring_allreduce_time
 from dp_plugin.cli.bandwidth import algbw, bus_factor, busbw, loopback_tcp_time, memcpy_time
 from dp_plugin.cli.bench import parse_size, sizes_between
-from dp_plugin.cli.build_horovod import BuildError, cache_dir, patch_cxx_standard
+from dp_plugin.cli.build_horovod import (
+    PATCH_SET,
+    BuildError,
+    cache_dir,
+    mark_patch_set,
+    patch_cxx_standard,
+    patch_process_set_iface,
+)
 from dp_plugin.cli.progress import Progress
 from dp_plugin.cli.report import markdown
 from dp_plugin.cli.shapes import MODELS, model_shapes, param_count
@@ -172,7 +179,46 @@ def test_patch_raises_the_cxx_standard_in_both_files(tmp_path: Path) -> None:
 def test_wheel_cache_is_keyed_by_versions(tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DP_PLUGIN_WHEEL_CACHE", str(tmp_path))
-    assert cache_dir(None, "2.13.0", "cp311") == tmp_path / "horovod-0.28.1-torch2.13.0-cp311"
+    # The patch set is part of the key: an older patch set's wheel is never reused.
+    assert cache_dir(None, "2.13.0", "cp311") == tmp_path / "horovod-0.28.1-p2-torch2.13.0-cp311"
+
+
+GLOO_CONTEXT = """void GlooContext::Initialize(const std::string& gloo_iface) {
+  attr device_attr;
+  device_attr.iface = gloo_iface_;
+}
+void GlooContext::InitializeForProcessSet(const GlooContext& global_context,
+                                          const std::vector<int>& registered_ranks) {
+  attr device_attr;
+  device_attr.iface = gloo_iface_;
+  device_attr.ai_family = AF_UNSPEC;
+}
+"""
+
+
+def test_process_sets_get_the_global_interface(tmp_path: Path) -> None:
+    """Only the process-set function changes; a second application fails loudly."""
+    f = tmp_path / "horovod/common/gloo/gloo_context.cc"
+    f.parent.mkdir(parents=True)
+    f.write_text(GLOO_CONTEXT)
+    patch_process_set_iface(tmp_path)
+    head, _, process_set = f.read_text().partition("InitializeForProcessSet")
+    assert "global_context" not in head.replace("const GlooContext& global_context", "")
+    assert ("  gloo_iface_ = global_context.gloo_iface_;\n  device_attr.iface = gloo_iface_;\n"
+            in process_set)
+    with pytest.raises(BuildError, match="no longer applies"):
+        patch_process_set_iface(tmp_path)
+    f.write_text(GLOO_CONTEXT.replace("InitializeForProcessSet", "InitializeSet"))
+    with pytest.raises(BuildError, match="no longer applies"):
+        patch_process_set_iface(tmp_path)
+
+
+def test_the_wheel_names_its_patch_set(tmp_path: Path) -> None:
+    (tmp_path / "horovod").mkdir()
+    mark_patch_set(tmp_path)
+    scope: dict[str, object] = {}
+    exec((tmp_path / "horovod" / "dp_plugin_patches.py").read_text(), scope)
+    assert scope["PATCH_SET"] == PATCH_SET
 
 
 # -- bench report ----------------------------------------------------------------

@@ -1,0 +1,140 @@
+"""Can Horovod's engine connect this job's hosts? One verdict for the whole job.
+
+Horovod 0.28.1 gives every process set, the global one included, a Gloo
+context of its own (``GlooContext::InitializeForProcessSet``). As released,
+that context's device is made from the process set's interface name, which
+is never assigned: Gloo then binds to the first address that the machine's
+host name (``gethostname()``) resolves to, and ``HOROVOD_GLOO_IFACE`` (what
+horovodrun's ``--network-interfaces`` sets) is ignored on that path. Where
+the host name resolves to loopback (``127.0.0.1 myhost`` in ``/etc/hosts``
+is common), the other hosts dial ``127.0.0.1`` and the job aborts in C++
+(``gloo::IoException ... Connection refused``). ``dp-plugin build-horovod``
+patches it (patch set ``p2``, docs/horovod-build.md): the process set takes
+the global context's interface.
+
+So Horovod's engine cannot work when, on some rank, the build lacks that
+fix *and* the host name binds to a loopback address, in a job that spans
+hosts (on one host loopback reaches everyone). The facts differ per host,
+and the choice must not: a job where some ranks ran Horovod's engine and
+others Gloo would hang. ``job_problem`` is collective under horovodrun:
+every rank publishes its own finding in horovodrun's rendezvous server,
+rank 0 reads them all and publishes one verdict, and every rank returns
+that verdict. ``auto`` then runs ``gloo`` on every rank; an explicit
+``horovod`` raises the same error, naming the ranks, on every rank.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import itertools
+import socket
+
+from dp_plugin.config import Config
+from dp_plugin.engines.rendezvous import horovod_get, horovod_put
+from dp_plugin.launch import Topology
+
+FIXED_PATCH_SETS = ("p2",)
+"""``horovod.dp_plugin_patches.PATCH_SET`` values whose build has the fix."""
+
+# The n-th check of this process uses key n on every rank (the same init sequence).
+_checks = itertools.count()
+
+
+def has_process_set_iface_fix() -> bool:
+    """Whether the installed Horovod was built by ``build-horovod`` with the fix."""
+    if importlib.util.find_spec("horovod") is None:
+        return False
+    try:
+        from horovod.dp_plugin_patches import PATCH_SET
+    except ImportError:
+        return False
+    return PATCH_SET in FIXED_PATCH_SETS
+
+
+def hostname_binds_to(hostname: str) -> str | None:
+    """The address Gloo binds for ``hostname`` when given no interface: the
+    first that ``getaddrinfo`` returns and that this host can bind (Gloo's
+    ``lookupAddrForHostname``); None when none resolves or binds."""
+    try:
+        infos = socket.getaddrinfo(hostname, None, socket.AF_UNSPEC, socket.SOCK_STREAM)
+    except OSError:
+        return None
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind((address[0], 0, *address[2:]))
+        except OSError:
+            continue
+        return str(address[0])
+    return None
+
+
+def local_finding(fixed: bool, hostname: str, bound: str | None) -> str:
+    """This rank's part of the verdict: empty when Horovod's Gloo can reach
+    it from other hosts, else why not (``bound``: ``hostname_binds_to``)."""
+    if fixed:
+        return ""
+    if bound is None:
+        return f"its host name {hostname!r} resolves to no address it can bind"
+    if ipaddress.ip_address(bound.split("%")[0]).is_loopback:
+        return f"its host name {hostname!r} resolves to {bound}"
+    return ""
+
+
+def verdict(findings: list[str], hosts: list[str]) -> str:
+    """One message from every rank's finding (empty when Horovod can run):
+    which ranks, on which hosts, and why."""
+    bad = [(rank, f) for rank, f in enumerate(findings) if f]
+    if not bad:
+        return ""
+    by_reason: dict[str, list[int]] = {}
+    for rank, finding in bad:
+        by_reason.setdefault(finding, []).append(rank)
+    parts = []
+    for finding, ranks in by_reason.items():
+        where = sorted({hosts[r] for r in ranks if hosts[r]})
+        on = f" on host(s) {', '.join(where)}" if where else ""
+        parts.append(f"rank(s) {', '.join(map(str, ranks))}{on}: {finding}")
+    return (
+        "Horovod here lacks dp_plugin's Gloo process-set fix (Horovod 0.28.1 binds each "
+        "process set to the address of the host name, ignoring HOROVOD_GLOO_IFACE), the job "
+        f"spans hosts, and {'; '.join(parts)}; the other hosts could not connect there "
+        "(Gloo would abort with 'Connection refused')"
+    )
+
+
+FIX = ("rebuild Horovod with the fix (`dp-plugin build-horovod --force`, or `make install`), "
+       "or make each host's name resolve to an address the other hosts reach (its line in "
+       "/etc/hosts), or set DP_PLUGIN_ENGINE=gloo (auto picks it in this case)")
+"""What to do, for the error of an explicit ``horovod``."""
+
+
+def job_problem(topology: Topology, config: Config) -> str:
+    """Why Horovod's engine cannot connect this job's hosts ('' when it can).
+
+    Collective under horovodrun across hosts: every rank must call it, in the
+    same order relative to other inits; every rank gets the same answer. A
+    job on one host, or not under horovodrun, needs no exchange."""
+    if topology.launcher != "horovodrun" or topology.local_size == topology.size:
+        return ""
+    key = f"horovod_hosts_{next(_checks)}"
+    hostname = socket.gethostname()
+    finding = local_finding(has_process_set_iface_fix(), hostname, hostname_binds_to(hostname))
+    host = topology.hostname or hostname
+    horovod_put(topology, config, f"{key}_{topology.rank}", f"{host}|{finding}")
+    if topology.rank != 0:
+        # "ok" or "no <why>": a value never empty, whatever the store makes of one.
+        said = horovod_get(topology, config, f"{key}_verdict", "rank 0's verdict on Horovod's "
+                           "engine", "Rank 0 has probably failed; check its log")
+        return said.partition(" ")[2] if said.startswith("no ") else ""
+    findings, hosts = [], []
+    for rank in range(topology.size):
+        text = horovod_get(topology, config, f"{key}_{rank}", f"rank {rank}'s host check",
+                           f"Rank {rank} has probably failed to start; check its log")
+        where, _, found = text.partition("|")
+        hosts.append(where)
+        findings.append(found)
+    answer = verdict(findings, hosts)
+    horovod_put(topology, config, f"{key}_verdict", f"no {answer}" if answer else "ok")
+    return answer
