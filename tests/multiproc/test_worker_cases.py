@@ -21,9 +21,11 @@ WORKERS = Path(__file__).resolve().parent / "workers"
 # User-style training scripts (Horovod programs with only the import
 # changed), not test workers: they have no cases. fake_hosts.py wraps another
 # worker; fault_matrix.py's ranks die or exit 1 on purpose with timed lines
-# the matrix reads, which run_cases' fail-fast exit would replace.
+# the matrix reads, which run_cases' fail-fast exit would replace;
+# horovod_across_hosts.py is started by scripts/cluster.py under horovodrun
+# and prints each engine's outcome, refusals included, for the test to read.
 NOT_CASE_WORKERS = {"_fail_fast.py", "typical_horovod_script.py", "horovod_keras_script.py",
-                    "fake_hosts.py", "fault_matrix.py"}
+                    "fake_hosts.py", "fault_matrix.py", "horovod_across_hosts.py"}
 CASE_WORKERS = sorted(p for p in WORKERS.glob("*.py") if p.name not in NOT_CASE_WORKERS)
 
 TINY = f'''
