@@ -8,6 +8,13 @@
   still the core's type (``MismatchError`` / ``ValueError``) with the
   core's message; inside ``tf.function`` TensorFlow's own ``OpError`` carries
   the message. The engine keeps working afterwards.
+- ``graph_errors``: every tensor collective's errors are Horovod's types in
+  all three modes, eager, ``tf.function`` and a TF1 ``Session``:
+  ``FailedPreconditionError`` when the ranks disagree (shape, dtype, root,
+  trailing dimensions, group size), ``InvalidArgumentError`` for one rank's bad
+  argument (splits, root, dtype), with the eager message word for word inside
+  the graph's (issue 36: the graphs raised ``InvalidArgumentError`` /
+  ``UnknownError`` for all of them).
 - ``local_sources``: ``DistributedGradientTape.register_local_source`` keeps a
   rank's own gradient (divided by the size), the others are averaged.
 
@@ -58,6 +65,68 @@ def check_errors(_: Any) -> None:
     np.testing.assert_allclose(dp.allreduce(tf.constant([float(r)]), op=dp.Sum), [1.0])
 
 
+PRECONDITION, ARGUMENT = tf.errors.FailedPreconditionError, tf.errors.InvalidArgumentError
+
+
+def error_cases(r: int) -> list[tuple[str, type, Callable[[], Any]]]:
+    """(what, Horovod's error type, a call that builds / runs the collective) on rank ``r``;
+    every call must fail on every rank."""
+    ones = tf.ones
+    return [
+        ("allreduce shape", PRECONDITION, lambda: dp.allreduce(ones([2 + r]))),
+        ("allreduce dtype", PRECONDITION,
+         lambda: dp.allreduce(ones([2], tf.float32 if r == 0 else tf.float64))),
+        ("allreduce bool", ARGUMENT, lambda: dp.allreduce(tf.constant([True]))),
+        ("grouped_allreduce count", PRECONDITION,
+         lambda: dp.grouped_allreduce([ones([2])] * (1 + r))),
+        ("allgather trailing", PRECONDITION, lambda: dp.allgather(ones([1, 2 + r]))),
+        ("allgather dtype", PRECONDITION,
+         lambda: dp.allgather(ones([1], tf.int32 if r == 0 else tf.int64))),
+        ("broadcast shape", PRECONDITION, lambda: dp.broadcast(ones([2 + r]), root_rank=0)),
+        ("broadcast dtype", PRECONDITION,
+         lambda: dp.broadcast(ones([2], tf.float32 if r == 0 else tf.int32), root_rank=0)),
+        ("broadcast root mismatch", PRECONDITION, lambda: dp.broadcast(ones([2]), root_rank=r)),
+        ("broadcast bad root on one rank", ARGUMENT,
+         lambda: dp.broadcast(ones([2]), root_rank=0 if r == 0 else 5)),
+        ("alltoall splits on one rank", ARGUMENT,
+         lambda: dp.alltoall(ones([3]), splits=[1, 2] if r == 0 else [1, 1])),
+        ("alltoall uneven rows", ARGUMENT, lambda: dp.alltoall(ones([3]))),
+        ("alltoall trailing", PRECONDITION, lambda: dp.alltoall(ones([2, 1 + r]))),
+        ("alltoall dtype", PRECONDITION,
+         lambda: dp.alltoall(ones([2], tf.float32 if r == 0 else tf.float16))),
+        ("reducescatter shape", PRECONDITION, lambda: dp.reducescatter(ones([2 + r, 2]))),
+        ("reducescatter dtype", PRECONDITION,
+         lambda: dp.reducescatter(ones([2], tf.float32 if r == 0 else tf.float64))),
+    ]
+
+
+def failure(call: Callable[[], Any]) -> BaseException:
+    try:
+        call()
+    except BaseException as error:
+        return error
+    raise AssertionError("no error")
+
+
+def in_session(build: Callable[[], Any]) -> None:
+    with tf.Graph().as_default():
+        fetch = build()
+        with tf.compat.v1.Session() as session:
+            session.run(fetch)
+
+
+def check_graph_errors(_: Any) -> None:
+    for what, kind, call in error_cases(dp.rank()):
+        eager = failure(call)
+        assert type(eager) is not kind and isinstance(eager, kind), (what, type(eager).__mro__)
+        message = str(eager)
+        for mode, run in (("tf.function", tf.function(call)), ("session", lambda: in_session(call))):
+            error = failure(run)
+            assert isinstance(error, kind), f"{what} in {mode}: {type(error).__name__}: {error}"
+            assert message in error.message, f"{what} in {mode}: {message!r} not in {error.message!r}"
+    np.testing.assert_allclose(dp.allreduce(tf.constant([float(dp.rank())]), op=dp.Sum), [1.0])
+
+
 def check_local_sources(_: Any) -> None:
     r = dp.rank()
     shared = tf.Variable([1.0, 1.0])
@@ -80,6 +149,7 @@ def check_local_sources(_: Any) -> None:
 
 CASES = {
     "errors": check_errors,
+    "graph_errors": check_graph_errors,
     "local_sources": check_local_sources,
 }
 
