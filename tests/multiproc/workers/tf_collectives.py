@@ -14,6 +14,11 @@
   and the ``*_built`` / ``*_enabled`` answers for the gloo engine;
 - ``sync_bn``: SyncBatchNormalization normalizes with the global batch's
   statistics (equal to BatchNormalization on the concatenated batch);
+- ``sync_bn_horovod``: Horovod's own SyncBatchNormalization check (its
+  test's inputs, ``axis=1``, built with Horovod's Keras 2 ``fused=False``):
+  the output and the moving statistics equal BatchNormalization's on the
+  concatenated batch, eagerly, in ``tf.function`` and in a TF1 ``Session``
+  (issue 36: Keras 3 refused ``fused``);
 - ``sparse``: embedding gradients (``tf.IndexedSlices``) through
   DistributedGradientTape and DistributedOptimizer, all-gathered by default
   and dense with ``sparse_as_dense=True``.
@@ -222,6 +227,48 @@ def check_sync_bn(_: Any) -> None:
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
+def horovod_bn_inputs(size: int) -> list[np.ndarray]:
+    """The two inputs of Horovod's SyncBatchNormalization test: one [4, c] block per rank."""
+    return [
+        np.stack([np.array([[r, r + 1], [r * 2, r * 2 + 1], [r * 3, r * 3 + 1],
+                            [r * 4, r * 4 + 1]], np.float32) for r in range(size)]),
+        np.stack([np.array([[r + 1], [r * 2 + 1], [r * 3 + 1], [r * 4 + 1]], np.float32)
+                  for r in range(size)]),
+    ]
+
+
+def batch_norm_run(mode: str, layer: Any, x: np.ndarray) -> list[np.ndarray]:
+    """``layer(x, training=True)``, then (not in a session, where Keras 3 leaves the
+    moving-average updates outside the fetched output) its moving statistics."""
+    def step() -> Any:
+        return layer(tf.constant(x), training=True)
+
+    if mode == "session":
+        with tf.Graph().as_default():
+            out = step()
+            with tf.compat.v1.Session() as session:
+                session.run(tf.compat.v1.global_variables_initializer())
+                return [session.run(out)]
+    y = step() if mode == "eager" else tf.function(step)()
+    return [np.asarray(v) for v in (y, layer.moving_mean, layer.moving_variance)]
+
+
+def check_sync_bn_horovod(_: Any) -> None:
+    r, size = dp.rank(), dp.size()
+    for x in horovod_bn_inputs(size):
+        for mode in ("eager", "tf.function", "session"):
+            sync = dp.SyncBatchNormalization(axis=1, fused=False)
+            got = batch_norm_run(mode, sync, x[r:r + 1])
+            plain = keras.layers.BatchNormalization(axis=1)
+            want = batch_norm_run(mode, plain, x)
+            np.testing.assert_allclose(got[0], want[0][r:r + 1], rtol=1e-5, atol=1e-5,
+                                       err_msg=f"output, {mode}")
+            if mode != "session":
+                assert np.abs(got[1]).min() > 0, f"moving mean not updated, {mode}"
+                np.testing.assert_allclose(got[1:], want[1:], rtol=1e-6,
+                                           err_msg=f"moving statistics, {mode}")
+
+
 def check_sparse(_: Any) -> None:
     r = dp.rank()
     table = tf.Variable(np.zeros((4, 2), np.float32))
@@ -268,6 +315,7 @@ CASES = {
     "gradients": check_gradients,
     "objects_sets": check_objects_and_sets,
     "sync_bn": check_sync_bn,
+    "sync_bn_horovod": check_sync_bn_horovod,
     "sparse": check_sparse,
 }
 
