@@ -15,6 +15,12 @@
   argument (splits, root, dtype), with the eager message word for word inside
   the graph's (issue 36: the graphs raised ``InvalidArgumentError`` /
   ``UnknownError`` for all of them).
+- ``keras3_local_layers``: ``PartialDistributedGradientTape`` over a Keras 3
+  model (``keras.Variable``, which has no ``ref()``) with its first layer
+  local, eagerly, in ``tf.function`` and in a TF1 ``Session``: that layer's
+  gradients stay this rank's (divided by the size), the others are averaged;
+  ``get_local_and_global_gradients`` splits them and ``vars_to_refs`` /
+  ``refs_to_vars`` take Keras 3 variables (issue 36).
 - ``local_sources``: ``DistributedGradientTape.register_local_source`` keeps a
   rank's own gradient (divided by the size), the others are averaged.
 
@@ -23,6 +29,7 @@ Every rank prints ``rank R OK``; any failure exits 1 at once.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -127,6 +134,69 @@ def check_graph_errors(_: Any) -> None:
     np.testing.assert_allclose(dp.allreduce(tf.constant([float(dp.rank())]), op=dp.Sum), [1.0])
 
 
+def keras3_model() -> keras.Model:
+    keras.utils.set_random_seed(3)  # the same weights on every rank
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="local"),
+                             keras.layers.Dense(2, name="shared_a"),
+                             keras.layers.Dense(1, name="shared_b")])
+
+
+def layer_path(variable: Any) -> str:
+    """'local/kernel': the variable's path without the model's (numbered) name."""
+    return str(variable.path).split("/", 1)[1]
+
+
+def tape_gradients(model: keras.Model, x: Any, split: list[Any] | None = None) -> Any:
+    """The model's gradients of ``sum(model(x))``: this rank's own, or (``split``: a
+    list that receives the local and the global variables' paths, when traced) from
+    ``PartialDistributedGradientTape`` with the first layer local, local ones first."""
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(tf.constant(x)))
+    if split is None:
+        return tape.gradient(loss, model.trainable_variables)
+    tape = dp.PartialDistributedGradientTape(tape, local_layers=model.layers[0])
+    local, shared = tape.get_local_and_global_gradients(loss, model.trainable_variables)
+    split[:] = [[layer_path(v) for v, _ in local], [layer_path(v) for v, _ in shared]]
+    return [g for _, g in local] + [g for _, g in shared]
+
+
+def check_keras3_local_layers(_: Any) -> None:
+    r, size = dp.rank(), dp.size()
+    model = keras3_model()
+    variables = model.trainable_variables
+    assert not hasattr(variables[0], "ref"), "a Keras 3 variable; this case needs one"
+    back = dp.refs_to_vars(dp.vars_to_refs([variables, variables[:1]]))
+    assert all(a is b for a, b in zip(back[0], variables, strict=True)) and back[1][0] is variables[0]
+    x = np.arange(6, dtype=np.float32).reshape(2, 3) * (r + 1)
+    own = [np.asarray(g) for g in tape_gradients(model, x)]
+    expected = [own[0] / size, own[1] / size,
+                *[np.asarray(dp.allreduce(tf.constant(g))) for g in own[2:]]]
+    local_paths = {layer_path(v) for v in model.layers[0].trainable_variables}
+
+    def in_session(split: list[Any]) -> Any:
+        with tf.Graph().as_default():
+            grads = tape_gradients(keras3_model(), x, split)
+            with tf.compat.v1.Session() as session:
+                session.run(tf.compat.v1.global_variables_initializer())
+                return session.run(grads)
+
+    def traced(split: list[Any]) -> Any:
+        @tf.function
+        def step() -> Any:
+            return tape_gradients(model, x, split)
+
+        return step()
+
+    runs = {"eager": functools.partial(tape_gradients, model, x), "tf.function": traced,
+            "session": in_session}
+    for mode, run in runs.items():
+        split: list[Any] = []
+        grads = run(split)
+        assert set(split[0]) == local_paths and not set(split[1]) & local_paths, (mode, split)
+        for got, want in zip(grads, expected, strict=True):
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, err_msg=mode)
+
+
 def check_local_sources(_: Any) -> None:
     r = dp.rank()
     shared = tf.Variable([1.0, 1.0])
@@ -151,6 +221,7 @@ CASES = {
     "errors": check_errors,
     "graph_errors": check_graph_errors,
     "local_sources": check_local_sources,
+    "keras3_local_layers": check_keras3_local_layers,
 }
 
 
