@@ -41,7 +41,6 @@ from dp_plugin.engines.base import ReduceOp
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.tensorflow.collectives import grouped_allreduce
 
-
 _warned: set[str] = set()  # Keras 2 arguments already warned about in this process
 _warned_lock = threading.Lock()
 

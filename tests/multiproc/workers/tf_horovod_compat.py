@@ -127,10 +127,12 @@ def check_graph_errors(_: Any) -> None:
         eager = failure(call)
         assert type(eager) is not kind and isinstance(eager, kind), (what, type(eager).__mro__)
         message = str(eager)
-        for mode, run in (("tf.function", tf.function(call)), ("session", lambda: in_session(call))):
+        runs = {"tf.function": tf.function(call), "session": functools.partial(in_session, call)}
+        for mode, run in runs.items():
             error = failure(run)
-            assert isinstance(error, kind), f"{what} in {mode}: {type(error).__name__}: {error}"
-            assert message in error.message, f"{what} in {mode}: {message!r} not in {error.message!r}"
+            where = f"{what} in {mode}"
+            assert isinstance(error, kind), f"{where}: {type(error).__name__}: {error}"
+            assert message in error.message, f"{where}: {message!r} not in {error.message!r}"
     np.testing.assert_allclose(dp.allreduce(tf.constant([float(dp.rank())]), op=dp.Sum), [1.0])
 
 
@@ -166,7 +168,8 @@ def check_keras3_local_layers(_: Any) -> None:
     variables = model.trainable_variables
     assert not hasattr(variables[0], "ref"), "a Keras 3 variable; this case needs one"
     back = dp.refs_to_vars(dp.vars_to_refs([variables, variables[:1]]))
-    assert all(a is b for a, b in zip(back[0], variables, strict=True)) and back[1][0] is variables[0]
+    assert all(a is b for a, b in zip(back[0], variables, strict=True))
+    assert back[1][0] is variables[0]
     x = np.arange(6, dtype=np.float32).reshape(2, 3) * (r + 1)
     own = [np.asarray(g) for g in tape_gradients(model, x)]
     expected = [own[0] / size, own[1] / size,
