@@ -20,4 +20,6 @@ setup(
         "dp_plugin.tensorflow": "adapters/tensorflow",
         "dp_plugin.keras": "adapters/keras",
     },
+    # The TensorFlow adapter compiles this kernel on first use (status_op.py).
+    package_data={"dp_plugin.tensorflow": ["status_op.cc"]},
 )

@@ -211,16 +211,24 @@ method: `opt.variables()` becomes `opt.variables`.
   `tf.compat.v1.cond`/`while_loop` of a TF1 graph (which Horovod allows) is
   refused with `ValueError` when built: reduce before the construct, or
   build the step in a `tf.function`.
-- **TensorFlow error types.** Ranks that disagree raise, eagerly, an error
-  that is both Horovod's type (`tf.errors.FailedPreconditionError`;
-  `InvalidArgumentError` for bad all-to-all splits) and dp_plugin's
-  (`LayoutMismatchError`, `ValueError`, `TypeError`), on every rank, at the
-  call. Inside a graph (`tf.function`, `Session.run`) TensorFlow converts any
-  Python exception raised by a `tf.numpy_function` into its own type
-  (`InvalidArgumentError` for `ValueError`/`TypeError`, `UnknownError`
-  otherwise), so there the caught type is that one, with dp_plugin's message:
-  a TensorFlow 2.21 limit of `tf.numpy_function` (a custom C++ op could set
-  the code; dp_plugin ships no compiled op).
+- **TensorFlow errors come at the call, on every rank, with Horovod's types,
+  eagerly and inside graphs** (`tf.function`, `Session.run`): ranks that
+  disagree (shapes, dtypes, roots, names, group sizes) raise
+  `tf.errors.FailedPreconditionError`, a bad argument one rank can see
+  (all-to-all splits, a root outside the set, an unsupported dtype)
+  `tf.errors.InvalidArgumentError`, each with dp_plugin's message word for
+  word; eagerly the error is also dp_plugin's type (`MismatchError`,
+  `LayoutMismatchError`, `ValueError`, `TypeError`). Inside a graph
+  TensorFlow would retype any exception of dp_plugin's `tf.numpy_function`,
+  so a small TensorFlow kernel (`adapters/tensorflow/status_op.cc`) fails
+  the step with the right code; it is compiled on first use with the C++
+  compiler and TensorFlow's headers (about 10 s of CPU, once per machine and
+  TensorFlow version, cached in `~/.cache/dp_plugin/tf_ops`). *Changed*
+  (issue 36): graphs raised `InvalidArgumentError` / `UnknownError` for all
+  of these, and a mismatch other than splits raised `FailedPreconditionError`
+  eagerly even when it was one rank's bad root or dtype. Without a C++
+  compiler, a `RuntimeWarning` says so and graphs raise TensorFlow's own
+  types as before.
 - **`broadcast_optimizer_state`** sends the root's whole state (tensors fused
   as raw bytes, the rest pickled) and loads it on the others, so it needs no
   dummy step and works for every `torch.optim` optimizer, LBFGS included
@@ -233,6 +241,11 @@ method: `opt.variables()` becomes `opt.variables`.
   horovod engine needs it, as Horovod does); sets built from an mpi4py
   communicator are not supported (pass the ranks).
 - **`SyncBatchNorm`** also runs on CPU tensors and tolerates empty shards.
+  TensorFlow's `SyncBatchNormalization` takes the Keras 2 arguments
+  Horovod's layer took and Keras 3 removed: `fused=False` (Horovod's default,
+  what Keras 3 computes; `fused=True`/`None` raise Horovod's `ValueError`),
+  and `virtual_batch_size` / `adjustment`, which are ignored with one
+  `UserWarning` per process (Keras 3 has no ghost batches).
 - **Build flags** (`nccl_built()`, `mpi_enabled()` ...) answer for
   dp_plugin's engines, not for a Horovod build.
 """

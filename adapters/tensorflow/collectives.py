@@ -21,9 +21,10 @@ agreed bytes — all-reduces through ``FusedCollective`` (one fused buffer per
 dtype), reduce-scatters scaled by the one ``ReducePolicy``.
 
 Distributed contract: every rank of the process set calls the same
-collectives in the same order with matching inputs. Inside ``tf.function``
-an error raised on the data path reaches the caller wrapped by TensorFlow
-(``InvalidArgumentError`` / ``UnknownError`` whose message carries ours).
+collectives in the same order with matching inputs. Errors are Horovod's
+TensorFlow types eagerly and in graphs (``errors.py``, ``run_op``):
+``FailedPreconditionError`` when ranks disagree, ``InvalidArgumentError``
+for a rank's bad argument, with the core's message.
 """
 
 from __future__ import annotations
@@ -46,16 +47,23 @@ from dp_plugin.hooks import ReducePolicy
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.request import Problem, Request, check
 from dp_plugin.tensorflow import errors as tf_errors
-from dp_plugin.tensorflow import graph_order
+from dp_plugin.tensorflow import graph_order, status_op
 from dp_plugin.tensorflow.ops import Compression, parse_compression
 from dp_plugin.validate import check_positive_float
 
 
+@tf.autograph.experimental.do_not_convert
 def run_op(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
            dtypes: Sequence[Any], shapes: Sequence[Any], name: str) -> list[Any]:
     """``fn`` on numpy values: called directly when eager, a ``tf.numpy_function``
     op (with ``shapes`` set on its outputs) inside ``tf.function`` or a TF1 graph,
-    ordered after the graph's previous dp_plugin op (``graph_order``)."""
+    ordered after the graph's previous dp_plugin op (``graph_order``).
+
+    Errors are Horovod's types (``dp_plugin.tensorflow.errors``) in both: in a
+    graph ``fn``'s typed error travels as a code and message to a
+    ``status_op`` that fails the step with them (TensorFlow would retype an
+    exception raised by the numpy callback); the outputs depend on that op.
+    """
     # Runs under this call's name (``dp_plugin.edge``), raising Horovod's
     # error types (``dp_plugin.tensorflow.errors``).
     fn = deferred(tf_errors.translated(fn))
@@ -63,12 +71,40 @@ def run_op(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
         arrays = fn(*[np.asarray(t) for t in inputs])
         return [tf.convert_to_tensor(np.asarray(o, dtype=tf.as_dtype(d).as_numpy_dtype))
                 for o, d in zip(arrays, dtypes, strict=True)]
-    outs: Any = graph_order.ordered(lambda: tf.numpy_function(
-        fn, list(inputs), list(dtypes), stateful=True, name=name))
-    outs = list(outs) if isinstance(outs, list | tuple) else [outs]
+    if status_op.library() is None:  # warned: TensorFlow's own error types
+        made = graph_order.ordered(lambda: tf.numpy_function(
+            fn, list(inputs), list(dtypes), stateful=True, name=name))
+        outs = list(made) if isinstance(made, list | tuple) else [made]
+    else:
+        outs = _with_status(fn, inputs, dtypes, shapes, name)
     for out, shape in zip(outs, shapes, strict=True):
         out.set_shape(shape)
     return outs
+
+
+def _with_status(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
+                 dtypes: Sequence[Any], shapes: Sequence[Any], name: str) -> list[Any]:
+    """The graph op of ``run_op``: ``fn``'s outputs, then its error's code and message."""
+    fillers = [_filler(shape, dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
+
+    def reporting(*arrays: np.ndarray) -> list[Any]:
+        try:
+            outs = list(fn(*arrays))
+        except tf.errors.OpError as error:  # a core error, typed by ``translated``
+            return [*fillers, np.int32(error.error_code), error.message.encode()]
+        return [*outs, np.int32(0), b""]
+
+    *outs, code, message = graph_order.ordered(lambda: tf.numpy_function(
+        reporting, list(inputs), [*dtypes, tf.int32, tf.string], stateful=True, name=name))
+    with tf.control_dependencies([status_op.fail_on(code, message)]):
+        return [tf.identity(out) for out in outs]
+
+
+def _filler(shape: Any, dtype: Any) -> np.ndarray:
+    """Zeros that fit ``shape`` (unknown dimensions 0): the outputs of a failed step."""
+    shape = tf.TensorShape(shape)
+    dims = [] if shape.rank is None else [d or 0 for d in shape.as_list()]
+    return np.zeros(dims, tf.as_dtype(dtype).as_numpy_dtype)
 
 
 def _differentiable(forward: Callable[..., list[Any]], backward: Callable[..., list[Any]],
@@ -250,7 +286,9 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
               ignore_name_scope: bool = False, process_set: Any = global_process_set) -> Any:
     """``root_rank``'s ``tensor`` on every rank of the set (``root_rank`` is job-wide)."""
     (x,) = _tensors([tensor])
-    root_of(engine_of(process_set), root_rank)
+    engine_of(process_set)  # not a member: fails here, while tracing
+    # A bad root_rank is the callback's Problem.BAD_ROOT, raised on every rank
+    # (checked here it failed only this rank, and the others waited: issue 36).
     label = name or "broadcast"
 
     def bcast(array: np.ndarray) -> list[np.ndarray]:

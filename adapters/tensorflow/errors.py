@@ -1,23 +1,24 @@
 """dp_plugin's collective errors as the TensorFlow error types Horovod raises.
 
 Horovod's TensorFlow ops fail with ``tf.errors.FailedPreconditionError``
-when ranks disagree (shapes, dtypes, ops, roots) and with
-``tf.errors.InvalidArgumentError`` for bad all-to-all splits; scripts catch
-those. The core raises its own types (``MismatchError`` from the
-request check, ``LayoutMismatchError``, or ``ValueError`` / ``TypeError``
-naming the bad input), with the same message on every rank, at the call.
-The TensorFlow adapter re-raises each as a class that is *both*:
-``CollectiveMismatchError`` is a ``MismatchError`` and a
-``FailedPreconditionError``, ``CollectiveValueError`` a ``ValueError`` and a
-``FailedPreconditionError``, and so on; the message is the core's, unchanged.
+when ranks disagree (shapes, dtypes, ops, roots, names) and with
+``tf.errors.InvalidArgumentError`` for a bad argument one rank can see on
+its own (invalid all-to-all splits, a root outside the set, an unsupported
+dtype); scripts catch those. The core raises its own types with the same
+message on every rank, at the call: ``MismatchError`` (or
+``LayoutMismatchError``) when ranks disagree, a plain ``ValueError`` /
+``TypeError`` naming a rank's bad argument. The TensorFlow adapter
+re-raises each as a class that is *both*: ``CollectiveMismatchError`` is a
+``MismatchError`` and a ``FailedPreconditionError``,
+``CollectiveArgumentError`` a ``ValueError`` and an
+``InvalidArgumentError``, and so on; the message is the core's, unchanged.
 The core never imports TensorFlow: these classes live here.
 
 ``translated(fn)`` wraps a collective's data path (the numpy callback of a
 ``tf.numpy_function`` op, or the eager call). Inside a graph TensorFlow
-turns a Python exception raised by the callback into an op error of its own
-(``InvalidArgumentError`` for ``ValueError``, ``UnknownError`` for most
-others); an ``OpError`` subclass keeps its error code, so a Horovod
-``except tf.errors.FailedPreconditionError`` catches it there too.
+would turn any exception of the callback into an error of its own choosing,
+so there ``collectives.run_op`` returns the typed error's code and message
+from the callback and ``status_op`` fails the step with them (issue 36).
 """
 
 from __future__ import annotations
@@ -45,20 +46,6 @@ class CollectiveMismatchError(MismatchError, tf.errors.FailedPreconditionError):
         _init_op_error(self, tf.errors.FailedPreconditionError, message)
 
 
-class CollectiveValueError(ValueError, tf.errors.FailedPreconditionError):
-    """Ranks passed inputs that do not match (shape, dtype, op, root...)."""
-
-    def __init__(self, message: str) -> None:
-        _init_op_error(self, tf.errors.FailedPreconditionError, message)
-
-
-class CollectiveTypeError(TypeError, tf.errors.FailedPreconditionError):
-    """A rank passed a dtype the collective cannot move, or the ranks' dtypes differ."""
-
-    def __init__(self, message: str) -> None:
-        _init_op_error(self, tf.errors.FailedPreconditionError, message)
-
-
 class CollectiveLayoutError(LayoutMismatchError, tf.errors.FailedPreconditionError):
     """Ranks registered different tensors (names, shapes, dtypes or order)."""
 
@@ -66,14 +53,21 @@ class CollectiveLayoutError(LayoutMismatchError, tf.errors.FailedPreconditionErr
         _init_op_error(self, tf.errors.FailedPreconditionError, message)
 
 
-class SplitsError(ValueError, tf.errors.InvalidArgumentError):
-    """A rank passed invalid all-to-all splits (Horovod: ``InvalidArgumentError``)."""
+class CollectiveArgumentError(ValueError, tf.errors.InvalidArgumentError):
+    """A rank passed an argument the collective cannot take (splits, root, members)."""
 
     def __init__(self, message: str) -> None:
         _init_op_error(self, tf.errors.InvalidArgumentError, message)
 
 
-def as_tensorflow_error(error: BaseException) -> BaseException | None:
+class CollectiveTypeError(TypeError, tf.errors.InvalidArgumentError):
+    """A rank passed a tensor of a dtype the collective cannot move."""
+
+    def __init__(self, message: str) -> None:
+        _init_op_error(self, tf.errors.InvalidArgumentError, message)
+
+
+def as_tensorflow_error(error: BaseException) -> tf.errors.OpError | None:
     """The TensorFlow-typed equivalent of a core collective error, or None when
     ``error`` is not one (or already is)."""
     if isinstance(error, tf.errors.OpError):
@@ -81,12 +75,10 @@ def as_tensorflow_error(error: BaseException) -> BaseException | None:
     message = str(error)
     if isinstance(error, LayoutMismatchError):
         return CollectiveLayoutError(message)
-    if "splits" in message and isinstance(error, ValueError):
-        return SplitsError(message)
     if isinstance(error, MismatchError):
         return CollectiveMismatchError(message)
     if isinstance(error, ValueError):
-        return CollectiveValueError(message)
+        return CollectiveArgumentError(message)
     if isinstance(error, TypeError):
         return CollectiveTypeError(message)
     return None

@@ -11,6 +11,7 @@ from dp_plugin import runtime
 from dp_plugin.tensorflow.bridge import GradientBridge, next_bridge_name
 from dp_plugin.tensorflow.ops import Average, Compression
 from dp_plugin.tensorflow.optimizer import parse_reduction, reduce_present
+from dp_plugin.tensorflow.util import variable_ref
 
 # Custom loops make a new tape every step: the bridge (and with it the
 # scheduler, its fusion buffers and the traced numpy op's target) is shared
@@ -71,7 +72,7 @@ class DistributedGradientTape:
         parsed_op, compressor, _, predivide = parse_reduction(
             who, op, compression, 1, gradient_predivide_factor)
         self._bridge = _shared_bridge(parsed_op, compressor, predivide)
-        self._local_sources: dict[Any, Any] = {}  # _key(source) -> source
+        self._local_sources: dict[Any, Any] = {}  # variable_ref(source) -> source
         self.scale_local_gradients = bool(scale_local_gradients)
 
     def register_local_source(self, source: Any) -> None:
@@ -79,7 +80,7 @@ class DistributedGradientTape:
         only divided by the number of ranks when ``scale_local_gradients`` (the
         default), so that its step size matches the averaged ones. Every rank
         must register the same sources (the reduced set must match)."""
-        self._local_sources[_key(source)] = source
+        self._local_sources[variable_ref(source)] = source
 
     @tf.autograph.experimental.do_not_convert
     def gradient(
@@ -95,7 +96,7 @@ class DistributedGradientTape:
             unconnected_gradients=unconnected_gradients,
         )
         flat_grads, flat_sources = tf.nest.flatten(grads), tf.nest.flatten(sources)
-        local = [_key(s) in self._local_sources for s in flat_sources]
+        local = [variable_ref(s) in self._local_sources for s in flat_sources]
         shared = [i for i, is_local in enumerate(local) if not is_local]
         reduced = reduce_present(self._bridge, [flat_grads[i] for i in shared],
                                  [flat_sources[i] for i in shared], self._sparse_as_dense)
@@ -112,8 +113,8 @@ class DistributedGradientTape:
         """``gradient()``, split into ``(local (source, gradient) pairs, global pairs)``."""
         grads = self.gradient(target, sources, output_gradients=output_gradients)
         pairs = list(zip(tf.nest.flatten(sources), tf.nest.flatten(grads), strict=True))
-        local = [(s, g) for s, g in pairs if _key(s) in self._local_sources]
-        shared = [(s, g) for s, g in pairs if _key(s) not in self._local_sources]
+        local = [(s, g) for s, g in pairs if variable_ref(s) in self._local_sources]
+        shared = [(s, g) for s, g in pairs if variable_ref(s) not in self._local_sources]
         return local, shared
 
     def __getattr__(self, name: str) -> Any:
@@ -125,12 +126,6 @@ class DistributedGradientTape:
 
     def __exit__(self, *exc: Any) -> None:
         self._tape.__exit__(*exc)
-
-
-def _key(source: Any) -> Any:
-    """A hashable identity of a variable: ``tf.Variable.ref()``; a Keras 3 variable
-    (whose ``==`` is elementwise) by its object identity."""
-    return source.ref() if hasattr(source, "ref") else id(source)
 
 
 def _scaled_locally(grad: Any) -> Any:

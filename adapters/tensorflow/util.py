@@ -5,6 +5,12 @@ scripts and Keras callbacks reach for; the rest keep imports of the module
 working: ``_make_subgraph`` (a ``tf.function``), ``_cache`` (memoize a
 function per argument tuple and eager/graph mode) and ``vars_to_refs`` /
 ``refs_to_vars`` (hashable references of (nested lists of) variables).
+
+``variable_ref`` is the one hashable key of a variable in the adapter (the
+local sources of ``DistributedGradientTape`` too): ``tf.Variable.ref()``
+where the variable has it; Keras 3 variables have no ``ref()`` and compare
+elementwise with ``==`` (Horovod's own tape broke on them, its issue 4290),
+so they get a ``VariableRef`` by identity, which ``ref()`` also is.
 """
 
 from __future__ import annotations
@@ -41,11 +47,36 @@ def _cache(fn: Callable[..., Any]) -> Callable[..., Any]:
     return cached
 
 
+class VariableRef:
+    """A hashable reference to a variable without ``ref()`` (a Keras 3 variable):
+    equal only to a reference to the same object; ``deref()`` returns it."""
+
+    __slots__ = ("_variable",)
+
+    def __init__(self, variable: Any) -> None:
+        self._variable = variable
+
+    def __hash__(self) -> int:
+        return id(self._variable)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, VariableRef) and other._variable is self._variable
+
+    def deref(self) -> Any:
+        return self._variable
+
+
+def variable_ref(variable: Any) -> Any:
+    """``variable.ref()``, or a ``VariableRef`` for a variable without it (module docstring)."""
+    ref = getattr(variable, "ref", None)
+    return ref() if callable(ref) else VariableRef(variable)
+
+
 def vars_to_refs(variables: Any) -> Any:
     """``variables`` (a variable or nested lists of them) as hashable references (tuples)."""
     if isinstance(variables, list):
         return tuple(vars_to_refs(v) for v in variables)
-    return variables.ref()
+    return variable_ref(variables)
 
 
 def refs_to_vars(refs: Any) -> Any:

@@ -87,6 +87,24 @@ def flat_bytes(buf: Any) -> Any:
     return as_numpy(buf).view(np.uint8)
 
 
+def torch_byte_rows(tensor: Any) -> Any:
+    """A torch ``tensor``'s rows as raw bytes: a ``(rows, row_bytes)`` uint8 view of
+    its memory (of a contiguous copy when it is not contiguous).
+
+    An empty tensor becomes a fresh empty one instead: it may carry any strides
+    (numpy 2 gives a copied empty array strides of 0, ``torch.from_numpy`` keeps
+    them, ``contiguous()`` leaves an empty tensor as it is) and ``view(uint8)``
+    refuses those, so a rank that sends no rows failed its all-to-all while the
+    others waited for it (issue 36)."""
+    import torch
+
+    rows = int(tensor.shape[0])
+    width = tensor.element_size() * int(np.prod(tuple(tensor.shape[1:]), dtype=np.int64))
+    if tensor.numel() == 0:
+        return torch.empty((rows, width), dtype=torch.uint8, device=tensor.device)
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).reshape(rows, width)
+
+
 def as_bytes(buf: Any) -> tuple[Any, Callable[[Any], Any]]:
     """``buf`` as the engines move it, and the function that turns what comes
     back into ``buf``'s dtype: ``buf`` itself when its dtype is one the
@@ -98,12 +116,8 @@ def as_bytes(buf: Any) -> tuple[Any, Callable[[Any], Any]]:
         return buf, lambda out: out
     trailing = tuple(int(d) for d in buf.shape[1:])
     if is_torch(buf):
-        import torch
-
-        flat = buf.detach().contiguous().reshape(-1)
-        width = flat.element_size() * int(np.prod(trailing, dtype=np.int64))
-        raw = flat.view(torch.uint8).reshape(int(buf.shape[0]), width)
-        return raw, lambda out: out.reshape(-1).view(dtype).reshape(out.shape[0], *trailing)
+        return torch_byte_rows(buf), lambda out: (
+            out.reshape(-1).view(dtype).reshape(out.shape[0], *trailing))
     arr = np.ascontiguousarray(as_numpy(buf))
     width = arr.dtype.itemsize * int(np.prod(trailing, dtype=np.int64))
     raw = arr.reshape(-1).view(np.uint8).reshape(arr.shape[0], width)

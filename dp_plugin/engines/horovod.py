@@ -65,6 +65,7 @@ from dp_plugin.dtypes import canonical_dtype
 from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp, Started
 from dp_plugin.engines.deadline import bounded_on
 from dp_plugin.engines.exit_bounds import bound_at_exit
+from dp_plugin.engines.generic import torch_byte_rows
 from dp_plugin.engines.horovod_env import library_settings
 from dp_plugin.engines.horovod_sets import process_set_of
 from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, EngineUnavailableError
@@ -285,7 +286,7 @@ class HorovodEngine(Engine):
         if row_elems == 0 or not counts.any():  # agreed: every rank skips alike
             out = tensor.new_empty((int(received.sum()), *trailing))
         else:
-            wire = tensor.contiguous().reshape(tensor.shape[0], row_elems).view(torch.uint8)
+            wire = torch_byte_rows(tensor)  # also when this rank sends no rows
             splits = torch.tensor([int(c) for c in counts[self.rank]], dtype=torch.int32)
             handle = self._start(
                 "alltoall", name, self.describe("alltoall", name, wire.numel()),
@@ -293,7 +294,9 @@ class HorovodEngine(Engine):
                                                       process_set=self._process_set),
             )
             handle.wait()
-            out = handle.result[0].view(tensor.dtype).reshape((int(received.sum()), *trailing))
+            rows = int(received.sum())
+            out = (handle.result[0].view(tensor.dtype).reshape((rows, *trailing)) if rows
+                   else tensor.new_empty((0, *trailing)))  # an empty result's strides: see above
         return out if is_torch(buf) else as_numpy(out)
 
     def _reducescatter_start(self, buf: Any, op: ReduceOp, counts: list[int],

@@ -40,6 +40,7 @@ from dp_plugin.config import Config
 from dp_plugin.engines import rendezvous as rdv
 from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp, Started
 from dp_plugin.engines.deadline import bounded_on
+from dp_plugin.engines.generic import torch_byte_rows
 from dp_plugin.engines.waits import WaitBoard
 from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, EngineUnavailableError
 from dp_plugin.launch import Topology
@@ -308,18 +309,15 @@ class TorchDistEngine(Engine):
         dtype, and no backend dtype support needed."""
         given = self._tensor(buf, f"alltoall {name!r}", flat=False)
         t, _ = self._staged(given)
-        torch = self._torch
         trailing = tuple(t.shape[1:])
         row_elems = int(np.prod(trailing, dtype=np.int64))
         received = [int(c) for c in counts[:, self.rank]]
         out = t.new_empty((sum(received), *trailing))
         # counts and row sizes are agreed: every rank skips alike.
         if row_elems and counts.any():
-            # Flattened before the byte view: an empty tensor may carry any
-            # strides (a zero-row input has stride 0), which view(uint8) refuses.
-            width = row_elems * t.element_size()
-            send = t.detach().contiguous().reshape(-1).view(torch.uint8).reshape(-1, width)
-            recv = out.reshape(-1).view(torch.uint8).reshape(-1, width)
+            # A rank may send or receive no rows (torch_byte_rows says why
+            # that needs care); out is written through recv when it has any.
+            send, recv = torch_byte_rows(t), torch_byte_rows(out)
             work = self._dist.all_to_all_single(
                 recv, send, output_split_sizes=received,
                 input_split_sizes=[int(c) for c in counts[self.rank]],

@@ -7,6 +7,7 @@ tests/multiproc/test_tf_collectives.py and test_tf_horovod_script.py.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -119,6 +120,30 @@ def test_sync_batch_norm_is_batch_norm_in_one_process_and_saves(tmp_path: Path) 
     m.save(tmp_path / "bn.keras")
     assert isinstance(keras.models.load_model(tmp_path / "bn.keras").layers[0],
                       dp.SyncBatchNormalization)
+
+
+def test_sync_batch_norm_takes_horovods_keras2_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 36: Keras 3 refused fused=; Horovod's layer took Keras 2's arguments."""
+    from dp_plugin.tensorflow import sync_batch_norm
+
+    monkeypatch.setattr(sync_batch_norm, "_warned", set())
+    x = np.random.default_rng(2).normal(size=(8, 3)).astype(np.float32)
+    plain = keras.layers.BatchNormalization()(x, training=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer = dp.SyncBatchNormalization(fused=False)  # Horovod's default: no warning
+    np.testing.assert_allclose(layer(x, training=True), plain, rtol=1e-6)
+    for fused in (True, None):  # Horovod's layer refused them, with this message
+        with pytest.raises(ValueError, match=r"^SyncBatchNormalization does not support "
+                                             r"fused=True\.$"):
+            dp.SyncBatchNormalization(fused=fused)
+    for argument, value in (("virtual_batch_size", 4), ("adjustment", lambda shape: (1, 0))):
+        with pytest.warns(UserWarning, match=f"{argument}=.* is ignored"):
+            layer = dp.SyncBatchNormalization(**{argument: value})
+        np.testing.assert_allclose(layer(x, training=True), plain, rtol=1e-6)
+        with warnings.catch_warnings():  # once per process
+            warnings.simplefilter("error")
+            dp.SyncBatchNormalization(**{argument: value})
 
 
 def test_graph_helpers_answer_for_the_running_process() -> None:

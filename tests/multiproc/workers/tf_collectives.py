@@ -14,6 +14,17 @@
   and the ``*_built`` / ``*_enabled`` answers for the gloo engine;
 - ``sync_bn``: SyncBatchNormalization normalizes with the global batch's
   statistics (equal to BatchNormalization on the concatenated batch);
+- ``sync_bn_horovod``: Horovod's own SyncBatchNormalization check (its
+  test's inputs, ``axis=1``, built with Horovod's Keras 2 ``fused=False``):
+  the output and the moving statistics equal BatchNormalization's on the
+  concatenated batch, eagerly, in ``tf.function`` and in a TF1 ``Session``
+  (issue 36: Keras 3 refused ``fused``);
+- ``alltoall_sends_nothing``: Horovod's ``alltoall_one_rank_sends_nothing``:
+  rank 0 sends no rows (splits all zero), the others ``rank + 1`` rows to
+  each rank, for each of Horovod's dtypes and 1-3 dimensions, eagerly, in
+  ``tf.function`` and in a TF1 ``Session``: every rank gets the rows meant
+  for it and Horovod's received splits (issue 36: the rank sending nothing
+  failed, and the others waited in the all-to-all);
 - ``sparse``: embedding gradients (``tf.IndexedSlices``) through
   DistributedGradientTape and DistributedOptimizer, all-gathered by default
   and dense with ``sparse_as_dense=True``.
@@ -222,6 +233,89 @@ def check_sync_bn(_: Any) -> None:
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
+def horovod_bn_inputs(size: int) -> list[np.ndarray]:
+    """The two inputs of Horovod's SyncBatchNormalization test: one [4, c] block per rank."""
+    return [
+        np.stack([np.array([[r, r + 1], [r * 2, r * 2 + 1], [r * 3, r * 3 + 1],
+                            [r * 4, r * 4 + 1]], np.float32) for r in range(size)]),
+        np.stack([np.array([[r + 1], [r * 2 + 1], [r * 3 + 1], [r * 4 + 1]], np.float32)
+                  for r in range(size)]),
+    ]
+
+
+def batch_norm_run(mode: str, layer: Any, x: np.ndarray) -> list[np.ndarray]:
+    """``layer(x, training=True)``, then (not in a session, where Keras 3 leaves the
+    moving-average updates outside the fetched output) its moving statistics."""
+    def step() -> Any:
+        return layer(tf.constant(x), training=True)
+
+    if mode == "session":
+        with tf.Graph().as_default():
+            out = step()
+            with tf.compat.v1.Session() as session:
+                session.run(tf.compat.v1.global_variables_initializer())
+                return [session.run(out)]
+    y = step() if mode == "eager" else tf.function(step)()
+    return [np.asarray(v) for v in (y, layer.moving_mean, layer.moving_variance)]
+
+
+def check_sync_bn_horovod(_: Any) -> None:
+    r, size = dp.rank(), dp.size()
+    for x in horovod_bn_inputs(size):
+        for mode in ("eager", "tf.function", "session"):
+            sync = dp.SyncBatchNormalization(axis=1, fused=False)
+            got = batch_norm_run(mode, sync, x[r:r + 1])
+            plain = keras.layers.BatchNormalization(axis=1)
+            want = batch_norm_run(mode, plain, x)
+            np.testing.assert_allclose(got[0], want[0][r:r + 1], rtol=1e-5, atol=1e-5,
+                                       err_msg=f"output, {mode}")
+            if mode != "session":
+                assert np.abs(got[1]).min() > 0, f"moving mean not updated, {mode}"
+                np.testing.assert_allclose(got[1:], want[1:], rtol=1e-6,
+                                           err_msg=f"moving statistics, {mode}")
+
+
+A2A_DTYPES = [tf.uint8, tf.int8, tf.uint16, tf.int16, tf.int32, tf.int64, tf.float16,
+              tf.float32, tf.float64]
+
+
+def sends_nothing_input(r: int, size: int, dtype: Any, dim: int) -> tuple[Any, Any]:
+    """Horovod's test input: rows for rank i hold i, ``r + 1`` of them per rank; none
+    at all on rank 0. Built with TensorFlow ops (in the caller's graph)."""
+    if r == 0:
+        return (tf.reshape(tf.convert_to_tensor([], dtype=dtype), [0] + [2] * (dim - 1)),
+                tf.convert_to_tensor([0] * size, dtype=tf.int32))
+    tensor = tf.convert_to_tensor([i for i in range(size) for _ in range(r + 1)], dtype=dtype)
+    for _ in range(dim - 1):
+        tensor = tf.expand_dims(tensor, axis=1)
+        tensor = tf.concat([tensor, tensor], axis=1)
+    return tensor, tf.convert_to_tensor([r + 1] * size, dtype=tf.int32)
+
+
+def check_alltoall_sends_nothing(_: Any) -> None:
+    r, size = dp.rank(), dp.size()
+    splits = [0] + [j + 1 for j in range(1, size)]  # rows each rank sends to this one
+
+    def exchange(dtype: Any, dim: int) -> Any:
+        return dp.alltoall(*sends_nothing_input(r, size, dtype, dim))
+
+    def in_session(dtype: Any, dim: int) -> Any:
+        with tf.Graph().as_default():
+            fetch = exchange(dtype, dim)
+            with tf.compat.v1.Session() as session:
+                return session.run(fetch)
+
+    modes = {"eager": exchange, "tf.function": tf.function(exchange), "session": in_session}
+    for dtype in A2A_DTYPES:
+        for dim in (1, 2, 3):
+            for mode, run in modes.items():
+                collected, received = (np.asarray(v) for v in run(dtype, dim))
+                what = f"{mode} {dtype.name} dim {dim}"
+                assert collected.shape == (sum(splits), *[2] * (dim - 1)), (what, collected.shape)
+                assert (collected.astype(np.int64) == r).all(), (what, collected)
+                assert received.dtype == np.int32 and received.tolist() == splits, (what, received)
+
+
 def check_sparse(_: Any) -> None:
     r = dp.rank()
     table = tf.Variable(np.zeros((4, 2), np.float32))
@@ -268,6 +362,8 @@ CASES = {
     "gradients": check_gradients,
     "objects_sets": check_objects_and_sets,
     "sync_bn": check_sync_bn,
+    "sync_bn_horovod": check_sync_bn_horovod,
+    "alltoall_sends_nothing": check_alltoall_sends_nothing,
     "sparse": check_sparse,
 }
 

@@ -8,6 +8,19 @@
   still the core's type (``MismatchError`` / ``ValueError``) with the
   core's message; inside ``tf.function`` TensorFlow's own ``OpError`` carries
   the message. The engine keeps working afterwards.
+- ``graph_errors``: every tensor collective's errors are Horovod's types in
+  all three modes, eager, ``tf.function`` and a TF1 ``Session``:
+  ``FailedPreconditionError`` when the ranks disagree (shape, dtype, root,
+  trailing dimensions, group size), ``InvalidArgumentError`` for one rank's bad
+  argument (splits, root, dtype), with the eager message word for word inside
+  the graph's (issue 36: the graphs raised ``InvalidArgumentError`` /
+  ``UnknownError`` for all of them).
+- ``keras3_local_layers``: ``PartialDistributedGradientTape`` over a Keras 3
+  model (``keras.Variable``, which has no ``ref()``) with its first layer
+  local, eagerly, in ``tf.function`` and in a TF1 ``Session``: that layer's
+  gradients stay this rank's (divided by the size), the others are averaged;
+  ``get_local_and_global_gradients`` splits them and ``vars_to_refs`` /
+  ``refs_to_vars`` take Keras 3 variables (issue 36).
 - ``local_sources``: ``DistributedGradientTape.register_local_source`` keeps a
   rank's own gradient (divided by the size), the others are averaged.
 
@@ -16,6 +29,7 @@ Every rank prints ``rank R OK``; any failure exits 1 at once.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +72,134 @@ def check_errors(_: Any) -> None:
     np.testing.assert_allclose(dp.allreduce(tf.constant([float(r)]), op=dp.Sum), [1.0])
 
 
+PRECONDITION, ARGUMENT = tf.errors.FailedPreconditionError, tf.errors.InvalidArgumentError
+
+
+def error_cases(r: int) -> list[tuple[str, type, Callable[[], Any]]]:
+    """(what, Horovod's error type, a call that builds / runs the collective) on rank ``r``;
+    every call must fail on every rank."""
+    ones = tf.ones
+    return [
+        ("allreduce shape", PRECONDITION, lambda: dp.allreduce(ones([2 + r]))),
+        ("allreduce dtype", PRECONDITION,
+         lambda: dp.allreduce(ones([2], tf.float32 if r == 0 else tf.float64))),
+        ("allreduce bool", ARGUMENT, lambda: dp.allreduce(tf.constant([True]))),
+        ("grouped_allreduce count", PRECONDITION,
+         lambda: dp.grouped_allreduce([ones([2])] * (1 + r))),
+        ("allgather trailing", PRECONDITION, lambda: dp.allgather(ones([1, 2 + r]))),
+        ("allgather dtype", PRECONDITION,
+         lambda: dp.allgather(ones([1], tf.int32 if r == 0 else tf.int64))),
+        ("broadcast shape", PRECONDITION, lambda: dp.broadcast(ones([2 + r]), root_rank=0)),
+        ("broadcast dtype", PRECONDITION,
+         lambda: dp.broadcast(ones([2], tf.float32 if r == 0 else tf.int32), root_rank=0)),
+        ("broadcast root mismatch", PRECONDITION, lambda: dp.broadcast(ones([2]), root_rank=r)),
+        ("broadcast bad root on one rank", ARGUMENT,
+         lambda: dp.broadcast(ones([2]), root_rank=0 if r == 0 else 5)),
+        ("alltoall splits on one rank", ARGUMENT,
+         lambda: dp.alltoall(ones([3]), splits=[1, 2] if r == 0 else [1, 1])),
+        ("alltoall uneven rows", ARGUMENT, lambda: dp.alltoall(ones([3]))),
+        ("alltoall trailing", PRECONDITION, lambda: dp.alltoall(ones([2, 1 + r]))),
+        ("alltoall dtype", PRECONDITION,
+         lambda: dp.alltoall(ones([2], tf.float32 if r == 0 else tf.float16))),
+        ("reducescatter shape", PRECONDITION, lambda: dp.reducescatter(ones([2 + r, 2]))),
+        ("reducescatter dtype", PRECONDITION,
+         lambda: dp.reducescatter(ones([2], tf.float32 if r == 0 else tf.float64))),
+    ]
+
+
+def failure(call: Callable[[], Any]) -> BaseException:
+    try:
+        call()
+    except BaseException as error:
+        return error
+    raise AssertionError("no error")
+
+
+def in_session(build: Callable[[], Any]) -> None:
+    with tf.Graph().as_default():
+        fetch = build()
+        with tf.compat.v1.Session() as session:
+            session.run(fetch)
+
+
+def check_graph_errors(_: Any) -> None:
+    for what, kind, call in error_cases(dp.rank()):
+        eager = failure(call)
+        assert type(eager) is not kind and isinstance(eager, kind), (what, type(eager).__mro__)
+        message = str(eager)
+        runs = {"tf.function": tf.function(call), "session": functools.partial(in_session, call)}
+        for mode, run in runs.items():
+            error = failure(run)
+            where = f"{what} in {mode}"
+            assert isinstance(error, kind), f"{where}: {type(error).__name__}: {error}"
+            assert message in error.message, f"{where}: {message!r} not in {error.message!r}"
+    np.testing.assert_allclose(dp.allreduce(tf.constant([float(dp.rank())]), op=dp.Sum), [1.0])
+
+
+def keras3_model() -> keras.Model:
+    keras.utils.set_random_seed(3)  # the same weights on every rank
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="local"),
+                             keras.layers.Dense(2, name="shared_a"),
+                             keras.layers.Dense(1, name="shared_b")])
+
+
+def layer_path(variable: Any) -> str:
+    """'local/kernel': the variable's path without the model's (numbered) name."""
+    return str(variable.path).split("/", 1)[1]
+
+
+def tape_gradients(model: keras.Model, x: Any, split: list[Any] | None = None) -> Any:
+    """The model's gradients of ``sum(model(x))``: this rank's own, or (``split``: a
+    list that receives the local and the global variables' paths, when traced) from
+    ``PartialDistributedGradientTape`` with the first layer local, local ones first."""
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(tf.constant(x)))
+    if split is None:
+        return tape.gradient(loss, model.trainable_variables)
+    tape = dp.PartialDistributedGradientTape(tape, local_layers=model.layers[0])
+    local, shared = tape.get_local_and_global_gradients(loss, model.trainable_variables)
+    split[:] = [[layer_path(v) for v, _ in local], [layer_path(v) for v, _ in shared]]
+    return [g for _, g in local] + [g for _, g in shared]
+
+
+def check_keras3_local_layers(_: Any) -> None:
+    r, size = dp.rank(), dp.size()
+    model = keras3_model()
+    variables = model.trainable_variables
+    assert not hasattr(variables[0], "ref"), "a Keras 3 variable; this case needs one"
+    back = dp.refs_to_vars(dp.vars_to_refs([variables, variables[:1]]))
+    assert all(a is b for a, b in zip(back[0], variables, strict=True))
+    assert back[1][0] is variables[0]
+    x = np.arange(6, dtype=np.float32).reshape(2, 3) * (r + 1)
+    own = [np.asarray(g) for g in tape_gradients(model, x)]
+    expected = [own[0] / size, own[1] / size,
+                *[np.asarray(dp.allreduce(tf.constant(g))) for g in own[2:]]]
+    local_paths = {layer_path(v) for v in model.layers[0].trainable_variables}
+
+    def in_session(split: list[Any]) -> Any:
+        with tf.Graph().as_default():
+            grads = tape_gradients(keras3_model(), x, split)
+            with tf.compat.v1.Session() as session:
+                session.run(tf.compat.v1.global_variables_initializer())
+                return session.run(grads)
+
+    def traced(split: list[Any]) -> Any:
+        @tf.function
+        def step() -> Any:
+            return tape_gradients(model, x, split)
+
+        return step()
+
+    runs = {"eager": functools.partial(tape_gradients, model, x), "tf.function": traced,
+            "session": in_session}
+    for mode, run in runs.items():
+        split: list[Any] = []
+        grads = run(split)
+        assert set(split[0]) == local_paths and not set(split[1]) & local_paths, (mode, split)
+        for got, want in zip(grads, expected, strict=True):
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, err_msg=mode)
+
+
 def check_local_sources(_: Any) -> None:
     r = dp.rank()
     shared = tf.Variable([1.0, 1.0])
@@ -80,7 +222,9 @@ def check_local_sources(_: Any) -> None:
 
 CASES = {
     "errors": check_errors,
+    "graph_errors": check_graph_errors,
     "local_sources": check_local_sources,
+    "keras3_local_layers": check_keras3_local_layers,
 }
 
 
