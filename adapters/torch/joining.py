@@ -6,7 +6,7 @@ reductions of the ranks still training, contributing zero gradients; then
 ``join()`` returns on every rank, with the rank that joined last.
 
 Design (no extra collective per step): every optimizer's scheduler has a
-*control slot* (``GradientScheduler.control``), a few elements reduced,
+flag group (``Reducer.flags_of``), a few elements reduced,
 unscaled, with its last fusion bucket. It has one element per rank of the
 optimizer's process set. A training rank leaves the op's "idle" value
 everywhere; a joined rank writes the "joined" value into its own element.
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -51,9 +50,8 @@ class JoinFlags(RankMarks):
     join step reads them on the host (``decide``).
     """
 
-    def __init__(self, scheduler: Any, *, op: ReduceOp, ranks: Sequence[int], slot: int,
-                 like: torch.Tensor) -> None:
-        super().__init__(scheduler, op=op, ranks=ranks, slot=slot, offset=0, like=like)
+    def __init__(self, reducer: Any, *, op: ReduceOp, like: torch.Tensor) -> None:
+        super().__init__(reducer, "join", op=op, like=like)
         self._previous = torch.empty_like(self._elements())
         self._has_previous = False
 

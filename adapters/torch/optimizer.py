@@ -147,7 +147,7 @@ class _DistributedOptimizer:
         bytes, all-reduce time, exposed time not hidden behind backward); None
         when nothing is reduced (one rank). Restarts when the buckets are re-planned."""
         reducer = self._dp.reducer
-        return None if reducer is None else reducer.scheduler.stats
+        return None if reducer is None else reducer.stats
 
     def register_comm_hook(self, hook: Callable[..., Any]) -> None:
         """Reduce each fusion bucket with ``hook(state, bucket) -> Handle``
