@@ -81,19 +81,8 @@ def admit(kind: str, name: str | None, joined: Sequence[int]) -> None:
     if not joined or answers(kind):
         return
     named = "" if name is None else f" {name!r}"
-    raise JoinedRankError(refusal(joined, f"{kind}{named}", kind.capitalize()))
-
-
-def refusal(joined: Sequence[int], what: str, horovod: str | None = None) -> str:
-    """The message of every rank that called ``what`` while ``joined`` have joined."""
-    said = "" if horovod is None else f" (Horovod: '{horovod} is not supported with Join')"
-    return (
-        f"rank(s) {', '.join(map(str, joined))} have called hvd.join(), and {what} cannot "
-        f"run while a rank is joined{said}: a joined rank answers only allreduce, "
-        "grouped_allreduce, barrier and DistributedOptimizer steps. Call it before "
-        "join(), or call hvd.join() on this rank too: join() then returns the rank that "
-        "joined last on every rank. Every rank that called it raises this error"
-    )
+    raise JoinedRankError.refusing(
+        joined, f"{kind}{named}", f" (Horovod: '{kind.capitalize()} is not supported with Join')")
 
 
 class Listener:
