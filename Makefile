@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test test-unit test-multiproc check lint train bench clean
+.PHONY: install test test-fresh test-unit test-multiproc check lint train bench clean
 
 install: $(STAMP)
 
@@ -21,6 +21,11 @@ $(STAMP): requirements.txt setup.py pyproject.toml scripts/build_horovod.sh dp_p
 
 test: install
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest $(PYTEST_ARGS)
+
+# The same suite with every rank a fresh interpreter (no warm fork server;
+# see docs/testing.md): slower, for what only a fresh process shows.
+test-fresh: install
+	PATH=$(abspath $(VENV))/bin:$$PATH DP_PLUGIN_TEST_FRESH=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: install
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest tests/unit $(PYTEST_ARGS)

@@ -207,7 +207,10 @@ method: `opt.variables()` becomes `opt.variables`.
   runs the dp_plugin collectives built before it in that graph.
   `broadcast_global_variables` (and `BroadcastGlobalVariablesHook`) starts a
   new chain, so it runs alone without the training step; do not fetch it in
-  the same `Session.run` as collectives built before it.
+  the same `Session.run` as collectives built before it. A collective inside
+  `tf.compat.v1.cond`/`while_loop` of a TF1 graph (which Horovod allows) is
+  refused with `ValueError` when built: reduce before the construct, or
+  build the step in a `tf.function`.
 - **TensorFlow error types.** Ranks that disagree raise, eagerly, an error
   that is both Horovod's type (`tf.errors.FailedPreconditionError`;
   `InvalidArgumentError` for bad all-to-all splits) and dp_plugin's

@@ -64,8 +64,6 @@ MAX_FDS = 64
 
 FLAVOURS = ("torch", "tensorflow")
 _WAKE: list[int] = []
-_orphans: set[int] = set()
-"""Ranks killed because their client ended, not yet reaped."""
 """The SIGCHLD wakeup pipe's two ends: the server's own, closed in every child."""
 
 
@@ -205,7 +203,7 @@ def _become_rank(conn: socket.socket, request: dict[str, Any], fds: list[int]) -
     os.environ.clear()
     os.environ.update(request["env"])
     # The one variable a fresh rank would not have: the pid its launcher
-    # started and knows it by (mpiexec names it when a rank dies).
+    # started and knows it by (the client's), for tests that signal it.
     os.environ["DP_PLUGIN_TEST_LAUNCHED_PID"] = str(request["pid"])
     os.chdir(request["cwd"])
     for signo in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2,
@@ -326,7 +324,6 @@ def _client_gone(pid: int, children: dict[int, socket.socket],
     conn.close()
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    _orphans.add(pid)
 
 
 def _reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) -> None:
@@ -337,7 +334,6 @@ def _reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) 
             return
         if pid == 0:
             return
-        _orphans.discard(pid)
         conn = children.pop(pid, None)
         if conn is None:
             continue

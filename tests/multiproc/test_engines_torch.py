@@ -42,12 +42,17 @@ def test_gloo_battery(case: str, launcher: str, nprocs: int, rendezvous: str, sh
     Under horovodrun the ``errors`` case runs with DP_PLUGIN_JOB_SECRET on
     every rank (``collectives`` without): rank 0 signs the store address it
     publishes in Horovod's rendezvous server and the others verify it, or
-    they would not meet."""
+    they would not meet.
+
+    The ``collectives`` case under env-2 and horovodrun-2 is a fresh launch
+    (the harness forks the others from its warm server): the canaries of
+    interpreter start-up and exit for the gloo engine under both launchers."""
     env = {**ENV, "DP_PLUGIN_SHARED_MEMORY": shm}
     if (launcher, case) == ("horovodrun", "errors"):
         env["DP_PLUGIN_JOB_SECRET"] = SECRET
+    fresh = case == "collectives" and (launcher, nprocs) in (("env", 2), ("horovodrun", 2))
     result = run_workers(launcher, nprocs, BATTERY, ["--engine", "gloo", "--case", case],
-                         env=env, timeout=180)
+                         env=env, timeout=180, fresh=fresh)
     assert_ranks_ok(result, nprocs)
     assert result.output.count(rendezvous) == nprocs, result.output
     used = "shared memory: True" if shm == "1" else "shared memory: False"

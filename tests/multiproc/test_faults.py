@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -49,10 +50,16 @@ def _workers_alive() -> list[psutil.Process]:
 
 def _run(launcher: str, engine: str, case: str, nprocs: int = 2, **kwargs: object) -> RunResult:
     assert not _workers_alive(), "a fault worker of an earlier run is still alive"
-    result = run_workers(launcher, nprocs, WORKER, args=["--case", case],
-                         env={"DP_PLUGIN_ENGINE": engine, "DP_PLUGIN_TIMEOUT": str(TIMEOUT_S),
-                              **kwargs.pop("env", {})},  # type: ignore[dict-item]
-                         timeout=90, check=False, **kwargs)  # type: ignore[arg-type]
+    # Fresh: _workers_alive finds ranks by their command line, which a rank
+    # forked from the harness's warm server does not have. FAULT_RELEASE:
+    # the files a reporting rank makes, which end the stall case's sleep.
+    with tempfile.TemporaryDirectory(prefix="dp_plugin_faults_") as tmp:
+        result = run_workers(
+            launcher, nprocs, WORKER, args=["--case", case],
+            env={"DP_PLUGIN_ENGINE": engine, "DP_PLUGIN_TIMEOUT": str(TIMEOUT_S),
+                 "FAULT_RELEASE": os.path.join(tmp, "reported"),
+                 **kwargs.pop("env", {})},  # type: ignore[dict-item]
+            timeout=90, check=False, fresh=True, **kwargs)  # type: ignore[arg-type]
     assert all(code != 0 for code in result.returncodes), result.output
     assert not _workers_alive(), f"processes left behind:\n{result.output}"
     return result

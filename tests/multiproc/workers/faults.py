@@ -7,8 +7,9 @@ fault and prints ``FAULT at <unix time>`` first:
 - ``kill``: SIGKILLs itself after the forward pass (its gradient buckets
   never start; the others wait in theirs);
 - ``stall``: sleeps in the middle of backward's hooks, alive and holding its
-  sockets, for DP_PLUGIN_TIMEOUT + ``STALL_EXTRA_S`` s, then goes on (and
-  fails: the others are gone);
+  sockets, until the others have reported their error (each creates
+  ``FAULT_RELEASE.<rank>``) or for DP_PLUGIN_TIMEOUT + ``STALL_EXTRA_S`` s,
+  then goes on (and fails: the others are gone);
 - ``mismatch``: skips ``optimizer.step()`` and all-reduces a metric instead,
   so the ranks issue different collectives;
 - ``link_down``: takes its own network interface down (``FAULT_IFACE``), as
@@ -53,7 +54,10 @@ def _kill() -> None:
 
 def _stall() -> None:
     _fault_now()
-    time.sleep(runtime.engine().config.timeout_s + STALL_EXTRA_S)
+    others = [f"{os.environ['FAULT_RELEASE']}.{r}" for r in range(hvd.size() - 1)]
+    deadline = time.monotonic() + runtime.engine().config.timeout_s + STALL_EXTRA_S
+    while time.monotonic() < deadline and not all(os.path.exists(f) for f in others):
+        time.sleep(0.05)
 
 
 def _link_down() -> None:
@@ -101,6 +105,8 @@ def case(name: str) -> Any:
             rank = hvd.rank()
             print(f"rank {rank} error at {time.time():.3f}: {type(exc).__name__}: {exc}",
                   flush=True)
+            with open(f"{os.environ['FAULT_RELEASE']}.{rank}", "w"):
+                pass  # a stalled rank may go on now
             runtime.shutdown()
             print(f"rank {rank} shut down at {time.time():.3f}", flush=True)
             raise
