@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dp_plugin import agreement, fusion
-from dp_plugin.arrays import ArrayOps, NumpyOps, ops_for
+from dp_plugin.arrays import ArrayOps, NumpyOps, ops_for, spec_of
 from dp_plugin.buffer import FusionBuffer
 from dp_plugin.compression import get_compressor
 from dp_plugin.dtypes import itemsize
@@ -411,6 +411,21 @@ class FusedCollective:
                 "the ranks' collectives are out of step, so it cannot continue. Fix the cause "
                 "and restart the job"
             ) from self.broken
+
+
+def start_allreduce(engine: Any, outs: Sequence[Any], name: str | None, op: ReduceOp,
+                    pre: float, post: float) -> tuple[FusedCollective, list[Handle]]:
+    """Start the agreed all-reduce of ``outs`` (torch tensors or numpy arrays)
+    in place, grouped (``UNBOUNDED``): ``allreduce`` and its grouped forms,
+    and a joined rank's identity contribution to them (``join.replay``)."""
+    label = name or "allreduce"
+    specs = [TensorSpec(f"{label}.{i}", *spec_of(t)) for i, t in enumerate(outs)]
+    fused = FusedCollective(
+        specs, engine=engine, name=label, threshold=UNBOUNDED, order=range(len(specs)),
+        policy=ReducePolicy.for_collective(op, engine.size, prescale=pre, postscale=post),
+        array_ops=ops_for(outs[0]), agreed=True,
+    )
+    return fused, [h for b in fused.plan if (h := fused.start(b.index, outs)) is not None]
 
 
 def root_of(engine: Any, root_rank: Any) -> int:

@@ -89,6 +89,9 @@ class OptimizerState:
         """(group, index) in ``param_groups`` of each parameter NOT in ``params``
         (no hook, no bucket): the only ones ``unfrozen`` must look at."""
         self.hooks: list[Any] = []
+        self.owner: weakref.ref[Any] | None = None
+        """The optimizer whose ``param_groups`` were registered last (weakly:
+        ``join_finish`` re-registers it when its gradients turn sparse)."""
         self.reducer: Reducer | None = None
         """None when nothing is reduced (one rank, outside the process set, no parameters)."""
         self.marks: Marks | None = None
@@ -163,7 +166,7 @@ class OptimizerState:
         self.frozen = [(gi, pj) for gi, group in enumerate(groups)
                        for pj, p in enumerate(group["params"]) if id(p) not in reduced]
         self._reset_step()
-        ref = weakref.ref(optimizer)
+        ref = self.owner = weakref.ref(optimizer)
         for index, p in enumerate(params):
             self.hooks.append(p.register_post_accumulate_grad_hook(_make_hook(ref, index)))
 
@@ -378,7 +381,7 @@ class OptimizerState:
         ``joining``'s last joined rank)?"""
         return self.engine is not None and self.engine.size == job_engine().size
 
-    def join_finish(self, optimizer: Any) -> bool:
+    def join_finish(self) -> bool:
         """End the zero step; has every rank of the optimizer's set joined?"""
         reducer, marks = self.reducer, self.marks
         assert reducer is not None and marks is not None
@@ -390,7 +393,9 @@ class OptimizerState:
             marks.finite.decide([(self.names[p], g) for p, g in zip(self.params, results,
                                                                        strict=True)])
         everyone = marks.join.decide()[0]
-        if self.sparse.changed:  # the others' gradients turned sparse: re-plan as they do
+        # The others' gradients turned sparse: re-plan as they do.
+        optimizer = None if self.owner is None else self.owner()
+        if self.sparse.changed and optimizer is not None:
             self.sparse.changed = False
             self.register(optimizer)
         return everyone
