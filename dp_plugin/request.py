@@ -383,7 +383,18 @@ def _raise_problems(blocks: Described, detail: str, *, every_rank: bool = False)
     who = "every rank" if every_rank else f"rank(s) {ranks}"
     text = (f"{first['kind']}{_named(first['name'])} cannot run: {who} {said}. "
             f"Every rank of the collective raises this error.{mine}")
-    raise (TypeError if problem is Problem.UNSUPPORTED_DTYPE else ValueError)(text)
+    error = (TypeError if problem is Problem.UNSUPPORTED_DTYPE else ValueError)(text)
+    # The builtin class stays (scripts and tests name it); the problem rides
+    # along for adapters that pick their own class from it (``problem_of``).
+    error.problem = problem  # type: ignore[union-attr]
+    raise error
+
+
+def problem_of(error: BaseException) -> Problem:
+    """The problem a rank found in its own request that ``error`` (raised by
+    ``check``) reports; ``Problem.NONE`` for any other error."""
+    problem = getattr(error, "problem", Problem.NONE)
+    return problem if isinstance(problem, Problem) else Problem.NONE
 
 
 def _raise_mismatch(blocks: Described, req: Request) -> None:

@@ -3,7 +3,9 @@
 Horovod's TensorFlow ops fail with ``tf.errors.FailedPreconditionError``
 when ranks disagree (shapes, dtypes, ops, roots) and with
 ``tf.errors.InvalidArgumentError`` for bad all-to-all splits; scripts catch
-those. The core raises its own types (``MismatchError`` from the
+those. The class follows the problem the check found
+(``request.problem_of``), never words of the message, so every rank raises
+the same class. The core raises its own types (``MismatchError`` from the
 request check, ``LayoutMismatchError``, or ``ValueError`` / ``TypeError``
 naming the bad input), with the same message on every rank, at the call.
 The TensorFlow adapter re-raises each as a class that is *both*:
@@ -28,7 +30,7 @@ from typing import Any, TypeVar
 
 import tensorflow as tf
 from dp_plugin.errors import LayoutMismatchError
-from dp_plugin.request import MismatchError
+from dp_plugin.request import MismatchError, Problem, problem_of
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -81,7 +83,7 @@ def as_tensorflow_error(error: BaseException) -> BaseException | None:
     message = str(error)
     if isinstance(error, LayoutMismatchError):
         return CollectiveLayoutError(message)
-    if "splits" in message and isinstance(error, ValueError):
+    if problem_of(error) is Problem.BAD_SPLITS:
         return SplitsError(message)
     if isinstance(error, MismatchError):
         return CollectiveMismatchError(message)
