@@ -49,7 +49,7 @@ def fusion_bytes(opt: Any, params: list[Any]) -> tuple[int, int]:
     """(bytes of the fusion buffers, of those also the storage of a ``.grad``):
     the pinned buffers (those gradients live in) and the slabs the others
     borrow (``dp_plugin.slabs``)."""
-    fused = opt._dp.reducer.scheduler.fused
+    fused = opt._dp.reducer.fused
     flats = [b.flat for b in fused.buffers if b.pinned and b.flat is not None]
     flats += [s.storage for s in fused.pool.slabs() if s.storage is not None]
     total = sum(f.numel() * f.element_size() for f in flats)
@@ -93,7 +93,7 @@ def worker(steps: int) -> None:
     if hvd.rank() == 0:
         print("RESULT " + json.dumps({
             "samples": samples, "fusion_bytes": fused, "shared_bytes": shared,
-            "grad_bytes": grads, "buckets": len(opt._dp.reducer.scheduler.plan)}), flush=True)
+            "grad_bytes": grads, "buckets": len(opt._dp.reducer.plan)}), flush=True)
     hvd.shutdown()
 
 

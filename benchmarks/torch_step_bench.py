@@ -141,12 +141,12 @@ def worker(config: str, steps: int, warmup: int) -> None:
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
         times = train(model, opt, make_batches(rank, warmup + steps))[warmup:]
-        # dp_plugin's optimizer keeps its GradientScheduler here (private; a
+        # dp_plugin's optimizer keeps its Reducer here (private; a
         # benchmark may look): its StepStats say where communication time went.
         reducer = getattr(getattr(opt, "_dp", None), "reducer", None)
         if reducer is not None:
-            stats = _scheduler_stats(reducer.scheduler, warmup)
-            tuner = reducer.scheduler.autotuner
+            stats = _scheduler_stats(reducer, warmup)
+            tuner = reducer.autotuner
             if tuner is not None and tuner.decision is not None:
                 stats["autotune"] = tuner.decision.as_args()
         stats["engine"] = _engine_name(hvd)

@@ -114,14 +114,8 @@ def compare(engine: Any, tag: str, described: Any, numbers: Sequence[int] = (), 
     heard = conclude(engine, table, payload, numbers)
     if heard.joined and not all(heard.joined_ok):
         members = getattr(engine, "global_ranks", range(engine.size))
-        joined = ", ".join(str(members[r]) for r in heard.joined)
-        raise JoinedRankError(
-            f"rank(s) {joined} have called hvd.join(), and {heard.tags()} cannot run while a "
-            "rank is joined: a joined rank answers only allreduce, grouped_allreduce, barrier "
-            "and DistributedOptimizer steps (dp_plugin.join). Call it before join(), or call "
-            "hvd.join() on this rank too: join() then returns the rank that joined last on "
-            "every rank. Every rank that called it raises this error"
-        )
+        raise JoinedRankError.refusing([members[r] for r in heard.joined], heard.tags(),
+                                       where=" (dp_plugin.join)")
     return Compared(None if heard.same else heard.described, heard.numbers, heard.joined)
 
 

@@ -65,8 +65,6 @@ class FusionBuffer:
         the module docstring); it then never borrows a slab again."""
         self._slab: Slab | None = None
         """The slab ``flat`` lies in (None: ``flat`` is the buffer's own)."""
-        self._direct: Any = None
-        self._aliased: list[bool] = []
 
     @property
     def numel(self) -> int:
@@ -109,42 +107,43 @@ class FusionBuffer:
         return None
 
     def pack(self, ops: ArrayOps, tensors: Sequence[Any], prescale: float, direct: Any = None,
-             slab: Slab | None = None) -> GradBucket:
+             slab: Slab | None = None) -> list[bool]:
         """Bring this step's ``tensors`` (one per member) into the buffer: into
         ``direct`` (from ``direct_alias``) if given, else into ``slab`` if
-        given (an unpinned buffer), else into the buffer's own storage. The
-        returned ``GradBucket`` is what the hook reduces."""
-        self._direct = direct
+        given (an unpinned buffer), else into the buffer's own storage.
+        Returns, per member, whether it already was its slice (*aliased*:
+        scaled in place, nothing copied); empty for ``direct``. The caller
+        keeps both for ``unpack``: they are the bucket's state in flight."""
         if direct is not None:
             if prescale != 1.0:
                 ops.scale_(direct, prescale)
-            return self._grad_bucket(ops, direct)
+            return []
         if slab is not None:
             self.borrow(ops, slab)
         else:
             self.allocate(ops)
-        self._aliased = []
+        aliased = []
         for view, tensor in zip(self.views, tensors, strict=True):
-            aliased = ops.shares_memory(view, tensor)
-            self._aliased.append(aliased)
-            if aliased:
+            aliased.append(ops.shares_memory(view, tensor))
+            if aliased[-1]:
                 if prescale != 1.0:
                     ops.scale_(view, prescale)
             elif prescale != 1.0:
                 ops.pack_scaled(view, tensor, prescale)
             else:
                 ops.pack(view, tensor)
-        return self._grad_bucket(ops, self.flat)
+        return aliased
 
-    def unpack(self, ops: ArrayOps, tensors: Sequence[Any], postscale: float) -> None:
-        """Write the reduced values back into ``tensors`` (post-scaled)."""
-        if self._direct is not None:
+    def unpack(self, ops: ArrayOps, tensors: Sequence[Any], postscale: float, direct: Any,
+               aliased: Sequence[bool]) -> None:
+        """Write the reduced values back into ``tensors`` (post-scaled);
+        ``direct`` and ``aliased`` are what ``pack`` was given and returned."""
+        if direct is not None:
             if postscale != 1.0:
-                ops.scale_(self._direct, postscale)
-            self._direct = None
+                ops.scale_(direct, postscale)
             return
-        for view, tensor, aliased in zip(self.views, tensors, self._aliased, strict=True):
-            if aliased:
+        for view, tensor, alias in zip(self.views, tensors, aliased, strict=True):
+            if alias:
                 if postscale != 1.0:
                     ops.scale_(view, postscale)
             elif postscale != 1.0:
@@ -152,11 +151,13 @@ class FusionBuffer:
             else:
                 ops.unpack(tensor, view)
 
-    def _grad_bucket(self, ops: ArrayOps, flat: Any) -> GradBucket:
+    def grad_bucket(self, ops: ArrayOps, direct: Any = None) -> GradBucket:
+        """What the hook reduces: ``direct`` (the member itself) or the flat buffer."""
         b = self.bucket
         slab = self._slab
-        return GradBucket(b.index, b.dtype, b.device, self.names, ops, flat, self.label,
-                          self.scratch, None if slab is None else slab.shared,
+        return GradBucket(b.index, b.dtype, b.device, self.names, ops,
+                          self.flat if direct is None else direct, self.label, self.scratch,
+                          None if slab is None else slab.shared,
                           0 if slab is None else slab.numel)
 
     def describe(self) -> str:

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from dp_plugin import agreement
-from dp_plugin.arrays import ArrayOps, NumpyOps, ops_for
+from dp_plugin import agreement, fusion
+from dp_plugin.arrays import ArrayOps, NumpyOps, ops_for, spec_of
 from dp_plugin.buffer import FusionBuffer
 from dp_plugin.compression import get_compressor
 from dp_plugin.dtypes import itemsize
@@ -66,6 +67,37 @@ cluster (benchmarks/cluster_bench.py, BENCHMARKS.md "Rehearsal cluster"):
 small enough that the first pack and the last unpack, the only copies left
 exposed, are short; large enough that a collective's fixed cost per bucket
 stays small next to its transfer."""
+
+
+@dataclass(eq=False)
+class Bucket:
+    """One bucket of the plan: its plan entry, its fusion buffer, and what it
+    has in flight between ``start`` and ``finish`` (DDP's ``Bucket``)."""
+
+    entry: fusion.Bucket
+    buffer: FusionBuffer
+    handle: Handle | None = None
+    """The collective in flight (None: not started, or finished)."""
+    tensors: list[Any] | None = None
+    """The tensors it was started with: the results are written back there."""
+    direct: Any = None
+    """The one member reduced where it lies (``FusionBuffer.direct_alias``), if so."""
+    aliased: list[bool] = field(default_factory=list)
+    """Per member: it already was its slice of the buffer (``FusionBuffer.pack``)."""
+    folded: bool = False
+    """Did its hook fold the post-scale into the reduction?"""
+    packed: tuple[float, float] = (0.0, 0.0)
+    unpacked: tuple[float, float] | None = None
+    """When it was unpacked (None: not yet, this time in flight)."""
+
+    @property
+    def index(self) -> int:
+        return self.entry.index
+
+    @property
+    def pending(self) -> bool:
+        """Started and not unpacked yet."""
+        return self.handle is not None and self.unpacked is None
 
 
 class FusedCollective:
@@ -152,34 +184,33 @@ class FusedCollective:
         self.plan = plan
         self.plan_version += 1
         last = len(plan) - 1
-        self.buffers = [
-            FusionBuffer(b, self.specs, f"{self.name}.bucket{b.index}",
-                         self.control_numel if b.index == last else 0,
-                         # One tensor over the threshold; or a grouped collective's
-                         # chunk, which must not wait for a slab (all start at once).
-                         pinned=self.grouped or b.nbytes > self.threshold,
-                         wire_dtype=self.compressor.wire_dtype(b.dtype))
+        self.buckets = [
+            Bucket(b, FusionBuffer(
+                b, self.specs, f"{self.name}.bucket{b.index}",
+                self.control_numel if b.index == last else 0,
+                # One tensor over the threshold; or a grouped collective's
+                # chunk, which must not wait for a slab (all start at once).
+                pinned=self.grouped or b.nbytes > self.threshold,
+                wire_dtype=self.compressor.wire_dtype(b.dtype)))
             for b in plan
         ]
         self.bucket_of = [0] * len(self.specs)
         for b in plan:
             for i in b.members:
                 self.bucket_of[i] = b.index
-        self.pool = SlabPool(buf.bucket for buf in self.buffers if not buf.pinned)
+        self.pool = SlabPool(r.entry for r in self.buckets if not r.buffer.pinned)
         """Where unpinned buffers lie while they are in flight (``dp_plugin.slabs``)."""
-        self._handles: list[Handle | None] = [None] * len(plan)
-        self._started_with: list[list[Any] | None] = [None] * len(plan)
-        self._folded = [False] * len(plan)
-        """Per bucket in flight: did its hook fold the post-scale into the reduction?"""
-        self._pack_spans = [(0.0, 0.0)] * len(plan)
-        self._unpack_spans: list[tuple[float, float] | None] = [None] * len(plan)
+
+    @property
+    def buffers(self) -> list[FusionBuffer]:
+        return [r.buffer for r in self.buckets]
 
     def replan(self, order: Sequence[int]) -> bool:
         """Re-plan for the ready order ``order``; True if the buckets changed."""
         plan = self._plan(order)
         if [b.members for b in plan] == [b.members for b in self.plan]:
             return False
-        control = self.buffers[-1].control if self.buffers else None
+        control = self.buckets[-1].buffer.control if self.buckets else None
         self.install(plan)
         if control is not None:  # the control slot's values move with it
             self.backend().pack(self.control(), control)
@@ -209,8 +240,9 @@ class FusedCollective:
         """Spec ``index``'s slice of its fusion buffer, shaped like the spec;
         the buffer is pinned from now on (the caller may keep the slice as
         storage, see ``FusionBuffer``)."""
-        buf = self.buffers[self.bucket_of[index]]
-        if not buf.pinned and self._handles[buf.bucket.index] is not None:
+        record = self.buckets[self.bucket_of[index]]
+        buf = record.buffer
+        if not buf.pinned and record.handle is not None:
             raise DPPluginError(
                 f"{self.name!r}: a view of tensor {self.specs[index].name!r} was asked for while "
                 "its bucket is in flight; take views before the bucket starts (a programming "
@@ -221,11 +253,11 @@ class FusedCollective:
     def packs(self, index: int) -> bool:
         """True if spec ``index`` is copied into a fusion buffer (False when
         its bucket is one member reduced where it lies, see ``FusionBuffer``)."""
-        return not self.buffers[self.bucket_of[index]].in_place
+        return not self.buckets[self.bucket_of[index]].buffer.in_place
 
     def control(self, like: Any = None) -> Any:
         """The control slot (in the last bucket's buffer)."""
-        buf = self.buffers[-1]
+        buf = self.buckets[-1].buffer
         buf.allocate(self.backend(like))
         return buf.control
 
@@ -244,7 +276,8 @@ class FusedCollective:
         """Pack bucket ``index`` from ``tensors`` (indexed by spec) and start its
         collective. Returns the handle (None for an empty bucket)."""
         self.check_usable()
-        buf = self.buffers[index]
+        record = self.buckets[index]
+        buf = record.buffer
         if buf.numel == 0:
             return None  # nothing to move; every rank skips it alike (same plan)
         self.agree()
@@ -252,16 +285,16 @@ class FusedCollective:
         ops, members = self._members(index, tensors)
         direct = buf.direct_alias(ops, members)
         slab = None if direct is not None or buf.pinned else self._free_slab(index)
-        grad_bucket = buf.pack(ops, members, self.policy.prescale, direct, slab)
+        record.aliased = buf.pack(ops, members, self.policy.prescale, direct, slab)
+        record.direct = direct
+        grad_bucket = buf.grad_bucket(ops, direct)
         if self._can_fold(buf):
             grad_bucket.postscale = self.policy.postscale
         t1 = time.perf_counter()
         handle: Handle = self.guard(lambda: self.hook(self.state, grad_bucket), buf)
-        self._folded[index] = grad_bucket.folded
+        record.folded = grad_bucket.folded
         handle.context = buf.describe  # the engine's timeout message names the bucket
-        self._handles[index] = handle
-        self._started_with[index] = members
-        self._pack_spans[index] = (t0, t1)
+        record.handle, record.tensors, record.packed = handle, members, (t0, t1)
         return handle
 
     def _can_fold(self, buf: FusionBuffer) -> bool:
@@ -278,76 +311,71 @@ class FusedCollective:
     def would_block(self, index: int, tensors: Sequence[Any]) -> bool:
         """Would ``start(index, tensors)`` wait for an earlier bucket to finish
         (its slab is still in flight)? For callers that must not block."""
-        buf = self.buffers[index]
+        buf = self.buckets[index].buffer
         if buf.numel == 0 or buf.pinned:
             return False
         if buf.direct_alias(*self._members(index, tensors)) is not None:
             return False
         owner = self.pool.slab_of(buf.bucket).owner
-        return owner is not None and self._pending(owner) and not self.done(owner)
+        return owner is not None and self.buckets[owner].pending and not self.done(owner)
 
     def _members(self, index: int, tensors: Sequence[Any]) -> tuple[ArrayOps, list[Any]]:
         """The array backend and bucket ``index``'s members among ``tensors``."""
-        members = [tensors[i] for i in self.buffers[index].bucket.members]
+        members = [tensors[i] for i in self.buckets[index].entry.members]
         return self.backend(members[0] if members else None), members
-
-    def _pending(self, index: int) -> bool:
-        """Started and not unpacked yet."""
-        return self._handles[index] is not None and self._unpack_spans[index] is None
 
     def _free_slab(self, index: int) -> Slab:
         """Bucket ``index``'s slab, once the bucket that used it before is
         unpacked (waiting for that one here if it is still in flight)."""
-        bucket = self.buffers[index].bucket
-        owner = self.pool.slab_of(bucket).owner
-        if owner is not None and self._pending(owner):
-            self._unpack(owner)
-        return self.pool.take(bucket)
+        entry = self.buckets[index].entry
+        owner = self.pool.slab_of(entry).owner
+        if owner is not None and self.buckets[owner].pending:
+            self._unpack(self.buckets[owner])
+        return self.pool.take(entry)
 
-    def _unpack(self, index: int) -> None:
-        """Wait for bucket ``index`` and write its result into the tensors it
-        was started with."""
-        self.wait(index)
-        members = self._started_with[index]
-        assert members is not None  # started
+    def _unpack(self, record: Bucket) -> None:
+        """Wait for ``record`` and write its result into the tensors it was
+        started with."""
+        self.wait(record.index)
+        assert record.tensors is not None  # started
         t0 = time.perf_counter()
-        buf = self.buffers[index]
-        buf.unpack(self.backend(), members, 1.0 if self._folded[index] else self.policy.postscale)
-        self._unpack_spans[index] = (t0, time.perf_counter())
+        record.buffer.unpack(self.backend(), record.tensors,
+                             1.0 if record.folded else self.policy.postscale,
+                             record.direct, record.aliased)
+        record.direct = None
+        record.unpacked = (t0, time.perf_counter())
 
     def wire_bytes(self, index: int) -> int:
-        b = self.buffers[index]
+        b = self.buckets[index].buffer
         return b.numel * itemsize(b.wire_dtype)
 
     def done(self, index: int) -> bool:
-        handle = self._handles[index]
-        return handle is None or bool(self.guard(handle.done, self.buffers[index]))
+        record = self.buckets[index]
+        return record.handle is None or bool(self.guard(record.handle.done, record.buffer))
 
     def wait(self, index: int) -> None:
-        handle = self._handles[index]
-        if handle is not None:
-            self.guard(handle.wait, self.buffers[index])
+        record = self.buckets[index]
+        if record.handle is not None:
+            self.guard(record.handle.wait, record.buffer)
 
     def finish(self, index: int) -> Handle | None:
         """Wait for bucket ``index`` and unpack it into the tensors it was
         started with (unless a later bucket needed its slab and did that
         already); returns its (completed) handle, or None if the bucket was
         not started."""
-        handle = self._handles[index]
+        record = self.buckets[index]
+        handle = record.handle
         if handle is None:
             return None
-        if self._unpack_spans[index] is None:
-            self._unpack(index)
-        spans = self._unpack_spans[index]
-        assert spans is not None  # unpacked just now, or when its slab was needed
-        t0, t1 = spans
-        self._handles[index] = None
-        self._started_with[index] = None
-        self._unpack_spans[index] = None
-        b = self.buffers[index].bucket
+        if record.unpacked is None:
+            self._unpack(record)
+        assert record.unpacked is not None  # unpacked just now, or when its slab was needed
+        t0, t1 = record.unpacked
+        record.handle = record.tensors = record.unpacked = None
+        b = record.entry
         args = {"bucket": b.index, "tensors": len(b.members), "bytes": b.nbytes}
         tl = self.timeline
-        tl.span(f"pack {b.index}", "pack", *self._pack_spans[index], tid="pack", args=args)
+        tl.span(f"pack {b.index}", "pack", *record.packed, tid="pack", args=args)
         tl.span(f"allreduce {b.index}", "allreduce", handle.started_at,
                 handle.completed_at or t0, tid="allreduce", args=args)
         tl.span(f"unpack {b.index}", "unpack", t0, t1, tid="unpack", args=args)
@@ -383,6 +411,21 @@ class FusedCollective:
                 "the ranks' collectives are out of step, so it cannot continue. Fix the cause "
                 "and restart the job"
             ) from self.broken
+
+
+def start_allreduce(engine: Any, outs: Sequence[Any], name: str | None, op: ReduceOp,
+                    pre: float, post: float) -> tuple[FusedCollective, list[Handle]]:
+    """Start the agreed all-reduce of ``outs`` (torch tensors or numpy arrays)
+    in place, grouped (``UNBOUNDED``): ``allreduce`` and its grouped forms,
+    and a joined rank's identity contribution to them (``join.replay``)."""
+    label = name or "allreduce"
+    specs = [TensorSpec(f"{label}.{i}", *spec_of(t)) for i, t in enumerate(outs)]
+    fused = FusedCollective(
+        specs, engine=engine, name=label, threshold=UNBOUNDED, order=range(len(specs)),
+        policy=ReducePolicy.for_collective(op, engine.size, prescale=pre, postscale=post),
+        array_ops=ops_for(outs[0]), agreed=True,
+    )
+    return fused, [h for b in fused.plan if (h := fused.start(b.index, outs)) is not None]
 
 
 def root_of(engine: Any, root_rank: Any) -> int:

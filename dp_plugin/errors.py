@@ -5,6 +5,10 @@ concern several ranks (layout mismatch, timeouts) are raised on every rank
 involved, never left to hang.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+
 
 class DPPluginError(RuntimeError):
     """Base class of every error dp_plugin raises on purpose."""
@@ -48,3 +52,17 @@ class NonFiniteGradientError(DPPluginError):
 class JoinedRankError(DPPluginError):
     """A collective that a joined rank (``join()``) cannot answer was called
     while that rank was joined; raised on every rank, the joined one included."""
+
+    @classmethod
+    def refusing(cls, joined: Sequence[int], what: str, said: str = "",
+                 where: str = "") -> JoinedRankError:
+        """The one message: ``joined`` (global ranks) have joined and ``what``
+        cannot run; ``said`` follows "joined" (Horovod's words), ``where``
+        follows the list of what a joined rank answers."""
+        return cls(
+            f"rank(s) {', '.join(map(str, joined))} have called hvd.join(), and {what} cannot "
+            f"run while a rank is joined{said}: a joined rank answers only allreduce, "
+            f"grouped_allreduce, barrier and DistributedOptimizer steps{where}. Call it before "
+            "join(), or call hvd.join() on this rank too: join() then returns the rank that "
+            "joined last on every rank. Every rank that called it raises this error"
+        )

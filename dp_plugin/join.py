@@ -60,6 +60,10 @@ from dp_plugin.agreement import (
     to_device,
     to_host,
 )
+from dp_plugin.arrays import numpy_dtype
+from dp_plugin.collective import start_allreduce
+from dp_plugin.dtypes import is_floating
+from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import CollectiveTimeoutError, JoinedRankError
 
 ANSWERED = frozenset({"allreduce", "barrier"})
@@ -81,19 +85,8 @@ def admit(kind: str, name: str | None, joined: Sequence[int]) -> None:
     if not joined or answers(kind):
         return
     named = "" if name is None else f" {name!r}"
-    raise JoinedRankError(refusal(joined, f"{kind}{named}", kind.capitalize()))
-
-
-def refusal(joined: Sequence[int], what: str, horovod: str | None = None) -> str:
-    """The message of every rank that called ``what`` while ``joined`` have joined."""
-    said = "" if horovod is None else f" (Horovod: '{horovod} is not supported with Join')"
-    return (
-        f"rank(s) {', '.join(map(str, joined))} have called hvd.join(), and {what} cannot "
-        f"run while a rank is joined{said}: a joined rank answers only allreduce, "
-        "grouped_allreduce, barrier and DistributedOptimizer steps. Call it before "
-        "join(), or call hvd.join() on this rank too: join() then returns the rank that "
-        "joined last on every rank. Every rank that called it raises this error"
-    )
+    raise JoinedRankError.refusing(
+        joined, f"{kind}{named}", f" (Horovod: '{kind.capitalize()} is not supported with Join')")
 
 
 class Listener:
@@ -129,6 +122,44 @@ def answerable(heard: Heard, kind: str) -> bool:
     an agreement that refuses joined ranks, a refused kind, or ranks that
     disagree among themselves; this rank just keeps listening.)"""
     return heard.same and all(heard.joined_ok) and answers(kind)
+
+
+def replay(engine: Any, described: list[dict[str, Any]]) -> None:
+    """Run, contributing nothing, the collective the other ranks agreed on
+    (``described``: one description per tensor, ``request.joined_view``;
+    blocks). All-reduce: the same grouped all-reduce on the op's identity
+    (zeros for Sum and Average, as Horovod's joined ranks contribute, so
+    Average still divides by the full size; +inf/-inf/1 for
+    Min/Max/Product). Barrier: the agreement was all of it."""
+    kind, name = described[0]["kind"], described[0]["name"]
+    if kind == "barrier":
+        return
+    if kind != "allreduce":  # answerable said no first
+        raise AssertionError(f"a joined rank cannot answer {kind}")
+    op = ReduceOp.parse(described[0]["op"])
+    pre, post = described[0]["scales"]
+    _, handles = start_allreduce(engine, [_identity_like(d, op) for d in described], name,
+                                 op, pre, post)
+    for h in handles:
+        h.wait()
+
+
+def _identity_like(d: dict[str, Any], op: ReduceOp) -> Any:
+    """A buffer shaped like the others' tensor, on this rank's device of its
+    kind, holding the value that leaves ``op``'s reduction unchanged."""
+    dtype = numpy_dtype(d["dtype"])
+    value: Any = 0
+    if op is ReduceOp.PRODUCT:
+        value = 1
+    elif op in (ReduceOp.MIN, ReduceOp.MAX):
+        if is_floating(d["dtype"]):
+            value = np.inf if op is ReduceOp.MIN else -np.inf
+        else:
+            info = np.iinfo(dtype)
+            value = info.max if op is ReduceOp.MIN else info.min
+    arr = np.full(tuple(d["shape"]), value, dtype=dtype)
+    kind = str(d["device"]).split(":")[0]  # the current device of that kind here
+    return arr if kind == "cpu" else to_device(arr, kind)
 
 
 class Deadline:

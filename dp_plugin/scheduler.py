@@ -1,9 +1,10 @@
-"""Gradient scheduling: ready events -> fused, asynchronous, ordered all-reduces.
+"""Gradient reduction: ready events -> fused, asynchronous, ordered all-reduces.
 
-``GradientScheduler`` tracks which gradients of the current step are ready
-and drives a ``FusedCollective`` (``dp_plugin.collective``) bucket by
-bucket; everything about one step lives in a ``StepState`` that is replaced
-when the step ends.
+``Reducer`` (one per gradient stream) tracks which gradients of the current
+step are ready and launches its buckets (``dp_plugin.collective``) in
+order; everything about one step lives in a ``StepState`` that is replaced
+when the step ends. ``GradientScheduler`` is the Reducer built from the
+user's keyword arguments (the core's public edge: it validates them).
 """
 
 from __future__ import annotations
@@ -34,123 +35,37 @@ _ACCUMULATION_ERROR = (
 )
 
 
-class GradientScheduler:
-    """Turn "this gradient is ready" events into fused all-reduces.
+class Reducer:
+    """One gradient stream's reduction (DDP's ``Reducer``): ready tracking,
+    fused buckets launched in order, the step's state, the agreement and the
+    per-rank flags that ride on the last bucket.
 
-    An adapter registers every tensor to reduce once (``specs``, in
-    registration order), calls ``mark_ready(i, grad)`` from each gradient's
-    backward hook and ``synchronize()`` before the optimizer steps::
-
-        sched = GradientScheduler([TensorSpec.of(n, p) for n, p in named_params])
-        # backward: for each gradient as it is produced
-        sched.mark_ready(i, grad_i)
-        reduced = sched.synchronize()      # grads now hold the averaged values
-
-    Tensors are grouped into fusion buckets (``dp_plugin.fusion``). When every
-    gradient of a bucket is ready the bucket is packed into a persistent flat
-    buffer, scaled, optionally compressed, and its all-reduce starts, so
-    communication overlaps the rest of backward.
-
-    Distributed contract:
-    - every rank constructs the scheduler with the same specs, in the same
-      order, and the same ``op``, ``compression``, threshold, scale factors,
-      ``backward_passes_per_step`` and ``rebuild_buckets`` setting; the first
-      step checks all of them and raises ``LayoutMismatchError`` on every
-      rank, naming the tensor or setting that differs;
-    - buckets are launched strictly in bucket-index order on every rank,
-      whatever order the gradients become ready in, so the engines always see
-      the same sequence of collectives;
-    - ``mark_ready`` may start collectives (and, in the first step, the
-      agreement check), and wait for an earlier bucket whose slab a copied
-      bucket needs (``dp_plugin.slabs``: at most two in flight per kind);
-      ``synchronize()`` is a synchronization point: it returns once every
-      bucket has been reduced on this rank. After the first
-      ``synchronize()`` the plan may be rebuilt from rank 0's observed ready
-      order (one broadcast);
-    - a tensor passed to ``mark_ready`` must not be modified until
-      ``synchronize()`` returns; the reduced values are written back into it.
-
-    Scaling follows Horovod's torch ``DistributedOptimizer``
-    (``dp_plugin.hooks.ReducePolicy``): with ``op='average'`` each rank
-    multiplies by ``prescale/f`` before the sum and the result by
-    ``postscale*f/size`` after it (``f`` is ``gradient_predivide_factor``).
-
-    Arguments: ``engine`` defaults to the one ``dp_plugin.init()`` started;
-    ``fusion_threshold`` (bytes) to ``engine.config.fusion_threshold``, with
-    the first bucket capped at ``engine.config.first_bucket_threshold`` and
-    a small gradient spread over ``engine.config.min_buckets`` buckets (an
-    explicit ``fusion_threshold`` applies to every bucket);
-    ``timeline`` to the Chrome trace named by ``engine.config.timeline``;
-    ``compression`` is 'none', 'fp16', 'bf16' or a ``Compressor``; ``hook``
-    replaces the default all-reduce hook (``dp_plugin.hooks``); ``name``
-    prefixes the collectives' names; ``control_numel`` reserves a control
-    slot (``control()``) reduced with the last bucket; ``settings`` (name ->
-    value) are the caller's settings the first step compares across ranks;
-    ``autotune=True`` measures the candidate thresholds of ``engine.config``
-    during the first steps and keeps the fastest (``dp_plugin.autotune``).
-
-    Calls are serialised by a lock, so ``mark_ready`` may come from autograd's
-    worker threads; one step must still end (``synchronize()``) before the
-    next begins.
+    One constructor: ``policy`` is the one ``ReducePolicy`` (scaling),
+    built where the arguments were validated (``GradientScheduler`` for a
+    caller of the core; ``hvd.DistributedOptimizer`` and TensorFlow's
+    ``parse_reduction`` for theirs); ``passes`` is ``backward_passes_per_step``.
+    ``flags`` names groups of per-rank flags (one element per rank each) in
+    the control slot: ``flags_of(name)`` is a group's elements, reduced
+    (unscaled) with the last bucket, so they cost no collective of their
+    own. ``what`` names the tensors in an agreement's messages. The other
+    arguments are ``GradientScheduler``'s.
     """
 
-    def __init__(
-        self,
-        specs: Sequence[TensorSpec],
-        *,
-        engine: Any = None,
-        op: ReduceOp | str = "average",
-        compression: str | Compressor = "none",
-        gradient_predivide_factor: float = 1.0,
-        prescale_factor: float = 1.0,
-        postscale_factor: float = 1.0,
-        backward_passes_per_step: int = 1,
-        fusion_threshold: int | None = None,
-        timeline: Any = None,
-        name: str = "grads",
-        array_ops: ArrayOps | None = None,
-        hook: CommHook | None = None,
-        control_numel: int = 0,
-        settings: dict[str, Any] | None = None,
-        autotune: bool = False,
-    ) -> None:
-        if engine is None:
-            from dp_plugin import runtime
-
-            engine = runtime.engine()
-        checked = checked_specs(specs)
-        passes = check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)
-        policy = ReducePolicy.make(op, engine.size, [(s.name, s.dtype) for s in checked],
-                                   predivide=gradient_predivide_factor,
-                                   prescale=prescale_factor, postscale=postscale_factor)
-        self._setup(checked, engine=engine, policy=policy, passes=passes, compression=compression,
-                    fusion_threshold=fusion_threshold, timeline=timeline, name=name,
-                    array_ops=array_ops, hook=hook, control_numel=control_numel,
-                    settings=settings, autotune=autotune)
-
-    @classmethod
-    def validated(cls, specs: Sequence[TensorSpec], *, engine: Any, policy: ReducePolicy,
-                  passes: int, compression: Compressor, **options: Any) -> GradientScheduler:
-        """The scheduler of an adapter whose public function validated the user's
-        arguments (``hvd.DistributedOptimizer``): ``policy`` built from them
-        (``ReducePolicy.for_gradients``), ``passes`` >= 1; ``options`` as for
-        the constructor."""
-        scheduler = cls.__new__(cls)
-        scheduler._setup(checked_specs(specs), engine=engine, policy=policy, passes=passes,
-                         compression=compression, **options)
-        return scheduler
-
-    def _setup(self, specs: tuple[TensorSpec, ...], *, engine: Any, policy: ReducePolicy,
-               passes: int, compression: str | Compressor, fusion_threshold: int | None = None,
-               timeline: Any = None, name: str = "grads", array_ops: ArrayOps | None = None,
-               hook: CommHook | None = None, control_numel: int = 0,
-               settings: dict[str, Any] | None = None, autotune: bool = False) -> None:
+    def __init__(self, specs: Sequence[TensorSpec], *, engine: Any, policy: ReducePolicy,
+                 passes: int = 1, compression: str | Compressor = "none",
+                 fusion_threshold: int | None = None, timeline: Any = None,
+                 name: str = "grads", array_ops: ArrayOps | None = None,
+                 hook: CommHook | None = None, flags: Sequence[str] = (),
+                 settings: dict[str, Any] | None = None, autotune: bool = False,
+                 what: str | None = None) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
         self.engine, self.name, config = engine, name, engine.config
-        self.specs: tuple[TensorSpec, ...] = specs
-        self.backward_passes_per_step = passes
+        self.specs: tuple[TensorSpec, ...] = checked_specs(specs)
+        self.backward_passes_per_step = check_int("backward_passes_per_step", passes,
+                                                  minimum=1)
         self.op = policy.op
+        self.flag_names = tuple(flags)
         threshold, first = config.bucket_caps(fusion_threshold,
                                               sum(s.nbytes for s in self.specs))
         self.rebuild_buckets = bool(config.rebuild_buckets)
@@ -158,11 +73,14 @@ class GradientScheduler:
             config.timeline, engine.rank, config.timeline_max_bytes)
         self.fused = FusedCollective(
             self.specs, engine=engine, name=name, threshold=threshold, first_threshold=first,
-            policy=policy, compression=compression, hook=hook, control_numel=control_numel,
-            settings={"backward_passes_per_step": passes,
+            policy=policy, compression=compression, hook=hook,
+            control_numel=len(self.flag_names) * engine.size,
+            settings={"backward_passes_per_step": self.backward_passes_per_step,
                       "rebuild_buckets": self.rebuild_buckets, **(settings or {}),
                       "DP_PLUGIN_AUTOTUNE": agreement_setting(config, autotune)},
-            timeline=self._timeline, array_ops=array_ops, what=f"tensors of scheduler {name!r}")
+            timeline=self._timeline, array_ops=array_ops,
+            what=what or f"tensors of scheduler {name!r}")
+        """The buckets (internal: callers use the Reducer's methods)."""
         self.fusion_threshold = threshold
         self.autotuner = Autotuner.of(config, threshold) if autotune else None
         """Measures bucket sizes in the first steps (``autotune=True``), else None."""
@@ -173,6 +91,24 @@ class GradientScheduler:
         """``StepStats`` of the recent completed ``synchronize()`` calls (step 0 first)."""
         self._lock = threading.RLock()
         self._state = StepState(0, len(self.specs), len(self.plan))
+
+    def agree(self) -> None:
+        """Check now that every rank registered the same tensors and settings
+        (collective; otherwise the first bucket's launch does it). Call it at
+        a point every rank reaches in the same order (the optimizer's
+        construction, the step being traced), never in a gradient hook: it
+        blocks. Raises ``LayoutMismatchError`` on every rank."""
+        self.fused.agree()
+
+    def flags_of(self, name: str, like: Any = None) -> Any:
+        """The flag group ``name`` (one element per rank of the engine, in the
+        control slot): write this rank's element before the step's last
+        bucket launches; read every rank's after ``synchronize()``. Ask each
+        time: the elements move when the plan is rebuilt. ``like`` picks the
+        array backend."""
+        k, n = self.flag_names.index(name), self.engine.size
+        with self._lock:
+            return self.fused.control(like)[k * n:(k + 1) * n]
 
     @property
     def plan(self) -> list[Any]:
@@ -312,13 +248,6 @@ class GradientScheduler:
             ops.pack(view.reshape(-1), tensor)
             return view
 
-    def control(self, like: Any = None) -> Any:
-        """The control slot: ``control_numel`` elements reduced (unscaled) with
-        the last bucket. Write it before the step's last bucket launches; read
-        the reduced values after ``synchronize()``. Moves when the plan does."""
-        with self._lock:
-            return self.fused.control(like)
-
     def close(self) -> None:
         """Flush and close the timeline; later steps still work but record no events."""
         self._timeline.close()
@@ -412,3 +341,88 @@ class GradientScheduler:
         self.fused.guard(share)
         return to_host(buf)
 
+
+class GradientScheduler(Reducer):
+    """Turn "this gradient is ready" events into fused all-reduces.
+
+    An adapter registers every tensor to reduce once (``specs``, in
+    registration order), calls ``mark_ready(i, grad)`` from each gradient's
+    backward hook and ``synchronize()`` before the optimizer steps::
+
+        sched = GradientScheduler([TensorSpec.of(n, p) for n, p in named_params])
+        # backward: for each gradient as it is produced
+        sched.mark_ready(i, grad_i)
+        reduced = sched.synchronize()      # grads now hold the averaged values
+
+    Tensors are grouped into fusion buckets (``dp_plugin.fusion``). When every
+    gradient of a bucket is ready the bucket is packed into a persistent flat
+    buffer, scaled, optionally compressed, and its all-reduce starts, so
+    communication overlaps the rest of backward.
+
+    Distributed contract:
+    - every rank constructs the scheduler with the same specs, in the same
+      order, and the same ``op``, ``compression``, threshold, scale factors,
+      ``backward_passes_per_step`` and ``rebuild_buckets`` setting; the first
+      step checks all of them and raises ``LayoutMismatchError`` on every
+      rank, naming the tensor or setting that differs;
+    - buckets are launched strictly in bucket-index order on every rank,
+      whatever order the gradients become ready in, so the engines always see
+      the same sequence of collectives;
+    - ``mark_ready`` may start collectives (and, in the first step, the
+      agreement check), and wait for an earlier bucket whose slab a copied
+      bucket needs (``dp_plugin.slabs``: at most two in flight per kind);
+      ``synchronize()`` is a synchronization point: it returns once every
+      bucket has been reduced on this rank. After the first
+      ``synchronize()`` the plan may be rebuilt from rank 0's observed ready
+      order (one broadcast);
+    - a tensor passed to ``mark_ready`` must not be modified until
+      ``synchronize()`` returns; the reduced values are written back into it.
+
+    Scaling follows Horovod's torch ``DistributedOptimizer``
+    (``dp_plugin.hooks.ReducePolicy``): with ``op='average'`` each rank
+    multiplies by ``prescale/f`` before the sum and the result by
+    ``postscale*f/size`` after it (``f`` is ``gradient_predivide_factor``).
+
+    Arguments: ``engine`` defaults to the one ``dp_plugin.init()`` started;
+    ``fusion_threshold`` (bytes) to ``engine.config.fusion_threshold``, with
+    the first bucket capped at ``engine.config.first_bucket_threshold`` and
+    a small gradient spread over ``engine.config.min_buckets`` buckets (an
+    explicit ``fusion_threshold`` applies to every bucket);
+    ``timeline`` to the Chrome trace named by ``engine.config.timeline``;
+    ``compression`` is 'none', 'fp16', 'bf16' or a ``Compressor``; ``hook``
+    replaces the default all-reduce hook (``dp_plugin.hooks``); ``name``
+    prefixes the collectives' names; ``flags`` names groups of per-rank
+    flags reduced with the last bucket (``flags_of``); ``settings`` (name ->
+    value) are the caller's settings the first step compares across ranks;
+    ``autotune=True`` measures the candidate thresholds of ``engine.config``
+    during the first steps and keeps the fastest (``dp_plugin.autotune``).
+
+    Calls are serialised by a lock, so ``mark_ready`` may come from autograd's
+    worker threads; one step must still end (``synchronize()``) before the
+    next begins.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[TensorSpec],
+        *,
+        engine: Any = None,
+        op: ReduceOp | str = "average",
+        compression: str | Compressor = "none",
+        gradient_predivide_factor: float = 1.0,
+        prescale_factor: float = 1.0,
+        postscale_factor: float = 1.0,
+        backward_passes_per_step: int = 1,
+        **options: Any,
+    ) -> None:
+        if engine is None:
+            from dp_plugin import runtime
+
+            engine = runtime.engine()
+        checked = checked_specs(specs)
+        passes = check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)
+        policy = ReducePolicy.make(op, engine.size, [(s.name, s.dtype) for s in checked],
+                                   predivide=gradient_predivide_factor,
+                                   prescale=prescale_factor, postscale=postscale_factor)
+        super().__init__(checked, engine=engine, policy=policy, passes=passes,
+                         compression=compression, **options)

@@ -1,4 +1,4 @@
-"""The bridge from a TensorFlow program into the core's ``GradientScheduler``.
+"""The bridge from a TensorFlow program into the core's ``Reducer``.
 
 ``GradientBridge.reduce(grads, labels)`` is called while a train step is
 built (inside ``tf.function``, or eagerly). It adds one ``tf.numpy_function``
@@ -60,13 +60,13 @@ from typing import Any
 import numpy as np
 
 import tensorflow as tf
-from dp_plugin import agreement, runtime
+from dp_plugin import runtime
 from dp_plugin.arrays import NumpyOps, numpy_dtype
 from dp_plugin.compression import Compressor
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
-from dp_plugin.scheduler import GradientScheduler
+from dp_plugin.scheduler import Reducer
 from dp_plugin.tensorflow import graph_order
 
 _names = itertools.count()
@@ -83,10 +83,10 @@ def next_bridge_name(prefix: str) -> str:
 class GradientBridge:
     """Reduce gradients across workers from inside a TensorFlow program.
 
-    Arguments are the core's (``GradientScheduler``): ``op`` (average or
+    Arguments are the core's (``Reducer``): ``op`` (average or
     sum), ``compression`` (a ``Compressor``), ``gradient_predivide_factor``;
     ``name`` prefixes the collectives' names and must be the same on every
-    rank. One ``GradientScheduler`` is made per distinct gradient layout, on
+    rank. One ``Reducer`` is made per distinct gradient layout, on
     first use (so ``dp_plugin.init()`` must have run by the time a step is
     traced). ``results_alias_buffers``: return the fusion buffer's slices
     instead of copies (see the module docstring); only for a caller that
@@ -107,7 +107,7 @@ class GradientBridge:
         self.compression = compression
         self.gradient_predivide_factor = gradient_predivide_factor
         self.name = name
-        self._schedulers: dict[tuple[TensorSpec, ...], GradientScheduler] = {}
+        self._schedulers: dict[tuple[TensorSpec, ...], Reducer] = {}
         self._lock = threading.Lock()
         self.calls = 0
         """Completed or failed steps (finishing numpy callbacks; one per worker per step)."""
@@ -116,7 +116,7 @@ class GradientBridge:
         all-reduce, handing the results back)."""
 
     @property
-    def schedulers(self) -> list[GradientScheduler]:
+    def schedulers(self) -> list[Reducer]:
         """The schedulers made so far (their ``stats`` hold per-step communication times)."""
         return list(self._schedulers.values())
 
@@ -167,7 +167,7 @@ class GradientBridge:
             specs.append(TensorSpec(label, tuple(t.shape.as_list()), t.dtype.name))
         return tuple(specs)
 
-    def _scheduler(self, specs: tuple[TensorSpec, ...]) -> GradientScheduler:
+    def _scheduler(self, specs: tuple[TensorSpec, ...]) -> Reducer:
         engine = runtime.engine()
         with self._lock:
             sched = self._schedulers.get(specs)
@@ -175,29 +175,29 @@ class GradientBridge:
             if sched is None or sched.engine is not engine:
                 k = len(self._schedulers)
                 # Arguments validated at the public edge (``parse_reduction``).
-                sched = GradientScheduler.validated(
+                name = self.name if k == 0 else f"{self.name}.{k}"
+                sched = Reducer(
                     specs,
                     engine=engine,
                     policy=ReducePolicy.for_gradients(
                         self.op, engine.size, predivide=self.gradient_predivide_factor),
                     passes=1,  # DistributedApply accumulates the passes itself
                     compression=self.compression,
-                    name=self.name if k == 0 else f"{self.name}.{k}",
+                    name=name,
                     autotune=engine.config.autotune,
                     array_ops=AlignedNumpyOps(),
+                    what=f"gradients of {name!r}",
                 )
                 # Checked now, while the step is traced, so that different models
                 # fail here with LayoutMismatchError itself on every rank, before any
                 # step runs (inside the numpy op TensorFlow would re-wrap it). Every
                 # rank traces its train step at the same point; a layout is checked
-                # once, here (the scheduler does not repeat it).
-                agreement.agree(engine, specs, f"gradients of {sched.name!r}",
-                                sched.fused.settings)
-                sched.fused.agreed = True
+                # once, here (the reducer does not repeat it).
+                sched.agree()
                 self._schedulers[specs] = sched
             return sched
 
-    def _exchange_ops(self, sched: GradientScheduler, tensors: Sequence[Any]) -> list[Any]:
+    def _exchange_ops(self, sched: Reducer, tensors: Sequence[Any]) -> list[Any]:
         """One launching op per bucket of the current plan, then the finishing op."""
         tokens = []
         for bucket in sched.plan:
@@ -216,7 +216,7 @@ class GradientBridge:
         return list(outs)
 
     # -- running the step -------------------------------------------------------
-    def _launch(self, sched: GradientScheduler, members: list[int],
+    def _launch(self, sched: Reducer, members: list[int],
                 *arrays: np.ndarray) -> np.ndarray:
         """A bucket's numpy callback: copy its gradients into the fusion buffer and mark
         them ready (the scheduler starts the all-reduce of every complete bucket).
@@ -233,7 +233,7 @@ class GradientBridge:
         finally:
             self.seconds += time.perf_counter() - start
 
-    def _finish(self, sched: GradientScheduler, *tokens: Any) -> list[np.ndarray]:
+    def _finish(self, sched: Reducer, *tokens: Any) -> list[np.ndarray]:
         """The step's last numpy callback: wait for every bucket, return the results."""
         start = time.perf_counter()
         try:

@@ -11,14 +11,12 @@ engine (mpi4py) or Horovod's when the ``horovod`` engine runs.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-import numpy as np
-
 import tensorflow as tf
+from dp_plugin import join as protocol
 from dp_plugin import objects as _objects
-from dp_plugin import request, runtime
+from dp_plugin import runtime
 from dp_plugin.collective import root_of
 from dp_plugin.edge import public
 from dp_plugin.process_sets import engine_of, global_process_set
@@ -56,12 +54,13 @@ def barrier(process_set: Any = global_process_set) -> None:
 
 def join() -> Any:
     """Wait until every rank has called ``join()``; return (an int32 tensor) the rank
-    that called it last. Unlike Horovod, a joined rank does not serve the other
-    ranks' collectives meanwhile: every rank must run the same collectives before
-    joining (see docs/keras.md)."""
-    engine = runtime.engine()
-    stamps = np.asarray(request.allgather(engine, np.array([time.time_ns()], np.int64), "join"))
-    return tf.constant(int(np.argmax(stamps)), dtype=tf.int32)
+    that joined last, by torch's rule (``dp_plugin.join.last_joined``): of the ranks
+    that answered the fewest of the others' collectives since joining, the highest.
+    Unlike Horovod, a joined rank does not serve the other ranks' collectives
+    meanwhile, so every rank joins at the same point and the highest rank is named;
+    every rank must run the same collectives before joining (see docs/keras.md).
+    No clock is read: hosts' clocks differ."""
+    return tf.constant(protocol.last_joined(runtime.engine(), answered=0), dtype=tf.int32)
 
 
 def broadcast_global_variables(root_rank: int) -> Any:

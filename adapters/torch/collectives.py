@@ -12,10 +12,9 @@ from typing import Any
 
 import torch
 from dp_plugin.arrays import TorchOps
-from dp_plugin.collective import UNBOUNDED, FusedCollective, root_of
+from dp_plugin.collective import root_of, start_allreduce
 from dp_plugin.edge import caller, public
 from dp_plugin.engines.base import Engine, Handle, ReduceOp
-from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.request import Agreed, Problem, Request, check
@@ -89,7 +88,7 @@ def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
     # block, else a fresh contiguous copy (the input is never modified).
     outs = [t.detach() if inplace and t.is_contiguous() else contiguous_copy(t)
             for t in tensors]
-    fused, handles = start_fused_allreduce(engine, outs, name, op, pre, post)
+    fused, handles = start_allreduce(engine, outs, name, op, pre, post)
 
     def finish() -> Any:
         for b in fused.plan:
@@ -104,22 +103,6 @@ def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
         return tuple(results) if grouped else results[0]
 
     return TABLE.add(InFlight(handles, finish), key)
-
-
-def start_fused_allreduce(engine: Engine, outs: list[torch.Tensor], name: str | None,
-                          op: ReduceOp, pre: float, post: float
-                          ) -> tuple[FusedCollective, list[Handle]]:
-    """Start the agreed all-reduce of ``outs`` in place (a joined rank runs
-    it too, on zeros), grouped (``dp_plugin.collective.UNBOUNDED``)."""
-    label = name or "allreduce"
-    specs = [TensorSpec(f"{label}.{i}", tuple(t.shape), str(t.dtype), str(t.device))
-             for i, t in enumerate(outs)]
-    fused = FusedCollective(
-        specs, engine=engine, name=label, threshold=UNBOUNDED, order=range(len(specs)),
-        policy=ReducePolicy.for_collective(op, engine.size, prescale=pre, postscale=post),
-        array_ops=TorchOps(), agreed=True,
-    )
-    return fused, [h for b in fused.plan if (h := fused.start(b.index, outs)) is not None]
 
 
 # -- allgather ------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """Per-rank marks in an optimizer's control slot: which ranks saw something.
 
-Every ``DistributedOptimizer``'s scheduler has a *control slot*
-(``GradientScheduler.control``): a few elements reduced, unscaled, with its
-last fusion bucket, so what they carry costs no collective of its own. The
-slot holds, one element per rank of the optimizer's process set each: the
-``hvd.join()`` flags (``joining.JoinFlags``), the marks of a parameter
-unfrozen after wrapping, and (``DP_PLUGIN_CHECK_FINITE``) the finite flags.
+Every ``DistributedOptimizer``'s ``Reducer`` has named groups of per-rank
+flags (``Reducer.flags_of``): elements reduced, unscaled, with its last
+fusion bucket, so what they carry costs no collective of its own. One
+element per rank of the optimizer's process set each: the ``hvd.join()``
+flags (``joining.JoinFlags``), the marks of a parameter unfrozen after
+wrapping, a gradient turned sparse, and (``DP_PLUGIN_CHECK_FINITE``) the
+finite flags.
 Each rank may mark only its own element, with the op's "marked" code
 (``code_for``), so after the reduction every rank reads the same values and
 draws the same conclusion: the list of marked ranks.
@@ -59,24 +60,24 @@ def code_for(op: ReduceOp) -> FlagCode:
 
 
 class RankMarks:
-    """One mark per rank at ``offset`` in the control slot. ``ranks`` maps
-    element index -> global rank; ``slot`` is this process's element;
-    ``like`` is a tensor on the control slot's device and dtype."""
+    """The reducer's flag group ``name``: one mark per rank of its engine
+    (``ranks`` maps element index -> global rank; ``slot`` is this
+    process's element); ``like`` is a tensor on the gradients' device and
+    dtype."""
 
-    def __init__(self, scheduler: Any, *, op: ReduceOp, ranks: Sequence[int], slot: int,
-                 offset: int, like: torch.Tensor) -> None:
-        self.scheduler = scheduler
-        self.ranks = list(ranks)
-        self.slot = slot
-        self.offset = offset
+    def __init__(self, reducer: Any, name: str, *, op: ReduceOp, like: torch.Tensor) -> None:
+        self.reducer = reducer
+        self.name = name
+        self.ranks = list(reducer.engine.global_ranks)
+        self.slot = reducer.engine.rank
         self._code = code_for(op)
         self._like = like
         self.reset()
 
     def _elements(self) -> torch.Tensor:
-        # Asked each time: the control slot moves when the bucket plan is rebuilt.
-        control: torch.Tensor = self.scheduler.control(self._like)
-        return control[self.offset:self.offset + len(self.ranks)]
+        # Asked each time: the elements move when the bucket plan is rebuilt.
+        elements: torch.Tensor = self.reducer.flags_of(self.name, self._like)
+        return elements
 
     def reset(self) -> None:
         """Every element unmarked (before the next step's reduction)."""
@@ -109,12 +110,11 @@ class FiniteFlags(RankMarks):
     """The ``DP_PLUGIN_CHECK_FINITE`` marks: a rank marks its own element
     when its gradient is not finite; ``decide`` after the reduction."""
 
-    def __init__(self, scheduler: Any, *, mode: str, op: ReduceOp, ranks: Sequence[int],
-                 slot: int, offset: int, like: torch.Tensor) -> None:
+    def __init__(self, reducer: Any, *, mode: str, op: ReduceOp, like: torch.Tensor) -> None:
         if mode not in FINITE_MODES:
             raise ValueError(f"check_finite mode {mode!r} is not known; valid modes: "
                              f"{', '.join(FINITE_MODES)}")
-        super().__init__(scheduler, op=op, ranks=ranks, slot=slot, offset=offset, like=like)
+        super().__init__(reducer, "finite", op=op, like=like)
         self.mode = mode
         self.step = 0
 

@@ -6,7 +6,7 @@ reductions of the ranks still training, contributing zero gradients; then
 ``join()`` returns on every rank, with the rank that joined last.
 
 Design (no extra collective per step): every optimizer's scheduler has a
-*control slot* (``GradientScheduler.control``), a few elements reduced,
+flag group (``Reducer.flags_of``), a few elements reduced,
 unscaled, with its last fusion bucket. It has one element per rank of the
 optimizer's process set. A training rank leaves the op's "idle" value
 everywhere; a joined rank writes the "joined" value into its own element.
@@ -15,9 +15,9 @@ which ranks have joined, and all agree on when everyone has. A joined rank
 loops over "zero steps" (``synchronize()`` with no gradient marked ready,
 so every gradient contributes zeros) until its flags say everyone has joined.
 
-The others' all-reduces and barriers are answered by ``join_service``
-(through ``dp_plugin.join.Listener``, the wire protocol: what is answered,
-what is refused, the deadline); ``join`` polls both without blocking, so
+The others' all-reduces and barriers are answered through
+``dp_plugin.join`` (``Listener`` and ``replay``: the wire protocol, what is
+answered, what is refused, the deadline); ``join`` polls both without blocking, so
 the others may step and call collectives in any order.
 """
 
@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from dp_plugin import join as protocol
@@ -37,7 +36,9 @@ from dp_plugin.process_sets import member_engines
 from dp_plugin.request import joined_view
 from dp_plugin.torch.basics import engine
 from dp_plugin.torch.control_slot import RankMarks
-from dp_plugin.torch.join_service import answer
+
+if TYPE_CHECKING:  # optimizer_state imports JoinFlags from here
+    from dp_plugin.torch.optimizer_state import OptimizerState
 
 
 class JoinFlags(RankMarks):
@@ -51,9 +52,8 @@ class JoinFlags(RankMarks):
     join step reads them on the host (``decide``).
     """
 
-    def __init__(self, scheduler: Any, *, op: ReduceOp, ranks: Sequence[int], slot: int,
-                 like: torch.Tensor) -> None:
-        super().__init__(scheduler, op=op, ranks=ranks, slot=slot, offset=0, like=like)
+    def __init__(self, reducer: Any, *, op: ReduceOp, like: torch.Tensor) -> None:
+        super().__init__(reducer, "join", op=op, like=like)
         self._previous = torch.empty_like(self._elements())
         self._has_previous = False
 
@@ -86,33 +86,14 @@ class JoinFlags(RankMarks):
         return True, self.ranks[max(newest) if newest else len(joined) - 1]
 
 
-class Joinable(Protocol):
-    """What ``join`` needs from a ``DistributedOptimizer``."""
-
-    def _dp_join_ready(self) -> bool:
-        """True if it reduces on this rank; raises if a step is half done."""
-
-    def _dp_join_start(self) -> None:
-        """Start one zero step (without blocking)."""
-
-    def _dp_join_polled(self) -> bool:
-        """Has the zero step's communication finished?"""
-
-    def _dp_join_finish(self) -> bool:
-        """End the zero step: has every rank joined?"""
-
-    def _dp_join_global(self) -> bool:
-        """Does it reduce over every rank of the job (its steps count for
-        ``last_joined``)?"""
+_states: list[weakref.ref[OptimizerState]] = []
 
 
-_optimizers: list[weakref.ref[Any]] = []
-
-
-def register(optimizer: Joinable) -> None:
-    """Let ``join`` drive ``optimizer`` (held weakly, in creation order)."""
-    _optimizers[:] = [r for r in _optimizers if r() is not None]
-    _optimizers.append(weakref.ref(optimizer))
+def register(state: OptimizerState) -> None:
+    """Let ``join`` drive a ``DistributedOptimizer``'s reduction (held weakly,
+    in creation order: it lives as long as its optimizer)."""
+    _states[:] = [r for r in _states if r() is not None]
+    _states.append(weakref.ref(state))
 
 
 @public("hvd.join()")
@@ -150,23 +131,22 @@ def join(device: int = -1) -> int:
     eng = engine()
     if eng.size == 1:
         return 0
-    live: list[Joinable] = [opt for opt in (r() for r in _optimizers) if opt is not None]
-    optimizers = [opt for opt in live if opt._dp_join_ready()]
-    return _Joined(eng, member_engines(), optimizers).run()
+    live = [st for st in (r() for r in _states) if st is not None]
+    return _Joined(eng, member_engines(), [st for st in live if st.join_ready()]).run()
 
 
 class _Joined:
     """One ``join()`` call: listeners on this rank's engines (the global one
     first), zero steps of its optimizers, polled until every rank has joined."""
 
-    def __init__(self, eng: Any, engines: list[Any], optimizers: list[Joinable]) -> None:
+    def __init__(self, eng: Any, engines: list[Any], states: list[OptimizerState]) -> None:
         self.eng = eng
         self.answered = 0
         """Rounds of the others answered on the global engine (``last_joined``)."""
         self.listening: dict[int, Listener] = {i: Listener(e) for i, e in enumerate(engines)}
-        self.stepping = list(optimizers)
-        for opt in self.stepping:
-            opt._dp_join_start()
+        self.stepping = list(states)
+        for st in self.stepping:
+            st.join_start()
 
     def run(self) -> int:
         deadline = Deadline(self.eng.config.timeout_s, self.eng.rank)
@@ -192,20 +172,20 @@ class _Joined:
             if protocol.everyone_joined(heard, e.size):
                 del self.listening[index]
                 continue
-            described, agreed = joined_view(heard)
+            described, _ = joined_view(heard)
             if described is not None and protocol.answerable(heard, described[0]["kind"]):
-                answer(e, described, agreed)
+                protocol.replay(e, described)
             if index == 0:
                 self.answered += 1
             self.listening[index] = Listener(e)
-        for opt in list(self.stepping):
-            if not opt._dp_join_polled():
+        for st in list(self.stepping):
+            if not st.join_polled():
                 continue
             progressed = True
-            if opt._dp_join_finish():
-                self.stepping.remove(opt)
+            if st.join_finish():
+                self.stepping.remove(st)
             else:
-                if opt._dp_join_global():
+                if st.join_global():
                     self.answered += 1
-                opt._dp_join_start()
+                st.join_start()
         return progressed

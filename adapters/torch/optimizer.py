@@ -95,7 +95,7 @@ def DistributedOptimizer(
         engine=None if eng is None else eng.channel(label),
     )
     wrapped._dp.register(wrapped)
-    _join.register(wrapped)
+    _join.register(wrapped._dp)
     return wrapped
 
 
@@ -147,7 +147,7 @@ class _DistributedOptimizer:
         bytes, all-reduce time, exposed time not hidden behind backward); None
         when nothing is reduced (one rank). Restarts when the buckets are re-planned."""
         reducer = self._dp.reducer
-        return None if reducer is None else reducer.scheduler.stats
+        return None if reducer is None else reducer.stats
 
     def register_comm_hook(self, hook: Callable[..., Any]) -> None:
         """Reduce each fusion bucket with ``hook(state, bucket) -> Handle``
@@ -273,22 +273,6 @@ class _DistributedOptimizer:
             except BaseException:
                 self.param_groups.pop()  # as if it had never been added
                 raise
-
-    # -- what hvd.join() drives (joining.Joinable) -----------------------------------
-    def _dp_join_ready(self) -> bool:
-        return self._dp.join_ready()
-
-    def _dp_join_start(self) -> None:
-        self._dp.join_start()
-
-    def _dp_join_polled(self) -> bool:
-        return self._dp.join_polled()
-
-    def _dp_join_finish(self) -> bool:
-        return self._dp.join_finish(self)
-
-    def _dp_join_global(self) -> bool:
-        return self._dp.join_global()
 
     def _synchronized(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         """``closure`` followed by ``synchronize()``: its backward is reduced each call."""

@@ -3,8 +3,8 @@
 ``OptimizerState`` is the wrapper's one attribute, ``_dp`` (not torch's
 ``optimizer.state``, which holds the user's momentum buffers): the
 parameters it reduces and their names, a post-accumulate-grad hook on each,
-the ``Reducer`` (ONE ``GradientScheduler`` on the optimizer's own channel,
-with the flags of its control slot: ``control_slot.py``) and the step in
+the core's ``Reducer`` on the optimizer's own channel, the ``Marks`` read
+from its per-rank flags (``control_slot.py``) and the step in
 progress. The wrapper (``optimizer.py``) calls it; nothing else changes its
 fields.
 
@@ -29,7 +29,7 @@ from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.process_sets import ProcessSet
-from dp_plugin.scheduler import GradientScheduler
+from dp_plugin.scheduler import Reducer
 from dp_plugin.torch.basics import engine as job_engine
 from dp_plugin.torch.basics import shared_timeline
 from dp_plugin.torch.control_slot import FiniteFlags, RankMarks
@@ -40,14 +40,16 @@ Groups = list[dict[str, Any]]
 """``optimizer.param_groups``."""
 
 
-@dataclass(frozen=True, eq=False)
-class Reducer:
-    """The scheduler of one optimizer and the flags in its control slot (one
-    element per rank each: join flags, unfrozen marks, sparse news, then
-    finite flags)."""
+FLAGS = ("join", "unfrozen", "sparse_news")
+"""The optimizer reducer's flag groups (``Reducer.flags_of``), then "finite"
+when ``DP_PLUGIN_CHECK_FINITE`` is on."""
 
-    scheduler: GradientScheduler
-    flags: JoinFlags
+
+@dataclass(frozen=True, eq=False)
+class Marks:
+    """What an optimizer writes into and reads from its reducer's flag groups."""
+
+    join: JoinFlags
     unfrozen: RankMarks
     """Ranks that found a parameter unfrozen after wrapping (``unfrozen``)."""
     sparse_news: RankMarks
@@ -87,8 +89,13 @@ class OptimizerState:
         """(group, index) in ``param_groups`` of each parameter NOT in ``params``
         (no hook, no bucket): the only ones ``unfrozen`` must look at."""
         self.hooks: list[Any] = []
+        self.owner: weakref.ref[Any] | None = None
+        """The optimizer whose ``param_groups`` were registered last (weakly:
+        ``join_finish`` re-registers it when its gradients turn sparse)."""
         self.reducer: Reducer | None = None
         """None when nothing is reduced (one rank, outside the process set, no parameters)."""
+        self.marks: Marks | None = None
+        """The reducer's flags (None with it)."""
         self.sparse = SparseGradients()
         """Sparse gradients reduced outside the buckets (``sparse_as_dense=False``)."""
         # The step in progress.
@@ -150,16 +157,16 @@ class OptimizerState:
         """
         groups = optimizer.param_groups
         params, names = self._collect(groups)
-        reducer = self._build_reducer(params, names)
+        reducer, marks = self._build_reducer(params, names)
         for handle in self.hooks:
             handle.remove()
         self.names.update(names)
-        self.params, self.reducer, self.hooks = params, reducer, []
+        self.params, self.reducer, self.marks, self.hooks = params, reducer, marks, []
         reduced = {id(p) for p in params}
         self.frozen = [(gi, pj) for gi, group in enumerate(groups)
                        for pj, p in enumerate(group["params"]) if id(p) not in reduced]
         self._reset_step()
-        ref = weakref.ref(optimizer)
+        ref = self.owner = weakref.ref(optimizer)
         for index, p in enumerate(params):
             self.hooks.append(p.register_post_accumulate_grad_hook(_make_hook(ref, index)))
 
@@ -187,10 +194,11 @@ class OptimizerState:
         return params, new_names
 
     def _build_reducer(self, params: list[torch.Tensor],
-                       new_names: dict[torch.Tensor, str]) -> Reducer | None:
+                       new_names: dict[torch.Tensor, str]
+                       ) -> tuple[Reducer, Marks] | tuple[None, None]:
         eng = self.engine
         if eng is None or eng.size == 1 or not params:
-            return None
+            return None, None
         specs = []
         for p in params:
             name = self.names.get(p) or new_names[p]
@@ -200,31 +208,30 @@ class OptimizerState:
                 raise TypeError(
                     f"DistributedOptimizer cannot reduce parameter {name!r}: {exc}"
                 ) from None
-        ranks = list(eng.global_ranks)
-        n, check = len(ranks), eng.config.check_finite
+        check = eng.config.check_finite
         # The label is unique per optimizer: the horovod engine matches
         # collectives by name (its channel is the engine itself).
         # The arguments were validated by DistributedOptimizer (and the setter of
-        # backward_passes_per_step), the public edge: the scheduler takes them as they are.
-        scheduler = GradientScheduler.validated(
+        # backward_passes_per_step), the public edge: the reducer takes them as they are.
+        reducer = Reducer(
             specs, engine=eng, compression=self.compressor, passes=self.passes,
             policy=ReducePolicy.for_gradients(self.op, eng.size, predivide=self.predivide),
-            timeline=shared_timeline, name=self.label,
-            control_numel=n * (3 if check == "off" else 4), hook=self.comm_hook,
+            timeline=shared_timeline, name=self.label, hook=self.comm_hook,
+            flags=FLAGS if check == "off" else (*FLAGS, "finite"),
             settings={"DP_PLUGIN_CHECK_FINITE": check}, autotune=eng.config.autotune,
         )
         # Agree on the layout here (the optimizer is made, or a group added, at
         # the same point on every rank), not in the first gradient hook, whose
         # time differs between ranks; a blocking collective there could wait
         # for a rank that is itself waiting in a SyncBatchNorm all-reduce.
-        scheduler.fused.agree()
-        op, slot, like = self.op, eng.rank, params[0]
-        flags = JoinFlags(scheduler, op=op, ranks=ranks, slot=slot, like=like)
-        unfrozen = RankMarks(scheduler, op=op, ranks=ranks, slot=slot, offset=n, like=like)
-        news = RankMarks(scheduler, op=op, ranks=ranks, slot=slot, offset=2 * n, like=like)
-        finite = None if check == "off" else FiniteFlags(
-            scheduler, mode=check, op=op, ranks=ranks, slot=slot, offset=3 * n, like=like)
-        return Reducer(scheduler, flags, unfrozen, news, finite)
+        reducer.agree()
+        op, like = self.op, params[0]
+        marks = Marks(JoinFlags(reducer, op=op, like=like),
+                      RankMarks(reducer, "unfrozen", op=op, like=like),
+                      RankMarks(reducer, "sparse_news", op=op, like=like),
+                      None if check == "off" else FiniteFlags(reducer, mode=check, op=op,
+                                                              like=like))
+        return reducer, marks
 
     # -- a step ----------------------------------------------------------------------
     def grad_ready(self, index: int, param: torch.Tensor, groups: Groups) -> None:
@@ -235,12 +242,13 @@ class OptimizerState:
             self._note_unfrozen(groups)
         self.pending = True
         grad = param.grad
-        if self.reducer is None or grad is None:
+        if self.marks is None or grad is None:
             return
         self._note_finite(grad)
         dense = self._dense(index, grad)
         if dense is not None:
-            sched = self.reducer.scheduler
+            sched = self.reducer
+            assert sched is not None  # with the marks
             if dense is grad and _viewable(grad, self.engine):
                 # gradient_as_bucket_view: .grad becomes its slice of the fusion
                 # buffer (one copy now, if it was not already); the bucket then
@@ -257,14 +265,14 @@ class OptimizerState:
         ``DistributedOptimizer.synchronize``)."""
         self.check_open("synchronize()")
         groups = optimizer.param_groups
-        if self.reducer is None:
+        if self.reducer is None or self.marks is None:
             self.pending = False
             check_requires_grad(self.unfrozen(groups))
             self.synchronized = True
             return
         if not self.pending:  # no hook fired this step: look for unfrozen parameters now
             self._note_unfrozen(groups)
-        sched, flags = self.reducer.scheduler, self.reducer.flags
+        sched, marks = self.reducer, self.marks
         for i, p in enumerate(self.params):
             if not self.marked[i] and p.grad is not None:
                 # Horovod reduces an existing gradient whose hook did not fire.
@@ -273,16 +281,16 @@ class OptimizerState:
                 if dense is not None:
                     sched.mark_ready(i, dense)
         if self.sparse.changed:  # before the last bucket starts: for a joined rank
-            self.reducer.sparse_news.mark()
+            marks.sparse_news.mark()
         results = sched.synchronize()
         self.sparse.reduce(self.params, self.names, self.op, self.engine,
-                           self.reducer.sparse_news)
+                           marks.sparse_news)
         try:  # after this step's collectives, before any update
             self._check_unfrozen(groups)
         except DPPluginError:  # the step is dropped: the next one starts clean
-            flags.keep()
-            if self.reducer.finite is not None:
-                self.reducer.finite.reset()
+            marks.join.keep()
+            if marks.finite is not None:
+                marks.finite.reset()
             self._reset_step()
             raise
         for i, p in enumerate(self.params):
@@ -297,10 +305,10 @@ class OptimizerState:
             elif p.grad is not reduced:
                 with torch.no_grad():
                     p.grad.copy_(reduced)
-        flags.keep()
+        marks.join.keep()
         self._reset_step()
         self.synchronized = True
-        finite = self.reducer.finite
+        finite = marks.finite
         if finite is not None:  # may raise (on every rank alike)
             self.skip_step = finite.decide([(self.names[p], p.grad) for p in self.params])
         if self.sparse.changed:  # take the new sparse parameters out of the buckets
@@ -326,25 +334,25 @@ class OptimizerState:
     def _note_unfrozen(self, groups: Groups) -> None:
         """Mark this rank in the unfrozen marks if a parameter without a hook
         now requires a gradient (they travel with the last bucket)."""
-        if self.reducer is not None and self.unfrozen(groups):
-            self.reducer.unfrozen.mark()
+        if self.marks is not None and self.unfrozen(groups):
+            self.marks.unfrozen.mark()
 
     def _check_unfrozen(self, groups: Groups, joined: bool = False) -> None:
         """After the reduction, on every rank alike: raise if any rank marked
         an unfrozen parameter. A ``joined`` rank trains nothing, so only the
         others' marks count."""
-        assert self.reducer is not None
-        ranks = self.reducer.unfrozen.marked()
+        assert self.marks is not None
+        ranks = self.marks.unfrozen.marked()
         if not ranks:  # the usual step: nothing marked, nothing to name
             return
-        self.reducer.unfrozen.reset()
+        self.marks.unfrozen.reset()
         check_requires_grad([] if joined else self.unfrozen(groups), ranks)
 
     def _note_finite(self, grad: torch.Tensor) -> None:
         """Mark this rank in the finite flags if ``grad`` holds inf/nan (before it
         is handed to the scheduler: the flags travel with the last bucket)."""
-        if self.reducer is not None and self.reducer.finite is not None:
-            self.reducer.finite.note(grad)
+        if self.marks is not None and self.marks.finite is not None:
+            self.marks.finite.note(grad)
 
     # -- hvd.join(): zero steps ---------------------------------------------------------
     def join_ready(self) -> bool:
@@ -361,31 +369,33 @@ class OptimizerState:
     def join_start(self) -> None:
         """Start a step in which this rank contributes zero gradients and its
         joined flag; poll ``join_polled``, then ``join_finish``."""
-        assert self.reducer is not None  # join_ready said so
-        self.reducer.flags.fill(joined=True)
-        self.reducer.scheduler.launch_all()
+        assert self.reducer is not None and self.marks is not None  # join_ready said so
+        self.marks.join.fill(joined=True)
+        self.reducer.launch_all()
 
     def join_polled(self) -> bool:
-        return self.reducer is None or self.reducer.scheduler.all_done()
+        return self.reducer is None or self.reducer.all_done()
 
     def join_global(self) -> bool:
         """Does it reduce over every rank of the job (its steps count for
         ``joining``'s last joined rank)?"""
         return self.engine is not None and self.engine.size == job_engine().size
 
-    def join_finish(self, optimizer: Any) -> bool:
+    def join_finish(self) -> bool:
         """End the zero step; has every rank of the optimizer's set joined?"""
-        reducer = self.reducer
-        assert reducer is not None
-        results = reducer.scheduler.synchronize()  # every gradient: zeros; results dropped
+        reducer, marks = self.reducer, self.marks
+        assert reducer is not None and marks is not None
+        results = reducer.synchronize()  # every gradient: zeros; results dropped
         self.sparse.reduce(self.params, self.names, self.op, self.engine,
-                           reducer.sparse_news, contribute=False)
+                           marks.sparse_news, contribute=False)
         self._check_unfrozen([], joined=True)  # raise where the training ranks raise
-        if reducer.finite is not None:  # raise where the training ranks raise
-            reducer.finite.decide([(self.names[p], g) for p, g in zip(self.params, results,
+        if marks.finite is not None:  # raise where the training ranks raise
+            marks.finite.decide([(self.names[p], g) for p, g in zip(self.params, results,
                                                                        strict=True)])
-        everyone = reducer.flags.decide()[0]
-        if self.sparse.changed:  # the others' gradients turned sparse: re-plan as they do
+        everyone = marks.join.decide()[0]
+        # The others' gradients turned sparse: re-plan as they do.
+        optimizer = None if self.owner is None else self.owner()
+        if self.sparse.changed and optimizer is not None:
             self.sparse.changed = False
             self.register(optimizer)
         return everyone

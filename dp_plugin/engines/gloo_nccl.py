@@ -82,41 +82,32 @@ class GlooEngine(TorchDistEngine):
     def _allreduce_scaled_async(self, buf: Any, postscale: float, name: str) -> Handle:
         return self._allreduce_async(buf, ReduceOp.SUM, name, postscale)
 
-    def _allreduce_async(self, buf: Any, op: ReduceOp, name: str,
-                         postscale: float = 1.0) -> Handle:
+    def _allreduce_async(self, buf: Any, op: ReduceOp, name: str, postscale: float = 1.0, *,
+                         standing: bool = False) -> Handle:
+        """The one route of an all-reduce (``standing``: without a deadline of
+        its own, ``Engine.standing_allreduce_async``; a joined rank's listener
+        must meet the others' plain all-reduce on the same route)."""
         if self._hier is not None and postscale == 1.0:
             t = self._tensor(buf, f"allreduce {name!r}")
             if self._hier.takes(t) and t.numel():
                 desc = self.describe("allreduce", name, t.numel() * t.element_size())
                 return self._hier.allreduce_async(t, op, desc, self._mark_broken,
-                                                  self.wait_board())
+                                                  self.wait_board(), standing=standing)
         if self._shm is None:  # across hosts: Gloo's path validates the buffer itself
-            return super()._allreduce_async(buf, op, name)
+            return super()._allreduce_async(buf, op, name, standing=standing)
         t = self._tensor(buf, f"allreduce {name!r}")
         if self._shm.takes(t) and t.numel():
             desc = self.describe("allreduce", name, t.numel() * t.element_size())
             return self._shm.allreduce_async(t, op, desc, self._mark_broken, self.wait_board(),
-                                             postscale)
-        handle = super()._allreduce_async(buf, op, name)
+                                             postscale, standing=standing)
+        handle = super()._allreduce_async(buf, op, name, standing=standing)
         if postscale == 1.0:
             return handle
         # A CUDA tensor: Gloo's path, then the scheduler's own multiply.
         return handle.then(lambda: self._torch.mul(t, postscale, out=t))
 
-    def standing_allreduce_async(self, buf: Any, name: str) -> Handle:
-        """The route ``_allreduce_async`` takes for ``buf`` (it must meet the
-        others' plain all-reduce there), without a deadline of its own."""
-        t = self._tensor(buf, f"allreduce {name!r}")
-        desc = self.describe("allreduce", name, t.numel() * t.element_size())
-        if self._hier is not None and self._hier.takes(t) and t.numel():
-            self._check_usable(f"allreduce {name!r}")
-            return self._hier.allreduce_async(t, ReduceOp.SUM, desc, self._mark_broken,
-                                              self.wait_board(), standing=True)
-        if self._shm is None or not self._shm.takes(t) or not t.numel():
-            return super().standing_allreduce_async(buf, name)
-        self._check_usable(f"allreduce {name!r}")
-        return self._shm.allreduce_async(t, ReduceOp.SUM, desc, self._mark_broken,
-                                         self.wait_board(), standing=True)
+    def _standing_allreduce_async(self, buf: Any, name: str) -> Handle:
+        return self._allreduce_async(buf, ReduceOp.SUM, name, standing=True)
 
     def _close(self) -> None:
         if self._shm is not None:

@@ -236,30 +236,30 @@ class TorchDistEngine(Engine):
         return type(self)(topology, self.config, parent=self, group=group)
 
     # -- collectives ---------------------------------------------------------------
-    def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
+    def _allreduce_async(self, buf: Any, op: ReduceOp, name: str, *,
+                         standing: bool = False) -> Handle:
+        """``standing``: the library's timeout (the group's is ``DP_PLUGIN_TIMEOUT``)
+        is ``STANDING_TIMEOUT``; the caller bounds the wait."""
         t, back = self._staged(self._tensor(buf, f"allreduce {name!r}"))
         desc = self.describe("allreduce", name, t.numel() * t.element_size())
         if t.numel() == 0:  # every rank has the same size: all skip alike
             return self._done(desc)
         wide = self._WIDENED.get(str(t.dtype).removeprefix("torch."))
         staged = t if wide is None else t.to(getattr(self._torch, wide))
-        work = self._dist.all_reduce(staged, self._reduce_ops[op], group=self._group,
-                                     async_op=True)
+        if standing:
+            opts = self._dist.AllreduceOptions()
+            opts.reduceOp, opts.timeout = self._reduce_ops[op], STANDING_TIMEOUT
+            group = self._dist.group.WORLD if self._group is None else self._group
+            work = group.allreduce([staged], opts)
+        else:
+            work = self._dist.all_reduce(staged, self._reduce_ops[op], group=self._group,
+                                         async_op=True)
         if staged is t:
             return PollHandle(work, self, desc).then(back)
         return PollHandle(work, self, desc).then(lambda: (t.copy_(staged), back()))
 
-    def standing_allreduce_async(self, buf: Any, name: str) -> Handle:
-        """A sum all-reduce whose own timeout (the group's is
-        ``DP_PLUGIN_TIMEOUT``) is ``STANDING_TIMEOUT``: its caller bounds it."""
-        self._check_usable(f"allreduce {name!r}")
-        t, back = self._staged(self._tensor(buf, f"allreduce {name!r}"))
-        desc = self.describe("allreduce", name, t.numel() * t.element_size())
-        opts = self._dist.AllreduceOptions()
-        opts.reduceOp = self._dist.ReduceOp.SUM
-        opts.timeout = STANDING_TIMEOUT
-        group = self._dist.group.WORLD if self._group is None else self._group
-        return PollHandle(group.allreduce([t], opts), self, desc).then(back)
+    def _standing_allreduce_async(self, buf: Any, name: str) -> Handle:
+        return self._allreduce_async(buf, ReduceOp.SUM, name, standing=True)
 
     def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle:
         t, back = self._staged(self._tensor(buf, f"broadcast {name!r}"))

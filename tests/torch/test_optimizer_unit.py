@@ -11,6 +11,7 @@ import json
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -634,21 +635,21 @@ def test_one_rank_broadcasts_are_no_ops() -> None:
 
 
 class _ControlSlot:
-    """The part of a scheduler that JoinFlags uses: a control slot."""
+    """The part of a reducer that JoinFlags uses: its engine's ranks, a flag group."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, rank: int) -> None:
         self.slot = torch.zeros(n)
+        self.engine = SimpleNamespace(global_ranks=list(range(n)), rank=rank)
 
-    def control(self, like: Any = None) -> torch.Tensor:
+    def flags_of(self, name: str, like: Any = None) -> torch.Tensor:
         return self.slot
 
 
 @pytest.mark.parametrize("op", list(ReduceOp))
 def test_join_flags_decode_every_op(op: ReduceOp) -> None:
     """Simulate the reduction of the control slots of 3 ranks, rank 2 joined."""
-    slots = [_ControlSlot(3) for _ in range(3)]
-    flags = [JoinFlags(slots[r], op=op, ranks=[0, 1, 2], slot=r, like=torch.ones(1))
-             for r in range(3)]
+    slots = [_ControlSlot(3, r) for r in range(3)]
+    flags = [JoinFlags(slots[r], op=op, like=torch.ones(1)) for r in range(3)]
     # The control slot travels unscaled, with the engine's op (a sum for average),
     # possibly compressed to fp16.
     combine = {

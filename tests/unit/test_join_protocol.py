@@ -76,3 +76,33 @@ def test_last_joined_answered_the_fewest_rounds(answered: list[int], last: int) 
     engines = make_thread_group(len(answered))
     got = run_ranks_outcomes(engines, lambda e: join.last_joined(e, answered[e.rank]))
     assert got == [last] * len(answered)
+
+
+@pytest.mark.parametrize(("op", "dtype"), [
+    (ReduceOp.MIN, "int32"), (ReduceOp.MAX, "float32"), (ReduceOp.PRODUCT, "bfloat16"),
+    (ReduceOp.SUM, "float64"),
+])
+def test_replay_contributes_the_ops_identity(op: ReduceOp, dtype: str) -> None:
+    """Rank 0 has joined and replays what ranks 1 and 2 all-reduce: the result
+    is theirs alone (``join.replay``, the core's zero contribution)."""
+    from dp_plugin.arrays import numpy_dtype
+    from dp_plugin.collective import start_allreduce
+
+    def body(e: FakeEngine) -> object:
+        if e.rank == 0:
+            heard = join.Listener(e).heard()
+            described, _ = request.joined_view(heard)
+            assert described is not None and join.answerable(heard, "allreduce")
+            join.replay(e, described)
+            return None
+        buf = np.full(3, e.rank + 1, dtype=numpy_dtype(dtype))
+        request.check(e, request.Request.of("allreduce", [buf], name="m", op=op),
+                      accept_joined=True)
+        _, handles = start_allreduce(e, [buf], "m", op, 1.0, 1.0)
+        for h in handles:
+            h.wait()
+        return buf.astype(np.float64).tolist()
+
+    want = {ReduceOp.MIN: 2.0, ReduceOp.MAX: 3.0, ReduceOp.PRODUCT: 6.0, ReduceOp.SUM: 5.0}[op]
+    outcomes = run_ranks_outcomes(make_thread_group(3), body)
+    assert outcomes == [None, [want] * 3, [want] * 3], outcomes

@@ -317,7 +317,7 @@ def test_ready_events_timestamp_finished_all_reduces() -> None:
     grads = [np.ones(4, np.float32) for _ in specs]
     sched.mark_ready(3, grads[3])
     sched.mark_ready(2, grads[2])  # polls bucket 0, which one rank finishes at once
-    first = sched.fused._handles[0]
+    first = sched.fused.buckets[0].handle
     assert first is not None and first.completed_at is not None
     for i in (1, 0):
         sched.mark_ready(i, grads[i])

@@ -56,7 +56,7 @@ def train(case: str, out: Path) -> dict[str, Any]:
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                    named_parameters=model.named_parameters())
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    sched = opt._dp.reducer.scheduler
+    sched = opt._dp.reducer
     if case == "fake_clock":
         now = [0.0]
 

@@ -148,7 +148,7 @@ def run_case(case: Case, rank: int, size: int) -> None:
 
 def fusion(opt: Any) -> str:
     """How the optimizer's gradients were fused (the copies test reads it)."""
-    fused = opt._dp.reducer.scheduler.fused
+    fused = opt._dp.reducer.fused
     return f"{len(fused.plan)} buckets, slabs {fused.pool.allocated_bytes()} bytes"
 
 
