@@ -19,13 +19,16 @@ $(STAMP): requirements.txt setup.py pyproject.toml scripts/build_horovod.sh dp_p
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# Two test processes (pytest-xdist); the tests that name host-wide things
+# (namespaces, daemons) run one after another in one of them (tests/conftest.py).
+XDIST ?= -n 2 --dist loadgroup
 test: install
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest $(PYTEST_ARGS)
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # The same suite with every rank a fresh interpreter (no warm fork server;
 # see docs/testing.md): slower, for what only a fresh process shows.
 test-fresh: install
-	PATH=$(abspath $(VENV))/bin:$$PATH DP_PLUGIN_TEST_FRESH=1 $(PY) -m pytest $(PYTEST_ARGS)
+	PATH=$(abspath $(VENV))/bin:$$PATH DP_PLUGIN_TEST_FRESH=1 $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-unit: install
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest tests/unit $(PYTEST_ARGS)

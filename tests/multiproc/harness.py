@@ -42,6 +42,8 @@ from __future__ import annotations
 import ast
 import atexit
 import contextlib
+import fcntl
+import json
 import os
 import re
 import select
@@ -53,11 +55,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import psutil
 
@@ -293,30 +295,54 @@ _warm_servers = _WarmServers()
 class _MpichJobs:
     """MPICH unlinks its shared-memory segments at MPI_Finalize; a rank
     killed (by a test, mpiexec or the deadline) leaves its 2 MiB
-    ``mpich_shm_*`` behind. What appeared in /dev/shm while mpirun jobs of
-    this process ran is theirs; it is deleted when the last of them ends
-    (``run_cells`` may run several at once: deleting a segment a running
-    job has yet to open would break it)."""
+    ``mpich_shm_*`` behind. What appeared in /dev/shm while mpirun jobs ran
+    is theirs; it is deleted when the last of them ends (``run_cells`` may
+    run several at once, and pytest-xdist runs tests in two processes:
+    deleting a segment a running job has yet to open would break it). The
+    count of running jobs and the segments seen before the first are kept
+    in a file under a lock, shared by every test process of this user; a
+    process that died holding jobs is dropped from the count."""
 
-    def __init__(self) -> None:
+    def __init__(self, state: Path | None = None) -> None:
         self._lock = threading.Lock()
-        self._running = 0
-        self._before: set[str] = set()
+        self._state = state or (Path(tempfile.gettempdir())
+                                / f"dp_plugin_mpich_jobs.{os.getuid()}.json")
 
     def enter(self) -> None:
-        with self._lock:
-            if self._running == 0:
-                self._before = _mpich_segments()
-            self._running += 1
+        with self._shared() as state:
+            if not state["running"]:
+                state["before"] = sorted(_mpich_segments())
+            state["running"][str(os.getpid())] = state["running"].get(str(os.getpid()), 0) + 1
 
     def leave(self) -> None:
-        with self._lock:
-            self._running -= 1
-            if self._running:
-                return
-            for name in _mpich_segments() - self._before:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join("/dev/shm", name))
+        with self._shared() as state:
+            me = str(os.getpid())
+            state["running"][me] -= 1
+            if not state["running"][me]:
+                del state["running"][me]
+            if not state["running"]:
+                self._sweep(state)
+
+    @staticmethod
+    def _sweep(state: dict[str, Any]) -> None:
+        for name in _mpich_segments() - set(state["before"]):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join("/dev/shm", name))
+
+    @contextlib.contextmanager
+    def _shared(self) -> Iterator[dict[str, Any]]:
+        with self._lock, open(f"{self._state}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                state = json.loads(self._state.read_text())
+            except (FileNotFoundError, ValueError):
+                state = {"running": {}, "before": []}
+            alive = {pid: n for pid, n in state["running"].items() if psutil.pid_exists(int(pid))}
+            if state["running"] and not alive:
+                self._sweep(state)  # the last jobs' process died: what they left goes now
+            state["running"] = alive
+            yield state
+            self._state.write_text(json.dumps(state))
 
 
 _mpich_jobs = _MpichJobs()

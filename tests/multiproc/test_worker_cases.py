@@ -7,6 +7,7 @@ so they cost an interpreter start per rank, not a torch import.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -120,11 +121,11 @@ def test_run_cells_runs_every_cell_and_names_the_failed_ones(tiny: Path) -> None
     assert "=== cell first" not in text and "=== cell third" not in text, text
 
 
-def test_mpich_segments_are_removed_when_the_last_concurrent_mpirun_ends() -> None:
+def test_mpich_segments_are_removed_when_the_last_concurrent_mpirun_ends(tmp_path: Path) -> None:
     """Two mpirun jobs overlap (run_cells): the segment that appeared while
     both ran stays until the second ends (the other job may still open it),
     then goes."""
-    jobs = harness._MpichJobs()
+    jobs = harness._MpichJobs(tmp_path / "jobs.json")
     segment = Path("/dev/shm") / f"mpich_shm_dp_test_{os.getpid()}"
     try:
         jobs.enter()
@@ -135,4 +136,28 @@ def test_mpich_segments_are_removed_when_the_last_concurrent_mpirun_ends() -> No
         jobs.leave()
         assert not segment.exists(), "left behind after the last mpirun job"
     finally:
+        segment.unlink(missing_ok=True)
+
+
+def test_mpich_segments_wait_for_jobs_of_other_live_test_processes(tmp_path: Path) -> None:
+    """pytest-xdist runs tests in two processes: a job of the other one keeps
+    the segments; a process that died with jobs running no longer does."""
+    state = tmp_path / "jobs.json"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    segment = Path("/dev/shm") / f"mpich_shm_dp_test_x{os.getpid()}"
+    try:
+        state.write_text(json.dumps({"running": {str(other.pid): 1}, "before": []}))
+        jobs = harness._MpichJobs(state)
+        jobs.enter()
+        segment.write_bytes(b"x")
+        jobs.leave()
+        assert segment.exists(), "removed while another test process's mpirun job ran"
+        other.kill()
+        other.wait()
+        jobs.enter()
+        jobs.leave()
+        assert not segment.exists(), "a dead process's job kept the segment"
+    finally:
+        other.kill()
+        other.wait()
         segment.unlink(missing_ok=True)
