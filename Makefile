@@ -19,9 +19,9 @@ $(STAMP): requirements.txt setup.py pyproject.toml scripts/build_horovod.sh dp_p
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-# Two test processes (pytest-xdist); the tests that name host-wide things
-# (namespaces, daemons) run one after another in one of them (tests/conftest.py).
-XDIST ?= -n 2 --dist loadgroup
+# Two test processes (pytest-xdist), each test file whole in one of them
+# (docs/testing.md says why a file: test_faults.py looks for its own workers).
+XDIST ?= -n 2 --dist loadfile
 test: install
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 

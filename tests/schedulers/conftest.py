@@ -18,6 +18,8 @@ machine (root, apt-get, the ray extra installed) they run.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -82,11 +84,16 @@ def ray_hosts(hosts: netns.Hosts, tmp_path_factory: pytest.TempPathFactory
     reason = ray_cluster.unavailable()
     if reason:
         pytest.skip(reason)
-    cluster = ray_cluster.RayCluster(hosts, tmp_path_factory.mktemp("ray"))
+    # A short directory: Ray's socket paths under it must stay within AF_UNIX's
+    # 107 bytes, which pytest-xdist's deeper temporary directories passed
+    # (/tmp/pytest-of-root/pytest-N/popen-gw1/ray0/ray/session_.../plasma_store).
+    workdir = Path(tempfile.mkdtemp(prefix="dpray-"))
+    cluster = ray_cluster.RayCluster(hosts, workdir)
     try:
         yield cluster
     finally:
         cluster.close()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
