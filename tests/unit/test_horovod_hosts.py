@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import socket
 import threading
-from collections.abc import Iterator
 
 import pytest
 
@@ -38,16 +37,6 @@ def test_the_verdict_names_ranks_hosts_and_cause() -> None:
 def test_gloo_binds_what_the_name_resolves_to() -> None:
     assert hh.hostname_binds_to("localhost") in ("127.0.0.1", "::1")
     assert hh.hostname_binds_to("no-such-host.invalid") is None
-
-
-@pytest.fixture
-def kv_server() -> Iterator[int]:
-    from horovod.runner.http.http_server import KVStoreServer
-
-    server = KVStoreServer(verbose=0)
-    port = server.start_server()
-    yield port
-    server.shutdown_server()
 
 
 def _horovodrun(port: int, rank: int, size: int = 3, local_size: int = 1) -> object:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import socket
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -69,16 +68,6 @@ def test_the_secret_from_a_file_never_needs_a_command_line(tmp_path: Path) -> No
     with pytest.raises(ConfigError, match="DP_PLUGIN_JOB_SECRET must be at least 16") as info:
         Config.from_env({"DP_PLUGIN_JOB_SECRET_FILE": str(path)})
     assert "short" not in str(info.value)
-
-
-@pytest.fixture
-def kv_server() -> Iterator[int]:
-    from horovod.runner.http.http_server import KVStoreServer
-
-    server = KVStoreServer(verbose=0)
-    port = server.start_server()
-    yield port
-    server.shutdown_server()
 
 
 def _topology(port: int, rank: int) -> object:
