@@ -180,7 +180,7 @@ class Autotuner:
 
         def plan_key(threshold: int) -> Hashable:
             plan = plan_buckets(fused.specs, threshold, order=order,
-                                first_threshold=fused.first_threshold)
+                                first_threshold=fused.first_threshold, groups=fused.groups)
             return tuple(b.members for b in plan)
 
         threshold = self.step_ended(plan_key, share)

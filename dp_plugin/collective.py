@@ -107,7 +107,8 @@ class FusedCollective:
     packed bucket (default: all-reduce, compressed per ``compression``);
     ``threshold`` caps a bucket's bytes (``first_threshold`` the first
     bucket's, see ``plan_buckets``); ``order`` is the expected ready
-    order (default: reverse registration); ``control_numel`` adds a control
+    order (default: reverse registration); ``groups`` are gradient groups,
+    each a bucket of its own (``plan_buckets``); ``control_numel`` adds a control
     slot to the last bucket (see ``FusionBuffer``); ``settings`` are
     compared across ranks with ``layout`` (what the ranks compare; default
     ``specs``); ``root`` is the broadcast root
@@ -127,6 +128,7 @@ class FusedCollective:
         compression: Any = "none",
         hook: CommHook | None = None,
         order: Iterable[int] | None = None,
+        groups: Sequence[Sequence[int]] = (),
         control_numel: int = 0,
         settings: Mapping[str, Any] | None = None,
         layout: Sequence[TensorSpec] | None = None,
@@ -159,6 +161,9 @@ class FusedCollective:
             "root": root, **(settings or {}),
         }
         self.timeline = NullTimeline() if timeline is None else timeline
+        self.groups = tuple(tuple(g) for g in groups)
+        if self.groups:
+            self.settings["groups"] = self.groups
         self.ops = array_ops
         self.agreed = agreed
         """True once the ranks agreed (or the caller already made them agree)."""
@@ -176,7 +181,7 @@ class FusedCollective:
             return plan_buckets(self.specs, PIPELINE_CHUNK, order=order,
                                 first_threshold=self.first_threshold, alone_from=DIRECT_BYTES)
         return plan_buckets(self.specs, self.threshold, order=order,
-                            first_threshold=self.first_threshold)
+                            first_threshold=self.first_threshold, groups=self.groups)
 
     # -- plan ---------------------------------------------------------------------
     def install(self, plan: list[Any]) -> None:

@@ -15,6 +15,11 @@ Rules (issue 2, "Fusion and scheduling"):
   (``first_threshold``, PyTorch DDP's 1 MiB first bucket): the gradients
   backward produces first then start travelling early instead of waiting
   for a whole large bucket;
+- a gradient group (``groups``, Horovod's ``DistributedOptimizer(groups=...)``)
+  is one bucket per (dtype, device) of its own, whatever its size, holding
+  only the group's tensors; it takes its place in the bucket order where the
+  walk meets the group's last tensor, the point the whole group is ready,
+  and closes the open buckets there (a later tensor never holds it back);
 - number buckets in the order they were opened.
 """
 
@@ -112,6 +117,7 @@ def default_order(count: int) -> list[int]:
 def plan_buckets(
     specs: Sequence[TensorSpec], threshold: int, order: Iterable[int] | None = None,
     first_threshold: int | None = None, alone_from: int | None = None,
+    groups: Sequence[Sequence[int]] = (),
 ) -> list[Bucket]:
     """Group ``specs`` into buckets of at most ``threshold`` bytes.
 
@@ -123,6 +129,9 @@ def plan_buckets(
     own (where it can be reduced in place, with no copy) without closing the
     open bucket, so the smaller tensors around it still fuse (a grouped
     collective, where every bucket starts at once; None: no such rule).
+    ``groups``: lists of spec indices, each reduced as one all-reduce (a
+    bucket per dtype and device, see the rules above); a tensor belongs to
+    one group at most, and those in none are bucketed by size as usual.
     Deterministic: identical inputs give identical plans on every rank.
     """
     _check_threshold("fusion threshold", threshold)
@@ -134,6 +143,15 @@ def plan_buckets(
         first = min(first_threshold, threshold)
     _check_unique_names(specs)
     walk = default_order(len(specs)) if order is None else _check_permutation(order, len(specs))
+    group_of = _check_groups(groups, len(specs))
+    # Each group's members by kind, in walk order, and the member the walk meets last.
+    grouped: dict[int, dict[tuple[str, str], list[int]]] = {}
+    last_of: dict[int, int] = {}
+    for i in walk:
+        if i in group_of:
+            kinds = grouped.setdefault(group_of[i], {})
+            kinds.setdefault((specs[i].dtype, specs[i].device), []).append(i)
+            last_of[group_of[i]] = i
 
     # Per (dtype, device): the open bucket's members and size in bytes.
     open_: dict[tuple[str, str], tuple[list[int] | None, int]] = {}
@@ -142,6 +160,12 @@ def plan_buckets(
     for i in walk:
         spec = specs[i]
         key = (spec.dtype, spec.device)
+        if i in group_of:
+            if last_of[group_of[i]] == i:
+                # Close the open buckets: no tensor after the group holds it back.
+                open_.clear()
+                opened.extend(grouped[group_of[i]].items())
+            continue
         if alone_from is not None and spec.nbytes >= alone_from:
             opened.append((key, [i]))
             count[key] += 1
@@ -163,6 +187,34 @@ def plan_buckets(
         ends = tuple(accumulate((specs[i].numel for i in members), initial=0))
         buckets.append(Bucket(index, dtype, device, tuple(members), ends[:-1], ends[-1]))
     return buckets
+
+
+def even_groups(count: int, n: int) -> list[list[int]]:
+    """``range(count)`` cut into ``n`` consecutive groups whose sizes differ by at
+    most one, the larger first (Horovod's ``split_list`` for ``num_groups``);
+    empty groups (``n > count``) are left out."""
+    size, extra = divmod(count, n)
+    bounds = [k * size + min(k, extra) for k in range(n + 1)]
+    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _check_groups(groups: Sequence[Sequence[int]], count: int) -> dict[int, int]:
+    """Spec index -> its group's position in ``groups``, once they are checked."""
+    group_of: dict[int, int] = {}
+    for g, group in enumerate(groups):
+        for i in group:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < count:
+                raise ValueError(
+                    f"groups[{g}] holds {i!r}, which is not a spec index; expected ints in "
+                    f"range({count})"
+                )
+            if i in group_of:
+                raise ValueError(
+                    f"tensor {i} is in groups[{group_of[i]}] and groups[{g}]; a tensor can "
+                    "belong to one group only"
+                )
+            group_of[i] = g
+    return group_of
 
 
 def _check_threshold(what: str, threshold: object) -> None:

@@ -47,7 +47,9 @@ class Reducer:
     ``flags`` names groups of per-rank flags (one element per rank each) in
     the control slot: ``flags_of(name)`` is a group's elements, reduced
     (unscaled) with the last bucket, so they cost no collective of their
-    own. ``what`` names the tensors in an agreement's messages. The other
+    own. ``what`` names the tensors in an agreement's messages. ``groups``
+    (lists of spec indices) are reduced as one bucket each, launched when the
+    whole group is ready (Horovod's ``groups=``; ``plan_buckets``). The other
     arguments are ``GradientScheduler``'s.
     """
 
@@ -57,7 +59,7 @@ class Reducer:
                  name: str = "grads", array_ops: ArrayOps | None = None,
                  hook: CommHook | None = None, flags: Sequence[str] = (),
                  settings: dict[str, Any] | None = None, autotune: bool = False,
-                 what: str | None = None) -> None:
+                 what: str | None = None, groups: Sequence[Sequence[int]] = ()) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
         self.engine, self.name, config = engine, name, engine.config
@@ -74,7 +76,7 @@ class Reducer:
         self.fused = FusedCollective(
             self.specs, engine=engine, name=name, threshold=threshold, first_threshold=first,
             policy=policy, compression=compression, hook=hook,
-            control_numel=len(self.flag_names) * engine.size,
+            groups=groups, control_numel=len(self.flag_names) * engine.size,
             settings={"backward_passes_per_step": self.backward_passes_per_step,
                       "rebuild_buckets": self.rebuild_buckets, **(settings or {}),
                       "DP_PLUGIN_AUTOTUNE": agreement_setting(config, autotune)},

@@ -75,8 +75,9 @@ def DistributedOptimizer(
     ``hvd.join()``, sparse gradients and process sets.
     """
     _check_wrappable(optimizer)
-    reduce_op, passes = _checked_arguments(op, gradient_predivide_factor, num_groups, groups,
-                                           backward_passes_per_step, compression, process_set)
+    reduce_op, passes, groups = _checked_arguments(
+        op, gradient_predivide_factor, num_groups, groups, backward_passes_per_step,
+        compression, process_set)
     with calling("hvd.DistributedOptimizer()"):
         eng = engine_or_none(process_set)
     if named_parameters is not None:
@@ -89,6 +90,7 @@ def DistributedOptimizer(
         names=names, named=named_parameters is not None, compression=compression,
         op=reduce_op, predivide=float(gradient_predivide_factor), passes=passes,
         sparse_as_dense=bool(sparse_as_dense), process_set=process_set, label=label,
+        groups=groups,
         # Its own communicator: buckets start when gradients are ready, which
         # differs between ranks when a parameter is unused on one of them, and
         # must not cross SyncBatchNorm's or the user's collectives.
@@ -302,9 +304,10 @@ class _SkippedStep(Exception):
 
 def _checked_arguments(op: Any, gradient_predivide_factor: float, num_groups: int,
                        groups: Any, backward_passes_per_step: Any, compression: Any,
-                       process_set: Any) -> tuple[ReduceOp, int]:
+                       process_set: Any) -> tuple[ReduceOp, int, Any]:
     """``DistributedOptimizer``'s arguments, validated with Horovod's rules:
-    (op, passes). Every mistake raises naming the argument and the fix."""
+    (op, passes, groups: ``num_groups`` folded in). Every mistake raises naming
+    the argument and the fix."""
     with calling("DistributedOptimizer"):
         reduce_op = parse_op(op)
     if gradient_predivide_factor != 1.0 and reduce_op is not ReduceOp.AVERAGE:
@@ -334,12 +337,12 @@ def _checked_arguments(op: Any, gradient_predivide_factor: float, num_groups: in
             f"{type(process_set).__name__}; pass hvd.global_process_set (the default) or a set "
             "registered with hvd.add_process_set(ranks)"
         )
-    return reduce_op, passes
+    return reduce_op, passes, groups
 
 
 def _check_groups(groups: Any) -> None:
     """Horovod's validation of ``groups``: an int > 0 or a list of lists of
-    tensors (then only a hint: the planner makes the buckets, docs/torch.md)."""
+    tensors (each group becomes one bucket, ``dp_plugin.fusion.plan_buckets``)."""
     if groups is None:
         return
     if isinstance(groups, list):

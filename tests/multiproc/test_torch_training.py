@@ -3,7 +3,8 @@
 - ``torch_equivalence.py``, one launch per case: DistributedOptimizer (SGD with momentum, Adam,
   backward_passes_per_step=2, float32 Adam) after broadcast_parameters and
   broadcast_optimizer_state ends bitwise identical on all ranks and within
-  1e-5 of a single-process run; ``join()`` with uneven data.
+  1e-5 of a single-process run; ``join()`` with uneven data; ``groups=``
+  trains bitwise as without groups, each group one bucket.
 - ``typical_horovod_script.py``: a typical Horovod PyTorch script whose only
   dp_plugin line is its import; it trains, checkpoints, and its loss falls.
   The same text with ``import horovod.torch as hvd`` runs under real Horovod.

@@ -254,7 +254,7 @@ def test_optimizer_over_named_parameters_keeps_working() -> None:
     assert opt.param_groups[0]["param_names"][0] == "0.weight"
 
 
-def test_groups_and_num_groups_are_accepted_as_hints() -> None:
+def test_groups_and_num_groups_are_accepted() -> None:
     model = linear_model()
     params = list(model.parameters())
     hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), groups=[params[:2]])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dp_plugin.fusion import Bucket, TensorSpec, default_order, plan_buckets
+from dp_plugin.fusion import Bucket, TensorSpec, default_order, even_groups, plan_buckets
 
 
 def f32(name: str, *shape: int, device: str = "cpu") -> TensorSpec:
@@ -197,3 +197,54 @@ def test_first_threshold_must_be_a_positive_int(first: object) -> None:
     specs = [TensorSpec("w", (4,), "float32")]
     with pytest.raises(ValueError, match=f"first bucket threshold .*{first!r}"):
         plan_buckets(specs, 48, first_threshold=first)  # type: ignore[arg-type]
+
+
+# -- gradient groups (Horovod's DistributedOptimizer(groups=...)) -----------
+
+def test_a_group_is_one_bucket_placed_where_it_is_ready() -> None:
+    specs = [f32(f"t{i}", 4) for i in range(6)]  # 16 bytes each
+    # Walk 5..0; the group {4, 1} is ready at 1; the open bucket closes there.
+    plan = plan_buckets(specs, 32, groups=[[1, 4]])
+    assert members(plan) == [(5, 3), (2,), (4, 1), (0,)]
+    assert plan[2].offsets == (0, 4)  # in walk order, whatever order the group lists
+    # A group over the threshold is still one bucket.
+    assert members(plan_buckets(specs, 16, groups=[[0, 1, 2, 3, 4, 5]])) == [(5, 4, 3, 2, 1, 0)]
+
+
+def test_groups_follow_the_ready_order_and_split_by_kind() -> None:
+    specs = [f32("a", 1), TensorSpec("b", (1,), "float16"), f32("c", 1), f32("d", 1)]
+    plan = plan_buckets(specs, 1 << 20, order=[0, 1, 2, 3], groups=[[0, 1, 2]])
+    assert members(plan) == [(0, 2), (1,), (3,)]
+    assert [b.dtype for b in plan] == ["float32", "float16", "float32"]
+    # The same groups in another ready order: the group moves, not its members' fate.
+    assert members(plan_buckets(specs, 1 << 20, order=[3, 2, 1, 0], groups=[[0, 1, 2]])) \
+        == [(3,), (2, 0), (1,)]
+
+
+def test_ungrouped_plan_is_unchanged_and_first_cap_skips_groups() -> None:
+    specs = [f32(f"t{i}", 4) for i in range(5)]
+    assert plan_buckets(specs, 32, groups=[]) == plan_buckets(specs, 32)
+    # The group is not the first bucket of its kind: the first cap applies to t3.
+    plan = plan_buckets(specs, 64, first_threshold=16, groups=[[4]])
+    assert members(plan) == [(4,), (3,), (2, 1, 0)]
+
+
+@pytest.mark.parametrize(("groups", "match"), [
+    ([[0, 7]], r"groups\[0\] holds 7, which is not a spec index"),
+    ([[0], [1, 0]], r"tensor 0 is in groups\[0\] and groups\[1\]"),
+    ([[True]], "not a spec index"),
+])
+def test_bad_groups_are_refused(groups: list, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        plan_buckets([f32("a", 1), f32("b", 1)], 16, groups=groups)
+
+
+@pytest.mark.parametrize(("count", "n", "expected"), [
+    (5, 2, [[0, 1, 2], [3, 4]]),
+    (6, 3, [[0, 1], [2, 3], [4, 5]]),
+    (2, 4, [[0], [1]]),  # more groups than tensors: the empty ones are left out
+    (3, 1, [[0, 1, 2]]),
+])
+def test_even_groups_cut_like_horovods_split_list(count: int, n: int,
+                                                  expected: list[list[int]]) -> None:
+    assert even_groups(count, n) == expected

@@ -24,6 +24,10 @@ rank everywhere.
 At 3 ranks, an optimizer over the process set {0, last} must average over
 its members only, while the other rank steps on its own gradients.
 
+``groups``: Horovod's ``groups=`` (a count, and lists of parameters) reduce
+each group as one bucket of its own, and train to the same parameters,
+bitwise, as the run without groups.
+
 Any failure prints a traceback and exits 1 at once (``os._exit``), so the
 other ranks fail by their collective timeout instead of waiting.
 """
@@ -239,9 +243,44 @@ def case_join_process_set(_: object) -> None:
         raise AssertionError(f"join() without optimizers returned {last}")
 
 
+def train_grouped(rank: int, size: int, groups: Callable[[Net], Any]) -> tuple[torch.Tensor, Any]:
+    """Parameters after STEPS steps of SGD with ``groups(model)``, and the plan."""
+    torch.manual_seed(11)
+    model = Net().double()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(),
+                                   groups=groups(model))
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step, 0, PER_RANK * size, torch.float64)
+        mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        opt.step()
+    return flat(model), [b.members for b in opt._dp.reducer.plan]
+
+
+def case_groups(_: object) -> None:
+    rank, size = hvd.rank(), hvd.size()
+    plain, plan = train_grouped(rank, size, lambda m: None)
+    listed = lambda m: [[m.head.weight, m.body[0].bias], [m.body[2].weight]]  # noqa: E731
+    for label, groups, expected in [
+        # Net's 8 parameters in registration order: body 0-3, head 4-5, unused 6-7.
+        ("groups=3", lambda m: 3, [{0, 1, 2}, {3, 4, 5}, {6, 7}]),
+        ("listed", listed, [{4, 1}, {2}]),
+    ]:
+        grouped, plan = train_grouped(rank, size, groups)
+        if not all(group in [set(b) for b in plan] for group in expected):
+            raise AssertionError(f"{label}: the plan {plan} lacks the groups' buckets {expected}")
+        if not torch.equal(grouped, plain):
+            raise AssertionError(f"{label}: parameters differ from the run without groups "
+                                 f"(max diff {(grouped - plain).abs().max():.3g})")
+        print(f"rank {rank} {label}: plan {plan}", flush=True)
+
+
 CASES = {
     "optimizers": case_optimizers,
     "join_process_set": case_join_process_set,
+    "groups": case_groups,
 }
 
 
