@@ -29,7 +29,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from typing import Any
 
 from dp_plugin.arrays import spec_of
@@ -195,7 +195,7 @@ def even_groups(count: int, n: int) -> list[list[int]]:
     empty groups (``n > count``) are left out."""
     size, extra = divmod(count, n)
     bounds = [k * size + min(k, extra) for k in range(n + 1)]
-    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:]) if b > a]
+    return [list(range(a, b)) for a, b in pairwise(bounds) if b > a]
 
 
 def _check_groups(groups: Sequence[Sequence[int]], count: int) -> dict[int, int]:

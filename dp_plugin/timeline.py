@@ -21,8 +21,11 @@ record different events.
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
+import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
@@ -172,6 +175,79 @@ def open_timeline(
 ) -> Timeline | NullTimeline:
     """A ``Timeline`` writing ``path`` for ``rank``, or a ``NullTimeline`` if no path."""
     return Timeline(path, rank, max_bytes) if path else NullTimeline()
+
+
+class SharedTimeline:
+    """The process's current timeline, shared by every reducer of the adapters.
+
+    Reducers hold ``shared_timeline`` (below), which forwards to whatever
+    timeline is current, so Horovod's ``start_timeline``/``stop_timeline``
+    (``dp_plugin.horovod_api``) take effect for optimizers created before
+    them. ``close()`` does nothing: the file belongs to ``start_timeline`` /
+    ``stop_timeline`` (or to ``shutdown()``), not to any one reducer.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.current: Timeline | NullTimeline = NullTimeline()
+        self.mark_cycles = False
+        self._atexit = False
+
+    def open_from_config(self, path: str | None, rank: int, max_bytes: int) -> None:
+        """Record from ``init()`` on into ``path`` (``Config.timeline``), as Horovod
+        does with ``HOROVOD_TIMELINE``; ``DYNAMIC`` means "only via start_timeline()"."""
+        with self._lock:
+            if not path or path.upper() == "DYNAMIC" or self.current.enabled:
+                return
+        self.start(path, rank, False, max_bytes)
+
+    def start(self, path: str, rank: int, mark_cycles: bool, max_bytes: int) -> None:
+        # One writer per file per process (dp_plugin.trace_writer): a file
+        # already open (e.g. by a core scheduler) is shared, not truncated.
+        new = open_timeline(path, rank, max_bytes)
+        with self._lock:
+            old, self.current = self.current, new
+            self.mark_cycles = bool(mark_cycles)
+            if not self._atexit:
+                atexit.register(self.stop)
+                self._atexit = True
+        old.close()
+
+    def stop(self) -> None:
+        with self._lock:
+            old, self.current = self.current, NullTimeline()
+            self.mark_cycles = False
+        old.close()
+
+    # -- what a reducer calls -----------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self.current.enabled
+
+    def span(self, name: str, cat: str, start: float, end: float, tid: Any = "main",
+             args: Mapping[str, Any] | None = None) -> None:
+        self.current.span(name, cat, start, end, tid=tid, args=args)
+
+    def instant(self, name: str, cat: str, t: float, tid: Any = "main",
+                args: Mapping[str, Any] | None = None) -> None:
+        self.current.instant(name, cat, t, tid=tid, args=args)
+
+    def counter(self, name: str, values: Mapping[str, float], t: float) -> None:
+        self.current.counter(name, values, t)
+
+    def flush(self) -> None:
+        # Reducers flush once per step: that is where a cycle ends.
+        current = self.current
+        if self.mark_cycles:
+            current.instant("CYCLE_START", "cycle", time.perf_counter(), tid="step")
+        current.flush()
+
+    def close(self) -> None:
+        pass
+
+
+shared_timeline = SharedTimeline()
 
 
 # -- per-step stats ----------------------------------------------------------

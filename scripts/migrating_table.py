@@ -96,16 +96,6 @@ NOTES: dict[str, tuple[str, str]] = {
         "`backward_passes_per_step` of `DistributedOptimizer`/`DistributedGradientTape`"),
     "horovod.tensorflow:handle_average_backwards_compatibility": (
         UNSUPPORTED, "an internal helper of Horovod's `average=` deprecation; pass `op=`"),
-    "horovod.tensorflow:start_timeline": (
-        UNSUPPORTED, "not in the TensorFlow adapter: set `DP_PLUGIN_TIMELINE` (or "
-        "`HOROVOD_TIMELINE`) before `init()` for a Chrome trace of every rank"),
-    "horovod.tensorflow:stop_timeline": (
-        UNSUPPORTED, "see `start_timeline`: the timeline runs for the whole job"),
-    "horovod.tensorflow.keras:start_timeline": (
-        UNSUPPORTED, "not in the Keras adapter: set `DP_PLUGIN_TIMELINE` (or "
-        "`HOROVOD_TIMELINE`) before `init()` for a Chrome trace of every rank"),
-    "horovod.tensorflow.keras:stop_timeline": (
-        UNSUPPORTED, "see `start_timeline`: the timeline runs for the whole job"),
     "horovod.tensorflow:check_num_rank_power_of_2": (
         UNSUPPORTED, "an Adasum helper, and Adasum is not supported"),
     "horovod.tensorflow:elastic": (DIFF, "recovers by restarting processes under `torchrun "

@@ -29,19 +29,24 @@ Supported Keras: see ``compat.SUPPORTED_KERAS_SPEC``.
 """
 
 from dp_plugin import horovod_api as _api
-from dp_plugin.capabilities import mpi_threads_supported
 from dp_plugin.errors import LayoutMismatchError, NotInitializedError
 from dp_plugin.horovod_api import *  # noqa: F403 - ops, process sets, capabilities
 from dp_plugin.tensorflow import callbacks, elastic
 from dp_plugin.tensorflow import util as util
 from dp_plugin.tensorflow.basics import (
+    cross_rank,
+    cross_size,
     init,
+    is_homogeneous,
     is_initialized,
     local_rank,
     local_size,
+    mpi_threads_supported,
     rank,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 from dp_plugin.tensorflow.broadcast import broadcast_variables
 from dp_plugin.tensorflow.callbacks import BroadcastGlobalVariablesCallback, DistributedCallback
@@ -67,10 +72,7 @@ from dp_plugin.tensorflow.functions import (
     barrier,
     broadcast_global_variables,
     broadcast_object,
-    cross_rank,
-    cross_size,
     cuda_built,
-    is_homogeneous,
     join,
     nccl_built,
     rocm_built,
@@ -148,6 +150,8 @@ __all__ = [
     "shutdown",
     "size",
     "size_op",
+    "start_timeline",
+    "stop_timeline",
     "vars_to_refs",
 ]
 __all__ += _api.__all__

@@ -68,6 +68,7 @@ from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.scheduler import Reducer
 from dp_plugin.tensorflow import graph_order
+from dp_plugin.timeline import shared_timeline
 
 _names = itertools.count()
 _names_lock = threading.Lock()
@@ -184,6 +185,7 @@ class GradientBridge:
                     passes=1,  # DistributedApply accumulates the passes itself
                     compression=self.compression,
                     name=name,
+                    timeline=shared_timeline,  # hvd.start_timeline() reaches it
                     autotune=engine.config.autotune,
                     array_ops=AlignedNumpyOps(),
                     what=f"gradients of {name!r}",

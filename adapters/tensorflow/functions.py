@@ -1,4 +1,4 @@
-"""Object collectives, barrier, join, topology and build queries, as ``horovod.tensorflow``.
+"""Object collectives, barrier, join and build queries, as ``horovod.tensorflow``.
 
 ``broadcast_object`` / ``allgather_object`` pickle Python objects and move
 the bytes with the engine's broadcast / all-gather (``dp_plugin.objects``,
@@ -89,24 +89,6 @@ def broadcast_global_variables(root_rank: int) -> Any:
         return tf.no_op(name="broadcast_global_variables")
     with graph_order.new_chain():
         return broadcast_variables(variables, root_rank)
-
-
-# -- topology --------------------------------------------------------------------------
-
-
-def cross_size() -> int:
-    """Number of hosts."""
-    return runtime.topology().cross_size
-
-
-def cross_rank() -> int:
-    """Index of this process's host."""
-    return runtime.topology().cross_rank
-
-
-def is_homogeneous() -> bool:
-    """True when every host runs the same number of processes."""
-    return runtime.topology().is_homogeneous
 
 
 # -- what is built, what runs ------------------------------------------------------------

@@ -30,8 +30,8 @@ from dp_plugin.fusion import TensorSpec, even_groups
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.process_sets import ProcessSet
 from dp_plugin.scheduler import Reducer
+from dp_plugin.timeline import shared_timeline
 from dp_plugin.torch.basics import engine as job_engine
-from dp_plugin.torch.basics import shared_timeline
 from dp_plugin.torch.control_slot import FiniteFlags, RankMarks
 from dp_plugin.torch.joining import JoinFlags
 from dp_plugin.torch.sparse import SparseGradients

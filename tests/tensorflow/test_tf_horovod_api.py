@@ -6,6 +6,7 @@ tests/multiproc/test_tf_collectives.py and test_tf_horovod_script.py.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -82,6 +83,16 @@ def test_build_and_topology_queries_in_one_process() -> None:
     assert dp.nccl_built() == 0 and not dp.cuda_built()
     with pytest.raises(ValueError, match="MPI is not enabled"):
         dp.mpi_threads_supported()
+
+
+def test_timeline_starts_and_stops_in_one_process(tmp_path: Path) -> None:
+    dp.start_timeline(str(tmp_path / "t-{rank}.json"))
+    dp.stop_timeline()
+    dp.stop_timeline()  # nothing running: fine
+    events = json.loads((tmp_path / "t-0.json").read_text())  # closed: valid JSON
+    assert events[0]["ph"] == "M"
+    with pytest.raises(ValueError, match="file_path must be a non-empty string"):
+        dp.start_timeline("")
 
 
 def test_errors_name_the_value_and_the_fix() -> None:
