@@ -198,6 +198,22 @@ def even_groups(count: int, n: int) -> list[list[int]]:
     return [list(range(a, b)) for a, b in pairwise(bounds) if b > a]
 
 
+def group_indices(groups: int | Sequence[Sequence[Any]] | None,
+                  members: Sequence[Any]) -> list[list[int]]:
+    """Horovod's ``groups`` as lists of indices into ``members`` (the tensors
+    reduced, in order), as Horovod forms them: ``groups=N`` cuts ``members``
+    into N groups of near-equal count (``even_groups``); listed objects are
+    matched by identity, those not among ``members`` (no gradient) left out,
+    and groups left empty dropped; None: no groups."""
+    if groups is None:
+        return []
+    if isinstance(groups, int):
+        return even_groups(len(members), groups)
+    index = {id(m): i for i, m in enumerate(members)}
+    found = ([index[id(m)] for m in group if id(m) in index] for group in groups)
+    return [group for group in found if group]
+
+
 def _check_groups(groups: Sequence[Sequence[int]], count: int) -> dict[int, int]:
     """Spec index -> its group's position in ``groups``, once they are checked."""
     group_of: dict[int, int] = {}

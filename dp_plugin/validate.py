@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 __all__ = [
     "check_choice",
+    "check_groups",
     "check_int",
     "check_positive_float",
     "env_bool",
@@ -77,6 +80,37 @@ def check_int(
             where, f"{name} must be an int{_bounds(minimum, maximum)}, got {value!r}", fix
         ))
     return int(value)  # type: ignore[call-overload]
+
+
+def check_groups(groups: Any, num_groups: Any, member: type | tuple[type, ...], kind: str,
+                 stacklevel: int = 3) -> Any:
+    """Horovod's ``DistributedOptimizer(groups=..., num_groups=...)``, checked by
+    Horovod's rules; returns ``groups`` with the deprecated ``num_groups``
+    folded in (warning ``stacklevel`` frames up): None, an int > 0, or a list
+    of lists of ``member`` instances (``kind`` names them), each at most once."""
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups`.",
+                      DeprecationWarning, stacklevel=stacklevel)
+        if groups is None:
+            groups = num_groups
+    if groups is None:
+        return None
+    if isinstance(groups, list):
+        seen: set[int] = set()
+        for group in groups:
+            for p in group:
+                if not isinstance(p, member):
+                    raise ValueError(f"groups must consist of {kind}, got {type(p).__name__}")
+                if id(p) in seen:
+                    raise ValueError("A parameter can only appear once in groups.")
+                seen.add(id(p))
+        return groups
+    if not is_int(groups) or groups <= 0:
+        raise ValueError(
+            f"groups should be a non-negative integer or a list of list of {kind}, "
+            f"got {groups!r}"
+        )
+    return int(groups)
 
 
 def check_positive_float(

@@ -70,10 +70,7 @@ NOTES: dict[str, tuple[str, str]] = {
     "Compression": (DIFF, "adds `Compression.bf16`; on `DistributedOptimizer` a compressor "
                     "sees a whole fusion bucket (1-D, several gradients) instead of each "
                     "gradient"),
-    "horovod.torch:DistributedOptimizer": (DIFF, "`op=Adasum` is not supported"),
-    "DistributedOptimizer": (DIFF, "`groups`/`num_groups` are not accepted (the planner fuses "
-                             "gradients into `DP_PLUGIN_FUSION_THRESHOLD` buckets); "
-                             "`op=Adasum` is not supported"),
+    "DistributedOptimizer": (DIFF, "`op=Adasum` is not supported"),
     "horovod.torch:join": (DIFF, "Horovod 0.28.1's rule: answers `DistributedOptimizer` "
                            "steps, allreduce and barrier (grouped too); allgather, broadcast, "
                            "reducescatter, alltoall and the helpers built on them "
@@ -166,9 +163,9 @@ method: `opt.variables()` becomes `opt.variables`.
   tensor, as Horovod) and `DistributedOptimizer`, where it receives the packed
   1-D buffer of several gradients: gradients are fused before they travel.
   Element-wise compressors (casts, quantisation) behave the same.
-- **`groups` / `num_groups` (PyTorch) make one bucket per group**, as
-  Horovod's grouped all-reduce: `groups=N` cuts the parameters, in
-  `param_groups` order, into N groups of near-equal count; listed groups are
+- **`groups` / `num_groups` of `DistributedOptimizer` make one bucket per
+  group**, as Horovod's grouped all-reduce: `groups=N` cuts the parameters
+  (variables), in order, into N groups of near-equal count; listed groups are
   fused as given, the parameters in none into buckets of
   `DP_PLUGIN_FUSION_THRESHOLD` bytes. A group is reduced once all of its
   gradients are ready; the results are those of the run without groups.

@@ -91,7 +91,10 @@ class GradientBridge:
     first use (so ``dp_plugin.init()`` must have run by the time a step is
     traced). ``results_alias_buffers``: return the fusion buffer's slices
     instead of copies (see the module docstring); only for a caller that
-    consumes the reduced gradients before the next step starts.
+    consumes the reduced gradients before the next step starts. ``groups``:
+    Horovod's ``DistributedOptimizer(groups=...)``, validated (an int, or
+    lists of variables); the caller resolves it per step (``reduce``'s
+    ``groups``).
     """
 
     def __init__(
@@ -102,13 +105,16 @@ class GradientBridge:
         gradient_predivide_factor: float = 1.0,
         name: str,
         results_alias_buffers: bool = False,
+        groups: Any = None,
     ) -> None:
         self.op = op
+        self.groups = groups
         self.results_alias_buffers = bool(results_alias_buffers)
         self.compression = compression
         self.gradient_predivide_factor = gradient_predivide_factor
         self.name = name
-        self._schedulers: dict[tuple[TensorSpec, ...], Reducer] = {}
+        self._schedulers: dict[tuple[tuple[TensorSpec, ...], tuple[tuple[int, ...], ...]],
+                               Reducer] = {}
         self._lock = threading.Lock()
         self.calls = 0
         """Completed or failed steps (finishing numpy callbacks; one per worker per step)."""
@@ -123,18 +129,22 @@ class GradientBridge:
 
     # -- building the step ----------------------------------------------------
     @tf.autograph.experimental.do_not_convert
-    def reduce(self, grads: Sequence[Any], labels: Sequence[str]) -> list[Any]:
+    def reduce(self, grads: Sequence[Any], labels: Sequence[str],
+               groups: Sequence[Sequence[int]] = ()) -> list[Any]:
         """The cross-worker reduction of dense ``grads`` (see the module docstring).
 
         ``labels`` name the gradients in layout errors; they must be the same
-        on every rank. Works in eager mode, in ``tf.function``, in replica
+        on every rank. ``groups`` (lists of indices into ``grads``) are
+        reduced as one bucket each (``dp_plugin.fusion.plan_buckets``).
+        Works in eager mode, in ``tf.function``, in replica
         context (once per worker via ``merge_call``) and in cross-replica
         context. Sparse gradients (``IndexedSlices``) are made dense first.
         """
         tensors = [tf.convert_to_tensor(g) for g in grads]
         if not tensors:
             return []
-        sched = self._scheduler(self._specs(tensors, labels))
+        sched = self._scheduler(self._specs(tensors, labels),
+                                tuple(tuple(group) for group in groups))
         ctx = tf.distribute.get_replica_context()
         if ctx is None or ctx.num_replicas_in_sync == 1:
             return self._exchange_ops(sched, tensors)
@@ -168,10 +178,11 @@ class GradientBridge:
             specs.append(TensorSpec(label, tuple(t.shape.as_list()), t.dtype.name))
         return tuple(specs)
 
-    def _scheduler(self, specs: tuple[TensorSpec, ...]) -> Reducer:
+    def _scheduler(self, specs: tuple[TensorSpec, ...],
+                   groups: tuple[tuple[int, ...], ...]) -> Reducer:
         engine = runtime.engine()
         with self._lock:
-            sched = self._schedulers.get(specs)
+            sched = self._schedulers.get((specs, groups))
             # After shutdown() and init() a step traced anew needs the new engine.
             if sched is None or sched.engine is not engine:
                 k = len(self._schedulers)
@@ -189,6 +200,7 @@ class GradientBridge:
                     autotune=engine.config.autotune,
                     array_ops=AlignedNumpyOps(),
                     what=f"gradients of {name!r}",
+                    groups=groups,
                 )
                 # Checked now, while the step is traced, so that different models
                 # fail here with LayoutMismatchError itself on every rank, before any
@@ -196,7 +208,7 @@ class GradientBridge:
                 # rank traces its train step at the same point; a layout is checked
                 # once, here (the reducer does not repeat it).
                 sched.agree()
-                self._schedulers[specs] = sched
+                self._schedulers[specs, groups] = sched
             return sched
 
     def _exchange_ops(self, sched: Reducer, tensors: Sequence[Any]) -> list[Any]:

@@ -44,12 +44,13 @@ from dp_plugin.compression import Compressor
 from dp_plugin.edge import calling
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import DPPluginError
+from dp_plugin.fusion import group_indices
 from dp_plugin.hooks import check_predivide_op
 from dp_plugin.tensorflow.bridge import GradientBridge, next_bridge_name
 from dp_plugin.tensorflow.compat import UnsupportedStrategyError, check_keras
 from dp_plugin.tensorflow.ops import Average, Compression, parse_compression, parse_gradient_op
 from dp_plugin.tensorflow.sparse import reduce_gradients
-from dp_plugin.validate import check_int, check_positive_float
+from dp_plugin.validate import check_groups, check_int, check_positive_float
 
 
 def parse_reduction(owner: str, op: Any, compression: Any, backward_passes_per_step: Any,
@@ -223,8 +224,22 @@ def reduce_present(bridge: GradientBridge, grads: Sequence[Any], variables: Sequ
     if not present:
         return list(grads)  # Keras raises its own "No gradients provided" error
     reduced = reduce_gradients(bridge, [grads[i] for i in present],
-                               [_label(i, variables) for i in present], sparse_as_dense)
+                               [_label(i, variables) for i in present], sparse_as_dense,
+                               _groups(bridge.groups, present, variables))
     return refill(grads, reduced)
+
+
+def _groups(groups: Any, present: list[int], variables: Sequence[Any] | None) -> list[list[int]]:
+    """Horovod's ``groups`` as lists of indices into the present gradients: a
+    count cuts them evenly, listed variables are matched to theirs."""
+    if isinstance(groups, list) and variables is None:
+        raise ValueError(
+            "DistributedOptimizer(groups=[[...], ...]) names variables, but the gradients "
+            "came without theirs; call optimizer.apply(grads, trainable_variables) (model.fit "
+            "does), or pass groups as a number"
+        )
+    members = present if variables is None else [variables[i] for i in present]
+    return group_indices(groups, members)
 
 
 def refill(template: Sequence[Any], values: Sequence[Any]) -> list[Any]:
@@ -303,8 +318,10 @@ def make_hook(
     average_aggregated_gradients: bool = False,
     name: str | None = None,
     sparse_as_dense: bool = False,
+    groups: Any = None,
 ) -> DistributedApply:
-    """Validate the arguments and build (not install) a hook for ``optimizer``."""
+    """Validate the arguments and build (not install) a hook for ``optimizer``
+    (``groups`` already checked, ``check_groups``)."""
     parsed_op, compressor, passes, predivide = parse_reduction(
         owner, op, compression, backward_passes_per_step, gradient_predivide_factor)
     if name is not None and (not isinstance(name, str) or not name):
@@ -315,6 +332,7 @@ def make_hook(
         # The hook hands the reduced gradients straight to apply(): they are
         # consumed before the next step packs the fusion buffers again.
         results_alias_buffers=True,
+        groups=groups,
     )
     return DistributedApply(
         optimizer, bridge, owner=owner, backward_passes_per_step=passes,
@@ -332,6 +350,8 @@ def DistributedOptimizer(
     op: Any = Average,
     backward_passes_per_step: int = 1,
     average_aggregated_gradients: bool = False,
+    num_groups: int = 0,
+    groups: Any = None,
 ) -> Any:
     """Make a Keras 3 optimizer average its gradients across workers; return it.
 
@@ -349,6 +369,10 @@ def DistributedOptimizer(
       accumulation (see ``DistributedApply``; one replica per worker).
     - ``sparse_as_dense``: ``tf.IndexedSlices`` gradients (embeddings) are
       all-gathered as in Horovod by default; True all-reduces them dense.
+    - ``groups`` (or the older ``num_groups``), as Horovod: each group of
+      gradients is reduced as one bucket of its own once all of it is ready;
+      ``groups=N`` cuts the gradients, in order, into N groups of near-equal
+      count, ``groups=[[v, ...], ...]`` names the variables of each.
     - ``name``: prefix of the collectives' names (the same on every rank).
     - Mixed precision: wrap the ``LossScaleOptimizer``, or let ``compile()``
       wrap this one and add ``BroadcastGlobalVariablesCallback`` or
@@ -366,6 +390,7 @@ def DistributedOptimizer(
             f"{who} needs a Keras 3 optimizer (keras.optimizers.Optimizer), got "
             f"{type(optimizer).__name__}; tf.compat.v1 and Keras 2 optimizers are not supported"
         )
+    groups = check_groups(groups, num_groups, (tf.Variable, keras.Variable), "tf.Variable")
     target, existing = find_hook(optimizer)
     if existing is not None:
         raise ValueError(
@@ -378,7 +403,7 @@ def DistributedOptimizer(
         backward_passes_per_step=backward_passes_per_step,
         gradient_predivide_factor=gradient_predivide_factor,
         average_aggregated_gradients=average_aggregated_gradients, name=name,
-        sparse_as_dense=sparse_as_dense,
+        sparse_as_dense=sparse_as_dense, groups=groups,
     )
     install(optimizer, hook)
     return optimizer

@@ -22,15 +22,20 @@ from dp_plugin.tensorflow.collectives import reduce_indexed_slices
 
 
 def reduce_gradients(bridge: GradientBridge, grads: Sequence[Any], labels: Sequence[str],
-                     sparse_as_dense: bool) -> list[Any]:
-    """``grads`` (no None) reduced across workers, in order; see the module docstring."""
+                     sparse_as_dense: bool, groups: Sequence[Sequence[int]] = ()) -> list[Any]:
+    """``grads`` (no None) reduced across workers, in order; see the module docstring.
+    ``groups`` (lists of indices into ``grads``) are reduced as one bucket each;
+    a sparse gradient in one travels on its own."""
     ctx = tf.distribute.get_replica_context()
     replicas = 1 if ctx is None else ctx.num_replicas_in_sync
     sparse = [] if sparse_as_dense or replicas > 1 else [
         i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
     dense = [i for i in range(len(grads)) if i not in sparse]
     out = list(grads)
-    reduced = bridge.reduce([grads[i] for i in dense], [labels[i] for i in dense])
+    position = {i: k for k, i in enumerate(dense)}
+    dense_groups = [[position[i] for i in group if i in position] for group in groups]
+    reduced = bridge.reduce([grads[i] for i in dense], [labels[i] for i in dense],
+                            [group for group in dense_groups if group])
     for i, r in zip(dense, reduced, strict=True):
         out[i] = r
     for i in sparse:

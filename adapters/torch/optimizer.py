@@ -35,7 +35,7 @@ from dp_plugin.torch.optimizer_state import (
     SynchronizationError,
     parameter_names,
 )
-from dp_plugin.validate import check_int, check_positive_float
+from dp_plugin.validate import check_groups, check_int, check_positive_float
 
 _RACE_MESSAGE = (
     "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
@@ -316,12 +316,7 @@ def _checked_arguments(op: Any, gradient_predivide_factor: float, num_groups: in
             f"op=hvd.Average, got op={op!r}; leave it at 1.0"
         )
     check_positive_float("gradient_predivide_factor", gradient_predivide_factor)
-    if num_groups != 0:
-        warnings.warn("Parameter `num_groups` has been replaced by `groups`.",
-                      DeprecationWarning, stacklevel=3)
-        if groups is None:
-            groups = num_groups
-    _check_groups(groups)
+    groups = check_groups(groups, num_groups, torch.Tensor, "torch.Tensor", stacklevel=4)
     passes = check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)
     try:
         get_compressor(compression)
@@ -338,30 +333,6 @@ def _checked_arguments(op: Any, gradient_predivide_factor: float, num_groups: in
             "registered with hvd.add_process_set(ranks)"
         )
     return reduce_op, passes, groups
-
-
-def _check_groups(groups: Any) -> None:
-    """Horovod's validation of ``groups``: an int > 0 or a list of lists of
-    tensors (each group becomes one bucket, ``dp_plugin.fusion.plan_buckets``)."""
-    if groups is None:
-        return
-    if isinstance(groups, list):
-        seen: set[int] = set()
-        for group in groups:
-            for p in group:
-                if not isinstance(p, torch.Tensor):
-                    raise ValueError(
-                        f"groups must consist of torch.Tensor, got {type(p).__name__}"
-                    )
-                if id(p) in seen:
-                    raise ValueError("A parameter can only appear once in groups.")
-                seen.add(id(p))
-        return
-    if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
-        raise ValueError(
-            "groups should be a non-negative integer or a list of list of torch.Tensor, "
-            f"got {groups!r}"
-        )
 
 
 def _warn_if_ddp(named: Iterable[tuple[str, torch.Tensor]] | None) -> None:

@@ -26,7 +26,7 @@ import torch
 from dp_plugin.compression import Compressor, get_compressor
 from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.errors import DPPluginError
-from dp_plugin.fusion import TensorSpec, even_groups
+from dp_plugin.fusion import TensorSpec, group_indices
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.process_sets import ProcessSet
 from dp_plugin.scheduler import Reducer
@@ -222,7 +222,7 @@ class OptimizerState:
             timeline=shared_timeline, name=self.label, hook=self.comm_hook,
             flags=FLAGS if check == "off" else (*FLAGS, "finite"),
             settings={"DP_PLUGIN_CHECK_FINITE": check}, autotune=eng.config.autotune,
-            groups=self._grouping(params),
+            groups=group_indices(self.groups, params),
         )
         # Agree on the layout here (the optimizer is made, or a group added, at
         # the same point on every rank), not in the first gradient hook, whose
@@ -236,19 +236,6 @@ class OptimizerState:
                       None if check == "off" else FiniteFlags(reducer, mode=check, op=op,
                                                               like=like))
         return reducer, marks
-
-    def _grouping(self, params: list[torch.Tensor]) -> list[list[int]]:
-        """``groups`` as lists of indices into ``params``, as Horovod forms them:
-        ``groups=N`` cuts the parameters, in ``param_groups`` order, into N
-        groups of near-equal count; listed tensors that are not reduced here
-        (no gradient required) are left out; the unlisted ones are fused as usual."""
-        if self.groups is None:
-            return []
-        if isinstance(self.groups, int):
-            return even_groups(len(params), self.groups)
-        index = {id(p): i for i, p in enumerate(params)}
-        grouping = [[index[id(p)] for p in group if id(p) in index] for group in self.groups]
-        return [group for group in grouping if group]
 
     # -- a step ----------------------------------------------------------------------
     def grad_ready(self, index: int, param: torch.Tensor, groups: Groups) -> None:

@@ -85,6 +85,30 @@ def test_build_and_topology_queries_in_one_process() -> None:
         dp.mpi_threads_supported()
 
 
+def test_groups_make_one_bucket_each() -> None:
+    def plan(m: keras.Model, **kwargs: object) -> list[tuple[int, ...]]:
+        m.compile(optimizer=dp.DistributedOptimizer(keras.optimizers.SGD(0.1), **kwargs),
+                  loss="mse")
+        m.fit(X, Y, epochs=1, verbose=0)
+        return [b.members for b in hook_of(m.optimizer).bridge.schedulers[0].plan]
+
+    assert plan(model()) == [(1, 0)]  # kernel (0) and bias (1) fused
+    assert plan(model(), groups=2) == [(1,), (0,)]
+    with pytest.warns(DeprecationWarning, match="num_groups"):
+        assert plan(model(), num_groups=2) == [(1,), (0,)]
+    m = model()
+    assert plan(m, groups=[[m.trainable_variables[0]]]) == [(1,), (0,)]
+
+
+@pytest.mark.parametrize(("groups", "match"), [
+    (0, "groups should be a non-negative integer or a list of list of tf.Variable, got 0"),
+    ([[np.ones(1)]], "groups must consist of tf.Variable, got ndarray"),
+])
+def test_bad_groups_are_refused(groups: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        dp.DistributedOptimizer(keras.optimizers.SGD(0.1), groups=groups)
+
+
 def test_timeline_starts_and_stops_in_one_process(tmp_path: Path) -> None:
     dp.start_timeline(str(tmp_path / "t-{rank}.json"))
     dp.stop_timeline()

@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dp_plugin.fusion import Bucket, TensorSpec, default_order, even_groups, plan_buckets
+from dp_plugin.fusion import (
+    Bucket,
+    TensorSpec,
+    default_order,
+    even_groups,
+    group_indices,
+    plan_buckets,
+)
 
 
 def f32(name: str, *shape: int, device: str = "cpu") -> TensorSpec:
@@ -248,3 +255,11 @@ def test_bad_groups_are_refused(groups: list, match: str) -> None:
 def test_even_groups_cut_like_horovods_split_list(count: int, n: int,
                                                   expected: list[list[int]]) -> None:
     assert even_groups(count, n) == expected
+
+
+def test_group_indices_resolve_horovods_groups_argument() -> None:
+    a, b, c, frozen = object(), object(), object(), object()
+    assert group_indices(None, [a, b, c]) == []
+    assert group_indices(2, [a, b, c]) == [[0, 1], [2]]
+    # By identity; a member not reduced (no gradient) is left out, an empty group dropped.
+    assert group_indices([[c, frozen, a], [frozen]], [a, b, c]) == [[2, 0]]

@@ -23,6 +23,9 @@
   ``refs_to_vars`` take Keras 3 variables (issue 36).
 - ``local_sources``: ``DistributedGradientTape.register_local_source`` keeps a
   rank's own gradient (divided by the size), the others are averaged.
+- ``groups``: ``DistributedOptimizer(groups=N)`` and ``groups=[[v, ...]]``
+  reduce each group as one bucket and train to the weights of the run
+  without groups, bitwise, on every rank.
 
 Every rank prints ``rank R OK``; any failure exits 1 at once.
 """
@@ -44,6 +47,7 @@ import tensorflow as tf
 
 import dp_plugin.tensorflow as dp
 from dp_plugin.errors import DPPluginError
+from dp_plugin.tensorflow.optimizer import hook_of
 
 
 def raises(kinds: tuple[type, ...], words: str, call: Callable[[], Any]) -> None:
@@ -220,8 +224,34 @@ def check_local_sources(_: Any) -> None:
     np.testing.assert_allclose(g_kernel, np.full((2, 1), r + 1.0))
 
 
+def check_groups(_: Any) -> None:
+    r = dp.rank()
+    x = np.random.default_rng(r).normal(size=(8, 3)).astype(np.float32)
+    y = x.sum(axis=1, keepdims=True)
+
+    def train(groups: Callable[[keras.Model], Any]) -> tuple[list[np.ndarray], list[Any]]:
+        model = keras3_model()
+        opt = dp.DistributedOptimizer(keras.optimizers.SGD(0.1), groups=groups(model))
+        model.compile(optimizer=opt, loss="mse")
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+        plan = hook_of(model.optimizer).bridge.schedulers[0].plan  # type: ignore[union-attr]
+        return model.get_weights(), [b.members for b in plan]
+
+    plain, _ = train(lambda m: None)
+    everyone = dp.allgather_object([w.tobytes() for w in plain])
+    assert all(theirs == everyone[0] for theirs in everyone), "ranks differ"
+    # Six variables: kernel, bias of each of the three layers.
+    for groups, expected in [(lambda m: 2, [{0, 1, 2}, {3, 4, 5}]),
+                             (lambda m: [[m.layers[2].kernel, m.layers[0].bias]], [{4, 1}])]:
+        weights, plan = train(groups)
+        assert all(group in [set(b) for b in plan] for group in expected), plan
+        for got, want in zip(weights, plain, strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
 CASES = {
     "errors": check_errors,
+    "groups": check_groups,
     "graph_errors": check_graph_errors,
     "local_sources": check_local_sources,
     "keras3_local_layers": check_keras3_local_layers,
