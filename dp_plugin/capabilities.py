@@ -3,8 +3,9 @@
 ``gloo_built``/``mpi_built`` say which of dp_plugin's engines this
 installation can run; ``gloo_enabled``/``mpi_enabled``/``mpi_threads_supported``
 what the running engine moves data with (Horovod's own answer when the
-``horovod`` engine runs). The adapters export these; the framework-specific
-queries (``cuda_built``, ``nccl_built``, ...) stay in each adapter.
+``horovod`` engine runs). The adapters export these (``mpi_threads_supported``
+through ``horovod_api.HorovodBasics``); the framework-specific queries
+(``cuda_built``, ``nccl_built``, ...) stay in each adapter.
 """
 
 from __future__ import annotations
@@ -51,11 +52,9 @@ def mpi_enabled() -> bool:
     return _moves_data_with("mpi")
 
 
-def mpi_threads_supported(engine: Engine | None = None) -> bool:
-    """Whether MPI runs with ``MPI_THREAD_MULTIPLE``; ``ValueError`` naming
-    the caller unless MPI is enabled. ``engine``: the running one (the default
-    raises ``NotInitializedError`` before ``init()``)."""
-    engine = runtime.engine() if engine is None else engine
+def mpi_threads_supported(engine: Engine) -> bool:
+    """Whether the running ``engine``'s MPI runs with ``MPI_THREAD_MULTIPLE``;
+    ``ValueError`` naming the caller unless MPI is enabled."""
     if not mpi_enabled():
         raise ValueError(
             f"{caller('mpi_threads_supported()')}: MPI is not enabled (the running engine "
