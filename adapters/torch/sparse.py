@@ -111,11 +111,10 @@ def sparse_embedding_weights(params: list[torch.Tensor]) -> list[torch.Tensor]:
     only (Horovod's signature), so the modules are found among the objects
     the garbage collector tracks, which every live module is: one pass per
     (re)wrap, tens of milliseconds. Objects are told apart by ``type()``, so
-    no other object's attributes run."""
-    mine = {id(p) for p in params}
-    owned = {id(q) for obj in gc.get_objects()
-             if issubclass(type(obj), EMBEDDINGS) and obj.sparse
-             for q in obj.parameters(recurse=False) if id(q) in mine}
+    no other object's attributes run; one still in its ``__init__`` (in
+    another thread) has no ``sparse`` yet and is not among ``params``."""
+    owned = {id(getattr(obj, "weight", None)) for obj in gc.get_objects()
+             if issubclass(type(obj), EMBEDDINGS) and getattr(obj, "sparse", False)}
     return [p for p in params if id(p) in owned]
 
 
