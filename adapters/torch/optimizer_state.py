@@ -366,10 +366,8 @@ class OptimizerState:
         mine = [] if joined else [
             repr(self.names[p]) for p in self.params
             if p.grad is not None and p.grad.is_sparse and not self.sparse.owns(p)]
-        what = f"parameter {', '.join(mine)}" if mine \
-            else "a parameter (named in that rank's error)"
         raise DPPluginError(
-            f"{what} on rank {', '.join(map(str, ranks))} has a sparse gradient, but it "
+            f"{_which(mine, ranks)} has a sparse gradient, but it "
             "was not the weight of an nn.Embedding or nn.EmbeddingBag with sparse=True when "
             "the DistributedOptimizer was wrapped, so it has a dense bucket and no sparse "
             "all-gather; this step is dropped on every rank. Fix: pass sparse_as_dense=True "
@@ -439,11 +437,8 @@ def check_requires_grad(mine: list[str], ranks: list[int] | None = None) -> None
     it stays in its bucket and contributes zeros, alike on every rank."""
     if not mine and not ranks:
         return
-    where = f" on rank {', '.join(map(str, ranks))}" if ranks else ""
-    what = (f"parameter {', '.join(mine)}" if mine
-            else "a parameter (named in that rank's error)")
     raise DPPluginError(
-        f"{what}{where} requires a gradient now but did not when the "
+        f"{_which(mine, ranks)} requires a gradient now but did not when the "
         "DistributedOptimizer was wrapped, so its gradient would not be averaged "
         "across ranks and the replicas would silently diverge; this step is dropped on "
         "every rank. Fix: set requires_grad alike on every rank, then call "
@@ -451,6 +446,13 @@ def check_requires_grad(mine: list[str], ranks: list[int] | None = None) -> None
         "requires_grad before wrapping (freezing later needs nothing: a frozen "
         "parameter contributes zeros)"
     )
+
+
+def _which(mine: list[str], ranks: list[int] | None) -> str:
+    """The subject of an error every rank raises: this rank's own parameters
+    (``mine``) or, on the others, the one their errors name; then the ranks."""
+    what = f"parameter {', '.join(mine)}" if mine else "a parameter (named in that rank's error)"
+    return what + (f" on rank {', '.join(map(str, ranks))}" if ranks else "")
 
 
 def parameter_names(groups: Groups, named_parameters: Iterable[tuple[str, torch.Tensor]] | None
