@@ -157,6 +157,11 @@ class OptimizerState:
         sparse = SparseGradients(sparse_embedding_weights(params) if eng is not None
                                  and eng.size > 1 and not self.sparse_as_dense else [])
         reducer, marks = self._build_reducer(params, names, sparse)
+        if sparse.params and self.op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+            raise ValueError(  # after the agreement: alike on every rank
+                f"DistributedOptimizer: op={self.op.name.capitalize()} cannot reduce sparse "
+                "gradients; use op=hvd.Average or op=hvd.Sum, or sparse_as_dense=True"
+            )
         for handle in self.hooks:
             handle.remove()
         self.names.update(names)
@@ -225,11 +230,6 @@ class OptimizerState:
         # for a rank that is itself waiting in a SyncBatchNorm all-reduce.
         reducer.agree()
         op, like = self.op, params[0]
-        if sparse.params and op not in (ReduceOp.SUM, ReduceOp.AVERAGE):  # alike on every rank
-            raise ValueError(
-                f"DistributedOptimizer: op={op.name.capitalize()} cannot reduce sparse "
-                "gradients; use op=hvd.Average or op=hvd.Sum, or sparse_as_dense=True"
-            )
         marks = Marks(JoinFlags(reducer, op=op, like=like),
                       RankMarks(reducer, "unfrozen", op=op, like=like),
                       RankMarks(reducer, "sparse", op=op, like=like),
