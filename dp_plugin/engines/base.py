@@ -52,7 +52,7 @@ from dp_plugin.engines.lifecycle import Lifecycle
 from dp_plugin.engines.types import Availability as Availability
 from dp_plugin.engines.types import ReduceOp as ReduceOp
 from dp_plugin.engines.types import Started as Started
-from dp_plugin.launch import Topology
+from dp_plugin.topology import Topology
 
 
 class Engine(Lifecycle):

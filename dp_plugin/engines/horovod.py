@@ -69,7 +69,7 @@ from dp_plugin.engines.generic import torch_byte_rows
 from dp_plugin.engines.horovod_env import library_settings
 from dp_plugin.engines.horovod_sets import process_set_of
 from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, EngineUnavailableError
-from dp_plugin.launch import Topology
+from dp_plugin.topology import Topology
 
 # Canonical dtype -> dtype the all-reduce runs in, where Horovod has no kernel.
 ALLREDUCE_WIRE_DTYPES = {"int8": "int32", "uint8": "int32", "int16": "int32",
