@@ -332,10 +332,9 @@ class Engine(Lifecycle):
         return generic.reducescatter_by_allreduce(self, buf, op, counts, name)
 
     def _channel(self, name: str) -> Engine:
-        """A new communicator over the same ranks. Default: a subgroup of all."""
-        from dp_plugin.request import subgroup  # which imports this module
-
-        child = subgroup(self, list(range(self.size)), name)
+        """A new communicator over the same ranks. Default: a subgroup of
+        every rank, each in its own place: there is nothing to agree on."""
+        child = self._subgroup(tuple(range(self.size)), self.topology, name)
         assert child is not None  # every rank is a member
         return child
 

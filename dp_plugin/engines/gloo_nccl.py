@@ -53,7 +53,7 @@ class GlooEngine(TorchDistEngine):
         # every rank; a setup that fails anywhere fails everywhere).
         if parent is None:
             self._hier = self._connect_hierarchical()
-        elif parent._hier is not None:
+        elif parent.hierarchical:
             return  # a channel: the parent gives it its own hierarchy (_channel)
         if self._hier is None:
             self._shm = shm.connect(self._exchange, self.rank, self.size, self._shm_wanted,
@@ -91,14 +91,14 @@ class GlooEngine(TorchDistEngine):
             t = self._tensor(buf, f"allreduce {name!r}")
             if self._hier.takes(t) and t.numel():
                 desc = self.describe("allreduce", name, t.numel() * t.element_size())
-                return self._hier.allreduce_async(t, op, desc, self._mark_broken,
+                return self._hier.allreduce_async(t, op, desc, self.mark_broken,
                                                   self.wait_board(), standing=standing)
         if self._shm is None:  # across hosts: Gloo's path validates the buffer itself
             return super()._allreduce_async(buf, op, name, standing=standing)
         t = self._tensor(buf, f"allreduce {name!r}")
         if self._shm.takes(t) and t.numel():
             desc = self.describe("allreduce", name, t.numel() * t.element_size())
-            return self._shm.allreduce_async(t, op, desc, self._mark_broken, self.wait_board(),
+            return self._shm.allreduce_async(t, op, desc, self.mark_broken, self.wait_board(),
                                              postscale, standing=standing)
         handle = super()._allreduce_async(buf, op, name, standing=standing)
         if postscale == 1.0:

@@ -83,7 +83,7 @@ class _MPIHandle(Handle):
 
     def __init__(self, engine: MPIEngine, description: str, requests: list[Any],
                  keepalive: tuple[Any, ...]) -> None:
-        super().__init__(description, engine.rank, engine.config.timeout_s, engine._mark_broken,
+        super().__init__(description, engine.rank, engine.config.timeout_s, engine.mark_broken,
                          engine.wait_board())
         self._engine = engine
         self._requests = requests

@@ -381,7 +381,7 @@ class PollHandle(Handle):
     """
 
     def __init__(self, work: Any, engine: TorchDistEngine, description: str) -> None:
-        super().__init__(description, engine.job_rank, engine.config.timeout_s, engine._mark_broken,
+        super().__init__(description, engine.job_rank, engine.config.timeout_s, engine.mark_broken,
                          engine.wait_board())
         self._work = work
 
