@@ -11,10 +11,11 @@ of the same bytes and, under the horovod engine, Horovod's own
 ``grouped_allreduce`` (and with ``--per-tensor`` one all-reduce per
 gradient): one repetition of each in turn, so that their
 ratios are measured side by side.
-With ``--shm-check`` (the gloo engine on shared memory) every size is
-timed twice, interleaved: with the transport's per-operation header check
-(the default) and without (``ShmTransport.verify_headers`` off, which only
-a benchmark does), to measure what the check costs.
+With ``--shm-check`` (the gloo engine on one host's shared memory) every
+size is timed on two shared-memory transports of the worker's own,
+interleaved: one with the per-operation header check (as the engine's) and
+one made without it (``connect(checked=False)``, which only this does), to
+measure what the check costs.
 Rank 0 prints ``PROGRESS`` after each item and one ``RESULT {json}`` line at
 the end.
 
@@ -106,6 +107,30 @@ def _fused(engine: Any, model: str, reps: int, warmup: int,
     return result
 
 
+def _check_transports(engine: Any) -> dict[str, Any]:
+    """Two shared-memory transports over the engine's ranks (collective): the
+    one ``time_s`` times checks every operation's header, as the engine's
+    does; the one ``unchecked_s`` times does not."""
+    from dp_plugin.engines import shm
+
+    made = {key: shm.connect(engine.exchange_rows, engine.rank, engine.size, True,
+                             engine.config.timeout_s, checked=key == "time_s")
+            for key in ("time_s", "unchecked_s")}
+    if any(t is None for t in made.values()):
+        raise RuntimeError("--shm-check: the shared-memory transports could not be set up "
+                           "(see the log)")
+    return made
+
+
+def _on(engine: Any, transport: Any, buf: Any) -> Callable[[], None]:
+    """One all-reduce (a sum) of ``buf`` through ``transport``, waited for."""
+    from dp_plugin.engines.types import ReduceOp
+
+    def run() -> None:
+        transport.allreduce_async(buf, ReduceOp.SUM, "sweep", engine.mark_broken, None).wait()
+    return run
+
+
 def step(sched: Any, tensors: list[Any]) -> None:
     """One backward's worth: every gradient ready, last first, then wait."""
     for i in reversed(range(len(tensors))):
@@ -118,36 +143,31 @@ def worker(sizes: list[int], reps: int, warmup: int, models: list[str],
     import torch
 
     import dp_plugin
-    from dp_plugin.engines.shm import ShmTransport
 
     torch.set_num_threads(1)
     engine = dp_plugin.init()
     lead = engine.rank == 0
     time_it = median_timer(engine)
-    shm_check = shm_check and bool(getattr(engine, "shared_memory", False))
+    checks = (_check_transports(engine) if shm_check and getattr(engine, "shared_memory", False)
+              and not engine.hierarchical else {})
     sweep = []
     for nbytes in sizes:
         buf = torch.ones(max(1, nbytes // 4))
         def once(b: Any = buf) -> None:
             engine.allreduce_async(b, "sum", name="sweep").wait()
 
-        if shm_check:
-            def checked(verify: bool) -> Callable[[], None]:
-                def run() -> None:  # every rank runs them in the same order
-                    ShmTransport.verify_headers = verify
-                    once()
-                return run
-
-            got = interleaved_medians(engine, {"time_s": checked(True),
-                                               "unchecked_s": checked(False)},
+        if checks:
+            got = interleaved_medians(engine, {key: _on(engine, t, buf)
+                                               for key, t in checks.items()},
                                       reps_for(nbytes, reps), warmup)
-            ShmTransport.verify_headers = True
             sweep.append({"bytes": nbytes, **got})
         else:
             sweep.append({"bytes": nbytes, "time_s": time_it(once, reps_for(nbytes, reps),
                                                              warmup)})
         if lead:
             print("PROGRESS", flush=True)
+    for transport in checks.values():
+        transport.close()
     fused = []
     for model in models:
         fused.append(_fused(engine, model, max(5, reps // 2), 1, per_tensor))

@@ -306,7 +306,7 @@ class Engine(Lifecycle):
         collective a deadline lift it on their ``_allreduce_async`` route."""
         return self._allreduce_async(buf, ReduceOp.SUM, name)
 
-    def _exchange(self, row: np.ndarray, what: str) -> np.ndarray:
+    def exchange_rows(self, row: np.ndarray, what: str) -> np.ndarray:
         """All-gather one fixed-length int64 row per rank: a (size, n) table
         (the gloo engine's shared-memory setup). One ``_allgather``."""
         gathered = self._allgather(row[None, :], [1] * self.size, f"{what} (headers)")

@@ -56,7 +56,7 @@ class GlooEngine(TorchDistEngine):
         elif parent.hierarchical:
             return  # a channel: the parent gives it its own hierarchy (_channel)
         if self._hier is None:
-            self._shm = shm.connect(self._exchange, self.rank, self.size, self._shm_wanted,
+            self._shm = shm.connect(self.exchange_rows, self.rank, self.size, self._shm_wanted,
                                     config.timeout_s, budget_bytes=config.shared_memory_budget)
 
     @classmethod
@@ -132,7 +132,7 @@ class GlooEngine(TorchDistEngine):
         take it (said once in the log where a rank wanted it) or any of it
         cannot be had. Collective over the job; only the job-wide engine
         makes groups."""
-        table = self._exchange(hierarchical.row(self.topology, self.config),
+        table = self.exchange_rows(hierarchical.row(self.topology, self.config),
                                "hierarchical layout")
         layout, why = hierarchical.decide(table)
         if layout is None:
@@ -146,7 +146,7 @@ class GlooEngine(TorchDistEngine):
         host = layout.host_of(self.rank)
         # Each host sets up its own segment; the exchange is the job's (rows:
         # job ranks), so that every host gives up, or goes on, together.
-        transport = shm.connect(self._exchange, host.index(self.rank), len(host),
+        transport = shm.connect(self.exchange_rows, host.index(self.rank), len(host),
                                 self.config.shared_memory, self.config.timeout_s,
                                 budget_bytes=self.config.shared_memory_budget, members=host)
         if transport is None:
@@ -159,7 +159,7 @@ class GlooEngine(TorchDistEngine):
             cross = made if made is not None else cross
         # The all-gather stage's own segment (the pipeline); any rank of the
         # job that cannot have it leaves every rank unpipelined.
-        gather = shm.connect(self._exchange, host.index(self.rank), len(host), True,
+        gather = shm.connect(self.exchange_rows, host.index(self.rank), len(host), True,
                              self.config.timeout_s, budget_bytes=self.config.shared_memory_budget,
                              instead="the hierarchical all-reduce runs its steps one after "
                                      "another, not pipelined (a second segment is needed)",
