@@ -11,11 +11,11 @@ of the same bytes and, under the horovod engine, Horovod's own
 ``grouped_allreduce`` (and with ``--per-tensor`` one all-reduce per
 gradient): one repetition of each in turn, so that their
 ratios are measured side by side.
-With ``--shm-check`` (the gloo engine on one host's shared memory) every
-size is timed on two shared-memory transports of the worker's own,
-interleaved: one with the per-operation header check (as the engine's) and
-one made without it (``connect(checked=False)``, which only this does), to
-measure what the check costs.
+With ``--shm-check`` (every rank on one host) every size is timed on two
+shared-memory transports of the worker's own, interleaved: one with the
+per-operation header check (as the gloo engine's) and one made without it
+(``connect(checked=False)``, which only this does), to measure what the
+check costs.
 Rank 0 prints ``PROGRESS`` after each item and one ``RESULT {json}`` line at
 the end.
 
@@ -110,15 +110,19 @@ def _fused(engine: Any, model: str, reps: int, warmup: int,
 def _check_transports(engine: Any) -> dict[str, Any]:
     """Two shared-memory transports over the engine's ranks (collective): the
     one ``time_s`` times checks every operation's header, as the engine's
-    does; the one ``unchecked_s`` times does not."""
+    does; the one ``unchecked_s`` times does not. None where the job is not
+    on one host or the segments cannot be had (the log says why)."""
     from dp_plugin.engines import shm
 
-    made = {key: shm.connect(engine.exchange_rows, engine.rank, engine.size, True,
+    one_host = engine.topology.local_size == engine.size
+    made = {key: shm.connect(engine.exchange_rows, engine.rank, engine.size, one_host,
                              engine.config.timeout_s, checked=key == "time_s")
             for key in ("time_s", "unchecked_s")}
-    if any(t is None for t in made.values()):
-        raise RuntimeError("--shm-check: the shared-memory transports could not be set up "
-                           "(see the log)")
+    if None in made.values():
+        for transport in made.values():
+            if transport is not None:
+                transport.close()
+        return {}
     return made
 
 
@@ -148,8 +152,7 @@ def worker(sizes: list[int], reps: int, warmup: int, models: list[str],
     engine = dp_plugin.init()
     lead = engine.rank == 0
     time_it = median_timer(engine)
-    checks = (_check_transports(engine) if shm_check and getattr(engine, "shared_memory", False)
-              and not engine.hierarchical else {})
+    checks = _check_transports(engine) if shm_check else {}
     sweep = []
     for nbytes in sizes:
         buf = torch.ones(max(1, nbytes // 4))

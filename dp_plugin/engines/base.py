@@ -271,6 +271,12 @@ class Engine(Lifecycle):
             self._channels.append(child)
         return child
 
+    def exchange_rows(self, row: np.ndarray, what: str) -> np.ndarray:
+        """All-gather one fixed-length int64 row per rank: a (size, n) table
+        (what ``shm.connect`` exchanges to set a segment up). One ``_allgather``."""
+        gathered = self._allgather(row[None, :], [1] * self.size, f"{what} (headers)")
+        return np.asarray(as_numpy(gathered))
+
     # -- to implement ------------------------------------------------------
     @abstractmethod
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle: ...
@@ -305,12 +311,6 @@ class Engine(Lifecycle):
         """``standing_allreduce_async``: engines whose library gives every
         collective a deadline lift it on their ``_allreduce_async`` route."""
         return self._allreduce_async(buf, ReduceOp.SUM, name)
-
-    def exchange_rows(self, row: np.ndarray, what: str) -> np.ndarray:
-        """All-gather one fixed-length int64 row per rank: a (size, n) table
-        (the gloo engine's shared-memory setup). One ``_allgather``."""
-        gathered = self._allgather(row[None, :], [1] * self.size, f"{what} (headers)")
-        return np.asarray(as_numpy(gathered))
 
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
         """``counts[i, j]``: rows rank i sends to rank j (validated, agreed by
