@@ -126,15 +126,6 @@ def _check_transports(engine: Any) -> dict[str, Any]:
     return made
 
 
-def _on(engine: Any, transport: Any, buf: Any) -> Callable[[], None]:
-    """One all-reduce (a sum) of ``buf`` through ``transport``, waited for."""
-    from dp_plugin.engines.types import ReduceOp
-
-    def run() -> None:
-        transport.allreduce_async(buf, ReduceOp.SUM, "sweep", engine.mark_broken, None).wait()
-    return run
-
-
 def step(sched: Any, tensors: list[Any]) -> None:
     """One backward's worth: every gradient ready, last first, then wait."""
     for i in reversed(range(len(tensors))):
@@ -147,6 +138,7 @@ def worker(sizes: list[int], reps: int, warmup: int, models: list[str],
     import torch
 
     import dp_plugin
+    from dp_plugin.engines.types import ReduceOp
 
     torch.set_num_threads(1)
     engine = dp_plugin.init()
@@ -160,8 +152,11 @@ def worker(sizes: list[int], reps: int, warmup: int, models: list[str],
             engine.allreduce_async(b, "sum", name="sweep").wait()
 
         if checks:
-            got = interleaved_medians(engine, {key: _on(engine, t, buf)
-                                               for key, t in checks.items()},
+            def through(t: Any, b: Any = buf) -> Callable[[], None]:
+                return lambda: t.allreduce_async(b, ReduceOp.SUM, "sweep", engine.mark_broken,
+                                                 None).wait()
+
+            got = interleaved_medians(engine, {key: through(t) for key, t in checks.items()},
                                       reps_for(nbytes, reps), warmup)
             sweep.append({"bytes": nbytes, **got})
         else:
