@@ -133,7 +133,7 @@ class GlooEngine(TorchDistEngine):
         cannot be had. Collective over the job; only the job-wide engine
         makes groups."""
         table = self.exchange_rows(hierarchical.row(self.topology, self.config),
-                               "hierarchical layout")
+                                   "hierarchical layout")
         layout, why = hierarchical.decide(table)
         if layout is None:
             if (table[:, 0] == hierarchical.FORCED).any():
