@@ -41,7 +41,7 @@ from dp_plugin.agreement import Heard, compare
 from dp_plugin.dtypes import SUPPORTED_DTYPES, canonical_dtype
 from dp_plugin.engines.types import ReduceOp, Started
 from dp_plugin.errors import DPPluginError
-from dp_plugin.launch import Topology
+from dp_plugin.topology import Topology
 from dp_plugin.validate import is_int
 
 
