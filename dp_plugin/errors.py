@@ -7,6 +7,7 @@ involved, never left to hang.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 
 
@@ -33,8 +34,69 @@ class LaunchError(DPPluginError):
     """A launcher variable is malformed or inconsistent with the others."""
 
 
-class LayoutMismatchError(DPPluginError):
-    """Ranks registered different tensors (names, shapes, dtypes or order)."""
+class Problem(enum.IntEnum):
+    """Why a collective cannot run on any rank: the kind a ``MismatchError`` carries.
+
+    The first five are mistakes a rank finds in its own request (every rank
+    raises for them, ``dp_plugin.request``); the others are differences
+    between the ranks' requests."""
+
+    NONE = 0
+    UNSUPPORTED_DTYPE = 1
+    ZERO_DIM = 2
+    BAD_ROOT = 3
+    BAD_SPLITS = 4
+    BAD_MEMBERS = 5
+    DIFFERENT = 6
+    """The ranks asked for different collectives, or passed incompatible tensors."""
+    LAYOUT = 7
+    """A fused collective's tensors (names, shapes, dtypes, order) or settings differ."""
+
+    @property
+    def argument(self) -> bool:
+        """One rank's bad argument (Horovod: an invalid argument), not a difference."""
+        return self not in (Problem.DIFFERENT, Problem.LAYOUT)
+
+
+class MismatchError(DPPluginError, ValueError):
+    """A collective that cannot run on any rank: the ranks' requests differ, or
+    some rank's cannot run. Raised on every rank of the collective alike.
+
+    The one error type of every agreement (``dp_plugin.request.check``);
+    ``problem`` says why, so that a caller picks its own class from it (the
+    TensorFlow adapter's ``as_tensorflow_error``), never from the message.
+    ``MismatchError.of`` builds it: a ``LayoutMismatchError`` for
+    ``Problem.LAYOUT``, a ``DtypeMismatchError`` (also a ``TypeError``) for
+    ``Problem.UNSUPPORTED_DTYPE``. A ``ValueError`` (bad input) and a
+    ``DPPluginError`` (like Horovod's error from ``synchronize``) both."""
+
+    problem: Problem = Problem.DIFFERENT
+
+    def __init__(self, message: str, problem: Problem | None = None) -> None:
+        super().__init__(message)
+        if problem is not None:
+            self.problem = problem
+
+    @staticmethod
+    def of(problem: Problem, message: str) -> MismatchError:
+        """The error for ``problem``, of the class its callers catch."""
+        kind = {Problem.LAYOUT: LayoutMismatchError,
+                Problem.UNSUPPORTED_DTYPE: DtypeMismatchError}.get(problem, MismatchError)
+        return kind(message, problem)
+
+
+class LayoutMismatchError(MismatchError):
+    """Ranks registered different tensors (names, shapes, dtypes or order), or
+    different settings, for a fused collective."""
+
+    problem = Problem.LAYOUT
+
+
+class DtypeMismatchError(MismatchError, TypeError):
+    """A rank passed a tensor of a dtype the collective cannot move
+    (a ``TypeError``, as Python's own)."""
+
+    problem = Problem.UNSUPPORTED_DTYPE
 
 
 class CollectiveTimeoutError(DPPluginError):

@@ -1,21 +1,21 @@
-"""Cross-rank agreement of layouts and settings, on a fake thread group (no processes)."""
+"""Cross-rank agreement of fused layouts and settings (``request.check`` of a
+``Request.fused``), on a fake thread group (no processes)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from dp_plugin.agreement import (
-    DIGEST_SIZE,
-    agree,
-    describe_mismatch,
-    describe_settings,
-    to_device,
-    to_host,
-)
+from dp_plugin.agreement import DIGEST_SIZE, to_device, to_host
 from dp_plugin.errors import LayoutMismatchError
 from dp_plugin.fusion import TensorSpec
+from dp_plugin.request import Request, _layout_text, _settings_text, check
 from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks, run_ranks_outcomes
+
+
+def agree(engine: FakeEngine, specs: list[TensorSpec], what: str = "gradients",
+          settings: dict[str, object] | None = None) -> None:
+    check(engine, Request.fused(specs, what, settings))
 
 
 def model(n: int = 4) -> list[TensorSpec]:
@@ -104,8 +104,8 @@ def test_dtype_and_order_mismatch() -> None:
 
 def test_describe_mismatch_when_layouts_agree() -> None:
     same = [["w", [1], "float32", "cpu"]]
-    assert describe_mismatch([same, same], "gradients", 0) is None
-    assert "corrupted" in describe_settings([{"a": "1"}, {"a": "1"}], "gradients", 0)
+    assert _layout_text([same, same], "gradients", 0) is None
+    assert "corrupted" in _settings_text([{"a": "1"}, {"a": "1"}], "gradients", 0)
 
 
 @pytest.mark.parametrize(("key", "values"), [
