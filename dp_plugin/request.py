@@ -420,6 +420,9 @@ def _raise_problems(blocks: Described, detail: str, *, every_rank: bool = False)
     ranks = sorted({r for r, d in bad if d["problem"] == problem})
     dtypes = sorted({d.get("dtype", "?") for _, d in bad if d["problem"] == problem})
     said = _PROBLEM_TEXT[problem].replace("{dtypes}", " / ".join(dtypes))
+    roots = [block[0].get("root") for block in blocks]
+    if problem is Problem.BAD_ROOT and len(set(roots)) > 1:
+        said += f" ({_DIFFERENT_ROOTS}: {_by_value(roots, _SHOW['root'])})"
     mine = f" On this rank: {detail}." if detail else ""
     who = "every rank" if every_rank else f"rank(s) {ranks}"
     text = (f"{first['kind']}{_named(first['name'])} cannot run: {who} {said}. "
@@ -504,6 +507,8 @@ _SHOW: dict[str, Any] = {
     "members": lambda v: f"passed ranks {list(v)}",
 }
 
+_DIFFERENT_ROOTS = "the ranks passed different root_rank values"
+
 _FIELD_TEXT = {
     "op": ("tensor reduce ops", "Every rank must pass the same op"),
     "dtype": ("tensor types", "Every rank must pass the same dtype"),
@@ -511,7 +516,8 @@ _FIELD_TEXT = {
     "shape": ("tensor shapes", "Every rank must pass the same shape"),
     "trailing": ("tensor shapes", "Every rank must pass the same dimensions after the first "
                  "(only the first may differ)"),
-    "root": ("tensor root ranks", "Every rank must pass the same root_rank"),
+    "root": ("tensor root ranks", f"{_DIFFERENT_ROOTS.capitalize()}; every rank must pass "
+             "the same job-wide root_rank"),
     "scales": ("tensor scale factors", "Every rank must pass the same prescale_factor and "
                "postscale_factor"),
     "members": ("members", "Every rank must pass the same ranks"),
