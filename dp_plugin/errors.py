@@ -35,11 +35,9 @@ class LaunchError(DPPluginError):
 
 
 class Problem(enum.IntEnum):
-    """Why a collective cannot run on any rank: the kind a ``MismatchError`` carries.
-
-    The first five are mistakes a rank finds in its own request (every rank
-    raises for them, ``dp_plugin.request``); the others are differences
-    between the ranks' requests."""
+    """Why a collective cannot run, the kind a ``MismatchError`` carries: a
+    mistake one rank found in its own request (every rank raises for it), or
+    (``DIFFERENT``, ``LAYOUT``) a difference between the ranks' requests."""
 
     NONE = 0
     UNSUPPORTED_DTYPE = 1
@@ -48,27 +46,16 @@ class Problem(enum.IntEnum):
     BAD_SPLITS = 4
     BAD_MEMBERS = 5
     DIFFERENT = 6
-    """The ranks asked for different collectives, or passed incompatible tensors."""
     LAYOUT = 7
     """A fused collective's tensors (names, shapes, dtypes, order) or settings differ."""
 
-    @property
-    def argument(self) -> bool:
-        """One rank's bad argument (Horovod: an invalid argument), not a difference."""
-        return self not in (Problem.DIFFERENT, Problem.LAYOUT)
-
 
 class MismatchError(DPPluginError, ValueError):
-    """A collective that cannot run on any rank: the ranks' requests differ, or
-    some rank's cannot run. Raised on every rank of the collective alike.
-
-    The one error type of every agreement (``dp_plugin.request.check``);
-    ``problem`` says why, so that a caller picks its own class from it (the
-    TensorFlow adapter's ``as_tensorflow_error``), never from the message.
-    ``MismatchError.of`` builds it: a ``LayoutMismatchError`` for
-    ``Problem.LAYOUT``, a ``DtypeMismatchError`` (also a ``TypeError``) for
-    ``Problem.UNSUPPORTED_DTYPE``. A ``ValueError`` (bad input) and a
-    ``DPPluginError`` (like Horovod's error from ``synchronize``) both."""
+    """The one error of every agreement (``dp_plugin.request.check``): the
+    ranks' requests differ, or some rank's cannot run; raised on every rank
+    alike. ``problem`` says why, so that callers pick a class from it (the
+    TensorFlow adapter), never from the message; ``of`` picks the subclass
+    users catch. A ``ValueError`` (bad input) and a ``DPPluginError``."""
 
     problem: Problem = Problem.DIFFERENT
 

@@ -77,7 +77,7 @@ _CHECKS: dict[str, tuple[str, ...]] = {
     "reducescatter": ("op", "dtype", "device", "shape", "scales"),
     "barrier": (),
     "subgroup": ("members",),
-    "fused": (),  # its layout, then its settings: _raise_layout
+    "fused": (),  # its layout, then its settings (_layout_text, _settings_text)
 }
 
 REDUCING = frozenset({"allreduce", "reducescatter"})

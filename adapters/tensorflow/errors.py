@@ -70,7 +70,8 @@ def as_tensorflow_error(error: BaseException) -> tf.errors.OpError | None:
     if isinstance(error, tf.errors.OpError):
         return None
     message = str(error)
-    if isinstance(error, MismatchError) and not error.problem.argument:
+    if isinstance(error, MismatchError) and error.problem in (Problem.DIFFERENT,
+                                                              Problem.LAYOUT):
         typed = CollectiveLayoutError if error.problem is Problem.LAYOUT else \
             CollectiveMismatchError
         return typed(message)
