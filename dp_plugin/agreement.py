@@ -13,8 +13,9 @@ collective therefore agrees before its data moves (a fused one once):
    that every rank can say what differs, and on which ranks.
 
 ``compare`` is that exchange for any JSON-able description; what is
-described, and the messages, are ``dp_plugin.request``'s (its ``check`` is
-the one caller). A rank that has called ``join()`` takes part in it with a
+described, and the messages, are ``dp_plugin.request``'s (its ``check``
+calls it; so does the Keras metric average, whose messages name the logged
+metrics). A rank that has called ``join()`` takes part in it with a
 row of its own (``JOINED``); what it answers and what it refuses is
 ``dp_plugin.join``.
 
@@ -37,6 +38,7 @@ from dp_plugin.arrays import as_numpy, as_torch, is_torch
 from dp_plugin.errors import JoinedRankError, LayoutMismatchError
 
 DIGEST_SIZE = 32
+
 
 class Compared(NamedTuple):
     """What ``compare`` found: every rank's numbers, every rank's description
