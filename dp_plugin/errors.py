@@ -59,17 +59,13 @@ class MismatchError(DPPluginError, ValueError):
 
     problem: Problem = Problem.DIFFERENT
 
-    def __init__(self, message: str, problem: Problem | None = None) -> None:
-        super().__init__(message)
-        if problem is not None:
-            self.problem = problem
-
     @staticmethod
     def of(problem: Problem, message: str) -> MismatchError:
         """The error for ``problem``, of the class its callers catch."""
-        kind = {Problem.LAYOUT: LayoutMismatchError,
-                Problem.UNSUPPORTED_DTYPE: DtypeMismatchError}.get(problem, MismatchError)
-        return kind(message, problem)
+        error = {Problem.LAYOUT: LayoutMismatchError,
+                 Problem.UNSUPPORTED_DTYPE: DtypeMismatchError}.get(problem, MismatchError)(message)
+        error.problem = problem
+        return error
 
 
 class LayoutMismatchError(MismatchError):
