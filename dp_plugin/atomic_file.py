@@ -13,7 +13,7 @@ import secrets
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from dp_plugin import objects, request, runtime
+from dp_plugin import objects
 
 
 def write_atomic(path: Path, chunks: Iterable[bytes]) -> None:
@@ -44,27 +44,10 @@ def write_atomic(path: Path, chunks: Iterable[bytes]) -> None:
 
 def write_on_rank0(path: Path, chunks: Callable[[], Iterable[bytes]], *, what: str,
                    error: type[Exception], name: str) -> None:
-    """Rank 0 writes ``chunks()`` to ``path`` (``write_atomic``) for the whole
-    job, then broadcasts its outcome (under ``name``): if it failed, every
-    rank raises ``error``, with the failure's own message when it is an
-    ``error`` already, else one naming the ``what`` ("checkpoint") and the
-    fix. So no rank goes on believing a failed write succeeded, and none
-    waits for a rank 0 that has already raised (issue 32). Collective when
-    the job has several ranks; otherwise this process writes alone."""
-    engine = runtime.engine() if runtime.is_initialized() else None
-    problem: str | None = None
-    failure: BaseException | None = None
-    if engine is None or engine.rank == 0:
-        try:
-            write_atomic(path, chunks())
-        except Exception as exc:  # every rank must hear of it, whatever it is
-            failure = exc
-            problem = (str(exc) if isinstance(exc, error) else
-                       f"rank 0 could not write the {what} {str(path)!r} "
-                       f"({type(exc).__name__}: {exc}); a previous {what} there is "
-                       "unchanged. Check that its directory can be created and written by "
-                       "this user on rank 0's host, and that the disk has room")
-    if engine is not None and engine.size > 1:
-        problem = objects.broadcast_object(engine, problem, request.agreed_root(engine, 0), name)
-    if problem is not None:
-        raise error(problem) from failure
+    """Rank 0 writes ``chunks()`` to ``path`` for the whole job and every rank
+    learns the outcome (``objects.from_rank0``): a failure raises ``error`` on
+    every rank, naming the ``what`` ("checkpoint") and the fix."""
+    objects.from_rank0(lambda: write_atomic(path, chunks()), error, name, lambda exc: (
+        f"rank 0 could not write the {what} {str(path)!r} ({type(exc).__name__}: {exc}); a "
+        f"previous {what} there is unchanged. Check that its directory can be created and "
+        "written by this user on rank 0's host, and that the disk has room"))

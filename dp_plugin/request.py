@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -167,8 +167,6 @@ class Agreed:
     """The agreed, valid member list (subgroup)."""
     root: int = -1
     """The agreed root as a rank of the engine (broadcast)."""
-    described: list[dict[str, Any]] = field(default_factory=list)
-    """Rank 0's description of each tensor."""
 
     def rows(self, index: int = 0) -> list[int]:
         """Every rank's first dimension of tensor ``index`` (allgather)."""
@@ -214,7 +212,7 @@ def check(engine: Any, request: Request, *, accept_joined: bool = False) -> Agre
             )
     join.admit(request.kind, request.name, [engine.global_ranks[r] for r in got.joined])
     return Agreed(_with_joined(got.numbers, len(numbers)), len(request.shapes), got.joined,
-                  members, root, mine)
+                  members, root)
 
 
 def agreed_root(engine: Any, root_rank: Any) -> int:

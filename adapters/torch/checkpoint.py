@@ -58,8 +58,9 @@ import numpy as np
 import torch
 from dp_plugin import atomic_file
 from dp_plugin.errors import DPPluginError
+from dp_plugin.objects import from_rank0
 from dp_plugin.torch import basics
-from dp_plugin.torch.functions import allgather_object, broadcast_object
+from dp_plugin.torch.functions import allgather_object
 
 MAGIC = b"DPCKPT"
 VERSION = 1
@@ -122,19 +123,9 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu",
     ``weights_only`` is ``torch.load``'s (keep True unless the state holds
     arbitrary Python objects from a trusted source)."""
     target = Path(path)
-    distributed = basics.is_initialized() and basics.size() > 1
-    payload: bytes | None = None
-    problem: str | None = None
-    if not distributed or basics.rank() == 0:
-        try:
-            payload = None if missing_ok and not target.exists() else read_verified(target)
-        except CheckpointError as exc:
-            problem = str(exc)
-    if distributed:
-        payload, problem = broadcast_object((payload, problem), root_rank=0,
-                                            name="dp_plugin.checkpoint.load")
-    if problem is not None:
-        raise CheckpointError(problem)
+    payload = from_rank0(
+        lambda: None if missing_ok and not target.exists() else read_verified(target),
+        CheckpointError, "dp_plugin.checkpoint.load")
     if payload is None:
         return None
     with _numpy_allowed():
