@@ -217,8 +217,9 @@ method: `opt.variables()` becomes `opt.variables`.
   `tf.errors.FailedPreconditionError`, a bad argument one rank can see
   (all-to-all splits, a root outside the set, an unsupported dtype)
   `tf.errors.InvalidArgumentError`, each with dp_plugin's message word for
-  word; eagerly the error is also dp_plugin's type (`MismatchError`,
-  `LayoutMismatchError`, `ValueError`, `TypeError`). Inside a graph
+  word; eagerly the error is also dp_plugin's type (`MismatchError`, or
+  `LayoutMismatchError`, with the `problem` that chose the TensorFlow
+  class; a `ValueError` / `TypeError` for an argument this rank alone checked). Inside a graph
   TensorFlow would retype any exception of dp_plugin's `tf.numpy_function`,
   so a small TensorFlow kernel (`adapters/tensorflow/status_op.cc`) fails
   the step with the right code; it is compiled on first use with the C++

@@ -24,10 +24,12 @@ from typing import Any
 
 import torch
 from dp_plugin.compression import Compressor, get_compressor
+from dp_plugin.edge import calling
 from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
+from dp_plugin.horovod_names import require_sum_or_average
 from dp_plugin.process_sets import ProcessSet
 from dp_plugin.scheduler import Reducer
 from dp_plugin.torch.basics import engine as job_engine
@@ -157,11 +159,10 @@ class OptimizerState:
         sparse = SparseGradients(sparse_embedding_weights(params) if eng is not None
                                  and eng.size > 1 and not self.sparse_as_dense else [])
         reducer, marks = self._build_reducer(params, names, sparse)
-        if sparse.params and self.op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-            raise ValueError(  # after the agreement: alike on every rank
-                f"DistributedOptimizer: op={self.op.name.capitalize()} cannot reduce sparse "
-                "gradients; use op=hvd.Average or op=hvd.Sum, or sparse_as_dense=True"
-            )
+        if sparse.params:  # after the agreement: alike on every rank
+            with calling("DistributedOptimizer"):
+                require_sum_or_average(self.op, "cannot reduce sparse gradients", prefix="hvd.",
+                                       otherwise=", or sparse_as_dense=True")
         for handle in self.hooks:
             handle.remove()
         self.names.update(names)

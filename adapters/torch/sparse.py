@@ -20,6 +20,7 @@ from dp_plugin import request
 from dp_plugin.arrays import TorchOps
 from dp_plugin.edge import public
 from dp_plugin.engines.base import ReduceOp
+from dp_plugin.horovod_names import require_sum_or_average
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.torch.collectives import allgather_async
 from dp_plugin.torch.handles import TABLE
@@ -79,11 +80,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: Any,
             "allreduce_async for dense tensors (or tensor.to_sparse())"
         )
     op = resolve_op(op, None)
-    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        raise ValueError(
-            f"sparse_allreduce_async: op={op.name.capitalize()} is not supported for sparse "
-            "tensors; pass op=hvd.Average or op=hvd.Sum"
-        )
+    require_sum_or_average(op, "is not supported for sparse tensors", prefix="hvd.")
     t, rows = _rows(tensor)
     handles = [allgather_async(part, None if name is None else f"{name}.{part_name}", process_set)
                for part_name, part in rows.items()]
