@@ -3,7 +3,7 @@
     plan (tensors -> buckets)                         dp_plugin.fusion
       -> pack into a FusionBuffer                     dp_plugin.buffer
          (its own, or a slab it borrows)              dp_plugin.slabs
-      -> agree once across ranks                      dp_plugin.agreement
+      -> agree once across ranks                      dp_plugin.request
       -> hook(state, bucket) -> handle                dp_plugin.hooks
       -> engine transport                             dp_plugin.engines
       -> unpack
@@ -26,12 +26,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dp_plugin import agreement, fusion
+from dp_plugin import fusion
 from dp_plugin.arrays import ArrayOps, NumpyOps, ops_for, spec_of
 from dp_plugin.buffer import FusionBuffer
 from dp_plugin.compression import get_compressor
 from dp_plugin.dtypes import itemsize
-from dp_plugin.edge import caller
 from dp_plugin.engines.base import Handle, ReduceOp
 from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import TensorSpec, plan_buckets
@@ -42,6 +41,7 @@ from dp_plugin.hooks import (
     ReducePolicy,
     hook_for,
 )
+from dp_plugin.request import Request, check
 from dp_plugin.slabs import Slab, SlabPool
 from dp_plugin.timeline import NullTimeline
 
@@ -274,8 +274,8 @@ class FusedCollective:
         point every rank reaches in the same order: it blocks."""
         if not self.agreed:
             self.agreed = True
-            self.guard(lambda: agreement.agree(self.engine, self.layout, self.what,
-                                                self.settings))
+            self.guard(lambda: check(self.engine, Request.fused(self.layout, self.what,
+                                                                self.settings)))
 
     def start(self, index: int, tensors: Sequence[Any]) -> Handle | None:
         """Pack bucket ``index`` from ``tensors`` (indexed by spec) and start its
@@ -432,42 +432,3 @@ def start_allreduce(engine: Any, outs: Sequence[Any], name: str | None, op: Redu
     )
     return fused, [h for b in fused.plan if (h := fused.start(b.index, outs)) is not None]
 
-
-def root_of(engine: Any, root_rank: Any) -> int:
-    """Horovod's rule for every rooted function: ``root_rank`` is a job-wide
-    rank that must belong to the ranks ``engine`` runs (a process set, or the
-    whole job); returns its rank within ``engine``."""
-    what = caller()
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
-        raise TypeError(f"{what}: root_rank={root_rank!r} must be an int (a job-wide rank)")
-    members = list(engine.global_ranks)
-    if root_rank not in members:
-        raise ValueError(
-            f"{what}: root_rank {root_rank} is not a rank of the process set (its job-wide "
-            f"ranks are {members}); pass the job-wide rank of one of its members"
-        )
-    return members.index(root_rank)
-
-
-def agreed_root(engine: Any, root_rank: Any) -> int:
-    """``root_of`` checked on every rank at once (one small all-gather of each
-    rank's ``root_rank``): a bad or differing root on one rank raises on every
-    rank at the call, instead of leaving the others waiting in the broadcast
-    until DP_PLUGIN_TIMEOUT. Collective over ``engine``'s ranks."""
-    what = caller()
-    try:
-        root, problem = root_of(engine, root_rank), None
-    except (TypeError, ValueError) as exc:
-        root, problem = -1, exc
-    described = agreement.compare(engine, f"{what}.root", repr(root_rank)).described
-    if described is not None:
-        per_rank = "; ".join(f"rank {engine.global_ranks[r]}: {value}"
-                             for r, value in enumerate(described))
-        raise ValueError(
-            f"rank {engine.global_ranks[engine.rank]}: {what}: the ranks passed different "
-            f"root_rank values ({per_rank}) (Horovod: mismatched broadcast root ranks); pass "
-            "the same job-wide root_rank on every rank"
-        )
-    if problem is not None:
-        raise problem
-    return root
