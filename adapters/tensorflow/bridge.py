@@ -68,6 +68,7 @@ from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.scheduler import Reducer
 from dp_plugin.tensorflow import graph_order
+from dp_plugin.timeline import open_timeline
 
 _names = itertools.count()
 _names_lock = threading.Lock()
@@ -179,14 +180,16 @@ class GradientBridge:
                 sched = Reducer(
                     specs,
                     engine=engine,
-                    policy=ReducePolicy.for_gradients(
-                        self.op, engine.size, predivide=self.gradient_predivide_factor),
+                    policy=ReducePolicy(self.op, engine.size,
+                                        predivide=self.gradient_predivide_factor),
                     passes=1,  # DistributedApply accumulates the passes itself
                     compression=self.compression,
                     name=name,
                     autotune=engine.config.autotune,
                     array_ops=AlignedNumpyOps(),
                     what=f"gradients of {name!r}",
+                    timeline=open_timeline(engine.config.timeline, engine.rank,
+                                           engine.config.timeline_max_bytes),
                 )
                 # Checked now, while the step is traced, so that different models
                 # fail here with LayoutMismatchError itself on every rank, before any
