@@ -102,10 +102,6 @@ class Bucket:
     """When it was unpacked (None: not yet, this time in flight)."""
 
     @property
-    def index(self) -> int:
-        return self.entry.index
-
-    @property
     def pending(self) -> bool:
         """Started and not unpacked yet."""
         return self.handle is not None and self.unpacked is None
