@@ -181,7 +181,7 @@ class Reducer:
         self._lock = threading.RLock()
         self.plan_version = -1
         """Changes whenever the bucket plan (and so every fusion buffer) is replaced."""
-        self.install(self._plan(self._order))
+        self._install(self._plan(self._order))
         self._state = StepState(0, len(self.specs), len(self.plan))
 
     # -- the plan ----------------------------------------------------------------
@@ -200,7 +200,7 @@ class Reducer:
         return plan_buckets(self.specs, self.fusion_threshold, order=order,
                             first_threshold=self.first_threshold)
 
-    def install(self, plan: list[PlanEntry]) -> None:
+    def _install(self, plan: list[PlanEntry]) -> None:
         """Adopt ``plan``: new fusion buffers (allocated on first use); the
         unpinned ones take turns on two slabs per (dtype, device) in plan
         order, the same slab every step."""
@@ -247,9 +247,9 @@ class Reducer:
         if [b.members for b in plan] == [b.members for b in self.plan]:
             return False
         control = self.buckets[-1].buffer.control if self.buckets else None
-        self.install(plan)
+        self._install(plan)
         if control is not None:  # the control slot's values move with it
-            self.backend().pack(self._control(), control)
+            self._backend().pack(self._control(), control)
         return True
 
     def retune(self, threshold: int, order: Sequence[int]) -> bool:
@@ -259,7 +259,7 @@ class Reducer:
         self.settings["fusion threshold"] = threshold
         return self.replan(order)
 
-    def backend(self, like: Any = None) -> ArrayOps:
+    def _backend(self, like: Any = None) -> ArrayOps:
         if self.ops is None:
             if like is not None:
                 self.ops = ops_for(like)
@@ -274,7 +274,7 @@ class Reducer:
     def _control(self, like: Any = None) -> Any:
         """The control slot (in the last bucket's buffer)."""
         buf = self.buckets[-1].buffer
-        buf.allocate(self.backend(like))
+        buf.allocate(self._backend(like))
         return buf.control
 
     # -- public API ----------------------------------------------------------
@@ -286,7 +286,7 @@ class Reducer:
         gradient hook: it blocks. Raises ``LayoutMismatchError`` on every rank."""
         if not self.agreed:
             self.agreed = True
-            self.guard(lambda: agreement.agree(self.engine, self.layout, self.what,
+            self._guard(lambda: agreement.agree(self.engine, self.layout, self.what,
                                                 self.settings))
 
     def flags_of(self, name: str, like: Any = None) -> Any:
@@ -307,9 +307,9 @@ class Reducer:
         bucket order. May run collectives (see the class docstring).
         """
         with self._lock:
-            self.check_usable(f"scheduler {self.name!r}")
+            self._check_usable(f"scheduler {self.name!r}")
             index, spec = self._checked(index, tensor)
-            self.backend(tensor)
+            self._backend(tensor)
             st = self._state
             if st.started_at is None:
                 st.started_at = time.perf_counter()
@@ -370,10 +370,10 @@ class Reducer:
             st = self._state
             if st.syncing:
                 return
-            self.check_usable(f"scheduler {self.name!r}")
+            self._check_usable(f"scheduler {self.name!r}")
             st.sync_start = time.perf_counter()
             st.syncing = True
-            ops = self.backend()
+            ops = self._backend()
             for i, spec in enumerate(self.specs):
                 if st.tensors[i] is None:
                     st.tensors[i] = ops.zeros(spec.shape, spec.dtype, spec.device)
@@ -427,7 +427,7 @@ class Reducer:
                     "while its bucket is in flight; take views before the bucket starts (a "
                     "programming error in the caller)")
             member = r.entry.members.index(index)
-            return r.buffer.view(self.backend(like), member).reshape(self.specs[index].shape)
+            return r.buffer.view(self._backend(like), member).reshape(self.specs[index].shape)
 
     def adopt(self, index: int, tensor: Any) -> Any:
         """``tensor`` (this step's gradient of spec ``index``) moved into its
@@ -445,7 +445,7 @@ class Reducer:
             index, _ = self._checked(index, tensor)
             if self._state.passes[index] or self.buckets[self.bucket_of[index]].buffer.in_place:
                 return tensor
-            ops = self.backend(tensor)
+            ops = self._backend(tensor)
             view = self.view_for(index, tensor)
             if ops.shares_memory(view, tensor):
                 return tensor
@@ -541,14 +541,14 @@ class Reducer:
             if self.engine.size > 1:
                 self.engine.broadcast(buf, 0, name=f"{self.name}.{what}")
 
-        self.guard(share)
+        self._guard(share)
         return to_host(buf)
 
     # -- one bucket: start (pack, hook) ... finish (wait, unpack) -------------------
     def _start(self, r: Bucket, tensors: Sequence[Any]) -> Handle | None:
         """Pack ``r`` from ``tensors`` (indexed by spec) and start its
         collective. Returns what is in flight (None for an empty bucket)."""
-        self.check_usable()
+        self._check_usable()
         buf = r.buffer
         if buf.numel == 0:
             return None  # nothing to move; every rank skips it alike (same plan)
@@ -563,11 +563,11 @@ class Reducer:
         r.folded = self._can_fold(buf)
         t1 = time.perf_counter()
         if r.folded:  # the engine multiplies while it reduces: no pass of its own
-            handle: Handle = self.guard(lambda: self.engine.allreduce_async(
+            handle: Handle = self._guard(lambda: self.engine.allreduce_async(
                 bucket.flat, ReduceOp.SUM, name=bucket.label,
                 postscale=self.policy.postscale), buf)
         else:
-            handle = self.guard(lambda: self.hook(self.state, bucket), buf)
+            handle = self._guard(lambda: self.hook(self.state, bucket), buf)
         handle.context = buf.describe  # the engine's timeout message names the bucket
         r.handle, r.tensors, r.packed = handle, members, (t0, t1)
         return handle
@@ -597,7 +597,7 @@ class Reducer:
     def _members(self, r: Bucket, tensors: Sequence[Any]) -> tuple[ArrayOps, list[Any]]:
         """The array backend and ``r``'s members among ``tensors``."""
         members = [tensors[i] for i in r.entry.members]
-        return self.backend(members[0] if members else None), members
+        return self._backend(members[0] if members else None), members
 
     def _free_slab(self, r: Bucket) -> Slab:
         """``r``'s slab, once the bucket that used it before is unpacked
@@ -614,17 +614,17 @@ class Reducer:
         self._wait(r)
         assert r.tensors is not None  # started
         t0 = time.perf_counter()
-        r.buffer.unpack(self.backend(), r.tensors, 1.0 if r.folded else self.policy.postscale,
+        r.buffer.unpack(self._backend(), r.tensors, 1.0 if r.folded else self.policy.postscale,
                         r.direct, r.aliased)
         r.direct = None
         r.unpacked = (t0, time.perf_counter())
 
     def _done(self, r: Bucket) -> bool:
-        return r.handle is None or bool(self.guard(r.handle.done, r.buffer))
+        return r.handle is None or bool(self._guard(r.handle.done, r.buffer))
 
     def _wait(self, r: Bucket) -> None:
         if r.handle is not None:
-            self.guard(r.handle.wait, r.buffer)
+            self._guard(r.handle.wait, r.buffer)
 
     def _finish(self, r: Bucket) -> Handle | None:
         """Wait for ``r`` and unpack it into the tensors it was started with
@@ -649,7 +649,7 @@ class Reducer:
         return handle
 
     # -- errors -------------------------------------------------------------------------
-    def guard(self, fn: Any, buf: FusionBuffer | None = None) -> Any:
+    def _guard(self, fn: Any, buf: FusionBuffer | None = None) -> Any:
         """Run a step of the protocol; on failure the Reducer is unusable: the
         ranks no longer agree on what comes next, so later calls re-raise
         instead of starting collectives that could only mismatch or hang."""
@@ -661,7 +661,7 @@ class Reducer:
                 exc.add_note(f"while reducing {buf.describe()}")
             raise
 
-    def check_usable(self, subject: str | None = None) -> None:
+    def _check_usable(self, subject: str | None = None) -> None:
         """Raise if an earlier collective failed; ``subject`` names the caller
         in the message (default: this Reducer's name)."""
         if self.broken is not None:
@@ -751,12 +751,11 @@ class GradientScheduler(Reducer):
 
             engine = runtime.engine()
         checked = checked_specs(specs)
-        passes = check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)
         policy = ReducePolicy(op, engine.size, predivide=gradient_predivide_factor,
                               prescale=prescale_factor, postscale=postscale_factor,
                               gradients=checked)
         config = engine.config
         if timeline is None:
             timeline = open_timeline(config.timeline, engine.rank, config.timeline_max_bytes)
-        super().__init__(checked, engine=engine, policy=policy, passes=passes,
-                         timeline=timeline, **options)
+        super().__init__(checked, engine=engine, policy=policy,
+                         passes=backward_passes_per_step, timeline=timeline, **options)
