@@ -17,6 +17,7 @@ from dp_plugin.errors import (
     DPPluginError,
     LaunchError,
     LayoutMismatchError,
+    MismatchError,
     NotInitializedError,
 )
 from dp_plugin.runtime import engine, init, is_initialized, rank, shutdown, size, topology
@@ -29,6 +30,7 @@ __all__ = [
     "DPPluginError",
     "LaunchError",
     "LayoutMismatchError",
+    "MismatchError",
     "NotInitializedError",
     "__version__",
     "engine",

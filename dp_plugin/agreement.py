@@ -1,57 +1,43 @@
-"""Cross-rank agreement: do all ranks run the same collective on the same tensors?
+"""Cross-rank agreement: the exchange that tells whether all ranks describe the same thing.
 
 If one rank registered a tensor with another shape (or an extra one), or
 reads another fusion threshold, compression or scale factor from its
 environment, its fusion buffers would differ from the others' and the
 collectives would mismatch: a hang or, worse, silently wrong numbers. Every
-fused collective therefore agrees once, before its first data moves:
+collective therefore agrees before its data moves (a fused one once):
 
-1. every rank all-gathers a fixed-size digest of its *layout* (names,
-   shapes, dtypes, device kinds, order) and its *settings* (the values that
-   decide bucket sizes and scaling);
-2. only if the digests differ do the ranks gather the full descriptions, to
-   say which tensor or which setting differs, and on which ranks.
+1. every rank all-reduces a table of fixed-size rows: a digest of its
+   description (``dp_plugin.request``: a tensor collective's request, or a
+   fused collective's layout and settings) and a few numbers;
+2. only if the digests differ do the ranks gather the full descriptions, so
+   that every rank can say what differs, and on which ranks.
 
-``compare`` is that exchange for any JSON-able description (the tensor
-collectives of the adapters describe their requests with it); ``agree`` is
-it for a fused collective's layout and settings. A rank that has called
-``join()`` takes part in it with a row of its own (``JOINED``); what it
-answers and what it refuses is ``dp_plugin.join``.
+``compare`` is that exchange for any JSON-able description; what is
+described, and the messages, are ``dp_plugin.request``'s (its ``check``
+calls it; so does the Keras metric average, whose messages name the logged
+metrics). A rank that has called ``join()`` takes part in it with a
+row of its own (``JOINED``); what it answers and what it refuses is
+``dp_plugin.join``.
 
-Distributed contract: ``agree`` is a collective. Every rank calls it at the
-same point; every rank then sees the same digests, so every rank takes the
-same branch and, on a difference, every rank raises the same
-``LayoutMismatchError`` — nobody is left waiting.
+Distributed contract: ``compare`` is a collective. Every rank calls it at
+the same point; every rank then sees the same digests, so every rank takes
+the same branch and, on a difference, every rank raises the same error —
+nobody is left waiting.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from dp_plugin.arrays import as_numpy, as_torch, is_torch
 from dp_plugin.errors import JoinedRankError, LayoutMismatchError
-from dp_plugin.fusion import TensorSpec
 
 DIGEST_SIZE = 32
-
-Settings = Mapping[str, Any]
-"""Values every rank must share (fusion threshold, compression, scales ...),
-by name; compared as their ``repr``."""
-
-
-def _entries(specs: Sequence[TensorSpec]) -> list[list[Any]]:
-    # Only the device *kind* is compared: 'cuda:0' on one rank and 'cuda:1'
-    # on another is the normal one-GPU-per-rank layout.
-    return [[s.name, list(s.shape), s.dtype, s.device.split(":")[0]] for s in specs]
-
-
-def _described(specs: Sequence[TensorSpec], settings: Settings | None) -> list[Any]:
-    return [_entries(specs), {k: repr(v) for k, v in sorted((settings or {}).items())}]
 
 
 class Compared(NamedTuple):
@@ -85,7 +71,7 @@ has called ``join()`` (``dp_plugin.join.Listener`` writes such rows)."""
 
 
 def compare(engine: Any, tag: str, described: Any, numbers: Sequence[int] = (), *,
-            joined_ok: bool = False) -> Compared:
+            joined_ok: bool = False, what: str = "") -> Compared:
     """The one agreement exchange: do all ranks describe the same thing?
 
     ``described`` is this rank's JSON-able description of what it is about
@@ -99,7 +85,8 @@ def compare(engine: Any, tag: str, described: Any, numbers: Sequence[int] = (), 
 
     A joined rank (``dp_plugin.join``) answers with a row of its own; unless
     ``joined_ok`` (the caller decides, with ``dp_plugin.join``, what a joined
-    rank means for it), every rank then raises ``JoinedRankError``.
+    rank means for it), every rank then raises ``JoinedRankError``, naming
+    ``what`` (default: the callers' tags) as the collective that cannot run.
     Collective over ``engine``'s ranks; every rank gets the same result.
     """
     payload = json.dumps([tag, joined_ok, described], separators=(",", ":")).encode()
@@ -114,8 +101,8 @@ def compare(engine: Any, tag: str, described: Any, numbers: Sequence[int] = (), 
     heard = conclude(engine, table, payload, numbers)
     if heard.joined and not all(heard.joined_ok):
         members = getattr(engine, "global_ranks", range(engine.size))
-        raise JoinedRankError.refusing([members[r] for r in heard.joined], heard.tags(),
-                                       where=" (dp_plugin.join)")
+        raise JoinedRankError.refusing([members[r] for r in heard.joined],
+                                       what or heard.tags(), where=" (dp_plugin.join)")
     return Compared(None if heard.same else heard.described, heard.numbers, heard.joined)
 
 
@@ -207,77 +194,6 @@ def conclude(engine: Any, table: np.ndarray, payload: bytes,
             + ". Every rank must call the same collectives in the same order"
         )
     return Heard(envelopes, numbers_of, joined, same, answered)
-
-
-def agree(engine: Any, specs: Sequence[TensorSpec], what: str = "gradients",
-          settings: Settings | None = None) -> None:
-    """Raise ``LayoutMismatchError`` on every rank unless all ranks' layouts
-    and settings match.
-
-    ``what`` names the tensors in the message ("the {what} registered for
-    all-reduce differ across ranks") and tags the collectives' names.
-    Collective: one all-gather when everything matches, two otherwise.
-    """
-    described = compare(engine, what, _described(specs, settings)).described
-    if described is None:
-        return
-    message = describe_mismatch([d[0] for d in described], what, engine.rank)
-    if message is None:
-        message = describe_settings([d[1] for d in described], what, engine.rank)
-    raise LayoutMismatchError(message)
-
-
-def describe_mismatch(layouts: list[list[list[Any]]], what: str, rank: int) -> str | None:
-    """The message for the first position where some rank differs from rank 0
-    (None when every layout is the same)."""
-    longest = max(len(layout) for layout in layouts)
-    for pos in range(longest):
-        reference = _at(layouts[0], pos)
-        differing = [r for r, layout in enumerate(layouts) if _at(layout, pos) != reference]
-        if not differing:
-            continue
-        theirs = _at(layouts[differing[0]], pos)
-        counts = ", ".join(f"rank {r}: {len(layout)}" for r, layout in enumerate(layouts))
-        return (
-            f"rank {rank}: the {what} registered for all-reduce differ across ranks. "
-            f"First difference at position {pos}: rank 0 has {_describe(reference)}, but "
-            f"rank(s) {', '.join(map(str, differing))} have {_describe(theirs)} "
-            f"(tensor counts: {counts}). Every rank must build the same model and "
-            "register the same parameters, with the same names, shapes and dtypes, "
-            "in the same order."
-        )
-    return None
-
-
-def describe_settings(settings: list[dict[str, str]], what: str, rank: int) -> str:
-    """The message for settings that differ across ranks (layouts agree)."""
-    keys = sorted({k for s in settings for k in s})
-    for key in keys:
-        values = [s.get(key, "<unset>") for s in settings]
-        if len(set(values)) > 1:
-            per_rank = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-            return (
-                f"rank {rank}: the {what} use different settings across ranks: {key} differs "
-                f"({per_rank}). Every rank must use the same {key}: set the same environment "
-                "variables and arguments on every rank"
-            )
-    # Digests differed but everything agrees: only possible if the digest
-    # itself was corrupted in transit, which an engine bug would cause.
-    return (
-        f"rank {rank}: the {what} layout digests differ across ranks although the full "
-        "layouts agree; the collective engine corrupted data (report this as a bug)"
-    )
-
-
-def _at(layout: list[list[Any]], pos: int) -> list[Any] | None:
-    return layout[pos] if pos < len(layout) else None
-
-
-def _describe(entry: list[Any] | None) -> str:
-    if entry is None:
-        return "no tensor there (fewer tensors registered)"
-    name, shape, dtype, device = entry
-    return f"tensor {name!r} shape {tuple(shape)} {dtype} on {device}"
 
 
 def to_device(arr: np.ndarray, device: str) -> Any:

@@ -1,4 +1,5 @@
-"""Replace a file so that a crash leaves either the old or the new one, never a torn one.
+"""Replace a file so that a crash leaves either the old or the new one, never a torn one;
+and the job's one write of a file, by rank 0, whose outcome every rank learns.
 
 Used by the torch checkpoints / elastic commits and the TensorFlow elastic
 commits alike.
@@ -9,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+
+from dp_plugin import objects
 
 
 def write_atomic(path: Path, chunks: Iterable[bytes]) -> None:
@@ -37,3 +40,14 @@ def write_atomic(path: Path, chunks: Iterable[bytes]) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def write_on_rank0(path: Path, chunks: Callable[[], Iterable[bytes]], *, what: str,
+                   error: type[Exception], name: str) -> None:
+    """Rank 0 writes ``chunks()`` to ``path`` for the whole job and every rank
+    learns the outcome (``objects.from_rank0``): a failure raises ``error`` on
+    every rank, naming the ``what`` ("checkpoint") and the fix."""
+    objects.from_rank0(lambda: write_atomic(path, chunks()), error, name, lambda exc: (
+        f"rank 0 could not write the {what} {str(path)!r} ({type(exc).__name__}: {exc}); a "
+        f"previous {what} there is unchanged. Check that its directory can be created and "
+        "written by this user on rank 0's host, and that the disk has room"))

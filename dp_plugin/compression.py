@@ -9,7 +9,7 @@ users subclass ``Compressor`` (or one of them) with their own pair.
 On the fused paths (``DistributedOptimizer``, the Keras bridge, grouped
 collectives) two kinds of compressor are told apart by ``get_compressor``:
 
-- the built-in casts (``_CastCompressor``): the scheduler owns a persistent
+- the built-in casts (``Cast``): the scheduler owns a persistent
   wire buffer per bucket of dtype ``wire_dtype(bucket dtype)`` and only casts
   between the two (``ArrayOps.cast_into``), allocating nothing per step. Like
   Horovod's ``Compression.fp16``, only floating buffers wider than the wire
@@ -83,16 +83,19 @@ def _cast(tensor: Any, dtype: Any) -> Any:
     return np.asarray(tensor).astype(dtype)
 
 
-class _CastCompressor(Compressor):
-    """Narrow floating tensors to ``_wire`` by a plain cast."""
+class Cast(Compressor):
+    """A built-in compression: floating tensors wider than ``wire`` travel as
+    ``wire``, by a plain cast (no ``wire``: no compression). Its three values
+    are Horovod's classes below; their ``compress`` and ``decompress`` work on
+    the class as on an instance, as Horovod's static methods do."""
 
-    name: ClassVar[str] = "cast"
-    _wire: ClassVar[str | None] = None
+    name: ClassVar[str] = "none"
+    wire: ClassVar[str | None] = None
 
     @classmethod
     def wire_dtype(cls, dtype: str) -> str:
         dtype = canonical_dtype(dtype)
-        wire = cls._wire
+        wire = cls.wire
         if wire is None or not is_floating(dtype):
             return dtype
         return wire if SUPPORTED_DTYPES[dtype] > SUPPORTED_DTYPES[wire] else dtype
@@ -118,27 +121,27 @@ class _CastCompressor(Compressor):
         return f"{type(self).__name__}()"
 
 
-class NoneCompressor(_CastCompressor):
+class NoneCompressor(Cast):
     """No compression: the reduction runs in the tensors' own dtype (the default)."""
 
     name = "none"
 
 
-class FP16Compressor(_CastCompressor):
+class FP16Compressor(Cast):
     """float32/float64 tensors travel as float16 (halves the bytes; loses range)."""
 
     name = "fp16"
-    _wire = "float16"
+    wire = "float16"
 
 
-class BF16Compressor(_CastCompressor):
+class BF16Compressor(Cast):
     """float32/float64 tensors travel as bfloat16 (float32's range, 8 bits of mantissa)."""
 
     name = "bf16"
-    _wire = "bfloat16"
+    wire = "bfloat16"
 
 
-COMPRESSORS: dict[str, type[_CastCompressor]] = {
+COMPRESSORS: dict[str, type[Cast]] = {
     c.name: c for c in (NoneCompressor, FP16Compressor, BF16Compressor)
 }
 
@@ -162,13 +165,10 @@ class TensorCompressor(Compressor):
 
 
 def _is_cast(klass: type) -> bool:
-    """A built-in cast class, or a subclass that keeps its compress/decompress."""
-    for base in klass.__mro__:
-        if base in COMPRESSORS.values() or base is _CastCompressor:
-            return True
-        if "compress" in vars(base) or "decompress" in vars(base):
-            return False
-    return False
+    """A built-in cast, or a subclass of one that keeps its compress/decompress."""
+    return issubclass(klass, Cast) and all(
+        getattr(getattr(klass, method), "__func__", None) is getattr(Cast, method).__func__
+        for method in ("compress", "decompress"))
 
 
 def get_compressor(name_or_obj: str | Compressor | type[Compressor] | None) -> Compressor:
@@ -191,7 +191,7 @@ def get_compressor(name_or_obj: str | Compressor | type[Compressor] | None) -> C
                 f"{', '.join(COMPRESSORS)} (or a Compressor class with compress and decompress)"
             )
         return cls()
-    if isinstance(name_or_obj, (_CastCompressor, TensorCompressor)):
+    if isinstance(name_or_obj, TensorCompressor):
         return name_or_obj
     klass = name_or_obj if isinstance(name_or_obj, type) else type(name_or_obj)
     if _is_cast(klass):

@@ -7,6 +7,7 @@ involved, never left to hang.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 
 
@@ -33,8 +34,52 @@ class LaunchError(DPPluginError):
     """A launcher variable is malformed or inconsistent with the others."""
 
 
-class LayoutMismatchError(DPPluginError):
-    """Ranks registered different tensors (names, shapes, dtypes or order)."""
+class Problem(enum.IntEnum):
+    """Why a collective cannot run, the kind a ``MismatchError`` carries: a
+    mistake one rank found in its own request (every rank raises for it), or
+    (``DIFFERENT``, ``LAYOUT``) a difference between the ranks' requests."""
+
+    NONE = 0
+    UNSUPPORTED_DTYPE = 1
+    ZERO_DIM = 2
+    BAD_ROOT = 3
+    BAD_SPLITS = 4
+    BAD_MEMBERS = 5
+    DIFFERENT = 6
+    LAYOUT = 7
+    """A fused collective's tensors (names, shapes, dtypes, order) or settings differ."""
+
+
+class MismatchError(DPPluginError, ValueError):
+    """The one error of every agreement (``dp_plugin.request.check``): the
+    ranks' requests differ, or some rank's cannot run; raised on every rank
+    alike. ``problem`` says why, so that callers pick a class from it (the
+    TensorFlow adapter), never from the message; ``of`` picks the subclass
+    users catch. A ``ValueError`` (bad input) and a ``DPPluginError``."""
+
+    problem: Problem = Problem.DIFFERENT
+
+    @staticmethod
+    def of(problem: Problem, message: str) -> MismatchError:
+        """The error for ``problem``, of the class its callers catch."""
+        error = {Problem.LAYOUT: LayoutMismatchError,
+                 Problem.UNSUPPORTED_DTYPE: DtypeMismatchError}.get(problem, MismatchError)(message)
+        error.problem = problem
+        return error
+
+
+class LayoutMismatchError(MismatchError):
+    """Ranks registered different tensors (names, shapes, dtypes or order), or
+    different settings, for a fused collective."""
+
+    problem = Problem.LAYOUT
+
+
+class DtypeMismatchError(MismatchError, TypeError):
+    """A rank passed a tensor of a dtype the collective cannot move
+    (a ``TypeError``, as Python's own)."""
+
+    problem = Problem.UNSUPPORTED_DTYPE
 
 
 class CollectiveTimeoutError(DPPluginError):

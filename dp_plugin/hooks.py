@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dp_plugin.arrays import ArrayOps
-from dp_plugin.compression import Compressor, _CastCompressor, get_compressor
+from dp_plugin.compression import Cast, Compressor, get_compressor
 from dp_plugin.dtypes import canonical_dtype, is_floating
 from dp_plugin.engines.base import Handle, ReduceOp
 from dp_plugin.validate import check_positive_float
@@ -190,16 +190,13 @@ def compression_wrapper(hook: CommHook, compressor: Compressor | str) -> CommHoo
     back into the bucket.
     """
     comp = get_compressor(compressor)
-    if isinstance(comp, _CastCompressor):
-        wrapped = _cast_wrapper(hook, comp)
-    else:
-        wrapped = _tensor_wrapper(hook, comp)
+    wrapped = _cast_wrapper(hook, comp) if isinstance(comp, Cast) else _tensor_wrapper(hook, comp)
     wrapped.__name__ = f"{comp.name}_{getattr(hook, '__name__', 'hook')}"
     wrapped.__qualname__ = wrapped.__name__
     return wrapped
 
 
-def _cast_wrapper(hook: CommHook, comp: _CastCompressor) -> CommHook:
+def _cast_wrapper(hook: CommHook, comp: Cast) -> CommHook:
     def compressed(state: HookState, bucket: GradBucket) -> Handle:
         wire_dtype = comp.wire_dtype(bucket.dtype)
         if wire_dtype == bucket.dtype:

@@ -70,3 +70,15 @@ def resolve_op(op: object, average: bool | None, *, prefix: str,
         )
         return ReduceOp.AVERAGE if average else ReduceOp.SUM
     return parse_op(op, prefix=prefix, instead=instead)
+
+
+def require_sum_or_average(op: ReduceOp, refusal: str, *, prefix: str, otherwise: str = "",
+                           error: type[Exception] = ValueError) -> None:
+    """Horovod's rule wherever values are gathered rather than reduced (sparse
+    tensors, ``tf.IndexedSlices``) or must make a descent step (gradients):
+    only Sum and Average. Otherwise ``error``: the public call, ``op``, the
+    ``refusal`` ("is not supported for sparse tensors"), the two ops to use
+    (spelled with ``prefix``) and ``otherwise`` (", or sparse_as_dense=True")."""
+    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise error(f"{caller()}: op={op.name.capitalize()} {refusal}; use op={prefix}Average "
+                    f"or op={prefix}Sum{otherwise}")

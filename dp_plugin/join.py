@@ -61,7 +61,6 @@ from dp_plugin.agreement import (
     to_host,
 )
 from dp_plugin.arrays import numpy_dtype
-from dp_plugin.collective import start_allreduce
 from dp_plugin.dtypes import is_floating
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import CollectiveTimeoutError, JoinedRankError
@@ -136,6 +135,9 @@ def replay(engine: Any, described: list[dict[str, Any]]) -> None:
         return
     if kind != "allreduce":  # answerable said no first
         raise AssertionError(f"a joined rank cannot answer {kind}")
+    # Imported here: the collective checks through dp_plugin.request, which uses this module.
+    from dp_plugin.collective import start_allreduce
+
     op = ReduceOp.parse(described[0]["op"])
     pre, post = described[0]["scales"]
     _, handles = start_allreduce(engine, [_identity_like(d, op) for d in described], name,

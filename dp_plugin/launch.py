@@ -45,8 +45,8 @@ from typing import ClassVar
 
 from dp_plugin.errors import LaunchError
 from dp_plugin.topology import LAUNCHER_NAMES as LAUNCHER_NAMES  # re-exported
+from dp_plugin.topology import Sourced, VariableReader, build_topology
 from dp_plugin.topology import Topology as Topology  # re-exported
-from dp_plugin.topology import _build, _Reader, _Val
 
 
 class Launcher:
@@ -102,7 +102,7 @@ class Launcher:
     @classmethod
     def topology(cls, env: Mapping[str, str]) -> Topology:
         """Read this launcher's variables from ``env``; ``LaunchError`` if malformed."""
-        r = _Reader(env, cls)
+        r = VariableReader(env, cls)
         size_var, rank_var, local_size_var, local_rank_var = cls.variables
         size = r.required(size_var, minimum=1)
         rank = r.required(rank_var)
@@ -110,7 +110,7 @@ class Launcher:
         local_rank = r.required(local_rank_var)
         cross = r.pair(*cls.cross_variables) if cls.cross_variables else None
         addr, port = r.address(*cls.address_variables) if cls.address_variables else (None, None)
-        return _build(
+        return build_topology(
             cls, size=size, rank=rank, local_size=local_size, local_rank=local_rank,
             cross=cross, addr=addr, port=port,
             hostname=r.text(cls.hostname_variable) if cls.hostname_variable else None,
@@ -272,7 +272,7 @@ class Slurm(Launcher):
 
     @classmethod
     def topology(cls, env: Mapping[str, str]) -> Topology:
-        r = _Reader(env, cls)
+        r = VariableReader(env, cls)
         step_var = cls._step_var(env)
         if step_var is not None:
             r.required(step_var)
@@ -288,14 +288,15 @@ class Slurm(Launcher):
         addr, port = r.address("MASTER_ADDR", "MASTER_PORT")
         if addr is None:
             addr, port = cls._derived_address(r, env)
-        return _build(
+        return build_topology(
             cls, size=size, rank=rank, local_size=local_size, local_rank=local_rank,
             cross=(cross_rank, cross_size), addr=addr, port=port,
             hostname=r.text("SLURMD_NODENAME"),
         )
 
     @classmethod
-    def _derived_address(cls, r: _Reader, env: Mapping[str, str]) -> tuple[str | None, int | None]:
+    def _derived_address(cls, r: VariableReader,
+                         env: Mapping[str, str]) -> tuple[str | None, int | None]:
         """The first host of the node list and a port from the job id; (None,
         None) when SLURM exported neither a node list nor a job id (the
         rendezvous then asks for MASTER_ADDR/MASTER_PORT)."""
@@ -311,9 +312,9 @@ class Slurm(Launcher):
 
     @classmethod
     def _local_size(
-        cls, r: _Reader, env: Mapping[str, str], *, size: _Val, rank: _Val, local_rank: _Val,
-        node: _Val, nodes: _Val,
-    ) -> _Val:
+        cls, r: VariableReader, env: Mapping[str, str], *, size: Sourced, rank: Sourced,
+        local_rank: Sourced, node: Sourced, nodes: Sourced,
+    ) -> Sourced:
         name = next((n for n in cls._TASKS_PER_NODE if n in env), None)
         if name is None:
             raise r.error(
@@ -329,7 +330,7 @@ class Slurm(Launcher):
             # --ntasks-per-node is an upper bound: under block placement the
             # last node holds what is left.
             n = min(runs[0][0], size.value - (rank.value - local_rank.value))
-            return _Val(name, n, raw, note=f"{n} task(s) on this node")
+            return Sourced(name, n, raw, note=f"{n} task(s) on this node")
         if len(runs) == 1 and runs[0][1] == 1:
             runs = [(runs[0][0], nodes.value)]  # a plain '4' means 4 on every node
         described = sum(repeat for _, repeat in runs)
@@ -344,7 +345,7 @@ class Slurm(Launcher):
         index = node.value
         for count, repeat in runs:
             if index < repeat:
-                return _Val(name, count, raw, note=f"{count} task(s) on node {node.value}")
+                return Sourced(name, count, raw, note=f"{count} task(s) on node {node.value}")
             index -= repeat
         raise AssertionError("unreachable: node.value < described")
 
@@ -391,11 +392,11 @@ class ProcessGroup(Launcher):
         mine = hosts[rank]
         order = list(dict.fromkeys(hosts))  # hosts in order of their first rank
         local_ranks = [r for r, h in enumerate(hosts) if h == mine]
-        return _build(
-            cls, size=_Val("world size", size), rank=_Val("rank", rank),
-            local_size=_Val("ranks on this host", len(local_ranks)),
-            local_rank=_Val("index on this host", local_ranks.index(rank)),
-            cross=(_Val("host index", order.index(mine)), _Val("hosts", len(order))),
+        return build_topology(
+            cls, size=Sourced("world size", size), rank=Sourced("rank", rank),
+            local_size=Sourced("ranks on this host", len(local_ranks)),
+            local_rank=Sourced("index on this host", local_ranks.index(rank)),
+            cross=(Sourced("host index", order.index(mine)), Sourced("hosts", len(order))),
             addr=None, port=None, hostname=mine,
         )
 

@@ -1,5 +1,7 @@
 """Python objects through an engine's collectives: the adapters' ``broadcast_object``
-and ``allgather_object``; and ``broadcast_bytes``, their broadcast of many tensors.
+and ``allgather_object``; ``from_rank0``, a value rank 0 computes (a file it reads or
+writes) or its failure, on every rank; and ``broadcast_bytes``, the adapters'
+broadcast of many tensors.
 
 Objects are pickled (with cloudpickle when installed: lambdas, local
 classes; else pickle) and travel as uint8 buffers on the engine's buffer
@@ -13,17 +15,19 @@ from __future__ import annotations
 import io
 import math
 import pickle
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
-from dp_plugin import request
+from dp_plugin import request, runtime
 from dp_plugin.agreement import to_device, to_host
 from dp_plugin.dtypes import SUPPORTED_DTYPES
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import broadcast_hook
 from dp_plugin.scheduler import Reducer
+
+T = TypeVar("T")
 
 
 def broadcast_object(engine: Any, obj: Any, root: int, name: str) -> Any:
@@ -58,6 +62,32 @@ def allgather_object(engine: Any, obj: Any, name: str) -> list[Any]:
                                     f"{name}.t"))
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     return [_loads(data[offsets[r]:offsets[r + 1]]) for r in range(engine.size)]
+
+
+def from_rank0(run: Callable[[], T], error: type[Exception], name: str,
+               explain: Callable[[Exception], str] = str) -> T:
+    """``run()`` on rank 0 of the job, its value on every rank (broadcast under
+    ``name``). If it raised, every rank raises ``error``, with the failure's
+    message when it is an ``error`` already, else ``explain(failure)``: no rank
+    goes on believing that rank 0's write succeeded, and none waits for a rank
+    0 that has already raised (issue 32). Collective when the job has several
+    ranks; otherwise ``run()`` here."""
+    engine = runtime.engine() if runtime.is_initialized() else None
+    value: Any = None
+    problem: str | None = None
+    failure: Exception | None = None
+    if engine is None or engine.rank == 0:
+        try:
+            value = run()
+        except Exception as exc:  # every rank must hear of it, whatever it is
+            failure = exc
+            problem = str(exc) if isinstance(exc, error) else explain(exc)
+    if engine is not None and engine.size > 1:
+        value, problem = broadcast_object(engine, (value, problem),
+                                          request.agreed_root(engine, 0), name)
+    if problem is not None:
+        raise error(problem) from failure
+    return value
 
 
 def _pickled(obj: Any) -> tuple[np.ndarray, Exception | None]:

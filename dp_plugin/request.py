@@ -7,18 +7,20 @@ Horovod's coordinator gives "Mismatched allreduce tensor shapes" there.
 
 Both adapters and the core describe what they are about to run as a
 ``Request`` (kind, name, every tensor's shape, dtype and device, op, scale
-factors, root, splits, members) and call ``check``: every rank looks for its
-own mistakes (an unsupported dtype, a 0-dim tensor where a first dimension
-is needed, bad splits, a bad member list, a root outside the process set),
-then all ranks run the core's one agreement exchange
-(``dp_plugin.agreement.compare``): a small all-reduce of a digest and the
-numbers the collective needs from every rank (first dimensions, splits,
-host); the descriptions themselves travel only when the digests differ.
-Every rank runs the same comparison on the same descriptions, so the
-outcome — an ``Agreed`` to run, or an error — is the same everywhere, and
-so is the message (a problem's local detail is added on the rank that has
-it, after "On this rank:"). The messages come from one table
-(``_PROBLEM_TEXT``, ``_FIELD_TEXT``).
+factors, root, splits, members; or, for a fused collective, ``Request.fused``:
+its tensors' layout and the settings that decide its buckets and scaling)
+and call ``check``: every rank looks for its own mistakes (an unsupported
+dtype, a 0-dim tensor where a first dimension is needed, bad splits, a bad
+member list, a root outside the process set), then all ranks run the core's
+one agreement exchange (``dp_plugin.agreement.compare``): a small
+all-reduce of a digest and the numbers the collective needs from every rank
+(first dimensions, splits, host); the descriptions themselves travel only
+when the digests differ. Every rank runs the same comparison on the same
+descriptions, so the outcome — an ``Agreed`` to run, or a ``MismatchError``
+carrying its ``Problem`` — is the same everywhere, and so is the message (a
+problem's local detail is added on the rank that has it, after "On this
+rank:"). The messages come from one table (``_PROBLEM_TEXT``,
+``_FIELD_TEXT``, and the layout's ``_layout_text``, ``_settings_text``).
 
 Engines then move bytes only: ``Engine.allgather`` takes the agreed rows,
 ``Engine.alltoall`` the agreed counts. ``allgather``, ``alltoall``,
@@ -28,10 +30,9 @@ holding plain buffers.
 
 from __future__ import annotations
 
-import enum
 import zlib
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,29 +40,12 @@ import numpy as np
 from dp_plugin import join
 from dp_plugin.agreement import Heard, compare
 from dp_plugin.dtypes import SUPPORTED_DTYPES, canonical_dtype
+from dp_plugin.edge import caller
 from dp_plugin.engines.types import ReduceOp, Started
-from dp_plugin.errors import DPPluginError
-from dp_plugin.launch import Topology
+from dp_plugin.errors import MismatchError, Problem
+from dp_plugin.fusion import TensorSpec
+from dp_plugin.topology import Topology
 from dp_plugin.validate import is_int
-
-
-class MismatchError(DPPluginError, ValueError):
-    """Ranks asked for different collectives, or passed incompatible tensors.
-
-    Raised on every rank of the collective. A ``ValueError`` (bad input) and
-    a ``DPPluginError`` (like Horovod's error from ``synchronize``) both."""
-
-
-class Problem(enum.IntEnum):
-    """A mistake one rank found in its own request; every rank raises for it."""
-
-    NONE = 0
-    UNSUPPORTED_DTYPE = 1
-    ZERO_DIM = 2
-    BAD_ROOT = 3
-    BAD_SPLITS = 4
-    BAD_MEMBERS = 5
-
 
 _PROBLEM_TEXT = {
     Problem.UNSUPPORTED_DTYPE: (
@@ -93,6 +77,7 @@ _CHECKS: dict[str, tuple[str, ...]] = {
     "reducescatter": ("op", "dtype", "device", "shape", "scales"),
     "barrier": (),
     "subgroup": ("members",),
+    "fused": (),  # its layout, then its settings (_layout_text, _settings_text)
 }
 
 REDUCING = frozenset({"allreduce", "reducescatter"})
@@ -103,6 +88,9 @@ MOVABLE = frozenset({*SUPPORTED_DTYPES, "bool", "uint16"})
 they do not reduce as raw bytes)."""
 
 _NEEDS_FIRST_DIM = frozenset({"allgather", "alltoall", "reducescatter"})
+
+_NEEDS_TENSORS = REDUCING | _NEEDS_FIRST_DIM
+"""Kinds over a tensor list (a broadcast without a tensor checks its root alone)."""
 
 CHECK_TAG = "dp_plugin.check"
 """The agreement tag of every request (one tag, so that two ranks in
@@ -128,9 +116,11 @@ class Request:
     """Rows to send to each rank as the user passed them (alltoall; None: even)."""
     members: Any = None
     """The ranks of a new process set as the user passed them (subgroup)."""
-    problem: Problem = Problem.NONE
-    detail: str = ""
-    """A problem the caller found (a bad root) and its local explanation."""
+    layout: tuple[TensorSpec, ...] = ()
+    """A fused collective's tensors, in order (kind "fused")."""
+    settings: Mapping[str, Any] | None = None
+    """Values every rank of a fused collective must share (fusion threshold,
+    compression, scales ...), by name; compared as their ``repr``."""
 
     @classmethod
     def of(cls, kind: str, bufs: Sequence[Any], **fields: Any) -> Request:
@@ -138,6 +128,13 @@ class Request:
         return cls(kind=kind, shapes=tuple(tuple(int(d) for d in b.shape) for b in bufs),
                    dtypes=tuple(dtype_name(b.dtype) for b in bufs),
                    devices=tuple(_device_kind(b) for b in bufs), **fields)
+
+    @classmethod
+    def fused(cls, layout: Sequence[TensorSpec], what: str,
+              settings: Mapping[str, Any] | None = None) -> Request:
+        """A fused collective over ``layout`` with ``settings``; ``what`` names
+        its tensors in messages ("the {what} registered for all-reduce differ")."""
+        return cls(kind="fused", name=what, layout=tuple(layout), settings=settings)
 
 
 def dtype_name(dtype: Any) -> str:
@@ -168,8 +165,8 @@ class Agreed:
     joined: tuple[int, ...] = ()
     members: tuple[int, ...] = ()
     """The agreed, valid member list (subgroup)."""
-    described: list[dict[str, Any]] = field(default_factory=list)
-    """Rank 0's description of each tensor."""
+    root: int = -1
+    """The agreed root as a rank of the engine (broadcast)."""
 
     def rows(self, index: int = 0) -> list[int]:
         """Every rank's first dimension of tensor ``index`` (allgather)."""
@@ -194,19 +191,20 @@ def check(engine: Any, request: Request, *, accept_joined: bool = False) -> Agre
     torch adapter, whose ``hvd.join()`` answers); ``dp_plugin.join`` then
     says which kinds run and raises ``JoinedRankError`` for the others.
     """
-    if request.kind not in ("barrier", "subgroup") and not request.shapes:
+    if request.kind in _NEEDS_TENSORS and not request.shapes:
         raise ValueError("a collective needs at least one tensor; got an empty list")
-    problem, detail, extra, members = _local_problem(engine, request)
+    problem, detail, extra, members, root = _local_problem(engine, request)
     mine = [_describe(request, i, problem, members) for i in range(max(1, len(request.shapes)))]
     numbers = [_first_dim(shape) for shape in request.shapes] + extra
-    got = compare(engine, CHECK_TAG, mine, numbers, joined_ok=accept_joined)
+    got = compare(engine, CHECK_TAG, mine, numbers, joined_ok=accept_joined,
+                  what=f"{request.kind}{_named(request.name)}")
     blocks = [b for b in got.described if b is not None] if got.described else [mine]
     # Equal digests on several ranks: every rank described the same request, its
     # problem included, and only this rank's copy is at hand (issue 32: it was
     # blamed on "rank(s) [0]" alone).
     _raise_problems(blocks, detail, every_rank=got.described is None and engine.size > 1)
     if got.described is not None:
-        _raise_mismatch(blocks, request)
+        _raise_mismatch(blocks, request, engine.rank)
         if not got.joined:
             raise MismatchError(  # the digests differ, the descriptions do not
                 "the agreement check's digests differ across ranks although the requests "
@@ -214,7 +212,35 @@ def check(engine: Any, request: Request, *, accept_joined: bool = False) -> Agre
             )
     join.admit(request.kind, request.name, [engine.global_ranks[r] for r in got.joined])
     return Agreed(_with_joined(got.numbers, len(numbers)), len(request.shapes), got.joined,
-                  members, mine)
+                  members, root)
+
+
+def agreed_root(engine: Any, root_rank: Any) -> int:
+    """Check that every rank passed the same valid ``root_rank`` (job-wide,
+    Horovod's rule: ``root_of``) and return it as a rank of ``engine``, for a
+    broadcast that runs no ``check`` of its own (objects, parameters): a bad
+    or differing root on one rank raises on every rank at the call, instead
+    of leaving the others waiting in the broadcast. Collective."""
+    return check(engine, Request(kind="broadcast", name=caller(), root=root_rank),
+                 accept_joined=True).root  # dp_plugin.join refuses a broadcast
+
+
+def root_of(engine: Any, root_rank: Any) -> int:
+    """Horovod's rule for every rooted function: ``root_rank`` is a job-wide
+    rank that must belong to the ranks ``engine`` runs (a process set, or the
+    whole job); returns its rank within ``engine``. A root that is not an int
+    raises ``TypeError`` at once, on this rank; one outside the set a
+    ``ValueError`` (``check`` makes it a problem every rank raises for)."""
+    what = caller()
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
+        raise TypeError(f"{what}: root_rank={root_rank!r} must be an int (a job-wide rank)")
+    members = list(engine.global_ranks)
+    if root_rank not in members:
+        raise ValueError(
+            f"{what}: root_rank {root_rank} is not a rank of the process set (its job-wide "
+            f"ranks are {members}); pass the job-wide rank of one of its members"
+        )
+    return members.index(root_rank)
 
 
 def joined_view(heard: Heard) -> tuple[list[dict[str, Any]] | None, Agreed]:
@@ -240,10 +266,17 @@ def _with_joined(numbers: list[list[int]], width: int) -> list[list[int]]:
 # -- this rank's own mistakes ----------------------------------------------------------
 
 
-def _local_problem(engine: Any, req: Request) -> tuple[Problem, str, list[int], tuple[int, ...]]:
+def _local_problem(engine: Any, req: Request
+                   ) -> tuple[Problem, str, list[int], tuple[int, ...], int]:
     """The first problem of this rank's request, its detail, the numbers the
-    kind sends (splits, host key) and the valid member list (subgroup)."""
-    problem, detail = req.problem, req.detail
+    kind sends (splits, host key), the valid member list (subgroup) and the
+    root as a rank of ``engine`` (broadcast; -1 when it is not one)."""
+    problem, detail, root = Problem.NONE, "", -1
+    if req.kind == "broadcast":
+        try:
+            root = root_of(engine, req.root)
+        except ValueError as exc:
+            problem, detail = Problem.BAD_ROOT, str(exc)
     for shape, dtype in zip(req.shapes, req.dtypes, strict=True):
         if problem:
             break
@@ -274,7 +307,7 @@ def _local_problem(engine: Any, req: Request) -> tuple[Problem, str, list[int], 
         if why and not problem:
             problem, detail = Problem.BAD_MEMBERS, why
         extra = [host_key(engine.topology)]
-    return problem, detail, extra, members
+    return problem, detail, extra, members, root
 
 
 def as_splits(splits: Any, rows: int, size: int) -> tuple[list[int], str]:
@@ -347,6 +380,12 @@ def _describe(req: Request, index: int, problem: Problem,
               members: tuple[int, ...]) -> dict[str, Any]:
     """The fields of tensor ``index`` of ``req`` that must agree (for its kind)."""
     out: dict[str, Any] = {"kind": req.kind, "name": req.name, "problem": int(problem)}
+    if req.kind == "fused":
+        # Only the device *kind* is compared: 'cuda:0' on one rank and 'cuda:1'
+        # on another is the normal one-GPU-per-rank layout.
+        out["layout"] = [[s.name, list(s.shape), s.dtype, s.device.split(":")[0]]
+                         for s in req.layout]
+        out["settings"] = {k: repr(v) for k, v in sorted((req.settings or {}).items())}
     checks = _CHECKS[req.kind]
     if index < len(req.shapes):
         shape: list[Any] = list(req.shapes[index])
@@ -379,14 +418,17 @@ def _raise_problems(blocks: Described, detail: str, *, every_rank: bool = False)
     ranks = sorted({r for r, d in bad if d["problem"] == problem})
     dtypes = sorted({d.get("dtype", "?") for _, d in bad if d["problem"] == problem})
     said = _PROBLEM_TEXT[problem].replace("{dtypes}", " / ".join(dtypes))
+    roots = [block[0].get("root") for block in blocks]
+    if problem is Problem.BAD_ROOT and len(set(roots)) > 1:
+        said += f" ({_DIFFERENT_ROOTS}: {_by_value(roots, _SHOW['root'])})"
     mine = f" On this rank: {detail}." if detail else ""
     who = "every rank" if every_rank else f"rank(s) {ranks}"
     text = (f"{first['kind']}{_named(first['name'])} cannot run: {who} {said}. "
             f"Every rank of the collective raises this error.{mine}")
-    raise (TypeError if problem is Problem.UNSUPPORTED_DTYPE else ValueError)(text)
+    raise MismatchError.of(problem, text)
 
 
-def _raise_mismatch(blocks: Described, req: Request) -> None:
+def _raise_mismatch(blocks: Described, req: Request, rank: int) -> None:
     counts = [len(b) for b in blocks]
     if len(set(counts)) > 1:
         raise MismatchError(
@@ -418,6 +460,11 @@ def _raise_mismatch(blocks: Described, req: Request) -> None:
                     f"Mismatched {req.kind} {what} for {_what(req, index, counts[0])}: "
                     + _by_value(values, _SHOW[key]) + f". {fix}"
                 )
+        if req.kind == "fused":
+            what = str(req.name)
+            text = _layout_text([d["layout"] for d in column], what, rank)
+            raise MismatchError.of(Problem.LAYOUT, text or _settings_text(
+                [d["settings"] for d in column], what, rank))
 
 
 def _what(req: Request, index: int, group: int) -> str:
@@ -458,6 +505,8 @@ _SHOW: dict[str, Any] = {
     "members": lambda v: f"passed ranks {list(v)}",
 }
 
+_DIFFERENT_ROOTS = "the ranks passed different root_rank values"
+
 _FIELD_TEXT = {
     "op": ("tensor reduce ops", "Every rank must pass the same op"),
     "dtype": ("tensor types", "Every rank must pass the same dtype"),
@@ -465,11 +514,65 @@ _FIELD_TEXT = {
     "shape": ("tensor shapes", "Every rank must pass the same shape"),
     "trailing": ("tensor shapes", "Every rank must pass the same dimensions after the first "
                  "(only the first may differ)"),
-    "root": ("tensor root ranks", "Every rank must pass the same root_rank"),
+    "root": ("tensor root ranks", f"{_DIFFERENT_ROOTS.capitalize()}; every rank must pass "
+             "the same job-wide root_rank"),
     "scales": ("tensor scale factors", "Every rank must pass the same prescale_factor and "
                "postscale_factor"),
     "members": ("members", "Every rank must pass the same ranks"),
 }
+
+
+def _layout_text(layouts: list[list[list[Any]]], what: str, rank: int) -> str | None:
+    """The message for the first position where some rank's fused layout
+    differs from rank 0's (None when every layout is the same)."""
+    longest = max(len(layout) for layout in layouts)
+    for pos in range(longest):
+        reference = _entry_at(layouts[0], pos)
+        differing = [r for r, layout in enumerate(layouts) if _entry_at(layout, pos) != reference]
+        if not differing:
+            continue
+        theirs = _entry_at(layouts[differing[0]], pos)
+        counts = ", ".join(f"rank {r}: {len(layout)}" for r, layout in enumerate(layouts))
+        return (
+            f"rank {rank}: the {what} registered for all-reduce differ across ranks. "
+            f"First difference at position {pos}: rank 0 has {_entry_text(reference)}, but "
+            f"rank(s) {', '.join(map(str, differing))} have {_entry_text(theirs)} "
+            f"(tensor counts: {counts}). Every rank must build the same model and "
+            "register the same parameters, with the same names, shapes and dtypes, "
+            "in the same order."
+        )
+    return None
+
+
+def _settings_text(settings: list[dict[str, str]], what: str, rank: int) -> str:
+    """The message for settings that differ across ranks (layouts agree)."""
+    keys = sorted({k for s in settings for k in s})
+    for key in keys:
+        values = [s.get(key, "<unset>") for s in settings]
+        if len(set(values)) > 1:
+            per_rank = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            return (
+                f"rank {rank}: the {what} use different settings across ranks: {key} differs "
+                f"({per_rank}). Every rank must use the same {key}: set the same environment "
+                "variables and arguments on every rank"
+            )
+    # Digests differed but everything agrees: only possible if the digest
+    # itself was corrupted in transit, which an engine bug would cause.
+    return (
+        f"rank {rank}: the {what} layout digests differ across ranks although the full "
+        "layouts agree; the collective engine corrupted data (report this as a bug)"
+    )
+
+
+def _entry_at(layout: list[list[Any]], pos: int) -> list[Any] | None:
+    return layout[pos] if pos < len(layout) else None
+
+
+def _entry_text(entry: list[Any] | None) -> str:
+    if entry is None:
+        return "no tensor there (fewer tensors registered)"
+    name, shape, dtype, device = entry
+    return f"tensor {name!r} shape {tuple(shape)} {dtype} on {device}"
 
 
 # -- check, then move: for callers holding plain buffers --------------------------------

@@ -4,7 +4,7 @@
       -> plan (tensors -> buckets)                    dp_plugin.fusion
       -> pack into the bucket's FusionBuffer          dp_plugin.buffer
          (its own, or one of two slabs it borrows)
-      -> agree once across ranks                      dp_plugin.agreement
+      -> agree once across ranks                      dp_plugin.request
       -> hook(state, bucket) -> handle                dp_plugin.hooks
       -> engine transport                             dp_plugin.engines
       -> unpack (synchronize)
@@ -33,7 +33,6 @@ from typing import Any
 
 import numpy as np
 
-from dp_plugin import agreement
 from dp_plugin.agreement import to_device, to_host
 from dp_plugin.arrays import ArrayOps, NumpyOps, is_torch, ops_for, spec_of
 from dp_plugin.autotune import Autotuner, agreement_setting
@@ -45,6 +44,7 @@ from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import Bucket as PlanEntry
 from dp_plugin.fusion import TensorSpec, checked_specs, default_order, plan_buckets
 from dp_plugin.hooks import NO_SCALING, CommHook, HookState, ReducePolicy, allreduce_hook, hook_for
+from dp_plugin.request import Request, check
 from dp_plugin.step_state import StepState
 from dp_plugin.timeline import NullTimeline, StatsHistory, open_timeline
 from dp_plugin.validate import check_int
@@ -286,8 +286,8 @@ class Reducer:
         gradient hook: it blocks. Raises ``LayoutMismatchError`` on every rank."""
         if not self.agreed:
             self.agreed = True
-            self._guard(lambda: agreement.agree(self.engine, self.layout, self.what,
-                                                self.settings))
+            self._guard(lambda: check(self.engine, Request.fused(self.layout, self.what,
+                                                                 self.settings)))
 
     def flags_of(self, name: str, like: Any = None) -> Any:
         """The flag group ``name`` (one element per rank of the engine, in the

@@ -1,7 +1,7 @@
 """``Topology``: where a process sits in the job, read from launcher variables.
 
 The launcher classes of ``dp_plugin.launch`` say *which* variables describe
-the job; this module reads them (``_Reader``: every bad value is a
+the job; this module reads them (``VariableReader``: every bad value is a
 ``LaunchError`` naming the variable, the value and the fix), checks that
 they agree with each other and builds the ``Topology``.
 """
@@ -60,16 +60,16 @@ class Topology:
         for name in ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size"):
             check_int(f"Topology {name}", getattr(self, name), minimum=0, error=LaunchError)
         _check_consistent(
-            _Val("size", self.size),
-            _Val("rank", self.rank),
-            _Val("local_size", self.local_size),
-            _Val("local_rank", self.local_rank),
-            _Val("cross_size", self.cross_size),
-            _Val("cross_rank", self.cross_rank),
+            Sourced("size", self.size),
+            Sourced("rank", self.rank),
+            Sourced("local_size", self.local_size),
+            Sourced("local_rank", self.local_rank),
+            Sourced("cross_size", self.cross_size),
+            Sourced("cross_rank", self.cross_rank),
             fix="build the Topology from consistent values (or use dp_plugin.launch.detect())",
         )
         if self.rendezvous_port is not None:
-            _check_port(_Val("rendezvous_port", self.rendezvous_port), "pass a port in 1..65535")
+            _check_port(Sourced("rendezvous_port", self.rendezvous_port), "pass a port in 1..65535")
 
     @property
     def is_mpi(self) -> bool:
@@ -89,9 +89,9 @@ class Topology:
         )
 
 
-# -- launchers ---------------------------------------------------------------
+# -- reading a launcher's variables (dp_plugin.launch) -------------------------
 
-class _Val(NamedTuple):
+class Sourced(NamedTuple):
     """A value and where it came from, for messages."""
 
     name: str
@@ -106,7 +106,7 @@ class _Val(NamedTuple):
         return f"{text} ({self.note})" if self.note else text
 
 
-class _Reader:
+class VariableReader:
     """Reads one launcher's variables; every error names variable, value and fix."""
 
     def __init__(self, env: Mapping[str, str], launcher: type[Launcher]) -> None:
@@ -121,11 +121,11 @@ class _Reader:
     def error(self, message: str) -> LaunchError:
         return LaunchError(f"{message}; {self.launcher.fix}")
 
-    def _parse(self, name: str, minimum: int) -> _Val:
+    def _parse(self, name: str, minimum: int) -> Sourced:
         value = env_int(self.env, name, minimum=minimum, fix=self.launcher.fix, error=LaunchError)
-        return _Val(name, value, self.env[name])
+        return Sourced(name, value, self.env[name])
 
-    def required(self, name: str, minimum: int = 0) -> _Val:
+    def required(self, name: str, minimum: int = 0) -> Sourced:
         if name not in self.env:
             raise self.error(f"{name} is not set, but {self.why}")
         return self._parse(name, minimum)
@@ -140,7 +140,7 @@ class _Reader:
             )
         return has_first
 
-    def pair(self, rank_name: str, size_name: str) -> tuple[_Val, _Val] | None:
+    def pair(self, rank_name: str, size_name: str) -> tuple[Sourced, Sourced] | None:
         """Both variables or neither: a lone one is an inconsistency."""
         if not self._both(rank_name, size_name):
             return None
@@ -161,14 +161,14 @@ class _Reader:
         return value or None
 
 
-def _check_port(port: _Val, fix: str) -> None:
+def _check_port(port: Sourced, fix: str) -> None:
     if not 1 <= port.value <= 65535:
         raise LaunchError(f"{port.label} is not a TCP port; expected 1..65535; {fix}")
 
 
 def _check_consistent(
-    size: _Val, rank: _Val, local_size: _Val, local_rank: _Val,
-    cross_size: _Val, cross_rank: _Val, fix: str,
+    size: Sourced, rank: Sourced, local_size: Sourced, local_rank: Sourced,
+    cross_size: Sourced, cross_rank: Sourced, fix: str,
 ) -> None:
     """The invariants of ``Topology``, phrased with the variables' names."""
 
@@ -207,10 +207,13 @@ def _check_consistent(
         raise fail(f"{cross_size.label} must not exceed {size.label}")
 
 
-def _build(
-    launcher: type[Launcher], *, size: _Val, rank: _Val, local_size: _Val, local_rank: _Val,
-    cross: tuple[_Val, _Val] | None, addr: str | None, port: int | None, hostname: str | None,
+def build_topology(
+    launcher: type[Launcher], *, size: Sourced, rank: Sourced, local_size: Sourced,
+    local_rank: Sourced, cross: tuple[Sourced, Sourced] | None, addr: str | None,
+    port: int | None, hostname: str | None,
 ) -> Topology:
+    """The ``Topology`` of ``launcher``'s values (cross rank and size derived
+    when ``cross`` is None); ``LaunchError`` naming the variables if they disagree."""
     if cross is None:
         cross = _derive_cross(size, rank, local_size, local_rank)
     cross_rank, cross_size = cross
@@ -225,11 +228,12 @@ def _build(
     )
 
 
-def _derive_cross(size: _Val, rank: _Val, local_size: _Val, local_rank: _Val) -> tuple[_Val, _Val]:
+def _derive_cross(size: Sourced, rank: Sourced, local_size: Sourced,
+                  local_rank: Sourced) -> tuple[Sourced, Sourced]:
     """Host index and count under block placement on equal hosts (module docstring)."""
     if local_size.value < 1 or local_rank.value > rank.value:
         # Inconsistent input: keep placeholders and let _check_consistent name it.
-        return _Val("cross rank (derived)", 0), _Val("cross size (derived)", 1)
+        return Sourced("cross rank (derived)", 0), Sourced("cross size (derived)", 1)
     cross_rank = (rank.value - local_rank.value) // local_size.value
     cross_size = max(-(-size.value // local_size.value), cross_rank + 1)
-    return _Val("cross rank (derived)", cross_rank), _Val("cross size (derived)", cross_size)
+    return Sourced("cross rank (derived)", cross_rank), Sourced("cross size (derived)", cross_size)

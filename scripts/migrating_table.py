@@ -217,8 +217,9 @@ method: `opt.variables()` becomes `opt.variables`.
   `tf.errors.FailedPreconditionError`, a bad argument one rank can see
   (all-to-all splits, a root outside the set, an unsupported dtype)
   `tf.errors.InvalidArgumentError`, each with dp_plugin's message word for
-  word; eagerly the error is also dp_plugin's type (`MismatchError`,
-  `LayoutMismatchError`, `ValueError`, `TypeError`). Inside a graph
+  word; eagerly the error is also dp_plugin's type (`MismatchError`, or
+  `LayoutMismatchError`, with the `problem` that chose the TensorFlow
+  class; a `ValueError` / `TypeError` for an argument this rank alone checked). Inside a graph
   TensorFlow would retype any exception of dp_plugin's `tf.numpy_function`,
   so a small TensorFlow kernel (`adapters/tensorflow/status_op.cc`) fails
   the step with the right code; it is compiled on first use with the C++
@@ -236,6 +237,14 @@ method: `opt.variables()` becomes `opt.variables`.
 - **`DistributedOptimizer` without `named_parameters`** names parameters
   `allreduce.noname.<group>.<index>`, as Horovod, and exposes them in
   `optimizer._parameter_names`.
+- **Sparse gradients of the PyTorch `DistributedOptimizer` are decided at the
+  wrap**, as DDP decides them: the weights of `nn.Embedding`/`nn.EmbeddingBag`
+  with `sparse=True` are reduced as Horovod reduces sparse gradients
+  (all-gather, then divide by the size), also in a step where their gradient
+  is dense (it comes back dense). A sparse gradient of any other parameter
+  raises on every rank at `synchronize()` (Horovod decides per step): pass
+  `sparse_as_dense=True`. A non-Sum/Average `op` with sparse tables is refused
+  at the wrap, not at the first step.
 - **Process sets** can be added after `init()` without
   `hvd.init(process_sets="dynamic")` on the gloo, nccl and mpi engines (the
   horovod engine needs it, as Horovod does); sets built from an mpi4py

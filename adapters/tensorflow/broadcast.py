@@ -18,10 +18,10 @@ import numpy as np
 
 import tensorflow as tf
 from dp_plugin import runtime
-from dp_plugin.collective import root_of
 from dp_plugin.edge import caller, calling
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.objects import broadcast_bytes, byte_layout
+from dp_plugin.request import root_of
 
 
 @tf.autograph.experimental.do_not_convert

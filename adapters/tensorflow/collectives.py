@@ -39,13 +39,12 @@ import tensorflow as tf
 from dp_plugin import horovod_names as _names
 from dp_plugin import runtime
 from dp_plugin.arrays import NumpyOps
-from dp_plugin.collective import root_of
 from dp_plugin.edge import caller, deferred, public
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.process_sets import engine_of, global_process_set
-from dp_plugin.request import Problem, Request, check
+from dp_plugin.request import Request, check
 from dp_plugin.scheduler import UNBOUNDED, Reducer
 from dp_plugin.tensorflow import errors as tf_errors
 from dp_plugin.tensorflow import graph_order, status_op
@@ -215,10 +214,10 @@ def reduce_indexed_slices(slices: Any, op: ReduceOp, prescale: float, postscale:
                           process_set: Any) -> Any:
     """Horovod's sparse all-reduce: all-gather values and indices (an IndexedSlices
     whose duplicate indices add up); Average divides the values by the set size."""
-    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        raise NotImplementedError(
-            f"{caller()}: only Sum and Average are supported with tf.IndexedSlices, got "
-            f"op={op.value!r}; pass sparse_as_dense=True or convert with tf.convert_to_tensor")
+    _names.require_sum_or_average(
+        op, "is not supported with tf.IndexedSlices (only Sum and Average are)", prefix="dp.",
+        otherwise=", pass sparse_as_dense=True or convert with tf.convert_to_tensor",
+        error=NotImplementedError)
     if prescale != 1.0 or postscale != 1.0:
         raise NotImplementedError(
             f"{caller()}: prescale_factor/postscale_factor are not supported with tf.IndexedSlices "
@@ -288,21 +287,16 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
     """``root_rank``'s ``tensor`` on every rank of the set (``root_rank`` is job-wide)."""
     (x,) = _tensors([tensor])
     engine_of(process_set)  # not a member: fails here, while tracing
-    # A bad root_rank is the callback's Problem.BAD_ROOT, raised on every rank
-    # (checked here it failed only this rank, and the others waited: issue 36).
+    # A bad root_rank is the callback's check's Problem.BAD_ROOT, raised on every
+    # rank (checked here it failed only this rank, and the others waited: issue 36).
     label = name or "broadcast"
 
     def bcast(array: np.ndarray) -> list[np.ndarray]:
         engine = engine_of(process_set)
-        try:
-            root, problem, detail = root_of(engine, root_rank), Problem.NONE, ""
-        except ValueError as exc:
-            root, problem, detail = -1, Problem.BAD_ROOT, str(exc)
         out = np.array(array, order="C", copy=True)  # TensorFlow may adopt it
-        check(engine, Request.of("broadcast", [out], name=label, root=root_rank,
-                                 problem=problem, detail=detail))
+        agreed = check(engine, Request.of("broadcast", [out], name=label, root=root_rank))
         if out.size:
-            engine.broadcast(out.reshape(-1), root, name=label)
+            engine.broadcast(out.reshape(-1), agreed.root, name=label)
         return [out]
 
     def forward(arg: Any) -> list[Any]:

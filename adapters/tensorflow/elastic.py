@@ -56,9 +56,10 @@ import keras
 import numpy as np
 
 from dp_plugin import elastic as _core
-from dp_plugin.atomic_file import write_atomic
+from dp_plugin.atomic_file import write_on_rank0
 from dp_plugin.elastic import CommitError, State
 from dp_plugin.errors import DPPluginError as HorovodInternalError
+from dp_plugin.objects import from_rank0
 from dp_plugin.tensorflow import basics
 from dp_plugin.tensorflow.basics import init, rank, shutdown
 from dp_plugin.tensorflow.broadcast import broadcast_variables
@@ -95,40 +96,17 @@ class ObjectState(_core.ObjectState):
     def _write(self, record: dict[str, Any]) -> None:
         assert self.commit_path is not None  # persist() checked
         rng = allgather_object(self._saved_rng, name="dp_plugin.elastic.rng")
-        problem: str | None = None
-        failure: BaseException | None = None
-        if basics.rank() == 0:
-            try:
-                write_atomic(self.commit_path, [_dumps({**record, "rng": rng}, self.commit_path)])
-            except Exception as exc:  # every rank must hear of it, whatever it is
-                failure = exc
-                problem = (str(exc) if isinstance(exc, CommitError) else
-                           f"rank 0 could not write the commit {str(self.commit_path)!r} "
-                           f"({type(exc).__name__}: {exc}); the previous commit there is "
-                           "unchanged. Check that its directory can be created and written by "
-                           "this user on rank 0's host, and that the disk has room")
-        # Rank 0's outcome, after its write: no rank goes on believing a failed commit
-        # succeeded, and none waits for a rank 0 that has already raised (issue 32).
-        problem = broadcast_object(problem, 0, name="dp_plugin.elastic.committed")
-        if problem is not None:
-            raise CommitError(problem) from failure
+        path = self.commit_path
+        write_on_rank0(path, lambda: [_dumps({**record, "rng": rng}, path)], what="commit",
+                       error=CommitError, name="dp_plugin.elastic.committed")
 
     def _read(self) -> Any:
         assert self.commit_path is not None  # load() checked
-        data: bytes | None = None
-        problem: str | None = None
-        if basics.rank() == 0:
-            try:
-                data = self.commit_path.read_bytes()
-            except FileNotFoundError:
-                data = None  # a first start
-            except OSError as exc:
-                problem = (f"rank 0 could not read the commit {str(self.commit_path)!r} "
-                           f"({type(exc).__name__}: {exc}); check that this user can read it "
-                           "on rank 0's host, or delete it to start afresh")
-        data, problem = broadcast_object((data, problem), 0, name="dp_plugin.elastic.load")
-        if problem is not None:
-            raise CommitError(problem)
+        path = self.commit_path
+        data = from_rank0(lambda: _read_or_none(path), CommitError, "dp_plugin.elastic.load",
+                          lambda exc: f"rank 0 could not read the commit {str(path)!r} "
+                          f"({type(exc).__name__}: {exc}); check that this user can read it "
+                          "on rank 0's host, or delete it to start afresh")
         if data is None:
             return None
         record = _loads(data, self.commit_path)  # the same bytes: the same outcome everywhere
@@ -299,6 +277,13 @@ def _loads(data: bytes, path: Path) -> Any:
             f"{str(path)!r} cannot be loaded as an elastic commit ({type(exc).__name__}: "
             f"{exc}): it was not written by commit(), or was changed since; delete it to start "
             "afresh, or give commit_path a file of its own") from None
+
+
+def _read_or_none(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None  # a first start
 
 
 def _dumps(record: dict[str, Any], path: Path) -> bytes:

@@ -4,15 +4,20 @@ Horovod's TensorFlow ops fail with ``tf.errors.FailedPreconditionError``
 when ranks disagree (shapes, dtypes, ops, roots, names) and with
 ``tf.errors.InvalidArgumentError`` for a bad argument one rank can see on
 its own (invalid all-to-all splits, a root outside the set, an unsupported
-dtype); scripts catch those. The core raises its own types with the same
-message on every rank, at the call: ``MismatchError`` (or
-``LayoutMismatchError``) when ranks disagree, a plain ``ValueError`` /
-``TypeError`` naming a rank's bad argument. The TensorFlow adapter
-re-raises each as a class that is *both*: ``CollectiveMismatchError`` is a
+dtype); scripts catch those. The core raises one type with the same message
+on every rank, at the call: ``MismatchError``, whose ``problem``
+(``dp_plugin.errors.Problem``) says whether the ranks disagree or one
+rank's argument is bad; a plain ``ValueError`` / ``TypeError`` for an
+argument only this rank checked. The TensorFlow adapter re-raises each as
+a class that is *both* the core's and TensorFlow's, chosen from the problem
+(never from the message): ``CollectiveMismatchError`` is a
 ``MismatchError`` and a ``FailedPreconditionError``,
+``CollectiveLayoutError`` a ``LayoutMismatchError`` and one,
 ``CollectiveArgumentError`` a ``ValueError`` and an
-``InvalidArgumentError``, and so on; the message is the core's, unchanged.
-The core never imports TensorFlow: these classes live here.
+``InvalidArgumentError``, ``CollectiveTypeError`` a ``TypeError`` and one;
+the message is the core's, unchanged. The core never imports TensorFlow:
+these classes live here, one definition (``_TypedOpError``) with the pairs
+of bases.
 
 ``translated(fn)`` wraps a collective's data path (the numpy callback of a
 ``tf.numpy_function`` op, or the eager call). Inside a graph TensorFlow
@@ -28,43 +33,35 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import tensorflow as tf
-from dp_plugin.errors import LayoutMismatchError
-from dp_plugin.request import MismatchError
+from dp_plugin.errors import LayoutMismatchError, MismatchError, Problem
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _init_op_error(error: Any, op_error: type[tf.errors.OpError], message: str) -> None:
-    op_error.__init__(error, None, None, message)
-    error.args = (message,)
+class _TypedOpError:
+    """A core error that is also a ``tf.errors.OpError``: the last of its
+    class's bases, whose ``__init__`` (node, op, message) runs."""
+
+    def __init__(self, message: str) -> None:
+        type(self).__bases__[-1].__init__(self, None, None, message)  # type: ignore[misc]
+        self.args = (message,)
 
 
-class CollectiveMismatchError(MismatchError, tf.errors.FailedPreconditionError):
+class CollectiveMismatchError(_TypedOpError, MismatchError, tf.errors.FailedPreconditionError):
     """Ranks asked for different collectives or passed incompatible tensors."""
 
-    def __init__(self, message: str) -> None:
-        _init_op_error(self, tf.errors.FailedPreconditionError, message)
 
-
-class CollectiveLayoutError(LayoutMismatchError, tf.errors.FailedPreconditionError):
+class CollectiveLayoutError(_TypedOpError, LayoutMismatchError,
+                            tf.errors.FailedPreconditionError):
     """Ranks registered different tensors (names, shapes, dtypes or order)."""
 
-    def __init__(self, message: str) -> None:
-        _init_op_error(self, tf.errors.FailedPreconditionError, message)
 
-
-class CollectiveArgumentError(ValueError, tf.errors.InvalidArgumentError):
+class CollectiveArgumentError(_TypedOpError, ValueError, tf.errors.InvalidArgumentError):
     """A rank passed an argument the collective cannot take (splits, root, members)."""
 
-    def __init__(self, message: str) -> None:
-        _init_op_error(self, tf.errors.InvalidArgumentError, message)
 
-
-class CollectiveTypeError(TypeError, tf.errors.InvalidArgumentError):
+class CollectiveTypeError(_TypedOpError, TypeError, tf.errors.InvalidArgumentError):
     """A rank passed a tensor of a dtype the collective cannot move."""
-
-    def __init__(self, message: str) -> None:
-        _init_op_error(self, tf.errors.InvalidArgumentError, message)
 
 
 def as_tensorflow_error(error: BaseException) -> tf.errors.OpError | None:
@@ -73,14 +70,15 @@ def as_tensorflow_error(error: BaseException) -> tf.errors.OpError | None:
     if isinstance(error, tf.errors.OpError):
         return None
     message = str(error)
-    if isinstance(error, LayoutMismatchError):
-        return CollectiveLayoutError(message)
-    if isinstance(error, MismatchError):
-        return CollectiveMismatchError(message)
-    if isinstance(error, ValueError):
-        return CollectiveArgumentError(message)
+    if isinstance(error, MismatchError) and error.problem in (Problem.DIFFERENT,
+                                                              Problem.LAYOUT):
+        typed = CollectiveLayoutError if error.problem is Problem.LAYOUT else \
+            CollectiveMismatchError
+        return typed(message)
     if isinstance(error, TypeError):
         return CollectiveTypeError(message)
+    if isinstance(error, ValueError):
+        return CollectiveArgumentError(message)
     return None
 
 
@@ -91,7 +89,7 @@ def translated(fn: F) -> F:
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (LayoutMismatchError, ValueError, TypeError) as error:
+        except (ValueError, TypeError) as error:
             typed = as_tensorflow_error(error)
             if typed is None:
                 raise

@@ -17,9 +17,9 @@ import tensorflow as tf
 from dp_plugin import join as protocol
 from dp_plugin import objects as _objects
 from dp_plugin import runtime
-from dp_plugin.collective import root_of
 from dp_plugin.edge import public
 from dp_plugin.process_sets import engine_of, global_process_set
+from dp_plugin.request import agreed_root
 from dp_plugin.tensorflow import graph_order
 
 # -- objects ---------------------------------------------------------------------
@@ -30,7 +30,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: st
                      process_set: Any = global_process_set) -> Any:
     """``root_rank``'s ``obj`` on every rank of the set (pickled). Collective."""
     engine = engine_of(process_set)
-    root = root_of(engine, root_rank)
+    root = agreed_root(engine, root_rank)
     return _objects.broadcast_object(engine, obj, root, name or type(obj).__name__)
 
 

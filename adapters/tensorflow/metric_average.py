@@ -18,7 +18,7 @@ import numpy as np
 from dp_plugin import agreement, runtime
 from dp_plugin.arrays import NumpyOps
 from dp_plugin.engines.base import Engine, ReduceOp
-from dp_plugin.errors import NotInitializedError
+from dp_plugin.errors import MismatchError, NotInitializedError, Problem
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.scheduler import UNBOUNDED, Reducer
@@ -69,8 +69,9 @@ def average_logs(logs: dict[str, Any], engine: Engine, when: str = "") -> None:
     """Replace every value of ``logs`` by its mean over the ranks of ``engine``.
 
     Collective: every rank calls it at the same point with logs holding the
-    same names and value shapes; otherwise every rank raises (``ValueError``
-    for different names or shapes, ``TypeError`` for a non-numeric value).
+    same names and value shapes; otherwise every rank raises ``MismatchError``
+    (a ``ValueError``) for different names or shapes, its ``TypeError`` form
+    (``Problem.UNSUPPORTED_DTYPE``) for a non-numeric value.
     ``when`` (e.g. ``"end of epoch 3"``) is only used in error messages.
     """
     names = sorted(logs)
@@ -104,7 +105,8 @@ def _raise_difference(everyone: list[Any], bad: str | None, where: str) -> None:
     bad_ranks = [r for r, d in enumerate(everyone) if d["bad"]]
     if bad_ranks:
         mine = f" (this rank logged {bad})" if bad is not None else ""
-        raise TypeError(
+        raise MismatchError.of(
+            Problem.UNSUPPORTED_DTYPE,
             f"{where}: rank(s) {bad_ranks} logged a value that is not a number or a numeric "
             f"array{mine}; every epoch-end log value must be numeric to be averaged. Remove "
             "the entry, or put the callback that adds it after MetricAverageCallback"
@@ -114,7 +116,7 @@ def _raise_difference(everyone: list[Any], bad: str | None, where: str) -> None:
                                    for n, shape in d["metrics"]) + "]"
         for r, d in enumerate(everyone)
     )
-    raise ValueError(
+    raise MismatchError(
         f"{where}: ranks logged different metrics ({per_rank}); every rank must log the same "
         "names with the same shapes: compile the same metrics everywhere, run validation on "
         "all ranks or none, and add the same extra log entries on every rank"

@@ -19,20 +19,13 @@ __all__ = [
     "parse_compression", "parse_gradient_op",
 ]
 
-# Ops that make sense for gradients: a sum (optionally averaged) of the
-# workers' contributions. Min/max/product of gradients is not a descent step.
-_GRADIENT_OPS = (ReduceOp.AVERAGE, ReduceOp.SUM)
-
 
 def parse_gradient_op(op: object) -> ReduceOp:
     """Validate a user's ``op=`` for gradients: Average (default) or Sum."""
     parsed = _names.parse_op(op, prefix="dp.",
                              instead="op=dp.Average (the default) or op=dp.Sum")
-    if parsed not in _GRADIENT_OPS:
-        raise ValueError(
-            f"{caller()}: op={parsed.value!r} is not a gradient reduction; use op=dp.Average "
-            "(the default) or op=dp.Sum"
-        )
+    _names.require_sum_or_average(parsed, "is not a gradient reduction (Average is the "
+                                  "default)", prefix="dp.")
     return parsed
 
 

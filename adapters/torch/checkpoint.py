@@ -58,8 +58,9 @@ import numpy as np
 import torch
 from dp_plugin import atomic_file
 from dp_plugin.errors import DPPluginError
+from dp_plugin.objects import from_rank0
 from dp_plugin.torch import basics
-from dp_plugin.torch.functions import allgather_object, broadcast_object
+from dp_plugin.torch.functions import allgather_object
 
 MAGIC = b"DPCKPT"
 VERSION = 1
@@ -95,22 +96,10 @@ def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> Path:
     distributed = basics.is_initialized() and basics.size() > 1
     if distributed:
         rngs = allgather_object(rngs[0], name="dp_plugin.checkpoint.rng")
-    problem: str | None = None
-    failure: BaseException | None = None
-    if not distributed or basics.rank() == 0:
-        try:
-            write_atomic(target, serialize({"state": state, "rng": rngs}, target))
-        except Exception as exc:  # every rank must hear of it, whatever it is
-            failure = exc
-            problem = (str(exc) if isinstance(exc, CheckpointError) else
-                       f"rank 0 could not write the checkpoint {str(target)!r} "
-                       f"({type(exc).__name__}: {exc}); a previous checkpoint there is "
-                       "unchanged. Check that its directory can be created and written by "
-                       "this user on rank 0's host, and that the disk has room")
-    if distributed:  # rank 0's outcome, so that no rank believes a failed save succeeded
-        problem = broadcast_object(problem, root_rank=0, name="dp_plugin.checkpoint.saved")
-    if problem is not None:
-        raise CheckpointError(problem) from failure
+    atomic_file.write_on_rank0(target, lambda: framed(serialize({"state": state, "rng": rngs},
+                                                                target)),
+                               what="checkpoint", error=CheckpointError,
+                               name="dp_plugin.checkpoint.saved")
     return target
 
 
@@ -134,19 +123,9 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu",
     ``weights_only`` is ``torch.load``'s (keep True unless the state holds
     arbitrary Python objects from a trusted source)."""
     target = Path(path)
-    distributed = basics.is_initialized() and basics.size() > 1
-    payload: bytes | None = None
-    problem: str | None = None
-    if not distributed or basics.rank() == 0:
-        try:
-            payload = None if missing_ok and not target.exists() else read_verified(target)
-        except CheckpointError as exc:
-            problem = str(exc)
-    if distributed:
-        payload, problem = broadcast_object((payload, problem), root_rank=0,
-                                            name="dp_plugin.checkpoint.load")
-    if problem is not None:
-        raise CheckpointError(problem)
+    payload = from_rank0(
+        lambda: None if missing_ok and not target.exists() else read_verified(target),
+        CheckpointError, "dp_plugin.checkpoint.load")
     if payload is None:
         return None
     with _numpy_allowed():
@@ -240,11 +219,9 @@ def _numpy_allowed() -> Iterator[None]:
         yield
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` with the checkpoint header to ``path``, atomically
-    (``dp_plugin.atomic_file``: old or new file after a crash, mode per umask)."""
-    header = _HEADER.pack(MAGIC, VERSION, len(data), hashlib.sha256(data).digest())
-    atomic_file.write_atomic(path, (header, data))
+def framed(data: bytes) -> tuple[bytes, bytes]:
+    """``data`` behind the checkpoint header: what ``read_verified`` checks."""
+    return _HEADER.pack(MAGIC, VERSION, len(data), hashlib.sha256(data).digest()), data
 
 
 def read_verified(path: Path) -> bytes:

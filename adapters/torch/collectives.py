@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 from dp_plugin.arrays import TorchOps
-from dp_plugin.collective import root_of, start_allreduce
+from dp_plugin.collective import start_allreduce
 from dp_plugin.edge import caller, public
 from dp_plugin.engines.base import Engine, Handle, ReduceOp
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.process_sets import engine_of, global_process_set
-from dp_plugin.request import Agreed, Problem, Request, check
+from dp_plugin.request import Agreed, Request, check
 from dp_plugin.torch.handles import TABLE, InFlight, Ready
 from dp_plugin.torch.submit import agree, check_factor, check_tensors, contiguous_copy, resolve_op
 
@@ -175,18 +175,13 @@ def _start_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, pro
                      inplace: bool) -> int:
     (t,) = check_tensors(tensor)
     engine = engine_of(process_set)
-    # Horovod's root rule (an int raises at once); a root outside the set is
-    # a problem for the agreement, so that every rank raises.
-    try:
-        root, problem, detail = root_of(engine, root_rank), Problem.NONE, ""
-    except ValueError as exc:
-        root, problem, detail = -1, Problem.BAD_ROOT, str(exc)
-    key, _ = agree(engine, "broadcast", [t], name, process_set, problem=problem,
-                   detail=detail, root=root_rank)
+    # Horovod's root rule (request.root_of: an int raises at once; a root outside
+    # the set is a problem of the agreement, so that every rank raises).
+    key, agreed = agree(engine, "broadcast", [t], name, process_set, root=root_rank)
     alias = inplace and t.is_contiguous()
     out = t.detach() if alias else contiguous_copy(t)
     if out.numel():
-        engine.broadcast(out.view(-1), root, name=name or "broadcast")
+        engine.broadcast(out.view(-1), agreed.root, name=name or "broadcast")
     if inplace:
         if not alias:
             t.detach().copy_(out)

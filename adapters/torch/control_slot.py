@@ -5,8 +5,8 @@ flags (``Reducer.flags_of``): elements reduced, unscaled, with its last
 fusion bucket, so what they carry costs no collective of its own. One
 element per rank of the optimizer's process set each: the ``hvd.join()``
 flags (``joining.JoinFlags``), the marks of a parameter unfrozen after
-wrapping, a gradient turned sparse, and (``DP_PLUGIN_CHECK_FINITE``) the
-finite flags.
+wrapping, a sparse gradient for a parameter wrapped as dense, and
+(``DP_PLUGIN_CHECK_FINITE``) the finite flags.
 Each rank may mark only its own element, with the op's "marked" code
 (``code_for``), so after the reduction every rank reads the same values and
 draws the same conclusion: the list of marked ranks.

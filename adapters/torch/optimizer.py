@@ -170,7 +170,8 @@ class _DistributedOptimizer:
         self._dp.register(self)
 
     def refresh_parameters(self) -> None:
-        """Re-plan which parameters are reduced after ``requires_grad`` changed.
+        """Re-plan which parameters are reduced (and which as sparse) after
+        ``requires_grad`` (or an embedding's ``sparse``) changed.
 
         A parameter that did not require a gradient when the optimizer was
         wrapped has no hook and no bucket; unfreezing it later makes

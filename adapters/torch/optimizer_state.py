@@ -24,23 +24,25 @@ from typing import Any
 
 import torch
 from dp_plugin.compression import Compressor, get_compressor
+from dp_plugin.edge import calling
 from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
+from dp_plugin.horovod_names import require_sum_or_average
 from dp_plugin.process_sets import ProcessSet
 from dp_plugin.scheduler import Reducer
 from dp_plugin.torch.basics import engine as job_engine
 from dp_plugin.torch.basics import shared_timeline
 from dp_plugin.torch.control_slot import FiniteFlags, RankMarks
 from dp_plugin.torch.joining import JoinFlags
-from dp_plugin.torch.sparse import SparseGradients
+from dp_plugin.torch.sparse import SparseGradients, sparse_embedding_weights
 
 Groups = list[dict[str, Any]]
 """``optimizer.param_groups``."""
 
 
-FLAGS = ("join", "unfrozen", "sparse_news")
+FLAGS = ("join", "unfrozen", "sparse")
 """The optimizer reducer's flag groups (``Reducer.flags_of``), then "finite"
 when ``DP_PLUGIN_CHECK_FINITE`` is on."""
 
@@ -52,9 +54,8 @@ class Marks:
     join: JoinFlags
     unfrozen: RankMarks
     """Ranks that found a parameter unfrozen after wrapping (``unfrozen``)."""
-    sparse_news: RankMarks
-    """Ranks on which a parameter's gradient turned sparse this step
-    (``SparseGradients.reduce``: a joined rank learns which)."""
+    sparse: RankMarks
+    """Ranks that got a sparse gradient for a parameter not wrapped as sparse."""
     finite: FiniteFlags | None = None
     """The ``DP_PLUGIN_CHECK_FINITE`` flags; None when the check is off."""
 
@@ -89,15 +90,12 @@ class OptimizerState:
         """(group, index) in ``param_groups`` of each parameter NOT in ``params``
         (no hook, no bucket): the only ones ``unfrozen`` must look at."""
         self.hooks: list[Any] = []
-        self.owner: weakref.ref[Any] | None = None
-        """The optimizer whose ``param_groups`` were registered last (weakly:
-        ``join_finish`` re-registers it when its gradients turn sparse)."""
         self.reducer: Reducer | None = None
         """None when nothing is reduced (one rank, outside the process set, no parameters)."""
         self.marks: Marks | None = None
         """The reducer's flags (None with it)."""
-        self.sparse = SparseGradients()
-        """Sparse gradients reduced outside the buckets (``sparse_as_dense=False``)."""
+        self.sparse = SparseGradients([])
+        """Sparse gradients reduced outside the buckets (fixed by ``register``)."""
         # The step in progress.
         self.marked: list[bool] = []
         self.sparse_dims: list[int | None] = []
@@ -157,16 +155,24 @@ class OptimizerState:
         """
         groups = optimizer.param_groups
         params, names = self._collect(groups)
-        reducer, marks = self._build_reducer(params, names)
+        eng = self.engine
+        sparse = SparseGradients(sparse_embedding_weights(params) if eng is not None
+                                 and eng.size > 1 and not self.sparse_as_dense else [])
+        reducer, marks = self._build_reducer(params, names, sparse)
+        if sparse.params:  # after the agreement: alike on every rank
+            with calling("DistributedOptimizer"):
+                require_sum_or_average(self.op, "cannot reduce sparse gradients", prefix="hvd.",
+                                       otherwise=", or sparse_as_dense=True")
         for handle in self.hooks:
             handle.remove()
         self.names.update(names)
         self.params, self.reducer, self.marks, self.hooks = params, reducer, marks, []
+        self.sparse = sparse
         reduced = {id(p) for p in params}
         self.frozen = [(gi, pj) for gi, group in enumerate(groups)
                        for pj, p in enumerate(group["params"]) if id(p) not in reduced]
         self._reset_step()
-        ref = self.owner = weakref.ref(optimizer)
+        ref = weakref.ref(optimizer)
         for index, p in enumerate(params):
             self.hooks.append(p.register_post_accumulate_grad_hook(_make_hook(ref, index)))
 
@@ -193,9 +199,8 @@ class OptimizerState:
                 new_names[p] = default_name(gi, pj)
         return params, new_names
 
-    def _build_reducer(self, params: list[torch.Tensor],
-                       new_names: dict[torch.Tensor, str]
-                       ) -> tuple[Reducer, Marks] | tuple[None, None]:
+    def _build_reducer(self, params: list[torch.Tensor], new_names: dict[torch.Tensor, str],
+                       sparse: SparseGradients) -> tuple[Reducer, Marks] | tuple[None, None]:
         eng = self.engine
         if eng is None or eng.size == 1 or not params:
             return None, None
@@ -203,7 +208,7 @@ class OptimizerState:
         for p in params:
             name = self.names.get(p) or new_names[p]
             try:
-                specs.append(TensorSpec.of(name, self.sparse.dense_stand_in(p)))
+                specs.append(TensorSpec.of(name, sparse.dense_stand_in(p)))
             except TypeError as exc:
                 raise TypeError(
                     f"DistributedOptimizer cannot reduce parameter {name!r}: {exc}"
@@ -228,7 +233,7 @@ class OptimizerState:
         op, like = self.op, params[0]
         marks = Marks(JoinFlags(reducer, op=op, like=like),
                       RankMarks(reducer, "unfrozen", op=op, like=like),
-                      RankMarks(reducer, "sparse_news", op=op, like=like),
+                      RankMarks(reducer, "sparse", op=op, like=like),
                       None if check == "off" else FiniteFlags(reducer, mode=check, op=op,
                                                               like=like))
         return reducer, marks
@@ -280,15 +285,14 @@ class OptimizerState:
                 dense = self._dense(i, p.grad)
                 if dense is not None:
                     sched.mark_ready(i, dense)
-        if self.sparse.changed:  # before the last bucket starts: for a joined rank
-            marks.sparse_news.mark()
         results = sched.synchronize()
-        self.sparse.reduce(self.params, self.names, self.op, self.engine,
-                           marks.sparse_news)
+        self.sparse.reduce(self.names, self.op, self.engine)
         try:  # after this step's collectives, before any update
             self._check_unfrozen(groups)
+            self._check_sparse()
         except DPPluginError:  # the step is dropped: the next one starts clean
             marks.join.keep()
+            marks.sparse.reset()
             if marks.finite is not None:
                 marks.finite.reset()
             self._reset_step()
@@ -311,16 +315,19 @@ class OptimizerState:
         finite = marks.finite
         if finite is not None:  # may raise (on every rank alike)
             self.skip_step = finite.decide([(self.names[p], p.grad) for p in self.params])
-        if self.sparse.changed:  # take the new sparse parameters out of the buckets
-            self.sparse.changed = False
-            self.register(optimizer)
 
     def _dense(self, index: int, grad: torch.Tensor) -> torch.Tensor | None:
-        """The gradient for the dense buckets; None if it is reduced as sparse."""
+        """The gradient for the dense buckets; None if it is reduced as sparse,
+        or is sparse unexpectedly (this rank is marked: ``_check_sparse``)."""
+        param = self.params[index]
+        if self.sparse.owns(param):
+            self.sparse.grads[param] = grad
+            return None
         if not grad.is_sparse:
             return grad
         if not self.sparse_as_dense:
-            self.sparse.add(self.params[index], grad)
+            assert self.marks is not None  # with the reducer
+            self.marks.sparse.mark()
             return None
         self.sparse_dims[index] = grad.sparse_dim()
         return grad.to_dense()
@@ -347,6 +354,28 @@ class OptimizerState:
             return
         self.marks.unfrozen.reset()
         check_requires_grad([] if joined else self.unfrozen(groups), ranks)
+
+    def _check_sparse(self, joined: bool = False) -> None:
+        """After the reduction, on every rank alike: raise if any rank got a
+        sparse gradient for a parameter wrapped as dense (it travelled as
+        zeros). A ``joined`` rank names none of its own."""
+        assert self.marks is not None
+        ranks = self.marks.sparse.marked()
+        if not ranks:
+            return
+        self.marks.sparse.reset()
+        mine = [] if joined else [
+            repr(self.names[p]) for p in self.params
+            if p.grad is not None and p.grad.is_sparse and not self.sparse.owns(p)]
+        raise DPPluginError(
+            f"{_which(mine, ranks)} has a sparse gradient, but it "
+            "was not the weight of an nn.Embedding or nn.EmbeddingBag with sparse=True when "
+            "the DistributedOptimizer was wrapped, so it has a dense bucket and no sparse "
+            "all-gather; this step is dropped on every rank. Fix: pass sparse_as_dense=True "
+            "to DistributedOptimizer, or make the gradient come from such a module (set "
+            "module.sparse before wrapping, or call optimizer.refresh_parameters() on every "
+            "rank after setting it)"
+        )
 
     def _note_finite(self, grad: torch.Tensor) -> None:
         """Mark this rank in the finite flags if ``grad`` holds inf/nan (before it
@@ -386,19 +415,13 @@ class OptimizerState:
         reducer, marks = self.reducer, self.marks
         assert reducer is not None and marks is not None
         results = reducer.synchronize()  # every gradient: zeros; results dropped
-        self.sparse.reduce(self.params, self.names, self.op, self.engine,
-                           marks.sparse_news, contribute=False)
+        self.sparse.reduce(self.names, self.op, self.engine, contribute=False)
         self._check_unfrozen([], joined=True)  # raise where the training ranks raise
+        self._check_sparse(joined=True)
         if marks.finite is not None:  # raise where the training ranks raise
             marks.finite.decide([(self.names[p], g) for p, g in zip(self.params, results,
                                                                        strict=True)])
-        everyone = marks.join.decide()[0]
-        # The others' gradients turned sparse: re-plan as they do.
-        optimizer = None if self.owner is None else self.owner()
-        if self.sparse.changed and optimizer is not None:
-            self.sparse.changed = False
-            self.register(optimizer)
-        return everyone
+        return marks.join.decide()[0]
 
 
 class SynchronizationError(DPPluginError, AssertionError):
@@ -415,11 +438,8 @@ def check_requires_grad(mine: list[str], ranks: list[int] | None = None) -> None
     it stays in its bucket and contributes zeros, alike on every rank."""
     if not mine and not ranks:
         return
-    where = f" on rank {', '.join(map(str, ranks))}" if ranks else ""
-    what = (f"parameter {', '.join(mine)}" if mine
-            else "a parameter (named in that rank's error)")
     raise DPPluginError(
-        f"{what}{where} requires a gradient now but did not when the "
+        f"{_which(mine, ranks)} requires a gradient now but did not when the "
         "DistributedOptimizer was wrapped, so its gradient would not be averaged "
         "across ranks and the replicas would silently diverge; this step is dropped on "
         "every rank. Fix: set requires_grad alike on every rank, then call "
@@ -427,6 +447,13 @@ def check_requires_grad(mine: list[str], ranks: list[int] | None = None) -> None
         "requires_grad before wrapping (freezing later needs nothing: a frozen "
         "parameter contributes zeros)"
     )
+
+
+def _which(mine: list[str], ranks: list[int] | None) -> str:
+    """The subject of an error every rank raises: this rank's own parameters
+    (``mine``) or, on the others, the one their errors name; then the ranks."""
+    what = f"parameter {', '.join(mine)}" if mine else "a parameter (named in that rank's error)"
+    return what + (f" on rank {', '.join(map(str, ranks))}" if ranks else "")
 
 
 def parameter_names(groups: Groups, named_parameters: Iterable[tuple[str, torch.Tensor]] | None

@@ -5,24 +5,27 @@ and values and builds one sparse tensor from the concatenation, whose
 duplicate indices then add up. Same here, with two differences: the input is
 coalesced first (duplicate indices summed locally, so fewer rows travel),
 and the result is coalesced (a canonical sparse tensor, the same sum).
+
+``SparseGradients`` reduces a ``DistributedOptimizer``'s sparse gradients
+the same way, on the optimizer's channel.
 """
 
 from __future__ import annotations
 
+import gc
 from typing import Any
-
-import numpy as np
 
 import torch
 from dp_plugin import request
-from dp_plugin.agreement import to_device, to_host
 from dp_plugin.arrays import TorchOps
 from dp_plugin.edge import public
 from dp_plugin.engines.base import ReduceOp
+from dp_plugin.horovod_names import require_sum_or_average
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.torch.collectives import allgather_async
 from dp_plugin.torch.handles import TABLE
 from dp_plugin.torch.submit import resolve_op
+from torch import nn
 
 
 class SparseAllreduceHandle:
@@ -77,11 +80,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: Any,
             "allreduce_async for dense tensors (or tensor.to_sparse())"
         )
     op = resolve_op(op, None)
-    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        raise ValueError(
-            f"sparse_allreduce_async: op={op.name.capitalize()} is not supported for sparse "
-            "tensors; pass op=hvd.Average or op=hvd.Sum"
-        )
+    require_sum_or_average(op, "is not supported for sparse tensors", prefix="hvd.")
     t, rows = _rows(tensor)
     handles = [allgather_async(part, None if name is None else f"{name}.{part_name}", process_set)
                for part_name, part in rows.items()]
@@ -96,118 +95,98 @@ def _rows(tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return t, {"indices": t.indices().t().contiguous(), "values": t.values().contiguous()}
 
 
+EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+"""The modules whose parameters have sparse gradients when ``sparse=True`` (DDP's rule)."""
+
+
+def sparse_embedding_weights(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Those of ``params`` owned by an ``nn.Embedding`` or ``nn.EmbeddingBag``
+    with ``sparse=True``: the parameters whose gradients are sparse, decided
+    as DDP decides them at construction (``_build_params_for_reducer``).
+
+    A parameter does not know its module, and the wrapper is given parameters
+    only (Horovod's signature), so the modules are found among the objects
+    the garbage collector tracks, which every live module is: one pass per
+    (re)wrap, tens of milliseconds. Objects are told apart by ``type()``, so
+    no other object's attributes run; one still in its ``__init__`` (in
+    another thread) has no ``sparse`` yet and is not among ``params``."""
+    owned = {id(getattr(obj, "weight", None)) for obj in gc.get_objects()
+             if issubclass(type(obj), EMBEDDINGS) and getattr(obj, "sparse", False)}
+    return [p for p in params if id(p) in owned]
+
+
 class SparseGradients:
-    """The sparse gradients of one ``DistributedOptimizer`` with ``sparse_as_dense=False``.
+    """The sparse parameters of one ``DistributedOptimizer`` and their
+    gradients in the step in progress.
 
     Horovod's way: each sparse gradient is reduced on its own by an
     all-gather of indices and values on the optimizer's channel, outside the
-    dense fusion buffers. A parameter is known as sparse from the first step
-    in which its gradient is sparse; from then on its slot in the dense
-    buckets is an empty placeholder (``dense_stand_in``), so the table never
-    travels densely again (in that first step it still travels as zeros).
+    dense fusion buckets. Which parameters are sparse is fixed when the
+    optimizer's reducer is built (``sparse_embedding_weights``; none with
+    ``sparse_as_dense=True``): their slots in the dense buckets are empty
+    placeholders (``dense_stand_in``), so the layout agreement covers the set
+    and ranks that differ get its error on every rank.
 
-    Distributed contract: every rank sees the same parameters' gradients turn
-    sparse in the same step (true for an ``nn.Embedding(sparse=True)`` that
-    every rank uses). The reductions start at ``reduce()``, i.e. at
-    ``synchronize()``, in registration order, so no rank can order them
-    differently. A rank without a gradient for a known sparse parameter in a
-    step contributes an empty one.
+    Distributed contract: the reductions start at ``reduce()``, i.e. at
+    ``synchronize()``, in registration order, for every sparse parameter on
+    every rank, so no rank can order them differently and a rank that joined
+    before its first step runs the same ones. A rank without a gradient for
+    a sparse parameter in a step contributes an empty one; a dense gradient
+    (e.g. of a table tied to a dense layer) travels as its non-zero rows and
+    comes back dense, as Horovod's dense all-reduce would return it.
     """
 
-    def __init__(self) -> None:
-        self.known: dict[torch.Tensor, tuple[int, int]] = {}
-        """Parameter -> (sparse_dim, dense_dim) of its sparse gradients."""
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = dict.fromkeys(params)
+        """The sparse parameters, in registration order (keys)."""
         self.grads: dict[torch.Tensor, torch.Tensor] = {}
-        """This step's sparse gradient per parameter."""
-        self.changed = False
-        """A parameter turned sparse this step: the dense buckets must be re-planned."""
-
-    def add(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """Take ``grad`` (the parameter's accumulated sparse ``.grad``) for this step."""
-        if param not in self.known:
-            self.known[param] = (grad.sparse_dim(), grad.dense_dim())
-            self.changed = True
-        self.grads[param] = grad
+        """This step's gradient per sparse parameter."""
 
     def owns(self, param: torch.Tensor) -> bool:
-        return param in self.known
+        return param in self.params
 
     def dense_stand_in(self, param: torch.Tensor) -> torch.Tensor:
-        """What the dense scheduler registers for ``param``: an empty tensor once
-        it is known to be sparse (nothing travels in the buckets), else itself."""
-        return param.detach().new_empty(0) if param in self.known else param
+        """What the dense reducer registers for ``param``: an empty tensor for a
+        sparse parameter (nothing travels in the buckets), else itself."""
+        return param.detach().new_empty(0) if self.owns(param) else param
 
-    def reduce(self, params: list[torch.Tensor], names: dict[torch.Tensor, str], op: Any,
-               engine: Any, news: Any, contribute: bool = True) -> None:
-        """Reduce every known sparse gradient over ``engine`` (the optimizer's
-        channel; registration order) and store the result as the parameter's
-        ``.grad``. With ``contribute=False`` (a joined rank) this rank sends
-        empty gradients and keeps nothing.
-
-        ``news`` (``RankMarks`` in the control slot, reduced with this
-        step's buckets) says whether a rank saw a gradient turn sparse this
-        step; the ranks then first tell each other which (``_learn``): a
-        rank that called ``hvd.join()`` before its first step has seen
-        none, and must run the same all-gathers as the others.
+    def reduce(self, names: dict[torch.Tensor, str], op: Any, engine: Any,
+               contribute: bool = True) -> None:
+        """Reduce every sparse parameter's gradient over ``engine`` (the
+        optimizer's channel) and store the result as its ``.grad``. With
+        ``contribute=False`` (a joined rank) this rank sends empty gradients
+        and keeps nothing.
 
         The optimizer's layout agreement covers these parameters, so the
         all-gathers go straight to the channel, not through the tensor
         collectives' agreement on the process set's engine (which a joined
         rank keeps listening to)."""
-        if news.marked():
-            self._learn(params, engine)
-        news.reset()
-        if self.known and op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-            raise ValueError(
-                f"DistributedOptimizer: op={op.name.capitalize()} cannot reduce sparse "
-                "gradients; use op=hvd.Average or op=hvd.Sum, or sparse_as_dense=True"
-            )
         started = []
-        for p in params:
-            dims = self.known.get(p)
-            if dims is None:
-                continue
+        for p in self.params:
             grad = self.grads.get(p) if contribute else None
-            if grad is None:
-                grad = _empty_sparse(p, *dims)
-            t, rows = _rows(grad)
+            t, rows = _rows(_as_rows(p, grad))
             name = f"DistributedOptimizer.sparse.{names[p]}"
             parts = [request.allgather_async(engine, part, f"{name}.{what}")
                      for what, part in rows.items()]
-            started.append((p, t, parts))
+            started.append((p, t, parts, grad is not None and not grad.is_sparse))
         divisor = engine.size if op is ReduceOp.AVERAGE else 1
-        for p, t, parts in started:
+        for p, t, parts, dense in started:
             for handle, _ in parts:
                 handle.wait()
             indices, values = (result() for _, result in parts)
             if contribute:
-                p.grad = _assemble(t, indices, values, divisor)
+                reduced = _assemble(t, indices, values, divisor)
+                p.grad = reduced.to_dense() if dense else reduced
         self.grads.clear()
 
 
-    def _learn(self, params: list[torch.Tensor], engine: Any) -> None:
-        """Every rank learns every parameter some rank knows as sparse, with its
-        ``sparse_dim`` (one all-reduce of two numbers per parameter; collective
-        over the channel); a parameter new here re-plans the buckets after the
-        step (``changed``), as on the ranks that saw its gradient."""
-        mine = np.zeros((2, len(params)), dtype=np.int64)
-        for i, p in enumerate(params):
-            if p in self.known:
-                mine[:, i] = (self.known[p][0], 1)
-        buf = to_device(mine.reshape(-1), engine.buffer_device)
-        engine.allreduce_async(buf, "sum", name="DistributedOptimizer.sparse.known").wait()
-        dims, ranks = to_host(buf).reshape(2, len(params))
-        for i, p in enumerate(params):
-            if ranks[i] and p not in self.known:
-                sparse_dim = int(dims[i] // ranks[i])
-                self.known[p] = (sparse_dim, p.dim() - sparse_dim)
-                self.changed = True
-
-
-def _empty_sparse(param: torch.Tensor, sparse_dim: int, dense_dim: int) -> torch.Tensor:
-    """A sparse gradient of ``param`` with no non-zeros (a rank that did not use it)."""
-    shape = tuple(param.shape)
-    indices = torch.empty((sparse_dim, 0), dtype=torch.long, device=param.device)
-    values = torch.empty((0, *shape[sparse_dim:sparse_dim + dense_dim]), dtype=param.dtype,
-                         device=param.device)
-    return torch.sparse_coo_tensor(indices, values, shape)
+def _as_rows(param: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:
+    """``grad`` as an embedding's sparse gradient (``sparse_dim`` 1: whole
+    rows), whatever its layout; no gradient: one without rows."""
+    if grad is None:
+        indices = torch.empty((1, 0), dtype=torch.long, device=param.device)
+        values = param.detach().new_empty((0, *param.shape[1:]))
+        return torch.sparse_coo_tensor(indices, values, param.shape)
+    if grad.is_sparse and grad.sparse_dim() == 1:
+        return grad
+    return grad.to_dense().to_sparse(1)

@@ -11,11 +11,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from dp_plugin.agreement import compare
 from dp_plugin.arrays import TorchOps
 from dp_plugin.edge import calling
+from dp_plugin.engines.base import ReduceOp
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.process_sets import engine_of
+from dp_plugin.request import Request, check
 from dp_plugin.scheduler import UNBOUNDED, Reducer
 from torch.autograd.function import Function
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -120,13 +121,15 @@ def _sum(engine: Any, t: torch.Tensor, name: str) -> None:
     (the statistics are a few numbers per channel), kept per engine, name and
     shape so that its buffer is reused.
 
-    Each call first runs the agreement (one small all-reduce): the data's
-    all-reduce never runs without one on an engine where a rank that called
-    ``hvd.join()`` listens (``dp_plugin.join``), so it cannot pair with that
-    rank's standing answer; the agreement refuses instead, with
+    Each call first runs the check (``request.check``, one small all-reduce):
+    the data's all-reduce never runs without one on an engine where a rank
+    that called ``hvd.join()`` listens (``dp_plugin.join``), so it cannot pair
+    with that rank's standing answer; the check refuses instead, with
     ``JoinedRankError`` on every rank that called it. It also catches ranks
-    that call their SyncBatchNorm layers in different orders."""
-    compare(engine, f"SyncBatchNorm ({name})", [list(t.shape), str(t.dtype)])
+    that call their SyncBatchNorm layers in different orders or shapes
+    (``MismatchError``)."""
+    check(engine, Request.of("allreduce", [t], name=f"SyncBatchNorm ({name})",
+                             op=ReduceOp.SUM))
     key = (id(engine), name, tuple(t.shape), t.dtype, t.device)
     fused = _fused.get(key)
     if fused is None or fused.engine is not engine:

@@ -94,8 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time the model lists unfused, one all-reduce per gradient")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--shm-check", action="store_true",
-                        help="gloo on shared memory: time each size with and without the "
-                             "transport's per-operation header check, interleaved")
+                        help="every rank on one host: time each size through shared memory "
+                             "with and without its per-operation header check, interleaved")
 
 
 def sizes_between(lo: int, hi: int) -> list[int]:

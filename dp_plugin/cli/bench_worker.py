@@ -11,10 +11,11 @@ of the same bytes and, under the horovod engine, Horovod's own
 ``grouped_allreduce`` (and with ``--per-tensor`` one all-reduce per
 gradient): one repetition of each in turn, so that their
 ratios are measured side by side.
-With ``--shm-check`` (the gloo engine on shared memory) every size is
-timed twice, interleaved: with the transport's per-operation header check
-(the default) and without (``ShmTransport.verify_headers`` off, which only
-a benchmark does), to measure what the check costs.
+With ``--shm-check`` (every rank on one host) every size is timed on two
+shared-memory transports of the worker's own, interleaved: one with the
+per-operation header check (as the gloo engine's) and one made without it
+(``connect(checked=False)``, which only this does), to measure what the
+check costs.
 Rank 0 prints ``PROGRESS`` after each item and one ``RESULT {json}`` line at
 the end.
 
@@ -106,6 +107,25 @@ def _fused(engine: Any, model: str, reps: int, warmup: int,
     return result
 
 
+def _check_transports(engine: Any) -> dict[str, Any]:
+    """Two shared-memory transports over the engine's ranks (collective): the
+    one ``time_s`` times checks every operation's header, as the engine's
+    does; the one ``unchecked_s`` times does not. None where the job is not
+    on one host or the segments cannot be had (the log says why)."""
+    from dp_plugin.engines import shm
+
+    one_host = engine.topology.local_size == engine.size
+    made = {key: shm.connect(engine.exchange_rows, engine.rank, engine.size, one_host,
+                             engine.config.timeout_s, checked=key == "time_s")
+            for key in ("time_s", "unchecked_s")}
+    if None in made.values():
+        for transport in made.values():
+            if transport is not None:
+                transport.close()
+        return {}
+    return made
+
+
 def step(sched: Any, tensors: list[Any]) -> None:
     """One backward's worth: every gradient ready, last first, then wait."""
     for i in reversed(range(len(tensors))):
@@ -118,36 +138,34 @@ def worker(sizes: list[int], reps: int, warmup: int, models: list[str],
     import torch
 
     import dp_plugin
-    from dp_plugin.engines.shm import ShmTransport
+    from dp_plugin.engines.types import ReduceOp
 
     torch.set_num_threads(1)
     engine = dp_plugin.init()
     lead = engine.rank == 0
     time_it = median_timer(engine)
-    shm_check = shm_check and bool(getattr(engine, "shared_memory", False))
+    checks = _check_transports(engine) if shm_check else {}
     sweep = []
     for nbytes in sizes:
         buf = torch.ones(max(1, nbytes // 4))
         def once(b: Any = buf) -> None:
             engine.allreduce_async(b, "sum", name="sweep").wait()
 
-        if shm_check:
-            def checked(verify: bool) -> Callable[[], None]:
-                def run() -> None:  # every rank runs them in the same order
-                    ShmTransport.verify_headers = verify
-                    once()
-                return run
+        if checks:
+            def through(t: Any, b: Any = buf) -> Callable[[], None]:
+                return lambda: t.allreduce_async(b, ReduceOp.SUM, "sweep", engine.mark_broken,
+                                                 None).wait()
 
-            got = interleaved_medians(engine, {"time_s": checked(True),
-                                               "unchecked_s": checked(False)},
+            got = interleaved_medians(engine, {key: through(t) for key, t in checks.items()},
                                       reps_for(nbytes, reps), warmup)
-            ShmTransport.verify_headers = True
             sweep.append({"bytes": nbytes, **got})
         else:
             sweep.append({"bytes": nbytes, "time_s": time_it(once, reps_for(nbytes, reps),
                                                              warmup)})
         if lead:
             print("PROGRESS", flush=True)
+    for transport in checks.values():
+        transport.close()
     fused = []
     for model in models:
         fused.append(_fused(engine, model, max(5, reps // 2), 1, per_tensor))

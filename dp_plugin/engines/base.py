@@ -52,7 +52,7 @@ from dp_plugin.engines.lifecycle import Lifecycle
 from dp_plugin.engines.types import Availability as Availability
 from dp_plugin.engines.types import ReduceOp as ReduceOp
 from dp_plugin.engines.types import Started as Started
-from dp_plugin.launch import Topology
+from dp_plugin.topology import Topology
 
 
 class Engine(Lifecycle):
@@ -271,6 +271,12 @@ class Engine(Lifecycle):
             self._channels.append(child)
         return child
 
+    def exchange_rows(self, row: np.ndarray, what: str) -> np.ndarray:
+        """All-gather one fixed-length int64 row per rank: a (size, n) table
+        (what ``shm.connect`` exchanges to set a segment up). One ``_allgather``."""
+        gathered = self._allgather(row[None, :], [1] * self.size, f"{what} (headers)")
+        return np.asarray(as_numpy(gathered))
+
     # -- to implement ------------------------------------------------------
     @abstractmethod
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle: ...
@@ -306,12 +312,6 @@ class Engine(Lifecycle):
         collective a deadline lift it on their ``_allreduce_async`` route."""
         return self._allreduce_async(buf, ReduceOp.SUM, name)
 
-    def _exchange(self, row: np.ndarray, what: str) -> np.ndarray:
-        """All-gather one fixed-length int64 row per rank: a (size, n) table
-        (the gloo engine's shared-memory setup). One ``_allgather``."""
-        gathered = self._allgather(row[None, :], [1] * self.size, f"{what} (headers)")
-        return np.asarray(as_numpy(gathered))
-
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
         """``counts[i, j]``: rows rank i sends to rank j (validated, agreed by
         all ranks). Return the rows this rank receives, in rank order.
@@ -332,10 +332,9 @@ class Engine(Lifecycle):
         return generic.reducescatter_by_allreduce(self, buf, op, counts, name)
 
     def _channel(self, name: str) -> Engine:
-        """A new communicator over the same ranks. Default: a subgroup of all."""
-        from dp_plugin.request import subgroup  # which imports this module
-
-        child = subgroup(self, list(range(self.size)), name)
+        """A new communicator over the same ranks. Default: a subgroup of
+        every rank, each in its own place: there is nothing to agree on."""
+        child = self._subgroup(tuple(range(self.size)), self.topology, name)
         assert child is not None  # every rank is a member
         return child
 

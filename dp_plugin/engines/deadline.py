@@ -54,7 +54,7 @@ def bounded_on(engine: Any, fn: Callable[[], T], what: str) -> T:
     try:
         return bounded(fn, what=what, rank=engine.rank, timeout_s=engine.config.timeout_s)
     except CollectiveTimeoutError:
-        engine._mark_broken(what)
+        engine.mark_broken(what)
         raise
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from dp_plugin.arrays import as_numpy, as_torch, is_torch, ops_for
 from dp_plugin.dtypes import SUPPORTED_DTYPES
-from dp_plugin.engines.handle import Handle
+from dp_plugin.engines.handle import DoneHandle, Handle
 
 
 def alltoall_by_allgather(engine: Any, buf: Any, counts: np.ndarray, name: str) -> Any:
@@ -36,16 +36,15 @@ def alltoall_by_allgather(engine: Any, buf: Any, counts: np.ndarray, name: str) 
 
 def reducescatter_by_allreduce(engine: Any, buf: Any, op: Any, counts: list[int],
                                name: str) -> tuple[Handle, Any]:
-    """The reduce-scatter, started: an all-reduce of a copy in flight; the
-    returned ``result()`` slices this rank's ``counts[rank]`` rows out of it."""
+    """The reduce-scatter, started: an all-reduce of a copy in flight (``op``
+    one of the engine's native ops); the returned ``result()`` slices this
+    rank's ``counts[rank]`` rows out of it."""
     torch_buf = is_torch(buf)
     flat: Any = buf.detach().reshape(-1).clone() if torch_buf else (
         np.array(as_numpy(buf).reshape(-1), copy=True))
-    handle: Handle
-    if flat.shape[0]:  # same shape everywhere: every rank skips alike
-        handle = engine._allreduce_async(flat, op, name)
-    else:
-        handle = engine._done(engine.describe("reducescatter", name, 0))
+    # Same shape everywhere: every rank skips an empty one alike.
+    handle = engine.allreduce_async(flat, op, name) if flat.shape[0] else DoneHandle(
+        engine.describe("reducescatter", name, 0), engine.job_rank, engine.config.timeout_s)
     row = int(np.prod(buf.shape[1:], dtype=np.int64))
     start = sum(counts[:engine.rank]) * row
     shape = (counts[engine.rank], *buf.shape[1:])

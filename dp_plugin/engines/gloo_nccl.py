@@ -15,7 +15,7 @@ from dp_plugin.engines import hierarchical, shm
 from dp_plugin.engines.base import Availability, Handle, ReduceOp
 from dp_plugin.engines.hierarchical import HierarchicalAllreduce
 from dp_plugin.engines.torch_dist import TorchDistEngine
-from dp_plugin.launch import Topology
+from dp_plugin.topology import Topology
 
 log = logging.getLogger("dp_plugin")
 
@@ -53,10 +53,10 @@ class GlooEngine(TorchDistEngine):
         # every rank; a setup that fails anywhere fails everywhere).
         if parent is None:
             self._hier = self._connect_hierarchical()
-        elif parent._hier is not None:
+        elif parent.hierarchical:
             return  # a channel: the parent gives it its own hierarchy (_channel)
         if self._hier is None:
-            self._shm = shm.connect(self._exchange, self.rank, self.size, self._shm_wanted,
+            self._shm = shm.connect(self.exchange_rows, self.rank, self.size, self._shm_wanted,
                                     config.timeout_s, budget_bytes=config.shared_memory_budget)
 
     @classmethod
@@ -91,14 +91,14 @@ class GlooEngine(TorchDistEngine):
             t = self._tensor(buf, f"allreduce {name!r}")
             if self._hier.takes(t) and t.numel():
                 desc = self.describe("allreduce", name, t.numel() * t.element_size())
-                return self._hier.allreduce_async(t, op, desc, self._mark_broken,
+                return self._hier.allreduce_async(t, op, desc, self.mark_broken,
                                                   self.wait_board(), standing=standing)
         if self._shm is None:  # across hosts: Gloo's path validates the buffer itself
             return super()._allreduce_async(buf, op, name, standing=standing)
         t = self._tensor(buf, f"allreduce {name!r}")
         if self._shm.takes(t) and t.numel():
             desc = self.describe("allreduce", name, t.numel() * t.element_size())
-            return self._shm.allreduce_async(t, op, desc, self._mark_broken, self.wait_board(),
+            return self._shm.allreduce_async(t, op, desc, self.mark_broken, self.wait_board(),
                                              postscale, standing=standing)
         handle = super()._allreduce_async(buf, op, name, standing=standing)
         if postscale == 1.0:
@@ -132,8 +132,8 @@ class GlooEngine(TorchDistEngine):
         take it (said once in the log where a rank wanted it) or any of it
         cannot be had. Collective over the job; only the job-wide engine
         makes groups."""
-        table = self._exchange(hierarchical.row(self.topology, self.config),
-                               "hierarchical layout")
+        table = self.exchange_rows(hierarchical.row(self.topology, self.config),
+                                   "hierarchical layout")
         layout, why = hierarchical.decide(table)
         if layout is None:
             if (table[:, 0] == hierarchical.FORCED).any():
@@ -146,7 +146,7 @@ class GlooEngine(TorchDistEngine):
         host = layout.host_of(self.rank)
         # Each host sets up its own segment; the exchange is the job's (rows:
         # job ranks), so that every host gives up, or goes on, together.
-        transport = shm.connect(self._exchange, host.index(self.rank), len(host),
+        transport = shm.connect(self.exchange_rows, host.index(self.rank), len(host),
                                 self.config.shared_memory, self.config.timeout_s,
                                 budget_bytes=self.config.shared_memory_budget, members=host)
         if transport is None:
@@ -159,7 +159,7 @@ class GlooEngine(TorchDistEngine):
             cross = made if made is not None else cross
         # The all-gather stage's own segment (the pipeline); any rank of the
         # job that cannot have it leaves every rank unpipelined.
-        gather = shm.connect(self._exchange, host.index(self.rank), len(host), True,
+        gather = shm.connect(self.exchange_rows, host.index(self.rank), len(host), True,
                              self.config.timeout_s, budget_bytes=self.config.shared_memory_budget,
                              instead="the hierarchical all-reduce runs its steps one after "
                                      "another, not pipelined (a second segment is needed)",

@@ -3,7 +3,7 @@
 Every engine's collectives return a ``Handle``; ``wait`` blocks until the
 collective is done or ``timeout_s`` has passed, then raises
 ``CollectiveTimeoutError`` naming the collective and the rank, and tells the
-engine (``on_timeout``, the engine's ``_mark_broken``) so that it refuses
+engine (``on_timeout``, the engine's ``mark_broken``) so that it refuses
 later collectives. With a ``WaitBoard`` (``waits.py``) a wait longer than
 half the timeout leaves a note for the other ranks, and the timeout error
 says what every other rank was waiting in. ``dp_plugin.engines.base``
@@ -26,7 +26,7 @@ class Handle(ABC):
     """An in-flight collective. ``wait`` blocks until done or the timeout.
 
     ``on_timeout(description)`` runs when ``wait`` raises
-    ``CollectiveTimeoutError``; engines pass their ``_mark_broken``."""
+    ``CollectiveTimeoutError``; engines pass their ``mark_broken``."""
 
     def __init__(self, description: str, rank: int, timeout_s: float,
                  on_timeout: Callable[[str], None] | None = None,

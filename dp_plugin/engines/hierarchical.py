@@ -86,7 +86,7 @@ from dp_plugin.engines.handle import Handle
 from dp_plugin.engines.shm import ShmHandle, ShmTransport
 from dp_plugin.engines.types import ReduceOp
 from dp_plugin.errors import DPPluginError
-from dp_plugin.launch import Topology
+from dp_plugin.topology import Topology
 
 log = logging.getLogger("dp_plugin")
 

@@ -67,9 +67,9 @@ from dp_plugin.engines.deadline import bounded_on
 from dp_plugin.engines.exit_bounds import bound_at_exit
 from dp_plugin.engines.generic import torch_byte_rows
 from dp_plugin.engines.horovod_env import library_settings
-from dp_plugin.engines.horovod_sets import process_set_of
+from dp_plugin.engines.horovod_sets import add_process_set
 from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, EngineUnavailableError
-from dp_plugin.launch import Topology
+from dp_plugin.topology import Topology
 
 # Canonical dtype -> dtype the all-reduce runs in, where Horovod has no kernel.
 ALLREDUCE_WIRE_DTYPES = {"int8": "int32", "uint8": "int32", "int16": "int32",
@@ -86,7 +86,7 @@ class _HorovodHandle(Handle):
 
     def __init__(self, engine: HorovodEngine, description: str, hvd_handle: int,
                  slot: tuple[str, int]) -> None:
-        super().__init__(description, engine.rank, engine.config.timeout_s, engine._mark_broken)
+        super().__init__(description, engine.rank, engine.config.timeout_s, engine.mark_broken)
         self._engine = engine
         self._hvd_handle = hvd_handle
         self.result: Any = None
@@ -327,10 +327,19 @@ class HorovodEngine(Engine):
         collective over all Horovod ranks), reused if it already exists."""
         self._job_wide_only(members, name, "Horovod adds process sets collectively over all "
                             "its ranks")
-        process_set = process_set_of(self, members, f"subgroup {name!r}")
+        process_set = self._process_set_of(members, f"subgroup {name!r}")
         if topology is None:
             return None
         return type(self)(topology, self.config, parent=self, process_set=process_set)
+
+    def _process_set_of(self, members: tuple[int, ...], what: str) -> Any:
+        """The ``ProcessSet`` of ``members``: the global set, one this engine
+        added before, or a new one (``horovod_sets.add_process_set``)."""
+        if members == tuple(range(self.size)):
+            return self._hvd.global_process_set
+        if members not in self._added_sets:
+            self._added_sets[members] = add_process_set(self, self._hvd, members, what)
+        return self._added_sets[members]
 
     # -- internals ---------------------------------------------------------
     def _start(self, kind: str, name: str, description: str, enqueue: Any) -> _HorovodHandle:

@@ -32,7 +32,7 @@ import socket
 
 from dp_plugin.config import Config
 from dp_plugin.engines.rendezvous import horovod_get, horovod_put
-from dp_plugin.launch import Topology
+from dp_plugin.topology import Topology
 
 FIXED_PATCH_SETS = ("p2",)
 """``horovod.dp_plugin_patches.PATCH_SET`` values whose build has the fix."""

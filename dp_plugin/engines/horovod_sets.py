@@ -1,10 +1,10 @@
 """Horovod process sets behind the horovod engine's subgroups.
 
-``process_set_of`` returns the Horovod ``ProcessSet`` of some ranks: the
-global set, one this engine added before, a new one (``hvd.add_process_set``,
-collective over every Horovod rank, bounded by the engine's timeout), or the
-one the user registered with the same ranks (Horovod refuses duplicates, so
-its id is looked up).
+``add_process_set`` adds the Horovod ``ProcessSet`` of some ranks
+(``hvd.add_process_set``, collective over every Horovod rank, bounded by the
+engine's timeout), or finds the one the user registered with the same ranks
+(Horovod refuses duplicates, so its id is looked up). The engine keeps the
+sets it added (``HorovodEngine._process_set_of``).
 """
 
 from __future__ import annotations
@@ -16,17 +16,12 @@ from dp_plugin.engines.deadline import bounded_on
 from dp_plugin.errors import DPPluginError
 
 
-def process_set_of(engine: Any, members: tuple[int, ...], what: str) -> Any:
-    """The ``ProcessSet`` of ``members`` (the job-wide ``engine``'s ranks)."""
-    hvd = engine._hvd
-    if members == tuple(range(engine.size)):
-        return hvd.global_process_set
-    known = engine._added_sets.get(members)
-    if known is not None:
-        return known
+def add_process_set(engine: Any, hvd: Any, members: tuple[int, ...], what: str) -> Any:
+    """A new ``ProcessSet`` of ``members`` (ranks of the job-wide ``engine``,
+    whose Horovod module is ``hvd``), or the user's with the same ranks."""
     try:
-        process_set = bounded_on(engine, lambda: hvd.add_process_set(list(members)),
-                                 f"hvd.add_process_set({list(members)})")
+        return bounded_on(engine, lambda: hvd.add_process_set(list(members)),
+                          f"hvd.add_process_set({list(members)})")
     except ValueError as exc:
         if "duplicate" not in str(exc):
             # Every rank gets the same refusal (e.g. dynamic process sets off).
@@ -40,9 +35,7 @@ def process_set_of(engine: Any, members: tuple[int, ...], what: str) -> Any:
                 f"{os.environ.get('HOROVOD_DYNAMIC_PROCESS_SETS')!r}); dp_plugin does not "
                 "enable them unasked because Horovod then checks for new sets in every cycle"
             ) from exc
-        process_set = _registered(members)
-    engine._added_sets[members] = process_set
-    return process_set
+        return _registered(members)
 
 
 def _registered(members: tuple[int, ...]) -> Any:

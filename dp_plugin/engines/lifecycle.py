@@ -6,7 +6,7 @@ no engine writes them again (``Engine`` inherits this class):
 - ``shutdown`` is idempotent and local; it shuts down the channels made
   from the engine, then releases the library's resources (``_close``);
 - a collective timeout marks the engine broken (``Handle.wait`` calls
-  ``_mark_broken``): the timed-out collective may still complete and write
+  ``mark_broken``): the timed-out collective may still complete and write
   into its buffer, and the ranks no longer agree on the order of
   collectives, so every later collective raises;
 - a subgroup (made with ``parent=``) is usable only while every ancestor
@@ -75,13 +75,13 @@ class Lifecycle(ABC):
     def _close(self) -> None:
         """Release the library's resources; called once, by ``shutdown``."""
 
-    def _mark_broken(self, description: str) -> None:
+    def mark_broken(self, description: str) -> None:
         """Called when ``description`` timed out: refuse every later
         collective here, and in the subgroups (they check their parents)."""
         if self._broken is None:
             self._broken = description
         if self._parent is not None and self._timeout_breaks_parent:
-            self._parent._mark_broken(description)
+            self._parent.mark_broken(description)
 
     def _check_usable(self, what: str) -> None:
         """Raise ``DPPluginError`` if collectives cannot run on this engine."""

@@ -19,7 +19,7 @@ from dp_plugin.arrays import is_torch
 from dp_plugin.config import Config
 from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp
 from dp_plugin.errors import EngineUnavailableError
-from dp_plugin.launch import Topology
+from dp_plugin.topology import Topology
 
 
 class LocalEngine(Engine):

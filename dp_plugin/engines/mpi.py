@@ -48,7 +48,7 @@ from dp_plugin.engines.exit_bounds import finalize_mpi_at_exit
 from dp_plugin.engines.mpi_notes import MPINotes
 from dp_plugin.engines.waits import WaitBoard
 from dp_plugin.errors import EngineUnavailableError
-from dp_plugin.launch import Topology
+from dp_plugin.topology import Topology
 
 # Canonical dtype -> name of the predefined MPI datatype (mpi4py attribute).
 _MPI_TYPE_NAMES = {
@@ -83,7 +83,7 @@ class _MPIHandle(Handle):
 
     def __init__(self, engine: MPIEngine, description: str, requests: list[Any],
                  keepalive: tuple[Any, ...]) -> None:
-        super().__init__(description, engine.rank, engine.config.timeout_s, engine._mark_broken,
+        super().__init__(description, engine.rank, engine.config.timeout_s, engine.mark_broken,
                          engine.wait_board())
         self._engine = engine
         self._requests = requests

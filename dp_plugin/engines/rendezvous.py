@@ -38,7 +38,7 @@ from dp_plugin.engines import job_secret
 from dp_plugin.engines.deadline import poll
 from dp_plugin.engines.exit_bounds import finalize_mpi_at_exit
 from dp_plugin.errors import CollectiveTimeoutError, EngineUnavailableError
-from dp_plugin.launch import Topology
+from dp_plugin.topology import Topology
 
 HOROVOD_SCOPE = "dp_plugin"
 """Ad-hoc scope of our keys in Horovod's rendezvous server."""

@@ -42,7 +42,8 @@ above is the first line of defence; this one does not trust it: a cached
 collective that skipped it would otherwise pair with another rank's
 different one and silently mix 10 float32 with 20 int64). Riding on the
 barrier, the check costs one struct pack and a bytes comparison per peer,
-no extra system call: ``dp-plugin bench --shm-check`` measures it.
+no extra system call: ``dp-plugin bench --shm-check`` measures it (against
+transports of its own made unchecked, ``ShmTransport.checked``).
 
 **Nothing on disk, nothing left by a crash.** The segment is an anonymous
 ``memfd`` made by rank 0 and handed to the others over the UNIX sockets
@@ -114,7 +115,7 @@ agree on these; numpy rounds the factor to a 16-bit dtype first, torch not)."""
 KINDS = ("allreduce", "reducescatter", "allgather")
 OPS = tuple(ReduceOp)
 _PLAIN = b"\x01"
-"""A barrier's byte when the operation is not checked (``verify_headers``)."""
+"""A barrier's byte when the operation is not checked (``checked``)."""
 _HEADER = struct.Struct("<8q")
 """An operation's header, 8 int64s: sequence, kind, count, dtype, op,
 post-scale (the float64's bits), and for a stage of a pipelined all-reduce
@@ -152,13 +153,9 @@ class ShmTransport:
     """The shared segment, the sockets to every peer and the worker thread
     of one single-host group. Made by ``connect`` (collective)."""
 
-    verify_headers = True
-    """Compare every operation's header on every rank (module docstring).
-    Turned off only by ``dp-plugin bench --shm-check``, which times both
-    ways side by side: there is no setting for it."""
-
     def __init__(self, rank: int, size: int, segment: mmap.mmap, socks: dict[int, socket.socket],
-                 chunk_bytes: int, timeout_s: float, ranks: Sequence[int] | None = None) -> None:
+                 chunk_bytes: int, timeout_s: float, ranks: Sequence[int] | None = None,
+                 checked: bool = True) -> None:
         import torch
 
         global _held_bytes
@@ -167,6 +164,11 @@ class ShmTransport:
         """Each member's job rank, by its rank in this group: what messages name."""
         self.job_rank = self.ranks[rank]
         self.timeout_s = timeout_s
+        self.checked = checked
+        """Compare every operation's header on every rank (module docstring).
+        Fixed when the transport is made: the engines' always are; only
+        ``dp-plugin bench --shm-check`` makes unchecked ones of its own, to time
+        the check against."""
         self._segment = segment
         self._nbytes = len(segment)
         with _held_lock:
@@ -343,7 +345,7 @@ class ShmTransport:
         rounds = [(self._turn + k) % 2 for k in range(-(-data.numel() // chunk))]
         self._turn += len(rounds)
         self._seq += 1
-        first = self._header(kind, job, data) if self.verify_headers else _PLAIN
+        first = self._header(kind, job, data) if self.checked else _PLAIN
         if kind == "reducescatter" and len(rounds) == 1:
             self._scatter_once(job, sets[rounds[0]], data, first)
             return
@@ -586,13 +588,13 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
             eligible: bool, timeout_s: float, chunk_bytes: int | None = None,
             budget_bytes: int | None = None,
             instead: str = TCP_INSTEAD, members: Sequence[int] | None = None,
-            ranks: Sequence[int] | None = None) -> ShmTransport | None:
+            ranks: Sequence[int] | None = None, checked: bool = True) -> ShmTransport | None:
     """Set up the transport among the ranks of one group, or None on every
     rank if any cannot (not eligible, no ``/dev/shm``, over the budget, a
     socket that fails).
 
     Collective over everyone ``exchange`` reaches: it all-gathers one int64
-    row from each (the engine's ``_exchange``). ``members``: the rows of
+    row from each (the engine's ``exchange_rows``). ``members``: the rows of
     this group, by group rank (default every row); where the exchange
     reaches several groups (the hosts of a hierarchical all-reduce, each
     setting up its own segment), every group gives up if any participant
@@ -603,8 +605,9 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
     every rank listens (and rank 0 made the segment); whether every rank
     connected and mapped it. ``chunk_bytes``: default ``CHUNK_BYTES``;
     ``budget_bytes``: default a quarter of ``/dev/shm``'s size; ``instead``:
-    what the log says happens instead when it cannot (once per process and text).
-    A process that dies at any point leaves nothing behind (module docstring).
+    what the log says happens instead when it cannot (once per process and text);
+    ``checked``: ``ShmTransport.checked``. A process that dies at any point
+    leaves nothing behind (module docstring).
     """
     wanted = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     if wanted <= 0 or wanted % 8:
@@ -661,7 +664,7 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
             return None
         assert segment is not None
         transport = ShmTransport(rank, size, segment, dict(sorted(socks.items())), chunk_bytes,
-                                 timeout_s, ranks=[names[r] for r in rows])
+                                 timeout_s, ranks=[names[r] for r in rows], checked=checked)
         segment, socks = None, {}
         return transport
     finally:

@@ -43,7 +43,7 @@ from dp_plugin.engines.deadline import bounded_on
 from dp_plugin.engines.generic import torch_byte_rows
 from dp_plugin.engines.waits import WaitBoard
 from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, EngineUnavailableError
-from dp_plugin.launch import Topology
+from dp_plugin.topology import Topology
 
 STANDING_TIMEOUT = timedelta(days=7)
 """The library's own timeout of a standing all-reduce (``Engine.standing_allreduce_async``):
@@ -381,7 +381,7 @@ class PollHandle(Handle):
     """
 
     def __init__(self, work: Any, engine: TorchDistEngine, description: str) -> None:
-        super().__init__(description, engine.job_rank, engine.config.timeout_s, engine._mark_broken,
+        super().__init__(description, engine.job_rank, engine.config.timeout_s, engine.mark_broken,
                          engine.wait_board())
         self._work = work
 

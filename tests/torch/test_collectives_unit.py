@@ -23,9 +23,8 @@ from dp_plugin import runtime
 from dp_plugin.agreement import AGREE_NAME
 from dp_plugin.config import Config
 from dp_plugin.engines.base import Engine
-from dp_plugin.errors import NotInitializedError
+from dp_plugin.errors import MismatchError, NotInitializedError
 from dp_plugin.process_sets import ProcessSet
-from dp_plugin.request import MismatchError
 from dp_plugin.torch import handles
 from dp_plugin.torch.autograd_ops import (
     allgather,

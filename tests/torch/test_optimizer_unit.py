@@ -21,7 +21,7 @@ from torch import nn
 import dp_plugin.torch as hvd
 from dp_plugin import process_sets
 from dp_plugin.engines.base import Engine, ReduceOp
-from dp_plugin.errors import DPPluginError
+from dp_plugin.errors import DPPluginError, LayoutMismatchError
 from dp_plugin.torch.joining import JoinFlags
 from dp_plugin.torch.optimizer import _DistributedOptimizer
 from tests.torch.local_runtime import local_engine  # noqa: F401 - autouse fixture
@@ -470,6 +470,58 @@ def test_sparse_gradients_refuse_min_max() -> None:
 
     errors = errors_on_ranks(2, body)
     assert all("cannot reduce sparse" in str(e) for e in errors), errors
+
+
+def test_ranks_that_differ_in_sparse_embeddings_get_a_layout_error_at_the_wrap() -> None:
+    def body(rank: int, ps: ThreadSet) -> None:
+        emb = nn.Embedding(4, 2, sparse=rank == 1)
+        hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0), process_set=ps,
+                                 named_parameters=emb.named_parameters())
+
+    errors = errors_on_ranks(2, body)
+    assert all(isinstance(e, LayoutMismatchError) and "'weight'" in str(e) for e in errors), \
+        errors
+
+
+def test_a_sparse_gradient_for_a_parameter_wrapped_as_dense_raises_on_every_rank() -> None:
+    def body(rank: int, ps: ThreadSet) -> tuple[str, torch.Tensor]:
+        torch.manual_seed(0)
+        table = nn.Parameter(torch.randn(4, 2))  # no sparse module: wrapped as dense
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([table], lr=1.0), process_set=ps,
+                                       named_parameters=[("table", table)])
+        ids = torch.tensor([rank])
+        nn.functional.embedding(ids, table, sparse=rank == 1).sum().backward()
+        with pytest.raises(DPPluginError) as raised:
+            opt.synchronize()
+        opt.zero_grad()  # the step was dropped: the next one works
+        nn.functional.embedding(ids, table).sum().backward()
+        opt.synchronize()
+        return str(raised.value), table.grad
+
+    (theirs, grad0), (mine, grad1) = on_ranks(2, body)
+    assert theirs.startswith("a parameter (named in that rank's error) on rank 1 has a sparse")
+    assert mine.startswith("parameter 'table' on rank 1 has a sparse gradient")
+    assert "sparse_as_dense=True" in mine
+    expected = torch.tensor([[0.5, 0.5], [0.5, 0.5], [0.0, 0.0], [0.0, 0.0]])
+    assert torch.equal(grad0, expected) and torch.equal(grad1, expected)
+
+
+def test_a_dense_gradient_of_a_sparse_parameter_is_averaged_and_stays_dense() -> None:
+    def body(rank: int, ps: ThreadSet) -> torch.Tensor:
+        emb = nn.Embedding(3, 2, sparse=True)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0),
+                                       process_set=ps)
+        if rank == 0:  # e.g. a table tied to a dense layer
+            (emb.weight.sum() * 2).backward()
+        else:
+            emb(torch.tensor([1])).sum().backward()
+        opt.synchronize()
+        assert emb.weight.grad.is_sparse == (rank == 1)
+        return emb.weight.grad.to_dense()
+
+    grads = on_ranks(2, body)
+    assert torch.equal(grads[0], torch.tensor([[1.0, 1.0], [1.5, 1.5], [1.0, 1.0]]))
+    assert torch.equal(grads[0], grads[1])
 
 
 def test_ranks_with_different_models_get_a_layout_error_not_a_hang() -> None:

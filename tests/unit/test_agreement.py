@@ -1,21 +1,22 @@
-"""Cross-rank agreement of layouts and settings, on a fake thread group (no processes)."""
+"""Cross-rank agreement of fused layouts and settings (``request.check`` of a
+``Request.fused``), on a fake thread group (no processes)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from dp_plugin.agreement import (
-    DIGEST_SIZE,
-    agree,
-    describe_mismatch,
-    describe_settings,
-    to_device,
-    to_host,
-)
-from dp_plugin.errors import LayoutMismatchError
+from dp_plugin.agreement import DIGEST_SIZE, to_device, to_host
+from dp_plugin.edge import calling
+from dp_plugin.errors import LayoutMismatchError, MismatchError, Problem
 from dp_plugin.fusion import TensorSpec
+from dp_plugin.request import Request, _layout_text, _settings_text, agreed_root, check
 from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks, run_ranks_outcomes
+
+
+def agree(engine: FakeEngine, specs: list[TensorSpec], what: str = "gradients",
+          settings: dict[str, object] | None = None) -> None:
+    check(engine, Request.fused(specs, what, settings))
 
 
 def model(n: int = 4) -> list[TensorSpec]:
@@ -104,8 +105,8 @@ def test_dtype_and_order_mismatch() -> None:
 
 def test_describe_mismatch_when_layouts_agree() -> None:
     same = [["w", [1], "float32", "cpu"]]
-    assert describe_mismatch([same, same], "gradients", 0) is None
-    assert "corrupted" in describe_settings([{"a": "1"}, {"a": "1"}], "gradients", 0)
+    assert _layout_text([same, same], "gradients", 0) is None
+    assert "corrupted" in _settings_text([{"a": "1"}, {"a": "1"}], "gradients", 0)
 
 
 @pytest.mark.parametrize(("key", "values"), [
@@ -136,6 +137,35 @@ def test_a_setting_on_one_rank_only_differs() -> None:
     for err in run_ranks_outcomes(make_thread_group(2), body):
         assert isinstance(err, LayoutMismatchError)
         assert "compression differs (rank 0: <unset>; rank 1: 'fp16')" in str(err)
+
+
+def test_one_error_type_carries_its_problem() -> None:
+    assert all(isinstance(e, MismatchError) and e.problem is Problem.LAYOUT
+               for e in _mismatch(2, {1: model(3)}))
+
+    def body(e: FakeEngine) -> None:
+        buf = np.zeros(2, np.complex64 if e.rank else np.float32)
+        check(e, Request.of("allreduce", [buf], name="g"))
+
+    for err in run_ranks_outcomes(make_thread_group(2), body):
+        assert isinstance(err, MismatchError) and isinstance(err, TypeError), err
+        assert err.problem is Problem.UNSUPPORTED_DTYPE
+
+
+@pytest.mark.parametrize(("roots", "problem"), [((0, 1), Problem.DIFFERENT),
+                                                ((0, 7), Problem.BAD_ROOT)])
+def test_a_broadcast_of_objects_checks_its_root_on_every_rank(
+    roots: tuple[int, int], problem: Problem
+) -> None:
+    def body(e: FakeEngine) -> int:
+        with calling("hvd.broadcast_object()"):
+            return agreed_root(e, roots[e.rank])
+
+    assert run_ranks_outcomes(make_thread_group(2), lambda e: agreed_root(e, 1)) == [1, 1]
+    for err in run_ranks_outcomes(make_thread_group(2), body):
+        assert isinstance(err, MismatchError) and err.problem is problem, err
+        assert "passed different root_rank values" in str(err)
+        assert "'hvd.broadcast_object()'" in str(err)
 
 
 def test_control_buffers_move_to_the_engines_device() -> None:

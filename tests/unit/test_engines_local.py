@@ -136,7 +136,7 @@ def test_a_timeout_breaks_the_engine_and_its_subgroups() -> None:
     engine = _engine()
     group = request.subgroup(engine, [0], "solo")
     assert group is not None
-    handle = _NeverDone("local allreduce of 'bucket-3'", 0, 0.01, engine._mark_broken)
+    handle = _NeverDone("local allreduce of 'bucket-3'", 0, 0.01, engine.mark_broken)
     with pytest.raises(CollectiveTimeoutError, match="bucket-3"):
         handle.wait()
     with pytest.raises(DPPluginError, match="timed out") as info:

@@ -130,7 +130,7 @@ def hosts_env(launcher: str, counts: list[int], rank: int) -> dict[str, str]:
 
 
 class JobExchange:
-    """``Engine._exchange`` over thread-ranks that, like Gloo, fails every
+    """``Engine.exchange_rows`` over thread-ranks that, like Gloo, fails every
     rank when they do not all send the same kind of row at the same point."""
 
     def __init__(self, size: int) -> None:
@@ -157,7 +157,7 @@ class JobExchange:
 def gloo_engines(monkeypatch: pytest.MonkeyPatch, topologies: list[Topology],
                  configs: list[Config]) -> tuple[list[Any], JobExchange]:
     """One GlooEngine per thread-rank, made by its real constructor with
-    the process group stubbed out (its ``_exchange`` is a ``JobExchange``)."""
+    the process group stubbed out (its ``exchange_rows`` is a ``JobExchange``)."""
     from dp_plugin.engines.base import Engine
     from dp_plugin.engines.gloo_nccl import GlooEngine
     from dp_plugin.engines.torch_dist import TorchDistEngine
@@ -167,7 +167,7 @@ def gloo_engines(monkeypatch: pytest.MonkeyPatch, topologies: list[Topology],
     def no_group(self: Any, topology: Topology, config: Config, *, parent: Any = None,
                  group: Any = None) -> None:
         Engine.__init__(self, topology, config, parent=parent)
-        self._exchange = job.for_rank(topology.rank)
+        self.exchange_rows = job.for_rank(topology.rank)
 
     monkeypatch.setattr(TorchDistEngine, "__init__", no_group)
     engines = on_ranks(len(topologies), lambda r: GlooEngine(topologies[r], configs[r]))

@@ -10,8 +10,8 @@ batch of step s is slice r of global batch s, and the ranks look up
 overlapping rows (duplicates across ranks must add up). Checks, on every
 rank: the two runs' parameters agree within 1e-5, and both agree within 1e-5
 with one process (plain optimizer, no dp_plugin) trained on the whole global
-batches. Also checks that after the first step the tables are no longer in
-the dense buckets (nothing but the dense layer and the join flags travels there).
+batches. Also checks that the tables are never in the dense buckets (nothing
+but the dense layer and the flags travels there, from the first step on).
 """
 
 from __future__ import annotations
@@ -74,10 +74,9 @@ def case_sparse_vs_dense(_: object) -> None:
     sparse, opt = train(distributed(False), Model(), batches, rank, size)
     stats = opt.comm_stats()
     per_step = [s.bytes_reduced for s in stats]
-    # The tables turned sparse in step 1; the buckets were re-planned without
-    # them, so from step 2 on (a new stats history) only the dense layer
-    # (DIM + 1 floats) and the join flags travel in the buckets.
-    if len(per_step) != STEPS - 1 or not max(per_step) <= (DIM + 1) * 4 + 64:
+    # The tables are known as sparse from the wrap: in every step only the
+    # dense layer (DIM + 1 floats) and the flags travel in the buckets.
+    if len(per_step) != STEPS or not max(per_step) <= (DIM + 1) * 4 + 64:
         raise AssertionError(f"bytes in the dense buckets per step: {per_step}")
     dense, _ = train(distributed(True), Model(), batches, rank, size)
     reference, _ = train(lambda m: torch.optim.SGD(m.parameters(), lr=0.5), Model(), batches,
