@@ -17,7 +17,7 @@ picks from those same numbers with the same rule (``choose``), so the
 bucket plans stay identical. Candidates that give the same
 bucket plan (e.g. every threshold larger than the model) are measured once.
 
-No framework and no engine: the scheduler passes its ``FusedCollective``
+No framework and no engine: the scheduler passes its ``Reducer``
 (re-planned through ``retune``), its timeline and ``share`` (rank 0's
 values on every rank).
 """
@@ -173,8 +173,8 @@ class Autotuner:
 
     def after_step(self, fused: Any, order: Sequence[int], timeline: Any,
                    share: Callable[[np.ndarray], np.ndarray], *, log_here: bool) -> int:
-        """One step of tuning for a scheduler: re-plans ``fused`` (a
-        ``FusedCollective``, buckets in ``order``) when the threshold
+        """One step of tuning for a scheduler: re-plans ``fused`` (its
+        ``Reducer``, buckets in ``order``) when the threshold
         changes, records it in ``timeline``, logs the decision if
         ``log_here``. Returns the threshold in use from now on."""
 
@@ -185,7 +185,7 @@ class Autotuner:
 
         threshold = self.step_ended(plan_key, share)
         if threshold is None:
-            return int(fused.threshold)
+            return int(fused.fusion_threshold)
         fused.retune(threshold, order)
         now = time.perf_counter()
         if self.decision is None:

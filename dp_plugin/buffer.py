@@ -24,19 +24,48 @@ outside it (an adapter took a ``view``, or it holds the control slot) is
 *pinned*: allocated once, its own for as long as the plan lasts; so is one
 over the threshold (a single tensor that could not be split: two slabs of
 its size would cost more than it). Any other buffer only copies, so it
-borrows a slab of a ``SlabPool`` (``dp_plugin.slabs``) for each step; that
-keeps copy-mode fusion memory within twice the threshold.
+borrows a ``Slab`` for each step; that keeps copy-mode fusion memory within
+twice the threshold. Such buckets take turns on two slabs per dtype and
+device, each the size of the plan's largest bucket of that kind (Horovod
+keeps one fusion buffer per device; PyTorch DDP without
+``gradient_as_bucket_view`` one per bucket, the size of the gradients).
+Before a bucket packs into a slab, the bucket that used it before must have
+been unpacked: the ``Reducer`` (``dp_plugin.scheduler``) waits for it and
+unpacks it then. That is back-pressure: at most two copy-mode buckets of a
+kind are in flight, and a third waits for the first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from dp_plugin.arrays import ArrayOps, device_of
 from dp_plugin.fusion import Bucket, TensorSpec
 from dp_plugin.hooks import GradBucket
-from dp_plugin.slabs import Slab
+
+SLABS_PER_KIND = 2
+
+
+@dataclass(eq=False)
+class Slab:
+    """One reusable flat buffer that copy-mode buffers take turns on."""
+
+    numel: int
+    dtype: str
+    device: str
+    storage: Any = None
+    owner: Any = None
+    """The ``Bucket`` (``dp_plugin.scheduler``) packed into it last (None: never used)."""
+    shared: dict[str, Any] = field(default_factory=dict)
+    """The hooks' in-flight storage (wire buffers), shared by the buckets that
+    use the slab (``GradBucket.shared``)."""
+
+    def allocate(self, ops: ArrayOps) -> Any:
+        if self.storage is None:
+            self.storage = ops.empty(self.numel, self.dtype, self.device)
+        return self.storage
 
 
 class FusionBuffer:

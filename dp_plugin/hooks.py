@@ -33,7 +33,7 @@ from dp_plugin.engines.base import Handle, ReduceOp
 from dp_plugin.validate import check_positive_float
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, init=False, slots=True)
 class ReducePolicy:
     """How a reduction is scaled: the one definition of Average on every path.
 
@@ -55,87 +55,74 @@ class ReducePolicy:
     engine_op: ReduceOp
     prescale: float
     postscale: float
-    settings: tuple[tuple[str, float], ...] = ()
+    settings: tuple[tuple[str, float], ...]
     """The factors as the user set them (``gradient_predivide_factor``,
     ``prescale_factor``, ``postscale_factor``), which a mismatch across ranks
     names: ``prescale``/``postscale`` are derived from them (issue 32)."""
 
-    @classmethod
-    def make(cls, op: ReduceOp | str, size: int, tensors: Sequence[tuple[str, str]] = (), *,
-             predivide: float = 1.0, prescale: float = 1.0,
-             postscale: float = 1.0) -> ReducePolicy:
-        """Validate the arguments against the ``(name, dtype)`` of every tensor
-        and build the policy: ``GradientScheduler``'s public edge (an adapter
-        that validated its own arguments calls ``for_gradients``)."""
+    def __init__(self, op: ReduceOp | str = ReduceOp.SUM, size: int = 1, *,
+                 predivide: float = 1.0, prescale: float = 1.0, postscale: float = 1.0,
+                 gradients: Sequence[Any] | None = None) -> None:
+        """The policy of ``op`` over ``size`` ranks with the user's factors.
+
+        ``gradients`` (the ``TensorSpec`` of every tensor of a gradient
+        stream, or none yet) applies the gradient rules, checked here once:
+        factors > 0, ``predivide`` only with an average, floating tensors for
+        an average, no scaling of integer tensors or of min/max/product.
+        None: the caller checked its arguments: a tensor collective
+        (Horovod's: any op and dtype may be scaled, integers in double
+        precision, truncated) or an adapter whose public edge built this
+        policy's rules already (``parse_reduction``, ``DistributedOptimizer``).
+        """
         op = ReduceOp.parse(op)
-        predivide = check_positive_float("gradient_predivide_factor", predivide)
-        check_predivide_op(op, predivide)
-        prescale = check_positive_float("prescale_factor", prescale)
-        postscale = check_positive_float("postscale_factor", postscale)
-        ints = [(name, dtype) for name, dtype in tensors if not is_floating(dtype)]
-        if op is ReduceOp.AVERAGE:
-            if ints:
-                raise TypeError(
-                    f"tensor {ints[0][0]!r} is {ints[0][1]}, but op='average' needs floating "
-                    "tensors; use "
-                    "op='sum' for integer tensors, or register only floating ones"
+        if gradients is not None:
+            predivide = check_positive_float("gradient_predivide_factor", predivide)
+            if predivide != 1.0 and op is not ReduceOp.AVERAGE:
+                raise ValueError(
+                    f"gradient_predivide_factor={predivide:g} only applies to op='average' (got "
+                    f"op={op.value!r}); leave it at 1.0"
                 )
-        elif op is ReduceOp.SUM:
-            if ints and (prescale != 1.0 or postscale != 1.0):
-                raise TypeError(
-                    f"tensor {ints[0][0]!r} is {ints[0][1]}, which cannot be scaled by "
-                    "prescale_factor="
-                    f"{prescale:g} / postscale_factor={postscale:g}; leave both at 1.0 for "
-                    "integer tensors"
-                )
-        elif prescale != 1.0 or postscale != 1.0:
-            raise ValueError(
-                f"op={op.value!r} does not allow scaling (prescale_factor={prescale:g}, "
-                f"postscale_factor={postscale:g}); leave both at 1.0, or use op='sum'/'average'"
+            prescale = check_positive_float("prescale_factor", prescale)
+            postscale = check_positive_float("postscale_factor", postscale)
+            _check_gradients(op, gradients, prescale, postscale)
+        average = op is ReduceOp.AVERAGE
+        set_ = object.__setattr__
+        set_(self, "op", op)
+        set_(self, "engine_op", ReduceOp.SUM if average else op)
+        set_(self, "prescale", float(prescale / predivide if average else prescale))
+        set_(self, "postscale", float(postscale * predivide / size if average else postscale))
+        set_(self, "settings", (("gradient_predivide_factor", float(predivide)),
+                                ("prescale_factor", float(prescale)),
+                                ("postscale_factor", float(postscale))))
+
+
+def _check_gradients(op: ReduceOp, gradients: Sequence[Any], prescale: float,
+                     postscale: float) -> None:
+    """``ReducePolicy``'s rules for the dtypes of a gradient stream."""
+    ints = [(s.name, s.dtype) for s in gradients if not is_floating(s.dtype)]
+    if op is ReduceOp.AVERAGE:
+        if ints:
+            raise TypeError(
+                f"tensor {ints[0][0]!r} is {ints[0][1]}, but op='average' needs floating "
+                "tensors; use "
+                "op='sum' for integer tensors, or register only floating ones"
             )
-        return cls.for_gradients(op, size, predivide=predivide, prescale=prescale,
-                                 postscale=postscale)
-
-    @classmethod
-    def for_gradients(cls, op: ReduceOp, size: int, *, predivide: float = 1.0,
-                      prescale: float = 1.0, postscale: float = 1.0) -> ReducePolicy:
-        """The policy of arguments a public function has validated (``make``
-        for ``GradientScheduler``, ``DistributedOptimizer`` its own): Average
-        is ``prescale / predivide`` before the sum, ``postscale * predivide /
-        size`` after it; the other ops keep the user's factors."""
-        settings = (("gradient_predivide_factor", float(predivide)),
-                    ("prescale_factor", float(prescale)), ("postscale_factor", float(postscale)))
-        if op is ReduceOp.AVERAGE:
-            return cls(op=op, engine_op=ReduceOp.SUM, prescale=prescale / predivide,
-                       postscale=postscale * predivide / size, settings=settings)
-        return cls(op=op, engine_op=op, prescale=prescale, postscale=postscale,
-                   settings=settings)
-
-
-    @classmethod
-    def for_collective(cls, op: ReduceOp | str, size: int, *, prescale: float = 1.0,
-                       postscale: float = 1.0) -> ReducePolicy:
-        """Horovod's tensor collectives: any op and dtype may be scaled
-        (integers in double precision, truncated), and Average is a sum
-        followed by ``postscale / size``."""
-        op = ReduceOp.parse(op)
-        post = postscale / size if op is ReduceOp.AVERAGE else postscale
-        engine_op = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
-        return cls(op=op, engine_op=engine_op, prescale=float(prescale), postscale=float(post),
-                   settings=(("prescale_factor", float(prescale)),
-                             ("postscale_factor", float(postscale))))
-
-
-def check_predivide_op(op: ReduceOp, predivide: float) -> None:
-    """Horovod's rule: ``gradient_predivide_factor`` only scales an average."""
-    if predivide != 1.0 and op is not ReduceOp.AVERAGE:
+    elif op is ReduceOp.SUM:
+        if ints and (prescale != 1.0 or postscale != 1.0):
+            raise TypeError(
+                f"tensor {ints[0][0]!r} is {ints[0][1]}, which cannot be scaled by "
+                "prescale_factor="
+                f"{prescale:g} / postscale_factor={postscale:g}; leave both at 1.0 for "
+                "integer tensors"
+            )
+    elif prescale != 1.0 or postscale != 1.0:
         raise ValueError(
-            f"gradient_predivide_factor={predivide:g} only applies to op='average' (got "
-            f"op={op.value!r}); leave it at 1.0"
+            f"op={op.value!r} does not allow scaling (prescale_factor={prescale:g}, "
+            f"postscale_factor={postscale:g}); leave both at 1.0, or use op='sum'/'average'"
         )
 
 
-NO_SCALING = ReducePolicy(op=ReduceOp.SUM, engine_op=ReduceOp.SUM, prescale=1.0, postscale=1.0)
+NO_SCALING = ReducePolicy()
 
 
 @dataclass(eq=False)
@@ -156,18 +143,10 @@ class GradBucket:
     residual); kept while the bucket plan stays the same."""
     shared: dict[str, Any] | None = None
     """Storage shared by the buckets that take turns on one slab
-    (``dp_plugin.slabs``), for what a hook needs only while the bucket is in
+    (``dp_plugin.buffer``), for what a hook needs only while the bucket is in
     flight (a wire buffer), sized to ``shared_numel`` elements; None when the
     bucket has a buffer of its own (keep such things in ``scratch``)."""
     shared_numel: int = 0
-    postscale: float = 1.0
-    """The post-scale the engine may multiply the sum by while reducing
-    (offered where the engine ``scales_in_reduction`` this dtype; 1.0
-    otherwise). A hook that passes it to ``allreduce_async(postscale=)``
-    sets ``folded``; otherwise the fused collective multiplies afterwards."""
-    folded: bool = False
-    """Set by the hook that folded ``postscale`` into the reduction
-    (``allreduce_hook``, also inside a user's wrapper)."""
 
     def buffer(self) -> Any:
         return self.flat
@@ -187,13 +166,9 @@ CommHook = Callable[[HookState, GradBucket], Handle]
 
 
 def allreduce_hook(state: HookState, bucket: GradBucket) -> Handle:
-    """Reduce the bucket in place with the policy's engine op (folding the
-    offered post-scale into the reduction)."""
-    if bucket.postscale != 1.0:
-        handle = state.engine.allreduce_async(bucket.buffer(), state.engine_op,
-                                              name=bucket.label, postscale=bucket.postscale)
-        bucket.folded = True
-        return handle
+    """Reduce the bucket in place with the policy's engine op. (The
+    ``Reducer`` runs this hook itself where the engine can fold the
+    post-scale into the reduction, ``Engine.scales_in_reduction``.)"""
     return state.engine.allreduce_async(bucket.buffer(), state.engine_op, name=bucket.label)
 
 

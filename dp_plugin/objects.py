@@ -22,10 +22,10 @@ import numpy as np
 
 from dp_plugin import request, runtime
 from dp_plugin.agreement import to_device, to_host
-from dp_plugin.collective import FusedCollective
 from dp_plugin.dtypes import SUPPORTED_DTYPES
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import broadcast_hook
+from dp_plugin.scheduler import Reducer
 
 T = TypeVar("T")
 
@@ -139,11 +139,11 @@ def broadcast_bytes(engine: Any, names: Sequence[str], wires: Sequence[Any], roo
                     layout: Sequence[TensorSpec], name: str, what: str,
                     device: str = "cpu") -> None:
     """Broadcast the flat uint8 ``wires`` (torch tensors or numpy arrays, written in
-    place) from ``root`` (a rank of ``engine``), fused: one ``FusedCollective`` run
+    place) from ``root`` (a rank of ``engine``), fused: one ``Reducer`` run
     with the broadcast hook, whose agreement step first compares ``layout`` (see
     ``byte_layout``) and the root on every rank."""
     specs = [TensorSpec(n, (len(w),), "uint8", device) for n, w in zip(names, wires, strict=True)]
-    FusedCollective(
-        specs, engine=engine, name=name, threshold=max(1, engine.config.fusion_threshold),
+    Reducer(
+        specs, engine=engine, name=name, fusion_threshold=max(1, engine.config.fusion_threshold),
         hook=broadcast_hook, order=range(len(specs)), root=root, layout=layout, what=what,
     ).run(wires)

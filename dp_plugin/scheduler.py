@@ -1,32 +1,52 @@
-"""Gradient reduction: ready events -> fused, asynchronous, ordered all-reduces.
+"""The ``Reducer``: one per stream of tensors to reduce (DDP's ``Reducer``).
 
-``Reducer`` (one per gradient stream) tracks which gradients of the current
-step are ready and launches its buckets (``dp_plugin.collective``) in
-order; everything about one step lives in a ``StepState`` that is replaced
-when the step ends. ``GradientScheduler`` is the Reducer built from the
-user's keyword arguments (the core's public edge: it validates them).
+    ready events (mark_ready)                         here, one StepState per step
+      -> plan (tensors -> buckets)                    dp_plugin.fusion
+      -> pack into the bucket's FusionBuffer          dp_plugin.buffer
+         (its own, or one of two slabs it borrows)
+      -> agree once across ranks                      dp_plugin.request
+      -> hook(state, bucket) -> handle                dp_plugin.hooks
+      -> engine transport                             dp_plugin.engines
+      -> unpack (synchronize)
+
+A gradient stream drives it bucket by bucket as gradients become ready
+(``mark_ready`` ... ``synchronize``); a one-shot fused collective (grouped
+all-reduces, parameter and optimizer-state broadcasts, metric averaging,
+SyncBatchNorm statistics) is the same Reducer with every tensor ready at
+once (``run``, or ``start`` then ``finish``). ``GradientScheduler`` is the
+Reducer built from the user's keyword arguments (the core's public edge).
+
+Distributed contract: every rank builds it with the same specs (in the same
+order) and settings, and starts buckets in the same order. The agreement
+check (a collective) runs once, at ``agree()`` or before the first bucket;
+a difference raises ``LayoutMismatchError`` on every rank. After any failed
+collective the Reducer refuses further work (the ranks are out of step).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from dp_plugin.agreement import to_device, to_host
-from dp_plugin.arrays import ArrayOps, is_torch, spec_of
+from dp_plugin.arrays import ArrayOps, NumpyOps, is_torch, ops_for, spec_of
 from dp_plugin.autotune import Autotuner, agreement_setting
-from dp_plugin.collective import FusedCollective
-from dp_plugin.compression import Compressor
-from dp_plugin.engines.base import ReduceOp
+from dp_plugin.buffer import SLABS_PER_KIND, FusionBuffer, Slab
+from dp_plugin.compression import Compressor, get_compressor
+from dp_plugin.dtypes import itemsize
+from dp_plugin.engines.base import Handle, ReduceOp
 from dp_plugin.errors import DPPluginError
-from dp_plugin.fusion import TensorSpec, checked_specs, default_order
-from dp_plugin.hooks import CommHook, ReducePolicy
+from dp_plugin.fusion import Bucket as PlanEntry
+from dp_plugin.fusion import TensorSpec, checked_specs, default_order, plan_buckets
+from dp_plugin.hooks import NO_SCALING, CommHook, HookState, ReducePolicy, allreduce_hook, hook_for
+from dp_plugin.request import Request, check
 from dp_plugin.step_state import StepState
-from dp_plugin.timeline import StatsHistory, open_timeline
+from dp_plugin.timeline import NullTimeline, StatsHistory, open_timeline
 from dp_plugin.validate import check_int
 
 _ACCUMULATION_ERROR = (
@@ -34,73 +54,245 @@ _ACCUMULATION_ERROR = (
     "step()/synchronize(). Increase backward_passes_per_step to accumulate gradients locally."
 )
 
+UNBOUNDED = 1 << 62
+"""The threshold of a *grouped* collective (a grouped all-reduce, metric
+averaging): the caller puts the whole list in flight at once. Its tensors of
+``DIRECT_BYTES`` or more travel alone, in place; the others in buckets of at
+most ``PIPELINE_CHUNK`` bytes, each with a buffer of its own,
+so that packing chunk k+1 and unpacking chunk k-1 run while chunk k is on
+the wire (the engine's transport runs in its own threads) instead of pack,
+transfer and unpack one after another (issue 25: one 110 MB bucket reached
+78-83% of a 1 Gbit/s link where one flat buffer reaches 95%)."""
+
+DIRECT_BYTES = 1024 * 1024
+"""A tensor of a grouped collective this large travels alone, reduced where it
+lies: no pack or unpack copy for the bulk of a model's bytes (a copy costs
+CPU the transport needs on a loaded host: 0.26 s of CPU against 0.13 s for
+one flat Gloo buffer of ResNet-50's 97 MiB when every tensor was copied)."""
+
+PIPELINE_CHUNK = 8 * 1024 * 1024
+"""Bytes per bucket of a grouped collective. Measured on the rehearsal
+cluster (benchmarks/cluster_bench.py, BENCHMARKS.md "Rehearsal cluster"):
+small enough that the first pack and the last unpack, the only copies left
+exposed, are short; large enough that a collective's fixed cost per bucket
+stays small next to its transfer."""
+
+
+@dataclass(eq=False)
+class Bucket:
+    """One bucket of the plan: its plan entry, its fusion buffer, the slab
+    it borrows, and what it has in flight between ``start`` and ``finish``."""
+
+    entry: PlanEntry
+    buffer: FusionBuffer
+    slab: Slab | None = None
+    """The slab it packs into while its buffer is not pinned (None: pinned)."""
+    handle: Handle | None = None
+    """The collective in flight (None: not started, or finished)."""
+    tensors: list[Any] | None = None
+    """The tensors it was started with: the results are written back there."""
+    direct: Any = None
+    """The one member reduced where it lies (``FusionBuffer.direct_alias``), if so."""
+    aliased: list[bool] = field(default_factory=list)
+    """Per member: it already was its slice of the buffer (``FusionBuffer.pack``)."""
+    folded: bool = False
+    """Did the engine multiply the sum by the post-scale while reducing?"""
+    packed: tuple[float, float] = (0.0, 0.0)
+    unpacked: tuple[float, float] | None = None
+    """When it was unpacked (None: not yet, this time in flight)."""
+
+    @property
+    def pending(self) -> bool:
+        """Started and not unpacked yet."""
+        return self.handle is not None and self.unpacked is None
+
 
 class Reducer:
-    """One gradient stream's reduction (DDP's ``Reducer``): ready tracking,
-    fused buckets launched in order, the step's state, the agreement and the
-    per-rank flags that ride on the last bucket.
+    """One stream's reduction: ready tracking, fused buckets launched in
+    order, the step's state, the agreement and the per-rank flags that ride
+    on the last bucket (see the module docstring).
 
-    One constructor: ``policy`` is the one ``ReducePolicy`` (scaling),
-    built where the arguments were validated (``GradientScheduler`` for a
-    caller of the core; ``hvd.DistributedOptimizer`` and TensorFlow's
-    ``parse_reduction`` for theirs); ``passes`` is ``backward_passes_per_step``.
-    ``flags`` names groups of per-rank flags (one element per rank each) in
-    the control slot: ``flags_of(name)`` is a group's elements, reduced
-    (unscaled) with the last bucket, so they cost no collective of their
-    own. ``what`` names the tensors in an agreement's messages. ``groups``
-    (lists of spec indices) are reduced as one bucket each, launched when the
-    whole group is ready (Horovod's ``groups=``; ``plan_buckets``). The other
-    arguments are ``GradientScheduler``'s.
+    One constructor: ``policy`` is the one ``ReducePolicy`` (scaling; none by
+    default), built where the arguments were validated (``GradientScheduler``
+    for a caller of the core; ``hvd.DistributedOptimizer`` and TensorFlow's
+    ``parse_reduction`` for theirs); ``passes`` is ``backward_passes_per_step``;
+    ``hook`` moves a packed bucket (default: all-reduce, compressed per
+    ``compression``); ``fusion_threshold`` caps a bucket's bytes (default:
+    ``Config.bucket_caps``; ``UNBOUNDED`` for a grouped collective); ``order``
+    is the expected ready order (default: reverse registration). ``flags``
+    names groups of per-rank flags (one element per rank each) in the control
+    slot: ``flags_of(name)`` is a group's elements, reduced (unscaled) with
+    the last bucket, so they cost no collective of their own. ``settings``
+    are compared across ranks with ``layout`` (default ``specs``; ``what``
+    names them in the messages); ``root`` is the broadcast root as a rank of
+    ``engine``; ``agreed=True`` skips the agreement when the caller has
+    already checked the ranks' requests. ``groups`` (lists of spec indices)
+    are reduced as one bucket each, launched when the whole group is ready
+    (Horovod's ``groups=``; ``plan_buckets``). ``timeline`` records spans
+    (none by default). The other arguments are ``GradientScheduler``'s.
     """
 
-    def __init__(self, specs: Sequence[TensorSpec], *, engine: Any, policy: ReducePolicy,
-                 passes: int = 1, compression: str | Compressor = "none",
-                 fusion_threshold: int | None = None, timeline: Any = None,
-                 name: str = "grads", array_ops: ArrayOps | None = None,
+    def __init__(self, specs: Sequence[TensorSpec], *, engine: Any,
+                 policy: ReducePolicy = NO_SCALING, passes: int = 1,
+                 compression: str | Compressor = "none", fusion_threshold: int | None = None,
+                 timeline: Any = None, name: str = "grads", array_ops: ArrayOps | None = None,
                  hook: CommHook | None = None, flags: Sequence[str] = (),
-                 settings: dict[str, Any] | None = None, autotune: bool = False,
-                 what: str | None = None, groups: Sequence[Sequence[int]] = ()) -> None:
+                 settings: Mapping[str, Any] | None = None, autotune: bool = False,
+                 what: str | None = None, order: Iterable[int] | None = None,
+                 layout: Sequence[TensorSpec] | None = None, root: int = 0,
+                 agreed: bool = False, groups: Sequence[Sequence[int]] = ()) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
         self.engine, self.name, config = engine, name, engine.config
         self.specs: tuple[TensorSpec, ...] = checked_specs(specs)
+        self.layout = self.specs if layout is None else tuple(layout)
         self.backward_passes_per_step = check_int("backward_passes_per_step", passes,
                                                   minimum=1)
-        self.op = policy.op
+        self.policy, self.op = policy, policy.op
         self.flag_names = tuple(flags)
-        threshold, first = config.bucket_caps(fusion_threshold,
-                                              sum(s.nbytes for s in self.specs))
+        self.control_numel = len(self.flag_names) * engine.size
+        self.fusion_threshold, self.first_threshold = config.bucket_caps(
+            fusion_threshold,
+            0 if fusion_threshold is not None else sum(s.nbytes for s in self.specs))
         self.rebuild_buckets = bool(config.rebuild_buckets)
-        self._timeline = timeline if timeline is not None else open_timeline(
-            config.timeline, engine.rank, config.timeline_max_bytes)
-        self.fused = FusedCollective(
-            self.specs, engine=engine, name=name, threshold=threshold, first_threshold=first,
-            policy=policy, compression=compression, hook=hook,
-            groups=groups, control_numel=len(self.flag_names) * engine.size,
-            settings={"backward_passes_per_step": self.backward_passes_per_step,
-                      "rebuild_buckets": self.rebuild_buckets, **(settings or {}),
-                      "DP_PLUGIN_AUTOTUNE": agreement_setting(config, autotune)},
-            timeline=self._timeline, array_ops=array_ops,
-            what=what or f"tensors of scheduler {name!r}")
-        """The buckets (internal: callers use the Reducer's methods)."""
-        self.fusion_threshold = threshold
-        self.autotuner = Autotuner.of(config, threshold) if autotune else None
+        self.timeline = NullTimeline() if timeline is None else timeline
+        self.compressor = get_compressor(compression)
+        self.hook: CommHook = hook_for(self.compressor) if hook is None else hook
+        self.state = HookState(engine, policy.engine_op, root)
+        self.what = what or f"tensors of scheduler {name!r}"
+        self.settings = {
+            "fusion threshold": self.fusion_threshold,
+            "first bucket threshold": self.first_threshold,
+            "compression": self.compressor.name, "op": policy.op.value,
+            **dict(policy.settings), "root": root,
+            "backward_passes_per_step": self.backward_passes_per_step,
+            "rebuild_buckets": self.rebuild_buckets, **(settings or {}),
+            "DP_PLUGIN_AUTOTUNE": agreement_setting(config, autotune),
+        }
+        self.groups = tuple(tuple(g) for g in groups)
+        if self.groups:
+            self.settings["groups"] = self.groups
+        self.ops = array_ops
+        self.agreed = agreed
+        """True once the ranks agreed (or the caller already made them agree)."""
+        self.broken: BaseException | None = None
+        self.autotuner = Autotuner.of(config, self.fusion_threshold) if autotune else None
         """Measures bucket sizes in the first steps (``autotune=True``), else None."""
-        self._order = default_order(len(self.specs))
+        self._order = default_order(len(self.specs)) if order is None else list(order)
         self.rebuilt = False
         """True once the plan was rebuilt from the ready order of the first step."""
         self.stats = StatsHistory()
         """``StepStats`` of the recent completed ``synchronize()`` calls (step 0 first)."""
         self._lock = threading.RLock()
+        self.plan_version = -1
+        """Changes whenever the bucket plan (and so every fusion buffer) is replaced."""
+        self._install(self._plan(self._order))
         self._state = StepState(0, len(self.specs), len(self.plan))
 
+    # -- the plan ----------------------------------------------------------------
+    @property
+    def grouped(self) -> bool:
+        """A grouped collective: buckets of ``PIPELINE_CHUNK``, each with its own
+        buffer (see ``UNBOUNDED``)."""
+        return self.fusion_threshold >= UNBOUNDED
+
+    def _plan(self, order: Iterable[int]) -> list[PlanEntry]:
+        """Buckets of ``threshold`` bytes; of ``PIPELINE_CHUNK`` when grouped, with
+        every tensor of ``DIRECT_BYTES`` or more alone."""
+        if self.grouped:
+            return plan_buckets(self.specs, PIPELINE_CHUNK, order=order,
+                                first_threshold=self.first_threshold, alone_from=DIRECT_BYTES)
+        return plan_buckets(self.specs, self.fusion_threshold, order=order,
+                            first_threshold=self.first_threshold, groups=self.groups)
+
+    def _install(self, plan: list[PlanEntry]) -> None:
+        """Adopt ``plan``: new fusion buffers (allocated on first use); the
+        unpinned ones take turns on two slabs per (dtype, device) in plan
+        order, the same slab every step."""
+        self.plan = plan
+        self.plan_version += 1
+        last = len(plan) - 1
+        self.buckets = [
+            Bucket(b, FusionBuffer(
+                b, self.specs, f"{self.name}.bucket{b.index}",
+                self.control_numel if b.index == last else 0,
+                # One tensor over the threshold; or a grouped collective's
+                # chunk, which must not wait for a slab (all start at once).
+                pinned=self.grouped or b.nbytes > self.fusion_threshold,
+                wire_dtype=self.compressor.wire_dtype(b.dtype)))
+            for b in plan
+        ]
+        self.bucket_of = [0] * len(self.specs)
+        for b in plan:
+            for i in b.members:
+                self.bucket_of[i] = b.index
+        kinds: dict[tuple[str, str], list[Bucket]] = {}
+        for r in self.buckets:
+            if not r.buffer.pinned:
+                kinds.setdefault((r.entry.dtype, r.entry.device), []).append(r)
+        self.slabs: list[Slab] = []
+        for key, members in kinds.items():
+            largest = max(r.entry.numel for r in members)
+            slabs = [Slab(largest, *key) for _ in range(min(SLABS_PER_KIND, len(members)))]
+            self.slabs += slabs
+            for n, r in enumerate(members):
+                r.slab = slabs[n % len(slabs)]
+
+    @property
+    def buffers(self) -> list[FusionBuffer]:
+        return [r.buffer for r in self.buckets]
+
+    def slab_bytes(self) -> int:
+        """Bytes of the slabs allocated so far (for memory reports)."""
+        return sum(s.numel * itemsize(s.dtype) for s in self.slabs if s.storage is not None)
+
+    def replan(self, order: Sequence[int]) -> bool:
+        """Re-plan for the ready order ``order``; True if the buckets changed."""
+        plan = self._plan(order)
+        if [b.members for b in plan] == [b.members for b in self.plan]:
+            return False
+        control = self.buckets[-1].buffer.control if self.buckets else None
+        self._install(plan)
+        if control is not None:  # the control slot's values move with it
+            self._backend().pack(self._control(), control)
+        return True
+
+    def retune(self, threshold: int, order: Sequence[int]) -> bool:
+        """Use ``threshold`` from now on and re-plan for ``order`` (autotune);
+        every rank at the same point, between steps. True if the buckets changed."""
+        self.fusion_threshold = threshold
+        self.settings["fusion threshold"] = threshold
+        return self.replan(order)
+
+    def _backend(self, like: Any = None) -> ArrayOps:
+        if self.ops is None:
+            if like is not None:
+                self.ops = ops_for(like)
+            elif all(s.device == "cpu" for s in self.specs):
+                self.ops = NumpyOps()
+            else:
+                from dp_plugin.arrays import TorchOps
+
+                self.ops = TorchOps()
+        return self.ops
+
+    def _control(self, like: Any = None) -> Any:
+        """The control slot (in the last bucket's buffer)."""
+        buf = self.buckets[-1].buffer
+        buf.allocate(self._backend(like))
+        return buf.control
+
+    # -- public API ----------------------------------------------------------
     def agree(self) -> None:
-        """Check now that every rank registered the same tensors and settings
-        (collective; otherwise the first bucket's launch does it). Call it at
-        a point every rank reaches in the same order (the optimizer's
-        construction, the step being traced), never in a gradient hook: it
-        blocks. Raises ``LayoutMismatchError`` on every rank."""
-        self.fused.agree()
+        """Check now that every rank registered the same tensors and settings,
+        if that has not run (collective; otherwise the first bucket's launch
+        does it). Call it at a point every rank reaches in the same order
+        (the optimizer's construction, the step being traced), never in a
+        gradient hook: it blocks. Raises ``LayoutMismatchError`` on every rank."""
+        if not self.agreed:
+            self.agreed = True
+            self._guard(lambda: check(self.engine, Request.fused(self.layout, self.what,
+                                                                 self.settings)))
 
     def flags_of(self, name: str, like: Any = None) -> Any:
         """The flag group ``name`` (one element per rank of the engine, in the
@@ -110,18 +302,8 @@ class Reducer:
         array backend."""
         k, n = self.flag_names.index(name), self.engine.size
         with self._lock:
-            return self.fused.control(like)[k * n:(k + 1) * n]
+            return self._control(like)[k * n:(k + 1) * n]
 
-    @property
-    def plan(self) -> list[Any]:
-        return self.fused.plan
-
-    @property
-    def plan_version(self) -> int:
-        """Changes whenever the bucket plan (and so every fusion buffer) is replaced."""
-        return self.fused.plan_version
-
-    # -- public API ----------------------------------------------------------
     def mark_ready(self, index: int, tensor: Any) -> None:
         """Report that ``tensor`` holds the gradient of spec ``index`` for this pass.
 
@@ -130,9 +312,9 @@ class Reducer:
         bucket order. May run collectives (see the class docstring).
         """
         with self._lock:
-            self.fused.check_usable(f"scheduler {self.name!r}")
+            self._check_usable(f"scheduler {self.name!r}")
             index, spec = self._checked(index, tensor)
-            self.fused.backend(tensor)
+            self._backend(tensor)
             st = self._state
             if st.started_at is None:
                 st.started_at = time.perf_counter()
@@ -163,20 +345,20 @@ class Reducer:
             st = self._state
             self._launch_ready()  # what launch_all left for a slab to come free
             exposed = st.late_launch_s
-            for b in self.plan:
+            for r in self.buckets:
                 before = time.perf_counter()
-                self.fused.wait(b.index)
+                self._wait(r)
                 exposed += time.perf_counter() - before
-                handle = self.fused.finish(b.index)
+                handle = self._finish(r)
                 if handle is not None:
                     st.intervals.append((handle.started_at, handle.completed_at or before))
-            self.stats.append(st.record(self._timeline, time.perf_counter(), exposed))
+            self.stats.append(st.record(self.timeline, time.perf_counter(), exposed))
             result = list(st.tensors)
             if st.step == 0 and self.rebuild_buckets:
                 self._rebuild(st.ready_order)
             if self.autotuner is not None and not self.autotuner.done:
                 self.fusion_threshold = self.autotuner.after_step(
-                    self.fused, self._order, self._timeline,
+                    self, self._order, self.timeline,
                     lambda medians: self._from_root(medians, "autotune"),
                     log_here=self.engine.rank == 0)
             self._state = StepState(st.step + 1, len(self.specs), len(self.plan))
@@ -185,18 +367,18 @@ class Reducer:
     def launch_all(self) -> None:
         """Start every bucket not started yet (tensors never marked ready
         contribute zeros), except those that would wait for a slab of an
-        earlier bucket (``dp_plugin.slabs``): this never blocks.
-        ``synchronize()`` starts the rest. A rank that must not block (one
-        that has joined, answering other collectives meanwhile) calls this,
-        polls ``all_done()`` (which starts what it can), then ``synchronize()``."""
+        earlier bucket: this never blocks. ``synchronize()`` starts the rest.
+        A rank that must not block (one that has joined, answering other
+        collectives meanwhile) calls this, polls ``all_done()`` (which starts
+        what it can), then ``synchronize()``."""
         with self._lock:
             st = self._state
             if st.syncing:
                 return
-            self.fused.check_usable(f"scheduler {self.name!r}")
+            self._check_usable(f"scheduler {self.name!r}")
             st.sync_start = time.perf_counter()
             st.syncing = True
-            ops = self.fused.backend()
+            ops = self._backend()
             for i, spec in enumerate(self.specs):
                 if st.tensors[i] is None:
                     st.tensors[i] = ops.zeros(spec.shape, spec.dtype, spec.device)
@@ -210,7 +392,23 @@ class Reducer:
         with self._lock:
             self._launch_ready(block=False)
             return self._state.next_launch == len(self.plan) and \
-                all(self.fused.done(b.index) for b in self.plan)
+                all(self._done(r) for r in self.buckets)
+
+    def start(self, tensors: Sequence[Any]) -> list[Handle]:
+        """A one-shot collective: start every bucket of ``tensors`` (indexed by
+        spec) at once, in order; returns the handles in flight. ``finish()``
+        writes the results back into ``tensors``."""
+        return [h for r in self.buckets if (h := self._start(r, tensors)) is not None]
+
+    def finish(self) -> None:
+        """Wait for every bucket ``start`` started and unpack it."""
+        for r in self.buckets:
+            self._finish(r)
+
+    def run(self, tensors: Sequence[Any]) -> None:
+        """``start(tensors)``, then ``finish()`` (a synchronization point)."""
+        self.start(tensors)
+        self.finish()
 
     def view_for(self, index: int, like: Any = None) -> Any:
         """A tensor shaped like spec ``index`` that lives inside its fusion buffer.
@@ -222,10 +420,19 @@ class Reducer:
         gradient was seen yet. The view stays valid until the plan changes:
         compare ``plan_version`` before reusing it (it changes at most once,
         when the first step's ready order rebuilds the plan). A single-tensor
-        bucket needs no view: its gradient is reduced in place anyway.
+        bucket needs no view: its gradient is reduced in place anyway. The
+        buffer is pinned from then on.
         """
         with self._lock:
-            return self.fused.view(self._index(index), like)
+            index = self._index(index)
+            r = self.buckets[self.bucket_of[index]]
+            if not r.buffer.pinned and r.handle is not None:
+                raise DPPluginError(
+                    f"{self.name!r}: a view of tensor {self.specs[index].name!r} was asked for "
+                    "while its bucket is in flight; take views before the bucket starts (a "
+                    "programming error in the caller)")
+            member = r.entry.members.index(index)
+            return r.buffer.view(self._backend(like), member).reshape(self.specs[index].shape)
 
     def adopt(self, index: int, tensor: Any) -> Any:
         """``tensor`` (this step's gradient of spec ``index``) moved into its
@@ -241,10 +448,10 @@ class Reducer:
         """
         with self._lock:
             index, _ = self._checked(index, tensor)
-            if self._state.passes[index] or not self.fused.packs(index):
+            if self._state.passes[index] or self.buckets[self.bucket_of[index]].buffer.in_place:
                 return tensor
-            ops = self.fused.backend(tensor)
-            view = self.fused.view(index, tensor)
+            ops = self._backend(tensor)
+            view = self.view_for(index, tensor)
             if ops.shares_memory(view, tensor):
                 return tensor
             ops.pack(view.reshape(-1), tensor)
@@ -252,7 +459,7 @@ class Reducer:
 
     def close(self) -> None:
         """Flush and close the timeline; later steps still work but record no events."""
-        self._timeline.close()
+        self.timeline.close()
 
     # -- the step -------------------------------------------------------------
     def _index(self, index: int) -> int:
@@ -292,24 +499,23 @@ class Reducer:
 
     def _set_ready(self, index: int) -> None:
         st = self._state
-        st.ready_count[self.fused.bucket_of[index]] += 1
+        st.ready_count[self.bucket_of[index]] += 1
         st.ready_order.append(index)
 
     def _launch_ready(self, block: bool = True) -> None:
         """Launch complete buckets, strictly in index order; with ``block=False``
         stop before one that would wait for an earlier bucket's slab."""
         st = self._state
-        plan = self.plan
-        while st.next_launch < len(plan) and \
-                st.ready_count[st.next_launch] == len(plan[st.next_launch].members):
-            if not block and self.fused.would_block(st.next_launch, st.tensors):
+        while st.next_launch < len(self.plan) and \
+                st.ready_count[st.next_launch] == len(self.plan[st.next_launch].members):
+            r = self.buckets[st.next_launch]
+            if not block and self._would_block(r, st.tensors):
                 return
             t0 = time.perf_counter()
-            handle = self.fused.start(st.next_launch, st.tensors)
-            if handle is not None:
+            if self._start(r, st.tensors) is not None:
                 if st.syncing:  # launched late: nothing overlaps it any more
                     st.late_launch_s += time.perf_counter() - t0
-                st.bytes += self.fused.wire_bytes(st.next_launch)
+                st.bytes += r.buffer.numel * itemsize(r.buffer.wire_dtype)
                 st.launched += 1
             st.next_launch += 1
 
@@ -321,7 +527,7 @@ class Reducer:
         """
         st = self._state
         while st.polled < st.next_launch:
-            if not self.fused.done(st.polled):
+            if not self._done(self.buckets[st.polled]):
                 return
             st.polled += 1
 
@@ -329,19 +535,147 @@ class Reducer:
         """Adopt rank 0's observed ready order as the bucket order (one broadcast)."""
         order = self._from_root(np.array(observed, dtype=np.int64), "bucket_order")
         self._order = order.tolist()
-        self.fused.replan(self._order)
+        self.replan(self._order)
         self.rebuilt = True
 
     def _from_root(self, values: np.ndarray, what: str) -> np.ndarray:
-        """Rank 0's ``values`` on every rank (one broadcast on this scheduler's engine)."""
+        """Rank 0's ``values`` on every rank (one broadcast on this Reducer's engine)."""
         buf = to_device(values, self.engine.buffer_device)
 
         def share() -> None:
             if self.engine.size > 1:
                 self.engine.broadcast(buf, 0, name=f"{self.name}.{what}")
 
-        self.fused.guard(share)
+        self._guard(share)
         return to_host(buf)
+
+    # -- one bucket: start (pack, hook) ... finish (wait, unpack) -------------------
+    def _start(self, r: Bucket, tensors: Sequence[Any]) -> Handle | None:
+        """Pack ``r`` from ``tensors`` (indexed by spec) and start its
+        collective. Returns what is in flight (None for an empty bucket)."""
+        self._check_usable()
+        buf = r.buffer
+        if buf.numel == 0:
+            return None  # nothing to move; every rank skips it alike (same plan)
+        self.agree()
+        t0 = time.perf_counter()
+        ops, members = self._members(r, tensors)
+        direct = buf.direct_alias(ops, members)
+        slab = None if direct is not None or buf.pinned else self._free_slab(r)
+        r.aliased = buf.pack(ops, members, self.policy.prescale, direct, slab)
+        r.direct = direct
+        bucket = buf.grad_bucket(ops, direct)
+        r.folded = self._can_fold(buf)
+        t1 = time.perf_counter()
+        if r.folded:  # the engine multiplies while it reduces: no pass of its own
+            handle: Handle = self._guard(lambda: self.engine.allreduce_async(
+                bucket.flat, ReduceOp.SUM, name=bucket.label,
+                postscale=self.policy.postscale), buf)
+        else:
+            handle = self._guard(lambda: self.hook(self.state, bucket), buf)
+        handle.context = buf.describe  # the engine's timeout message names the bucket
+        r.handle, r.tensors, r.packed = handle, members, (t0, t1)
+        return handle
+
+    def _can_fold(self, buf: FusionBuffer) -> bool:
+        """Can the engine multiply the sum by the post-scale while reducing
+        (exactly as ``unpack`` would)? Only the default hook's plain
+        all-reduce (a user's hook gets the multiply at unpack), on an engine
+        that ``scales_in_reduction`` the dtype (gloo on shared memory), op
+        sum, and no control slot (its counts are not scaled)."""
+        scales = getattr(self.engine, "scales_in_reduction", None)
+        return (self.hook is allreduce_hook and self.policy.postscale != 1.0
+                and self.policy.engine_op is ReduceOp.SUM and scales is not None
+                and not buf.control_numel and bool(scales(buf.bucket.dtype)))
+
+    def _would_block(self, r: Bucket, tensors: Sequence[Any]) -> bool:
+        """Would ``_start(r, tensors)`` wait for an earlier bucket to finish
+        (its slab is still in flight)? For callers that must not block."""
+        buf = r.buffer
+        if buf.numel == 0 or buf.pinned or r.slab is None:
+            return False
+        if buf.direct_alias(*self._members(r, tensors)) is not None:
+            return False
+        owner = r.slab.owner
+        return owner is not None and owner.pending and not self._done(owner)
+
+    def _members(self, r: Bucket, tensors: Sequence[Any]) -> tuple[ArrayOps, list[Any]]:
+        """The array backend and ``r``'s members among ``tensors``."""
+        members = [tensors[i] for i in r.entry.members]
+        return self._backend(members[0] if members else None), members
+
+    def _free_slab(self, r: Bucket) -> Slab:
+        """``r``'s slab, once the bucket that used it before is unpacked
+        (waiting for that one here if it is still in flight)."""
+        slab = r.slab
+        assert slab is not None  # an unpinned buffer has one (install)
+        if slab.owner is not None and slab.owner.pending:
+            self._unpack(slab.owner)
+        slab.owner = r
+        return slab
+
+    def _unpack(self, r: Bucket) -> None:
+        """Wait for ``r`` and write its result into the tensors it was started with."""
+        self._wait(r)
+        assert r.tensors is not None  # started
+        t0 = time.perf_counter()
+        r.buffer.unpack(self._backend(), r.tensors, 1.0 if r.folded else self.policy.postscale,
+                        r.direct, r.aliased)
+        r.direct = None
+        r.unpacked = (t0, time.perf_counter())
+
+    def _done(self, r: Bucket) -> bool:
+        return r.handle is None or bool(self._guard(r.handle.done, r.buffer))
+
+    def _wait(self, r: Bucket) -> None:
+        if r.handle is not None:
+            self._guard(r.handle.wait, r.buffer)
+
+    def _finish(self, r: Bucket) -> Handle | None:
+        """Wait for ``r`` and unpack it into the tensors it was started with
+        (unless a later bucket needed its slab and did that already); consumes
+        what was in flight and returns its (completed) handle, or None if the
+        bucket was not started."""
+        handle = r.handle
+        if handle is None:
+            return None
+        if r.unpacked is None:
+            self._unpack(r)
+        assert r.unpacked is not None  # unpacked just now, or when its slab was needed
+        t0, t1 = r.unpacked
+        r.handle = r.tensors = r.unpacked = None
+        b = r.entry
+        args = {"bucket": b.index, "tensors": len(b.members), "bytes": b.nbytes}
+        tl = self.timeline
+        tl.span(f"pack {b.index}", "pack", *r.packed, tid="pack", args=args)
+        tl.span(f"allreduce {b.index}", "allreduce", handle.started_at,
+                handle.completed_at or t0, tid="allreduce", args=args)
+        tl.span(f"unpack {b.index}", "unpack", t0, t1, tid="unpack", args=args)
+        return handle
+
+    # -- errors -------------------------------------------------------------------------
+    def _guard(self, fn: Any, buf: FusionBuffer | None = None) -> Any:
+        """Run a step of the protocol; on failure the Reducer is unusable: the
+        ranks no longer agree on what comes next, so later calls re-raise
+        instead of starting collectives that could only mismatch or hang."""
+        try:
+            return fn()
+        except BaseException as exc:
+            self.broken = exc
+            if buf is not None:
+                exc.add_note(f"while reducing {buf.describe()}")
+            raise
+
+    def _check_usable(self, subject: str | None = None) -> None:
+        """Raise if an earlier collective failed; ``subject`` names the caller
+        in the message (default: this Reducer's name)."""
+        if self.broken is not None:
+            who = f"{self.name!r}" if subject is None else subject
+            raise DPPluginError(
+                f"{who} failed earlier ({type(self.broken).__name__}: {self.broken}); "
+                "the ranks' collectives are out of step, so it cannot continue. Fix the cause "
+                "and restart the job"
+            ) from self.broken
 
 
 class GradientScheduler(Reducer):
@@ -372,7 +706,7 @@ class GradientScheduler(Reducer):
       the same sequence of collectives;
     - ``mark_ready`` may start collectives (and, in the first step, the
       agreement check), and wait for an earlier bucket whose slab a copied
-      bucket needs (``dp_plugin.slabs``: at most two in flight per kind);
+      bucket needs (``dp_plugin.buffer``: at most two in flight per kind);
       ``synchronize()`` is a synchronization point: it returns once every
       bucket has been reduced on this rank. After the first
       ``synchronize()`` the plan may be rebuilt from rank 0's observed ready
@@ -410,11 +744,11 @@ class GradientScheduler(Reducer):
         *,
         engine: Any = None,
         op: ReduceOp | str = "average",
-        compression: str | Compressor = "none",
         gradient_predivide_factor: float = 1.0,
         prescale_factor: float = 1.0,
         postscale_factor: float = 1.0,
         backward_passes_per_step: int = 1,
+        timeline: Any = None,
         **options: Any,
     ) -> None:
         if engine is None:
@@ -422,9 +756,11 @@ class GradientScheduler(Reducer):
 
             engine = runtime.engine()
         checked = checked_specs(specs)
-        passes = check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)
-        policy = ReducePolicy.make(op, engine.size, [(s.name, s.dtype) for s in checked],
-                                   predivide=gradient_predivide_factor,
-                                   prescale=prescale_factor, postscale=postscale_factor)
-        super().__init__(checked, engine=engine, policy=policy, passes=passes,
-                         compression=compression, **options)
+        policy = ReducePolicy(op, engine.size, predivide=gradient_predivide_factor,
+                              prescale=prescale_factor, postscale=postscale_factor,
+                              gradients=checked)
+        config = engine.config
+        if timeline is None:
+            timeline = open_timeline(config.timeline, engine.rank, config.timeline_max_bytes)
+        super().__init__(checked, engine=engine, policy=policy,
+                         passes=backward_passes_per_step, timeline=timeline, **options)

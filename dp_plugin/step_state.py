@@ -1,4 +1,4 @@
-"""The state of one step of ``GradientScheduler``, replaced when the step ends.
+"""The state of one step of a ``Reducer``, replaced when the step ends.
 
 A fresh ``StepState`` per step means nothing has to be reset by hand: which
 tensors were marked (and how often), which buckets are ready, launched and
@@ -26,7 +26,7 @@ class StepState:
     ready_order: list[int] = field(default_factory=list)
     next_launch: int = 0
     polled: int = 0
-    """Buckets below this index are known to have finished (see ``GradientScheduler._poll``)."""
+    """Buckets below this index are known to have finished (see ``Reducer._poll``)."""
     started_at: float | None = None
     syncing: bool = False
     sync_start: float = 0.0

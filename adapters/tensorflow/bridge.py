@@ -191,8 +191,8 @@ class GradientBridge:
                 sched = Reducer(
                     specs,
                     engine=engine,
-                    policy=ReducePolicy.for_gradients(
-                        self.op, engine.size, predivide=self.gradient_predivide_factor),
+                    policy=ReducePolicy(self.op, engine.size,
+                                        predivide=self.gradient_predivide_factor),
                     passes=1,  # DistributedApply accumulates the passes itself
                     compression=self.compression,
                     name=name,

@@ -1,6 +1,6 @@
 """Broadcast of variables from a root rank: model weights, optimizer state.
 
-A thin caller of the core's ``FusedCollective`` with the broadcast hook: all
+A thin caller of the core's ``Reducer`` (one run) with the broadcast hook: all
 variables travel as raw bytes in fusion buffers, so any dtype works (bool,
 uint32 seed states, int64 counters) and the cost is a few collectives plus
 the agreement step. That step (names, shapes, dtypes, order, root rank)

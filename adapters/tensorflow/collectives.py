@@ -17,7 +17,7 @@ have Horovod 0.28.1's gradients:
 Every collective takes the torch adapter's path: the core's one check
 (``dp_plugin.request.check``: a shape, dtype, op, root or splits mismatch
 raises on every rank, with the same messages), then the engine moves the
-agreed bytes — all-reduces through ``FusedCollective`` (one fused buffer per
+agreed bytes — all-reduces through a ``Reducer`` run (one fused buffer per
 dtype), reduce-scatters scaled by the one ``ReducePolicy``.
 
 Distributed contract: every rank of the process set calls the same
@@ -39,13 +39,13 @@ import tensorflow as tf
 from dp_plugin import horovod_names as _names
 from dp_plugin import runtime
 from dp_plugin.arrays import NumpyOps
-from dp_plugin.collective import UNBOUNDED, FusedCollective
 from dp_plugin.edge import caller, deferred, public
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.request import Request, check
+from dp_plugin.scheduler import UNBOUNDED, Reducer
 from dp_plugin.tensorflow import errors as tf_errors
 from dp_plugin.tensorflow import graph_order, status_op
 from dp_plugin.tensorflow.ops import Compression, parse_compression
@@ -196,9 +196,9 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense:
         outs = [np.array(a, order="C", copy=True) for a in arrays]
         check(engine, Request.of("allreduce", outs, name=label, op=op, scales=(pre, post)))
         specs = [TensorSpec(f"{label}.{i}", o.shape, o.dtype.name) for i, o in enumerate(outs)]
-        FusedCollective(
-            specs, engine=engine, name=label, threshold=UNBOUNDED, order=range(len(specs)),
-            policy=ReducePolicy.for_collective(op, engine.size, prescale=pre, postscale=post),
+        Reducer(
+            specs, engine=engine, name=label, fusion_threshold=UNBOUNDED, order=range(len(specs)),
+            policy=ReducePolicy(op, engine.size, prescale=pre, postscale=post),
             compression=compressor, agreed=True,
         ).run(outs)
         return outs
@@ -376,7 +376,7 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
         engine = engine_of(process_set)
         bufs = [np.array(a, order="C", copy=True) for a in arrays]
         check(engine, Request.of("reducescatter", bufs, name=label, op=op, scales=(pre, post)))
-        policy = ReducePolicy.for_collective(op, engine.size, prescale=pre, postscale=post)
+        policy = ReducePolicy(op, engine.size, prescale=pre, postscale=post)
         ops, outs = NumpyOps(), []
         for i, buf in enumerate(bufs):
             ops.scale_(buf, policy.prescale)

@@ -17,11 +17,11 @@ import numpy as np
 
 from dp_plugin import agreement, runtime
 from dp_plugin.arrays import NumpyOps
-from dp_plugin.collective import UNBOUNDED, FusedCollective
 from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.errors import MismatchError, NotInitializedError, Problem
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
+from dp_plugin.scheduler import UNBOUNDED, Reducer
 
 _OP_NAME = "MetricAverageCallback"
 
@@ -43,7 +43,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
     shapes (the same ``compile(metrics=...)``, and validation on all ranks or
     none); the names are checked first (the core's agreement exchange), and a
     difference raises ``ValueError`` on every rank, naming each rank's names.
-    Then all values, in sorted-name order, go through one ``FusedCollective``
+    Then all values, in sorted-name order, go through one ``Reducer`` run
     float64 average. Scalar values come back as Python floats, arrays
     (e.g. per-class metrics) as float64 arrays of their shape. A rank that
     never reaches the end of the epoch makes the others fail with
@@ -93,9 +93,9 @@ def average_logs(logs: dict[str, Any], engine: Engine, when: str = "") -> None:
     specs = [TensorSpec(n, v.shape, "float64") for n, v in zip(names, values, strict=True)]
     if sum(v.size for v in values) == 0:  # no metrics anywhere: nothing to reduce
         return
-    FusedCollective(
-        specs, engine=engine, name=_OP_NAME, threshold=UNBOUNDED, array_ops=NumpyOps(),
-        policy=ReducePolicy.for_collective(ReduceOp.AVERAGE, engine.size), agreed=True,
+    Reducer(
+        specs, engine=engine, name=_OP_NAME, fusion_threshold=UNBOUNDED, array_ops=NumpyOps(),
+        policy=ReducePolicy(ReduceOp.AVERAGE, engine.size), agreed=True,
     ).run(values)
     for name, value in zip(names, values, strict=True):
         logs[name] = float(value) if value.ndim == 0 else value

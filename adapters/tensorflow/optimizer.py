@@ -45,7 +45,7 @@ from dp_plugin.edge import calling
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import group_indices
-from dp_plugin.hooks import check_predivide_op
+from dp_plugin.hooks import ReducePolicy
 from dp_plugin.tensorflow.bridge import GradientBridge, next_bridge_name
 from dp_plugin.tensorflow.compat import UnsupportedStrategyError, check_keras
 from dp_plugin.tensorflow.ops import Average, Compression, parse_compression, parse_gradient_op
@@ -63,7 +63,7 @@ def parse_reduction(owner: str, op: Any, compression: Any, backward_passes_per_s
                        where=owner)
     predivide = check_positive_float("gradient_predivide_factor", gradient_predivide_factor,
                                      where=owner)
-    check_predivide_op(op, predivide)
+    ReducePolicy(op, predivide=predivide, gradients=())  # its rules, checked here once
     return op, compressor, passes, predivide
 
 

@@ -77,8 +77,8 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None =
 def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
                      name: str | None, op: ReduceOp, prescale: Any, postscale: Any,
                      process_set: Any) -> int:
-    """One ``FusedCollective`` per call: grouped (large tensors alone,
-    the rest in 8 MiB chunks, see ``dp_plugin.collective.UNBOUNDED``), scaled
+    """One ``Reducer`` run per call: grouped (large tensors alone,
+    the rest in 8 MiB chunks, see ``dp_plugin.scheduler.UNBOUNDED``), scaled
     by the one ``ReducePolicy``; ``synchronize`` unpacks the results."""
     pre = check_factor(prescale, "prescale_factor")
     post = check_factor(postscale, "postscale_factor")
@@ -88,11 +88,10 @@ def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
     # block, else a fresh contiguous copy (the input is never modified).
     outs = [t.detach() if inplace and t.is_contiguous() else contiguous_copy(t)
             for t in tensors]
-    fused, handles = start_allreduce(engine, outs, name, op, pre, post)
+    reducer, handles = start_allreduce(engine, outs, name, op, pre, post)
 
     def finish() -> Any:
-        for b in fused.plan:
-            fused.finish(b.index)
+        reducer.finish()
         if inplace:
             for t, out in zip(tensors, outs, strict=True):
                 if out.data_ptr() != t.data_ptr():
@@ -273,7 +272,7 @@ def start_reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any,
     engine = engine_of(process_set)
     key, _ = agree(engine, "reducescatter", tensors, name, process_set, op=op,
                    scales=(pre, post))
-    policy = ReducePolicy.for_collective(op, engine.size, prescale=pre, postscale=post)
+    policy = ReducePolicy(op, engine.size, prescale=pre, postscale=post)
     ops = TorchOps()
     started = start_reducescatters(engine, [contiguous_copy(t) for t in tensors], policy, name)
 

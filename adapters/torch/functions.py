@@ -1,7 +1,7 @@
 """Broadcast model and optimizer state, and pickled objects, as in ``horovod.torch``.
 
 ``broadcast_parameters`` and ``broadcast_optimizer_state`` are thin callers of
-the core's ``FusedCollective`` with the broadcast hook: tensors travel as raw
+the core's ``Reducer`` (one run) with the broadcast hook: tensors travel as raw
 bytes packed into a few fusion buffers (one collective per buffer of at most
 the fusion threshold), so a model of hundreds of tensors costs a handful of
 collectives, and every dtype (bool, complex, ...) travels exactly. Its
@@ -124,7 +124,7 @@ def allgather_object(obj: Any, name: str | None = None,
 def _broadcast_tensors(eng: Engine, named: list[tuple[str, torch.Tensor]], root: int,
                        what: str) -> None:
     """Broadcast ``named`` tensors' bytes from ``root`` (a rank of ``eng``),
-    fused: one ``FusedCollective`` run with the broadcast hook."""
+    fused: one ``Reducer`` run with the broadcast hook."""
     device = eng.buffer_device
     layout = [_layout_spec(name, t, device) for name, t in named]
     if not named:

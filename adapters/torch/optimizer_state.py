@@ -223,7 +223,7 @@ class OptimizerState:
         # backward_passes_per_step), the public edge: the reducer takes them as they are.
         reducer = Reducer(
             specs, engine=eng, compression=self.compressor, passes=self.passes,
-            policy=ReducePolicy.for_gradients(self.op, eng.size, predivide=self.predivide),
+            policy=ReducePolicy(self.op, eng.size, predivide=self.predivide),
             timeline=shared_timeline, name=self.label, hook=self.comm_hook,
             flags=FLAGS if check == "off" else (*FLAGS, "finite"),
             settings={"DP_PLUGIN_CHECK_FINITE": check}, autotune=eng.config.autotune,

@@ -12,12 +12,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from dp_plugin.arrays import TorchOps
-from dp_plugin.collective import UNBOUNDED, FusedCollective
 from dp_plugin.edge import calling
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.process_sets import engine_of
 from dp_plugin.request import Request, check
+from dp_plugin.scheduler import UNBOUNDED, Reducer
 from torch.autograd.function import Function
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -113,7 +113,7 @@ class SyncBatchNorm(_BatchNorm):
         )
 
 
-_fused: dict[tuple[Any, ...], FusedCollective] = {}
+_fused: dict[tuple[Any, ...], Reducer] = {}
 
 
 def _sum(engine: Any, t: torch.Tensor, name: str) -> None:
@@ -135,8 +135,8 @@ def _sum(engine: Any, t: torch.Tensor, name: str) -> None:
     if fused is None or fused.engine is not engine:
         if len(_fused) > 256:  # many shapes (or engines): start over
             _fused.clear()
-        fused = _fused[key] = FusedCollective(
-            [TensorSpec.of(name, t)], engine=engine, name=name, threshold=UNBOUNDED,
+        fused = _fused[key] = Reducer(
+            [TensorSpec.of(name, t)], engine=engine, name=name, fusion_threshold=UNBOUNDED,
             array_ops=TorchOps(), what=f"statistics of {name}", agreed=True,
         )
     fused.run([t])

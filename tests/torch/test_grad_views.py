@@ -28,7 +28,7 @@ def on_ranks(n: int, fn: Callable[[int, ThreadSet], Any], views: bool = True,
 
 
 def buffers(opt: Any) -> list[torch.Tensor]:
-    return [b.flat for b in opt._dp.reducer.fused.buffers if b.flat is not None]
+    return [b.flat for b in opt._dp.reducer.buffers if b.flat is not None]
 
 
 def inside(grad: torch.Tensor, flats: list[torch.Tensor]) -> bool:
@@ -90,9 +90,9 @@ def test_copies_take_turns_on_two_slabs_within_twice_the_threshold() -> None:
 
     def body(model: nn.Module, rank: int, ps: ThreadSet) -> dict[str, Any]:
         out = train(model, rank, ps, 3, set_to_none=True)
-        fused = out.pop("opt")._dp.reducer.fused
-        out["buckets"] = len(fused.plan)
-        out["slab bytes"] = fused.pool.allocated_bytes()
+        reducer = out.pop("opt")._dp.reducer
+        out["buckets"] = len(reducer.plan)
+        out["slab bytes"] = reducer.slab_bytes()
         return out
 
     models = [deep(0) for _ in range(4)]

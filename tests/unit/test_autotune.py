@@ -280,7 +280,7 @@ def test_ranks_with_different_autotune_settings_fail_the_agreement() -> None:
 
     def body(e: FakeEngine) -> None:
         sched = GradientScheduler(SPECS, engine=e, autotune=e.rank == 0)
-        sched.fused.agree()
+        sched.agree()
 
     outcomes = run_ranks_outcomes(engines, body)
     for o in outcomes:

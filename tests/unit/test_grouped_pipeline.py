@@ -10,12 +10,12 @@ import threading
 import numpy as np
 import pytest
 
-from dp_plugin import collective
+from dp_plugin import scheduler
 from dp_plugin.arrays import NumpyOps
-from dp_plugin.collective import UNBOUNDED, FusedCollective
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.fusion import TensorSpec, plan_buckets
 from dp_plugin.hooks import ReducePolicy
+from dp_plugin.scheduler import UNBOUNDED, Reducer
 from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks
 
 # 10 tensors of 64 bytes, one of 400; chunks of 128 bytes.
@@ -34,25 +34,22 @@ def test_every_chunk_is_in_flight_before_the_first_completes(
     """Rank 1 starts only after rank 0 has started every chunk: with chunks
     that waited for a slab (or one bucket for everything), rank 0 could not
     start them all while none can complete."""
-    monkeypatch.setattr(collective, "PIPELINE_CHUNK", CHUNK)
+    monkeypatch.setattr(scheduler, "PIPELINE_CHUNK", CHUNK)
     engines = make_thread_group(2)
     rank0_started = threading.Event()
 
     def body(e: FakeEngine) -> tuple[int, list[np.ndarray]]:
-        fused = FusedCollective(
-            SPECS, engine=e, name="grouped", threshold=UNBOUNDED, order=range(len(SPECS)),
-            policy=ReducePolicy.for_collective(ReduceOp.AVERAGE, e.size), array_ops=NumpyOps(),
-            agreed=True)
+        fused = Reducer(
+            SPECS, engine=e, name="grouped", fusion_threshold=UNBOUNDED, order=range(len(SPECS)),
+            policy=ReducePolicy(ReduceOp.AVERAGE, e.size), array_ops=NumpyOps(), agreed=True)
         outs = [data(e.rank, s) for s in SPECS]
         if e.rank == 1:
             assert rank0_started.wait(20), "rank 0 blocked while starting its chunks"
-        for b in fused.plan:
-            fused.start(b.index, outs)
+        handles = fused.start(outs)
         if e.rank == 0:
-            assert not any(fused.done(b.index) for b in fused.plan)
+            assert not any(h.done() for h in handles)
             rank0_started.set()
-        for b in fused.plan:
-            fused.finish(b.index)
+        fused.finish()
         return len(fused.plan), outs
 
     results = run_ranks(engines, body)
@@ -66,8 +63,8 @@ def test_every_chunk_is_in_flight_before_the_first_completes(
 
 
 def test_a_threshold_below_unbounded_keeps_its_buckets_and_slabs() -> None:
-    fused = FusedCollective(SPECS, engine=make_thread_group(1)[0], name="bucketed",
-                            threshold=CHUNK, order=range(len(SPECS)), array_ops=NumpyOps())
+    fused = Reducer(SPECS, engine=make_thread_group(1)[0], name="bucketed",
+                    fusion_threshold=CHUNK, order=range(len(SPECS)), array_ops=NumpyOps())
     assert not fused.grouped
     assert [b.pinned for b in fused.buffers] == [False, False, True, False, False, False]
 
@@ -86,10 +83,10 @@ def test_a_large_tensor_travels_alone_without_closing_the_open_bucket() -> None:
 
 def test_a_grouped_collective_reduces_its_large_tensors_where_they_lie(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(collective, "PIPELINE_CHUNK", CHUNK)
-    monkeypatch.setattr(collective, "DIRECT_BYTES", 256)
-    fused = FusedCollective(SPECS, engine=make_thread_group(1)[0], name="grouped",
-                            threshold=UNBOUNDED, order=range(len(SPECS)), array_ops=NumpyOps())
+    monkeypatch.setattr(scheduler, "PIPELINE_CHUNK", CHUNK)
+    monkeypatch.setattr(scheduler, "DIRECT_BYTES", 256)
+    fused = Reducer(SPECS, engine=make_thread_group(1)[0], name="grouped",
+                    fusion_threshold=UNBOUNDED, order=range(len(SPECS)), array_ops=NumpyOps())
     big = [b for b in fused.buffers if b.names == ("big",)]
-    assert len(big) == 1 and not fused.packs(SPECS.index(SPECS[4]))
+    assert len(big) == 1 and big[0].in_place
     assert [len(b.names) for b in fused.buffers] == [2, 2, 1, 2, 2, 2]

@@ -259,7 +259,7 @@ def test_torch_tensors() -> None:
     for step in range(3):
         for sched, results in ranks:
             assert_close(results[step], reference("average", specs, 3, step), specs)
-            assert sched.fused.ops is not None and sched.fused.ops.kind == "torch"
+            assert sched.ops is not None and sched.ops.kind == "torch"
 
 
 # -- scheduling ------------------------------------------------------------
@@ -317,7 +317,7 @@ def test_ready_events_timestamp_finished_all_reduces() -> None:
     grads = [np.ones(4, np.float32) for _ in specs]
     sched.mark_ready(3, grads[3])
     sched.mark_ready(2, grads[2])  # polls bucket 0, which one rank finishes at once
-    first = sched.fused.buckets[0].handle
+    first = sched.buckets[0].handle
     assert first is not None and first.completed_at is not None
     for i in (1, 0):
         sched.mark_ready(i, grads[i])
@@ -441,9 +441,8 @@ class SpyOps(NumpyOps):
 def _storage(sched: GradientScheduler) -> list[tuple[int, ...]]:
     """Identities of every buffer the scheduler keeps: pinned fusion buffers,
     slabs, and the hooks' scratch buffers of both."""
-    fused = sched.fused
-    owners = [(b.flat, b.scratch) for b in fused.buffers if b.pinned]
-    owners += [(s.storage, s.shared) for s in fused.pool.slabs()]
+    owners = [(b.flat, b.scratch) for b in sched.buffers if b.pinned]
+    owners += [(s.storage, s.shared) for s in sched.slabs]
     return [(id(flat), *(id(v) for _, v in sorted(scratch.items()))) for flat, scratch in owners]
 
 

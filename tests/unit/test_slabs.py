@@ -1,4 +1,4 @@
-"""Copy-mode fusion buffers take turns on two slabs (``dp_plugin.slabs``):
+"""Copy-mode fusion buffers take turns on two slabs (``dp_plugin.buffer``):
 fusion memory within twice the threshold, back-pressure, pinning."""
 
 from __future__ import annotations
@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 
 from dp_plugin.arrays import NumpyOps
-from dp_plugin.collective import FusedCollective
 from dp_plugin.engines.base import Handle
 from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import GradBucket, HookState, allreduce_hook
-from dp_plugin.scheduler import GradientScheduler
+from dp_plugin.scheduler import GradientScheduler, Reducer
 from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks
 
 # 12 tensors of 64 bytes; a 128-byte threshold makes 6 buckets of 2.
@@ -33,8 +32,8 @@ def expected(step: int, i: int, size: int) -> np.ndarray:
 
 def fusion_bytes(sched: GradientScheduler) -> int:
     """Bytes of fusion memory the scheduler holds: slabs plus pinned buffers."""
-    pinned = sum(b.flat.nbytes for b in sched.fused.buffers if b.pinned and b.flat is not None)
-    return sched.fused.pool.allocated_bytes() + pinned
+    pinned = sum(b.flat.nbytes for b in sched.buffers if b.pinned and b.flat is not None)
+    return sched.slab_bytes() + pinned
 
 
 @pytest.mark.parametrize("compression", ["none", "fp16"])
@@ -69,7 +68,7 @@ def test_a_rank_that_must_not_block_defers_the_third_bucket_until_the_first_is_d
     def body(e: FakeEngine) -> list[int]:
         sched = GradientScheduler(SPECS, engine=e, fusion_threshold=THRESHOLD,
                                   array_ops=NumpyOps())
-        sched.fused.agree()  # the first step's agreement, on both ranks
+        sched.agree()  # the first step's agreement, on both ranks
         seen = []
         if e.rank == 0:
             sched.launch_all()
@@ -113,8 +112,8 @@ def test_a_bucket_whose_views_were_taken_is_pinned_and_borrows_no_slab() -> None
             sched.synchronize()
             for i, g in enumerate(grads):
                 np.testing.assert_array_equal(g, expected(step, i, 2))
-        pinned = [b.pinned for b in sched.fused.buffers]
-        return pinned, sched.fused.pool.allocated_bytes()
+        pinned = [b.pinned for b in sched.buffers]
+        return pinned, sched.slab_bytes()
 
     for pinned, slab_bytes in run_ranks(engines, body):
         assert pinned == [False] * 5 + [True]
@@ -123,14 +122,14 @@ def test_a_bucket_whose_views_were_taken_is_pinned_and_borrows_no_slab() -> None
 
 def test_a_view_of_a_bucket_in_flight_is_refused() -> None:
     (e,) = make_thread_group(1)
-    fused = FusedCollective(SPECS[:2], engine=e, name="g", threshold=THRESHOLD,
-                            array_ops=NumpyOps())
+    fused = Reducer(SPECS[:2], engine=e, name="g", fusion_threshold=THRESHOLD,
+                    array_ops=NumpyOps())
     tensors = [grad(0, 0, i) for i in range(2)]
-    fused.start(0, tensors)
+    fused.start(tensors)
     with pytest.raises(DPPluginError, match="in flight"):
-        fused.view(0)
-    fused.finish(0)
-    assert fused.view(0).shape == (16,) and fused.buffers[0].pinned
+        fused.view_for(0)
+    fused.finish()
+    assert fused.view_for(0).shape == (16,) and fused.buffers[0].pinned
 
 
 def test_a_bucket_over_the_threshold_keeps_its_own_buffer() -> None:
@@ -153,7 +152,7 @@ def test_a_bucket_over_the_threshold_keeps_its_own_buffer() -> None:
         sched.synchronize()
         for g, w in zip(grads, want, strict=True):
             np.testing.assert_array_equal(g, w)  # halves of small integers: exact in fp16
-        return [b.pinned for b in sched.fused.buffers], sched.fused.pool.allocated_bytes()
+        return [b.pinned for b in sched.buffers], sched.slab_bytes()
 
     for pinned, slab_bytes in run_ranks(engines, body):
         assert pinned == [True] + [False] * 6  # the big tensor comes first (reverse order)
@@ -184,7 +183,7 @@ def test_a_hooks_per_bucket_state_stays_per_bucket_while_buckets_share_slabs() -
             for i in reversed(range(len(SPECS))):
                 sched.mark_ready(i, grad(e.rank, step, i))
             sched.synchronize()
-        assert all(b.scratch["steps"] == 3 for b in sched.fused.buffers)
+        assert all(b.scratch["steps"] == 3 for b in sched.buffers)
         return own, shared
 
     for own, shared in run_ranks(engines, body):

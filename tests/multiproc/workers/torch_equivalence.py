@@ -152,8 +152,8 @@ def run_case(case: Case, rank: int, size: int) -> None:
 
 def fusion(opt: Any) -> str:
     """How the optimizer's gradients were fused (the copies test reads it)."""
-    fused = opt._dp.reducer.fused
-    return f"{len(fused.plan)} buckets, slabs {fused.pool.allocated_bytes()} bytes"
+    reducer = opt._dp.reducer
+    return f"{len(reducer.plan)} buckets, slabs {reducer.slab_bytes()} bytes"
 
 
 def run_join(rank: int, size: int) -> None:
