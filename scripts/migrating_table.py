@@ -163,8 +163,8 @@ method: `opt.variables()` becomes `opt.variables`.
   tensor, as Horovod) and `DistributedOptimizer`, where it receives the packed
   1-D buffer of several gradients: gradients are fused before they travel.
   Element-wise compressors (casts, quantisation) behave the same.
-- **`groups` / `num_groups` of `DistributedOptimizer` make one bucket per
-  group**, as Horovod's grouped all-reduce: `groups=N` cuts the parameters
+- **`groups` / `num_groups` of `DistributedOptimizer` (and TensorFlow's
+  `DistributedGradientTape`, by keyword) make one bucket per group**, as Horovod's grouped all-reduce: `groups=N` cuts the parameters
   (variables), in order, into N groups of near-equal count; listed groups are
   fused as given, the parameters in none into buckets of
   `DP_PLUGIN_FUSION_THRESHOLD` bytes. A group is reduced once all of its

@@ -12,6 +12,7 @@ from dp_plugin.tensorflow.bridge import GradientBridge, next_bridge_name
 from dp_plugin.tensorflow.ops import Average, Compression
 from dp_plugin.tensorflow.optimizer import parse_reduction, reduce_present
 from dp_plugin.tensorflow.util import variable_ref
+from dp_plugin.validate import check_groups
 
 # Custom loops make a new tape every step: the bridge (and with it the
 # scheduler, its fusion buffers and the traced numpy op's target) is shared
@@ -36,7 +37,9 @@ class DistributedGradientTape:
     (``compression``) and pre-divided (``gradient_predivide_factor``), with
     the core's fusion buckets. Sparse gradients (``tf.IndexedSlices``) are
     all-gathered as in Horovod, or all-reduced dense with
-    ``sparse_as_dense=True`` (see ``sparse.py``). Other tape
+    ``sparse_as_dense=True`` (see ``sparse.py``). ``groups`` (or the older
+    ``num_groups``), as Horovod's and the optimizer's: each group of
+    gradients is reduced as one bucket, once all of it is ready. Other tape
     methods (``watch``, ``jacobian``, ...) pass through to the wrapped tape.
 
     Under ``MirroredStrategy`` (inside ``strategy.run``), the replicas'
@@ -58,6 +61,8 @@ class DistributedGradientTape:
         op: Any = Average,
         gradient_predivide_factor: float = 1.0,
         scale_local_gradients: bool = True,
+        num_groups: int = 0,
+        groups: Any = None,
     ) -> None:
         who = "DistributedGradientTape"
         if isinstance(gradtape, DistributedGradientTape):
@@ -71,7 +76,10 @@ class DistributedGradientTape:
         self._sparse_as_dense = bool(sparse_as_dense)
         parsed_op, compressor, _, predivide = parse_reduction(
             who, op, compression, 1, gradient_predivide_factor)
-        self._bridge = _shared_bridge(parsed_op, compressor, predivide)
+        import keras
+
+        groups = check_groups(groups, num_groups, (tf.Variable, keras.Variable), "tf.Variable")
+        self._bridge = _shared_bridge(parsed_op, compressor, predivide, groups)
         self._local_sources: dict[Any, Any] = {}  # variable_ref(source) -> source
         self.scale_local_gradients = bool(scale_local_gradients)
 
@@ -159,14 +167,15 @@ def PartialDistributedGradientTape(
     return tape
 
 
-def _shared_bridge(op: Any, compression: Any, predivide: float) -> GradientBridge:
-    key = (op, type(compression), predivide)
+def _shared_bridge(op: Any, compression: Any, predivide: float, groups: Any) -> GradientBridge:
+    key = (op, type(compression), predivide, groups if not isinstance(groups, list) else
+           tuple(tuple(variable_ref(v) for v in group) for group in groups))
     with _bridges_lock:
         bridge = _bridges.get(key)
         if bridge is None:
             bridge = GradientBridge(
                 op=op, compression=compression, gradient_predivide_factor=predivide,
-                name=next_bridge_name("tape"),
+                name=next_bridge_name("tape"), groups=groups,
             )
             _bridges[key] = bridge
         return bridge

@@ -100,6 +100,27 @@ def test_groups_make_one_bucket_each() -> None:
     assert plan(m, groups=[[m.trainable_variables[0]]]) == [(1,), (0,)]
 
 
+def test_the_tape_takes_groups_as_the_optimizer_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dp_plugin.tensorflow import tape as tape_module
+
+    def plan(m: keras.Model, **kwargs: object) -> list[tuple[int, ...]]:
+        monkeypatch.setattr(tape_module, "_bridges", {})  # tapes share bridges by settings
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((m(X) - Y) ** 2)
+        tape = dp.DistributedGradientTape(tape, **kwargs)
+        tape.gradient(loss, m.trainable_variables)
+        return [b.members for b in tape._bridge.schedulers[0].plan]
+
+    assert plan(model()) == [(1, 0)]
+    assert plan(model(), groups=2) == [(1,), (0,)]
+    with pytest.warns(DeprecationWarning, match="num_groups"):
+        assert plan(model(), num_groups=2) == [(1,), (0,)]
+    m = model()
+    assert plan(m, groups=[[m.trainable_variables[0]]]) == [(1,), (0,)]
+    with pytest.raises(ValueError, match="groups should be a non-negative integer"):
+        dp.DistributedGradientTape(tf.GradientTape(), groups=0)
+
+
 @pytest.mark.parametrize(("groups", "match"), [
     (0, "groups should be a non-negative integer or a list of list of tf.Variable, got 0"),
     ([[np.ones(1)]], "groups must consist of tf.Variable, got ndarray"),
