@@ -28,7 +28,7 @@ def main() -> None:
     with connected(2) as ts:
         t = ts[0]
         data = torch.ones(1 << 18)
-        job = shm._Job(data, ReduceOp.SUM, None, 1.0, None, None)  # type: ignore[arg-type]
+        job = shm._Job(data, ReduceOp.SUM, None, 1.0, None)  # type: ignore[arg-type]
         theirs = t._header("allreduce", job, data)  # what the peer sends: the usual, equal case
         runs = []
         for _ in range(5):

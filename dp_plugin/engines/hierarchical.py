@@ -232,46 +232,32 @@ class HierarchicalAllreduce:
     def allreduce_async(self, t: Any, op: ReduceOp, description: str, on_timeout: Any,
                         board: Any, standing: bool = False) -> Handle:
         """Queue the three steps of the module docstring: pipelined in
-        pieces over the two transports, or one after another on the host's
+        pieces over the two transports, or unpipelined, the whole buffer as
+        one piece whose two stages run one after the other on the host's
         transport thread; the handle is done when every stage of every
         piece has run, failed or been skipped (after a failure, nothing
         touches ``t`` once its handle has raised). ``standing`` (a sum;
         ``Engine.standing_allreduce_async``): no step has a deadline of its
         own, the caller bounds the wait."""
-        if self._gather is None:
-            return self._unpipelined(t, op, description, on_timeout, board, standing)
-        reduce_t, gather_t = self._transport, self._gather
+        reduce_t, gather_t = self._transport, self._gather or self._transport
         data = t.view(-1)
-        n, step = data.numel(), max(1, PIECE_BYTES // t.element_size())
+        n = data.numel()
+        step = max(1, PIECE_BYTES // t.element_size() if self.pipelined else n)
         handle = ShmHandle(description, reduce_t.job_rank, reduce_t.timeout_s, on_timeout, board,
                            parts=2 * -(-n // step))
         deadline = None if standing else handle.started_at + reduce_t.timeout_s
         with self._queueing:  # both queues take the pieces in the same order
             for lo in range(0, n, step):
                 piece = data[lo:lo + step]
-                crossing = _Crossing(self, handle, op, f"{description} (across hosts, elements "
-                                     f"{lo}..{lo + piece.numel()})", standing, deadline)
+                where = f", elements {lo}..{lo + piece.numel()}" if self.pipelined else ""
+                whole = (lo, n) if self.pipelined else (0, 0)
+                crossing = _Crossing(self, handle, op, f"{description} (across hosts{where})",
+                                     standing, deadline)
                 reduce_t.stage_async("reducescatter", piece, op, handle, deadline,
-                                     after=crossing.start, on_error=crossing.fail,
-                                     whole=(lo, n))
+                                     after=crossing.start, on_error=crossing.fail, whole=whole)
                 gather_t.stage_async("allgather", piece, op, handle, deadline,
-                                     before=crossing.wait, on_error=crossing.settle,
-                                     whole=(lo, n))
+                                     before=crossing.wait, on_error=crossing.settle, whole=whole)
         return handle
-
-    def _unpipelined(self, t: Any, op: ReduceOp, description: str, on_timeout: Any,
-                     board: Any, standing: bool) -> Handle:
-        name = f"{description} (across hosts)"
-
-        def across(part: Any, job: ShmHandle, deadline: float | None) -> None:
-            handle = self.start_across(part, op, name, standing)
-            if handle is None:
-                return
-            self.until(handle.done, deadline, job, name)  # as the pipeline's gather stage
-            handle.wait()  # done: raises the cross step's own error, if any
-
-        return self._transport.allreduce_async(t, op, description, on_timeout, board,
-                                               across=across, standing=standing)
 
     def _break(self, error: BaseException) -> None:
         """The last stage's transport broke (on its thread): break the
@@ -297,15 +283,6 @@ class HierarchicalAllreduce:
                                     "engine shut down")
             if deadline is not None and time.perf_counter() >= deadline:
                 raise job.timeout_error()
-
-    def start_across(self, part: Any, op: ReduceOp, name: str, standing: bool) -> Handle | None:
-        """Start the cross-host all-reduce of one shard (None: nothing to do,
-        the same on every peer)."""
-        if self._cross is None or part.numel() == 0:
-            return None
-        if standing:
-            return self._cross.standing_allreduce_async(part, name=name)
-        return self._cross.allreduce_async(part, op, name=name)
 
     def close(self) -> None:
         """Stop the transports (their threads may be in a cross step or
@@ -342,7 +319,12 @@ class _Crossing:
         self._error: BaseException | None = None
 
     def start(self, part: Any) -> None:
-        self._handle = self._owner.start_across(part, self._op, self._name, self._standing)
+        """Start the cross-host all-reduce of this rank's shard of the piece
+        (none with one host or an empty shard: the same on every peer)."""
+        cross = self._owner._cross
+        if cross is not None and part.numel():
+            self._handle = (cross.standing_allreduce_async(part, name=self._name) if self._standing
+                            else cross.allreduce_async(part, self._op, name=self._name))
         self._ready.set()
 
     def fail(self, error: BaseException) -> None:

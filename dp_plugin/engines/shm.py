@@ -84,6 +84,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -194,25 +195,14 @@ class ShmTransport:
 
     def allreduce_async(self, t: Any, op: ReduceOp, description: str,
                         on_timeout: Callable[[str], None], board: Any,
-                        postscale: float = 1.0,
-                        across: Callable[[Any, ShmHandle, float | None], None] | None = None,
-                        standing: bool = False) -> Handle:
+                        postscale: float = 1.0, standing: bool = False) -> Handle:
         """Queue an in-place all-reduce of ``t`` (``takes(t)`` is true).
         ``postscale`` (a sum of a ``SCALED_DTYPES`` tensor only) multiplies
         the result while it is copied out: no pass of its own.
-
-        ``across`` (the hierarchical all-reduce, ``hierarchical.py``): a
-        reduce-scatter instead, then ``across(shard, handle, deadline)`` on
-        this thread with the view of this rank's reduced shard (it
-        all-reduces it with the other hosts, in place, by ``deadline``, a
-        ``time.perf_counter`` value, or None: standing), then an all-gather
-        of the shards.
         ``standing``: no deadline of its own (``Engine.standing_allreduce_async``)."""
-        if across is not None and postscale != 1.0:
-            raise ValueError("a post-scale cannot be folded into a hierarchical all-reduce")
         handle = ShmHandle(description, self.job_rank, self.timeout_s, on_timeout, board)
         deadline = None if standing else handle.started_at + self.timeout_s
-        self._jobs.put(_Job(t, op, handle, postscale, across, deadline))
+        self._jobs.put(_Job(t, op, handle, postscale, deadline))
         return handle
 
     def stage_async(self, kind: str, data: Any, op: ReduceOp, handle: ShmHandle,
@@ -236,8 +226,7 @@ class ShmTransport:
         count, both in the header (compared on every rank)."""
         if kind not in ("reducescatter", "allgather"):
             raise ValueError(f"a stage is a reducescatter or an allgather, got {kind!r}")
-        self._jobs.put(_Job(data, op, handle, 1.0, None, deadline, kind=kind, before=before,
-                            after=after, on_error=on_error, whole=whole))
+        self._jobs.put(_Job(data, op, handle, 1.0, deadline, kind, before, after, on_error, whole))
 
     def fail(self, error: BaseException) -> None:
         """Break the transport from outside with ``error`` (the other stage
@@ -318,21 +307,12 @@ class ShmTransport:
 
     def _run(self, job: _Job) -> None:
         data = job.tensor.view(-1)
-        if job.kind != "allreduce":  # a stage of a pipelined hierarchical all-reduce
-            if job.before is not None:
-                job.before(job.deadline)
-            self._collective(job, job.kind, data)
-            if job.after is not None:
-                lo, hi = shard(data.numel(), self.size, self.rank)
-                job.after(data[lo:hi])
-            return
-        if job.across is None:
-            self._collective(job, "allreduce", data)
-            return
-        self._collective(job, "reducescatter", data)
-        lo, hi = shard(data.numel(), self.size, self.rank)
-        job.across(data[lo:hi], job.handle, job.deadline)
-        self._collective(job, "allgather", data)
+        if job.before is not None:
+            job.before(job.deadline)
+        self._collective(job, job.kind, data)
+        if job.after is not None:
+            lo, hi = shard(data.numel(), self.size, self.rank)
+            job.after(data[lo:hi])
 
     def _collective(self, job: _Job, kind: str, data: Any) -> None:
         """The module docstring's steps, pipelined over two sets of slots
@@ -491,21 +471,21 @@ class ShmTransport:
             )
 
 
+@dataclass(slots=True)
 class _Job:
-    __slots__ = ("across", "after", "before", "deadline", "handle", "kind", "on_error", "op",
-                 "postscale", "tensor", "whole")
+    """One operation queued on a transport's thread; the fields after
+    ``deadline`` are a stage's (``stage_async``)."""
 
-    def __init__(self, tensor: Any, op: ReduceOp, handle: ShmHandle, postscale: float,
-                 across: Callable[[Any, ShmHandle, float | None], None] | None,
-                 deadline: float | None, *,
-                 kind: str = "allreduce", before: Callable[[float | None], None] | None = None,
-                 after: Callable[[Any], None] | None = None,
-                 on_error: Callable[[BaseException], None] | None = None,
-                 whole: tuple[int, int] = (0, 0)) -> None:
-        self.tensor, self.op, self.handle, self.postscale = tensor, op, handle, postscale
-        self.whole = whole
-        self.across, self.deadline, self.kind = across, deadline, kind
-        self.before, self.after, self.on_error = before, after, on_error
+    tensor: Any
+    op: ReduceOp
+    handle: ShmHandle
+    postscale: float
+    deadline: float | None
+    kind: str = "allreduce"
+    before: Callable[[float | None], None] | None = None
+    after: Callable[[Any], None] | None = None
+    on_error: Callable[[BaseException], None] | None = None
+    whole: tuple[int, int] = (0, 0)
 
 
 class ShmHandle(Handle):

@@ -354,22 +354,32 @@ def test_across_reduces_scatters_calls_back_on_the_shard_and_gathers(n: int, dty
     seen: list[tuple[int, int]] = []
 
     def across_for(rank: int) -> Any:
-        def across(part: Any, handle: Any, deadline: float | None) -> None:
+        def across(part: Any) -> None:
             lo, hi = shard(rank)
             assert torch.equal(part, total[lo:hi]), "the shard holds the host's sum"
-            assert deadline is not None and deadline > time.perf_counter()
-            assert handle.description == "h"
             seen.append((lo, hi))
             part.mul_(2)  # stands in for the other hosts' sum
 
         return across
 
+    def before_gather(deadline: float | None) -> None:
+        assert deadline is not None and deadline > time.perf_counter()
+
     def shard(rank: int) -> tuple[int, int]:
         return shm.shard(n, size, rank)
 
+    def start(t: shm.ShmTransport, buf: Any, rank: int) -> shm.ShmHandle:
+        # The unpipelined hierarchical all-reduce: both stages on one transport.
+        handle = shm.ShmHandle("h", t.job_rank, t.timeout_s, lambda d: None, None, parts=2)
+        deadline = handle.started_at + t.timeout_s
+        t.stage_async("reducescatter", buf, ReduceOp.SUM, handle, deadline,
+                      after=across_for(rank))
+        t.stage_async("allgather", buf, ReduceOp.SUM, handle, deadline, before=before_gather)
+        assert handle.description == "h"
+        return handle
+
     with connected(size) as ts:
-        hs = [ts[r].allreduce_async(bufs[r], ReduceOp.SUM, "h", lambda d: None, None,
-                                    across=across_for(r)) for r in range(size)]
+        hs = [start(ts[r], bufs[r], r) for r in range(size)]
         on_ranks(size, lambda r: hs[r].wait())
         # the next operation after the gather lines up too
         reduce_on_all(ts, [x.clone() for x in inputs], ReduceOp.SUM)
