@@ -141,7 +141,10 @@ class Engine(Lifecycle):
     def broadcast_async(self, buf: Any, root: int, name: str = "broadcast") -> Handle:
         """Start an in-place broadcast of the 1-D buffer ``buf`` from ``root``."""
         self._check_usable(f"broadcast {name!r}")
-        self._check_root(root, name)
+        if not isinstance(root, int) or not 0 <= root < self.size:
+            raise ValueError(
+                f"{name}: root rank {root!r} is out of range; expected 0 <= root < {self.size}"
+            )
         buf = generic.flat_bytes(buf)  # any dtype moves
         _check_flat(buf, f"broadcast {name!r}")
         return self._broadcast_async(buf, root, name)
@@ -355,12 +358,6 @@ class Engine(Lifecycle):
                 f"subgroup {name!r}: a {self.name} subgroup cannot be split further ({why}); "
                 "create it from the job-wide engine with the job-wide ranks "
                 f"{[self.global_ranks[m] for m in members]}"
-            )
-
-    def _check_root(self, root: int, name: str) -> None:
-        if not isinstance(root, int) or not 0 <= root < self.size:
-            raise ValueError(
-                f"{name}: root rank {root!r} is out of range; expected 0 <= root < {self.size}"
             )
 
     def _done(self, description: str) -> Handle:

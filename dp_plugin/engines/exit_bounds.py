@@ -54,11 +54,21 @@ def finalize_mpi_at_exit(rank: int, timeout_s: float) -> None:
     finalize = ctypes.CDLL(MPI.__file__).MPI_Finalize
     finalize.restype = ctypes.c_int
 
+    what = f"rank {rank}: MPI_Finalize at exit"
+    done = threading.Event()
+
+    def watch() -> None:
+        if not done.wait(timeout_s):
+            die(f"{what} did not finish within {timeout_s:g} s (DP_PLUGIN_TIMEOUT): it waits "
+                "for every rank, and another has not reached the same point (it died, stalls, "
+                "or still runs); exiting with status 1 without it. Check the other ranks' logs")
+
     def at_exit() -> None:
         if MPI.Is_finalized():
             return
-        with Watchdog(f"rank {rank}: MPI_Finalize at exit", timeout_s):
-            finalize()  # ctypes releases the GIL: the watchdog can run meanwhile
+        threading.Thread(target=watch, name=f"dp_plugin: {what}", daemon=True).start()
+        finalize()  # ctypes releases the GIL: the watchdog can run meanwhile
+        done.set()
 
     atexit.register(at_exit)
 
@@ -76,31 +86,6 @@ def bound_at_exit(key: str, teardown: Callable[[], bool], what: str) -> None:
             die(f"{what} did not finish in time (DP_PLUGIN_TIMEOUT); exiting without it")
 
     atexit.register(at_exit)
-
-
-class Watchdog:
-    """``with Watchdog(what, timeout_s): blocking_call()``: if the block has
-    not ended after ``timeout_s``, ``die`` from a helper thread. The block
-    must release the GIL while it waits (a ``ctypes`` call does)."""
-
-    def __init__(self, what: str, timeout_s: float) -> None:
-        self._what, self._timeout_s = what, timeout_s
-        self._done = threading.Event()
-
-    def __enter__(self) -> Watchdog:
-        threading.Thread(target=self._watch, name=f"dp_plugin: {self._what}",
-                         daemon=True).start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-
-    def _watch(self) -> None:
-        if not self._done.wait(self._timeout_s):
-            die(f"{self._what} did not finish within {self._timeout_s:g} s (DP_PLUGIN_TIMEOUT): "
-                "it waits for every rank, and another has not reached the same point (it died, "
-                "stalls, or still runs); exiting with status 1 without it. Check the other "
-                "ranks' logs")
 
 
 def die(message: str) -> None:

@@ -87,19 +87,17 @@ class GlooEngine(TorchDistEngine):
         """The one route of an all-reduce (``standing``: without a deadline of
         its own, ``Engine.standing_allreduce_async``; a joined rank's listener
         must meet the others' plain all-reduce on the same route)."""
-        if self._hier is not None and postscale == 1.0:
-            t = self._tensor(buf, f"allreduce {name!r}")
-            if self._hier.takes(t) and t.numel():
-                desc = self.describe("allreduce", name, t.numel() * t.element_size())
-                return self._hier.allreduce_async(t, op, desc, self.mark_broken,
-                                                  self.wait_board(), standing=standing)
-        if self._shm is None:  # across hosts: Gloo's path validates the buffer itself
+        route = self._hier or self._shm  # never both; a post-scale only with _shm
+        if route is None:  # across hosts: Gloo's path validates the buffer itself
             return super()._allreduce_async(buf, op, name, standing=standing)
         t = self._tensor(buf, f"allreduce {name!r}")
-        if self._shm.takes(t) and t.numel():
+        if route.takes(t) and t.numel():
             desc = self.describe("allreduce", name, t.numel() * t.element_size())
-            return self._shm.allreduce_async(t, op, desc, self.mark_broken, self.wait_board(),
+            if isinstance(route, shm.ShmTransport):
+                return route.allreduce_async(t, op, desc, self.mark_broken, self.wait_board(),
                                              postscale, standing=standing)
+            return route.allreduce_async(t, op, desc, self.mark_broken, self.wait_board(),
+                                         standing=standing)
         handle = super()._allreduce_async(buf, op, name, standing=standing)
         if postscale == 1.0:
             return handle

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
+import os
 from typing import Any
 
 import numpy as np
@@ -67,7 +68,6 @@ from dp_plugin.engines.deadline import bounded_on
 from dp_plugin.engines.exit_bounds import bound_at_exit
 from dp_plugin.engines.generic import torch_byte_rows
 from dp_plugin.engines.horovod_env import library_settings
-from dp_plugin.engines.horovod_sets import add_process_set
 from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, EngineUnavailableError
 from dp_plugin.topology import Topology
 
@@ -334,12 +334,32 @@ class HorovodEngine(Engine):
 
     def _process_set_of(self, members: tuple[int, ...], what: str) -> Any:
         """The ``ProcessSet`` of ``members``: the global set, one this engine
-        added before, or a new one (``horovod_sets.add_process_set``)."""
+        added before, or a new one (``hvd.add_process_set``, collective over
+        every Horovod rank, bounded by the timeout), or the one the user
+        registered with the same ranks (Horovod refuses duplicates)."""
         if members == tuple(range(self.size)):
             return self._hvd.global_process_set
-        if members not in self._added_sets:
-            self._added_sets[members] = add_process_set(self, self._hvd, members, what)
-        return self._added_sets[members]
+        if members in self._added_sets:
+            return self._added_sets[members]
+        try:
+            added = bounded_on(self, lambda: self._hvd.add_process_set(list(members)),
+                               f"hvd.add_process_set({list(members)})")
+        except ValueError as exc:
+            if "duplicate" not in str(exc):
+                # Every rank gets the same refusal (e.g. dynamic process sets off).
+                raise DPPluginError(
+                    f"{what}: Horovod refused to add a process set of ranks {list(members)}: "
+                    f"{str(exc).rstrip('.')}. Under the horovod engine, process sets must be "
+                    "asked for when Horovod starts, as in Horovod: call "
+                    "hvd.init(process_sets='dynamic') (or pass the sets, "
+                    "hvd.init(process_sets=[hvd.ProcessSet([...])])) on every rank, or set "
+                    "HOROVOD_DYNAMIC_PROCESS_SETS=1 before hvd.init() (it is "
+                    f"{os.environ.get('HOROVOD_DYNAMIC_PROCESS_SETS')!r}); dp_plugin does not "
+                    "enable them unasked because Horovod then checks for new sets in every cycle"
+                ) from exc
+            added = _registered_set(members)
+        self._added_sets[members] = added
+        return added
 
     # -- internals ---------------------------------------------------------
     def _start(self, kind: str, name: str, description: str, enqueue: Any) -> _HorovodHandle:
@@ -389,6 +409,21 @@ class HorovodEngine(Engine):
         if tensor.dtype == self._torch.bfloat16:
             return tensor.view(self._torch.int16)
         return tensor
+
+
+def _registered_set(members: tuple[int, ...]) -> Any:
+    """The set the user registered with these ranks (hvd.init(process_sets=...)
+    or hvd.add_process_set)."""
+    from horovod.common.process_sets import ProcessSet
+    from horovod.torch.mpi_ops import _basics
+
+    for set_id, ranks in _basics._get_process_set_ids_and_ranks().items():
+        if tuple(ranks) == members:
+            found = ProcessSet(list(members))
+            found.process_set_id = set_id
+            return found
+    raise DPPluginError(f"Horovod reported a process set of ranks {list(members)} that "
+                        "it does not list; this is a Horovod bug")
 
 
 def _torch_viewable(arr: np.ndarray) -> bool:

@@ -235,6 +235,9 @@ class ShmTransport:
         at once (the sockets are shut down), and so do the peers' waits for
         this rank: they break in turn, and no host waits out its deadline."""
         self._break(error)
+        self._shut_sockets()
+
+    def _shut_sockets(self) -> None:
         for sock in self._socks.values():
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -253,9 +256,7 @@ class ShmTransport:
         thread still running after the timeout (stuck in a reduction, or in
         the cross-host step of a hierarchical all-reduce) keeps the mapping:
         it releases it when it stops, never under its feet."""
-        for sock in self._socks.values():
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+        self._shut_sockets()
         self._jobs.put(None)
         self._thread.join(self.timeout_s)
         with self._lock:
@@ -524,16 +525,12 @@ class ShmHandle(Handle):
 
 
 def _said_bytes(sent: bytes) -> str:
-    """What a barrier's bytes say: an operation's header, or the plain byte
-    of a barrier inside an operation (the streams are out of step)."""
-    if len(sent) == _HEADER.size:
-        return _said(_HEADER.unpack(sent))
-    return "a barrier in the middle of an operation (no header)"
-
-
-def _said(header: Any) -> str:
-    """A header as a person reads it: 'operation #3: allreduce (sum) of 10 float32'."""
-    seq, kind, count, dtype, op, scale, offset, whole = (int(v) for v in header[:8])
+    """What a barrier's bytes say, as a person reads them: an operation's
+    header ('operation #3: allreduce (sum) of 10 float32'), or the plain
+    byte of a barrier inside an operation (the streams are out of step)."""
+    if len(sent) != _HEADER.size:
+        return "a barrier in the middle of an operation (no header)"
+    seq, kind, count, dtype, op, scale, offset, whole = _HEADER.unpack(sent)
     factor = struct.unpack("<d", struct.pack("<q", scale))[0]
     names = (KINDS[kind] if 0 <= kind < len(KINDS) else f"kind {kind}",
              DTYPES[dtype] if 0 <= dtype < len(DTYPES) else f"dtype {dtype}",

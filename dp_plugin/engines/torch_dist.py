@@ -88,13 +88,8 @@ class TorchDistEngine(Engine):
             # process ("terminate called ... IoException"); destroy it first.
             # A subgroup registers after its parent: atexit runs LIFO.
             atexit.register(self.shutdown)
-        self._reduce_ops = {
-            ReduceOp.SUM: dist.ReduceOp.SUM,
-            ReduceOp.MIN: dist.ReduceOp.MIN,
-            ReduceOp.MAX: dist.ReduceOp.MAX,
-            ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
-            ReduceOp.AVERAGE: getattr(dist.ReduceOp, "AVG", None),
-        }
+        # Average never reaches the library: the base class sums, then scales.
+        self._reduce_ops = {op: getattr(dist.ReduceOp, op.name) for op in self.native_ops}
 
     @property
     def rendezvous_description(self) -> str:
