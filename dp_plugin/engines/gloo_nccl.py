@@ -7,6 +7,7 @@ native average.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -39,7 +40,7 @@ class GlooEngine(TorchDistEngine):
     name = "gloo"
     backend = "gloo"
     _shm: shm.ShmTransport | None = None
-    _hier: hierarchical.HierarchicalAllreduce | None = None
+    _hier: HierarchicalAllreduce | None = None
 
     def __init__(self, topology: Topology, config: Config, *,
                  parent: GlooEngine | None = None, group: Any = None) -> None:
@@ -144,9 +145,10 @@ class GlooEngine(TorchDistEngine):
         host = layout.host_of(self.rank)
         # Each host sets up its own segment; the exchange is the job's (rows:
         # job ranks), so that every host gives up, or goes on, together.
-        transport = shm.connect(self.exchange_rows, host.index(self.rank), len(host),
-                                self.config.shared_memory, self.config.timeout_s,
-                                budget_bytes=self.config.shared_memory_budget, members=host)
+        connect = functools.partial(shm.connect, self.exchange_rows, host.index(self.rank),
+                                    len(host), timeout_s=self.config.timeout_s,
+                                    budget_bytes=self.config.shared_memory_budget, members=host)
+        transport = connect(eligible=self.config.shared_memory)
         if transport is None:
             log.warning("dp_plugin: all-reduces use one flat Gloo ring, not the hierarchical "
                         "path: shared memory cannot be set up on every host")
@@ -157,17 +159,14 @@ class GlooEngine(TorchDistEngine):
             cross = made if made is not None else cross
         # The all-gather stage's own segment (the pipeline); any rank of the
         # job that cannot have it leaves every rank unpipelined.
-        gather = shm.connect(self.exchange_rows, host.index(self.rank), len(host), True,
-                             self.config.timeout_s, budget_bytes=self.config.shared_memory_budget,
-                             instead="the hierarchical all-reduce runs its steps one after "
-                                     "another, not pipelined (a second segment is needed)",
-                             members=host)
+        gather = connect(eligible=True, instead="the hierarchical all-reduce runs its steps one "
+                         "after another, not pipelined (a second segment is needed)")
         if self.rank == 0:
             log.info("dp_plugin: gloo all-reduces hierarchically over %d hosts x %d ranks, %s "
                      "(launcher topology; DP_PLUGIN_HIERARCHICAL_ALLREDUCE=0 for one flat ring)",
                      len(layout.hosts), len(host),
                      "pipelined" if gather is not None else "unpipelined")
-        return hierarchical.HierarchicalAllreduce(transport, cross, len(layout.hosts), gather)
+        return HierarchicalAllreduce(transport, cross, gather)
 
     @classmethod
     def _backend_problem(cls, topology: Topology) -> str | None:

@@ -152,17 +152,13 @@ class Layout:
     hosts: tuple[tuple[int, ...], ...]
     """Every host's job ranks, by local rank; hosts by index."""
 
-    @property
-    def ranks_per_host(self) -> int:
-        return len(self.hosts[0])
-
     def host_of(self, rank: int) -> tuple[int, ...]:
         """The ranks on ``rank``'s host, by local rank."""
         return next(h for h in self.hosts if rank in h)
 
     def peer_groups(self) -> list[tuple[int, ...]]:
         """For each local rank j, the ranks of local rank j on every host."""
-        return [tuple(h[j] for h in self.hosts) for j in range(self.ranks_per_host)]
+        return [tuple(h[j] for h in self.hosts) for j in range(len(self.hosts[0]))]
 
 
 def layout(table: np.ndarray) -> tuple[Layout | None, str]:
@@ -208,14 +204,13 @@ class HierarchicalAllreduce:
     (``gather``; None: unpipelined) and the Gloo engine over this rank's
     peers of the same local rank on the other hosts (None with one host)."""
 
-    def __init__(self, transport: ShmTransport, cross: Any, hosts: int,
+    def __init__(self, transport: ShmTransport, cross: Any,
                  gather: ShmTransport | None = None) -> None:
         self._transport = transport
         self._gather = gather
         self._cross = cross
         self._queueing = threading.Lock()
         self._closing = threading.Event()
-        self.hosts, self.ranks_per_host = hosts, transport.size
         # The last stage breaks everything: every piece before the one it
         # failed on is done here, every stage queued after it is at or past it.
         (gather or transport).on_break = self._break

@@ -324,8 +324,7 @@ def pipelined(hosts: int, per_host: int, gather: bool = True, timeout_s: float =
         if not gather:
             made[1].close()
         cross = wires[local].engine(host) if hosts > 1 else None
-        return hierarchical.HierarchicalAllreduce(made[0], cross, hosts,
-                                                  made[1] if gather else None)
+        return hierarchical.HierarchicalAllreduce(made[0], cross, made[1] if gather else None)
 
     hiers = on_ranks(size, setup)
     try:
