@@ -73,16 +73,12 @@ def choose_engine(topology: Topology) -> tuple[str, str]:
     launcher = topology.launcher
     if launcher == "single" and topology.size == 1:
         return "local", "single process without a launcher: no communication needed"
-    if launcher == "horovodrun":
-        preferred, fallback = "horovod", "gloo"
-    elif topology.is_mpi:
-        preferred, fallback = "mpi", "gloo"
-    else:
-        preferred, fallback = "nccl", "gloo"
+    preferred = ("horovod" if launcher == "horovodrun" else "mpi" if topology.is_mpi
+                 else "nccl")
     avail = availability(preferred, topology)
     if avail.ok:
         return preferred, f"launched by {launcher}; {preferred} is available ({avail.reason})"
-    return fallback, f"launched by {launcher}; {preferred} is not available: {avail.reason}"
+    return "gloo", f"launched by {launcher}; {preferred} is not available: {avail.reason}"
 
 
 def choose_for_job(requested: str, topology: Topology, config: Config) -> tuple[str, str]:

@@ -105,9 +105,6 @@ class GlooEngine(TorchDistEngine):
         # A CUDA tensor: Gloo's path, then the scheduler's own multiply.
         return handle.then(lambda: self._torch.mul(t, postscale, out=t))
 
-    def _standing_allreduce_async(self, buf: Any, name: str) -> Handle:
-        return self._allreduce_async(buf, ReduceOp.SUM, name, standing=True)
-
     def _close(self) -> None:
         if self._shm is not None:
             self._shm.close()
