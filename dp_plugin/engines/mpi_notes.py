@@ -38,7 +38,7 @@ class MPINotes:
         """Send requests not known to be complete, with the buffers they read."""
 
     def set(self, key: str, value: str) -> None:
-        self._forget_sent()
+        self._sending = [(r, d) for r, d in self._sending if not r.Test()]
         data = bytearray(f"{key}\n{value}".encode())
         me = self._comm.Get_rank()
         for rank in range(self._comm.Get_size()):
@@ -71,6 +71,3 @@ class MPINotes:
             self._comm.Recv([data, self._MPI.BYTE], source=status.Get_source(), tag=TAG)
             key, _, value = bytes(data).partition(b"\n")
             self._held[key.decode(errors="replace")] = value
-
-    def _forget_sent(self) -> None:
-        self._sending = [(r, d) for r, d in self._sending if not r.Test()]

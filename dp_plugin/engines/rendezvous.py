@@ -101,10 +101,8 @@ def problem(topology: Topology) -> str | None:
 def rendezvous(topology: Topology, config: Config) -> tuple[Any, str]:
     """Meet the other ranks: the ``torch.distributed.Store`` to pass to
     ``init_process_group``, and how the ranks met (for logs and errors).
-    Collective: every rank calls it once per init."""
-    reason = problem(topology)
-    if reason is not None:
-        raise EngineUnavailableError(f"torch.distributed cannot rendezvous: {reason}")
+    Collective: every rank calls it once per init, once the engine's
+    ``availability`` has found no ``problem``."""
     launcher = topology.launcher
     if launcher == "single":
         import torch.distributed as dist

@@ -385,8 +385,15 @@ class PollHandle(Handle):
             return False
         try:
             self._work.wait()
-        except Exception as exc:
-            raise _library_error(self, exc) from exc
+        except Exception as exc:  # the timeout error where torch says it timed out
+            text = str(exc)
+            if "timed out" in text.lower() or "timeout" in text.lower():
+                raise self.timeout_error() from exc
+            raise DPPluginError(
+                f"rank {self.rank}: {self.description} failed: {text.strip().rstrip('.')}."
+                f"{self.report()} Another rank has probably died or closed its connection; "
+                "check the other ranks' logs"
+            ) from exc
         return True
 
 
@@ -398,17 +405,3 @@ def _formation_error(exc: Exception, message: str) -> DPPluginError:
 
     kind = CollectiveTimeoutError if isinstance(exc, dist.DistStoreError) else DPPluginError
     return kind(f"{message} ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})")
-
-
-def _library_error(handle: Handle, exc: Exception) -> DPPluginError:
-    """A failure torch reports: the timeout error where it says it timed out,
-    else a ``DPPluginError`` naming the collective."""
-    text = str(exc)
-    if "timed out" in text.lower() or "timeout" in text.lower():
-        return handle.timeout_error()
-    return DPPluginError(
-        f"rank {handle.rank}: {handle.description} failed: {text.strip().rstrip('.')}."
-        f"{handle.report()} Another rank has probably died or closed its connection; check "
-        "the other ranks' logs"
-    )
-
