@@ -19,15 +19,10 @@ Contract shared by all engines:
   complex) moves as raw bytes. The base class implements alltoall,
   reducescatter and subgroup on top of all-gather and all-reduce; engines
   override the underscore methods where their library has a native path;
-- Average is one definition on every engine: the sum, then multiplied by
-  ``1 / size`` as ``ArrayOps.scale_`` multiplies (integers in double
-  precision, truncated; float16 in float32) — ``generic.average``, the rule
-  of ``hooks.ReducePolicy`` too. No library's native average is used;
-- lifecycle lives in the base class ``Lifecycle`` (``lifecycle.py``), not
-  in the engines: a closed engine, one broken by a timeout, and a subgroup
-  whose parent is closed or broken refuse every collective with a
-  ``DPPluginError`` saying what to do (``_check_usable``). ``shutdown`` is
-  idempotent; engines release their library's resources in ``_close``;
+- Average is one definition on every engine, ``generic.average`` (the
+  rule of ``hooks.ReducePolicy`` too): no library's native average is used;
+- open / closed / broken is the base class ``Lifecycle``'s (``lifecycle.py``);
+  engines release their library's resources in ``_close``;
 - subgroup engines are made by the engine's constructor with ``parent=``
   (plus the library's group object), never by copying private fields;
 - ``buffer_device`` says where the engine takes buffers ("cpu", or

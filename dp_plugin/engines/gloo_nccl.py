@@ -24,18 +24,13 @@ log = logging.getLogger("dp_plugin")
 class GlooEngine(TorchDistEngine):
     """torch.distributed with Gloo: CPU buffers (CUDA ones are staged by torch).
 
-    When every rank of the job runs on one host (by the launcher's count)
-    and ``DP_PLUGIN_SHARED_MEMORY`` is not 0, all-reduces of CPU buffers go
-    through a shared-memory segment instead of Gloo's loopback TCP
-    (``shm.py``); a channel or process set inherits the job's answer. Every
-    other collective is Gloo's.
-
-    On several hosts with several ranks each, all-reduces are hierarchical
-    (``hierarchical.py``: shared memory inside each host, Gloo between the
-    hosts' ranks of the same local rank), by the launcher's topology or
-    ``DP_PLUGIN_HIERARCHICAL_ALLREDUCE``; the job-wide engine and its
-    channels each get their own segment and cross-host groups, a process
-    set keeps the flat ring."""
+    All-reduces of CPU buffers go through shared memory (``shm.py``) when
+    every rank runs on one host (by the launcher's count; a channel or
+    process set inherits the job's answer), and are hierarchical
+    (``hierarchical.py``) on several hosts of several ranks; the job-wide
+    engine and its channels each get their own segments and cross-host
+    groups, a process set keeps the flat ring. Every other collective is
+    Gloo's."""
 
     name = "gloo"
     backend = "gloo"

@@ -1,13 +1,7 @@
-"""Handles: in-flight collectives that honour the timeout.
-
-Every engine's collectives return a ``Handle``; ``wait`` blocks until the
-collective is done or ``timeout_s`` has passed, then raises
-``CollectiveTimeoutError`` naming the collective and the rank, and tells the
-engine (``on_timeout``, the engine's ``mark_broken``) so that it refuses
-later collectives. With a ``WaitBoard`` (``waits.py``) a wait longer than
-half the timeout leaves a note for the other ranks, and the timeout error
-says what every other rank was waiting in. ``dp_plugin.engines.base``
-re-exports both classes.
+"""Handles: in-flight collectives that honour the timeout (``Handle.wait``).
+With a ``WaitBoard`` (``waits.py``) a wait longer than half the timeout
+leaves a note for the other ranks, and the timeout error says what every
+other rank was waiting in.
 """
 
 from __future__ import annotations

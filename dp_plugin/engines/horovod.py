@@ -3,21 +3,13 @@
 Uses ``horovod.torch`` (Horovod 0.28.1 built with Gloo; see DESIGN.md for
 the C++17 rebuild), imported when the engine is created.
 
-Distributed contract (on top of ``dp_plugin.engines.base``):
 - Horovod matches collectives across ranks by *name*, not by order. Every
   rank must pass the same names in the same order. The engine appends a slot
   number so that a name may be reused once its previous use has been waited
   for (the same name every step keeps Horovod's response cache warm) while
   two in-flight uses of one name stay distinct. The slot depends only on the
   program order of calls and ``wait``s, so it agrees across ranks;
-- waits poll ``hvd.poll`` and raise ``CollectiveTimeoutError`` after
-  ``config.timeout_s`` (``hvd.synchronize`` alone could block forever);
-  after a timeout the engine is broken (base class) and refuses further
-  collectives, because the pending operation may still complete later and
-  write into its buffer;
-- ``allgather`` agrees on every rank's dtype and shape through the base
-  class's agreement (one ``hvd.allreduce`` of a small table, under one name
-  for every agreement), then ``hvd.allgather`` moves the data;
+- waits poll ``hvd.poll`` (``hvd.synchronize`` alone could block forever);
 - errors Horovod detects across ranks (a rank that shut down, say) are
   raised on every rank as ``DPPluginError``.
 

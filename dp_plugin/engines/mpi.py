@@ -1,22 +1,14 @@
 """The ``mpi`` engine: mpi4py non-blocking collectives, launched by mpirun.
 
-Distributed contract (on top of ``dp_plugin.engines.base``):
-- every rank calls the same collectives in the same order with buffers of
-  the same length and dtype (all-reduce, broadcast); MPI matches collectives
-  by order only, so names are used solely in error messages;
-- all traffic runs on a private duplicate of ``MPI.COMM_WORLD``: a user's own
-  MPI calls on ``COMM_WORLD`` can never match ours;
-- waits poll ``Request.Test`` (MPI makes progress only inside MPI calls) and
-  raise ``CollectiveTimeoutError`` after ``config.timeout_s``;
-- after a timeout the engine is *broken* (base class): the timed-out
-  request may still complete later and write into its buffer, and the
-  ranks no longer agree on the order of collectives, so every later
-  collective raises at once. A timeout in a subgroup breaks the engine it
-  came from too (they share datatypes and ops).
-  ``shutdown`` then leaks the communicator and reduction ops on purpose
-  (freeing an op that a pending request may still call is unsafe); the
-  process still exits normally (MPICH 5.0.2 finalizes with pending requests
-  without blocking, checked with mismatched pending collectives).
+MPI matches collectives by order only: names are used solely in error
+messages. All traffic runs on a private duplicate of ``MPI.COMM_WORLD``, so
+a user's own MPI calls on ``COMM_WORLD`` can never match ours. Waits poll
+``Request.Test`` (MPI makes progress only inside MPI calls). A timeout in a
+subgroup breaks the engine it came from too (they share datatypes and ops);
+``shutdown`` of a broken engine leaks the communicator and reduction ops on
+purpose (freeing an op that a pending request may still call is unsafe);
+the process still exits normally (MPICH 5.0.2 finalizes with pending
+requests without blocking, checked with mismatched pending collectives).
 
 ``allgather`` is ``Iallgatherv`` with the row counts the base class's
 agreement gave (that agreement is one ``Iallreduce`` of a small table).

@@ -166,16 +166,14 @@ class ShmTransport:
         self.job_rank = self.ranks[rank]
         self.timeout_s = timeout_s
         self.checked = checked
-        """Compare every operation's header on every rank (module docstring).
-        Fixed when the transport is made: the engines' always are; only
-        ``dp-plugin bench --shm-check`` makes unchecked ones of its own, to time
+        """Compare every operation's header on every rank (module docstring);
+        only ``dp-plugin bench --shm-check`` makes unchecked transports, to time
         the check against."""
         self._segment = segment
         self._nbytes = len(segment)
         with _held_lock:
             _held_bytes += self._nbytes
-        self._bytes: Any = torch.frombuffer(segment, dtype=torch.uint8,
-                                            )
+        self._bytes: Any = torch.frombuffer(segment, dtype=torch.uint8)
         self._socks = socks
         self._seq = 0
         self._turn = 0  # the set the next chunk uses: alternation runs on across operations
@@ -577,14 +575,9 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
     setting up its own segment), every group gives up if any participant
     cannot, so every rank of the job takes the same path. ``ranks``: the
     job rank of each row (default its index), which the log and the
-    transport's errors name. Three exchanges: the chunk each rank
-    can afford (0: cannot) and rank 0's token naming the sockets; whether
-    every rank listens (and rank 0 made the segment); whether every rank
-    connected and mapped it. ``chunk_bytes``: default ``CHUNK_BYTES``;
-    ``budget_bytes``: default a quarter of ``/dev/shm``'s size; ``instead``:
-    what the log says happens instead when it cannot (once per process and text);
-    ``checked``: ``ShmTransport.checked``. A process that dies at any point
-    leaves nothing behind (module docstring).
+    transport's errors name. ``instead``: what the log says happens instead
+    when it cannot (once per process and text). A process that dies at any
+    point leaves nothing behind (module docstring).
     """
     wanted = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     if wanted <= 0 or wanted % 8:

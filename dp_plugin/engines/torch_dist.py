@@ -8,20 +8,14 @@ If the user already initialized torch.distributed's default group with the
 same world, the engine joins it instead of making another, and leaves it
 alone at shutdown (a group the engine creates, it destroys).
 
-Distributed contract (on top of ``Engine``'s): every rank issues the same
-collectives in the same order on buffers of the same size and dtype;
-``allgather`` (after the base class's agreement, which allows uneven
-first dimensions) pads every rank's rows to the longest and runs one
-``all_gather``. A timeout breaks the engine (base class); ``shutdown``
-still destroys the group then, so teardown does not abort on the pending
-work. nccl takes CUDA buffers only (``buffer_device`` is its GPU).
-
-``alltoall`` is ``all_to_all_single`` on the rows' bytes. ``reducescatter``
-is the base class's all-reduce-then-slice: Gloo's ``reduce_scatter`` work
-has no future and never reported completion when polled here (torch 2.13).
-``subgroup`` is ``dist.new_group``, collective over every process of the
-job, so only the job-wide engine can make subgroups (a subgroup of a
-subgroup raises ``NotImplementedError`` naming the job-wide ranks to use).
+``allgather`` pads every rank's rows (agreed, maybe uneven) to the longest
+and runs one ``all_gather``; ``alltoall`` is ``all_to_all_single`` on the
+rows' bytes. A broken engine's ``shutdown`` still destroys the group, so
+teardown does not abort on the pending work. ``reducescatter`` is the base
+class's all-reduce-then-slice: Gloo's ``reduce_scatter`` work has no future
+and never reported completion when polled here (torch 2.13). ``subgroup``
+is ``dist.new_group``, collective over every process of the job, so only
+the job-wide engine can make subgroups.
 """
 
 from __future__ import annotations
