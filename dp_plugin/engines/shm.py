@@ -117,9 +117,9 @@ KINDS = ("allreduce", "reducescatter", "allgather")
 OPS = tuple(ReduceOp)
 _PLAIN = b"\x01"
 """A barrier's byte when the operation is not checked (``checked``)."""
-_HEADER = struct.Struct("<8q")
-"""An operation's header, 8 int64s: sequence, kind, count, dtype, op,
-post-scale (the float64's bits), and for a stage of a pipelined all-reduce
+_HEADER = struct.Struct("<5qd2q")
+"""An operation's header, 64 bytes: sequence, kind, count, dtype, op (int64s),
+post-scale (a float64), and for a stage of a pipelined all-reduce
 the piece's offset in its tensor and the tensor's element count (0 and 0
 otherwise: a piece of the same size from another tensor does not pass)."""
 _DTYPE_CODES: dict[Any, int] = {}
@@ -134,14 +134,6 @@ _held_bytes = 0
 _fallback_said: set[str] = set()
 """The ``instead`` texts already said (``_fall_back``)."""
 TCP_INSTEAD = "all-reduces go through Gloo's TCP, not shared memory"
-
-
-def _bits(x: float) -> int:
-    """A float64's bits as an int64 (a post-scale in a header)."""
-    return int(struct.unpack("<q", struct.pack("<d", x))[0])
-
-
-_ONE = _bits(1.0)
 
 
 def shard(n: int, size: int, rank: int) -> tuple[int, int]:
@@ -421,9 +413,8 @@ class ShmTransport:
         code = _DTYPE_CODES.get(data.dtype)
         if code is None:
             code = _DTYPE_CODES[data.dtype] = DTYPES.index(str(data.dtype).removeprefix("torch."))
-        scale = _ONE if job.postscale == 1.0 else _bits(job.postscale)
         return _HEADER.pack(self._seq, KINDS.index(kind), data.numel(), code,
-                            OPS.index(job.op), scale, *job.whole)
+                            OPS.index(job.op), job.postscale, *job.whole)
 
     def _barrier(self, deadline: float | None, job: _Job, said: bytes = b"\x01") -> None:
         """Wait until every rank has reached this point. ``said``: what this
@@ -528,8 +519,7 @@ def _said_bytes(sent: bytes) -> str:
     byte of a barrier inside an operation (the streams are out of step)."""
     if len(sent) != _HEADER.size:
         return "a barrier in the middle of an operation (no header)"
-    seq, kind, count, dtype, op, scale, offset, whole = _HEADER.unpack(sent)
-    factor = struct.unpack("<d", struct.pack("<q", scale))[0]
+    seq, kind, count, dtype, op, factor, offset, whole = _HEADER.unpack(sent)
     names = (KINDS[kind] if 0 <= kind < len(KINDS) else f"kind {kind}",
              DTYPES[dtype] if 0 <= dtype < len(DTYPES) else f"dtype {dtype}",
              OPS[op].value if 0 <= op < len(OPS) else f"op {op}")
