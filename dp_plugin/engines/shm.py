@@ -596,39 +596,45 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
     chunk_bytes = int(group[:, 0].min())
     nbytes = _segment_bytes(size, chunk_bytes)
     token = int(group[0, 1])
-    memfd = -1
-    segment: mmap.mmap | None = None
-    listener: socket.socket | None = None
-    socks: dict[int, socket.socket] = {}
-    try:
-        ok = True
+
+    def everyone(failure: str | None, step: str) -> bool:
+        """Whether every rank passed ``step`` (one exchange); says this one's failure."""
+        if failure is not None:
+            _fall_back(instead, f"rank {me} {failure}")
+        return bool(exchange(np.array([int(failure is None)], dtype=np.int64), step)[:, 0].all())
+
+    socks: dict[int, socket.socket] = {}  # closed, and unmapped, unless the transport takes them
+
+    def close_sockets() -> None:
+        for sock in socks.values():
+            sock.close()
+
+    # Nothing has a name to unlink: closing what setup opened is all the cleanup.
+    with contextlib.ExitStack() as opened, contextlib.ExitStack() as unless_taken:
+        unless_taken.callback(close_sockets)
+        failure = None
         try:
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # closed by _cleanup
+            listener = opened.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
             listener.bind(_address(token, rank))
             listener.listen(size)
-            if rank == 0:
-                memfd = _memfd(nbytes)
+            memfd = _memfd(nbytes) if rank == 0 else -1
+            if memfd >= 0:
+                opened.callback(os.close, memfd)
         except OSError as exc:
-            _fall_back(instead, f"rank {me} cannot listen or make the segment: {exc}")
-            ok = False
-        if not exchange(np.array([int(ok)], dtype=np.int64), "shm listen")[:, 0].all():
+            failure = f"cannot listen or make the segment: {exc}"
+        if not everyone(failure, "shm listen"):
             return None
         try:
-            assert listener is not None
             _mesh(listener, token, rank, size, timeout_s, socks, [names[r] for r in rows])
-            segment = _share(memfd, socks, rank, nbytes)
+            segment = unless_taken.enter_context(_share(memfd, socks, rank, nbytes))
         except OSError as exc:
-            _fall_back(instead, f"rank {me} cannot connect to its peers: {exc}")
-            ok = False
-        if not exchange(np.array([int(ok)], dtype=np.int64), "shm connect")[:, 0].all():
+            failure = f"cannot connect to its peers: {exc}"
+        if not everyone(failure, "shm connect"):
             return None
-        assert segment is not None
         transport = ShmTransport(rank, size, segment, dict(sorted(socks.items())), chunk_bytes,
                                  timeout_s, ranks=[names[r] for r in rows], checked=checked)
-        segment, socks = None, {}
+        unless_taken.pop_all()
         return transport
-    finally:
-        _cleanup(listener, memfd, segment, socks)
 
 
 def describe(ranks: int, budget_bytes: int | None = None) -> str:
@@ -729,7 +735,7 @@ def _peer_uid(sock: socket.socket) -> int:
 
 def _mesh(listener: socket.socket, token: int, rank: int, size: int, timeout_s: float,
           socks: dict[int, socket.socket], names: Sequence[int]) -> None:
-    """Connect to every peer, into ``socks`` (``_cleanup`` closes them if
+    """Connect to every peer, into ``socks`` (``connect`` closes them if
     setup fails): rank r dials every lower rank and accepts every higher
     one, which announces its rank first. Both ends check that the other
     runs as this process's user; a stranger's connection is dropped.
@@ -768,17 +774,3 @@ def _mesh(listener: socket.socket, token: int, rank: int, size: int, timeout_s: 
             raise OSError(f"an unexpected connection to rank {names[rank]}'s shared-memory "
                           "socket")
         socks[peer] = sock
-
-
-def _cleanup(listener: socket.socket | None, memfd: int, segment: mmap.mmap | None,
-             socks: dict[int, socket.socket]) -> None:
-    """Close what setup leaves open: the listener and rank 0's descriptor
-    always, the sockets and mapping if it failed. Nothing has a name to unlink."""
-    if listener is not None:
-        listener.close()
-    if memfd >= 0:
-        os.close(memfd)
-    for sock in socks.values():
-        sock.close()
-    if segment is not None:
-        segment.close()
