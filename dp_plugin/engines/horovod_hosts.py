@@ -25,7 +25,6 @@ that verdict. ``auto`` then runs ``gloo`` on every rank; an explicit
 
 from __future__ import annotations
 
-import importlib.util
 import ipaddress
 import itertools
 import socket
@@ -43,8 +42,6 @@ _checks = itertools.count()
 
 def has_process_set_iface_fix() -> bool:
     """Whether the installed Horovod was built by ``build-horovod`` with the fix."""
-    if importlib.util.find_spec("horovod") is None:
-        return False
     try:
         from horovod.dp_plugin_patches import PATCH_SET
     except ImportError:

@@ -40,15 +40,10 @@ class Lifecycle(ABC):
 
     @property
     @abstractmethod
-    def rank(self) -> int:
-        """This process's rank in the engine."""
-
-    @property
     def job_rank(self) -> int:
         """This process's rank in the job, which errors name (a subgroup's
         own rank differs: a process set's, a hierarchical all-reduce's
         cross-host group's)."""
-        return self.rank
 
     @property
     def closed(self) -> bool:

@@ -150,10 +150,9 @@ def _tcp_store(host: str, port: int, topology: Topology, config: Config, *,
         served.set_timeout(timeout)
         return served
     listen = _listening_socket(host, port) if is_master else None
-    extra: dict[str, Any] = {}
     # A fixed port: the server is shared within the process (multi-tenant).
     # Port 0 on the master: the OS picks a free port, read back as .port.
-    extra["multi_tenant"] = port != 0
+    extra: dict[str, Any] = {"multi_tenant": port != 0}
     if listen is not None:
         port, extra["master_listen_fd"] = listen
     store = dist.TCPStore(host, port, topology.size, is_master, timeout=timeout,

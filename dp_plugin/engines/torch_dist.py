@@ -217,9 +217,8 @@ class TorchDistEngine(Engine):
         over every process of the job, members or not (a subgroup has only its own)."""
         self._job_wide_only(members, name, "torch.distributed creates groups collectively "
                             "over the whole job")
-        group = self._new_group(f"subgroup {name!r} of job ranks "
-                                f"{[self.global_ranks[m] for m in members]}",
-                                ranks=[self.global_ranks[m] for m in members])
+        ranks = [self.global_ranks[m] for m in members]
+        group = self._new_group(f"subgroup {name!r} of job ranks {ranks}", ranks=ranks)
         if topology is None:
             return None
         return type(self)(topology, self.config, parent=self, group=group)
