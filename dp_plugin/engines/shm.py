@@ -85,7 +85,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -195,16 +195,16 @@ class ShmTransport:
         self._jobs.put(_Job(t, op, handle, postscale, deadline))
         return handle
 
-    def stage_async(self, kind: str, data: Any, op: ReduceOp, handle: ShmHandle,
-                    deadline: float | None, *, before: Callable[[float | None], None] | None = None,
+    def stage_async(self, kind: Literal["reducescatter", "allgather"], data: Any, op: ReduceOp,
+                    handle: ShmHandle, deadline: float | None, *,
+                    before: Callable[[float | None], None] | None = None,
                     after: Callable[[Any], None] | None = None,
                     on_error: Callable[[BaseException], None] | None = None,
                     whole: tuple[int, int] = (0, 0)) -> None:
-        """Queue one stage of a pipelined hierarchical all-reduce
-        (``hierarchical.py``) on this transport's thread, after everything
-        queued before it: ``before(deadline)``, then a ``"reducescatter"``
-        or ``"allgather"`` of ``data`` in place (header check included),
-        then ``after(shard)`` with the view of this rank's shard. ``handle``
+        """Queue one stage of a hierarchical all-reduce (``hierarchical.py``)
+        on this transport's thread, after everything queued before it:
+        ``before(deadline)``, then the ``kind`` of ``data`` in place (header
+        check included), then ``after(shard)`` with the view of this rank's shard. ``handle``
         (shared by the stages of one all-reduce, made with one part per
         stage) counts this stage as one part once it has run, failed or
         been skipped: it is done when every stage is, with the error of the
@@ -214,8 +214,6 @@ class ShmTransport:
         ``time.perf_counter`` value, or None (a standing all-reduce).
         ``whole``: the piece's offset in its tensor and the tensor's element
         count, both in the header (compared on every rank)."""
-        if kind not in ("reducescatter", "allgather"):
-            raise ValueError(f"a stage is a reducescatter or an allgather, got {kind!r}")
         self._jobs.put(_Job(data, op, handle, 1.0, deadline, kind, before, after, on_error, whole))
 
     def fail(self, error: BaseException) -> None:

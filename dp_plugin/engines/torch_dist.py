@@ -49,11 +49,6 @@ class TorchDistEngine(Engine):
 
     backend: ClassVar[str]
     """torch.distributed backend name."""
-    # Neither Gloo nor NCCL moves int16: reduce it as int32 (exact, and the
-    # wrap-around of the cast back matches int16 arithmetic); broadcast and
-    # gather it as bytes.
-    _WIDENED: ClassVar[dict[str, str]] = {"int16": "int32"}
-
     def __init__(self, topology: Topology, config: Config, *,
                  parent: TorchDistEngine | None = None, group: Any = None) -> None:
         """The job-wide engine (joins or creates the default group), or with
@@ -232,8 +227,10 @@ class TorchDistEngine(Engine):
         desc = self.describe("allreduce", name, t.numel() * t.element_size())
         if t.numel() == 0:  # every rank has the same size: all skip alike
             return self._done(desc)
-        wide = self._WIDENED.get(str(t.dtype).removeprefix("torch."))
-        staged = t if wide is None else t.to(getattr(self._torch, wide))
+        # Neither Gloo nor NCCL moves int16: reduce it as int32 (exact, and the
+        # wrap-around of the cast back matches int16 arithmetic); broadcast and
+        # gather it as bytes (_wire).
+        staged = t.to(self._torch.int32) if t.dtype == self._torch.int16 else t
         if standing:
             opts = self._dist.AllreduceOptions()
             opts.reduceOp, opts.timeout = self._reduce_ops[op], STANDING_TIMEOUT
