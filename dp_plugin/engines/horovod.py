@@ -48,6 +48,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -190,12 +191,8 @@ class HorovodEngine(Engine):
         wire_dtype = ALLREDUCE_WIRE_DTYPES.get(dtype)
         wire = tensor if wire_dtype is None else tensor.to(getattr(self._torch, wire_dtype))
         description = self.describe("allreduce", name, tensor.numel() * tensor.element_size())
-        hvd_op = getattr(self._hvd, _HVD_OPS[op])
-        handle = self._start(
-            "allreduce", name, description,
-            lambda full: self._hvd.allreduce_async_(wire, name=full, op=hvd_op,
-                                                    process_set=self._process_set),
-        )
+        handle = self._start("allreduce", name, description, self._hvd.allreduce_async_, wire,
+                             op=getattr(self._hvd, _HVD_OPS[op]))
         if wire is not tensor:
             handle.then(lambda: tensor.copy_(wire))
         return handle
@@ -203,12 +200,9 @@ class HorovodEngine(Engine):
     def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle:
         tensor = self._bits(self._inplace_tensor(buf, f"broadcast {name!r}"))
         description = self.describe("broadcast", name, tensor.numel() * tensor.element_size())
-        return self._start(
-            "broadcast", name, description,
-            # Horovod takes the job-wide rank of the root, even in a process set.
-            lambda full: self._hvd.broadcast_async_(tensor, root_rank=self.global_ranks[root],
-                                                    name=full, process_set=self._process_set),
-        )
+        # Horovod takes the job-wide rank of the root, even in a process set.
+        return self._start("broadcast", name, description, self._hvd.broadcast_async_, tensor,
+                           root_rank=self.global_ranks[root])
 
     def _allgather(self, buf: Any, rows: list[int], name: str) -> Any:
         # Horovod agrees on the row counts itself: ``rows`` is not needed.
@@ -216,11 +210,8 @@ class HorovodEngine(Engine):
             buf = np.asarray(buf).copy(order="C")  # only read: a copy is fine
         tensor = as_torch(buf).detach().contiguous()
         wire = self._bits(tensor)
-        handle = self._start(
-            "allgather", name, self.describe("allgather", name),
-            lambda full: self._hvd.allgather_async(wire, name=full,
-                                                   process_set=self._process_set),
-        )
+        handle = self._start("allgather", name, self.describe("allgather", name),
+                             self._hvd.allgather_async, wire)
         handle.wait()
         out = handle.result.view(tensor.dtype)  # bfloat16 travelled as its bits
         return out if is_torch(buf) else as_numpy(out)
@@ -229,11 +220,8 @@ class HorovodEngine(Engine):
         # hvd.barrier() blocks in synchronize() without a timeout; a one-element
         # all-reduce is a barrier that honours it.
         token = self._torch.zeros(1, dtype=self._torch.int32)
-        self._start(
-            "barrier", "barrier", "horovod barrier",
-            lambda full: self._hvd.allreduce_async_(token, name=full, op=self._hvd.Sum,
-                                                    process_set=self._process_set),
-        ).wait()
+        self._start("barrier", "barrier", "horovod barrier", self._hvd.allreduce_async_, token,
+                    op=self._hvd.Sum).wait()
 
     def _close(self) -> None:
         """Shut Horovod down if this engine started it.
@@ -280,11 +268,8 @@ class HorovodEngine(Engine):
         else:
             wire = torch_byte_rows(tensor)  # also when this rank sends no rows
             splits = torch.tensor([int(c) for c in counts[self.rank]], dtype=torch.int32)
-            handle = self._start(
-                "alltoall", name, self.describe("alltoall", name, wire.numel()),
-                lambda full: self._hvd.alltoall_async(wire, splits=splits, name=full,
-                                                      process_set=self._process_set),
-            )
+            handle = self._start("alltoall", name, self.describe("alltoall", name, wire.numel()),
+                                 self._hvd.alltoall_async, wire, splits=splits)
             handle.wait()
             rows = int(received.sum())
             out = (handle.result[0].view(tensor.dtype).reshape((rows, *trailing)) if rows
@@ -301,12 +286,9 @@ class HorovodEngine(Engine):
         if op is not ReduceOp.SUM or dtype in ALLREDUCE_WIRE_DTYPES or tensor.numel() == 0:
             return super()._reducescatter_start(buf, op, counts, name)
         src = tensor.contiguous()
-        handle = self._start(
-            "reducescatter", name,
-            self.describe("reducescatter", name, src.numel() * src.element_size()),
-            lambda full: self._hvd.reducescatter_async(src, name=full, op=self._hvd.Sum,
-                                                       process_set=self._process_set),
-        )
+        handle = self._start("reducescatter", name,
+                             self.describe("reducescatter", name, src.numel() * src.element_size()),
+                             self._hvd.reducescatter_async, src, op=self._hvd.Sum)
         return handle, lambda: handle.result if is_torch(buf) else as_numpy(handle.result)
 
     def _channel(self, name: str) -> Engine:
@@ -354,15 +336,18 @@ class HorovodEngine(Engine):
         return added
 
     # -- internals ---------------------------------------------------------
-    def _start(self, kind: str, name: str, description: str, enqueue: Any) -> _HorovodHandle:
-        """Reserve a name slot, enqueue the operation, wrap its handle."""
+    def _start(self, kind: str, name: str, description: str, start: Callable[..., int],
+               tensor: Any, **options: Any) -> _HorovodHandle:
+        """Reserve a name slot, start Horovod's operation (``start(tensor,
+        name=, process_set=, **options)``) and wrap its handle."""
         scope = "" if self._parent is None else f"ps{self._process_set.process_set_id}."
         base = f"dp.{scope}{kind}.{name}"
         used = self._in_flight.setdefault(base, set())
         index = next(i for i in range(len(used) + 1) if i not in used)
         used.add(index)
         try:
-            hvd_handle = enqueue(f"{base}.{index}")
+            hvd_handle = start(tensor, name=f"{base}.{index}", process_set=self._process_set,
+                               **options)
         except (RuntimeError, ValueError) as exc:
             used.discard(index)
             raise DPPluginError(
