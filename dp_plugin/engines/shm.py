@@ -116,7 +116,8 @@ agree on these; numpy rounds the factor to a 16-bit dtype first, torch not)."""
 KINDS = ("allreduce", "reducescatter", "allgather")
 OPS = tuple(ReduceOp)
 _PLAIN = b"\x01"
-"""A barrier's byte when the operation is not checked (``checked``)."""
+"""A barrier's byte: every barrier but an operation's first, which
+carries its header instead (unless the transport is not ``checked``)."""
 _HEADER = struct.Struct("<5qd2q")
 """An operation's header, 64 bytes: sequence, kind, count, dtype, op (int64s),
 post-scale (a float64), and for a stage of a pipelined all-reduce
@@ -308,7 +309,6 @@ class ShmTransport:
         and results: for a reduction, the barrier after round k is also
         the one before round k + 1, so a buffer of m chunks takes m + 1
         barriers; an all-gather copies out right after each barrier."""
-        deadline = job.deadline
         chunk = self.chunk_bytes // data.element_size()  # elements per round
         sets = self._bytes.view(data.dtype).view(2, self.size + 1, chunk)
         rounds = [(self._turn + k) % 2 for k in range(-(-data.numel() // chunk))]
@@ -319,12 +319,12 @@ class ShmTransport:
             self._scatter_once(job, sets[rounds[0]], data, first)
             return
         self._stage(kind, sets[rounds[0]], data, 0, chunk)
-        self._barrier(deadline, job, first)
+        self._barrier(job, first)
         if kind == "allgather":
             for k, s in enumerate(rounds):
                 if k:
                     self._stage(kind, sets[s], data, k * chunk, chunk)
-                    self._barrier(deadline, job)
+                    self._barrier(job)
                 self._finish(kind, job, sets[s], data, k * chunk, chunk)
             return
         for k, s in enumerate(rounds):
@@ -339,7 +339,7 @@ class ShmTransport:
                         job.op)
             if k + 1 < len(rounds):
                 self._stage(kind, sets[rounds[k + 1]], data, (k + 1) * chunk, chunk)
-            self._barrier(deadline, job)
+            self._barrier(job)
         self._finish(kind, job, sets[rounds[-1]], data, (len(rounds) - 1) * chunk, chunk)
 
     def _scatter_once(self, job: _Job, slots: Any, data: Any, first: bytes) -> None:
@@ -357,7 +357,7 @@ class ShmTransport:
             slots[self.rank, :lo].copy_(data[:lo])
         if hi < n:
             slots[self.rank, hi:n].copy_(data[hi:n])
-        self._barrier(job.deadline, job, first)
+        self._barrier(job, first)
         if hi <= lo:
             return
         mine = data[lo:hi]
@@ -414,7 +414,7 @@ class ShmTransport:
         return _HEADER.pack(self._seq, KINDS.index(kind), data.numel(), code,
                             OPS.index(job.op), job.postscale, *job.whole)
 
-    def _barrier(self, deadline: float | None, job: _Job, said: bytes = b"\x01") -> None:
+    def _barrier(self, job: _Job, said: bytes = _PLAIN) -> None:
         """Wait until every rank has reached this point. ``said``: what this
         rank sends every peer, one byte or the operation's header (the first
         barrier, checked); a peer that sent other bytes raises
@@ -429,7 +429,7 @@ class ShmTransport:
         for peer, sock in self._socks.items():
             got = b""
             while len(got) < len(said):
-                remaining = None if deadline is None else deadline - time.perf_counter()
+                remaining = None if job.deadline is None else job.deadline - time.perf_counter()
                 if remaining is not None and remaining <= 0:
                     raise job.handle.timeout_error()
                 sock.settimeout(remaining)
