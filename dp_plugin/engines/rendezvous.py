@@ -13,6 +13,13 @@ launcher without asking the user for a port:
   HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT that horovodrun runs for the whole job
   (PUT/GET ``/<scope>/<key>``; GET answers 404 until the key exists, see
   horovod/runner/http/http_server.py). The other ranks poll for it.
+  Anyone who can reach that server may write the key: with
+  ``DP_PLUGIN_JOB_SECRET`` set (the same value on every rank; horovodrun
+  forwards the environment), rank 0 publishes ``address#tag``, ``tag`` an
+  HMAC-SHA256 under the secret of the address, the server's address and the
+  key (so a value from another job, or another init of this one, does not
+  verify), and the other ranks accept only a value whose tag verifies
+  (``sign``, ``verify``). Without a secret the address travels bare.
 - mpirun/mpiexec: rank 0 opens a TCPStore on port 0 and broadcasts
   ``host:port`` with mpi4py.
 - a single process: an in-memory store.
@@ -23,6 +30,8 @@ was awaited, never a hang.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import itertools
 import os
@@ -34,7 +43,6 @@ from datetime import timedelta
 from typing import Any
 
 from dp_plugin.config import Config
-from dp_plugin.engines import job_secret
 from dp_plugin.engines.deadline import poll
 from dp_plugin.engines.exit_bounds import finalize_mpi_at_exit
 from dp_plugin.errors import CollectiveTimeoutError, EngineUnavailableError
@@ -225,7 +233,7 @@ def horovod_put(topology: Topology, config: Config, key: str, value: str) -> Non
     (scope ``HOROVOD_SCOPE``), signed with the job secret when there is one."""
     server = f"{topology.rendezvous_addr}:{topology.rendezvous_port}"
     url = f"http://{server}/{HOROVOD_SCOPE}/{key}"
-    published = job_secret.sign(config.job_secret, f"{server}|{key}", value)
+    published = sign(config.job_secret, f"{server}|{key}", value)
     request = urllib.request.Request(url, data=published.encode(), method="PUT")
     with urllib.request.urlopen(request, timeout=config.timeout_s) as response:
         if response.status != 200:
@@ -248,7 +256,7 @@ def horovod_get(topology: Topology, config: Config, key: str, what: str, hint: s
         try:
             with urllib.request.urlopen(url, timeout=max(0.1, deadline - time.monotonic())) as r:
                 value = r.read().decode(errors="replace")
-            trusted, why = job_secret.verify(config.job_secret, f"{server}|{key}", value)
+            trusted, why = verify(config.job_secret, f"{server}|{key}", value)
             if trusted is not None:
                 return trusted
             last_error = f"the value there is refused: {why}"  # it may still be overwritten
@@ -299,3 +307,32 @@ def _exchange_via_mpi(topology: Topology, config: Config, generation: int,
             "a rank has probably failed to start; check the other ranks' logs"
         )
     return bytes(buf).rstrip(b"\0").decode()
+
+
+def _tag(secret: str, context: str, address: str) -> str:
+    message = f"{context}|{address}".encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+
+
+def sign(secret: str | None, context: str, address: str) -> str:
+    """What rank 0 publishes: ``address`` alone, or ``address#tag`` with a secret."""
+    if secret is None:
+        return address
+    return f"{address}#{_tag(secret, context, address)}"
+
+
+def verify(secret: str | None, context: str, published: str) -> tuple[str | None, str]:
+    """(the address, or None if ``published`` must not be trusted; why not)."""
+    address, sep, tag = published.rpartition("#")
+    if secret is None:
+        if sep:
+            return None, ("it is signed (rank 0 has DP_PLUGIN_JOB_SECRET) but this rank has no "
+                          "DP_PLUGIN_JOB_SECRET: set the same secret on every rank")
+        return published, ""
+    if not sep:
+        return None, ("it is not signed: rank 0 has no DP_PLUGIN_JOB_SECRET, or someone else "
+                      "wrote the key")
+    if not hmac.compare_digest(tag, _tag(secret, context, address)):
+        return None, ("its signature does not verify: the ranks have different "
+                      "DP_PLUGIN_JOB_SECRET values, or someone else wrote the key")
+    return address, ""

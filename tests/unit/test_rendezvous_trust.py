@@ -14,7 +14,7 @@ import pytest
 
 from dp_plugin import netif
 from dp_plugin.config import Config
-from dp_plugin.engines import job_secret, rendezvous
+from dp_plugin.engines import rendezvous
 from dp_plugin.errors import CollectiveTimeoutError, ConfigError
 from dp_plugin.launch import detect
 
@@ -22,17 +22,17 @@ SECRET = "0123456789abcdef0123"
 
 
 def test_sign_and_verify() -> None:
-    signed = job_secret.sign(SECRET, "server|0", "10.0.0.1:1234")
+    signed = rendezvous.sign(SECRET, "server|0", "10.0.0.1:1234")
     assert signed.startswith("10.0.0.1:1234#") and SECRET not in signed
-    assert job_secret.verify(SECRET, "server|0", signed) == ("10.0.0.1:1234", "")
-    assert job_secret.verify(None, "c", "10.0.0.1:1234") == ("10.0.0.1:1234", "")
+    assert rendezvous.verify(SECRET, "server|0", signed) == ("10.0.0.1:1234", "")
+    assert rendezvous.verify(None, "c", "10.0.0.1:1234") == ("10.0.0.1:1234", "")
     refusals = {
-        "other secret": job_secret.verify("x" * 20, "server|0", signed),
-        "other init": job_secret.verify(SECRET, "server|1", signed),
-        "forged address": job_secret.verify(SECRET, "server|0",
+        "other secret": rendezvous.verify("x" * 20, "server|0", signed),
+        "other init": rendezvous.verify(SECRET, "server|1", signed),
+        "forged address": rendezvous.verify(SECRET, "server|0",
                                             signed.replace("10.0.0.1", "6.6.6.6")),
-        "unsigned": job_secret.verify(SECRET, "server|0", "6.6.6.6:1"),
-        "no secret here": job_secret.verify(None, "server|0", signed),
+        "unsigned": rendezvous.verify(SECRET, "server|0", "6.6.6.6:1"),
+        "no secret here": rendezvous.verify(None, "server|0", signed),
     }
     assert all(address is None and why for address, why in refusals.values()), refusals
     assert "not signed" in refusals["unsigned"][1]
