@@ -53,11 +53,8 @@ from dp_plugin.topology import Topology
 class Engine(Lifecycle):
     """One collective library. Subclasses set ``name`` and implement the
     underscore methods; the public methods check the engine is usable,
-    validate input and add timeouts.
-
-    ``parent`` is the engine a subgroup engine was split from (None for the
-    engine ``init`` made); a subgroup is usable only while its ancestors are.
-    """
+    validate input and add timeouts. ``parent``: the engine a subgroup
+    engine was split from (None for the engine ``init`` made)."""
 
     name: ClassVar[str]
     native_ops: ClassVar[frozenset[ReduceOp]] = frozenset(
@@ -283,11 +280,8 @@ class Engine(Lifecycle):
     def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle: ...
 
     def _allgather(self, buf: Any, rows: list[int], name: str) -> Any:
-        """Concatenate every rank's ``buf`` along the first dimension.
-        ``rows[r]`` is rank r's first dimension; dtype and trailing shape
-        were validated and agreed by every rank. Returns a new buffer of
-        the same kind as ``buf``. Must not call ``allgather``. Engines
-        implement this or ``_allgather_start``; default: that one, waited for."""
+        """``allgather`` of agreed rows, without calling it. Engines implement
+        this or ``_allgather_start``; default: that one, waited for."""
         handle, result = self._allgather_start(buf, rows, name)
         handle.wait()
         return result()

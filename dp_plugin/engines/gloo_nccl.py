@@ -115,14 +115,10 @@ class GlooEngine(TorchDistEngine):
         return child
 
     def _connect_hierarchical(self) -> HierarchicalAllreduce | None:
-        """The hierarchy of one engine or channel, if the job takes it: the
-        job's one decision from every rank's row (``hierarchical.decide``),
-        the host's shared-memory segment, and a Gloo group over this rank's
-        peers of the same local rank (one per local rank, made by every
-        rank, as torch requires). None on every rank where the job does not
-        take it (said once in the log where a rank wanted it) or any of it
-        cannot be had. Collective over the job; only the job-wide engine
-        makes groups."""
+        """The hierarchy of one engine or channel, if the job takes it
+        (``hierarchical.decide``), else None on every rank. Collective over
+        the job: the cross-host groups, one per local rank, are made by
+        every rank, as torch requires."""
         table = self.exchange_rows(hierarchical.row(self.topology, self.config),
                                    "hierarchical layout")
         layout, why = hierarchical.decide(table)

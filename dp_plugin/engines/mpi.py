@@ -93,10 +93,8 @@ class MPIEngine(Engine):
     """Collectives through mpi4py on a private duplicate of ``COMM_WORLD``.
 
     Buffers: 1-D, C-contiguous, writable numpy arrays or CPU torch tensors,
-    viewed without copies. Average is SUM followed by a multiply by 1 / size (base class).
-    Creating the engine is collective over ``COMM_WORLD`` and honours the
-    timeout; ``shutdown`` is local.
-    """
+    viewed without copies. Creating the engine is collective over
+    ``COMM_WORLD`` and honours the timeout; ``shutdown`` is local."""
 
     name = "mpi"
     # Subgroups share this engine's datatypes and ops, which a timed-out
