@@ -41,7 +41,7 @@ from dp_plugin.arrays import as_numpy
 from dp_plugin.config import Config
 from dp_plugin.dtypes import canonical_dtype
 from dp_plugin.engines import generic
-from dp_plugin.engines.generic import as_bytes
+from dp_plugin.engines.generic import as_bytes, byte_rows
 from dp_plugin.engines.handle import DoneHandle, Handle
 from dp_plugin.engines.lifecycle import Lifecycle
 from dp_plugin.engines.types import Availability as Availability
@@ -185,7 +185,7 @@ class Engine(Lifecycle):
         """
         self._check_usable(f"alltoall {name!r}")
         table = np.asarray(counts, dtype=np.int64)
-        raw, restore = as_bytes(buf)
+        raw, restore = byte_rows(buf)
         received = restore(self._alltoall(raw, table, name))
         return received, [int(c) for c in table[:, self.rank]]
 
@@ -306,7 +306,8 @@ class Engine(Lifecycle):
 
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
         """``counts[i, j]``: rows rank i sends to rank j (validated, agreed by
-        all ranks). Return the rows this rank receives, in rank order.
+        all ranks) of ``buf``, rows of bytes (``generic.byte_rows``). Return
+        the rows this rank receives, in rank order, of the same kind.
         Generic path: ``generic.alltoall_by_allgather``."""
         return generic.alltoall_by_allgather(self, buf, counts, name)
 

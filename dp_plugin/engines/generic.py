@@ -107,12 +107,19 @@ def torch_byte_rows(tensor: Any) -> Any:
 def as_bytes(buf: Any) -> tuple[Any, Callable[[Any], Any]]:
     """``buf`` as the engines move it, and the function that turns what comes
     back into ``buf``'s dtype: ``buf`` itself when its dtype is one the
-    engines reduce (``dtypes.SUPPORTED_DTYPES``), else its rows as raw bytes
-    (a ``(rows, row_bytes)`` uint8 view), so that all-gather and all-to-all
-    move every dtype (bool, uint16, complex ...) exactly."""
-    dtype = buf.dtype
+    engines reduce (``dtypes.SUPPORTED_DTYPES``), else ``byte_rows(buf)``, so
+    that all-gather moves every dtype (bool, uint16, complex ...) exactly."""
     if _movable(buf) or not buf.shape:
         return buf, lambda out: out
+    return byte_rows(buf)
+
+
+def byte_rows(buf: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """``buf``'s rows as raw bytes (a ``(rows, row_bytes)`` uint8 buffer of
+    its kind: exact for every dtype, and no library dtype support needed),
+    and the function that turns rows of bytes back into ``buf``'s dtype and
+    trailing shape."""
+    dtype = buf.dtype
     trailing = tuple(int(d) for d in buf.shape[1:])
     if is_torch(buf):
         return torch_byte_rows(buf), lambda out: (

@@ -256,24 +256,18 @@ class HorovodEngine(Engine):
 
     # -- alltoall, reducescatter, process sets ---------------------------------
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
-        """``hvd.alltoall_async`` of the rows as bytes (Horovod has no kernel
-        for some dtypes; bytes are exact for all)."""
+        """``hvd.alltoall_async`` of the rows' bytes (Horovod has no kernel
+        for some dtypes)."""
         torch = self._torch
-        tensor = as_torch(np.ascontiguousarray(buf) if not is_torch(buf) else buf).detach()
-        trailing = tuple(tensor.shape[1:])
-        row_elems = int(np.prod(trailing, dtype=np.int64))
-        received = counts[:, self.rank]
-        if row_elems == 0 or not counts.any():  # agreed: every rank skips alike
-            out = tensor.new_empty((int(received.sum()), *trailing))
-        else:
-            wire = torch_byte_rows(tensor)  # also when this rank sends no rows
+        wire = torch_byte_rows(as_torch(buf))  # also when this rank sends no rows
+        rows = int(counts[:, self.rank].sum())
+        out = wire.new_empty((rows, wire.shape[1]))  # an empty result's strides: torch_byte_rows
+        if wire.shape[1] and counts.any():  # agreed: every rank skips alike
             splits = torch.tensor([int(c) for c in counts[self.rank]], dtype=torch.int32)
             handle = self._start("alltoall", name, self.describe("alltoall", name, wire.numel()),
                                  self._hvd.alltoall_async, wire, splits=splits)
             handle.wait()
-            rows = int(received.sum())
-            out = (handle.result[0].view(tensor.dtype).reshape((rows, *trailing)) if rows
-                   else tensor.new_empty((0, *trailing)))  # an empty result's strides: see above
+            out = handle.result[0] if rows else out
         return out if is_torch(buf) else as_numpy(out)
 
     def _reducescatter_start(self, buf: Any, op: ReduceOp, counts: list[int],

@@ -240,21 +240,17 @@ class MPIEngine(Engine):
             self._comm = None
 
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
-        """``Ialltoallv`` of the rows as bytes (exact for every dtype); the
-        counts were agreed before."""
+        """``Ialltoallv`` of the rows' bytes."""
         arr = np.ascontiguousarray(as_numpy(buf))  # only read: a copy is fine
-        trailing = arr.shape[1:]
-        row_bytes = int(np.prod(trailing, dtype=np.int64)) * arr.dtype.itemsize
+        row_bytes = arr.shape[1]
         received = counts[:, self.rank]
-        out = np.empty((int(received.sum()), *trailing), dtype=arr.dtype)
+        out = np.empty((int(received.sum()), row_bytes), dtype=np.uint8)
         if row_bytes and counts.any():  # agreed: every rank skips alike
             send = [int(c) * row_bytes for c in counts[self.rank]]
             recv = [int(c) * row_bytes for c in received]
             byte = self._MPI.BYTE
-            request = self._comm.Ialltoallv(
-                [arr.reshape(-1).view(np.uint8), (send, _displacements(send)), byte],
-                [out.reshape(-1).view(np.uint8), (recv, _displacements(recv)), byte],
-            )
+            request = self._comm.Ialltoallv([arr, (send, _displacements(send)), byte],
+                                            [out, (recv, _displacements(recv)), byte])
             _MPIHandle(self, self.describe("alltoall", name, out.nbytes), [request],
                        (arr, out)).wait()
         return as_torch(out) if is_torch(buf) else out

@@ -290,21 +290,14 @@ class TorchDistEngine(Engine):
         PollHandle(work, self, f"{self.name} barrier").wait()
 
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
-        """``all_to_all_single`` of each row as raw bytes: exact for every
-        dtype, and no backend dtype support needed."""
+        """``all_to_all_single`` of the rows' bytes."""
         given = self._tensor(buf, f"alltoall {name!r}", flat=False)
-        t, _ = self._staged(given)
-        trailing = tuple(t.shape[1:])
-        row_elems = int(np.prod(trailing, dtype=np.int64))
+        send = torch_byte_rows(self._staged(given)[0])  # also when this rank sends no rows
         received = [int(c) for c in counts[:, self.rank]]
-        out = t.new_empty((sum(received), *trailing))
-        # counts and row sizes are agreed: every rank skips alike.
-        if row_elems and counts.any():
-            # A rank may send or receive no rows (torch_byte_rows says why
-            # that needs care); out is written through recv when it has any.
-            send, recv = torch_byte_rows(t), torch_byte_rows(out)
+        out = send.new_empty((sum(received), send.shape[1]))
+        if send.shape[1] and counts.any():  # agreed: every rank skips alike
             work = self._dist.all_to_all_single(
-                recv, send, output_split_sizes=received,
+                out, send, output_split_sizes=received,
                 input_split_sizes=[int(c) for c in counts[self.rank]],
                 group=self._group, async_op=True,
             )
