@@ -327,14 +327,12 @@ class _Crossing:
         self._ready.set()
 
     def settle(self, _: BaseException) -> None:
-        """The all-gather of this piece failed or was skipped: wait until
-        its cross-host all-reduce, if it started on the piece, is over (done
-        or failed; bounded as ``wait``), so that nothing writes into the
-        piece once the handle has raised. Its outcome is not the handle's."""
+        """The all-gather of this piece failed or was skipped: ``wait`` all
+        the same, until its cross-host all-reduce, if it started on the
+        piece, is over, so that nothing writes into the piece once the
+        handle has raised. Its outcome is not the handle's."""
         with contextlib.suppress(Exception):
-            self._owner.until(self._ready.is_set, self._deadline, self._job, self._name)
-            if self._handle is not None:
-                self._owner.until(self._handle.done, self._deadline, self._job, self._name)
+            self.wait(self._deadline)
 
     def wait(self, deadline: float | None) -> None:
         """Until the cross-host all-reduce is done: by ``deadline`` (a

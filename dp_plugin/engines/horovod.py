@@ -351,11 +351,10 @@ class HorovodEngine(Engine):
 
     def _release(self, slot: tuple[str, int]) -> None:
         base, index = slot
-        used = self._in_flight.get(base)
-        if used is not None:
-            used.discard(index)
-            if not used:
-                del self._in_flight[base]
+        used = self._in_flight[base]  # holds index: reserved by _start, released once
+        used.discard(index)
+        if not used:
+            del self._in_flight[base]
 
     def _inplace_tensor(self, buf: Any, what: str) -> Any:
         # Test numpy first: torch cannot even view negative strides.

@@ -635,9 +635,9 @@ def connect(exchange: Callable[[np.ndarray, str], np.ndarray], rank: int, size: 
         return transport
 
 
-def describe(ranks: int, budget_bytes: int | None = None) -> str:
+def describe(ranks: int) -> str:
     """What ``make check`` says of the transport for ``ranks`` ranks on this host."""
-    allowed = _allowed_bytes(budget_bytes)
+    allowed = _allowed_bytes(None)
     chunk = _chunk_within(ranks, CHUNK_BYTES, allowed)
     if not chunk:
         return (f"all-reduce through Gloo's TCP on one host (shared memory: {SHM_DIR} missing "

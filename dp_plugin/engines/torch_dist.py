@@ -189,12 +189,10 @@ class TorchDistEngine(Engine):
         dist = self._dist
         # destroy_process_group may wait for the other ranks' pending work
         # (NCCL) and takes no timeout: bound it like a collective.
-        if self._owns_group and dist.is_initialized():
-            bounded_on(self, lambda: dist.destroy_process_group(self._group),
-                       "torch.distributed.destroy_process_group (subgroup)")
-        elif self._owns_default and dist.is_initialized():
-            bounded_on(self, dist.destroy_process_group,
-                       "torch.distributed.destroy_process_group")
+        if (self._owns_group or self._owns_default) and dist.is_initialized():
+            bounded_on(self, lambda: dist.destroy_process_group(self._group),  # None: the default
+                       "torch.distributed.destroy_process_group"
+                       + (" (subgroup)" if self._owns_group else ""))
 
     def _channel(self, name: str) -> Engine:
         """``dist.new_group`` over this engine's ranks. A process set's engine
