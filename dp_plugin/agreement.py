@@ -97,8 +97,9 @@ def compare(engine: Any, tag: str, described: Any, numbers: Sequence[int] = (), 
     row[:_HEAD] = [len(numbers), len(payload), *digest]
     inline = list(numbers)[:INLINE]
     row[_HEAD:_HEAD + len(inline)] = inline
-    table = _exchange_rows(engine, row)
-    heard = conclude(engine, table, payload, numbers)
+    buf = table_buffer(engine, row)
+    engine.allreduce_async(buf, "sum", name=AGREE_NAME).wait()
+    heard = conclude(engine, read_table(engine, buf), payload, numbers)
     if heard.joined and not all(heard.joined_ok):
         members = getattr(engine, "global_ranks", range(engine.size))
         raise JoinedRankError.refusing([members[r] for r in heard.joined],
@@ -139,12 +140,6 @@ def table_buffer(engine: Any, row: np.ndarray) -> Any:
     table = np.zeros((engine.size, WIDTH), dtype=np.int64)
     table[engine.rank] = row
     return to_device(table.reshape(-1), engine.buffer_device)
-
-
-def _exchange_rows(engine: Any, row: np.ndarray) -> np.ndarray:
-    buf = table_buffer(engine, row)
-    engine.allreduce_async(buf, "sum", name=AGREE_NAME).wait()
-    return read_table(engine, buf)
 
 
 def read_table(engine: Any, buf: Any) -> np.ndarray:

@@ -30,6 +30,7 @@ holding plain buffers.
 
 from __future__ import annotations
 
+import socket
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -44,7 +45,6 @@ from dp_plugin.edge import caller
 from dp_plugin.engines.types import ReduceOp, Started
 from dp_plugin.errors import MismatchError, Problem
 from dp_plugin.fusion import TensorSpec
-from dp_plugin.topology import Topology
 from dp_plugin.validate import is_int
 
 _PROBLEM_TEXT = {
@@ -195,7 +195,7 @@ def check(engine: Any, request: Request, *, accept_joined: bool = False) -> Agre
         raise ValueError("a collective needs at least one tensor; got an empty list")
     problem, detail, extra, members, root = _local_problem(engine, request)
     mine = [_describe(request, i, problem, members) for i in range(max(1, len(request.shapes)))]
-    numbers = [_first_dim(shape) for shape in request.shapes] + extra
+    numbers = [shape[0] if shape else -1 for shape in request.shapes] + extra
     got = compare(engine, CHECK_TAG, mine, numbers, joined_ok=accept_joined,
                   what=f"{request.kind}{_named(request.name)}")
     blocks = [b for b in got.described if b is not None] if got.described else [mine]
@@ -285,14 +285,12 @@ def _local_problem(engine: Any, req: Request
                 canonical_dtype(dtype)
             except TypeError as exc:
                 problem, detail = Problem.UNSUPPORTED_DTYPE, str(exc)
-                continue
         elif req.kind != "barrier" and dtype not in MOVABLE:
             problem, detail = Problem.UNSUPPORTED_DTYPE, (
                 f"dtype {dtype} cannot be moved by {req.kind}; supported dtypes: "
                 f"{', '.join(sorted(MOVABLE))}. Cast the tensor (e.g. complex -> two float "
                 "tensors)")
-            continue
-        if req.kind in _NEEDS_FIRST_DIM and not shape:
+        if not problem and req.kind in _NEEDS_FIRST_DIM and not shape:
             problem, detail = Problem.ZERO_DIM, f"the {req.kind} input is 0-dim (shape ())"
     extra: list[int] = []
     members: tuple[int, ...] = ()
@@ -306,7 +304,8 @@ def _local_problem(engine: Any, req: Request
         members, why = as_members(req.members, engine.size)
         if why and not problem:
             problem, detail = Problem.BAD_MEMBERS, why
-        extra = [host_key(engine.topology)]
+        # A number equal for processes on the same host.
+        extra = [zlib.crc32((engine.topology.hostname or socket.gethostname()).encode())]
     return problem, detail, extra, members, root
 
 
@@ -361,19 +360,7 @@ def as_members(ranks: Any, size: int) -> tuple[tuple[int, ...], str]:
     return members, ""
 
 
-def host_key(topology: Topology) -> int:
-    """A number that is equal for processes on the same host."""
-    import socket
-
-    host = topology.hostname or socket.gethostname()
-    return zlib.crc32(host.encode())
-
-
 # -- what the ranks compare -----------------------------------------------------------
-
-
-def _first_dim(shape: tuple[int, ...]) -> int:
-    return shape[0] if shape else -1
 
 
 def _describe(req: Request, index: int, problem: Problem,
@@ -453,7 +440,7 @@ def _raise_mismatch(blocks: Described, req: Request, rank: int) -> None:
             )
         for check_field in _CHECKS[req.kind]:
             key = "shape" if check_field == "trailing" else check_field
-            values = [_hashable(d.get(key)) for d in column]
+            values = [tuple(v) if isinstance(v := d.get(key), list) else v for d in column]
             if len(set(values)) > 1:
                 what, fix = _FIELD_TEXT[check_field]
                 raise MismatchError(
@@ -480,10 +467,6 @@ def _name_text(d: dict[str, Any]) -> str:
 
 def _named(name: str | None) -> str:
     return "" if name is None else f" {name!r}"
-
-
-def _hashable(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
 
 
 def _by_value(values: Sequence[Any], show: Any) -> str:

@@ -148,7 +148,7 @@ class Reducer:
         self.layout = self.specs if layout is None else tuple(layout)
         self.backward_passes_per_step = check_int("backward_passes_per_step", passes,
                                                   minimum=1)
-        self.policy, self.op = policy, policy.op
+        self.policy = policy
         self.flag_names = tuple(flags)
         self.control_numel = len(self.flag_names) * engine.size
         self.fusion_threshold, self.first_threshold = config.bucket_caps(
@@ -199,11 +199,10 @@ class Reducer:
     def _plan(self, order: Iterable[int]) -> list[PlanEntry]:
         """Buckets of ``threshold`` bytes; of ``PIPELINE_CHUNK`` when grouped, with
         every tensor of ``DIRECT_BYTES`` or more alone."""
-        if self.grouped:
-            return plan_buckets(self.specs, PIPELINE_CHUNK, order=order,
-                                first_threshold=self.first_threshold, alone_from=DIRECT_BYTES)
-        return plan_buckets(self.specs, self.fusion_threshold, order=order,
-                            first_threshold=self.first_threshold, groups=self.groups)
+        grouped = self.grouped
+        return plan_buckets(self.specs, PIPELINE_CHUNK if grouped else self.fusion_threshold,
+                            order=order, first_threshold=self.first_threshold,
+                            alone_from=DIRECT_BYTES if grouped else None, groups=self.groups)
 
     def _install(self, plan: list[PlanEntry]) -> None:
         """Adopt ``plan``: new fusion buffers (allocated on first use); the
@@ -354,8 +353,11 @@ class Reducer:
                     st.intervals.append((handle.started_at, handle.completed_at or before))
             self.stats.append(st.record(self.timeline, time.perf_counter(), exposed))
             result = list(st.tensors)
-            if st.step == 0 and self.rebuild_buckets:
-                self._rebuild(st.ready_order)
+            if st.step == 0 and self.rebuild_buckets:  # rank 0's ready order, for all
+                order = self._from_root(np.array(st.ready_order, dtype=np.int64), "bucket_order")
+                self._order = order.tolist()
+                self.replan(self._order)
+                self.rebuilt = True
             if self.autotuner is not None and not self.autotuner.done:
                 self.fusion_threshold = self.autotuner.after_step(
                     self, self._order, self.timeline,
@@ -488,11 +490,10 @@ class Reducer:
         except TypeError as exc:
             raise TypeError(f"mark_ready for tensor {spec.name!r}: {exc}") from None
         if shape != spec.shape or dtype != spec.dtype or device != spec.device:
-            got = TensorSpec(spec.name, shape, dtype, device)
             raise ValueError(
                 f"mark_ready got a tensor that does not match its registration: "
-                f"registered {spec.describe()}, got shape {got.shape} {got.dtype} on "
-                f"{got.device}. Pass the gradient of the registered tensor, or re-create the "
+                f"registered {spec.describe()}, got shape {shape} {dtype} on "
+                f"{device}. Pass the gradient of the registered tensor, or re-create the "
                 "scheduler after changing the model"
             )
         return index, spec
@@ -530,13 +531,6 @@ class Reducer:
             if not self._done(self.buckets[st.polled]):
                 return
             st.polled += 1
-
-    def _rebuild(self, observed: list[int]) -> None:
-        """Adopt rank 0's observed ready order as the bucket order (one broadcast)."""
-        order = self._from_root(np.array(observed, dtype=np.int64), "bucket_order")
-        self._order = order.tolist()
-        self.replan(self._order)
-        self.rebuilt = True
 
     def _from_root(self, values: np.ndarray, what: str) -> np.ndarray:
         """Rank 0's ``values`` on every rank (one broadcast on this Reducer's engine)."""

@@ -25,19 +25,6 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = [
-    "check_choice",
-    "check_groups",
-    "check_int",
-    "check_positive_float",
-    "env_bool",
-    "env_choice",
-    "env_int",
-    "env_int_list",
-    "env_positive_float",
-    "is_int",
-]
-
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 
