@@ -23,7 +23,7 @@ the same way on every path and every engine and costs no extra pass.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dp_plugin.arrays import ArrayOps
@@ -212,9 +212,7 @@ def _cast_wrapper(hook: CommHook, comp: Cast) -> CommHook:
         if int(wire.shape[0]) != numel:  # shared by the buckets of a slab
             wire = bucket.ops.slice(wire, 0, numel)
         bucket.ops.cast_into(wire, flat)
-        inner = GradBucket(bucket.index, wire_dtype, bucket.device, bucket.names, bucket.ops,
-                           wire, bucket.label, bucket.scratch, bucket.shared,
-                           bucket.shared_numel)
+        inner = replace(bucket, dtype=wire_dtype, flat=wire)
         return hook(state, inner).then(lambda: bucket.ops.cast_into(flat, wire))
 
     return compressed
@@ -231,9 +229,6 @@ def _tensor_wrapper(hook: CommHook, comp: Compressor) -> CommHook:
                 f"compressor {comp.name}: compress() returned {type(wire).__name__} "
                 f"({exc}); it must return (tensor, ctx) with a tensor of a reducible dtype"
             ) from None
-        inner = GradBucket(bucket.index, wire_dtype, bucket.device, bucket.names, bucket.ops,
-                           wire, bucket.label, bucket.scratch, bucket.shared,
-                           bucket.shared_numel)
 
         def restore() -> None:
             out = comp.decompress(wire, ctx)
@@ -249,7 +244,7 @@ def _tensor_wrapper(hook: CommHook, comp: Compressor) -> CommHook:
                 )
             bucket.ops.cast_into(flat, got)
 
-        return hook(state, inner).then(restore)
+        return hook(state, replace(bucket, dtype=wire_dtype, flat=wire)).then(restore)
 
     return compressed
 
