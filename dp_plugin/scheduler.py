@@ -16,11 +16,8 @@ SyncBatchNorm statistics) is the same Reducer with every tensor ready at
 once (``run``, or ``start`` then ``finish``). ``GradientScheduler`` is the
 Reducer built from the user's keyword arguments (the core's public edge).
 
-Distributed contract: every rank builds it with the same specs (in the same
-order) and settings, and starts buckets in the same order. The agreement
-check (a collective) runs once, at ``agree()`` or before the first bucket;
-a difference raises ``LayoutMismatchError`` on every rank. After any failed
-collective the Reducer refuses further work (the ranks are out of step).
+The distributed contract is ``GradientScheduler``'s docstring. After any
+failed collective the Reducer refuses further work (the ranks are out of step).
 """
 
 from __future__ import annotations
@@ -129,7 +126,8 @@ class Reducer:
     already checked the ranks' requests. ``groups`` (lists of spec indices)
     are reduced as one bucket each, launched when the whole group is ready
     (Horovod's ``groups=``; ``plan_buckets``). ``timeline`` records spans
-    (none by default). The other arguments are ``GradientScheduler``'s.
+    (none by default); ``array_ops`` is the array backend (default: from the
+    first tensor seen).
     """
 
     def __init__(self, specs: Sequence[TensorSpec], *, engine: Any,
@@ -684,11 +682,6 @@ class GradientScheduler(Reducer):
         sched.mark_ready(i, grad_i)
         reduced = sched.synchronize()      # grads now hold the averaged values
 
-    Tensors are grouped into fusion buckets (``dp_plugin.fusion``). When every
-    gradient of a bucket is ready the bucket is packed into a persistent flat
-    buffer, scaled, optionally compressed, and its all-reduce starts, so
-    communication overlaps the rest of backward.
-
     Distributed contract:
     - every rank constructs the scheduler with the same specs, in the same
       order, and the same ``op``, ``compression``, threshold, scale factors,
@@ -708,24 +701,16 @@ class GradientScheduler(Reducer):
     - a tensor passed to ``mark_ready`` must not be modified until
       ``synchronize()`` returns; the reduced values are written back into it.
 
-    Scaling follows Horovod's torch ``DistributedOptimizer``
-    (``dp_plugin.hooks.ReducePolicy``): with ``op='average'`` each rank
-    multiplies by ``prescale/f`` before the sum and the result by
-    ``postscale*f/size`` after it (``f`` is ``gradient_predivide_factor``).
-
-    Arguments: ``engine`` defaults to the one ``dp_plugin.init()`` started;
-    ``fusion_threshold`` (bytes) to ``engine.config.fusion_threshold``, with
-    the first bucket capped at ``engine.config.first_bucket_threshold`` and
-    a small gradient spread over ``engine.config.min_buckets`` buckets (an
-    explicit ``fusion_threshold`` applies to every bucket);
-    ``timeline`` to the Chrome trace named by ``engine.config.timeline``;
-    ``compression`` is 'none', 'fp16', 'bf16' or a ``Compressor``; ``hook``
-    replaces the default all-reduce hook (``dp_plugin.hooks``); ``name``
-    prefixes the collectives' names; ``flags`` names groups of per-rank
-    flags reduced with the last bucket (``flags_of``); ``settings`` (name ->
-    value) are the caller's settings the first step compares across ranks;
-    ``autotune=True`` measures the candidate thresholds of ``engine.config``
-    during the first steps and keeps the fastest (``dp_plugin.autotune``).
+    Scaling is Horovod's (``dp_plugin.hooks.ReducePolicy``). ``engine``
+    defaults to the one ``dp_plugin.init()`` started; ``fusion_threshold``
+    (bytes) to ``engine.config.fusion_threshold``, with the first bucket capped
+    at ``engine.config.first_bucket_threshold`` and a small gradient spread
+    over ``engine.config.min_buckets`` buckets (an explicit
+    ``fusion_threshold`` applies to every bucket); ``timeline`` to the Chrome
+    trace named by ``engine.config.timeline``; ``name`` prefixes the
+    collectives' names; ``autotune=True`` measures the candidate thresholds
+    of ``engine.config`` during the first steps and keeps the fastest
+    (``dp_plugin.autotune``). The other arguments are ``Reducer``'s.
 
     Calls are serialised by a lock, so ``mark_ready`` may come from autograd's
     worker threads; one step must still end (``synchronize()``) before the
