@@ -6,20 +6,15 @@ op, root, splits or name, or another collective altogether) must fail on
 Horovod's coordinator gives "Mismatched allreduce tensor shapes" there.
 
 Both adapters and the core describe what they are about to run as a
-``Request`` (kind, name, every tensor's shape, dtype and device, op, scale
-factors, root, splits, members; or, for a fused collective, ``Request.fused``:
-its tensors' layout and the settings that decide its buckets and scaling)
-and call ``check``: every rank looks for its own mistakes (an unsupported
-dtype, a 0-dim tensor where a first dimension is needed, bad splits, a bad
-member list, a root outside the process set), then all ranks run the core's
-one agreement exchange (``dp_plugin.agreement.compare``): a small
-all-reduce of a digest and the numbers the collective needs from every rank
-(first dimensions, splits, host); the descriptions themselves travel only
-when the digests differ. Every rank runs the same comparison on the same
-descriptions, so the outcome — an ``Agreed`` to run, or a ``MismatchError``
-carrying its ``Problem`` — is the same everywhere, and so is the message (a
-problem's local detail is added on the rank that has it, after "On this
-rank:"). The messages come from one table (``_PROBLEM_TEXT``,
+``Request`` (a fused collective's layout and settings too: ``Request.fused``)
+and call ``check``: every rank looks for its own mistakes (``_local_problem``),
+then all ranks run the one agreement exchange (``dp_plugin.agreement.compare``:
+a digest all-reduce carrying the numbers the collective needs from every
+rank; the descriptions travel only when the digests differ). Every rank runs
+the same comparison on the same descriptions, so the outcome — an ``Agreed``
+to run, or a ``MismatchError`` carrying its ``Problem`` — is the same
+everywhere, and so is the message (a problem's local detail is added on the
+rank that has it, after "On this rank:"). The messages come from one table (``_PROBLEM_TEXT``,
 ``_FIELD_TEXT``, and the layout's ``_layout_text``, ``_settings_text``).
 
 Engines then move bytes only: ``Engine.allgather`` takes the agreed rows,

@@ -438,13 +438,11 @@ class Reducer:
         """``tensor`` (this step's gradient of spec ``index``) moved into its
         slice of the fusion buffer; returns that view, shaped like the spec.
 
-        For an adapter that keeps the view as the gradient's storage (DDP's
-        ``gradient_as_bucket_view``): call it before ``mark_ready``; the bucket
-        is then reduced without its pack and unpack copies, and a gradient
-        that stays the view costs no copy at all in later steps. Returns
-        ``tensor`` itself when it already is the view, when its bucket reduces
-        it in place anyway (a one-member bucket), or when the tensor was
-        already marked ready this step (its bucket may be in flight).
+        Call it before ``mark_ready`` (see ``view_for``); a gradient that stays
+        the view costs no copy at all in later steps. Returns ``tensor`` itself
+        when it already is the view, when its bucket reduces it in place anyway
+        (a one-member bucket), or when the tensor was already marked ready this
+        step (its bucket may be in flight).
         """
         with self._lock:
             index, _ = self._checked(index, tensor)
