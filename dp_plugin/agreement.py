@@ -117,8 +117,6 @@ class Heard(NamedTuple):
     joined: tuple[int, ...]
     same: bool
     """Do the active (not joined) ranks describe the same thing?"""
-    answered: list[int]
-    """Per joined rank (others: 0), the collectives it answered since it joined."""
 
     @property
     def described(self) -> list[Any]:
@@ -153,7 +151,6 @@ def conclude(engine: Any, table: np.ndarray, payload: bytes,
     every rank, joined or not, calls it on the same table)."""
     joined = tuple(r for r in range(engine.size) if table[r, 1] == JOINED)
     active = [r for r in range(engine.size) if r not in joined]
-    answered = [int(table[r, 2]) if r in joined else 0 for r in range(engine.size)]
     counts = [0 if r in joined else int(table[r, 0]) for r in range(engine.size)]
     if any(c < 0 for c in counts) or any(table[r, 1] < 0 for r in active):
         raise LayoutMismatchError(
@@ -165,7 +162,7 @@ def conclude(engine: Any, table: np.ndarray, payload: bytes,
     same = all((table[r, 1:_HEAD] == table[active[0], 1:_HEAD]).all() for r in active) \
         if active else True
     if not active or (same and not joined and max(counts) <= INLINE):
-        return Heard([None] * engine.size, numbers_of, joined, same, answered)
+        return Heard([None] * engine.size, numbers_of, joined, same)
     extra = np.asarray(list(numbers)[INLINE:], dtype="<i8").view(np.uint8)
     mine = np.concatenate([extra, np.frombuffer(payload, dtype=np.uint8)])
     n_extra = [8 * max(c - INLINE, 0) for c in counts]
@@ -188,7 +185,7 @@ def conclude(engine: Any, table: np.ndarray, payload: bytes,
             + "; ".join(f"rank {r} in {envelopes[r][0]}" for r in active)  # type: ignore[index]
             + ". Every rank must call the same collectives in the same order"
         )
-    return Heard(envelopes, numbers_of, joined, same, answered)
+    return Heard(envelopes, numbers_of, joined, same)
 
 
 def to_device(arr: np.ndarray, device: str) -> Any:

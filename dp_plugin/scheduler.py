@@ -219,10 +219,7 @@ class Reducer:
                 wire_dtype=self.compressor.wire_dtype(b.dtype)))
             for b in plan
         ]
-        self.bucket_of = [0] * len(self.specs)
-        for b in plan:
-            for i in b.members:
-                self.bucket_of[i] = b.index
+        self.bucket_of = {i: b.index for b in plan for i in b.members}
         kinds: dict[tuple[str, str], list[Bucket]] = {}
         for r in self.buckets:
             if not r.buffer.pinned:
