@@ -249,9 +249,6 @@ def _tensor_wrapper(hook: CommHook, comp: Compressor) -> CommHook:
     return compressed
 
 
-def hook_for(compression: Compressor | str | None) -> CommHook:
-    """The default gradient hook: all-reduce, compressed if asked."""
-    comp = get_compressor(compression)
-    if comp.name == "none":
-        return allreduce_hook
-    return compression_wrapper(allreduce_hook, comp)
+def hook_for(comp: Compressor) -> CommHook:
+    """The default gradient hook: all-reduce, compressed by ``comp`` unless it is 'none'."""
+    return allreduce_hook if comp.name == "none" else compression_wrapper(allreduce_hook, comp)
