@@ -14,8 +14,9 @@ rank; the descriptions travel only when the digests differ). Every rank runs
 the same comparison on the same descriptions, so the outcome — an ``Agreed``
 to run, or a ``MismatchError`` carrying its ``Problem`` — is the same
 everywhere, and so is the message (a problem's local detail is added on the
-rank that has it, after "On this rank:"). The messages come from one table (``_PROBLEM_TEXT``,
-``_FIELD_TEXT``, and the layout's ``_layout_text``, ``_settings_text``).
+rank that has it, after "On this rank:"). The messages come from one table
+(``_PROBLEM_TEXT``, ``_FIELD_TEXT``, and the layout's ``_layout_text``,
+``_settings_text``).
 
 Engines then move bytes only: ``Engine.allgather`` takes the agreed rows,
 ``Engine.alltoall`` the agreed counts. ``allgather``, ``alltoall``,
@@ -435,7 +436,7 @@ def _raise_mismatch(blocks: Described, req: Request, rank: int) -> None:
             )
         for check_field in _CHECKS[req.kind]:
             key = "shape" if check_field == "trailing" else check_field
-            values = [tuple(v) if isinstance(v := d.get(key), list) else v for d in column]
+            values = [_hashable(d.get(key)) for d in column]
             if len(set(values)) > 1:
                 what, fix = _FIELD_TEXT[check_field]
                 raise MismatchError(
@@ -462,6 +463,10 @@ def _name_text(d: dict[str, Any]) -> str:
 
 def _named(name: str | None) -> str:
     return "" if name is None else f" {name!r}"
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _by_value(values: Sequence[Any], show: Any) -> str:
