@@ -184,10 +184,7 @@ def compression_wrapper(hook: CommHook, compressor: Compressor | str) -> CommHoo
     (in ``bucket.scratch``, or per slab in ``bucket.shared`` for a bucket that
     borrows one) and casts back when the handle is waited on; buckets it does
     not narrow (integers, already-narrow floats) go to ``hook`` unchanged.
-    Any other compressor (Horovod-style ``compress`` / ``decompress``, see
-    ``dp_plugin.compression``) gets the packed 1-D buffer; what its
-    ``compress`` returns is reduced, and ``decompress``'s result is copied
-    back into the bucket.
+    Any other compressor: see ``dp_plugin.compression``.
     """
     comp = get_compressor(compressor)
     wrapped = _cast_wrapper(hook, comp) if isinstance(comp, Cast) else _tensor_wrapper(hook, comp)
