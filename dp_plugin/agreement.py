@@ -101,8 +101,7 @@ def compare(engine: Any, tag: str, described: Any, numbers: Sequence[int] = (), 
     engine.allreduce_async(buf, "sum", name=AGREE_NAME).wait()
     heard = conclude(engine, read_table(engine, buf), payload, numbers)
     if heard.joined and not all(heard.joined_ok):
-        members = getattr(engine, "global_ranks", range(engine.size))
-        raise JoinedRankError.refusing([members[r] for r in heard.joined],
+        raise JoinedRankError.refusing([engine.global_ranks[r] for r in heard.joined],
                                        what or heard.tags(), where=" (dp_plugin.join)")
     return Compared(None if heard.same else heard.described, heard.numbers, heard.joined)
 
@@ -159,8 +158,7 @@ def conclude(engine: Any, table: np.ndarray, payload: bytes,
         )
     numbers_of = [table[r, _HEAD:_HEAD + min(c, INLINE)].tolist()
                   for r, c in enumerate(counts)]
-    same = all((table[r, 1:_HEAD] == table[active[0], 1:_HEAD]).all() for r in active) \
-        if active else True
+    same = all((table[r, 1:_HEAD] == table[active[0], 1:_HEAD]).all() for r in active)
     if not active or (same and not joined and max(counts) <= INLINE):
         return Heard([None] * engine.size, numbers_of, joined, same)
     extra = np.asarray(list(numbers)[INLINE:], dtype="<i8").view(np.uint8)

@@ -30,8 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from dp_plugin import runtime
 from dp_plugin.agreement import to_device, to_host
-from dp_plugin.arrays import ArrayOps, NumpyOps, is_torch, ops_for, spec_of
+from dp_plugin.arrays import ArrayOps, NumpyOps, TorchOps, is_torch, ops_for, spec_of
 from dp_plugin.autotune import Autotuner, agreement_setting
 from dp_plugin.buffer import SLABS_PER_KIND, FusionBuffer, Slab
 from dp_plugin.compression import Compressor, get_compressor
@@ -265,8 +266,6 @@ class Reducer:
             elif all(s.device == "cpu" for s in self.specs):
                 self.ops = NumpyOps()
             else:
-                from dp_plugin.arrays import TorchOps
-
                 self.ops = TorchOps()
         return self.ops
 
@@ -726,8 +725,6 @@ class GradientScheduler(Reducer):
         **options: Any,
     ) -> None:
         if engine is None:
-            from dp_plugin import runtime
-
             engine = runtime.engine()
         checked = checked_specs(specs)
         policy = ReducePolicy(op, engine.size, predivide=gradient_predivide_factor,
