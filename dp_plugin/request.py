@@ -243,10 +243,9 @@ def joined_view(heard: Heard) -> tuple[list[dict[str, Any]] | None, Agreed]:
     """On a joined rank: the request the others agreed on (one description
     per tensor) and what they agreed; None when they ran another agreement
     than ``check`` or reported a problem (they raise, this rank listens on)."""
-    if any(env is not None and env[0] != CHECK_TAG for env in heard.envelopes):
-        return None, Agreed([], 0)
+    other = any(env is not None and env[0] != CHECK_TAG for env in heard.envelopes)
     blocks = [b for b in heard.described if b is not None]
-    if not blocks or any(d["problem"] for b in blocks for d in b):
+    if other or not blocks or any(d["problem"] for b in blocks for d in b):
         return None, Agreed([], 0)
     width = max(len(n) for n in heard.numbers)
     count = len(blocks[0]) if blocks[0][0]["kind"] != "barrier" else 0
