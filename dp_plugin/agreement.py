@@ -97,11 +97,11 @@ def compare(engine: Any, tag: str, described: Any, numbers: Sequence[int] = (), 
     row[:_HEAD] = [len(numbers), len(payload), *digest]
     inline = list(numbers)[:INLINE]
     row[_HEAD:_HEAD + len(inline)] = inline
-    table = _exchange_rows(engine, row)
-    heard = conclude(engine, table, payload, numbers)
+    buf = table_buffer(engine, row)
+    engine.allreduce_async(buf, "sum", name=AGREE_NAME).wait()
+    heard = conclude(engine, read_table(engine, buf), payload, numbers)
     if heard.joined and not all(heard.joined_ok):
-        members = getattr(engine, "global_ranks", range(engine.size))
-        raise JoinedRankError.refusing([members[r] for r in heard.joined],
+        raise JoinedRankError.refusing([engine.global_ranks[r] for r in heard.joined],
                                        what or heard.tags(), where=" (dp_plugin.join)")
     return Compared(None if heard.same else heard.described, heard.numbers, heard.joined)
 
@@ -116,8 +116,6 @@ class Heard(NamedTuple):
     joined: tuple[int, ...]
     same: bool
     """Do the active (not joined) ranks describe the same thing?"""
-    answered: list[int]
-    """Per joined rank (others: 0), the collectives it answered since it joined."""
 
     @property
     def described(self) -> list[Any]:
@@ -141,12 +139,6 @@ def table_buffer(engine: Any, row: np.ndarray) -> Any:
     return to_device(table.reshape(-1), engine.buffer_device)
 
 
-def _exchange_rows(engine: Any, row: np.ndarray) -> np.ndarray:
-    buf = table_buffer(engine, row)
-    engine.allreduce_async(buf, "sum", name=AGREE_NAME).wait()
-    return read_table(engine, buf)
-
-
 def read_table(engine: Any, buf: Any) -> np.ndarray:
     """The exchanged table (a ``table_buffer`` after the all-reduce), one row per rank."""
     return to_host(buf).reshape(engine.size, WIDTH)
@@ -158,7 +150,6 @@ def conclude(engine: Any, table: np.ndarray, payload: bytes,
     every rank, joined or not, calls it on the same table)."""
     joined = tuple(r for r in range(engine.size) if table[r, 1] == JOINED)
     active = [r for r in range(engine.size) if r not in joined]
-    answered = [int(table[r, 2]) if r in joined else 0 for r in range(engine.size)]
     counts = [0 if r in joined else int(table[r, 0]) for r in range(engine.size)]
     if any(c < 0 for c in counts) or any(table[r, 1] < 0 for r in active):
         raise LayoutMismatchError(
@@ -167,10 +158,9 @@ def conclude(engine: Any, table: np.ndarray, payload: bytes,
         )
     numbers_of = [table[r, _HEAD:_HEAD + min(c, INLINE)].tolist()
                   for r, c in enumerate(counts)]
-    same = all((table[r, 1:_HEAD] == table[active[0], 1:_HEAD]).all() for r in active) \
-        if active else True
+    same = all((table[r, 1:_HEAD] == table[active[0], 1:_HEAD]).all() for r in active)
     if not active or (same and not joined and max(counts) <= INLINE):
-        return Heard([None] * engine.size, numbers_of, joined, same, answered)
+        return Heard([None] * engine.size, numbers_of, joined, same)
     extra = np.asarray(list(numbers)[INLINE:], dtype="<i8").view(np.uint8)
     mine = np.concatenate([extra, np.frombuffer(payload, dtype=np.uint8)])
     n_extra = [8 * max(c - INLINE, 0) for c in counts]
@@ -193,7 +183,7 @@ def conclude(engine: Any, table: np.ndarray, payload: bytes,
             + "; ".join(f"rank {r} in {envelopes[r][0]}" for r in active)  # type: ignore[index]
             + ". Every rank must call the same collectives in the same order"
         )
-    return Heard(envelopes, numbers_of, joined, same, answered)
+    return Heard(envelopes, numbers_of, joined, same)
 
 
 def to_device(arr: np.ndarray, device: str) -> Any:

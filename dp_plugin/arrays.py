@@ -84,14 +84,12 @@ class ArrayOps(Protocol):
     def empty(self, numel: int, dtype: str, device: str) -> Any: ...
     def zeros(self, shape: tuple[int, ...], dtype: str, device: str) -> Any: ...
     def slice(self, buf: Any, start: int, stop: int) -> Any: ...
-    def pack(self, dst: Any, src: Any) -> None:
-        """Copy ``src`` (any shape) flattened into the 1-D slice ``dst``."""
-    def unpack(self, dst: Any, src: Any) -> None:
-        """Copy the 1-D slice ``src`` into ``dst`` (any shape), in place."""
-    def pack_scaled(self, dst: Any, src: Any, factor: float) -> None:
-        """``pack`` and multiply by ``factor`` in one pass over the data."""
-    def unpack_scaled(self, dst: Any, src: Any, factor: float) -> None:
-        """``unpack`` and multiply by ``factor`` in one pass over the data."""
+    def pack(self, dst: Any, src: Any, factor: float = 1.0) -> None:
+        """Copy ``src`` (any shape) flattened into the 1-D slice ``dst``, times
+        ``factor`` in the same pass."""
+    def unpack(self, dst: Any, src: Any, factor: float = 1.0) -> None:
+        """Copy the 1-D slice ``src`` into ``dst`` (any shape), in place, times
+        ``factor`` in the same pass."""
     def scale_(self, buf: Any, factor: float) -> None: ...
     def cast_into(self, dst: Any, src: Any) -> None:
         """Copy ``src`` into same-sized ``dst`` converting the dtype."""
@@ -116,17 +114,10 @@ class NumpyOps:
     def slice(self, buf: np.ndarray, start: int, stop: int) -> np.ndarray:
         return buf[start:stop]
 
-    def pack(self, dst: np.ndarray, src: Any) -> None:
-        np.copyto(dst, as_numpy(src).reshape(-1), casting="no")
-
-    def unpack(self, dst: Any, src: np.ndarray) -> None:
-        out = as_numpy(dst)
-        np.copyto(out, src.reshape(out.shape), casting="no")
-
-    def pack_scaled(self, dst: np.ndarray, src: Any, factor: float) -> None:
+    def pack(self, dst: np.ndarray, src: Any, factor: float = 1.0) -> None:
         _np_scaled(dst, as_numpy(src).reshape(-1), factor)
 
-    def unpack_scaled(self, dst: Any, src: np.ndarray, factor: float) -> None:
+    def unpack(self, dst: Any, src: np.ndarray, factor: float = 1.0) -> None:
         out = as_numpy(dst)
         _np_scaled(out, src.reshape(out.shape), factor)
 
@@ -168,19 +159,10 @@ class TorchOps:
     def slice(self, buf: Any, start: int, stop: int) -> Any:
         return buf[start:stop]
 
-    def pack(self, dst: Any, src: Any) -> None:
-        with self._torch.no_grad():
-            dst.copy_(as_torch(src).reshape(-1))
-
-    def unpack(self, dst: Any, src: Any) -> None:
-        with self._torch.no_grad():
-            out = as_torch(dst)
-            out.copy_(src.view(out.shape))
-
-    def pack_scaled(self, dst: Any, src: Any, factor: float) -> None:
+    def pack(self, dst: Any, src: Any, factor: float = 1.0) -> None:
         self._scaled(dst, as_torch(src).reshape(-1), factor)
 
-    def unpack_scaled(self, dst: Any, src: Any, factor: float) -> None:
+    def unpack(self, dst: Any, src: Any, factor: float = 1.0) -> None:
         out = as_torch(dst)
         self._scaled(out, src.view(out.shape), factor)
 
@@ -188,10 +170,12 @@ class TorchOps:
         self._scaled(buf, buf, factor)
 
     def _scaled(self, dst: Any, src: Any, factor: float) -> None:
-        """``dst = src * factor``; integers as Horovod's ScaleBuffer does: in
-        double precision, truncated toward zero."""
+        """``dst = src * factor`` (a plain copy for 1); integers as Horovod's
+        ScaleBuffer does: in double precision, truncated toward zero."""
         with self._torch.no_grad():
-            if dst.is_floating_point():
+            if factor == 1.0:
+                dst.copy_(src)
+            elif dst.is_floating_point():
                 self._torch.mul(src, factor, out=dst)
             else:
                 dst.copy_((src.double() * factor).to(dst.dtype))
@@ -218,10 +202,12 @@ class TorchOps:
 
 
 def _np_scaled(dst: np.ndarray, src: np.ndarray, factor: float) -> None:
-    """``dst = src * factor``; integers in float64, truncated toward zero, and
-    16-bit floats in float32, rounded once (Horovod's ScaleBuffer; torch's
-    half multiply does the same)."""
-    if np.issubdtype(dst.dtype, np.integer):
+    """``dst = src * factor`` (a plain copy for 1); integers in float64,
+    truncated toward zero, and 16-bit floats in float32, rounded once
+    (Horovod's ScaleBuffer; torch's half multiply does the same)."""
+    if factor == 1.0:
+        np.copyto(dst, src, casting="no")
+    elif np.issubdtype(dst.dtype, np.integer):
         np.copyto(dst, np.trunc(src.astype(np.float64) * factor), casting="unsafe")
     elif dst.dtype.itemsize < 4:
         np.copyto(dst, src.astype(np.float32) * np.float32(factor), casting="unsafe")

@@ -104,12 +104,6 @@ class FusionBuffer:
         if self.flat is None or self._slab is not None:
             self._lie_in(ops, ops.empty(self.numel, self.bucket.dtype, self.bucket.device), None)
 
-    def borrow(self, ops: ArrayOps, slab: Slab) -> None:
-        """Lie in ``slab`` (an unpinned buffer, which always gets the same one;
-        the caller made sure the slab's previous owner is unpacked)."""
-        if self._slab is not slab:
-            self._lie_in(ops, ops.slice(slab.allocate(ops), 0, self.numel), slab)
-
     def _lie_in(self, ops: ArrayOps, flat: Any, slab: Slab | None) -> None:
         """Make ``flat`` (in ``slab``, or the buffer's own) the buffer, with the
         members' views and the control slot sliced from it."""
@@ -147,20 +141,18 @@ class FusionBuffer:
             if prescale != 1.0:
                 ops.scale_(direct, prescale)
             return []
-        if slab is not None:
-            self.borrow(ops, slab)
+        if slab is not None:  # the caller made sure its previous owner is unpacked
+            if self._slab is not slab:
+                self._lie_in(ops, ops.slice(slab.allocate(ops), 0, self.numel), slab)
         else:
             self.allocate(ops)
         aliased = []
         for view, tensor in zip(self.views, tensors, strict=True):
             aliased.append(ops.shares_memory(view, tensor))
-            if aliased[-1]:
-                if prescale != 1.0:
-                    ops.scale_(view, prescale)
+            if not aliased[-1]:
+                ops.pack(view, tensor, prescale)
             elif prescale != 1.0:
-                ops.pack_scaled(view, tensor, prescale)
-            else:
-                ops.pack(view, tensor)
+                ops.scale_(view, prescale)
         return aliased
 
     def unpack(self, ops: ArrayOps, tensors: Sequence[Any], postscale: float, direct: Any,
@@ -172,13 +164,10 @@ class FusionBuffer:
                 ops.scale_(direct, postscale)
             return
         for view, tensor, alias in zip(self.views, tensors, aliased, strict=True):
-            if alias:
-                if postscale != 1.0:
-                    ops.scale_(view, postscale)
+            if not alias:
+                ops.unpack(tensor, view, postscale)
             elif postscale != 1.0:
-                ops.unpack_scaled(tensor, view, postscale)
-            else:
-                ops.unpack(tensor, view)
+                ops.scale_(view, postscale)
 
     def grad_bucket(self, ops: ArrayOps, direct: Any = None) -> GradBucket:
         """What the hook reduces: ``direct`` (the member itself) or the flat buffer."""

@@ -172,15 +172,9 @@ def _is_cast(klass: type) -> bool:
 
 
 def get_compressor(name_or_obj: str | Compressor | type[Compressor] | None) -> Compressor:
-    """A compressor from a name ('none', 'fp16', 'bf16'), a compressor class
-    (Horovod passes ``Compression.fp16``, a class) or object.
-
-    ``None`` means 'none'. Built-in casts (and subclasses that do not
-    override compress/decompress) come back as instances of their class;
-    any other object or class with callable ``compress`` and ``decompress``
-    comes back wrapped in ``TensorCompressor``. Anything else raises
-    ``ValueError`` listing what is accepted.
-    """
+    """A compressor from a name ('none', 'fp16', 'bf16'; None: 'none'), a
+    compressor class (Horovod passes ``Compression.fp16``, a class) or object:
+    a ``Cast`` or a ``TensorCompressor`` (see the module docstring)."""
     if name_or_obj is None:
         return NoneCompressor()
     if isinstance(name_or_obj, str):

@@ -38,11 +38,7 @@ def canonical_dtype(dtype: object) -> str:
         return _KNOWN[dtype]
     except (KeyError, TypeError):  # not seen yet, or unhashable
         pass
-    name = str(dtype)
-    for prefix in ("torch.", "<dtype: '"):
-        if name.startswith(prefix):
-            name = name[len(prefix) :]
-    name = name.rstrip("'>")
+    name = str(dtype).removeprefix("torch.").removeprefix("<dtype: '").rstrip("'>")
     aliases = {"half": "float16", "float": "float32", "double": "float64",
                "long": "int64", "int": "int32", "short": "int16"}
     name = aliases.get(name, name)

@@ -146,12 +146,11 @@ def plan_buckets(
     group_of = _check_groups(groups, len(specs))
     # Each group's members by kind, in walk order, and the member the walk meets last.
     grouped: dict[int, dict[tuple[str, str], list[int]]] = {}
-    last_of: dict[int, int] = {}
     for i in walk:
         if i in group_of:
-            kinds = grouped.setdefault(group_of[i], {})
-            kinds.setdefault((specs[i].dtype, specs[i].device), []).append(i)
-            last_of[group_of[i]] = i
+            key = (specs[i].dtype, specs[i].device)
+            grouped.setdefault(group_of[i], {}).setdefault(key, []).append(i)
+    last_of = {group_of[i]: i for i in walk if i in group_of}
 
     # Per (dtype, device): the open bucket's members and size in bytes.
     open_: dict[tuple[str, str], tuple[list[int] | None, int]] = {}

@@ -23,7 +23,7 @@ the same way on every path and every engine and costs no extra pass.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dp_plugin.arrays import ArrayOps
@@ -184,10 +184,7 @@ def compression_wrapper(hook: CommHook, compressor: Compressor | str) -> CommHoo
     (in ``bucket.scratch``, or per slab in ``bucket.shared`` for a bucket that
     borrows one) and casts back when the handle is waited on; buckets it does
     not narrow (integers, already-narrow floats) go to ``hook`` unchanged.
-    Any other compressor (Horovod-style ``compress`` / ``decompress``, see
-    ``dp_plugin.compression``) gets the packed 1-D buffer; what its
-    ``compress`` returns is reduced, and ``decompress``'s result is copied
-    back into the bucket.
+    Any other compressor: see ``dp_plugin.compression``.
     """
     comp = get_compressor(compressor)
     wrapped = _cast_wrapper(hook, comp) if isinstance(comp, Cast) else _tensor_wrapper(hook, comp)
@@ -212,9 +209,7 @@ def _cast_wrapper(hook: CommHook, comp: Cast) -> CommHook:
         if int(wire.shape[0]) != numel:  # shared by the buckets of a slab
             wire = bucket.ops.slice(wire, 0, numel)
         bucket.ops.cast_into(wire, flat)
-        inner = GradBucket(bucket.index, wire_dtype, bucket.device, bucket.names, bucket.ops,
-                           wire, bucket.label, bucket.scratch, bucket.shared,
-                           bucket.shared_numel)
+        inner = replace(bucket, dtype=wire_dtype, flat=wire)
         return hook(state, inner).then(lambda: bucket.ops.cast_into(flat, wire))
 
     return compressed
@@ -231,9 +226,6 @@ def _tensor_wrapper(hook: CommHook, comp: Compressor) -> CommHook:
                 f"compressor {comp.name}: compress() returned {type(wire).__name__} "
                 f"({exc}); it must return (tensor, ctx) with a tensor of a reducible dtype"
             ) from None
-        inner = GradBucket(bucket.index, wire_dtype, bucket.device, bucket.names, bucket.ops,
-                           wire, bucket.label, bucket.scratch, bucket.shared,
-                           bucket.shared_numel)
 
         def restore() -> None:
             out = comp.decompress(wire, ctx)
@@ -249,14 +241,11 @@ def _tensor_wrapper(hook: CommHook, comp: Compressor) -> CommHook:
                 )
             bucket.ops.cast_into(flat, got)
 
-        return hook(state, inner).then(restore)
+        return hook(state, replace(bucket, dtype=wire_dtype, flat=wire)).then(restore)
 
     return compressed
 
 
-def hook_for(compression: Compressor | str | None) -> CommHook:
-    """The default gradient hook: all-reduce, compressed if asked."""
-    comp = get_compressor(compression)
-    if comp.name == "none":
-        return allreduce_hook
-    return compression_wrapper(allreduce_hook, comp)
+def hook_for(comp: Compressor) -> CommHook:
+    """The default gradient hook: all-reduce, compressed by ``comp`` unless it is 'none'."""
+    return allreduce_hook if comp.name == "none" else compression_wrapper(allreduce_hook, comp)

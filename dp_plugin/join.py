@@ -73,15 +73,10 @@ REFUSED = frozenset({"allgather", "broadcast", "reducescatter", "alltoall"})
 not ``ANSWERED`` is refused too."""
 
 
-def answers(kind: str) -> bool:
-    """Does a joined rank answer a collective of ``kind``?"""
-    return kind in ANSWERED
-
-
 def admit(kind: str, name: str | None, joined: Sequence[int]) -> None:
     """On a rank that called ``kind`` while ``joined`` (global ranks) have joined:
     return if a joined rank answers it, else raise ``JoinedRankError``."""
-    if not joined or answers(kind):
+    if not joined or kind in ANSWERED:
         return
     named = "" if name is None else f" {name!r}"
     raise JoinedRankError.refusing(
@@ -120,7 +115,7 @@ def answerable(heard: Heard, kind: str) -> bool:
     """Did the others run something this rank answers? (False: they raise:
     an agreement that refuses joined ranks, a refused kind, or ranks that
     disagree among themselves; this rank just keeps listening.)"""
-    return heard.same and all(heard.joined_ok) and answers(kind)
+    return heard.same and all(heard.joined_ok) and kind in ANSWERED
 
 
 def replay(engine: Any, described: list[dict[str, Any]]) -> None:

@@ -6,21 +6,17 @@ op, root, splits or name, or another collective altogether) must fail on
 Horovod's coordinator gives "Mismatched allreduce tensor shapes" there.
 
 Both adapters and the core describe what they are about to run as a
-``Request`` (kind, name, every tensor's shape, dtype and device, op, scale
-factors, root, splits, members; or, for a fused collective, ``Request.fused``:
-its tensors' layout and the settings that decide its buckets and scaling)
-and call ``check``: every rank looks for its own mistakes (an unsupported
-dtype, a 0-dim tensor where a first dimension is needed, bad splits, a bad
-member list, a root outside the process set), then all ranks run the core's
-one agreement exchange (``dp_plugin.agreement.compare``): a small
-all-reduce of a digest and the numbers the collective needs from every rank
-(first dimensions, splits, host); the descriptions themselves travel only
-when the digests differ. Every rank runs the same comparison on the same
-descriptions, so the outcome — an ``Agreed`` to run, or a ``MismatchError``
-carrying its ``Problem`` — is the same everywhere, and so is the message (a
-problem's local detail is added on the rank that has it, after "On this
-rank:"). The messages come from one table (``_PROBLEM_TEXT``,
-``_FIELD_TEXT``, and the layout's ``_layout_text``, ``_settings_text``).
+``Request`` (a fused collective's layout and settings too: ``Request.fused``)
+and call ``check``: every rank looks for its own mistakes (``_local_problem``),
+then all ranks run the one agreement exchange (``dp_plugin.agreement.compare``:
+a digest all-reduce carrying the numbers the collective needs from every
+rank; the descriptions travel only when the digests differ). Every rank runs
+the same comparison on the same descriptions, so the outcome — an ``Agreed``
+to run, or a ``MismatchError`` carrying its ``Problem`` — is the same
+everywhere, and so is the message (a problem's local detail is added on the
+rank that has it, after "On this rank:"). The messages come from one table
+(``_PROBLEM_TEXT``, ``_FIELD_TEXT``, and the layout's ``_layout_text``,
+``_settings_text``).
 
 Engines then move bytes only: ``Engine.allgather`` takes the agreed rows,
 ``Engine.alltoall`` the agreed counts. ``allgather``, ``alltoall``,
@@ -30,6 +26,7 @@ holding plain buffers.
 
 from __future__ import annotations
 
+import socket
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -44,7 +41,6 @@ from dp_plugin.edge import caller
 from dp_plugin.engines.types import ReduceOp, Started
 from dp_plugin.errors import MismatchError, Problem
 from dp_plugin.fusion import TensorSpec
-from dp_plugin.topology import Topology
 from dp_plugin.validate import is_int
 
 _PROBLEM_TEXT = {
@@ -195,7 +191,7 @@ def check(engine: Any, request: Request, *, accept_joined: bool = False) -> Agre
         raise ValueError("a collective needs at least one tensor; got an empty list")
     problem, detail, extra, members, root = _local_problem(engine, request)
     mine = [_describe(request, i, problem, members) for i in range(max(1, len(request.shapes)))]
-    numbers = [_first_dim(shape) for shape in request.shapes] + extra
+    numbers = [shape[0] if shape else -1 for shape in request.shapes] + extra
     got = compare(engine, CHECK_TAG, mine, numbers, joined_ok=accept_joined,
                   what=f"{request.kind}{_named(request.name)}")
     blocks = [b for b in got.described if b is not None] if got.described else [mine]
@@ -247,10 +243,9 @@ def joined_view(heard: Heard) -> tuple[list[dict[str, Any]] | None, Agreed]:
     """On a joined rank: the request the others agreed on (one description
     per tensor) and what they agreed; None when they ran another agreement
     than ``check`` or reported a problem (they raise, this rank listens on)."""
-    if any(env is not None and env[0] != CHECK_TAG for env in heard.envelopes):
-        return None, Agreed([], 0)
+    other = any(env is not None and env[0] != CHECK_TAG for env in heard.envelopes)
     blocks = [b for b in heard.described if b is not None]
-    if not blocks or any(d["problem"] for b in blocks for d in b):
+    if other or not blocks or any(d["problem"] for b in blocks for d in b):
         return None, Agreed([], 0)
     width = max(len(n) for n in heard.numbers)
     count = len(blocks[0]) if blocks[0][0]["kind"] != "barrier" else 0
@@ -285,14 +280,12 @@ def _local_problem(engine: Any, req: Request
                 canonical_dtype(dtype)
             except TypeError as exc:
                 problem, detail = Problem.UNSUPPORTED_DTYPE, str(exc)
-                continue
         elif req.kind != "barrier" and dtype not in MOVABLE:
             problem, detail = Problem.UNSUPPORTED_DTYPE, (
                 f"dtype {dtype} cannot be moved by {req.kind}; supported dtypes: "
                 f"{', '.join(sorted(MOVABLE))}. Cast the tensor (e.g. complex -> two float "
                 "tensors)")
-            continue
-        if req.kind in _NEEDS_FIRST_DIM and not shape:
+        if not problem and req.kind in _NEEDS_FIRST_DIM and not shape:
             problem, detail = Problem.ZERO_DIM, f"the {req.kind} input is 0-dim (shape ())"
     extra: list[int] = []
     members: tuple[int, ...] = ()
@@ -306,7 +299,8 @@ def _local_problem(engine: Any, req: Request
         members, why = as_members(req.members, engine.size)
         if why and not problem:
             problem, detail = Problem.BAD_MEMBERS, why
-        extra = [host_key(engine.topology)]
+        # A number equal for processes on the same host.
+        extra = [zlib.crc32((engine.topology.hostname or socket.gethostname()).encode())]
     return problem, detail, extra, members, root
 
 
@@ -361,19 +355,7 @@ def as_members(ranks: Any, size: int) -> tuple[tuple[int, ...], str]:
     return members, ""
 
 
-def host_key(topology: Topology) -> int:
-    """A number that is equal for processes on the same host."""
-    import socket
-
-    host = topology.hostname or socket.gethostname()
-    return zlib.crc32(host.encode())
-
-
 # -- what the ranks compare -----------------------------------------------------------
-
-
-def _first_dim(shape: tuple[int, ...]) -> int:
-    return shape[0] if shape else -1
 
 
 def _describe(req: Request, index: int, problem: Problem,

@@ -16,11 +16,8 @@ SyncBatchNorm statistics) is the same Reducer with every tensor ready at
 once (``run``, or ``start`` then ``finish``). ``GradientScheduler`` is the
 Reducer built from the user's keyword arguments (the core's public edge).
 
-Distributed contract: every rank builds it with the same specs (in the same
-order) and settings, and starts buckets in the same order. The agreement
-check (a collective) runs once, at ``agree()`` or before the first bucket;
-a difference raises ``LayoutMismatchError`` on every rank. After any failed
-collective the Reducer refuses further work (the ranks are out of step).
+The distributed contract is ``GradientScheduler``'s docstring. After any
+failed collective the Reducer refuses further work (the ranks are out of step).
 """
 
 from __future__ import annotations
@@ -33,8 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from dp_plugin import runtime
 from dp_plugin.agreement import to_device, to_host
-from dp_plugin.arrays import ArrayOps, NumpyOps, is_torch, ops_for, spec_of
+from dp_plugin.arrays import ArrayOps, NumpyOps, TorchOps, is_torch, ops_for, spec_of
 from dp_plugin.autotune import Autotuner, agreement_setting
 from dp_plugin.buffer import SLABS_PER_KIND, FusionBuffer, Slab
 from dp_plugin.compression import Compressor, get_compressor
@@ -129,7 +127,8 @@ class Reducer:
     already checked the ranks' requests. ``groups`` (lists of spec indices)
     are reduced as one bucket each, launched when the whole group is ready
     (Horovod's ``groups=``; ``plan_buckets``). ``timeline`` records spans
-    (none by default). The other arguments are ``GradientScheduler``'s.
+    (none by default); ``array_ops`` is the array backend (default: from the
+    first tensor seen).
     """
 
     def __init__(self, specs: Sequence[TensorSpec], *, engine: Any,
@@ -148,7 +147,7 @@ class Reducer:
         self.layout = self.specs if layout is None else tuple(layout)
         self.backward_passes_per_step = check_int("backward_passes_per_step", passes,
                                                   minimum=1)
-        self.policy, self.op = policy, policy.op
+        self.policy = policy
         self.flag_names = tuple(flags)
         self.control_numel = len(self.flag_names) * engine.size
         self.fusion_threshold, self.first_threshold = config.bucket_caps(
@@ -199,11 +198,10 @@ class Reducer:
     def _plan(self, order: Iterable[int]) -> list[PlanEntry]:
         """Buckets of ``threshold`` bytes; of ``PIPELINE_CHUNK`` when grouped, with
         every tensor of ``DIRECT_BYTES`` or more alone."""
-        if self.grouped:
-            return plan_buckets(self.specs, PIPELINE_CHUNK, order=order,
-                                first_threshold=self.first_threshold, alone_from=DIRECT_BYTES)
-        return plan_buckets(self.specs, self.fusion_threshold, order=order,
-                            first_threshold=self.first_threshold, groups=self.groups)
+        grouped = self.grouped
+        return plan_buckets(self.specs, PIPELINE_CHUNK if grouped else self.fusion_threshold,
+                            order=order, first_threshold=self.first_threshold,
+                            alone_from=DIRECT_BYTES if grouped else None, groups=self.groups)
 
     def _install(self, plan: list[PlanEntry]) -> None:
         """Adopt ``plan``: new fusion buffers (allocated on first use); the
@@ -222,10 +220,7 @@ class Reducer:
                 wire_dtype=self.compressor.wire_dtype(b.dtype)))
             for b in plan
         ]
-        self.bucket_of = [0] * len(self.specs)
-        for b in plan:
-            for i in b.members:
-                self.bucket_of[i] = b.index
+        self.bucket_of = {i: b.index for b in plan for i in b.members}
         kinds: dict[tuple[str, str], list[Bucket]] = {}
         for r in self.buckets:
             if not r.buffer.pinned:
@@ -271,8 +266,6 @@ class Reducer:
             elif all(s.device == "cpu" for s in self.specs):
                 self.ops = NumpyOps()
             else:
-                from dp_plugin.arrays import TorchOps
-
                 self.ops = TorchOps()
         return self.ops
 
@@ -354,8 +347,11 @@ class Reducer:
                     st.intervals.append((handle.started_at, handle.completed_at or before))
             self.stats.append(st.record(self.timeline, time.perf_counter(), exposed))
             result = list(st.tensors)
-            if st.step == 0 and self.rebuild_buckets:
-                self._rebuild(st.ready_order)
+            if st.step == 0 and self.rebuild_buckets:  # rank 0's ready order, for all
+                order = self._from_root(np.array(st.ready_order, dtype=np.int64), "bucket_order")
+                self._order = order.tolist()
+                self.replan(self._order)
+                self.rebuilt = True
             if self.autotuner is not None and not self.autotuner.done:
                 self.fusion_threshold = self.autotuner.after_step(
                     self, self._order, self.timeline,
@@ -438,13 +434,11 @@ class Reducer:
         """``tensor`` (this step's gradient of spec ``index``) moved into its
         slice of the fusion buffer; returns that view, shaped like the spec.
 
-        For an adapter that keeps the view as the gradient's storage (DDP's
-        ``gradient_as_bucket_view``): call it before ``mark_ready``; the bucket
-        is then reduced without its pack and unpack copies, and a gradient
-        that stays the view costs no copy at all in later steps. Returns
-        ``tensor`` itself when it already is the view, when its bucket reduces
-        it in place anyway (a one-member bucket), or when the tensor was
-        already marked ready this step (its bucket may be in flight).
+        Call it before ``mark_ready`` (see ``view_for``); a gradient that stays
+        the view costs no copy at all in later steps. Returns ``tensor`` itself
+        when it already is the view, when its bucket reduces it in place anyway
+        (a one-member bucket), or when the tensor was already marked ready this
+        step (its bucket may be in flight).
         """
         with self._lock:
             index, _ = self._checked(index, tensor)
@@ -488,11 +482,10 @@ class Reducer:
         except TypeError as exc:
             raise TypeError(f"mark_ready for tensor {spec.name!r}: {exc}") from None
         if shape != spec.shape or dtype != spec.dtype or device != spec.device:
-            got = TensorSpec(spec.name, shape, dtype, device)
             raise ValueError(
                 f"mark_ready got a tensor that does not match its registration: "
-                f"registered {spec.describe()}, got shape {got.shape} {got.dtype} on "
-                f"{got.device}. Pass the gradient of the registered tensor, or re-create the "
+                f"registered {spec.describe()}, got shape {shape} {dtype} on "
+                f"{device}. Pass the gradient of the registered tensor, or re-create the "
                 "scheduler after changing the model"
             )
         return index, spec
@@ -530,13 +523,6 @@ class Reducer:
             if not self._done(self.buckets[st.polled]):
                 return
             st.polled += 1
-
-    def _rebuild(self, observed: list[int]) -> None:
-        """Adopt rank 0's observed ready order as the bucket order (one broadcast)."""
-        order = self._from_root(np.array(observed, dtype=np.int64), "bucket_order")
-        self._order = order.tolist()
-        self.replan(self._order)
-        self.rebuilt = True
 
     def _from_root(self, values: np.ndarray, what: str) -> np.ndarray:
         """Rank 0's ``values`` on every rank (one broadcast on this Reducer's engine)."""
@@ -690,11 +676,6 @@ class GradientScheduler(Reducer):
         sched.mark_ready(i, grad_i)
         reduced = sched.synchronize()      # grads now hold the averaged values
 
-    Tensors are grouped into fusion buckets (``dp_plugin.fusion``). When every
-    gradient of a bucket is ready the bucket is packed into a persistent flat
-    buffer, scaled, optionally compressed, and its all-reduce starts, so
-    communication overlaps the rest of backward.
-
     Distributed contract:
     - every rank constructs the scheduler with the same specs, in the same
       order, and the same ``op``, ``compression``, threshold, scale factors,
@@ -714,24 +695,16 @@ class GradientScheduler(Reducer):
     - a tensor passed to ``mark_ready`` must not be modified until
       ``synchronize()`` returns; the reduced values are written back into it.
 
-    Scaling follows Horovod's torch ``DistributedOptimizer``
-    (``dp_plugin.hooks.ReducePolicy``): with ``op='average'`` each rank
-    multiplies by ``prescale/f`` before the sum and the result by
-    ``postscale*f/size`` after it (``f`` is ``gradient_predivide_factor``).
-
-    Arguments: ``engine`` defaults to the one ``dp_plugin.init()`` started;
-    ``fusion_threshold`` (bytes) to ``engine.config.fusion_threshold``, with
-    the first bucket capped at ``engine.config.first_bucket_threshold`` and
-    a small gradient spread over ``engine.config.min_buckets`` buckets (an
-    explicit ``fusion_threshold`` applies to every bucket);
-    ``timeline`` to the Chrome trace named by ``engine.config.timeline``;
-    ``compression`` is 'none', 'fp16', 'bf16' or a ``Compressor``; ``hook``
-    replaces the default all-reduce hook (``dp_plugin.hooks``); ``name``
-    prefixes the collectives' names; ``flags`` names groups of per-rank
-    flags reduced with the last bucket (``flags_of``); ``settings`` (name ->
-    value) are the caller's settings the first step compares across ranks;
-    ``autotune=True`` measures the candidate thresholds of ``engine.config``
-    during the first steps and keeps the fastest (``dp_plugin.autotune``).
+    Scaling is Horovod's (``dp_plugin.hooks.ReducePolicy``). ``engine``
+    defaults to the one ``dp_plugin.init()`` started; ``fusion_threshold``
+    (bytes) to ``engine.config.fusion_threshold``, with the first bucket capped
+    at ``engine.config.first_bucket_threshold`` and a small gradient spread
+    over ``engine.config.min_buckets`` buckets (an explicit
+    ``fusion_threshold`` applies to every bucket); ``timeline`` to the Chrome
+    trace named by ``engine.config.timeline``; ``name`` prefixes the
+    collectives' names; ``autotune=True`` measures the candidate thresholds
+    of ``engine.config`` during the first steps and keeps the fastest
+    (``dp_plugin.autotune``). The other arguments are ``Reducer``'s.
 
     Calls are serialised by a lock, so ``mark_ready`` may come from autograd's
     worker threads; one step must still end (``synchronize()``) before the
@@ -752,8 +725,6 @@ class GradientScheduler(Reducer):
         **options: Any,
     ) -> None:
         if engine is None:
-            from dp_plugin import runtime
-
             engine = runtime.engine()
         checked = checked_specs(specs)
         policy = ReducePolicy(op, engine.size, predivide=gradient_predivide_factor,

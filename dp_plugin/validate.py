@@ -25,19 +25,6 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = [
-    "check_choice",
-    "check_groups",
-    "check_int",
-    "check_positive_float",
-    "env_bool",
-    "env_choice",
-    "env_int",
-    "env_int_list",
-    "env_positive_float",
-    "is_int",
-]
-
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 
@@ -67,11 +54,7 @@ def check_int(
     name: str, value: object, *, minimum: int | None = None, maximum: int | None = None,
     where: str = "", fix: str = "", error: type[Exception] = ValueError,
 ) -> int:
-    """``value`` as an ``int`` in ``minimum..maximum`` (either bound optional).
-
-    ``check_int("maxlen", 0, minimum=1)`` raises
-    ``ValueError("maxlen must be an int >= 1, got 0")``.
-    """
+    """``value`` as an ``int`` in ``minimum..maximum`` (either bound optional)."""
     if not is_int(value) or (
         (minimum is not None and value < minimum)  # type: ignore[operator]
         or (maximum is not None and value > maximum)  # type: ignore[operator]
@@ -141,7 +124,7 @@ def check_positive_float(
 
 def check_choice(
     name: str, value: object, choices: Iterable[str], *, kind: str = "values",
-    where: str = "", fix: str = "", error: type[Exception] = ValueError,
+    fix: str = "", error: type[Exception] = ValueError,
 ) -> str:
     """``value`` if it is one of ``choices``.
 
@@ -151,7 +134,7 @@ def check_choice(
     options = tuple(choices)
     if not isinstance(value, str) or value not in options:
         raise error(_message(
-            where, f"{name} {value!r} is not known; valid {kind}: {', '.join(options)}", fix
+            "", f"{name} {value!r} is not known; valid {kind}: {', '.join(options)}", fix
         ))
     return value
 

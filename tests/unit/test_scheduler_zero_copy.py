@@ -23,21 +23,13 @@ class CountingOps(NumpyOps):
     def __init__(self) -> None:
         self.copies = 0
 
-    def pack(self, dst: Any, src: Any) -> None:
+    def pack(self, dst: Any, src: Any, factor: float = 1.0) -> None:
         self.copies += 1
-        super().pack(dst, src)
+        super().pack(dst, src, factor)
 
-    def pack_scaled(self, dst: Any, src: Any, factor: float) -> None:
+    def unpack(self, dst: Any, src: Any, factor: float = 1.0) -> None:
         self.copies += 1
-        super().pack_scaled(dst, src, factor)
-
-    def unpack(self, dst: Any, src: Any) -> None:
-        self.copies += 1
-        super().unpack(dst, src)
-
-    def unpack_scaled(self, dst: Any, src: Any, factor: float) -> None:
-        self.copies += 1
-        super().unpack_scaled(dst, src, factor)
+        super().unpack(dst, src, factor)
 
 
 def grad(rank: int, step: int, spec: TensorSpec) -> np.ndarray:
