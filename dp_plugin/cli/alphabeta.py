@@ -68,8 +68,7 @@ def hierarchical_allreduce_time(nbytes: float, hosts: int, per_host: int, link: 
     drain): ``max(inside, cross) + min(inside, cross) / pieces``.
     ``piece=None``: one after the other, ``inside + cross``."""
     inside = ring_allreduce_time(nbytes, per_host, local)
-    cross = 0.0 if hosts <= 1 else (2 * (hosts - 1) * link.alpha
-                                     + bus_factor(hosts) * nbytes / link.beta)
+    cross = ring_allreduce_time(nbytes, hosts, link)
     if piece is None:
         return inside + cross
     pieces = max(1, -(-int(nbytes) // int(piece)))

@@ -37,14 +37,6 @@ def reps_for(nbytes: int, reps: int) -> int:
     return max(3, min(reps, reps * (16 << 20) // max(nbytes, 1)))
 
 
-def median_timer(engine: Any) -> Callable[[Callable[[], None], int, int], float]:
-    """``time_it(fn, reps, warmup)``: the median time of ``fn`` over ``reps`` runs
-    after ``warmup``, each started together on every rank (a barrier first)."""
-    def time_it(fn: Callable[[], None], reps: int, warmup: int) -> float:
-        return interleaved_medians(engine, {"fn": fn}, reps, warmup)["fn"]
-    return time_it
-
-
 def interleaved_medians(engine: Any, fns: dict[str, Callable[[], None]], reps: int,
                         warmup: int) -> dict[str, float]:
     """The median time of each of ``fns``, their repetitions interleaved
@@ -143,24 +135,21 @@ def worker(sizes: list[int], reps: int, warmup: int, models: list[str],
     torch.set_num_threads(1)
     engine = dp_plugin.init()
     lead = engine.rank == 0
-    time_it = median_timer(engine)
     checks = _check_transports(engine) if shm_check else {}
     sweep = []
     for nbytes in sizes:
         buf = torch.ones(max(1, nbytes // 4))
+
+        def through(t: Any, b: Any = buf) -> Callable[[], None]:
+            return lambda: t.allreduce_async(b, ReduceOp.SUM, "sweep", engine.mark_broken,
+                                             None).wait()
+
         def once(b: Any = buf) -> None:
             engine.allreduce_async(b, "sum", name="sweep").wait()
 
-        if checks:
-            def through(t: Any, b: Any = buf) -> Callable[[], None]:
-                return lambda: t.allreduce_async(b, ReduceOp.SUM, "sweep", engine.mark_broken,
-                                                 None).wait()
-
-            got = interleaved_medians(engine, {key: through(t) for key, t in checks.items()},
-                                      reps_for(nbytes, reps), warmup)
-            sweep.append({"bytes": nbytes, **got})
-        else:
-            sweep.append({"bytes": nbytes, "time_s": time_it(once, reps_for(nbytes, reps),
+        fns: dict[str, Callable[[], None]] = (
+            {key: through(t) for key, t in checks.items()} if checks else {"time_s": once})
+        sweep.append({"bytes": nbytes, **interleaved_medians(engine, fns, reps_for(nbytes, reps),
                                                              warmup)})
         if lead:
             print("PROGRESS", flush=True)

@@ -30,7 +30,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypedDict
+from typing import Any
 
 from dp_plugin.cli import int_list
 from dp_plugin.cli.alphabeta import Link, MiB, Prediction, best_threshold, fit_link, predict
@@ -175,23 +175,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-class Suggestion(TypedDict):
-    """``suggest``'s answer (also the JSON output's ``suggested``)."""
-
-    workers: int
-    threshold_mib: float
-    hierarchical: bool
-    compression: str
-    step_ms: float
-    efficiency: float
-    why: list[str]
-
-
 def suggest(sizes: list[int], compute: float, n: int, link: Link, args: argparse.Namespace,
-            per_host: int, local: Link | None) -> Suggestion:
+            per_host: int, local: Link | None) -> dict[str, Any]:
     """What to change in the defaults at ``n`` workers on this link: the bucket
     size, hierarchy (when several ranks share a host) and fp16 compression,
-    each with the prediction that justifies it (``why``)."""
+    each with the prediction that justifies it (``why``); also the JSON
+    output's ``suggested``."""
     frac, ready = args.backward_fraction, args.ready_by
 
     def best(wire: float, hier: bool) -> Prediction:
@@ -227,10 +216,8 @@ def suggest(sizes: list[int], compute: float, n: int, link: Link, args: argparse
                    f"fp16 would save {max(gain, 0):.0%}")
     why.insert(0, f"bucket size {chosen.threshold / MiB:g} MiB (default "
                   f"{args.threshold_mib:g}): the shortest predicted step among "
-                  f"{CANDIDATES}")
+                  "256 KiB-512 MiB")
     return {"workers": n, "threshold_mib": chosen.threshold / MiB,
             "hierarchical": hierarchical, "compression": compression,
             "step_ms": chosen.step_s * 1e3, "efficiency": chosen.efficiency, "why": why}
 
-
-CANDIDATES = "256 KiB-512 MiB"
