@@ -251,20 +251,15 @@ def runner(runtime: Runtime) -> Callable[[Callable[..., R]], Callable[..., R]]:
             if not state.load():
                 state.sync()
             result = func(state, *args, **kwargs)
-            _remove_default_commit(state, runtime)
+            # The job's function returned: its default commit file is not needed again.
+            if getattr(state, "default_path", False) and state.commit_path is not None and (
+                    not runtime.is_initialized() or runtime.rank() == 0):
+                state.commit_path.unlink(missing_ok=True)
             return result
 
         return wrapper
 
     return run
-
-
-def _remove_default_commit(state: State, runtime: Runtime) -> None:
-    """The job's function returned: its default commit file is not needed again."""
-    path = state.commit_path
-    if getattr(state, "default_path", False) and path is not None and (
-            not runtime.is_initialized() or runtime.rank() == 0):
-        path.unlink(missing_ok=True)
 
 
 def check_launcher(state: State) -> None:

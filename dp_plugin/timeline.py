@@ -191,7 +191,6 @@ class SharedTimeline:
         self._lock = threading.Lock()
         self.current: Timeline | NullTimeline = NullTimeline()
         self.mark_cycles = False
-        self._atexit = False
 
     def open_from_config(self, path: str | None, rank: int, max_bytes: int) -> None:
         """Record from ``init()`` on into ``path`` (``Config.timeline``), as Horovod
@@ -208,9 +207,6 @@ class SharedTimeline:
         with self._lock:
             old, self.current = self.current, new
             self.mark_cycles = bool(mark_cycles)
-            if not self._atexit:
-                atexit.register(self.stop)
-                self._atexit = True
         old.close()
 
     def stop(self) -> None:
@@ -248,6 +244,7 @@ class SharedTimeline:
 
 
 shared_timeline = SharedTimeline()
+atexit.register(shared_timeline.stop)
 
 
 # -- per-step stats ----------------------------------------------------------
