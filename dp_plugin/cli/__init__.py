@@ -39,7 +39,8 @@ def int_list(what: str, minimum: int, example: str) -> Callable[[str], list[int]
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parsed arguments; bad input exits with status 2 and argparse's message."""
     parser = argparse.ArgumentParser(
         prog="dp-plugin", description="dp_plugin: check, build Horovod, benchmark, plan.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -49,12 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(module=module)
-    return parser
-
-
-def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parsed arguments; bad input exits with status 2 and argparse's message."""
-    return build_parser().parse_args(argv)
+    return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -53,14 +53,6 @@ def _frameworks() -> list[tuple[str, bool, str]]:
     return rows
 
 
-def _launchers() -> list[tuple[str, bool, str]]:
-    rows = []
-    for tool in ("horovodrun", "torchrun", "mpirun", "mpiexec", "srun"):
-        path = shutil.which(tool)
-        rows.append((tool, path is not None, path or "not on PATH"))
-    return rows
-
-
 HELP = "frameworks, engines and launchers available here, and why not"
 
 
@@ -86,8 +78,9 @@ def main() -> int:
     for name, avail in availability_report(topo).items():
         out.write(f"    {mark[avail.ok]} {name:<11} {avail.reason}\n")
     out.write("\nLaunchers:\n")
-    for name, ok, info in _launchers():
-        out.write(f"    {mark[ok]} {name:<11} {info}\n")
+    for tool in ("horovodrun", "torchrun", "mpirun", "mpiexec", "srun"):
+        path = shutil.which(tool)
+        out.write(f"    {mark[path is not None]} {tool:<11} {path or 'not on PATH'}\n")
     chosen, reason = choose_engine(topo)
     out.write(
         f"\nThis process: launcher {topo.launcher}, rank {topo.rank} of {topo.size}; "
