@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +35,7 @@ from typing import Any
 
 from dp_plugin.cli import int_list
 from dp_plugin.cli.alphabeta import Link, MiB, Prediction, best_threshold, fit_link, predict
-from dp_plugin.cli.shapes import MODELS, model_shapes, numel, param_count
+from dp_plugin.cli.shapes import MODELS, model_shapes, param_count
 
 HELP = "predict step time and scaling efficiency at 8-1024 workers (alpha-beta model)"
 DEFAULT_WORKERS = "8,16,32,64,128,256,512,1024"
@@ -138,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     link, source = resolve_link(args)
     local = Link(alpha=5e-6, beta=args.local_bandwidth_gbit * 1e9 / 8) if per_host > 1 else None
     shapes = model_shapes(args.model)
-    sizes = [4 * numel(shape) for _, shape in shapes]
+    sizes = [4 * math.prod(shape) for _, shape in shapes]
     compute = args.compute_ms / 1e3
     threshold = int(args.threshold_mib * MiB)
     rows = []
