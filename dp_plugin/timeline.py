@@ -280,20 +280,14 @@ _NUMERIC_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StepStats) if f.
 
 def union_length(intervals: Iterable[tuple[float, float]]) -> float:
     """Total length covered by ``(start, end)`` intervals, overlaps counted once."""
-    ordered = sorted(intervals)
     total = 0.0
-    cur_start = cur_end = -math.inf
-    for start, end in ordered:
+    covered_to = -math.inf
+    for start, end in sorted(intervals):
         if end < start:
             raise ValueError(f"interval ({start}, {end}) ends before it starts")
-        if start > cur_end:
-            if cur_end > cur_start:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
-        elif end > cur_end:
-            cur_end = end
-    if cur_end > cur_start:
-        total += cur_end - cur_start
+        if end > covered_to:  # what lies past the intervals before it is new
+            total += end - max(start, covered_to)
+            covered_to = end
     return total
 
 
