@@ -9,11 +9,9 @@ a run that crashed still opens in Perfetto (ui.perfetto.dev) and
 chrome://tracing. Load several ranks' files together to compare them: the
 process id of every event is the rank.
 
-Events are streamed through a buffer of whole lines, flushed at the end of
-each step (``flush()``), so a long run costs no memory and no rewrites, and a
-crash leaves only whole events. Every handle on one file in a process shares
-one writer; the file's size is bounded (``DP_PLUGIN_TIMELINE_MAX_BYTES``);
-a symbolic link at the path is refused. See ``dp_plugin.trace_writer``.
+Events are flushed at the end of each step (``flush()``); how the file is
+written (one writer per file, whole lines, a size bound, no symbolic links)
+is ``dp_plugin.trace_writer``'s.
 
 Recording is local to a rank: nothing here communicates, and ranks may
 record different events.

@@ -1,23 +1,15 @@
 """One worker of ``dp-plugin bench``, started under a launcher by ``bench.py``.
 
-Times the engine's all-reduce of one float32 buffer per size (a barrier
-before each repetition, median of the repetitions), then, per model shape
-list, the fused all-reduce of every gradient through ``GradientScheduler``
-(default fusion threshold, averaging, as a training step does; with the
-gradients as separate tensors, then as views of the fusion buffer, the
-``DistributedOptimizer`` default; then views with ``op=sum``, which isolates
-what fusion costs from averaging's pass) against one raw all-reduce (a sum)
-of the same bytes and, under the horovod engine, Horovod's own
-``grouped_allreduce`` (and with ``--per-tensor`` one all-reduce per
-gradient): one repetition of each in turn, so that their
-ratios are measured side by side.
-With ``--shm-check`` (every rank on one host) every size is timed on two
-shared-memory transports of the worker's own, interleaved: one with the
-per-operation header check (as the gloo engine's) and one made without it
+Times the engine's all-reduce of one float32 buffer per size, then, per
+model shape list, the fused all-reduce of every gradient through
+``GradientScheduler`` (``_fused`` says which variants) against one raw
+all-reduce of the same bytes, their repetitions interleaved so that the
+ratios are measured side by side. With ``--shm-check`` (every rank on one
+host) every size is timed on two shared-memory transports of the worker's
+own, with and without the per-operation header check
 (``connect(checked=False)``, which only this does), to measure what the
-check costs.
-Rank 0 prints ``PROGRESS`` after each item and one ``RESULT {json}`` line at
-the end.
+check costs. Rank 0 prints ``PROGRESS`` after each item and one
+``RESULT {json}`` line at the end.
 
     python -m dp_plugin.cli.bench_worker --sizes 4096,65536 --reps 10 --warmup 2
 """

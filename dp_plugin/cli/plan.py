@@ -29,7 +29,6 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,16 +47,14 @@ BUSY = 0.10
 """fp16 is suggested only when exposed communication exceeds this share of the step."""
 
 
-def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-        return value
-    return parse
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
 
 
 _workers = int_list("worker counts", 1, "8,64,512")
@@ -66,7 +63,7 @@ _workers = int_list("worker counts", 1, "8,64,512")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, choices=sorted(MODELS),
                         help="gradient shape list (float32)")
-    parser.add_argument("--compute-ms", type=_positive(float), required=True,
+    parser.add_argument("--compute-ms", type=_positive, required=True,
                         help="forward + backward time of one step at one worker, ms")
     link = parser.add_argument_group("link (a sweep result or both numbers)")
     link.add_argument("--sweep", type=Path, help="results.json written by dp-plugin bench")
@@ -74,19 +71,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     link.add_argument("--fit-size", type=int,
                       help="fit on the sweep's rows at this world size (default: the largest)")
     link.add_argument("--alpha-us", type=float, help="latency per ring step, microseconds")
-    link.add_argument("--bandwidth-gbit", type=_positive(float),
+    link.add_argument("--bandwidth-gbit", type=_positive,
                       help="link bandwidth, Gbit/s")
     parser.add_argument("--workers", type=_workers, default=_workers(DEFAULT_WORKERS),
                         help=f"worker counts (default {DEFAULT_WORKERS})")
-    parser.add_argument("--threshold-mib", type=_positive(float), default=64.0,
+    parser.add_argument("--threshold-mib", type=_positive, default=64.0,
                         help="bucket size to predict with (default 64, Horovod's)")
-    parser.add_argument("--backward-fraction", type=_positive(float), default=2 / 3,
+    parser.add_argument("--backward-fraction", type=_positive, default=2 / 3,
                         help="share of compute that is backward (default 2/3)")
     parser.add_argument("--ready-by", choices=("tensors", "bytes"), default="tensors",
                         help="gradients ready evenly per tensor (default) or per byte")
     parser.add_argument("--ranks-per-host", type=int, default=1,
                         help="ranks on each host; the link is the host's (default 1)")
-    parser.add_argument("--local-bandwidth-gbit", type=_positive(float), default=LOCAL_GBIT,
+    parser.add_argument("--local-bandwidth-gbit", type=_positive, default=LOCAL_GBIT,
                         help="bandwidth between the ranks of one host (shared memory), "
                              f"Gbit/s (default {LOCAL_GBIT:g})")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
