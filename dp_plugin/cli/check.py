@@ -30,10 +30,8 @@ def _frameworks() -> list[tuple[str, bool, str]]:
     if ok:
         import torch
 
-        if torch.cuda.is_available():
-            info += f", CUDA available ({torch.cuda.device_count()} device(s))"
-        else:
-            info += ", CUDA not available"
+        info += (f", CUDA available ({torch.cuda.device_count()} device(s))"
+                 if torch.cuda.is_available() else ", CUDA not available")
     rows.append(("PyTorch", ok, info))
     ok, info = _framework("tensorflow")
     if ok:

@@ -103,12 +103,11 @@ class RayExecutor:
                  num_hosts: int | None = None, num_workers_per_host: int = 1,
                  cpus_per_worker: int = 1, use_gpu: bool = False,
                  gpus_per_worker: int | None = None, use_current_placement_group: bool = True,
-                 min_workers: int | None = None, max_workers: int | None = None,
                  **elastic: Any) -> None:
-        if min_workers is not None or max_workers is not None or elastic:
+        given = sorted(k for k, v in elastic.items() if v is not None)  # min_workers, ...
+        if given:
             raise ValueError(
-                "dp_plugin.ray.RayExecutor runs static jobs only; elastic arguments "
-                f"{sorted(k for k, v in [('min_workers', min_workers), ('max_workers', max_workers), *elastic.items()] if v is not None)} "  # noqa: E501
+                f"dp_plugin.ray.RayExecutor runs static jobs only; elastic arguments {given} "
                 "are not supported: pass num_workers (or num_hosts and num_workers_per_host)"
             )
         if (num_workers is None) == (num_hosts is None):
