@@ -8,10 +8,7 @@ starts each attempt by loading the last commit (rank 0 reads it, every rank
 receives the same bytes) or, on a first start, by broadcasting rank 0's
 state, as Horovod's ``run`` does.
 
-This module holds what does not depend on the framework: the protocol,
-the plain values of ``ObjectState``, the commit record's checks and the
-launcher check. An adapter subclasses ``ObjectState`` with its generator
-states, its commit file and its broadcast (``dp_plugin.torch.elastic``,
+An adapter subclasses ``ObjectState`` (``dp_plugin.torch.elastic``,
 ``dp_plugin.tensorflow.elastic``) and builds its ``run`` with ``runner``.
 """
 
@@ -46,10 +43,7 @@ class Runtime(Protocol):
 
 
 class State:
-    """What ``run`` needs from a state: ``sync``, ``save``, ``restore``, ``load``.
-
-    ``commit()`` = ``save()`` (in memory) + ``persist()`` (to ``commit_path``).
-    """
+    """What ``run`` needs from a state: ``sync``, ``save``, ``restore``, ``load``."""
 
     commit_path: Path | None = None
 

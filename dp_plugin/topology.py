@@ -131,7 +131,7 @@ class VariableReader:
         return self._parse(name, minimum)
 
     def _both(self, first: str, second: str) -> bool:
-        """Whether both variables are set; a lone one (of the two) is an inconsistency."""
+        """Whether both variables are set; a lone one is an inconsistency (``LaunchError``)."""
         has_first, has_second = first in self.env, second in self.env
         if has_first != has_second:
             there, missing = (first, second) if has_first else (second, first)
@@ -141,7 +141,6 @@ class VariableReader:
         return has_first
 
     def pair(self, rank_name: str, size_name: str) -> tuple[Sourced, Sourced] | None:
-        """Both variables or neither: a lone one is an inconsistency."""
         if not self._both(rank_name, size_name):
             return None
         return self._parse(rank_name, 0), self._parse(size_name, 1)
