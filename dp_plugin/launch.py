@@ -333,21 +333,17 @@ class Slurm(Launcher):
             return Sourced(name, n, raw, note=f"{n} task(s) on this node")
         if len(runs) == 1 and runs[0][1] == 1:
             runs = [(runs[0][0], nodes.value)]  # a plain '4' means 4 on every node
-        described = sum(repeat for _, repeat in runs)
+        ends = list(itertools.accumulate(repeat for _, repeat in runs))  # of each run's nodes
         tasks = sum(count * repeat for count, repeat in runs)
-        if described != nodes.value or tasks != size.value:
+        if ends[-1] != nodes.value or tasks != size.value:
             raise r.error(
-                f"{name}={raw!r} describes {described} node(s) running {tasks} task(s) "
+                f"{name}={raw!r} describes {ends[-1]} node(s) running {tasks} task(s) "
                 f"in all, but {nodes.label} and {size.label}"
             )
-        if node.value >= described:
+        if node.value >= ends[-1]:
             raise r.error(f"{node.label} must be less than {nodes.label}")
-        index = node.value
-        for count, repeat in runs:
-            if index < repeat:
-                return Sourced(name, count, raw, note=f"{count} task(s) on node {node.value}")
-            index -= repeat
-        raise AssertionError("unreachable: node.value < described")
+        count = next(count for (count, _), end in zip(runs, ends, strict=True) if node.value < end)
+        return Sourced(name, count, raw, note=f"{count} task(s) on node {node.value}")
 
 
 class ProcessGroup(Launcher):
