@@ -20,6 +20,7 @@ single-worker step (compute only) over the step at ``n`` workers
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -140,11 +141,8 @@ def ready_times(sizes: Sequence[int], backward_s: float, ready_by: str) -> list[
     if ready_by == "tensors":
         return [backward_s * (i + 1) / len(sizes) for i in range(len(sizes))]
     if ready_by == "bytes":
-        total, seen, out = sum(sizes), 0, []
-        for s in sizes:
-            seen += s
-            out.append(backward_s * seen / total)
-        return out
+        total = sum(sizes)
+        return [backward_s * seen / total for seen in itertools.accumulate(sizes)]
     raise ValueError(f"ready_by must be 'tensors' or 'bytes', got {ready_by!r}")
 
 
