@@ -7,10 +7,8 @@ add its ``__all__`` to theirs, so the list is written once.
 
 ``HorovodBasics`` is the process-level API (init, ranks, timeline), as
 Horovod's class of that name: each adapter makes one and binds its methods
-as module functions, passing what differs between them (the error raised
-before ``init()``, what ``shutdown()`` also forgets). The answers are about
-dp_plugin's engines, the same for every framework: both adapters run on the
-one engine of ``dp_plugin.runtime``.
+as module functions. The answers are the same for every framework: both
+adapters run on the one engine of ``dp_plugin.runtime``.
 """
 
 from __future__ import annotations

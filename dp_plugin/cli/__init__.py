@@ -1,12 +1,8 @@
 """The ``dp-plugin`` command (also ``python -m dp_plugin``).
 
-Subcommands, one module each, imported only when chosen so that
-``dp-plugin check`` starts fast and ``dp-plugin plan`` needs no torch:
-
-- ``check``: frameworks, engines and launchers this installation has;
-- ``build-horovod``: build Horovod 0.28.1 against the installed torch;
-- ``bench``: all-reduce sweep per engine and world size, tables and plots;
-- ``plan``: alpha-beta model of bucketed ring all-reduce at scale.
+Subcommands, one module each (``SUBCOMMANDS``, each with its ``HELP``); none
+imports a framework until it runs, so ``dp-plugin check`` starts fast and
+``dp-plugin plan`` needs no torch.
 """
 
 from __future__ import annotations

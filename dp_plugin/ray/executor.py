@@ -8,13 +8,8 @@ Semantics follow Horovod 0.28's non-elastic executor:
   onto as few nodes as fit (``PACK``), or with ``num_hosts=H,
   num_workers_per_host=W`` exactly W workers on each of H distinct nodes
   (``STRICT_SPREAD``);
-- ``start(executable_cls=None, executable_args=None, executable_kwargs=None,
-  extra_env_vars=None)`` starts the actors and tells each where it sits;
-- ``run(fn, args=None, kwargs=None)`` -> ``[fn(*args, **kwargs)`` on each
-  worker``]`` in rank order; ``run_remote`` the same as ObjectRefs;
-  ``execute(fn)`` -> ``[fn(executable)]`` on each worker;
-  ``execute_single(fn)`` -> ``fn(executable)`` on rank 0 only;
-- ``shutdown()`` ends the actors and frees the placement group.
+- ``start``, ``run``/``run_remote``, ``execute``/``execute_single`` and
+  ``shutdown`` with Horovod's signatures (their docstrings say what each does).
 
 What differs from Horovod, and why: the workers meet through dp_plugin's
 own rendezvous, not Horovod's HTTP rendezvous server on the driver. The
