@@ -455,7 +455,6 @@ def parse_tasks_per_node(raw: str,
     return runs
 
 
-
 _HOST_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 _HOST_NAME = re.compile(r"(?:[^,\[]|\[[^\]]*\]|\[)+")  # up to a comma outside brackets
 _BRACKETS = re.compile(r"\[([^\[\]]*)\]")
