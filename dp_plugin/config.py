@@ -181,7 +181,20 @@ class Config:
         # Finite: an infinite timeout is a hang, and timedelta(seconds=inf) overflows.
         check_positive_float("timeout_s", self.timeout_s, unit="seconds", maximum=MAX_TIMEOUT_S,
                              fix=f"the default is {DEFAULT_TIMEOUT_S:g}", error=error)
-        self._check_autotune()
+        check_int("autotune_warmup_steps", self.autotune_warmup_steps, minimum=0,
+                  maximum=MAX_AUTOTUNE_STEPS, fix="set DP_PLUGIN_AUTOTUNE_WARMUP_STEPS (default 2)",
+                  error=error)
+        check_int("autotune_steps", self.autotune_steps, minimum=1, maximum=MAX_AUTOTUNE_STEPS,
+                  fix="set DP_PLUGIN_AUTOTUNE_STEPS (default 5)", error=error)
+        cands = self.autotune_candidates
+        fix = ("set DP_PLUGIN_AUTOTUNE_CANDIDATES to a comma-separated list of bytes, e.g. "
+               "1048576,8388608,26214400")
+        if not isinstance(cands, tuple) or not 1 <= len(cands) <= MAX_AUTOTUNE_CANDIDATES:
+            raise error(f"autotune_candidates must be a tuple of 1 to "
+                        f"{MAX_AUTOTUNE_CANDIDATES} ints, got {cands!r}; {fix}")
+        for c in cands:
+            check_int("autotune_candidates (bytes)", c, minimum=1, maximum=MAX_THRESHOLD,
+                      fix=fix, error=error)
         check_choice("check_finite", self.check_finite, CHECK_FINITE_MODES, kind="modes",
                      fix="set DP_PLUGIN_CHECK_FINITE to one of them", error=error)
         secret = self.job_secret
@@ -209,22 +222,6 @@ class Config:
             cap = min(cap, max(-(-total_bytes // self.min_buckets), first or 1))
         return cap, first
 
-    def _check_autotune(self) -> None:
-        check_int("autotune_warmup_steps", self.autotune_warmup_steps, minimum=0,
-                  maximum=MAX_AUTOTUNE_STEPS, fix="set DP_PLUGIN_AUTOTUNE_WARMUP_STEPS (default 2)",
-                  error=ConfigError)
-        check_int("autotune_steps", self.autotune_steps, minimum=1, maximum=MAX_AUTOTUNE_STEPS,
-                  fix="set DP_PLUGIN_AUTOTUNE_STEPS (default 5)", error=ConfigError)
-        cands = self.autotune_candidates
-        fix = ("set DP_PLUGIN_AUTOTUNE_CANDIDATES to a comma-separated list of bytes, e.g. "
-               "1048576,8388608,26214400")
-        if not isinstance(cands, tuple) or not 1 <= len(cands) <= MAX_AUTOTUNE_CANDIDATES:
-            raise ConfigError(f"autotune_candidates must be a tuple of 1 to "
-                              f"{MAX_AUTOTUNE_CANDIDATES} ints, got {cands!r}; {fix}")
-        for c in cands:
-            check_int("autotune_candidates (bytes)", c, minimum=1, maximum=MAX_THRESHOLD,
-                      fix=fix, error=ConfigError)
-
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
         """Read the configuration from ``env`` (default: ``os.environ``).
@@ -235,40 +232,93 @@ class Config:
         """
         env = os.environ if env is None else env
         kwargs: dict[str, object] = {}
-
         if "DP_PLUGIN_ENGINE" in env:
             kwargs["engine"] = env_choice(env, "DP_PLUGIN_ENGINE", ENGINE_NAMES, kind="engine",
                                           error=ConfigError)
-
-        kwargs.update(_fusion_settings(env))
-        kwargs.update(_timeline_settings(env))
-
+        fusion = f"(default {DEFAULT_FUSION_THRESHOLD}, i.e. 25 MiB)"
+        if "DP_PLUGIN_FUSION_THRESHOLD" in env:
+            kwargs["fusion_threshold"] = env_int(
+                env, "DP_PLUGIN_FUSION_THRESHOLD", minimum=1, maximum=MAX_THRESHOLD, unit="bytes",
+                fix=f"set a positive number of bytes {fusion}", error=ConfigError,
+            )
+        elif "HOROVOD_FUSION_THRESHOLD" in env:
+            # Horovod's 0 means "no fusion": a 1-byte threshold, one tensor per bucket.
+            value = env_int(
+                env, "HOROVOD_FUSION_THRESHOLD", minimum=0, maximum=MAX_THRESHOLD, unit="bytes",
+                fix=f"set 0 (no fusion) or a positive number of bytes {fusion}",
+                error=ConfigError,
+            )
+            kwargs["fusion_threshold"] = 1 if value == 0 else value
+        for name, key, minimum, maximum, unit, fix in _INT_VARIABLES:
+            if name in env:
+                kwargs[key] = env_int(env, name, minimum=minimum, maximum=maximum, unit=unit,
+                                      fix=fix, error=ConfigError)
+        if "fusion_threshold" in kwargs:  # the user's size, for every bucket (as DDP)
+            kwargs["first_bucket_threshold"] = None
+            kwargs.setdefault("min_buckets", 1)
+        for name in ("DP_PLUGIN_TIMELINE", "HOROVOD_TIMELINE"):
+            if env.get(name):
+                if "\x00" in env[name]:
+                    raise ConfigError(f"{name}={env[name]!r} holds a NUL character; set it to "
+                                      "a file path (or empty for no timeline)")
+                kwargs["timeline"] = env[name]
+                break
         if "DP_PLUGIN_TIMEOUT" in env:
             kwargs["timeout_s"] = env_positive_float(
                 env, "DP_PLUGIN_TIMEOUT", unit="seconds", maximum=MAX_TIMEOUT_S,
                 fix=f"default {DEFAULT_TIMEOUT_S:g}", error=ConfigError,
             )
-
-        for name, key in (("DP_PLUGIN_SHARED_MEMORY", "shared_memory"),
-                          ("DP_PLUGIN_REBUILD_BUCKETS", "rebuild_buckets"),
-                          ("DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW", "gradient_as_bucket_view")):
+        for name, key in _BOOL_VARIABLES:
             if name in env:
                 kwargs[key] = env_bool(env, name, error=ConfigError)
-
-        kwargs.update(_shared_memory_settings(env))
-
+        # Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE is honoured as the same switch; ours
+        # wins where it is set to something (an empty value counts as unset).
+        for name in ("DP_PLUGIN_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE"):
+            if env.get(name, "").strip():
+                kwargs["hierarchical_allreduce"] = env_bool(env, name, error=ConfigError)
+                break
         if "DP_PLUGIN_CHECK_FINITE" in env:
             kwargs["check_finite"] = env_choice(
                 env, "DP_PLUGIN_CHECK_FINITE", CHECK_FINITE_MODES, kind="mode",
                 fix="'skip' skips a step whose reduced gradients hold inf or nan, 'raise' "
                     "raises; the default is off", error=ConfigError,
             )
-
-        kwargs.update(_autotune_from_env(env))
-
+        if "DP_PLUGIN_AUTOTUNE_CANDIDATES" in env:
+            kwargs["autotune_candidates"] = tuple(env_int_list(
+                env, "DP_PLUGIN_AUTOTUNE_CANDIDATES", minimum=1, maximum=MAX_THRESHOLD,
+                max_items=MAX_AUTOTUNE_CANDIDATES, unit="bytes",
+                fix="e.g. 1048576,8388608,26214400 (1, 8 and 25 MiB)", error=ConfigError))
+        if kwargs.get("autotune") and "fusion_threshold" in kwargs:
+            name = next(n for n in ("DP_PLUGIN_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD")
+                        if n in env)
+            warnings.warn(
+                f"DP_PLUGIN_AUTOTUNE=1 and {name}={env[name]!r} are both set: autotune "
+                f"measures {name} among its candidate bucket sizes and keeps the fastest, "
+                f"which may be another one; unset DP_PLUGIN_AUTOTUNE to keep {name} as set",
+                UserWarning, stacklevel=2)
         kwargs.update(_job_secret(env))
-
         return cls(**kwargs)  # type: ignore[arg-type]
+
+
+_INT_VARIABLES: tuple[tuple[str, str, int, int | None, str, str], ...] = (
+    # (variable, Config field, minimum, maximum, unit, fix)
+    ("DP_PLUGIN_MIN_BUCKETS", "min_buckets", 1, MAX_MIN_BUCKETS, "buckets",
+     f"set e.g. {DEFAULT_MIN_BUCKETS}, or 1 to keep the buckets at the fusion threshold"),
+    ("DP_PLUGIN_SHARED_MEMORY_BUDGET", "shared_memory_budget", 0, MAX_THRESHOLD, "bytes",
+     "the default (unset) is a quarter of /dev/shm; 0 keeps Gloo's TCP"),
+    ("DP_PLUGIN_TIMELINE_MAX_BYTES", "timeline_max_bytes", 0, None, "bytes",
+     f"default {DEFAULT_TIMELINE_MAX_BYTES} (1 GiB); 0 means no limit"),
+    ("DP_PLUGIN_AUTOTUNE_WARMUP_STEPS", "autotune_warmup_steps", 0, MAX_AUTOTUNE_STEPS, "steps",
+     "the default is 2"),
+    ("DP_PLUGIN_AUTOTUNE_STEPS", "autotune_steps", 1, MAX_AUTOTUNE_STEPS, "steps",
+     "the default is 5"),
+)
+_BOOL_VARIABLES: tuple[tuple[str, str], ...] = (
+    ("DP_PLUGIN_SHARED_MEMORY", "shared_memory"),
+    ("DP_PLUGIN_REBUILD_BUCKETS", "rebuild_buckets"),
+    ("DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW", "gradient_as_bucket_view"),
+    ("DP_PLUGIN_AUTOTUNE", "autotune"),
+)
 
 
 def _job_secret(env: Mapping[str, str]) -> dict[str, object]:
@@ -294,94 +344,3 @@ def _job_secret(env: Mapping[str, str]) -> dict[str, object]:
                           f"users may read the secret; `chmod 600 {path}`")
     return {"job_secret": secret}
 
-
-def _fusion_settings(env: Mapping[str, str]) -> dict[str, object]:
-    """``fusion_threshold`` (and no separate first bucket) when the user set one."""
-    kwargs: dict[str, object] = {}
-    default = f"(default {DEFAULT_FUSION_THRESHOLD}, i.e. 25 MiB)"
-    if "DP_PLUGIN_FUSION_THRESHOLD" in env:
-        kwargs["fusion_threshold"] = env_int(
-            env, "DP_PLUGIN_FUSION_THRESHOLD", minimum=1, maximum=MAX_THRESHOLD, unit="bytes",
-            fix=f"set a positive number of bytes {default}", error=ConfigError,
-        )
-    elif "HOROVOD_FUSION_THRESHOLD" in env:
-        # Horovod's 0 means "no fusion": a 1-byte threshold, one tensor per bucket.
-        value = env_int(
-            env, "HOROVOD_FUSION_THRESHOLD", minimum=0, maximum=MAX_THRESHOLD, unit="bytes",
-            fix=f"set 0 (no fusion) or a positive number of bytes {default}",
-            error=ConfigError,
-        )
-        kwargs["fusion_threshold"] = 1 if value == 0 else value
-    if "DP_PLUGIN_MIN_BUCKETS" in env:
-        kwargs["min_buckets"] = env_int(
-            env, "DP_PLUGIN_MIN_BUCKETS", minimum=1, maximum=MAX_MIN_BUCKETS, unit="buckets",
-            fix=f"set e.g. {DEFAULT_MIN_BUCKETS}, or 1 to keep the buckets at the fusion "
-                "threshold", error=ConfigError)
-    if "fusion_threshold" in kwargs:  # the user's size, for every bucket (as DDP)
-        kwargs["first_bucket_threshold"] = None
-        kwargs.setdefault("min_buckets", 1)
-    return kwargs
-
-
-def _shared_memory_settings(env: Mapping[str, str]) -> dict[str, object]:
-    """The shared-memory budget, and the hierarchical switch (Horovod's
-    ``HOROVOD_HIERARCHICAL_ALLREDUCE`` honoured as the same one; ours wins
-    where it is set to something: an empty value counts as unset)."""
-    kwargs: dict[str, object] = {}
-    if "DP_PLUGIN_SHARED_MEMORY_BUDGET" in env:
-        kwargs["shared_memory_budget"] = env_int(
-            env, "DP_PLUGIN_SHARED_MEMORY_BUDGET", minimum=0, maximum=MAX_THRESHOLD,
-            unit="bytes", fix="the default (unset) is a quarter of /dev/shm; 0 keeps Gloo's TCP",
-            error=ConfigError)
-    for name in ("DP_PLUGIN_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE"):
-        if env.get(name, "").strip():
-            kwargs["hierarchical_allreduce"] = env_bool(env, name, error=ConfigError)
-            break
-    return kwargs
-
-
-def _timeline_settings(env: Mapping[str, str]) -> dict[str, object]:
-    """``timeline`` and ``timeline_max_bytes`` from the environment, where set."""
-    kwargs: dict[str, object] = {}
-    for name in ("DP_PLUGIN_TIMELINE", "HOROVOD_TIMELINE"):
-        if env.get(name):
-            if "\x00" in env[name]:
-                raise ConfigError(f"{name}={env[name]!r} holds a NUL character; set it to "
-                                  "a file path (or empty for no timeline)")
-            kwargs["timeline"] = env[name]
-            break
-
-    if "DP_PLUGIN_TIMELINE_MAX_BYTES" in env:
-        kwargs["timeline_max_bytes"] = env_int(
-            env, "DP_PLUGIN_TIMELINE_MAX_BYTES", minimum=0, unit="bytes",
-            fix=f"default {DEFAULT_TIMELINE_MAX_BYTES} (1 GiB); 0 means no limit",
-            error=ConfigError,
-        )
-    return kwargs
-
-
-def _autotune_from_env(env: Mapping[str, str]) -> dict[str, object]:
-    """The ``DP_PLUGIN_AUTOTUNE*`` variables as ``Config`` keyword arguments."""
-    kwargs: dict[str, object] = {}
-    if "DP_PLUGIN_AUTOTUNE" in env:
-        kwargs["autotune"] = env_bool(env, "DP_PLUGIN_AUTOTUNE", error=ConfigError)
-    steps = (("DP_PLUGIN_AUTOTUNE_WARMUP_STEPS", "autotune_warmup_steps", 0, 2),
-             ("DP_PLUGIN_AUTOTUNE_STEPS", "autotune_steps", 1, 5))
-    for name, key, minimum, default in steps:
-        if name in env:
-            kwargs[key] = env_int(env, name, minimum=minimum, maximum=MAX_AUTOTUNE_STEPS,
-                                  unit="steps", fix=f"the default is {default}",
-                                  error=ConfigError)
-    if "DP_PLUGIN_AUTOTUNE_CANDIDATES" in env:
-        kwargs["autotune_candidates"] = tuple(env_int_list(
-            env, "DP_PLUGIN_AUTOTUNE_CANDIDATES", minimum=1, maximum=MAX_THRESHOLD,
-            max_items=MAX_AUTOTUNE_CANDIDATES, unit="bytes",
-            fix="e.g. 1048576,8388608,26214400 (1, 8 and 25 MiB)", error=ConfigError))
-    explicit = [n for n in ("DP_PLUGIN_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD") if n in env]
-    if kwargs.get("autotune") and explicit:
-        warnings.warn(
-            f"DP_PLUGIN_AUTOTUNE=1 and {explicit[0]}={env[explicit[0]]!r} are both set: autotune "
-            f"measures {explicit[0]} among its candidate bucket sizes and keeps the fastest, "
-            f"which may be another one; unset DP_PLUGIN_AUTOTUNE to keep {explicit[0]} as set",
-            UserWarning, stacklevel=3)
-    return kwargs

@@ -8,10 +8,7 @@ starts each attempt by loading the last commit (rank 0 reads it, every rank
 receives the same bytes) or, on a first start, by broadcasting rank 0's
 state, as Horovod's ``run`` does.
 
-This module holds what does not depend on the framework: the protocol,
-the plain values of ``ObjectState``, the commit record's checks and the
-launcher check. An adapter subclasses ``ObjectState`` with its generator
-states, its commit file and its broadcast (``dp_plugin.torch.elastic``,
+An adapter subclasses ``ObjectState`` (``dp_plugin.torch.elastic``,
 ``dp_plugin.tensorflow.elastic``) and builds its ``run`` with ``runner``.
 """
 
@@ -46,10 +43,7 @@ class Runtime(Protocol):
 
 
 class State:
-    """What ``run`` needs from a state: ``sync``, ``save``, ``restore``, ``load``.
-
-    ``commit()`` = ``save()`` (in memory) + ``persist()`` (to ``commit_path``).
-    """
+    """What ``run`` needs from a state: ``sync``, ``save``, ``restore``, ``load``."""
 
     commit_path: Path | None = None
 
@@ -251,20 +245,15 @@ def runner(runtime: Runtime) -> Callable[[Callable[..., R]], Callable[..., R]]:
             if not state.load():
                 state.sync()
             result = func(state, *args, **kwargs)
-            _remove_default_commit(state, runtime)
+            # The job's function returned: its default commit file is not needed again.
+            if getattr(state, "default_path", False) and state.commit_path is not None and (
+                    not runtime.is_initialized() or runtime.rank() == 0):
+                state.commit_path.unlink(missing_ok=True)
             return result
 
         return wrapper
 
     return run
-
-
-def _remove_default_commit(state: State, runtime: Runtime) -> None:
-    """The job's function returned: its default commit file is not needed again."""
-    path = state.commit_path
-    if getattr(state, "default_path", False) and path is not None and (
-            not runtime.is_initialized() or runtime.rank() == 0):
-        path.unlink(missing_ok=True)
 
 
 def check_launcher(state: State) -> None:

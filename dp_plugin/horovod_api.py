@@ -7,10 +7,8 @@ add its ``__all__`` to theirs, so the list is written once.
 
 ``HorovodBasics`` is the process-level API (init, ranks, timeline), as
 Horovod's class of that name: each adapter makes one and binds its methods
-as module functions, passing what differs between them (the error raised
-before ``init()``, what ``shutdown()`` also forgets). The answers are about
-dp_plugin's engines, the same for every framework: both adapters run on the
-one engine of ``dp_plugin.runtime``.
+as module functions. The answers are the same for every framework: both
+adapters run on the one engine of ``dp_plugin.runtime``.
 """
 
 from __future__ import annotations
@@ -62,6 +60,16 @@ __all__ = [
     "mpi_enabled",
     "remove_process_set",
 ]
+
+
+def _topology_query(attr: str, doc: str) -> Callable[[HorovodBasics], Any]:
+    """Horovod's ``hvd.<attr>()``: ``Topology.<attr>`` of the running engine."""
+    def query(self: HorovodBasics) -> Any:
+        return getattr(self.engine().topology, attr)
+
+    query.__name__ = query.__qualname__ = attr
+    query.__doc__ = doc
+    return public(f"hvd.{attr}()")(query)
 
 
 class HorovodBasics:
@@ -120,42 +128,18 @@ class HorovodBasics:
     def is_initialized(self) -> bool:
         return runtime.is_initialized()
 
-    # -- ranks ----------------------------------------------------------------------
+    # -- ranks: where this process sits (the running engine's ``Topology``) -----------
 
-    @public("hvd.size()")
-    def size(self) -> int:
-        """Number of processes in the job."""
-        return self.engine().size
-
-    @public("hvd.rank()")
-    def rank(self) -> int:
-        """This process's rank, 0 .. size()-1."""
-        return self.engine().rank
-
-    @public("hvd.local_size()")
-    def local_size(self) -> int:
-        """Number of processes on this host."""
-        return self.engine().topology.local_size
-
-    @public("hvd.local_rank()")
-    def local_rank(self) -> int:
-        """Index of this process among those on its host (pin your GPU with it)."""
-        return self.engine().topology.local_rank
-
-    @public("hvd.cross_size()")
-    def cross_size(self) -> int:
-        """Number of hosts (Horovod: processes with this process's local rank)."""
-        return self.engine().topology.cross_size
-
-    @public("hvd.cross_rank()")
-    def cross_rank(self) -> int:
-        """Index of this process's host."""
-        return self.engine().topology.cross_rank
-
-    @public("hvd.is_homogeneous()")
-    def is_homogeneous(self) -> bool:
-        """True when every host runs the same number of processes."""
-        return self.engine().topology.is_homogeneous
+    size = _topology_query("size", "Number of processes in the job.")
+    rank = _topology_query("rank", "This process's rank, 0 .. size()-1.")
+    local_size = _topology_query("local_size", "Number of processes on this host.")
+    local_rank = _topology_query(
+        "local_rank", "Index of this process among those on its host (pin your GPU with it).")
+    cross_size = _topology_query(
+        "cross_size", "Number of hosts (Horovod: processes with this process's local rank).")
+    cross_rank = _topology_query("cross_rank", "Index of this process's host.")
+    is_homogeneous = _topology_query(
+        "is_homogeneous", "True when every host runs the same number of processes.")
 
     @public("hvd.mpi_threads_supported()")
     def mpi_threads_supported(self) -> bool:

@@ -36,6 +36,7 @@ only an estimate; nothing in the core depends on it.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import socket
@@ -283,11 +284,10 @@ class Slurm(Launcher):
         cross_size = r.required(nodes_var, minimum=1)
         cross_rank = r.required("SLURM_NODEID")
         local_size = cls._local_size(
-            r, env, size=size, rank=rank, local_rank=local_rank, node=cross_rank, nodes=cross_size
-        )
+            r, size=size, rank=rank, local_rank=local_rank, node=cross_rank, nodes=cross_size)
         addr, port = r.address("MASTER_ADDR", "MASTER_PORT")
         if addr is None:
-            addr, port = cls._derived_address(r, env)
+            addr, port = cls._derived_address(r)
         return build_topology(
             cls, size=size, rank=rank, local_size=local_size, local_rank=local_rank,
             cross=(cross_rank, cross_size), addr=addr, port=port,
@@ -295,11 +295,11 @@ class Slurm(Launcher):
         )
 
     @classmethod
-    def _derived_address(cls, r: VariableReader,
-                         env: Mapping[str, str]) -> tuple[str | None, int | None]:
+    def _derived_address(cls, r: VariableReader) -> tuple[str | None, int | None]:
         """The first host of the node list and a port from the job id; (None,
         None) when SLURM exported neither a node list nor a job id (the
         rendezvous then asks for MASTER_ADDR/MASTER_PORT)."""
+        env = r.env
         name = next((n for n in cls._NODELISTS if env.get(n, "").strip()), None)
         if name is None or "SLURM_JOB_ID" not in env:
             return None, None
@@ -312,16 +312,16 @@ class Slurm(Launcher):
 
     @classmethod
     def _local_size(
-        cls, r: VariableReader, env: Mapping[str, str], *, size: Sourced, rank: Sourced,
-        local_rank: Sourced, node: Sourced, nodes: Sourced,
+        cls, r: VariableReader, *, size: Sourced, rank: Sourced, local_rank: Sourced,
+        node: Sourced, nodes: Sourced,
     ) -> Sourced:
-        name = next((n for n in cls._TASKS_PER_NODE if n in env), None)
+        name = next((n for n in cls._TASKS_PER_NODE if n in r.env), None)
         if name is None:
             raise r.error(
                 f"none of {', '.join(cls._TASKS_PER_NODE)} is set, so the number of tasks "
                 "on this node is unknown"
             )
-        raw = env[name]
+        raw = r.env[name]
         # Runs of (tasks per node, nodes), never expanded: a malformed count
         # of nodes must not become a list of billions (the fuzz test's
         # SLURM_STEP_NUM_NODES=3623878656 took 23 GB before it failed).
@@ -333,21 +333,17 @@ class Slurm(Launcher):
             return Sourced(name, n, raw, note=f"{n} task(s) on this node")
         if len(runs) == 1 and runs[0][1] == 1:
             runs = [(runs[0][0], nodes.value)]  # a plain '4' means 4 on every node
-        described = sum(repeat for _, repeat in runs)
+        ends = list(itertools.accumulate(repeat for _, repeat in runs))  # of each run's nodes
         tasks = sum(count * repeat for count, repeat in runs)
-        if described != nodes.value or tasks != size.value:
+        if ends[-1] != nodes.value or tasks != size.value:
             raise r.error(
-                f"{name}={raw!r} describes {described} node(s) running {tasks} task(s) "
+                f"{name}={raw!r} describes {ends[-1]} node(s) running {tasks} task(s) "
                 f"in all, but {nodes.label} and {size.label}"
             )
-        if node.value >= described:
+        if node.value >= ends[-1]:
             raise r.error(f"{node.label} must be less than {nodes.label}")
-        index = node.value
-        for count, repeat in runs:
-            if index < repeat:
-                return Sourced(name, count, raw, note=f"{count} task(s) on node {node.value}")
-            index -= repeat
-        raise AssertionError("unreachable: node.value < described")
+        count = next(count for (count, _), end in zip(runs, ends, strict=True) if node.value < end)
+        return Sourced(name, count, raw, note=f"{count} task(s) on node {node.value}")
 
 
 class ProcessGroup(Launcher):
@@ -459,8 +455,9 @@ def parse_tasks_per_node(raw: str,
     return runs
 
 
-
 _HOST_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+_HOST_NAME = re.compile(r"(?:[^,\[]|\[[^\]]*\]|\[)+")  # up to a comma outside brackets
+_BRACKETS = re.compile(r"\[([^\[\]]*)\]")
 
 
 def expand_hostlist(raw: str) -> list[str]:
@@ -472,44 +469,18 @@ def expand_hostlist(raw: str) -> list[str]:
     part varying fastest. ``ValueError`` names the malformed piece.
     """
     hosts: list[str] = []
-    for name in _split_top_level(raw):
-        combos = [""]
-        rest = name
-        while rest:
-            start = rest.find("[")
-            if start < 0:
-                combos = [c + rest for c in combos]
-                break
-            end = rest.find("]", start)
-            if end < 0:
+    for name in filter(None, (n.strip() for n in _HOST_NAME.findall(raw))):
+        parts = _BRACKETS.split(name)  # text, bracket body, text, ..., text
+        for text in parts[::2]:
+            if "[" in text:
                 raise ValueError(f"unclosed '[' in {name!r}")
-            prefix, body, rest = rest[:start], rest[start + 1:end], rest[end + 1:]
-            combos = [c + prefix + n for c in combos for n in _expand_ranges(body, name)]
-        hosts.extend(combos)
+            if "]" in text:
+                raise ValueError(f"unbalanced ']' in {raw!r}")
+        choices = [_expand_ranges(p, name) if i % 2 else [p] for i, p in enumerate(parts)]
+        hosts.extend("".join(combo) for combo in itertools.product(*choices))
     if not hosts:
         raise ValueError("no host names in it")
     return hosts
-
-
-def _split_top_level(raw: str) -> list[str]:
-    """``raw`` split at the commas outside brackets, empty pieces dropped."""
-    parts: list[str] = []
-    current: list[str] = []
-    depth = 0
-    for ch in raw.strip():
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"unbalanced ']' in {raw!r}")
-        if ch == "," and depth == 0:
-            parts.append("".join(current).strip())
-            current = []
-        else:
-            current.append(ch)
-    parts.append("".join(current).strip())
-    return [p for p in parts if p]
 
 
 def _expand_ranges(body: str, name: str) -> list[str]:

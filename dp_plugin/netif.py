@@ -97,17 +97,14 @@ def gloo_interface(environ: MutableMapping[str, str] = os.environ, *,
     if environ.get("GLOO_SOCKET_IFNAME"):
         return None
     if single_host:
-        loopback = [n for n, a in interface_addresses().items() if a == "127.0.0.1"]
-        if loopback:
-            environ["GLOO_SOCKET_IFNAME"] = loopback[0]
-            return loopback[0]
-        return None
-    if not address:
-        addresses = (environ.get(v, "").strip() for v in RENDEZVOUS_ADDRESS_VARIABLES)
-        address = next((a for a in addresses if a), None)
-    if address is None or is_loopback(address):
-        return None
-    name = interface_for(address)
+        name = next((n for n, a in interface_addresses().items() if a == "127.0.0.1"), None)
+    else:
+        if not address:
+            addresses = (environ.get(v, "").strip() for v in RENDEZVOUS_ADDRESS_VARIABLES)
+            address = next((a for a in addresses if a), None)
+        if address is None or is_loopback(address):
+            return None
+        name = interface_for(address)
     if name is not None:
         environ["GLOO_SOCKET_IFNAME"] = name
     return name

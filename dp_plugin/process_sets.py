@@ -298,11 +298,7 @@ def engine_or_none(process_set: Any) -> Engine | None:
 
 def member_engines() -> list[Engine]:
     """The global engine, then the engine of every registered set this rank is in."""
-    engines = [_global_engine()]
-    for process_set in _registered.values():
-        if process_set.included():
-            engines.append(process_set.engine())
-    return engines
+    return [_global_engine(), *(ps.engine() for ps in _registered.values() if ps.included())]
 
 
 def _global_engine() -> Engine:

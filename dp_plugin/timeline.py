@@ -9,11 +9,9 @@ a run that crashed still opens in Perfetto (ui.perfetto.dev) and
 chrome://tracing. Load several ranks' files together to compare them: the
 process id of every event is the rank.
 
-Events are streamed through a buffer of whole lines, flushed at the end of
-each step (``flush()``), so a long run costs no memory and no rewrites, and a
-crash leaves only whole events. Every handle on one file in a process shares
-one writer; the file's size is bounded (``DP_PLUGIN_TIMELINE_MAX_BYTES``);
-a symbolic link at the path is refused. See ``dp_plugin.trace_writer``.
+Events are flushed at the end of each step (``flush()``); how the file is
+written (one writer per file, whole lines, a size bound, no symbolic links)
+is ``dp_plugin.trace_writer``'s.
 
 Recording is local to a rank: nothing here communicates, and ranks may
 record different events.
@@ -191,7 +189,6 @@ class SharedTimeline:
         self._lock = threading.Lock()
         self.current: Timeline | NullTimeline = NullTimeline()
         self.mark_cycles = False
-        self._atexit = False
 
     def open_from_config(self, path: str | None, rank: int, max_bytes: int) -> None:
         """Record from ``init()`` on into ``path`` (``Config.timeline``), as Horovod
@@ -208,9 +205,6 @@ class SharedTimeline:
         with self._lock:
             old, self.current = self.current, new
             self.mark_cycles = bool(mark_cycles)
-            if not self._atexit:
-                atexit.register(self.stop)
-                self._atexit = True
         old.close()
 
     def stop(self) -> None:
@@ -248,6 +242,7 @@ class SharedTimeline:
 
 
 shared_timeline = SharedTimeline()
+atexit.register(shared_timeline.stop)
 
 
 # -- per-step stats ----------------------------------------------------------
@@ -283,20 +278,14 @@ _NUMERIC_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StepStats) if f.
 
 def union_length(intervals: Iterable[tuple[float, float]]) -> float:
     """Total length covered by ``(start, end)`` intervals, overlaps counted once."""
-    ordered = sorted(intervals)
     total = 0.0
-    cur_start = cur_end = -math.inf
-    for start, end in ordered:
+    covered_to = -math.inf
+    for start, end in sorted(intervals):
         if end < start:
             raise ValueError(f"interval ({start}, {end}) ends before it starts")
-        if start > cur_end:
-            if cur_end > cur_start:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
-        elif end > cur_end:
-            cur_end = end
-    if cur_end > cur_start:
-        total += cur_end - cur_start
+        if end > covered_to:  # what lies past the intervals before it is new
+            total += end - max(start, covered_to)
+            covered_to = end
     return total
 
 

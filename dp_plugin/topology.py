@@ -121,17 +121,14 @@ class VariableReader:
     def error(self, message: str) -> LaunchError:
         return LaunchError(f"{message}; {self.launcher.fix}")
 
-    def _parse(self, name: str, minimum: int) -> Sourced:
-        value = env_int(self.env, name, minimum=minimum, fix=self.launcher.fix, error=LaunchError)
-        return Sourced(name, value, self.env[name])
-
     def required(self, name: str, minimum: int = 0) -> Sourced:
         if name not in self.env:
             raise self.error(f"{name} is not set, but {self.why}")
-        return self._parse(name, minimum)
+        value = env_int(self.env, name, minimum=minimum, fix=self.launcher.fix, error=LaunchError)
+        return Sourced(name, value, self.env[name])
 
     def _both(self, first: str, second: str) -> bool:
-        """Whether both variables are set; a lone one (of the two) is an inconsistency."""
+        """Whether both variables are set; a lone one is an inconsistency (``LaunchError``)."""
         has_first, has_second = first in self.env, second in self.env
         if has_first != has_second:
             there, missing = (first, second) if has_first else (second, first)
@@ -141,10 +138,9 @@ class VariableReader:
         return has_first
 
     def pair(self, rank_name: str, size_name: str) -> tuple[Sourced, Sourced] | None:
-        """Both variables or neither: a lone one is an inconsistency."""
         if not self._both(rank_name, size_name):
             return None
-        return self._parse(rank_name, 0), self._parse(size_name, 1)
+        return self.required(rank_name), self.required(size_name, minimum=1)
 
     def address(self, addr_name: str, port_name: str) -> tuple[str | None, int | None]:
         if not self._both(addr_name, port_name):
@@ -152,7 +148,7 @@ class VariableReader:
         addr = self.env[addr_name]
         if not addr.strip():
             raise self.error(f"{addr_name}={addr!r} is empty; it must name a host or an address")
-        value = self._parse(port_name, 0)
+        value = self.required(port_name)
         _check_port(value, self.launcher.fix)
         return addr.strip(), value.value
 

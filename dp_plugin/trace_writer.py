@@ -181,7 +181,6 @@ class TraceWriter:
 
 _REGISTRY_LOCK = threading.Lock()
 _OPEN: dict[str, TraceWriter] = {}
-_atexit_registered = False
 
 
 def _key(path: str) -> str:
@@ -191,7 +190,6 @@ def _key(path: str) -> str:
 
 def acquire(path: str, rank: int, max_bytes: int) -> TraceWriter:
     """The writer of ``path`` (opened now if no handle holds it), with one more reference."""
-    global _atexit_registered
     key = _key(path)
     with _REGISTRY_LOCK:
         writer = _OPEN.get(key)
@@ -199,9 +197,6 @@ def acquire(path: str, rank: int, max_bytes: int) -> TraceWriter:
             writer = TraceWriter(path, rank, max_bytes)
             writer.key = key
             _OPEN[key] = writer
-            if not _atexit_registered:
-                atexit.register(close_all)
-                _atexit_registered = True
         elif writer.rank != rank:
             raise ValueError(
                 f"the timeline file {path!r} is already written by this process for rank "
@@ -232,3 +227,6 @@ def close_all() -> None:
     for writer in writers:
         with writer.lock:
             writer.close()
+
+
+atexit.register(close_all)

@@ -1,12 +1,8 @@
 """The ``dp-plugin`` command (also ``python -m dp_plugin``).
 
-Subcommands, one module each, imported only when chosen so that
-``dp-plugin check`` starts fast and ``dp-plugin plan`` needs no torch:
-
-- ``check``: frameworks, engines and launchers this installation has;
-- ``build-horovod``: build Horovod 0.28.1 against the installed torch;
-- ``bench``: all-reduce sweep per engine and world size, tables and plots;
-- ``plan``: alpha-beta model of bucketed ring all-reduce at scale.
+Subcommands, one module each (``SUBCOMMANDS``, each with its ``HELP``); none
+imports a framework until it runs, so ``dp-plugin check`` starts fast and
+``dp-plugin plan`` needs no torch.
 """
 
 from __future__ import annotations
@@ -39,7 +35,8 @@ def int_list(what: str, minimum: int, example: str) -> Callable[[str], list[int]
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parsed arguments; bad input exits with status 2 and argparse's message."""
     parser = argparse.ArgumentParser(
         prog="dp-plugin", description="dp_plugin: check, build Horovod, benchmark, plan.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -49,12 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(module=module)
-    return parser
-
-
-def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parsed arguments; bad input exits with status 2 and argparse's message."""
-    return build_parser().parse_args(argv)
+    return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -20,6 +20,7 @@ single-worker step (compute only) over the step at ``n`` workers
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -68,8 +69,7 @@ def hierarchical_allreduce_time(nbytes: float, hosts: int, per_host: int, link: 
     drain): ``max(inside, cross) + min(inside, cross) / pieces``.
     ``piece=None``: one after the other, ``inside + cross``."""
     inside = ring_allreduce_time(nbytes, per_host, local)
-    cross = 0.0 if hosts <= 1 else (2 * (hosts - 1) * link.alpha
-                                     + bus_factor(hosts) * nbytes / link.beta)
+    cross = ring_allreduce_time(nbytes, hosts, link)
     if piece is None:
         return inside + cross
     pieces = max(1, -(-int(nbytes) // int(piece)))
@@ -141,11 +141,8 @@ def ready_times(sizes: Sequence[int], backward_s: float, ready_by: str) -> list[
     if ready_by == "tensors":
         return [backward_s * (i + 1) / len(sizes) for i in range(len(sizes))]
     if ready_by == "bytes":
-        total, seen, out = sum(sizes), 0, []
-        for s in sizes:
-            seen += s
-            out.append(backward_s * seen / total)
-        return out
+        total = sum(sizes)
+        return [backward_s * seen / total for seen in itertools.accumulate(sizes)]
     raise ValueError(f"ready_by must be 'tensors' or 'bytes', got {ready_by!r}")
 
 

@@ -162,9 +162,9 @@ def run(args: argparse.Namespace) -> int:
     total = len(sizes) + len(engines) * len(args.world_sizes) * (len(sizes) + len(args.models))
     bar = Progress(total)
     t0 = time.monotonic()
-    result: dict[str, Any] = {"sizes": sizes, "world_sizes": args.world_sizes,
-                              "skipped": skipped, "references": [], "sweep": [], "models": []}
-    result["references"] = references(sizes, args.reps, args.warmup, bar)
+    result: dict[str, Any] = {"sizes": sizes, "world_sizes": args.world_sizes, "skipped": skipped,
+                              "references": references(sizes, args.reps, args.warmup, bar),
+                              "sweep": [], "models": []}
     cmd = [sys.executable, "-m", "dp_plugin.cli.bench_worker", "--sizes",
            ",".join(map(str, sizes)), "--reps", str(args.reps), "--warmup", str(args.warmup),
            "--models", ",".join(args.models), *(["--per-tensor"] if args.per_tensor else []),
@@ -174,10 +174,8 @@ def run(args: argparse.Namespace) -> int:
             bar.label = f"{engine} x{n}"
             r = run_jobs(f"{engine} x{n}", _jobs(engine, n, cmd), args.timeout,
                          on_line=lambda line: bar.advance() if "PROGRESS" in line else None)
-            for row in r["sweep"]:
-                result["sweep"].append(dict(row, engine=engine, size=n))
-            for row in r["models"]:
-                result["models"].append(dict(row, engine=engine, size=n))
+            for key in ("sweep", "models"):
+                result[key] += [dict(row, engine=engine, size=n) for row in r[key]]
     bar.close()
     result["elapsed_s"] = time.monotonic() - t0
     (args.out / "results.json").write_text(json.dumps(result, indent=1))

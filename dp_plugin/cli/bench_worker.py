@@ -1,23 +1,15 @@
 """One worker of ``dp-plugin bench``, started under a launcher by ``bench.py``.
 
-Times the engine's all-reduce of one float32 buffer per size (a barrier
-before each repetition, median of the repetitions), then, per model shape
-list, the fused all-reduce of every gradient through ``GradientScheduler``
-(default fusion threshold, averaging, as a training step does; with the
-gradients as separate tensors, then as views of the fusion buffer, the
-``DistributedOptimizer`` default; then views with ``op=sum``, which isolates
-what fusion costs from averaging's pass) against one raw all-reduce (a sum)
-of the same bytes and, under the horovod engine, Horovod's own
-``grouped_allreduce`` (and with ``--per-tensor`` one all-reduce per
-gradient): one repetition of each in turn, so that their
-ratios are measured side by side.
-With ``--shm-check`` (every rank on one host) every size is timed on two
-shared-memory transports of the worker's own, interleaved: one with the
-per-operation header check (as the gloo engine's) and one made without it
+Times the engine's all-reduce of one float32 buffer per size, then, per
+model shape list, the fused all-reduce of every gradient through
+``GradientScheduler`` (``_fused`` says which variants) against one raw
+all-reduce of the same bytes, their repetitions interleaved so that the
+ratios are measured side by side. With ``--shm-check`` (every rank on one
+host) every size is timed on two shared-memory transports of the worker's
+own, with and without the per-operation header check
 (``connect(checked=False)``, which only this does), to measure what the
-check costs.
-Rank 0 prints ``PROGRESS`` after each item and one ``RESULT {json}`` line at
-the end.
+check costs. Rank 0 prints ``PROGRESS`` after each item and one
+``RESULT {json}`` line at the end.
 
     python -m dp_plugin.cli.bench_worker --sizes 4096,65536 --reps 10 --warmup 2
 """
@@ -35,14 +27,6 @@ from typing import Any
 def reps_for(nbytes: int, reps: int) -> int:
     """Fewer repetitions for large buffers: ``reps`` up to 16 MiB, at least 3."""
     return max(3, min(reps, reps * (16 << 20) // max(nbytes, 1)))
-
-
-def median_timer(engine: Any) -> Callable[[Callable[[], None], int, int], float]:
-    """``time_it(fn, reps, warmup)``: the median time of ``fn`` over ``reps`` runs
-    after ``warmup``, each started together on every rank (a barrier first)."""
-    def time_it(fn: Callable[[], None], reps: int, warmup: int) -> float:
-        return interleaved_medians(engine, {"fn": fn}, reps, warmup)["fn"]
-    return time_it
 
 
 def interleaved_medians(engine: Any, fns: dict[str, Callable[[], None]], reps: int,
@@ -143,24 +127,21 @@ def worker(sizes: list[int], reps: int, warmup: int, models: list[str],
     torch.set_num_threads(1)
     engine = dp_plugin.init()
     lead = engine.rank == 0
-    time_it = median_timer(engine)
     checks = _check_transports(engine) if shm_check else {}
     sweep = []
     for nbytes in sizes:
         buf = torch.ones(max(1, nbytes // 4))
+
+        def through(t: Any, b: Any = buf) -> Callable[[], None]:
+            return lambda: t.allreduce_async(b, ReduceOp.SUM, "sweep", engine.mark_broken,
+                                             None).wait()
+
         def once(b: Any = buf) -> None:
             engine.allreduce_async(b, "sum", name="sweep").wait()
 
-        if checks:
-            def through(t: Any, b: Any = buf) -> Callable[[], None]:
-                return lambda: t.allreduce_async(b, ReduceOp.SUM, "sweep", engine.mark_broken,
-                                                 None).wait()
-
-            got = interleaved_medians(engine, {key: through(t) for key, t in checks.items()},
-                                      reps_for(nbytes, reps), warmup)
-            sweep.append({"bytes": nbytes, **got})
-        else:
-            sweep.append({"bytes": nbytes, "time_s": time_it(once, reps_for(nbytes, reps),
+        fns: dict[str, Callable[[], None]] = (
+            {key: through(t) for key, t in checks.items()} if checks else {"time_s": once})
+        sweep.append({"bytes": nbytes, **interleaved_medians(engine, fns, reps_for(nbytes, reps),
                                                              warmup)})
         if lead:
             print("PROGRESS", flush=True)

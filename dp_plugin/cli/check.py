@@ -30,10 +30,8 @@ def _frameworks() -> list[tuple[str, bool, str]]:
     if ok:
         import torch
 
-        if torch.cuda.is_available():
-            info += f", CUDA available ({torch.cuda.device_count()} device(s))"
-        else:
-            info += ", CUDA not available"
+        info += (f", CUDA available ({torch.cuda.device_count()} device(s))"
+                 if torch.cuda.is_available() else ", CUDA not available")
     rows.append(("PyTorch", ok, info))
     ok, info = _framework("tensorflow")
     if ok:
@@ -50,14 +48,6 @@ def _frameworks() -> list[tuple[str, bool, str]]:
         except Exception as exc:
             ok, info = False, f"horovod {info} but horovod.torch fails: {exc}"
     rows.append(("Horovod", ok, info))
-    return rows
-
-
-def _launchers() -> list[tuple[str, bool, str]]:
-    rows = []
-    for tool in ("horovodrun", "torchrun", "mpirun", "mpiexec", "srun"):
-        path = shutil.which(tool)
-        rows.append((tool, path is not None, path or "not on PATH"))
     return rows
 
 
@@ -86,8 +76,9 @@ def main() -> int:
     for name, avail in availability_report(topo).items():
         out.write(f"    {mark[avail.ok]} {name:<11} {avail.reason}\n")
     out.write("\nLaunchers:\n")
-    for name, ok, info in _launchers():
-        out.write(f"    {mark[ok]} {name:<11} {info}\n")
+    for tool in ("horovodrun", "torchrun", "mpirun", "mpiexec", "srun"):
+        path = shutil.which(tool)
+        out.write(f"    {mark[path is not None]} {tool:<11} {path or 'not on PATH'}\n")
     chosen, reason = choose_engine(topo)
     out.write(
         f"\nThis process: launcher {topo.launcher}, rank {topo.rank} of {topo.size}; "

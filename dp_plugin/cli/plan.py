@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypedDict
+from typing import Any
 
 from dp_plugin.cli import int_list
 from dp_plugin.cli.alphabeta import Link, MiB, Prediction, best_threshold, fit_link, predict
-from dp_plugin.cli.shapes import MODELS, model_shapes, numel, param_count
+from dp_plugin.cli.shapes import MODELS, model_shapes, param_count
 
 HELP = "predict step time and scaling efficiency at 8-1024 workers (alpha-beta model)"
 DEFAULT_WORKERS = "8,16,32,64,128,256,512,1024"
@@ -47,16 +47,14 @@ BUSY = 0.10
 """fp16 is suggested only when exposed communication exceeds this share of the step."""
 
 
-def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-        return value
-    return parse
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
 
 
 _workers = int_list("worker counts", 1, "8,64,512")
@@ -65,7 +63,7 @@ _workers = int_list("worker counts", 1, "8,64,512")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, choices=sorted(MODELS),
                         help="gradient shape list (float32)")
-    parser.add_argument("--compute-ms", type=_positive(float), required=True,
+    parser.add_argument("--compute-ms", type=_positive, required=True,
                         help="forward + backward time of one step at one worker, ms")
     link = parser.add_argument_group("link (a sweep result or both numbers)")
     link.add_argument("--sweep", type=Path, help="results.json written by dp-plugin bench")
@@ -73,19 +71,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     link.add_argument("--fit-size", type=int,
                       help="fit on the sweep's rows at this world size (default: the largest)")
     link.add_argument("--alpha-us", type=float, help="latency per ring step, microseconds")
-    link.add_argument("--bandwidth-gbit", type=_positive(float),
+    link.add_argument("--bandwidth-gbit", type=_positive,
                       help="link bandwidth, Gbit/s")
     parser.add_argument("--workers", type=_workers, default=_workers(DEFAULT_WORKERS),
                         help=f"worker counts (default {DEFAULT_WORKERS})")
-    parser.add_argument("--threshold-mib", type=_positive(float), default=64.0,
+    parser.add_argument("--threshold-mib", type=_positive, default=64.0,
                         help="bucket size to predict with (default 64, Horovod's)")
-    parser.add_argument("--backward-fraction", type=_positive(float), default=2 / 3,
+    parser.add_argument("--backward-fraction", type=_positive, default=2 / 3,
                         help="share of compute that is backward (default 2/3)")
     parser.add_argument("--ready-by", choices=("tensors", "bytes"), default="tensors",
                         help="gradients ready evenly per tensor (default) or per byte")
     parser.add_argument("--ranks-per-host", type=int, default=1,
                         help="ranks on each host; the link is the host's (default 1)")
-    parser.add_argument("--local-bandwidth-gbit", type=_positive(float), default=LOCAL_GBIT,
+    parser.add_argument("--local-bandwidth-gbit", type=_positive, default=LOCAL_GBIT,
                         help="bandwidth between the ranks of one host (shared memory), "
                              f"Gbit/s (default {LOCAL_GBIT:g})")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -138,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     link, source = resolve_link(args)
     local = Link(alpha=5e-6, beta=args.local_bandwidth_gbit * 1e9 / 8) if per_host > 1 else None
     shapes = model_shapes(args.model)
-    sizes = [4 * numel(shape) for _, shape in shapes]
+    sizes = [4 * math.prod(shape) for _, shape in shapes]
     compute = args.compute_ms / 1e3
     threshold = int(args.threshold_mib * MiB)
     rows = []
@@ -175,23 +173,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-class Suggestion(TypedDict):
-    """``suggest``'s answer (also the JSON output's ``suggested``)."""
-
-    workers: int
-    threshold_mib: float
-    hierarchical: bool
-    compression: str
-    step_ms: float
-    efficiency: float
-    why: list[str]
-
-
 def suggest(sizes: list[int], compute: float, n: int, link: Link, args: argparse.Namespace,
-            per_host: int, local: Link | None) -> Suggestion:
+            per_host: int, local: Link | None) -> dict[str, Any]:
     """What to change in the defaults at ``n`` workers on this link: the bucket
     size, hierarchy (when several ranks share a host) and fp16 compression,
-    each with the prediction that justifies it (``why``)."""
+    each with the prediction that justifies it (``why``); also the JSON
+    output's ``suggested``."""
     frac, ready = args.backward_fraction, args.ready_by
 
     def best(wire: float, hier: bool) -> Prediction:
@@ -227,10 +214,8 @@ def suggest(sizes: list[int], compute: float, n: int, link: Link, args: argparse
                    f"fp16 would save {max(gain, 0):.0%}")
     why.insert(0, f"bucket size {chosen.threshold / MiB:g} MiB (default "
                   f"{args.threshold_mib:g}): the shortest predicted step among "
-                  f"{CANDIDATES}")
+                  "256 KiB-512 MiB")
     return {"workers": n, "threshold_mib": chosen.threshold / MiB,
             "hierarchical": hierarchical, "compression": compression,
             "step_ms": chosen.step_s * 1e3, "efficiency": chosen.efficiency, "why": why}
 
-
-CANDIDATES = "256 KiB-512 MiB"

@@ -154,9 +154,5 @@ def model_shapes(name: str) -> Shapes:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(MODELS)}") from None
 
 
-def numel(shape: Shape) -> int:
-    return math.prod(shape)
-
-
 def param_count(shapes: Shapes) -> int:
-    return sum(numel(shape) for _, shape in shapes)
+    return sum(math.prod(shape) for _, shape in shapes)

@@ -8,13 +8,8 @@ Semantics follow Horovod 0.28's non-elastic executor:
   onto as few nodes as fit (``PACK``), or with ``num_hosts=H,
   num_workers_per_host=W`` exactly W workers on each of H distinct nodes
   (``STRICT_SPREAD``);
-- ``start(executable_cls=None, executable_args=None, executable_kwargs=None,
-  extra_env_vars=None)`` starts the actors and tells each where it sits;
-- ``run(fn, args=None, kwargs=None)`` -> ``[fn(*args, **kwargs)`` on each
-  worker``]`` in rank order; ``run_remote`` the same as ObjectRefs;
-  ``execute(fn)`` -> ``[fn(executable)]`` on each worker;
-  ``execute_single(fn)`` -> ``fn(executable)`` on rank 0 only;
-- ``shutdown()`` ends the actors and frees the placement group.
+- ``start``, ``run``/``run_remote``, ``execute``/``execute_single`` and
+  ``shutdown`` with Horovod's signatures (their docstrings say what each does).
 
 What differs from Horovod, and why: the workers meet through dp_plugin's
 own rendezvous, not Horovod's HTTP rendezvous server on the driver. The
@@ -103,12 +98,11 @@ class RayExecutor:
                  num_hosts: int | None = None, num_workers_per_host: int = 1,
                  cpus_per_worker: int = 1, use_gpu: bool = False,
                  gpus_per_worker: int | None = None, use_current_placement_group: bool = True,
-                 min_workers: int | None = None, max_workers: int | None = None,
                  **elastic: Any) -> None:
-        if min_workers is not None or max_workers is not None or elastic:
+        given = sorted(k for k, v in elastic.items() if v is not None)  # min_workers, ...
+        if given:
             raise ValueError(
-                "dp_plugin.ray.RayExecutor runs static jobs only; elastic arguments "
-                f"{sorted(k for k, v in [('min_workers', min_workers), ('max_workers', max_workers), *elastic.items()] if v is not None)} "  # noqa: E501
+                f"dp_plugin.ray.RayExecutor runs static jobs only; elastic arguments {given} "
                 "are not supported: pass num_workers (or num_hosts and num_workers_per_host)"
             )
         if (num_workers is None) == (num_hosts is None):

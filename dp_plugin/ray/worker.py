@@ -39,9 +39,6 @@ class Worker:
     def set_env(self, env: Mapping[str, str]) -> None:
         os.environ.update({k: str(v) for k, v in env.items()})
 
-    def env(self) -> dict[str, str]:
-        return dict(os.environ)
-
     def start_executable(self, cls: type | None, args: list[Any], kwargs: dict[str, Any]) -> None:
         """Make the object ``execute`` hands to its functions (Horovod's
         ``executable_cls``); None without a class."""
