@@ -37,10 +37,10 @@ from dp_plugin.torch.collectives import (
     broadcast_async,
     broadcast_async_,
     exchange,
-    gather,
     grouped_allreduce_async,
     grouped_allreduce_async_,
-    reduce_scatter,
+    start_gather,
+    start_reduce_scatter,
 )
 from dp_plugin.torch.handles import synchronize
 from dp_plugin.torch.ops import Compression
@@ -175,12 +175,12 @@ class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: str | None, process_set: Any,
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        outs, rows, _ = gather(list(tensors), name, process_set)
+        pending, rows, _ = start_gather(list(tensors), name, process_set)
         engine = engine_of(process_set)
         ctx.process_set = process_set
         # (offset, count) of this rank's rows in each output.
         ctx.slices = [(sum(r[:engine.rank]), r[engine.rank]) for r in rows]
-        return tuple(outs)
+        return pending.result()
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -284,11 +284,12 @@ class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
                 process_set: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        outs, _ = reduce_scatter(list(tensors), name, op, prescale, postscale, process_set)
+        pending, _ = start_reduce_scatter(list(tensors), name, op, prescale, postscale,
+                                          process_set)
         size = engine_of(process_set).size
         ctx.factor = (size if op is ReduceOp.SUM else 1) * float(prescale) * float(postscale)
         ctx.process_set = process_set
-        return tuple(outs)
+        return pending.result()
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from dp_plugin.engines.base import Handle
@@ -53,19 +52,14 @@ class Ready(InFlight):
         super().__init__((), lambda: value)
 
 
-@dataclass(frozen=True)
-class _Entry:
-    pending: InFlight
-    name_key: Hashable | None
-
-
 class HandleTable:
-    """Thread-safe map ``int handle -> pending collective``, plus the names in flight."""
+    """Thread-safe map ``int handle -> (pending collective, its name key)``,
+    plus the names in flight."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._next = 1  # start at 1: a handle is never falsy
-        self._entries: dict[int, _Entry] = {}
+        self._entries: dict[int, tuple[InFlight, Hashable | None]] = {}
         self._names: set[Hashable] = set()
 
     def name_in_flight(self, name_key: Hashable) -> bool:
@@ -77,38 +71,35 @@ class HandleTable:
         with self._lock:
             handle = self._next
             self._next += 1
-            self._entries[handle] = _Entry(pending, name_key)
+            self._entries[handle] = (pending, name_key)
             if name_key is not None:
                 self._names.add(name_key)
             return handle
 
     def poll(self, handle: int) -> bool:
-        return self._lookup(handle, "poll").pending.done()
+        return self._lookup(handle, "poll")[0].done()
 
     def synchronize(self, handle: int) -> Any:
-        entry = self._lookup(handle, "synchronize")
+        pending, name_key = self._lookup(handle, "synchronize")
         try:
-            return entry.pending.result()
+            return pending.result()
         finally:
             # Forgotten even on error: the engine already reported it, and a
             # second synchronize() must not wait on a broken collective again.
             with self._lock:
                 self._entries.pop(handle, None)
-                if entry.name_key is not None:
-                    self._names.discard(entry.name_key)
+                if name_key is not None:
+                    self._names.discard(name_key)
 
     def reset(self) -> None:
         with self._lock:
             self._entries.clear()
             self._names.clear()
 
-    def __len__(self) -> int:
+    def _lookup(self, handle: int, what: str) -> tuple[InFlight, Hashable | None]:
+        is_int = isinstance(handle, int) and not isinstance(handle, bool)
         with self._lock:
-            return len(self._entries)
-
-    def _lookup(self, handle: int, what: str) -> _Entry:
-        with self._lock:
-            entry = self._entries.get(handle) if _is_int(handle) else None
+            entry = self._entries.get(handle) if is_int else None
         if entry is None:
             raise ValueError(
                 f"{what}({handle!r}): no collective in flight has this handle; handles are "
@@ -117,10 +108,6 @@ class HandleTable:
                 "shutdown()/init())"
             )
         return entry
-
-
-def _is_int(handle: object) -> bool:
-    return isinstance(handle, int) and not isinstance(handle, bool)
 
 
 TABLE = HandleTable()

@@ -36,14 +36,6 @@ resolve_op = functools.partial(_names.resolve_op, prefix="hvd.", instead=INSTEAD
 """Horovod's ``op``/deprecated ``average`` rule; ``None`` means Average."""
 
 
-def name_key(process_set: Any, name: str | None) -> Hashable | None:
-    """Key of a name in the handle table: names are per process set, as in Horovod."""
-    if name is None:
-        return None
-    set_id = getattr(process_set, "process_set_id", None)
-    return (id(process_set) if set_id is None else set_id, name)
-
-
 def check_tensors(tensors: Any) -> list[torch.Tensor]:
     """The inputs as a list of dense tensors (TypeError/ValueError otherwise).
 
@@ -75,7 +67,10 @@ def agree(engine: Engine, kind: str, tensors: Sequence[torch.Tensor], name: str 
     Returns the name key to register with the handle once the collective is
     started, and what the ranks agreed.
     """
-    key = name_key(process_set, name)
+    key = None
+    if name is not None:  # names are per process set, as in Horovod
+        set_id = getattr(process_set, "process_set_id", None)
+        key = (id(process_set) if set_id is None else set_id, name)
     if key is not None and TABLE.name_in_flight(key):
         raise DuplicateNameError(
             f"Duplicate name {name!r}: a {kind} was started with a name that is still in "
