@@ -42,14 +42,12 @@ number of workers, rank ``r`` takes saved rank ``r % n``).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import os
 import pickle
 import random
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -128,7 +126,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu",
         CheckpointError, "dp_plugin.checkpoint.load")
     if payload is None:
         return None
-    with _numpy_allowed():
+    with torch.serialization.safe_globals(NUMPY_SAFE_GLOBALS):
         blob = torch.load(io.BytesIO(payload), map_location=map_location,
                           weights_only=weights_only)
     if restore_rng:
@@ -185,7 +183,7 @@ def _load_refusal(data: bytes) -> str | None:
     """Why ``torch.load(weights_only=True)`` refuses ``data`` (None: it loads).
     Tensors go to the ``meta`` device: the check reads no tensor bytes."""
     try:
-        with _numpy_allowed():
+        with torch.serialization.safe_globals(NUMPY_SAFE_GLOBALS):
             torch.load(io.BytesIO(data), map_location="meta", weights_only=True)
     except pickle.UnpicklingError as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -211,12 +209,6 @@ def _first_unloadable(obj: Any, where: str, reason: str) -> tuple[str, Any, str]
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-@contextlib.contextmanager
-def _numpy_allowed() -> Iterator[None]:
-    with torch.serialization.safe_globals(NUMPY_SAFE_GLOBALS):
-        yield
 
 
 def framed(data: bytes) -> tuple[bytes, bytes]:
