@@ -18,7 +18,7 @@ from dp_plugin.engines.base import ReduceOp
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.request import Request, check
-from dp_plugin.torch.handles import TABLE, InFlight, Ready
+from dp_plugin.torch.handles import InFlight, Ready, new_handle
 from dp_plugin.torch.submit import agree, check_factor, check_tensors, contiguous_copy, resolve_op
 
 # -- allreduce ------------------------------------------------------------------
@@ -101,7 +101,7 @@ def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
             results = outs
         return tuple(results) if grouped else results[0]
 
-    return TABLE.add(InFlight(handles, finish), key)
+    return new_handle(InFlight(handles, finish), key)
 
 
 # -- allgather ------------------------------------------------------------------
@@ -114,7 +114,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     may differ between ranks). The rows move in the background (gloo, nccl,
     mpi): ``poll`` says when; ``synchronize`` returns the result."""
     pending, _, key = start_gather(check_tensors(tensor), name, process_set, grouped=False)
-    return TABLE.add(pending, key)
+    return new_handle(pending, key)
 
 
 @public("grouped_allgather_async")
@@ -122,7 +122,7 @@ def grouped_allgather_async(tensors: list[torch.Tensor], name: str | None = None
                             process_set: Any = global_process_set) -> int:
     """``allgather_async`` of each tensor of a list; ``synchronize`` returns a tuple."""
     pending, _, key = start_gather(check_tensors(tensors), name, process_set)
-    return TABLE.add(pending, key)
+    return new_handle(pending, key)
 
 
 def start_gather(tensors: list[torch.Tensor], name: str | None, process_set: Any,
@@ -183,7 +183,7 @@ def _start_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, pro
         if not alias:
             t.detach().copy_(out)
         out = t
-    return TABLE.add(Ready(out), key)
+    return new_handle(Ready(out), key)
 
 
 # -- alltoall -------------------------------------------------------------------
@@ -198,7 +198,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     evenly. Runs at the call; ``synchronize`` returns ``(output,
     received_splits)`` (int32, or ``splits``' dtype when it is a tensor)."""
     out, received, key = exchange(tensor, splits, name, process_set)
-    return TABLE.add(Ready((out, received)), key)
+    return new_handle(Ready((out, received)), key)
 
 
 def exchange(tensor: torch.Tensor, splits: Any, name: str | None,
@@ -229,7 +229,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     the background (gloo, nccl, mpi, horovod); ``synchronize`` returns the block."""
     pending, key = start_reduce_scatter(check_tensors(tensor), name, op, prescale_factor,
                                         postscale_factor, process_set, grouped=False)
-    return TABLE.add(pending, key)
+    return new_handle(pending, key)
 
 
 @public("grouped_reducescatter_async")
@@ -242,7 +242,7 @@ def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = 
     returns a tuple."""
     pending, key = start_reduce_scatter(check_tensors(tensors), name, op, prescale_factor,
                                         postscale_factor, process_set)
-    return TABLE.add(pending, key)
+    return new_handle(pending, key)
 
 
 def start_reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any,

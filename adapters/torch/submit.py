@@ -21,7 +21,7 @@ from dp_plugin.edge import caller
 from dp_plugin.engines.base import Engine
 from dp_plugin.errors import DPPluginError
 from dp_plugin.request import Agreed, Request, check
-from dp_plugin.torch.handles import TABLE
+from dp_plugin.torch.handles import name_in_flight
 from dp_plugin.torch.ops import INSTEAD
 
 
@@ -71,7 +71,7 @@ def agree(engine: Engine, kind: str, tensors: Sequence[torch.Tensor], name: str 
     if name is not None:  # names are per process set, as in Horovod
         set_id = getattr(process_set, "process_set_id", None)
         key = (id(process_set) if set_id is None else set_id, name)
-    if key is not None and TABLE.name_in_flight(key):
+    if key is not None and name_in_flight(key):
         raise DuplicateNameError(
             f"Duplicate name {name!r}: a {kind} was started with a name that is still in "
             "flight on this rank (an earlier *_async call with this name was not synchronized "
