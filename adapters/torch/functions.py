@@ -128,19 +128,14 @@ def _broadcast_tensors(eng: Engine, named: list[tuple[str, torch.Tensor]], root:
     layout = [_layout_spec(name, t, device) for name, t in named]
     if not named:
         return
-    wires = [_bytes_of(t) if t.is_contiguous() else
-             _bytes_of(t.detach().contiguous()) for _, t in named]
+    # Flat uint8 views of each tensor's memory (of a copy if not contiguous).
+    wires = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in named]
     with torch.no_grad():
         _objects.broadcast_bytes(eng, [name for name, _ in named], wires, root, layout=layout,
                                  name=what, what=f"tensors of {what}", device=device)
         for (_, t), w in zip(named, wires, strict=True):
             if not t.is_contiguous():  # the bytes went into a staged copy
                 t.copy_(w.view(t.dtype).view(t.shape))
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor's memory."""
-    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def _layout_spec(name: str, t: Any, device: str) -> TensorSpec:

@@ -142,11 +142,6 @@ def _sum(engine: Any, t: torch.Tensor, name: str) -> None:
     fused.run([t])
 
 
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Half-precision inputs (autocast) get float32 statistics, as cuDNN does.
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _shaped(v: torch.Tensor, ndim: int) -> torch.Tensor:
     """A per-channel vector (C,) broadcastable against (N, C, ...)."""
     return v.view(1, -1, *([1] * (ndim - 2)))
@@ -207,7 +202,8 @@ class _SyncBatchNormFunction(Function):
         engine: Any,
     ) -> torch.Tensor:
         x = input.contiguous()
-        acc = _stat_dtype(x.dtype)
+        # Half-precision inputs (autocast) get float32 statistics, as cuDNN does.
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         xa = x.to(acc)
         g_mean, g_m2, total = _global_stats(engine, xa)
         var = g_m2 / total
