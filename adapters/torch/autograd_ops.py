@@ -51,34 +51,22 @@ _NONE = Compression.none
 # -- compression ----------------------------------------------------------------
 
 
-def _compress(compression: Any, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """(tensor on the wire, context for ``_decompress``); differentiable."""
-    if compression is None or compression is _NONE:
-        return t, None
-    if callable(getattr(compression, "compress", None)) and callable(
-            getattr(compression, "decompress", None)):
-        compressed, ctx = compression.compress(t)
-        return compressed, ctx
-    raise TypeError(
-        f"compression={compression!r} is not a compressor; pass hvd.Compression.none, "
-        "hvd.Compression.fp16, hvd.Compression.bf16, or a class with compress(tensor) -> "
-        "(tensor, ctx) and decompress(tensor, ctx)"
-    )
-
-
-def _decompress(compression: Any, t: torch.Tensor, ctx: Any) -> torch.Tensor:
-    if compression is None or compression is _NONE:
-        return t
-    out: torch.Tensor = compression.decompress(t, ctx)
-    return out
-
-
 def _compressed(compression: Any, tensors: list[torch.Tensor],
                 run: Any) -> list[torch.Tensor]:
-    """``run(*wires)`` on ``tensors`` compressed for the wire, its outputs decompressed."""
-    wires = [_compress(compression, t) for t in tensors]
+    """``run(*wires)`` on ``tensors`` compressed for the wire, its outputs
+    decompressed (both differentiable)."""
+    if compression is None or compression is _NONE:
+        return list(run(*tensors))
+    if not (callable(getattr(compression, "compress", None))
+            and callable(getattr(compression, "decompress", None))):
+        raise TypeError(
+            f"compression={compression!r} is not a compressor; pass hvd.Compression.none, "
+            "hvd.Compression.fp16, hvd.Compression.bf16, or a class with compress(tensor) -> "
+            "(tensor, ctx) and decompress(tensor, ctx)"
+        )
+    wires = [compression.compress(t) for t in tensors]
     outs = run(*(w for w, _ in wires))
-    return [_decompress(compression, o, c) for o, (_, c) in zip(outs, wires, strict=True)]
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, wires, strict=True)]
 
 
 # -- allreduce ------------------------------------------------------------------

@@ -84,21 +84,13 @@ def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
     post = check_factor(postscale, "postscale_factor")
     engine = engine_of(process_set)
     key, _ = agree(engine, "allreduce", tensors, name, process_set, op=op, scales=(pre, post))
-    # The result's storage: the caller's tensor in place when it is one dense
-    # block, else a fresh contiguous copy (the input is never modified).
-    outs = [t.detach() if inplace and t.is_contiguous() else contiguous_copy(t)
-            for t in tensors]
+    outs = [_storage(t, inplace) for t in tensors]
     reducer, handles = start_allreduce(engine, outs, name, op, pre, post)
 
     def finish() -> Any:
         reducer.finish()
-        if inplace:
-            for t, out in zip(tensors, outs, strict=True):
-                if out.data_ptr() != t.data_ptr():
-                    t.detach().copy_(out)
-            results = list(tensors)
-        else:
-            results = outs
+        results = ([_copy_back(t, out) for t, out in zip(tensors, outs, strict=True)]
+                   if inplace else outs)
         return tuple(results) if grouped else results[0]
 
     return new_handle(InFlight(handles, finish), key)
@@ -175,15 +167,23 @@ def _start_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, pro
     # Horovod's root rule (request.root_of: an int raises at once; a root outside
     # the set is a problem of the agreement, so that every rank raises).
     key, agreed = agree(engine, "broadcast", [t], name, process_set, root=root_rank)
-    alias = inplace and t.is_contiguous()
-    out = t.detach() if alias else contiguous_copy(t)
+    out = _storage(t, inplace)
     if out.numel():
         engine.broadcast(out.view(-1), agreed.root, name=name or "broadcast")
-    if inplace:
-        if not alias:
-            t.detach().copy_(out)
-        out = t
-    return new_handle(Ready(out), key)
+    return new_handle(Ready(_copy_back(t, out) if inplace else out), key)
+
+
+def _storage(t: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """Where a result is written: the caller's tensor in place when it is one
+    dense block, else a fresh contiguous copy (the input is never modified)."""
+    return t.detach() if inplace and t.is_contiguous() else contiguous_copy(t)
+
+
+def _copy_back(t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``t``, holding the result written into ``out`` (an in-place op)."""
+    if out.data_ptr() != t.data_ptr():
+        t.detach().copy_(out)
+    return t
 
 
 # -- alltoall -------------------------------------------------------------------
