@@ -121,10 +121,9 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                process_set: Any = global_process_set) -> torch.Tensor:
     """In-place ``allreduce`` (not differentiable); returns ``tensor``."""
     op = resolve_op(op, average)
-    out: torch.Tensor = synchronize(allreduce_async_(
+    return synchronize(allreduce_async_(
         tensor, name=name, op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, process_set=process_set))
-    return out
 
 
 @public("grouped_allreduce")
@@ -148,10 +147,9 @@ def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None,
     """In-place ``grouped_allreduce`` (not differentiable); returns the tuple
     of input tensors, as Horovod's."""
     op = resolve_op(op, average)
-    out: tuple[torch.Tensor, ...] = synchronize(grouped_allreduce_async_(
+    return synchronize(grouped_allreduce_async_(
         tensors, name=name, op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, process_set=process_set))
-    return out
 
 
 # -- allgather ------------------------------------------------------------------
@@ -185,8 +183,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
     """Concatenate ``tensor`` from every rank along the first dimension (its
     size may differ between ranks). Differentiable."""
     check_tensors(tensor)
-    out: torch.Tensor = _GroupedAllgather.apply(name, process_set, tensor)[0]
-    return out
+    return _GroupedAllgather.apply(name, process_set, tensor)[0]
 
 
 @public("grouped_allgather")
@@ -222,16 +219,14 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     """Return a new tensor holding ``root_rank``'s ``tensor`` (a job-wide rank
     of the process set). Differentiable."""
     check_tensors(tensor)
-    out: torch.Tensor = _Broadcast.apply(tensor, root_rank, name, process_set)
-    return out
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
 @public("broadcast_")
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: Any = global_process_set) -> torch.Tensor:
     """In-place ``broadcast`` (not differentiable); returns ``tensor``."""
-    out: torch.Tensor = synchronize(broadcast_async_(tensor, root_rank, name, process_set))
-    return out
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 # -- alltoall -------------------------------------------------------------------

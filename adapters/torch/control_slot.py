@@ -71,8 +71,7 @@ class RankMarks:
 
     def _elements(self) -> torch.Tensor:
         # Asked each time: the elements move when the bucket plan is rebuilt.
-        elements: torch.Tensor = self.reducer.flags_of(self.name, self._like)
-        return elements
+        return self.reducer.flags_of(self.name, self._like)
 
     def reset(self) -> None:
         """Every element unmarked (before the next step's reduction)."""

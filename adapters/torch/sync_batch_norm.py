@@ -102,11 +102,10 @@ class SyncBatchNorm(_BatchNorm):
             with calling("hvd.SyncBatchNorm"):
                 engine = engine_of(self.process_set)
             if engine.size > 1:
-                out: torch.Tensor = _SyncBatchNormFunction.apply(
+                return _SyncBatchNormFunction.apply(
                     input, self.weight, self.bias, running_mean, running_var,
                     self.eps, factor, engine,
                 )
-                return out
         return F.batch_norm(
             input, running_mean, running_var, self.weight, self.bias,
             use_batch_stats, factor, self.eps,
