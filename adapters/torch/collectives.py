@@ -248,7 +248,7 @@ def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = 
 def start_reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any,
                          prescale: Any, postscale: Any, process_set: Any,
                          grouped: bool = True) -> tuple[InFlight, Any]:
-    """Start the agreed reduce-scatters, of inputs pre-scaled in place (a
+    """Start the agreed reduce-scatters of pre-scaled copies of ``tensors`` (a
     joined rank runs them too, on zeros): (the pending post-scaled outputs, a
     tuple if ``grouped``, name key)."""
     op = resolve_op(op, None)

@@ -1,9 +1,6 @@
 """Integer handles of asynchronous tensor collectives: ``poll`` and ``synchronize``.
 
 As in ``horovod.torch``, every ``*_async`` function returns a plain ``int``.
-``poll(handle)`` says without blocking whether the collective has finished;
-``synchronize(handle)`` waits for it, returns its result (a tensor, a tuple
-of tensors for grouped ops and alltoall) and forgets the handle.
 
 Names: a named collective owns its name, within its process set, from the
 call that starts it until ``synchronize`` returns (or raises) for it.
