@@ -149,12 +149,12 @@ def rng_state() -> dict[str, Any]:
     }
 
 
-def set_rng_state(states: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what ``rng_state`` returned."""
-    torch.set_rng_state(states["torch"])
-    kind, keys, pos, has_gauss, gauss = states["numpy"]
+    torch.set_rng_state(state["torch"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    random.setstate(_to_tuples(states["python"]))
+    random.setstate(_to_tuples(state["python"]))
 
 
 def serialize(blob: dict[str, Any], target: Path) -> bytes:

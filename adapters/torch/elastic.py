@@ -90,11 +90,8 @@ class ObjectState(_core.ObjectState):
     def default_commit_path() -> Path | None:
         return default_commit_path()
 
-    def _rng_state(self) -> Any:
-        return rng_state()
-
-    def _set_rng_state(self, state: Any) -> None:
-        set_rng_state(state)
+    _rng_state = staticmethod(rng_state)
+    _set_rng_state = staticmethod(set_rng_state)
 
     def _broadcast_object(self, obj: Any, name: str) -> Any:
         return broadcast_object(obj, 0, name=name)
