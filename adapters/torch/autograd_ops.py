@@ -43,8 +43,8 @@ from dp_plugin.torch.collectives import (
     start_reduce_scatter,
 )
 from dp_plugin.torch.handles import synchronize
-from dp_plugin.torch.ops import Compression
-from dp_plugin.torch.submit import check_tensors, resolve_op
+from dp_plugin.torch.ops import Compression, resolve_op
+from dp_plugin.torch.submit import check_tensors
 
 _NONE = Compression.none
 

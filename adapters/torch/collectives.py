@@ -19,7 +19,8 @@ from dp_plugin.hooks import ReducePolicy
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.request import Request, check
 from dp_plugin.torch.handles import InFlight, Ready, new_handle
-from dp_plugin.torch.submit import agree, check_factor, check_tensors, contiguous_copy, resolve_op
+from dp_plugin.torch.ops import resolve_op
+from dp_plugin.torch.submit import agree, check_factor, check_tensors, contiguous_copy
 
 # -- allreduce ------------------------------------------------------------------
 

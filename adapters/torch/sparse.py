@@ -24,7 +24,7 @@ from dp_plugin.horovod_names import require_sum_or_average
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.torch.collectives import allgather_async
 from dp_plugin.torch.handles import poll, synchronize
-from dp_plugin.torch.submit import resolve_op
+from dp_plugin.torch.ops import resolve_op
 from torch import nn
 
 
