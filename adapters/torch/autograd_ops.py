@@ -37,48 +37,36 @@ from dp_plugin.torch.collectives import (
     broadcast_async,
     broadcast_async_,
     exchange,
-    gather,
     grouped_allreduce_async,
     grouped_allreduce_async_,
-    reduce_scatter,
+    start_gather,
+    start_reduce_scatter,
 )
 from dp_plugin.torch.handles import synchronize
-from dp_plugin.torch.ops import Compression
-from dp_plugin.torch.submit import check_tensors, resolve_op
+from dp_plugin.torch.ops import Compression, resolve_op
+from dp_plugin.torch.submit import check_tensors
 
 _NONE = Compression.none
 
 # -- compression ----------------------------------------------------------------
 
 
-def _compress(compression: Any, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """(tensor on the wire, context for ``_decompress``); differentiable."""
-    if compression is None or compression is _NONE:
-        return t, None
-    if callable(getattr(compression, "compress", None)) and callable(
-            getattr(compression, "decompress", None)):
-        compressed, ctx = compression.compress(t)
-        return compressed, ctx
-    raise TypeError(
-        f"compression={compression!r} is not a compressor; pass hvd.Compression.none, "
-        "hvd.Compression.fp16, hvd.Compression.bf16, or a class with compress(tensor) -> "
-        "(tensor, ctx) and decompress(tensor, ctx)"
-    )
-
-
-def _decompress(compression: Any, t: torch.Tensor, ctx: Any) -> torch.Tensor:
-    if compression is None or compression is _NONE:
-        return t
-    out: torch.Tensor = compression.decompress(t, ctx)
-    return out
-
-
 def _compressed(compression: Any, tensors: list[torch.Tensor],
                 run: Any) -> list[torch.Tensor]:
-    """``run(*wires)`` on ``tensors`` compressed for the wire, its outputs decompressed."""
-    wires = [_compress(compression, t) for t in tensors]
+    """``run(*wires)`` on ``tensors`` compressed for the wire, its outputs
+    decompressed (both differentiable)."""
+    if compression is None or compression is _NONE:
+        return list(run(*tensors))
+    if not (callable(getattr(compression, "compress", None))
+            and callable(getattr(compression, "decompress", None))):
+        raise TypeError(
+            f"compression={compression!r} is not a compressor; pass hvd.Compression.none, "
+            "hvd.Compression.fp16, hvd.Compression.bf16, or a class with compress(tensor) -> "
+            "(tensor, ctx) and decompress(tensor, ctx)"
+        )
+    wires = [compression.compress(t) for t in tensors]
     outs = run(*(w for w, _ in wires))
-    return [_decompress(compression, o, c) for o, (_, c) in zip(outs, wires, strict=True)]
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, wires, strict=True)]
 
 
 # -- allreduce ------------------------------------------------------------------
@@ -133,10 +121,9 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                process_set: Any = global_process_set) -> torch.Tensor:
     """In-place ``allreduce`` (not differentiable); returns ``tensor``."""
     op = resolve_op(op, average)
-    out: torch.Tensor = synchronize(allreduce_async_(
+    return synchronize(allreduce_async_(
         tensor, name=name, op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, process_set=process_set))
-    return out
 
 
 @public("grouped_allreduce")
@@ -160,10 +147,9 @@ def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None,
     """In-place ``grouped_allreduce`` (not differentiable); returns the tuple
     of input tensors, as Horovod's."""
     op = resolve_op(op, average)
-    out: tuple[torch.Tensor, ...] = synchronize(grouped_allreduce_async_(
+    return synchronize(grouped_allreduce_async_(
         tensors, name=name, op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, process_set=process_set))
-    return out
 
 
 # -- allgather ------------------------------------------------------------------
@@ -175,12 +161,12 @@ class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: str | None, process_set: Any,
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        outs, rows, _ = gather(list(tensors), name, process_set)
+        pending, rows, _ = start_gather(list(tensors), name, process_set)
         engine = engine_of(process_set)
         ctx.process_set = process_set
         # (offset, count) of this rank's rows in each output.
         ctx.slices = [(sum(r[:engine.rank]), r[engine.rank]) for r in rows]
-        return tuple(outs)
+        return pending.result()
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -197,8 +183,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
     """Concatenate ``tensor`` from every rank along the first dimension (its
     size may differ between ranks). Differentiable."""
     check_tensors(tensor)
-    out: torch.Tensor = _GroupedAllgather.apply(name, process_set, tensor)[0]
-    return out
+    return _GroupedAllgather.apply(name, process_set, tensor)[0]
 
 
 @public("grouped_allgather")
@@ -234,16 +219,14 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     """Return a new tensor holding ``root_rank``'s ``tensor`` (a job-wide rank
     of the process set). Differentiable."""
     check_tensors(tensor)
-    out: torch.Tensor = _Broadcast.apply(tensor, root_rank, name, process_set)
-    return out
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
 @public("broadcast_")
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: Any = global_process_set) -> torch.Tensor:
     """In-place ``broadcast`` (not differentiable); returns ``tensor``."""
-    out: torch.Tensor = synchronize(broadcast_async_(tensor, root_rank, name, process_set))
-    return out
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 # -- alltoall -------------------------------------------------------------------
@@ -284,11 +267,12 @@ class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
                 process_set: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        outs, _ = reduce_scatter(list(tensors), name, op, prescale, postscale, process_set)
+        pending, _ = start_reduce_scatter(list(tensors), name, op, prescale, postscale,
+                                          process_set)
         size = engine_of(process_set).size
         ctx.factor = (size if op is ReduceOp.SUM else 1) * float(prescale) * float(postscale)
         ctx.process_set = process_set
-        return tuple(outs)
+        return pending.result()
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:

@@ -42,14 +42,12 @@ number of workers, rank ``r`` takes saved rank ``r % n``).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import os
 import pickle
 import random
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -128,7 +126,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu",
         CheckpointError, "dp_plugin.checkpoint.load")
     if payload is None:
         return None
-    with _numpy_allowed():
+    with torch.serialization.safe_globals(NUMPY_SAFE_GLOBALS):
         blob = torch.load(io.BytesIO(payload), map_location=map_location,
                           weights_only=weights_only)
     if restore_rng:
@@ -151,12 +149,12 @@ def rng_state() -> dict[str, Any]:
     }
 
 
-def set_rng_state(states: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what ``rng_state`` returned."""
-    torch.set_rng_state(states["torch"])
-    kind, keys, pos, has_gauss, gauss = states["numpy"]
+    torch.set_rng_state(state["torch"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    random.setstate(_to_tuples(states["python"]))
+    random.setstate(_to_tuples(state["python"]))
 
 
 def serialize(blob: dict[str, Any], target: Path) -> bytes:
@@ -185,7 +183,7 @@ def _load_refusal(data: bytes) -> str | None:
     """Why ``torch.load(weights_only=True)`` refuses ``data`` (None: it loads).
     Tensors go to the ``meta`` device: the check reads no tensor bytes."""
     try:
-        with _numpy_allowed():
+        with torch.serialization.safe_globals(NUMPY_SAFE_GLOBALS):
             torch.load(io.BytesIO(data), map_location="meta", weights_only=True)
     except pickle.UnpicklingError as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -211,12 +209,6 @@ def _first_unloadable(obj: Any, where: str, reason: str) -> tuple[str, Any, str]
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-@contextlib.contextmanager
-def _numpy_allowed() -> Iterator[None]:
-    with torch.serialization.safe_globals(NUMPY_SAFE_GLOBALS):
-        yield
 
 
 def framed(data: bytes) -> tuple[bytes, bytes]:

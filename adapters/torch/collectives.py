@@ -14,12 +14,13 @@ import torch
 from dp_plugin.arrays import TorchOps
 from dp_plugin.collective import start_allreduce
 from dp_plugin.edge import caller, public
-from dp_plugin.engines.base import Engine, Handle, ReduceOp
+from dp_plugin.engines.base import ReduceOp
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.process_sets import engine_of, global_process_set
-from dp_plugin.request import Agreed, Request, check
-from dp_plugin.torch.handles import TABLE, InFlight, Ready
-from dp_plugin.torch.submit import agree, check_factor, check_tensors, contiguous_copy, resolve_op
+from dp_plugin.request import Request, check
+from dp_plugin.torch.handles import InFlight, Ready, new_handle
+from dp_plugin.torch.ops import resolve_op
+from dp_plugin.torch.submit import agree, check_factor, check_tensors, contiguous_copy
 
 # -- allreduce ------------------------------------------------------------------
 
@@ -84,24 +85,16 @@ def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
     post = check_factor(postscale, "postscale_factor")
     engine = engine_of(process_set)
     key, _ = agree(engine, "allreduce", tensors, name, process_set, op=op, scales=(pre, post))
-    # The result's storage: the caller's tensor in place when it is one dense
-    # block, else a fresh contiguous copy (the input is never modified).
-    outs = [t.detach() if inplace and t.is_contiguous() else contiguous_copy(t)
-            for t in tensors]
+    outs = [_storage(t, inplace) for t in tensors]
     reducer, handles = start_allreduce(engine, outs, name, op, pre, post)
 
     def finish() -> Any:
         reducer.finish()
-        if inplace:
-            for t, out in zip(tensors, outs, strict=True):
-                if out.data_ptr() != t.data_ptr():
-                    t.detach().copy_(out)
-            results = list(tensors)
-        else:
-            results = outs
+        results = ([_copy_back(t, out) for t, out in zip(tensors, outs, strict=True)]
+                   if inplace else outs)
         return tuple(results) if grouped else results[0]
 
-    return TABLE.add(InFlight(handles, finish), key)
+    return new_handle(InFlight(handles, finish), key)
 
 
 # -- allgather ------------------------------------------------------------------
@@ -113,43 +106,40 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     """Concatenate ``tensor`` from every rank along the first dimension (which
     may differ between ranks). The rows move in the background (gloo, nccl,
     mpi): ``poll`` says when; ``synchronize`` returns the result."""
-    handles, finish, _, key = start_gather(check_tensors(tensor), name, process_set)
-    return TABLE.add(InFlight(handles, lambda: finish()[0]), key)
+    pending, _, key = start_gather(check_tensors(tensor), name, process_set, grouped=False)
+    return new_handle(pending, key)
 
 
 @public("grouped_allgather_async")
 def grouped_allgather_async(tensors: list[torch.Tensor], name: str | None = None,
                             process_set: Any = global_process_set) -> int:
     """``allgather_async`` of each tensor of a list; ``synchronize`` returns a tuple."""
-    handles, finish, _, key = start_gather(check_tensors(tensors), name, process_set)
-    return TABLE.add(InFlight(handles, lambda: tuple(finish())), key)
+    pending, _, key = start_gather(check_tensors(tensors), name, process_set)
+    return new_handle(pending, key)
 
 
-def gather(tensors: list[torch.Tensor], name: str | None,
-           process_set: Any) -> tuple[list[torch.Tensor], list[list[int]], Any]:
-    """Run the all-gathers to completion; return the outputs, every rank's
-    first dimension per tensor (for the gradient), and the name key."""
-    handles, finish, dims, key = start_gather(tensors, name, process_set)
-    return InFlight(handles, finish).result(), dims, key
-
-
-def start_gather(tensors: list[torch.Tensor], name: str | None, process_set: Any
-                 ) -> tuple[list[Handle], Callable[[], list[torch.Tensor]], list[list[int]], Any]:
-    """Start the all-gathers: (handles, function returning the outputs once
-    they are done, first dimensions, name key)."""
+def start_gather(tensors: list[torch.Tensor], name: str | None, process_set: Any,
+                 grouped: bool = True) -> tuple[InFlight, list[list[int]], Any]:
+    """Start the agreed all-gathers (a joined rank runs them too, with no
+    rows): (the pending outputs, a tuple if ``grouped``, every rank's first
+    dimension per tensor (for the gradient), name key)."""
     engine = engine_of(process_set)
     key, agreed = agree(engine, "allgather", tensors, name, process_set)
-    started = start_allgathers(engine, [t.detach().contiguous() for t in tensors], agreed, name)
-    return ([h for h, _ in started], lambda: [result() for _, result in started],
-            [agreed.rows(i) for i in range(len(tensors))], key)
+    started = [engine.allgather_async(t.detach().contiguous(), agreed.rows(i),
+                                      name or "allgather") for i, t in enumerate(tensors)]
+    pending = _pending(started, grouped, lambda out: out)
+    return pending, [agreed.rows(i) for i in range(len(tensors))], key
 
 
-def start_allgathers(engine: Engine, bufs: list[torch.Tensor], agreed: Agreed,
-                     name: str | None) -> list[Any]:
-    """Start the agreed all-gather of each of ``bufs`` (a joined rank runs it
-    too, with no rows)."""
-    return [engine.allgather_async(buf, agreed.rows(i), name or "allgather")
-            for i, buf in enumerate(bufs)]
+def _pending(started: list[Any], grouped: bool,
+             finish: Callable[[torch.Tensor], torch.Tensor]) -> InFlight:
+    """The engine's ``(handle, result)`` pairs as one collective whose result
+    is ``finish`` of each output: a tuple (``grouped``) or the one output."""
+    def results() -> Any:
+        outs = tuple(finish(result()) for _, result in started)
+        return outs if grouped else outs[0]
+
+    return InFlight([h for h, _ in started], results)
 
 
 # -- broadcast ------------------------------------------------------------------
@@ -178,15 +168,23 @@ def _start_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, pro
     # Horovod's root rule (request.root_of: an int raises at once; a root outside
     # the set is a problem of the agreement, so that every rank raises).
     key, agreed = agree(engine, "broadcast", [t], name, process_set, root=root_rank)
-    alias = inplace and t.is_contiguous()
-    out = t.detach() if alias else contiguous_copy(t)
+    out = _storage(t, inplace)
     if out.numel():
         engine.broadcast(out.view(-1), agreed.root, name=name or "broadcast")
-    if inplace:
-        if not alias:
-            t.detach().copy_(out)
-        out = t
-    return TABLE.add(Ready(out), key)
+    return new_handle(Ready(_copy_back(t, out) if inplace else out), key)
+
+
+def _storage(t: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """Where a result is written: the caller's tensor in place when it is one
+    dense block, else a fresh contiguous copy (the input is never modified)."""
+    return t.detach() if inplace and t.is_contiguous() else contiguous_copy(t)
+
+
+def _copy_back(t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``t``, holding the result written into ``out`` (an in-place op)."""
+    if out.data_ptr() != t.data_ptr():
+        t.detach().copy_(out)
+    return t
 
 
 # -- alltoall -------------------------------------------------------------------
@@ -201,7 +199,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     evenly. Runs at the call; ``synchronize`` returns ``(output,
     received_splits)`` (int32, or ``splits``' dtype when it is a tensor)."""
     out, received, key = exchange(tensor, splits, name, process_set)
-    return TABLE.add(Ready((out, received)), key)
+    return new_handle(Ready((out, received)), key)
 
 
 def exchange(tensor: torch.Tensor, splits: Any, name: str | None,
@@ -230,9 +228,9 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     of rows: ``rows // size`` each, the first ``rows % size`` ranks one more
     (Horovod's rule). ``op``: Average (default) or Sum. The reduction runs in
     the background (gloo, nccl, mpi, horovod); ``synchronize`` returns the block."""
-    handles, finish, key = start_reduce_scatter(
-        check_tensors(tensor), name, op, prescale_factor, postscale_factor, process_set)
-    return TABLE.add(InFlight(handles, lambda: finish()[0]), key)
+    pending, key = start_reduce_scatter(check_tensors(tensor), name, op, prescale_factor,
+                                        postscale_factor, process_set, grouped=False)
+    return new_handle(pending, key)
 
 
 @public("grouped_reducescatter_async")
@@ -243,24 +241,17 @@ def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = 
                                 postscale_factor: float = 1.0) -> int:
     """``reducescatter_async`` of each tensor of a list; ``synchronize``
     returns a tuple."""
-    handles, finish, key = start_reduce_scatter(check_tensors(tensors), name, op,
-                                                prescale_factor, postscale_factor, process_set)
-    return TABLE.add(InFlight(handles, lambda: tuple(finish())), key)
-
-
-def reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any, prescale: Any,
-                   postscale: Any, process_set: Any) -> tuple[list[torch.Tensor], Any]:
-    """Run the reduce-scatters to completion; return the outputs and the name key."""
-    handles, finish, key = start_reduce_scatter(tensors, name, op, prescale, postscale,
-                                                process_set)
-    return InFlight(handles, finish).result(), key
+    pending, key = start_reduce_scatter(check_tensors(tensors), name, op, prescale_factor,
+                                        postscale_factor, process_set)
+    return new_handle(pending, key)
 
 
 def start_reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any,
-                         prescale: Any, postscale: Any, process_set: Any
-                         ) -> tuple[list[Handle], Callable[[], list[torch.Tensor]], Any]:
-    """Start the reduce-scatters: (handles, function returning the scaled
-    outputs once they are done, name key)."""
+                         prescale: Any, postscale: Any, process_set: Any,
+                         grouped: bool = True) -> tuple[InFlight, Any]:
+    """Start the agreed reduce-scatters of pre-scaled copies of ``tensors`` (a
+    joined rank runs them too, on zeros): (the pending post-scaled outputs, a
+    tuple if ``grouped``, name key)."""
     op = resolve_op(op, None)
     if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError(
@@ -274,30 +265,18 @@ def start_reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any,
                    scales=(pre, post))
     policy = ReducePolicy(op, engine.size, prescale=pre, postscale=post)
     ops = TorchOps()
-    started = start_reducescatters(engine, [contiguous_copy(t) for t in tensors], policy, name)
-
-    def finish() -> list[torch.Tensor]:
-        outs = []
-        for _, result in started:
-            out = result()
-            ops.scale_(out, policy.postscale)
-            outs.append(out)
-        return outs
-
-    return [h for h, _ in started], finish, key
-
-
-def start_reducescatters(engine: Engine, bufs: list[torch.Tensor], policy: ReducePolicy,
-                         name: str | None) -> list[Any]:
-    """Start the agreed reduce-scatter of each of ``bufs`` (pre-scaled in place;
-    a joined rank runs it too, on zeros)."""
-    ops = TorchOps()
     started = []
-    for buf in bufs:
+    for t in tensors:
+        buf = contiguous_copy(t)
         ops.scale_(buf, policy.prescale)
         started.append(engine.reducescatter_async(buf, policy.engine_op,
                                                   name or "reducescatter"))
-    return started
+
+    def scaled(out: torch.Tensor) -> torch.Tensor:
+        ops.scale_(out, policy.postscale)
+        return out
+
+    return _pending(started, grouped, scaled), key
 
 
 # -- barrier --------------------------------------------------------------------

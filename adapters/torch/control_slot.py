@@ -8,7 +8,7 @@ flags (``joining.JoinFlags``), the marks of a parameter unfrozen after
 wrapping, a sparse gradient for a parameter wrapped as dense, and
 (``DP_PLUGIN_CHECK_FINITE``) the finite flags.
 Each rank may mark only its own element, with the op's "marked" code
-(``code_for``), so after the reduction every rank reads the same values and
+(``CODES``), so after the reduction every rank reads the same values and
 draws the same conclusion: the list of marked ranks.
 
 ``DP_PLUGIN_CHECK_FINITE`` (``FiniteFlags``) decides from values every rank
@@ -36,7 +36,6 @@ from dp_plugin.errors import NonFiniteGradientError
 
 log = logging.getLogger("dp_plugin")
 
-FINITE_MODES = ("skip", "raise")
 SHOWN = 5
 """At most this many parameter names in a non-finite message."""
 
@@ -51,12 +50,8 @@ class FlagCode:
     joined: float
 
 
-def code_for(op: ReduceOp) -> FlagCode:
-    if op is ReduceOp.MIN:
-        return FlagCode(0.0, -1.0)
-    if op is ReduceOp.PRODUCT:
-        return FlagCode(1.0, 2.0)
-    return FlagCode(0.0, 1.0)  # sum (average is a sum here), max
+CODES = {ReduceOp.MIN: FlagCode(0.0, -1.0), ReduceOp.PRODUCT: FlagCode(1.0, 2.0)}
+"""Per op; any other (sum, average: a sum here, max) uses ``FlagCode(0.0, 1.0)``."""
 
 
 class RankMarks:
@@ -70,14 +65,13 @@ class RankMarks:
         self.name = name
         self.ranks = list(reducer.engine.global_ranks)
         self.slot = reducer.engine.rank
-        self._code = code_for(op)
+        self._code = CODES.get(op, FlagCode(0.0, 1.0))
         self._like = like
         self.reset()
 
     def _elements(self) -> torch.Tensor:
         # Asked each time: the elements move when the bucket plan is rebuilt.
-        elements: torch.Tensor = self.reducer.flags_of(self.name, self._like)
-        return elements
+        return self.reducer.flags_of(self.name, self._like)
 
     def reset(self) -> None:
         """Every element unmarked (before the next step's reduction)."""
@@ -111,9 +105,6 @@ class FiniteFlags(RankMarks):
     when its gradient is not finite; ``decide`` after the reduction."""
 
     def __init__(self, reducer: Any, *, mode: str, op: ReduceOp, like: torch.Tensor) -> None:
-        if mode not in FINITE_MODES:
-            raise ValueError(f"check_finite mode {mode!r} is not known; valid modes: "
-                             f"{', '.join(FINITE_MODES)}")
         super().__init__(reducer, "finite", op=op, like=like)
         self.mode = mode
         self.step = 0
@@ -165,14 +156,9 @@ def describe(step: int, names: Sequence[str], ranks: Sequence[int]) -> str:
 
 
 def _all_finite(grads: Sequence[torch.Tensor]) -> list[bool]:
-    """Per tensor: all finite? One host transfer per device, not per tensor."""
+    """Per tensor: all finite? One host transfer, not one per tensor (the
+    flags are stacked on the first one's device)."""
+    if not grads:
+        return []
     flags = [torch.isfinite(g).all() for g in grads]
-    by_device: dict[torch.device, list[int]] = {}
-    for i, f in enumerate(flags):
-        by_device.setdefault(f.device, []).append(i)
-    result = [True] * len(flags)
-    for indices in by_device.values():
-        for i, ok in zip(indices, torch.stack([flags[i] for i in indices]).tolist(),
-                         strict=True):
-            result[i] = bool(ok)
-    return result
+    return [bool(ok) for ok in torch.stack([f.to(flags[0].device) for f in flags]).tolist()]

@@ -31,13 +31,10 @@ through those methods; any other value (epoch, batch, ...) as it is; and the
 torch, numpy and ``random`` generator states of every rank.
 
 Where commits go: ``commit_path`` if given; under torchrun without one, a
-file private to the user and to this job (``default_commit_path``:
-``$TMPDIR/dp_plugin-<uid>/elastic-<job id>.pt``, in a 0700 directory: the
-job id is torchrun's run id, or under its static rendezvous, where the run id
-is ``none`` for every job, one derived from the job's own log directory), so
-that Horovod's own elastic examples (``TorchState(model,
-optimizer, batch=0, epoch=0)``) recover a killed worker unchanged. That
-default file is removed when ``run``'s function returns.
+file private to the user and to this job (``default_commit_path``), so that
+Horovod's own elastic examples (``TorchState(model, optimizer, batch=0,
+epoch=0)``) recover a killed worker unchanged; it is removed when ``run``'s
+function returns.
 
 horovodrun's elastic mode is refused with an explanation: Horovod hands new
 ranks to running workers through its rendezvous server at ``hvd.init()``,
@@ -93,11 +90,8 @@ class ObjectState(_core.ObjectState):
     def default_commit_path() -> Path | None:
         return default_commit_path()
 
-    def _rng_state(self) -> Any:
-        return rng_state()
-
-    def _set_rng_state(self, state: Any) -> None:
-        set_rng_state(state)
+    _rng_state = staticmethod(rng_state)
+    _set_rng_state = staticmethod(set_rng_state)
 
     def _broadcast_object(self, obj: Any, name: str) -> Any:
         return broadcast_object(obj, 0, name=name)

@@ -83,12 +83,11 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     skeleton = _strip(optimizer.state_dict(), tensors) if is_root else None
     skeleton = _objects.broadcast_object(eng, skeleton, root, "broadcast_optimizer_state.skeleton")
     if not is_root:
-        tensors = []
-        _allocate(skeleton, tensors)
+        skeleton = _allocate(skeleton, tensors)
     named = [(f"optimizer_state.{i}", t) for i, t in enumerate(tensors)]
     _broadcast_tensors(eng, named, root, "broadcast_optimizer_state")
     if not is_root:
-        optimizer.load_state_dict(_fill(skeleton, tensors))
+        optimizer.load_state_dict(skeleton)
 
 
 @public("broadcast_object")
@@ -129,19 +128,14 @@ def _broadcast_tensors(eng: Engine, named: list[tuple[str, torch.Tensor]], root:
     layout = [_layout_spec(name, t, device) for name, t in named]
     if not named:
         return
-    wires = [_bytes_of(t) if t.is_contiguous() else
-             _bytes_of(t.detach().contiguous()) for _, t in named]
+    # Flat uint8 views of each tensor's memory (of a copy if not contiguous).
+    wires = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in named]
     with torch.no_grad():
         _objects.broadcast_bytes(eng, [name for name, _ in named], wires, root, layout=layout,
                                  name=what, what=f"tensors of {what}", device=device)
         for (_, t), w in zip(named, wires, strict=True):
             if not t.is_contiguous():  # the bytes went into a staged copy
                 t.copy_(w.view(t.dtype).view(t.shape))
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor's memory."""
-    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def _layout_spec(name: str, t: Any, device: str) -> TensorSpec:
@@ -185,9 +179,9 @@ def _named_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:
 
 @dataclass(frozen=True)
 class _TensorSlot:
-    """A tensor of the root's state dict, sent separately: where it goes and what it is."""
+    """A tensor of the root's state dict, sent separately (in the order of
+    ``_walk``, which the pickled skeleton keeps): what it is."""
 
-    index: int
     shape: tuple[int, ...]
     dtype: torch.dtype
     device_type: str
@@ -212,22 +206,22 @@ def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
         tensors.append(t)
-        return _TensorSlot(len(tensors) - 1, tuple(t.shape), t.dtype, t.device.type)
+        return _TensorSlot(tuple(t.shape), t.dtype, t.device.type)
 
     return _walk(obj, slot)
 
 
-def _allocate(skeleton: Any, tensors: list[torch.Tensor]) -> None:
-    """Make empty tensors for the slots of ``skeleton``, in slot order."""
-    slots: list[_TensorSlot] = []
-    _walk(skeleton, lambda x: slots.append(x) if isinstance(x, _TensorSlot) else x)
-    for slot in sorted(slots, key=lambda s: s.index):
-        device = _local_device(slot.device_type)
-        tensors.append(torch.empty(slot.shape, dtype=slot.dtype, device=device))
+def _allocate(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    """``skeleton`` with an empty local tensor in each slot (also appended to
+    ``tensors``, in the root's order), for the broadcast to fill."""
 
+    def empty(x: Any) -> Any:
+        if not isinstance(x, _TensorSlot):
+            return x
+        tensors.append(torch.empty(x.shape, dtype=x.dtype, device=_local_device(x.device_type)))
+        return tensors[-1]
 
-def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    return _walk(obj, lambda x: tensors[x.index] if isinstance(x, _TensorSlot) else x)
+    return _walk(skeleton, empty)
 
 
 def _local_device(device_type: str) -> torch.device:

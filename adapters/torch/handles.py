@@ -1,9 +1,6 @@
 """Integer handles of asynchronous tensor collectives: ``poll`` and ``synchronize``.
 
 As in ``horovod.torch``, every ``*_async`` function returns a plain ``int``.
-``poll(handle)`` says without blocking whether the collective has finished;
-``synchronize(handle)`` waits for it, returns its result (a tensor, a tuple
-of tensors for grouped ops and alltoall) and forgets the handle.
 
 Names: a named collective owns its name, within its process set, from the
 call that starts it until ``synchronize`` returns (or raises) for it.
@@ -18,9 +15,9 @@ The table is per process; ``reset()`` forgets everything (``init`` after
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from dp_plugin.engines.base import Handle
@@ -53,78 +50,27 @@ class Ready(InFlight):
         super().__init__((), lambda: value)
 
 
-@dataclass(frozen=True)
-class _Entry:
-    pending: InFlight
-    name_key: Hashable | None
+# The process-wide table of every collective of the adapter: int handle ->
+# (pending collective, its name key), and the names in flight.
+_lock = threading.Lock()
+_numbers = itertools.count(1)  # from 1: a handle is never falsy
+_entries: dict[int, tuple[InFlight, Hashable | None]] = {}
+_names: set[Hashable] = set()
 
 
-class HandleTable:
-    """Thread-safe map ``int handle -> pending collective``, plus the names in flight."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._next = 1  # start at 1: a handle is never falsy
-        self._entries: dict[int, _Entry] = {}
-        self._names: set[Hashable] = set()
-
-    def name_in_flight(self, name_key: Hashable) -> bool:
-        with self._lock:
-            return name_key in self._names
-
-    def add(self, pending: InFlight, name_key: Hashable | None = None) -> int:
-        """Register a started collective (and its name); return its handle."""
-        with self._lock:
-            handle = self._next
-            self._next += 1
-            self._entries[handle] = _Entry(pending, name_key)
-            if name_key is not None:
-                self._names.add(name_key)
-            return handle
-
-    def poll(self, handle: int) -> bool:
-        return self._lookup(handle, "poll").pending.done()
-
-    def synchronize(self, handle: int) -> Any:
-        entry = self._lookup(handle, "synchronize")
-        try:
-            return entry.pending.result()
-        finally:
-            # Forgotten even on error: the engine already reported it, and a
-            # second synchronize() must not wait on a broken collective again.
-            with self._lock:
-                self._entries.pop(handle, None)
-                if entry.name_key is not None:
-                    self._names.discard(entry.name_key)
-
-    def reset(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._names.clear()
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
-
-    def _lookup(self, handle: int, what: str) -> _Entry:
-        with self._lock:
-            entry = self._entries.get(handle) if _is_int(handle) else None
-        if entry is None:
-            raise ValueError(
-                f"{what}({handle!r}): no collective in flight has this handle; handles are "
-                "the ints returned by the *_async functions and each can be synchronized "
-                "once (it may already have been synchronized, or was issued before "
-                "shutdown()/init())"
-            )
-        return entry
+def name_in_flight(name_key: Hashable) -> bool:
+    with _lock:
+        return name_key in _names
 
 
-def _is_int(handle: object) -> bool:
-    return isinstance(handle, int) and not isinstance(handle, bool)
-
-
-TABLE = HandleTable()
-"""The process-wide handle table used by every collective of the adapter."""
+def new_handle(pending: InFlight, name_key: Hashable | None = None) -> int:
+    """Register a started collective (and its name); return its handle."""
+    with _lock:
+        handle = next(_numbers)
+        _entries[handle] = (pending, name_key)
+        if name_key is not None:
+            _names.add(name_key)
+        return handle
 
 
 def poll(handle: int) -> bool:
@@ -135,7 +81,7 @@ def poll(handle: int) -> bool:
     """
     if callable(handle) and hasattr(handle, "done"):
         return bool(handle.done())
-    return TABLE.poll(handle)
+    return _lookup(handle, "poll")[0].done()
 
 
 def synchronize(handle: int) -> Any:
@@ -150,9 +96,34 @@ def synchronize(handle: int) -> Any:
     """
     if callable(handle):
         return handle()
-    return TABLE.synchronize(handle)
+    pending, name_key = _lookup(handle, "synchronize")
+    try:
+        return pending.result()
+    finally:
+        # Forgotten even on error: the engine already reported it, and a
+        # second synchronize() must not wait on a broken collective again.
+        with _lock:
+            _entries.pop(handle, None)
+            if name_key is not None:
+                _names.discard(name_key)
 
 
 def reset() -> None:
     """Forget every handle and in-flight name (``init()`` after ``shutdown()``)."""
-    TABLE.reset()
+    with _lock:
+        _entries.clear()
+        _names.clear()
+
+
+def _lookup(handle: int, what: str) -> tuple[InFlight, Hashable | None]:
+    is_int = isinstance(handle, int) and not isinstance(handle, bool)
+    with _lock:
+        entry = _entries.get(handle) if is_int else None
+    if entry is None:
+        raise ValueError(
+            f"{what}({handle!r}): no collective in flight has this handle; handles are "
+            "the ints returned by the *_async functions and each can be synchronized "
+            "once (it may already have been synchronized, or was issued before "
+            "shutdown()/init())"
+        )
+    return entry

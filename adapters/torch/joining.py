@@ -5,15 +5,11 @@ every rank has joined it takes part in the ``DistributedOptimizer``
 reductions of the ranks still training, contributing zero gradients; then
 ``join()`` returns on every rank, with the rank that joined last.
 
-Design (no extra collective per step): every optimizer's scheduler has a
-flag group (``Reducer.flags_of``), a few elements reduced,
-unscaled, with its last fusion bucket. It has one element per rank of the
-optimizer's process set. A training rank leaves the op's "idle" value
-everywhere; a joined rank writes the "joined" value into its own element.
-After the reduction every rank reads the same values, so every rank knows
-which ranks have joined, and all agree on when everyone has. A joined rank
-loops over "zero steps" (``synchronize()`` with no gradient marked ready,
-so every gradient contributes zeros) until its flags say everyone has joined.
+Design (no extra collective per step): a joined rank marks its own element
+of each optimizer's "join" flags (``control_slot.py``: reduced with the last
+fusion bucket, so every rank reads the same values and all agree on when
+everyone has joined) and loops over "zero steps" (``synchronize()`` with no
+gradient marked ready, so every gradient contributes zeros) until they say so.
 
 The others' all-reduces and barriers are answered through
 ``dp_plugin.join`` (``Listener`` and ``replay``: the wire protocol, what is
@@ -42,10 +38,8 @@ if TYPE_CHECKING:  # optimizer_state imports JoinFlags from here
 
 
 class JoinFlags(RankMarks):
-    """The join elements of one optimizer's scheduler control slot: its first
-    elements, one per rank of the optimizer's process set, marked by a rank
-    that has joined. Every rank reads the same reduced values, so every rank
-    draws the same conclusions from them.
+    """The "join" flags of one optimizer's reducer: one element per rank of
+    its process set, marked by a rank that has joined.
 
     A training step only keeps a device-side copy of the reduced elements
     (``keep``: no host synchronization, nothing for a GPU to wait on); a

@@ -19,3 +19,6 @@ INSTEAD = ("op=hvd.Average (the default), which gives the same convergence for s
 
 parse_op = functools.partial(_names.parse_op, prefix="hvd.", instead=INSTEAD)
 """Validate a user's ``op=``; Adasum gets a NotImplementedError naming the way out."""
+
+resolve_op = functools.partial(_names.resolve_op, prefix="hvd.", instead=INSTEAD)
+"""Horovod's ``op``/deprecated ``average`` rule; ``None`` means Average."""

@@ -8,9 +8,8 @@ optimizer's attributes (``param_groups``, ``state``, ``defaults``, hooks):
 the two objects share them, so keep using only the returned one.
 
 Everything the wrapper adds lives under one attribute, ``_dp``
-(``optimizer_state.OptimizerState``: the hooks, the scheduler and its
-control slot, the step in progress); the methods here are torch's and
-Horovod's API over it. ``step()`` first calls ``synchronize()``.
+(``optimizer_state.OptimizerState``); the methods here are torch's and
+Horovod's API over it.
 """
 
 from __future__ import annotations

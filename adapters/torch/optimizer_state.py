@@ -437,9 +437,7 @@ def check_requires_grad(mine: list[str], ranks: list[int] | None = None) -> None
     """Raise if a parameter was unfrozen after wrapping: here (``mine``, from
     ``OptimizerState.unfrozen``) or on any of ``ranks`` (every rank learns
     these from the control slot, so every rank raises at the same
-    ``synchronize()``). A parameter unfrozen after wrapping has no hook and no
-    bucket, so its gradient would stay local; frozen after wrapping is fine:
-    it stays in its bucket and contributes zeros, alike on every rank."""
+    ``synchronize()``)."""
     if not mine and not ranks:
         return
     raise DPPluginError(

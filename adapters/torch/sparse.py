@@ -23,8 +23,8 @@ from dp_plugin.engines.base import ReduceOp
 from dp_plugin.horovod_names import require_sum_or_average
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.torch.collectives import allgather_async
-from dp_plugin.torch.handles import TABLE
-from dp_plugin.torch.submit import resolve_op
+from dp_plugin.torch.handles import poll, synchronize
+from dp_plugin.torch.ops import resolve_op
 from torch import nn
 
 
@@ -40,11 +40,11 @@ class SparseAllreduceHandle:
         self._result: torch.Tensor | None = None
 
     def done(self) -> bool:
-        return self._result is not None or all(TABLE.poll(h) for h in self._handles)
+        return self._result is not None or all(poll(h) for h in self._handles)
 
     def __call__(self) -> torch.Tensor:
         if self._result is None:
-            indices, values = (TABLE.synchronize(h) for h in self._handles)
+            indices, values = (synchronize(h) for h in self._handles)
             self._result = _assemble(self._like, indices, values, self._divisor)
         return self._result
 

@@ -1,8 +1,8 @@
-"""Plumbing shared by the tensor collectives: names, op and checks.
+"""Plumbing shared by the tensor collectives: names and checks.
 
 Every collective of ``dp_plugin.torch`` starts the same way: find the engine
 of its process set (``process_sets.engine_of``), resolve Horovod's
-``op``/``average`` arguments, refuse a name still in flight on this rank,
+``op``/``average`` arguments (``ops.resolve_op``), refuse a name still in flight on this rank,
 and run the core's one cross-rank check (``dp_plugin.request.check``), which
 finds every rank's own mistakes (an unsupported dtype, bad splits, ...) and
 raises on every rank alike. Only then does data move.
@@ -10,19 +10,16 @@ raises on every rank alike. Only then does data move.
 
 from __future__ import annotations
 
-import functools
 import numbers
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
-from dp_plugin import horovod_names as _names
 from dp_plugin.edge import caller
 from dp_plugin.engines.base import Engine
 from dp_plugin.errors import DPPluginError
 from dp_plugin.request import Agreed, Request, check
-from dp_plugin.torch.handles import TABLE
-from dp_plugin.torch.ops import INSTEAD
+from dp_plugin.torch.handles import name_in_flight
 
 
 class DuplicateNameError(DPPluginError, ValueError):
@@ -30,18 +27,6 @@ class DuplicateNameError(DPPluginError, ValueError):
 
     Raised on that rank alone, before anything is sent (Horovod's rule): the
     other ranks are not involved and the job stays usable."""
-
-
-resolve_op = functools.partial(_names.resolve_op, prefix="hvd.", instead=INSTEAD)
-"""Horovod's ``op``/deprecated ``average`` rule; ``None`` means Average."""
-
-
-def name_key(process_set: Any, name: str | None) -> Hashable | None:
-    """Key of a name in the handle table: names are per process set, as in Horovod."""
-    if name is None:
-        return None
-    set_id = getattr(process_set, "process_set_id", None)
-    return (id(process_set) if set_id is None else set_id, name)
 
 
 def check_tensors(tensors: Any) -> list[torch.Tensor]:
@@ -75,8 +60,11 @@ def agree(engine: Engine, kind: str, tensors: Sequence[torch.Tensor], name: str 
     Returns the name key to register with the handle once the collective is
     started, and what the ranks agreed.
     """
-    key = name_key(process_set, name)
-    if key is not None and TABLE.name_in_flight(key):
+    key = None
+    if name is not None:  # names are per process set, as in Horovod
+        set_id = getattr(process_set, "process_set_id", None)
+        key = (id(process_set) if set_id is None else set_id, name)
+    if key is not None and name_in_flight(key):
         raise DuplicateNameError(
             f"Duplicate name {name!r}: a {kind} was started with a name that is still in "
             "flight on this rank (an earlier *_async call with this name was not synchronized "

@@ -102,11 +102,10 @@ class SyncBatchNorm(_BatchNorm):
             with calling("hvd.SyncBatchNorm"):
                 engine = engine_of(self.process_set)
             if engine.size > 1:
-                out: torch.Tensor = _SyncBatchNormFunction.apply(
+                return _SyncBatchNormFunction.apply(
                     input, self.weight, self.bias, running_mean, running_var,
                     self.eps, factor, engine,
                 )
-                return out
         return F.batch_norm(
             input, running_mean, running_var, self.weight, self.bias,
             use_batch_stats, factor, self.eps,
@@ -140,11 +139,6 @@ def _sum(engine: Any, t: torch.Tensor, name: str) -> None:
             array_ops=TorchOps(), what=f"statistics of {name}", agreed=True,
         )
     fused.run([t])
-
-
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Half-precision inputs (autocast) get float32 statistics, as cuDNN does.
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _shaped(v: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -207,7 +201,8 @@ class _SyncBatchNormFunction(Function):
         engine: Any,
     ) -> torch.Tensor:
         x = input.contiguous()
-        acc = _stat_dtype(x.dtype)
+        # Half-precision inputs (autocast) get float32 statistics, as cuDNN does.
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         xa = x.to(acc)
         g_mean, g_m2, total = _global_stats(engine, xa)
         var = g_m2 / total
