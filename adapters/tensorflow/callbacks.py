@@ -38,12 +38,7 @@ from dp_plugin.tensorflow.optimizer import (
     parse_reduction,
     relocate_to_loss_scale_optimizer,
 )
-from dp_plugin.tensorflow.xla_split import (
-    can_split,
-    install_split_train_function,
-    is_split,
-    is_split_for,
-)
+from dp_plugin.tensorflow.xla_split import install_split_train_function, is_split, is_split_for
 from dp_plugin.validate import check_int
 
 
@@ -62,20 +57,6 @@ def _checked_model(model: Any, who: str) -> Any:
     return model
 
 
-def _disable_xla(model: Any, who: str) -> None:
-    """XLA cannot compile the numpy bridge, and this model's step cannot be split
-    (``xla_split.can_split``): train without XLA."""
-    warnings.warn(
-        f"{who}: turning off jit_compile (XLA) for model {model.name!r}: its train step "
-        f"runs {model.distribute_strategy.num_replicas_in_sync} replicas, whose gradients are "
-        "summed between the parts XLA would compile, and XLA cannot compile the "
-        "cross-worker reduction (a tf.numpy_function). Pass jit_compile=False to compile() "
-        "to silence this warning",
-        stacklevel=3,
-    )
-    model.jit_compile = False
-
-
 def _rebuild_train_function(model: Any, hook: DistributedApply | None, changed: bool,
                             who: str) -> None:
     """Make ``model.train_function`` contain the reduction (``changed``: the hook was
@@ -83,11 +64,21 @@ def _rebuild_train_function(model: Any, hook: DistributedApply | None, changed: 
     the reduction (``xla_split``) so that XLA is kept; else it is rebuilt as Keras
     builds it."""
     if hook is not None and model.jit_compile:
-        if can_split(model):
+        replicas = int(model.distribute_strategy.num_replicas_in_sync)
+        if replicas == 1:
             if changed or not is_split_for(model, hook):
                 install_split_train_function(model, hook)
             return
-        _disable_xla(model, who)
+        # XLA cannot compile the numpy bridge, and a step of several replicas
+        # cannot be split: train without XLA.
+        warnings.warn(
+            f"{who}: turning off jit_compile (XLA) for model {model.name!r}: its train step "
+            f"runs {replicas} replicas, whose gradients are summed between the parts XLA "
+            "would compile, and XLA cannot compile the cross-worker reduction (a "
+            "tf.numpy_function). Pass jit_compile=False to compile() to silence this warning",
+            stacklevel=2,
+        )
+        model.jit_compile = False
         changed = True
     if changed or is_split(model):  # a split step, but jit_compile was turned off since
         model.make_train_function(force=True)
