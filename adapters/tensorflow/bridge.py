@@ -163,10 +163,6 @@ class GradientBridge:
         return list(ctx.merge_call(once_per_worker, args=tuple(local_sum)))
 
     def _specs(self, tensors: Sequence[Any], labels: Sequence[str]) -> tuple[TensorSpec, ...]:
-        if len(labels) != len(tensors):
-            raise ValueError(
-                f"{len(tensors)} gradients but {len(labels)} labels; pass one label per gradient"
-            )
         specs = []
         for label, t in zip(labels, tensors, strict=True):
             if not t.shape.is_fully_defined():

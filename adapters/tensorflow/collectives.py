@@ -63,41 +63,32 @@ def run_op(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
     graph ``fn``'s typed error travels as a code and message to a
     ``status_op`` that fails the step with them (TensorFlow would retype an
     exception raised by the numpy callback); the outputs depend on that op.
+    ``fn`` runs under this call's name (``dp_plugin.edge``).
     """
-    # Runs under this call's name (``dp_plugin.edge``), raising Horovod's
-    # error types (``dp_plugin.tensorflow.errors``).
     fn = deferred(tf_errors.translated(fn))
     if tf.executing_eagerly():
         arrays = fn(*[np.asarray(t) for t in inputs])
         return [tf.convert_to_tensor(np.asarray(o, dtype=tf.as_dtype(d).as_numpy_dtype))
                 for o, d in zip(arrays, dtypes, strict=True)]
-    if status_op.library() is None:  # warned: TensorFlow's own error types
-        made = graph_order.ordered(lambda: tf.numpy_function(
-            fn, list(inputs), list(dtypes), stateful=True, name=name))
-        outs = list(made) if isinstance(made, list | tuple) else [made]
-    else:
-        outs = _with_status(fn, inputs, dtypes, shapes, name)
-    for out, shape in zip(outs, shapes, strict=True):
-        out.set_shape(shape)
-    return outs
-
-
-def _with_status(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
-                 dtypes: Sequence[Any], shapes: Sequence[Any], name: str) -> list[Any]:
-    """The graph op of ``run_op``: ``fn``'s outputs, then its error's code and message."""
+    typed = status_op.library() is not None  # else warned: TensorFlow's own error types
     fillers = [_filler(shape, dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
 
     def reporting(*arrays: np.ndarray) -> list[Any]:
         try:
-            outs = list(fn(*arrays))
+            return [*fn(*arrays), np.int32(0), b""]
         except tf.errors.OpError as error:  # a core error, typed by ``translated``
+            if not typed:
+                raise
             return [*fillers, np.int32(error.error_code), error.message.encode()]
-        return [*outs, np.int32(0), b""]
 
     *outs, code, message = graph_order.ordered(lambda: tf.numpy_function(
         reporting, list(inputs), [*dtypes, tf.int32, tf.string], stateful=True, name=name))
-    with tf.control_dependencies([status_op.fail_on(code, message)]):
-        return [tf.identity(out) for out in outs]
+    if typed:
+        with tf.control_dependencies([status_op.fail_on(code, message)]):
+            outs = [tf.identity(out) for out in outs]
+    for out, shape in zip(outs, shapes, strict=True):
+        out.set_shape(shape)
+    return outs
 
 
 def _filler(shape: Any, dtype: Any) -> np.ndarray:

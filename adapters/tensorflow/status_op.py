@@ -92,8 +92,6 @@ def library() -> Any | None:
 
 
 def fail_on(code: Any, message: Any) -> Any:
-    """The op that fails with ``code`` (a ``tf.errors`` code; 0: none) and ``message``."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("status_op.fail_on: the op library is not built; check library() first")
-    return lib.dp_plugin_status(code, message)
+    """The op that fails with ``code`` (a ``tf.errors`` code; 0: none) and ``message``;
+    ``library()`` must have been built."""
+    return library().dp_plugin_status(code, message)
