@@ -21,6 +21,7 @@ import keras
 from dp_plugin import runtime
 from dp_plugin.edge import calling
 from dp_plugin.errors import DPPluginError, NotInitializedError
+from dp_plugin.horovod_names import Average, Compression
 from dp_plugin.tensorflow.broadcast import broadcast_model_state
 from dp_plugin.tensorflow.callbacks_lr import (
     LearningRateScheduleCallback,
@@ -29,14 +30,13 @@ from dp_plugin.tensorflow.callbacks_lr import (
 from dp_plugin.tensorflow.checkpoint import BestModelCheckpoint
 from dp_plugin.tensorflow.compat import check_keras, check_strategy
 from dp_plugin.tensorflow.metric_average import MetricAverageCallback
-from dp_plugin.tensorflow.ops import Average, Compression
 from dp_plugin.tensorflow.optimizer import (
     DistributedApply,
     find_hook,
+    hook_of,
     install,
     make_hook,
     parse_reduction,
-    relocate_to_loss_scale_optimizer,
 )
 from dp_plugin.tensorflow.xla_split import install_split_train_function, is_split, is_split_for
 from dp_plugin.validate import check_int
@@ -139,8 +139,22 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def _install(self, optimizer: Any) -> bool:
         """Move ``DistributedOptimizer``'s reduction onto a ``LossScaleOptimizer`` that
-        ``compile()`` wrapped around it; True if the step must be retraced."""
-        return relocate_to_loss_scale_optimizer(optimizer)
+        ``compile()`` (``mixed_float16``) wrapped around it, whose overflow check
+        would else run before the reduction (see ``optimizer``); True if it moved
+        (the step must be retraced)."""
+        if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or hook_of(optimizer):
+            return False
+        target, hook = find_hook(optimizer)
+        if hook is None:
+            return False
+        moved = DistributedApply(
+            optimizer, hook.bridge, owner=hook.owner,
+            backward_passes_per_step=hook.backward_passes_per_step,
+            average_aggregated_gradients=hook.average_aggregated_gradients,
+            sparse_as_dense=hook.sparse_as_dense,
+        )
+        install(optimizer, moved, replacing=target)
+        return True
 
 
 class DistributedCallback(BroadcastGlobalVariablesCallback):

@@ -39,16 +39,17 @@ import tensorflow as tf
 from dp_plugin import horovod_names as _names
 from dp_plugin import runtime
 from dp_plugin.arrays import NumpyOps
+from dp_plugin.compression import Compressor, get_compressor
 from dp_plugin.edge import caller, deferred, public
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
+from dp_plugin.horovod_names import Compression
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.request import Request, check
 from dp_plugin.scheduler import UNBOUNDED, Reducer
 from dp_plugin.tensorflow import errors as tf_errors
 from dp_plugin.tensorflow import graph_order, status_op
-from dp_plugin.tensorflow.ops import Compression, parse_compression
 from dp_plugin.validate import check_positive_float
 
 
@@ -134,6 +135,14 @@ def _tensors(values: Any) -> list[Any]:
     if not isinstance(values, list | tuple):
         raise TypeError(f"{caller()} takes a list of tensors, got {type(values).__name__}")
     return [tf.convert_to_tensor(v) for v in values]
+
+
+def parse_compression(compression: object) -> Compressor:
+    """A compressor from ``Compression.x``, a name ('none', 'fp16', 'bf16') or an object."""
+    try:
+        return get_compressor(compression)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ValueError(f"{caller()}: {exc}; use dp.Compression.none/fp16/bf16") from None
 
 
 resolve_op = functools.partial(_names.resolve_op, prefix="",

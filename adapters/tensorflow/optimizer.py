@@ -40,14 +40,16 @@ from typing import Any
 import keras
 
 import tensorflow as tf
+from dp_plugin import horovod_names as _names
 from dp_plugin.compression import Compressor
 from dp_plugin.edge import calling
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import DPPluginError
 from dp_plugin.hooks import ReducePolicy
+from dp_plugin.horovod_names import Average, Compression
 from dp_plugin.tensorflow.bridge import GradientBridge, next_bridge_name
+from dp_plugin.tensorflow.collectives import parse_compression
 from dp_plugin.tensorflow.compat import UnsupportedStrategyError, check_keras
-from dp_plugin.tensorflow.ops import Average, Compression, parse_compression, parse_gradient_op
 from dp_plugin.tensorflow.sparse import reduce_gradients
 from dp_plugin.validate import check_groups, check_int, check_positive_float
 
@@ -57,7 +59,11 @@ def parse_reduction(owner: str, op: Any, compression: Any, backward_passes_per_s
     """The reduction arguments of ``DistributedOptimizer``, ``DistributedCallback`` and
     ``DistributedGradientTape``, validated (errors name ``owner``)."""
     with calling(owner):
-        op, compressor = parse_gradient_op(op), parse_compression(compression)
+        op = _names.parse_op(op, prefix="dp.",
+                             instead="op=dp.Average (the default) or op=dp.Sum")
+        _names.require_sum_or_average(op, "is not a gradient reduction (Average is the "
+                                      "default)", prefix="dp.")
+        compressor = parse_compression(compression)
     passes = check_int("backward_passes_per_step", backward_passes_per_step, minimum=1,
                        where=owner)
     predivide = check_positive_float("gradient_predivide_factor", gradient_predivide_factor,
@@ -237,29 +243,6 @@ def install(optimizer: Any, hook: DistributedApply, replacing: Any = None) -> No
     if replacing is not None:
         del vars(replacing)["apply"]
     vars(optimizer)["apply"] = hook
-
-
-def relocate_to_loss_scale_optimizer(optimizer: Any) -> bool:
-    """Move a hook from the inner optimizer of a ``LossScaleOptimizer`` onto it.
-
-    ``compile()`` under the ``mixed_float16`` policy wraps a
-    ``DistributedOptimizer`` in a ``LossScaleOptimizer``, whose overflow check
-    would then run before the reduction (see the module docstring). Returns
-    True if a hook was moved (the train step must then be traced again).
-    """
-    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or hook_of(optimizer):
-        return False
-    target, hook = find_hook(optimizer)
-    if hook is None:
-        return False
-    moved = DistributedApply(
-        optimizer, hook.bridge, owner=hook.owner,
-        backward_passes_per_step=hook.backward_passes_per_step,
-        average_aggregated_gradients=hook.average_aggregated_gradients,
-        sparse_as_dense=hook.sparse_as_dense,
-    )
-    install(optimizer, moved, replacing=target)
-    return True
 
 
 def make_hook(

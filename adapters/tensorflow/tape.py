@@ -10,8 +10,8 @@ import keras
 
 import tensorflow as tf
 from dp_plugin import runtime
+from dp_plugin.horovod_names import Average, Compression
 from dp_plugin.tensorflow.bridge import GradientBridge, next_bridge_name
-from dp_plugin.tensorflow.ops import Average, Compression
 from dp_plugin.tensorflow.optimizer import parse_reduction
 from dp_plugin.tensorflow.sparse import reduce_gradients
 from dp_plugin.tensorflow.util import variable_ref
