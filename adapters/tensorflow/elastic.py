@@ -74,12 +74,9 @@ __all__ = [
 
 
 class ObjectState(_core.ObjectState):
-    """Plain Python values, each keyword argument an attribute (Horovod's ``ObjectState``).
-
-    ``commit_path``: the file each ``commit()`` replaces and ``run`` resumes from;
-    required under ``torchrun --max-restarts N`` (N > 0). Multi-host: rank 0
-    writes and reads it, so it must be where the next attempt's rank 0 finds it.
-    """
+    """Plain Python values, each keyword argument an attribute (Horovod's ``ObjectState``;
+    see the core's). ``commit_path`` is required under ``torchrun --max-restarts N``
+    (N > 0)."""
 
     runtime = basics
 
