@@ -3,12 +3,6 @@
 Also the ``callbacks`` namespace of Horovod's Keras API: ``dp.callbacks.X``
 names every callback (``MetricAverageCallback``, ``LearningRateWarmupCallback``,
 ``LearningRateScheduleCallback``, ``BestModelCheckpoint`` are re-exported here).
-
-``model.fit(..., callbacks=[dp.DistributedCallback()])`` is the one-line
-way to train across workers: at the start of every ``fit`` it installs the
-cross-worker reduction into the model's optimizer (``optimizer`` module) so
-that the compiled train step contains it, and broadcasts the weights and
-optimizer state from the root rank so that every rank starts equal.
 """
 
 from __future__ import annotations

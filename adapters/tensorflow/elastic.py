@@ -20,13 +20,8 @@ The shape is Horovod 0.28.1's ``horovod.tensorflow.elastic`` /
 ``KerasState``; ``TensorFlowState`` for a list of variables; ``ObjectState``;
 ``run``; the Keras callbacks ``CommitStateCallback``,
 ``UpdateBatchStateCallback``, ``UpdateEpochStateCallback``). The recovery is
-``dp_plugin.torch.elastic``'s (docs/elastic.md): torchrun restarts every worker
-when one fails, ``commit()`` also writes the committed state to
-``commit_path`` (rank 0 writes a temporary file, fsyncs it, renames it; every
-rank's ``random`` and numpy generator states are gathered into it), and
-``run`` starts each attempt by loading the last commit (rank 0 reads it, every
-rank receives the same bytes) or, on a first start, by broadcasting rank 0's
-state.
+the core's (``dp_plugin.elastic``, docs/elastic.md); this module adds the
+generator states, the commit file and the broadcasts.
 
 Tracked: the model's weights and the optimizer's variables (as numpy arrays,
 assigned back into the same variables), the variables of a

@@ -56,17 +56,18 @@ class CollectiveTypeError(_TypedOpError, TypeError, tf.errors.InvalidArgumentErr
     """A rank passed a tensor of a dtype the collective cannot move."""
 
 
+_DISAGREEING = {Problem.DIFFERENT: CollectiveMismatchError, Problem.LAYOUT: CollectiveLayoutError}
+"""The problems of ranks that disagree, and the class each is raised as."""
+
+
 def as_tensorflow_error(error: BaseException) -> tf.errors.OpError | None:
     """The TensorFlow-typed equivalent of a core collective error, or None when
     ``error`` is not one (or already is)."""
     if isinstance(error, tf.errors.OpError):
         return None
     message = str(error)
-    if isinstance(error, MismatchError) and error.problem in (Problem.DIFFERENT,
-                                                              Problem.LAYOUT):
-        typed = CollectiveLayoutError if error.problem is Problem.LAYOUT else \
-            CollectiveMismatchError
-        return typed(message)
+    if isinstance(error, MismatchError) and error.problem in _DISAGREEING:
+        return _DISAGREEING[error.problem](message)
     if isinstance(error, TypeError):
         return CollectiveTypeError(message)
     if isinstance(error, ValueError):
