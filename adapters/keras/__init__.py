@@ -19,11 +19,11 @@ from typing import Any
 
 import tensorflow as tf
 
+from dp_plugin.horovod_names import Average as _Average
+from dp_plugin.horovod_names import Compression as _Compression
 from dp_plugin.tensorflow import *  # noqa: F403 - this module is an alias
 from dp_plugin.tensorflow import __all__ as __all__
 from dp_plugin.tensorflow import collectives as _c
-from dp_plugin.tensorflow.ops import Average as _Average
-from dp_plugin.tensorflow.ops import Compression as _Compression
 
 
 def _value(result: Any) -> Any:

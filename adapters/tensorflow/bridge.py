@@ -84,17 +84,12 @@ def next_bridge_name(prefix: str) -> str:
 class GradientBridge:
     """Reduce gradients across workers from inside a TensorFlow program.
 
-    Arguments are the core's (``Reducer``): ``op`` (average or
-    sum), ``compression`` (a ``Compressor``), ``gradient_predivide_factor``;
-    ``name`` prefixes the collectives' names and must be the same on every
-    rank. One ``Reducer`` is made per distinct gradient layout, on
-    first use (so ``dp_plugin.init()`` must have run by the time a step is
-    traced). ``results_alias_buffers``: return the fusion buffer's slices
-    instead of copies (see the module docstring); only for a caller that
-    consumes the reduced gradients before the next step starts. ``groups``:
-    Horovod's ``DistributedOptimizer(groups=...)``, validated (an int, or
-    lists of variables); the caller resolves it per step (``reduce``'s
-    ``groups``).
+    One ``Reducer`` per distinct gradient layout, made on first use (so
+    ``dp_plugin.init()`` must have run by the time a step is traced), with
+    the core's ``op``, ``compression`` and ``gradient_predivide_factor``;
+    ``name`` prefixes the collectives' names, the same on every rank.
+    ``results_alias_buffers``: see the module docstring. ``groups``: Horovod's
+    ``groups=``, validated; the caller resolves it per step (``reduce``).
     """
 
     def __init__(
@@ -133,12 +128,9 @@ class GradientBridge:
                groups: Sequence[Sequence[int]] = ()) -> list[Any]:
         """The cross-worker reduction of dense ``grads`` (see the module docstring).
 
-        ``labels`` name the gradients in layout errors; they must be the same
-        on every rank. ``groups`` (lists of indices into ``grads``) are
-        reduced as one bucket each (``dp_plugin.fusion.plan_buckets``).
-        Works in eager mode, in ``tf.function``, in replica
-        context (once per worker via ``merge_call``) and in cross-replica
-        context. Sparse gradients (``IndexedSlices``) are made dense first.
+        ``labels`` name the gradients in layout errors, the same on every rank.
+        ``groups`` (lists of indices into ``grads``) are reduced as one bucket
+        each. Sparse gradients (``IndexedSlices``) are made dense first.
         """
         tensors = [tf.convert_to_tensor(g) for g in grads]
         if not tensors:
@@ -163,10 +155,6 @@ class GradientBridge:
         return list(ctx.merge_call(once_per_worker, args=tuple(local_sum)))
 
     def _specs(self, tensors: Sequence[Any], labels: Sequence[str]) -> tuple[TensorSpec, ...]:
-        if len(labels) != len(tensors):
-            raise ValueError(
-                f"{len(tensors)} gradients but {len(labels)} labels; pass one label per gradient"
-            )
         specs = []
         for label, t in zip(labels, tensors, strict=True):
             if not t.shape.is_fully_defined():

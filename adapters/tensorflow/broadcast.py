@@ -21,7 +21,9 @@ from dp_plugin import runtime
 from dp_plugin.edge import caller, calling
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.objects import broadcast_bytes, byte_layout
+from dp_plugin.process_sets import engine_of
 from dp_plugin.request import root_of
+from dp_plugin.tensorflow.collectives import run_op
 
 
 @tf.autograph.experimental.do_not_convert
@@ -38,8 +40,6 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, process_se
     ``inplace`` is accepted for Horovod compatibility (the values are always
     assigned into the variables).
     """
-    from dp_plugin.process_sets import engine_of
-
     variables = list(variables)
     labels = [f"{i}:{getattr(v, 'name', '?')}" for i, v in enumerate(variables)]
     with calling("broadcast_variables"):
@@ -57,8 +57,6 @@ def broadcast_labelled(
     if not variables:
         return None
     specs = tuple(_spec(label, v) for label, v in zip(labels, variables, strict=True))
-    from dp_plugin.tensorflow.collectives import run_op  # which imports this module
-
     values = run_op(functools.partial(_exchange, engine, specs, root_rank, root),
                     [tf.convert_to_tensor(v) for v in variables],
                     [tf.as_dtype(v.dtype) for v in variables], [v.shape for v in variables],

@@ -3,12 +3,6 @@
 Also the ``callbacks`` namespace of Horovod's Keras API: ``dp.callbacks.X``
 names every callback (``MetricAverageCallback``, ``LearningRateWarmupCallback``,
 ``LearningRateScheduleCallback``, ``BestModelCheckpoint`` are re-exported here).
-
-``model.fit(..., callbacks=[dp.DistributedCallback()])`` is the one-line
-way to train across workers: at the start of every ``fit`` it installs the
-cross-worker reduction into the model's optimizer (``optimizer`` module) so
-that the compiled train step contains it, and broadcasts the weights and
-optimizer state from the root rank so that every rank starts equal.
 """
 
 from __future__ import annotations
@@ -21,6 +15,7 @@ import keras
 from dp_plugin import runtime
 from dp_plugin.edge import calling
 from dp_plugin.errors import DPPluginError, NotInitializedError
+from dp_plugin.horovod_names import Average, Compression
 from dp_plugin.tensorflow.broadcast import broadcast_model_state
 from dp_plugin.tensorflow.callbacks_lr import (
     LearningRateScheduleCallback,
@@ -29,21 +24,15 @@ from dp_plugin.tensorflow.callbacks_lr import (
 from dp_plugin.tensorflow.checkpoint import BestModelCheckpoint
 from dp_plugin.tensorflow.compat import check_keras, check_strategy
 from dp_plugin.tensorflow.metric_average import MetricAverageCallback
-from dp_plugin.tensorflow.ops import Average, Compression
 from dp_plugin.tensorflow.optimizer import (
     DistributedApply,
     find_hook,
+    hook_of,
     install,
     make_hook,
     parse_reduction,
-    relocate_to_loss_scale_optimizer,
 )
-from dp_plugin.tensorflow.xla_split import (
-    can_split,
-    install_split_train_function,
-    is_split,
-    is_split_for,
-)
+from dp_plugin.tensorflow.xla_split import install_split_train_function, is_split, is_split_for
 from dp_plugin.validate import check_int
 
 
@@ -62,20 +51,6 @@ def _checked_model(model: Any, who: str) -> Any:
     return model
 
 
-def _disable_xla(model: Any, who: str) -> None:
-    """XLA cannot compile the numpy bridge, and this model's step cannot be split
-    (``xla_split.can_split``): train without XLA."""
-    warnings.warn(
-        f"{who}: turning off jit_compile (XLA) for model {model.name!r}: its train step "
-        f"runs {model.distribute_strategy.num_replicas_in_sync} replicas, whose gradients are "
-        "summed between the parts XLA would compile, and XLA cannot compile the "
-        "cross-worker reduction (a tf.numpy_function). Pass jit_compile=False to compile() "
-        "to silence this warning",
-        stacklevel=3,
-    )
-    model.jit_compile = False
-
-
 def _rebuild_train_function(model: Any, hook: DistributedApply | None, changed: bool,
                             who: str) -> None:
     """Make ``model.train_function`` contain the reduction (``changed``: the hook was
@@ -83,11 +58,21 @@ def _rebuild_train_function(model: Any, hook: DistributedApply | None, changed: 
     the reduction (``xla_split``) so that XLA is kept; else it is rebuilt as Keras
     builds it."""
     if hook is not None and model.jit_compile:
-        if can_split(model):
+        replicas = int(model.distribute_strategy.num_replicas_in_sync)
+        if replicas == 1:
             if changed or not is_split_for(model, hook):
                 install_split_train_function(model, hook)
             return
-        _disable_xla(model, who)
+        # XLA cannot compile the numpy bridge, and a step of several replicas
+        # cannot be split: train without XLA.
+        warnings.warn(
+            f"{who}: turning off jit_compile (XLA) for model {model.name!r}: its train step "
+            f"runs {replicas} replicas, whose gradients are summed between the parts XLA "
+            "would compile, and XLA cannot compile the cross-worker reduction (a "
+            "tf.numpy_function). Pass jit_compile=False to compile() to silence this warning",
+            stacklevel=2,
+        )
+        model.jit_compile = False
         changed = True
     if changed or is_split(model):  # a split step, but jit_compile was turned off since
         model.make_train_function(force=True)
@@ -148,8 +133,22 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def _install(self, optimizer: Any) -> bool:
         """Move ``DistributedOptimizer``'s reduction onto a ``LossScaleOptimizer`` that
-        ``compile()`` wrapped around it; True if the step must be retraced."""
-        return relocate_to_loss_scale_optimizer(optimizer)
+        ``compile()`` (``mixed_float16``) wrapped around it, whose overflow check
+        would else run before the reduction (see ``optimizer``); True if it moved
+        (the step must be retraced)."""
+        if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or hook_of(optimizer):
+            return False
+        target, hook = find_hook(optimizer)
+        if hook is None:
+            return False
+        moved = DistributedApply(
+            optimizer, hook.bridge, owner=hook.owner,
+            backward_passes_per_step=hook.backward_passes_per_step,
+            average_aggregated_gradients=hook.average_aggregated_gradients,
+            sparse_as_dense=hook.sparse_as_dense,
+        )
+        install(optimizer, moved, replacing=target)
+        return True
 
 
 class DistributedCallback(BroadcastGlobalVariablesCallback):

@@ -40,45 +40,38 @@ _MOMENTUM_CORRECTABLE = (keras.optimizers.SGD, keras.optimizers.RMSprop)
 class LearningRateScheduleCallback(keras.callbacks.Callback):
     """Set the learning rate to ``initial_lr * multiplier(epoch)`` between two epochs.
 
-    Between ``start_epoch`` (inclusive) and ``end_epoch`` (exclusive, ``None``
-    for no end) the optimizer's learning rate becomes
-    ``initial_lr * multiplier(epoch)``; outside it is left alone. A constant
-    ``multiplier`` means exponential decay, ``multiplier ** (epoch - start_epoch)``.
+    Between ``start_epoch`` (inclusive) and ``end_epoch`` (exclusive) the
+    optimizer's learning rate becomes ``initial_lr * multiplier(epoch)``;
+    outside it is left alone. The optimizer must have been created with a
+    float learning rate (not a ``LearningRateSchedule``). Every epoch's logs
+    get ``'lr'``, the learning rate at the end of the epoch.
 
-    - ``staircase=True``: adjusted at the first batch of each epoch, with an
-      integer ``epoch``.
-    - ``staircase=False``: adjusted before every batch, with the fractional
-      ``epoch + batch / steps_per_epoch``; ``steps_per_epoch`` defaults to
-      what ``fit`` knows (``self.params['steps']``) and must be given when
-      ``fit`` cannot know it (a generator or a dataset of unknown length
-      without ``steps_per_epoch``).
-
-    With ``momentum_correction`` (the default) and an optimizer with momentum
-    (``SGD``, ``RMSprop``; also under a mixed-precision
-    ``LossScaleOptimizer``), the momentum is multiplied by
-    ``new_lr / old_lr`` for the batch in which the learning rate changes and
-    restored after it, as Horovod does. Keras 3 keeps ``momentum`` as a
-    Python float that the compiled train step would freeze, so the first fit
-    with this callback replaces ``optimizer.momentum`` by an equal float
-    backed by a variable (its config and serialization are unchanged) and
-    lets ``fit`` trace the train step again if it had been traced before.
-
-    Every epoch's logs get ``'lr'``, the learning rate at the end of the
-    epoch. The optimizer must have been created with a float learning rate
-    (not a ``LearningRateSchedule``).
+    Keras 3 keeps ``momentum`` as a Python float that the compiled train step
+    would freeze, so for momentum correction the first fit with this callback
+    replaces ``optimizer.momentum`` by an equal float backed by a variable
+    (its config and serialization are unchanged) and lets ``fit`` trace the
+    train step again if it had been traced before.
 
     Distributed contract: none; no collectives. Every rank sets the same
     learning rate as long as all ranks run the same epochs and batches.
 
     Args:
         initial_lr: the learning rate the multiplier scales (required, > 0).
-        multiplier: a number, or a function ``f(epoch) -> float``.
+        multiplier: a function ``f(epoch) -> float``, or a constant ``c`` for
+            exponential decay, ``c ** (epoch - start_epoch)``.
         start_epoch: first epoch adjusted. Defaults to 0.
         end_epoch: first epoch no longer adjusted; ``None`` for no end.
-        staircase: adjust once per epoch (True) or at every batch (False).
-        momentum_correction: scale the momentum in the batch of a change.
-        steps_per_epoch: batches per epoch for ``staircase=False``;
-            autodetected from ``fit`` when ``None``.
+        staircase: True: adjusted at the first batch of each epoch, with an
+            integer ``epoch``; False: before every batch, with the fractional
+            ``epoch + batch / steps_per_epoch``.
+        momentum_correction: with an optimizer with momentum (``SGD``,
+            ``RMSprop``; also under a mixed-precision ``LossScaleOptimizer``),
+            multiply the momentum by ``new_lr / old_lr`` for the batch in which
+            the learning rate changes and restore it after, as Horovod does.
+        steps_per_epoch: batches per epoch for ``staircase=False``; when
+            ``None``, what ``fit`` knows (``self.params['steps']``), which it
+            does not for a generator or a dataset of unknown length without
+            its own ``steps_per_epoch``.
     """
 
     def __init__(
@@ -155,10 +148,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         if self._prepare_momentum(optimizer):
             # set_model saw no optimizer: retrace in case the step was traced.
             self.model.make_train_function(force=True)
-        # Detected at each fit: a later fit may have another number of steps.
+        # Detected at each fit (``_steps``): a later fit may have another number of steps.
         self.steps_per_epoch = self._given_steps_per_epoch
-        if not self.staircase and not self.steps_per_epoch:
-            self.steps_per_epoch = self._autodetect_steps_per_epoch()
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self.current_epoch = epoch
@@ -221,23 +212,21 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             self._momentum.set(self.restore_momentum * new_lr / old_lr)
 
     def _steps(self) -> int:
-        # on_train_begin sets it; callbacks driven by hand may skip that hook.
-        if not self.steps_per_epoch:
-            self.steps_per_epoch = self._autodetect_steps_per_epoch()
-        return self.steps_per_epoch
-
-    def _autodetect_steps_per_epoch(self) -> int:
+        if self.steps_per_epoch:
+            return self.steps_per_epoch
         params = self.params or {}
         if params.get("steps"):
-            return int(params["steps"])
-        if params.get("samples") and params.get("batch_size"):
-            return int(params["samples"]) // int(params["batch_size"])
-        raise ValueError(
-            "Could not autodetect the number of steps per epoch. Please specify the "
-            f"steps_per_epoch parameter to the {type(self).__name__}(): fit() does not know "
-            "it for a generator or a dataset of unknown length unless it gets "
-            "steps_per_epoch itself"
-        )
+            self.steps_per_epoch = int(params["steps"])
+        elif params.get("samples") and params.get("batch_size"):
+            self.steps_per_epoch = int(params["samples"]) // int(params["batch_size"])
+        else:
+            raise ValueError(
+                "Could not autodetect the number of steps per epoch. Please specify the "
+                f"steps_per_epoch parameter to the {type(self).__name__}(): fit() does not "
+                "know it for a generator or a dataset of unknown length unless it gets "
+                "steps_per_epoch itself"
+            )
+        return self.steps_per_epoch
 
 
 class LearningRateWarmupCallback(LearningRateScheduleCallback):

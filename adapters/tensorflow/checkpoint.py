@@ -14,7 +14,7 @@ from typing import Any
 
 import keras
 
-from dp_plugin.tensorflow.ops import Compression
+from dp_plugin.horovod_names import Compression
 from dp_plugin.tensorflow.optimizer import DistributedOptimizer, find_hook
 
 
@@ -45,12 +45,10 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
     here pass ``filepath=`` (a ``.keras`` file, or ``.weights.h5`` with
     ``save_weights_only=True``) or set ``callback.filepath`` before ``fit``."""
 
-    _UNSET = "unset.keras"
-
     def __init__(self, monitor: str = "val_loss", verbose: int = 0,
                  save_weights_only: bool = False, mode: str = "auto",
                  save_freq: Any = "epoch", filepath: Any = None) -> None:
-        unset = "unset.weights.h5" if save_weights_only else self._UNSET
+        unset = "unset.weights.h5" if save_weights_only else "unset.keras"
         super().__init__(filepath=unset if filepath is None else filepath, monitor=monitor,
                          verbose=verbose, save_best_only=True,
                          save_weights_only=save_weights_only, mode=mode, save_freq=save_freq)

@@ -39,16 +39,17 @@ import tensorflow as tf
 from dp_plugin import horovod_names as _names
 from dp_plugin import runtime
 from dp_plugin.arrays import NumpyOps
+from dp_plugin.compression import Compressor, get_compressor
 from dp_plugin.edge import caller, deferred, public
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
+from dp_plugin.horovod_names import Compression
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.request import Request, check
 from dp_plugin.scheduler import UNBOUNDED, Reducer
 from dp_plugin.tensorflow import errors as tf_errors
 from dp_plugin.tensorflow import graph_order, status_op
-from dp_plugin.tensorflow.ops import Compression, parse_compression
 from dp_plugin.validate import check_positive_float
 
 
@@ -63,41 +64,32 @@ def run_op(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
     graph ``fn``'s typed error travels as a code and message to a
     ``status_op`` that fails the step with them (TensorFlow would retype an
     exception raised by the numpy callback); the outputs depend on that op.
+    ``fn`` runs under this call's name (``dp_plugin.edge``).
     """
-    # Runs under this call's name (``dp_plugin.edge``), raising Horovod's
-    # error types (``dp_plugin.tensorflow.errors``).
     fn = deferred(tf_errors.translated(fn))
     if tf.executing_eagerly():
         arrays = fn(*[np.asarray(t) for t in inputs])
         return [tf.convert_to_tensor(np.asarray(o, dtype=tf.as_dtype(d).as_numpy_dtype))
                 for o, d in zip(arrays, dtypes, strict=True)]
-    if status_op.library() is None:  # warned: TensorFlow's own error types
-        made = graph_order.ordered(lambda: tf.numpy_function(
-            fn, list(inputs), list(dtypes), stateful=True, name=name))
-        outs = list(made) if isinstance(made, list | tuple) else [made]
-    else:
-        outs = _with_status(fn, inputs, dtypes, shapes, name)
-    for out, shape in zip(outs, shapes, strict=True):
-        out.set_shape(shape)
-    return outs
-
-
-def _with_status(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
-                 dtypes: Sequence[Any], shapes: Sequence[Any], name: str) -> list[Any]:
-    """The graph op of ``run_op``: ``fn``'s outputs, then its error's code and message."""
+    typed = status_op.library() is not None  # else warned: TensorFlow's own error types
     fillers = [_filler(shape, dtype) for shape, dtype in zip(shapes, dtypes, strict=True)]
 
     def reporting(*arrays: np.ndarray) -> list[Any]:
         try:
-            outs = list(fn(*arrays))
+            return [*fn(*arrays), np.int32(0), b""]
         except tf.errors.OpError as error:  # a core error, typed by ``translated``
+            if not typed:
+                raise
             return [*fillers, np.int32(error.error_code), error.message.encode()]
-        return [*outs, np.int32(0), b""]
 
     *outs, code, message = graph_order.ordered(lambda: tf.numpy_function(
         reporting, list(inputs), [*dtypes, tf.int32, tf.string], stateful=True, name=name))
-    with tf.control_dependencies([status_op.fail_on(code, message)]):
-        return [tf.identity(out) for out in outs]
+    if typed:
+        with tf.control_dependencies([status_op.fail_on(code, message)]):
+            outs = [tf.identity(out) for out in outs]
+    for out, shape in zip(outs, shapes, strict=True):
+        out.set_shape(shape)
+    return outs
 
 
 def _filler(shape: Any, dtype: Any) -> np.ndarray:
@@ -143,6 +135,14 @@ def _tensors(values: Any) -> list[Any]:
     if not isinstance(values, list | tuple):
         raise TypeError(f"{caller()} takes a list of tensors, got {type(values).__name__}")
     return [tf.convert_to_tensor(v) for v in values]
+
+
+def parse_compression(compression: object) -> Compressor:
+    """A compressor from ``Compression.x``, a name ('none', 'fp16', 'bf16') or an object."""
+    try:
+        return get_compressor(compression)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ValueError(f"{caller()}: {exc}; use dp.Compression.none/fp16/bf16") from None
 
 
 resolve_op = functools.partial(_names.resolve_op, prefix="",

@@ -38,17 +38,6 @@ class UnsupportedStrategyError(DPPluginError):
     """The model lives under a tf.distribute strategy the adapter cannot combine with."""
 
 
-def keras_version_tuple(version: str) -> tuple[int, int]:
-    """(major, minor) of a version string such as '3.15.1' or '3.16.0.dev2025'."""
-    match = re.match(r"\s*(\d+)\.(\d+)", version)
-    if match is None:
-        raise UnsupportedKerasError(
-            f"cannot read the Keras version {version!r}; dp_plugin.tensorflow needs "
-            f"{SUPPORTED_KERAS_SPEC}"
-        )
-    return int(match.group(1)), int(match.group(2))
-
-
 def check_keras(keras_module: Any = None) -> None:
     """Raise ``UnsupportedKerasError`` unless Keras is a supported 3.x on TensorFlow.
 
@@ -59,8 +48,14 @@ def check_keras(keras_module: Any = None) -> None:
 
         keras_module = keras
     version = str(getattr(keras_module, "__version__", "unknown"))
+    match = re.match(r"\s*(\d+)\.(\d+)", version)  # '3.15.1', '3.16.0.dev2025'
+    if match is None:
+        raise UnsupportedKerasError(
+            f"cannot read the Keras version {version!r}; dp_plugin.tensorflow needs "
+            f"{SUPPORTED_KERAS_SPEC}"
+        )
     low, high = SUPPORTED_KERAS
-    if not low <= keras_version_tuple(version) < high:
+    if not low <= (int(match.group(1)), int(match.group(2))) < high:
         raise UnsupportedKerasError(
             f"Keras {version} is not supported by dp_plugin.tensorflow, which needs "
             f"{SUPPORTED_KERAS_SPEC}: it relies on the TensorFlow optimizer summing the "

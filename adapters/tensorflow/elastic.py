@@ -20,13 +20,8 @@ The shape is Horovod 0.28.1's ``horovod.tensorflow.elastic`` /
 ``KerasState``; ``TensorFlowState`` for a list of variables; ``ObjectState``;
 ``run``; the Keras callbacks ``CommitStateCallback``,
 ``UpdateBatchStateCallback``, ``UpdateEpochStateCallback``). The recovery is
-``dp_plugin.torch.elastic``'s (docs/elastic.md): torchrun restarts every worker
-when one fails, ``commit()`` also writes the committed state to
-``commit_path`` (rank 0 writes a temporary file, fsyncs it, renames it; every
-rank's ``random`` and numpy generator states are gathered into it), and
-``run`` starts each attempt by loading the last commit (rank 0 reads it, every
-rank receives the same bytes) or, on a first start, by broadcasting rank 0's
-state.
+the core's (``dp_plugin.elastic``, docs/elastic.md); this module adds the
+generator states, the commit file and the broadcasts.
 
 Tracked: the model's weights and the optimizer's variables (as numpy arrays,
 assigned back into the same variables), the variables of a
@@ -74,12 +69,9 @@ __all__ = [
 
 
 class ObjectState(_core.ObjectState):
-    """Plain Python values, each keyword argument an attribute (Horovod's ``ObjectState``).
-
-    ``commit_path``: the file each ``commit()`` replaces and ``run`` resumes from;
-    required under ``torchrun --max-restarts N`` (N > 0). Multi-host: rank 0
-    writes and reads it, so it must be where the next attempt's rank 0 finds it.
-    """
+    """Plain Python values, each keyword argument an attribute (Horovod's ``ObjectState``;
+    see the core's). ``commit_path`` is required under ``torchrun --max-restarts N``
+    (N > 0)."""
 
     runtime = basics
 
@@ -116,11 +108,37 @@ class ObjectState(_core.ObjectState):
         return record
 
 
-class TensorFlowKerasState(ObjectState):
+class _VariablesState(ObjectState):
+    """An ``ObjectState`` that also tracks the values of ``_variables()`` (as numpy
+    arrays, assigned back into the same variables; ``sync`` broadcasts them)."""
+
+    def _variables(self) -> list[Any]:
+        raise NotImplementedError
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {**super()._snapshot(), "variables": [np.array(v) for v in self._variables()]}
+
+    def _apply(self, snapshot: dict[str, Any]) -> None:
+        super()._apply(snapshot)
+        for variable, value in zip(self._variables(), snapshot["variables"], strict=True):
+            variable.assign(value)
+
+    def _tracked(self) -> dict[str, Any]:
+        layout = [(str(np.dtype(np.array(v).dtype)), tuple(v.shape)) for v in self._variables()]
+        return {**super()._tracked(), "variables": layout}
+
+    def _apply_synced(self) -> None:
+        variables = self._variables()
+        if variables:
+            broadcast_variables(variables, root_rank=0)
+        super()._apply_synced()
+
+
+class TensorFlowKerasState(_VariablesState):
     """The state of a Keras training run (Horovod's ``TensorFlowKerasState``, alias
     ``KerasState``): ``model``'s weights, ``optimizer``'s variables (default: the
     model's optimizer) and every keyword value. ``backend`` is accepted for
-    Horovod compatibility. ``sync`` broadcasts the variables from rank 0.
+    Horovod compatibility.
     """
 
     def __init__(self, model: Any, optimizer: Any = None, backend: Any = None, *,
@@ -137,25 +155,11 @@ class TensorFlowKerasState(ObjectState):
             variables += list(self.optimizer.variables)
         return variables
 
-    def _snapshot(self) -> dict[str, Any]:
-        return {**super()._snapshot(), "variables": [np.array(v) for v in self._variables()]}
-
-    def _apply(self, snapshot: dict[str, Any]) -> None:
-        super()._apply(snapshot)
-        _assign(self._variables(), snapshot["variables"])
-
-    def _tracked(self) -> dict[str, Any]:
-        return {**super()._tracked(), "variables": _layout(self._variables())}
-
-    def _apply_synced(self) -> None:
-        broadcast_variables(self._variables(), root_rank=0)
-        super()._apply_synced()
-
 
 KerasState = TensorFlowKerasState
 
 
-class TensorFlowState(ObjectState):
+class TensorFlowState(_VariablesState):
     """Horovod's ``TensorFlowState``: a list of ``tf.Variable``s (default: none; TF2
     has no global-variable collection) and keyword values. ``session`` (TF1) is
     refused: TensorFlow 2 programs hold their state in variables."""
@@ -169,20 +173,8 @@ class TensorFlowState(ObjectState):
         self.variables = list(variables or [])
         super().__init__(commit_path=commit_path, **kwargs)
 
-    def _snapshot(self) -> dict[str, Any]:
-        return {**super()._snapshot(), "variables": [np.array(v) for v in self.variables]}
-
-    def _apply(self, snapshot: dict[str, Any]) -> None:
-        super()._apply(snapshot)
-        _assign(self.variables, snapshot["variables"])
-
-    def _tracked(self) -> dict[str, Any]:
-        return {**super()._tracked(), "variables": _layout(self.variables)}
-
-    def _apply_synced(self) -> None:
-        if self.variables:
-            broadcast_variables(self.variables, root_rank=0)
-        super()._apply_synced()
+    def _variables(self) -> list[Any]:
+        return self.variables
 
 
 run = _core.runner(basics)
@@ -321,15 +313,3 @@ def _first_unloadable(value: Any, where: str) -> tuple[str, Any]:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-# -- helpers -------------------------------------------------------------------------
-
-
-def _assign(variables: Sequence[Any], values: Sequence[Any]) -> None:
-    for variable, value in zip(variables, values, strict=True):
-        variable.assign(value)
-
-
-def _layout(variables: Sequence[Any]) -> list[tuple[str, tuple[int, ...]]]:
-    return [(str(np.dtype(np.array(v).dtype)), tuple(v.shape)) for v in variables]

@@ -4,20 +4,12 @@ Horovod's TensorFlow ops fail with ``tf.errors.FailedPreconditionError``
 when ranks disagree (shapes, dtypes, ops, roots, names) and with
 ``tf.errors.InvalidArgumentError`` for a bad argument one rank can see on
 its own (invalid all-to-all splits, a root outside the set, an unsupported
-dtype); scripts catch those. The core raises one type with the same message
-on every rank, at the call: ``MismatchError``, whose ``problem``
-(``dp_plugin.errors.Problem``) says whether the ranks disagree or one
-rank's argument is bad; a plain ``ValueError`` / ``TypeError`` for an
-argument only this rank checked. The TensorFlow adapter re-raises each as
-a class that is *both* the core's and TensorFlow's, chosen from the problem
-(never from the message): ``CollectiveMismatchError`` is a
-``MismatchError`` and a ``FailedPreconditionError``,
-``CollectiveLayoutError`` a ``LayoutMismatchError`` and one,
-``CollectiveArgumentError`` a ``ValueError`` and an
-``InvalidArgumentError``, ``CollectiveTypeError`` a ``TypeError`` and one;
-the message is the core's, unchanged. The core never imports TensorFlow:
-these classes live here, one definition (``_TypedOpError``) with the pairs
-of bases.
+dtype); scripts catch those. The core raises ``MismatchError``, whose
+``problem`` says which of the two it is, or a plain ``ValueError`` /
+``TypeError`` for an argument only this rank checked. The adapter re-raises
+each as a class below that is *both* the core's and TensorFlow's, chosen
+from the problem (never from the message), with the core's message
+unchanged. The core never imports TensorFlow, so these classes live here.
 
 ``translated(fn)`` wraps a collective's data path (the numpy callback of a
 ``tf.numpy_function`` op, or the eager call). Inside a graph TensorFlow
@@ -64,17 +56,18 @@ class CollectiveTypeError(_TypedOpError, TypeError, tf.errors.InvalidArgumentErr
     """A rank passed a tensor of a dtype the collective cannot move."""
 
 
+_DISAGREEING = {Problem.DIFFERENT: CollectiveMismatchError, Problem.LAYOUT: CollectiveLayoutError}
+"""The problems of ranks that disagree, and the class each is raised as."""
+
+
 def as_tensorflow_error(error: BaseException) -> tf.errors.OpError | None:
     """The TensorFlow-typed equivalent of a core collective error, or None when
     ``error`` is not one (or already is)."""
     if isinstance(error, tf.errors.OpError):
         return None
     message = str(error)
-    if isinstance(error, MismatchError) and error.problem in (Problem.DIFFERENT,
-                                                              Problem.LAYOUT):
-        typed = CollectiveLayoutError if error.problem is Problem.LAYOUT else \
-            CollectiveMismatchError
-        return typed(message)
+    if isinstance(error, MismatchError) and error.problem in _DISAGREEING:
+        return _DISAGREEING[error.problem](message)
     if isinstance(error, TypeError):
         return CollectiveTypeError(message)
     if isinstance(error, ValueError):

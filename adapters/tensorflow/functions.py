@@ -21,6 +21,7 @@ from dp_plugin.edge import public
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.request import agreed_root
 from dp_plugin.tensorflow import graph_order
+from dp_plugin.tensorflow.broadcast import broadcast_variables
 
 # -- objects ---------------------------------------------------------------------
 
@@ -82,8 +83,6 @@ def broadcast_global_variables(root_rank: int) -> Any:
             "dp.broadcast_variables(optimizer.variables, root_rank), or add "
             "dp.callbacks.BroadcastGlobalVariablesCallback(root_rank) to model.fit"
         )
-    from dp_plugin.tensorflow.broadcast import broadcast_variables
-
     variables = tf.compat.v1.global_variables()
     if not variables:
         return tf.no_op(name="broadcast_global_variables")

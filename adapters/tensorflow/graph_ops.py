@@ -65,7 +65,6 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
                 for v in variables]
 
 
-
 class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
     """Horovod's TF1 ``SessionRunHook``: once the session exists, set the graph's
     global variables to ``root_rank``'s values (``broadcast_global_variables``)::

@@ -40,15 +40,16 @@ from typing import Any
 import keras
 
 import tensorflow as tf
+from dp_plugin import horovod_names as _names
 from dp_plugin.compression import Compressor
 from dp_plugin.edge import calling
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import DPPluginError
-from dp_plugin.fusion import group_indices
 from dp_plugin.hooks import ReducePolicy
+from dp_plugin.horovod_names import Average, Compression
 from dp_plugin.tensorflow.bridge import GradientBridge, next_bridge_name
+from dp_plugin.tensorflow.collectives import parse_compression
 from dp_plugin.tensorflow.compat import UnsupportedStrategyError, check_keras
-from dp_plugin.tensorflow.ops import Average, Compression, parse_compression, parse_gradient_op
 from dp_plugin.tensorflow.sparse import reduce_gradients
 from dp_plugin.validate import check_groups, check_int, check_positive_float
 
@@ -58,7 +59,11 @@ def parse_reduction(owner: str, op: Any, compression: Any, backward_passes_per_s
     """The reduction arguments of ``DistributedOptimizer``, ``DistributedCallback`` and
     ``DistributedGradientTape``, validated (errors name ``owner``)."""
     with calling(owner):
-        op, compressor = parse_gradient_op(op), parse_compression(compression)
+        op = _names.parse_op(op, prefix="dp.",
+                             instead="op=dp.Average (the default) or op=dp.Sum")
+        _names.require_sum_or_average(op, "is not a gradient reduction (Average is the "
+                                      "default)", prefix="dp.")
+        compressor = parse_compression(compression)
     passes = check_int("backward_passes_per_step", backward_passes_per_step, minimum=1,
                        where=owner)
     predivide = check_positive_float("gradient_predivide_factor", gradient_predivide_factor,
@@ -122,8 +127,13 @@ class DistributedApply:
     ) -> Any:
         grads = list(grads)
         variables = None if trainable_variables is None else list(trainable_variables)
-        if self._captured is not None:
-            self._capture(grads, variables)
+        if self._captured is not None:  # inside ``capturing``
+            if self._captured:
+                raise DPPluginError(
+                    f"{self.owner}: the train step calls {type(self.optimizer).__name__}.apply "
+                    "more than once, which the XLA-compiled split step (jit_compile=True) "
+                    "cannot reduce between its parts; compile the model with jit_compile=False")
+            self._captured.append((grads, variables))
             return None
         if self.backward_passes_per_step == 1:
             return self.apply_reduced(self.reduce(grads, variables), variables)
@@ -142,22 +152,13 @@ class DistributedApply:
         finally:
             self._captured = None
 
-    def _capture(self, grads: list[Any], variables: list[Any] | None) -> None:
-        assert self._captured is not None
-        if self._captured:
-            raise DPPluginError(
-                f"{self.owner}: the train step calls {type(self.optimizer).__name__}.apply "
-                "more than once, which the XLA-compiled split step (jit_compile=True) cannot "
-                "reduce between its parts; compile the model with jit_compile=False")
-        self._captured.append((grads, variables))
-
     # -- helpers --------------------------------------------------------------
     def reduce(self, grads: list[Any], variables: list[Any] | None) -> list[Any]:
         """``grads`` (None entries kept) reduced across workers through the bridge."""
         known = variables if variables is not None else getattr(
             self.optimizer, "_trainable_variables", None
         )
-        return reduce_present(self.bridge, grads, known, self.sparse_as_dense)
+        return reduce_gradients(self.bridge, grads, known, self.sparse_as_dense)
 
     def _accumulate_then_apply(self, grads: list[Any], variables: list[Any] | None) -> None:
         ctx = tf.distribute.get_replica_context()
@@ -216,46 +217,6 @@ class DistributedApply:
         return accumulators
 
 
-def reduce_present(bridge: GradientBridge, grads: Sequence[Any], variables: Sequence[Any] | None,
-                   sparse_as_dense: bool) -> list[Any]:
-    """``grads`` with its non-None entries reduced across workers (``sparse.reduce_gradients``);
-    ``variables``, when known, name them in layout errors. The optimizer's hook and the tape."""
-    present = [i for i, g in enumerate(grads) if g is not None]
-    if not present:
-        return list(grads)  # Keras raises its own "No gradients provided" error
-    reduced = reduce_gradients(bridge, [grads[i] for i in present],
-                               [_label(i, variables) for i in present], sparse_as_dense,
-                               _groups(bridge.groups, present, variables))
-    return refill(grads, reduced)
-
-
-def _groups(groups: Any, present: list[int], variables: Sequence[Any] | None) -> list[list[int]]:
-    """Horovod's ``groups`` as lists of indices into the present gradients: a
-    count cuts them evenly, listed variables are matched to theirs."""
-    if isinstance(groups, list) and variables is None:
-        raise ValueError(
-            "DistributedOptimizer(groups=[[...], ...]) names variables, but the gradients "
-            "came without theirs; call optimizer.apply(grads, trainable_variables) (model.fit "
-            "does), or pass groups as a number"
-        )
-    members = present if variables is None else [variables[i] for i in present]
-    return group_indices(groups, members)
-
-
-def refill(template: Sequence[Any], values: Sequence[Any]) -> list[Any]:
-    """``values`` put back at the non-None positions of ``template``."""
-    it = iter(values)
-    return [None if t is None else next(it) for t in template]
-
-
-def _label(i: int, variables: Sequence[Any] | None) -> str:
-    # The variables' short names ('kernel', 'bias') are the same on every rank;
-    # their paths ('dense_3/kernel') depend on how many layers a process made.
-    if variables is None or i >= len(variables):
-        return f"{i}"
-    return f"{i}:{getattr(variables[i], 'name', '?')}"
-
-
 # -- installing ---------------------------------------------------------------
 
 def hook_of(optimizer: Any) -> DistributedApply | None:
@@ -282,29 +243,6 @@ def install(optimizer: Any, hook: DistributedApply, replacing: Any = None) -> No
     if replacing is not None:
         del vars(replacing)["apply"]
     vars(optimizer)["apply"] = hook
-
-
-def relocate_to_loss_scale_optimizer(optimizer: Any) -> bool:
-    """Move a hook from the inner optimizer of a ``LossScaleOptimizer`` onto it.
-
-    ``compile()`` under the ``mixed_float16`` policy wraps a
-    ``DistributedOptimizer`` in a ``LossScaleOptimizer``, whose overflow check
-    would then run before the reduction (see the module docstring). Returns
-    True if a hook was moved (the train step must then be traced again).
-    """
-    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or hook_of(optimizer):
-        return False
-    target, hook = find_hook(optimizer)
-    if hook is None:
-        return False
-    moved = DistributedApply(
-        optimizer, hook.bridge, owner=hook.owner,
-        backward_passes_per_step=hook.backward_passes_per_step,
-        average_aggregated_gradients=hook.average_aggregated_gradients,
-        sparse_as_dense=hook.sparse_as_dense,
-    )
-    install(optimizer, moved, replacing=target)
-    return True
 
 
 def make_hook(

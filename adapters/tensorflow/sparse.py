@@ -17,28 +17,55 @@ from typing import Any
 
 import tensorflow as tf
 from dp_plugin.edge import calling
+from dp_plugin.fusion import group_indices
 from dp_plugin.tensorflow.bridge import GradientBridge
 from dp_plugin.tensorflow.collectives import reduce_indexed_slices
 
 
-def reduce_gradients(bridge: GradientBridge, grads: Sequence[Any], labels: Sequence[str],
-                     sparse_as_dense: bool, groups: Sequence[Sequence[int]] = ()) -> list[Any]:
-    """``grads`` (no None) reduced across workers, in order; see the module docstring.
-    ``groups`` (lists of indices into ``grads``) are reduced as one bucket each;
-    a sparse gradient in one travels on its own."""
+def reduce_gradients(bridge: GradientBridge, grads: Sequence[Any],
+                     variables: Sequence[Any] | None, sparse_as_dense: bool) -> list[Any]:
+    """``grads`` with their non-None entries reduced across workers, in order (module
+    docstring); ``variables``, when known, name them in layout errors. Horovod's
+    ``bridge.groups`` are reduced as one bucket each; a sparse gradient in one travels
+    on its own."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if not present:
+        return list(grads)  # Keras raises its own "No gradients provided" error
     ctx = tf.distribute.get_replica_context()
     replicas = 1 if ctx is None else ctx.num_replicas_in_sync
     sparse = [] if sparse_as_dense or replicas > 1 else [
-        i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
-    dense = [i for i in range(len(grads)) if i not in sparse]
-    out = list(grads)
+        i for i in present if isinstance(grads[i], tf.IndexedSlices)]
+    dense = [i for i in present if i not in sparse]
     position = {i: k for k, i in enumerate(dense)}
-    dense_groups = [[position[i] for i in group if i in position] for group in groups]
-    reduced = bridge.reduce([grads[i] for i in dense], [labels[i] for i in dense],
-                            [group for group in dense_groups if group])
+    groups = [[position[present[j]] for j in group if present[j] in position]
+              for group in _groups(bridge.groups, present, variables)]
+    out = list(grads)
+    reduced = bridge.reduce([grads[i] for i in dense], [_label(i, variables) for i in dense],
+                            [group for group in groups if group])
     for i, r in zip(dense, reduced, strict=True):
         out[i] = r
     for i in sparse:
-        with calling(f"sparse gradient {labels[i]!r}"):
+        with calling(f"sparse gradient {_label(i, variables)!r}"):
             out[i] = reduce_indexed_slices(grads[i], bridge.op, 1.0, 1.0, None)
     return out
+
+
+def _groups(groups: Any, present: list[int], variables: Sequence[Any] | None) -> list[list[int]]:
+    """Horovod's ``groups`` as lists of indices into the present gradients: a
+    count cuts them evenly, listed variables are matched to theirs."""
+    if isinstance(groups, list) and variables is None:
+        raise ValueError(
+            "DistributedOptimizer(groups=[[...], ...]) names variables, but the gradients "
+            "came without theirs; call optimizer.apply(grads, trainable_variables) (model.fit "
+            "does), or pass groups as a number"
+        )
+    members = present if variables is None else [variables[i] for i in present]
+    return group_indices(groups, members)
+
+
+def _label(i: int, variables: Sequence[Any] | None) -> str:
+    # The variables' short names ('kernel', 'bias') are the same on every rank;
+    # their paths ('dense_3/kernel') depend on how many layers a process made.
+    if variables is None or i >= len(variables):
+        return f"{i}"
+    return f"{i}:{getattr(variables[i], 'name', '?')}"

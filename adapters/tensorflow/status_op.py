@@ -37,11 +37,6 @@ import tensorflow as tf
 SOURCE = Path(__file__).with_name("status_op.cc")
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "dp_plugin" / "tf_ops"
-
-
 def _flags() -> list[str]:
     return [*tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags()]
 
@@ -49,7 +44,8 @@ def _flags() -> list[str]:
 def _target() -> Path:
     digest = hashlib.sha256(SOURCE.read_bytes())
     digest.update(" ".join(_flags()).encode())
-    return cache_dir() / f"status_op-tf{tf.__version__}-{digest.hexdigest()[:16]}.so"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dp_plugin"
+    return cache / "tf_ops" / f"status_op-tf{tf.__version__}-{digest.hexdigest()[:16]}.so"
 
 
 def _build(target: Path) -> None:
@@ -57,7 +53,6 @@ def _build(target: Path) -> None:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (c++, g++ or $CXX) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run(
@@ -92,8 +87,6 @@ def library() -> Any | None:
 
 
 def fail_on(code: Any, message: Any) -> Any:
-    """The op that fails with ``code`` (a ``tf.errors`` code; 0: none) and ``message``."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("status_op.fail_on: the op library is not built; check library() first")
-    return lib.dp_plugin_status(code, message)
+    """The op that fails with ``code`` (a ``tf.errors`` code; 0: none) and ``message``;
+    ``library()`` must have been built."""
+    return library().dp_plugin_status(code, message)

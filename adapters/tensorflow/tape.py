@@ -6,11 +6,14 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import keras
+
 import tensorflow as tf
 from dp_plugin import runtime
+from dp_plugin.horovod_names import Average, Compression
 from dp_plugin.tensorflow.bridge import GradientBridge, next_bridge_name
-from dp_plugin.tensorflow.ops import Average, Compression
-from dp_plugin.tensorflow.optimizer import parse_reduction, reduce_present
+from dp_plugin.tensorflow.optimizer import parse_reduction
+from dp_plugin.tensorflow.sparse import reduce_gradients
 from dp_plugin.tensorflow.util import variable_ref
 from dp_plugin.validate import check_groups
 
@@ -76,8 +79,6 @@ class DistributedGradientTape:
         self._sparse_as_dense = bool(sparse_as_dense)
         parsed_op, compressor, _, predivide = parse_reduction(
             who, op, compression, 1, gradient_predivide_factor)
-        import keras
-
         groups = check_groups(groups, num_groups, (tf.Variable, keras.Variable), "tf.Variable")
         self._bridge = _shared_bridge(parsed_op, compressor, predivide, groups)
         self._local_sources: dict[Any, Any] = {}  # variable_ref(source) -> source
@@ -105,15 +106,11 @@ class DistributedGradientTape:
         )
         flat_grads, flat_sources = tf.nest.flatten(grads), tf.nest.flatten(sources)
         local = [variable_ref(s) in self._local_sources for s in flat_sources]
-        shared = [i for i, is_local in enumerate(local) if not is_local]
-        reduced = reduce_present(self._bridge, [flat_grads[i] for i in shared],
-                                 [flat_sources[i] for i in shared], self._sparse_as_dense)
-        out = list(flat_grads)
-        for i, g in zip(shared, reduced, strict=True):
-            out[i] = g
-        if self.scale_local_gradients:
-            out = [_scaled_locally(g) if is_local and g is not None else g
-                   for g, is_local in zip(out, local, strict=True)]
+        shared = [None if is_local else g for g, is_local in zip(flat_grads, local, strict=True)]
+        reduced = reduce_gradients(self._bridge, shared, flat_sources, self._sparse_as_dense)
+        scale = self.scale_local_gradients
+        out = [(_scaled_locally(g) if scale and g is not None else g) if is_local else r
+               for g, r, is_local in zip(flat_grads, reduced, local, strict=True)]
         return tf.nest.pack_sequence_as(grads, out)
 
     def get_local_and_global_gradients(self, target: Any, sources: Any,
@@ -151,8 +148,6 @@ def PartialDistributedGradientTape(
 ) -> DistributedGradientTape:
     """A ``DistributedGradientTape`` that keeps the gradients of ``local_layers``'
     trainable weights on this worker (``register_local_source``), as Horovod's."""
-    import keras
-
     layers = [] if local_layers is None else (
         [local_layers] if isinstance(local_layers, keras.layers.Layer) else list(local_layers))
     if not all(isinstance(layer, keras.layers.Layer) for layer in layers):

@@ -2,9 +2,7 @@
 
 ``_executing_eagerly`` (also ``dp._executing_eagerly``) is the one most
 scripts and Keras callbacks reach for; the rest keep imports of the module
-working: ``_make_subgraph`` (a ``tf.function``), ``_cache`` (memoize a
-function per argument tuple and eager/graph mode) and ``vars_to_refs`` /
-``refs_to_vars`` (hashable references of (nested lists of) variables).
+working.
 
 ``variable_ref`` is the one hashable key of a variable in the adapter (the
 local sources of ``DistributedGradientTape`` too): ``tf.Variable.ref()``

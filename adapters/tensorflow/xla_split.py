@@ -36,18 +36,14 @@ What this relies on in Keras's trainer: see ``compat``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
-from dp_plugin.tensorflow.optimizer import DistributedApply, refill
+from dp_plugin.tensorflow.optimizer import DistributedApply
 
 _MARK = "_dp_plugin_split_hook"
 """Attribute on a train function built here: the hook it was built for."""
-
-
-def can_split(model: Any) -> bool:
-    """True if ``model``'s train step can be split (one replica per worker)."""
-    return int(model.distribute_strategy.num_replicas_in_sync) == 1
 
 
 def is_split(model: Any) -> bool:
@@ -62,9 +58,8 @@ def is_split_for(model: Any, hook: DistributedApply) -> bool:
 
 def install_split_train_function(model: Any, hook: DistributedApply) -> None:
     """Set ``model.train_function`` to the split step (see the module docstring);
-    ``model.jit_compile`` is left as it is (True)."""
-    step = SplitTrainStep(model, model.train_step, hook)
-    vars(model)["train_step"] = step  # read by make_train_function, removed below
+    ``model.jit_compile`` is left as it is (True). One replica per worker only."""
+    vars(model)["train_step"] = _split_step(model.train_step, hook)  # removed below
     model.jit_compile = False  # the outer function only
     try:
         model.make_train_function(force=True)
@@ -74,25 +69,20 @@ def install_split_train_function(model: Any, hook: DistributedApply) -> None:
     setattr(model.train_function, _MARK, hook)
 
 
-class SplitTrainStep:
+def _split_step(train_step: Any, hook: DistributedApply) -> Any:
     """The train step given to Keras's ``make_train_function``: it runs while the
     outer function is traced and adds the forward part, the reduction and the
     apply part to it (see the module docstring)."""
 
-    def __init__(self, model: Any, train_step: Any, hook: DistributedApply) -> None:
-        self.model = model
-        self.train_step = train_step
-        self.hook = hook
-
     @tf.autograph.experimental.do_not_convert
-    def __call__(self, data: Any) -> Any:
+    def step(data: Any) -> Any:
         # New compiled parts per trace of the outer function, so that the capture
         # below happens during this trace.
         captured: list[tuple[list[Any], list[Any] | None]] = []
 
         def forward(batch: Any) -> Any:
-            with self.hook.capturing() as calls:
-                logs = self.train_step(batch)
+            with hook.capturing() as calls:
+                logs = train_step(batch)
             captured.extend(calls)
             grads = calls[0][0] if calls else []
             return logs, [g for g in grads if g is not None]
@@ -101,17 +91,25 @@ class SplitTrainStep:
         if not captured:
             return logs  # no trainable weights: Keras warned, nothing to apply
         grads, variables = captured[0]
-        full = refill(grads, present)
-        if self.hook.backward_passes_per_step > 1:
-            self.hook(full, variables)  # accumulate, then reduce and apply: outside XLA
+        full = _refill(grads, present)
+        if hook.backward_passes_per_step > 1:
+            hook(full, variables)  # accumulate, then reduce and apply: outside XLA
             return logs
-        reduced = self.hook.reduce(full, variables)
-        if not self.hook.optimizer.built and variables is not None:
-            self.hook.optimizer.build(variables)  # no variables created inside XLA
+        reduced = hook.reduce(full, variables)
+        if not hook.optimizer.built and variables is not None:
+            hook.optimizer.build(variables)  # no variables created inside XLA
 
         def apply(values: list[Any]) -> None:
-            self.hook.apply_reduced(refill(grads, values), variables)
+            hook.apply_reduced(_refill(grads, values), variables)
 
         tf.function(apply, jit_compile=True, autograph=False)(
             [g for g in reduced if g is not None])
         return logs
+
+    return step
+
+
+def _refill(template: Sequence[Any], values: Sequence[Any]) -> list[Any]:
+    """``values`` put back at the non-None positions of ``template``."""
+    it = iter(values)
+    return [None if t is None else next(it) for t in template]
