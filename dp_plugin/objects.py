@@ -1,7 +1,8 @@
 """Python objects through an engine's collectives: the adapters' ``broadcast_object``
 and ``allgather_object``; ``from_rank0``, a value rank 0 computes (a file it reads or
-writes) or its failure, on every rank; and ``broadcast_bytes``, the adapters'
-broadcast of many tensors.
+writes) or its failure, on every rank; ``first_unloadable``, the value a saved state
+could not be read back for; and ``broadcast_bytes``, the adapters' broadcast of many
+tensors.
 
 Objects are pickled (with cloudpickle when installed: lambdas, local
 classes; else pickle) and travel as uint8 buffers on the engine's buffer
@@ -88,6 +89,25 @@ def from_rank0(run: Callable[[], T], error: type[Exception], name: str,
     if problem is not None:
         raise error(problem) from failure
     return value
+
+
+def first_unloadable(state: Any, refusal: Callable[[Any], str | None], reason: str,
+                     where: str = "") -> tuple[str, str]:
+    """Name, for an error message, the innermost entry of ``state`` (through nested
+    dicts, lists and tuples) that would not load back: ``("['commit']['note'] =
+    <repr> (a module.Class)", why)``. ``refusal(value)`` says why ``value`` alone
+    would not load back (None: it would); ``reason`` is why ``state`` did not. The
+    torch checkpoints and the TensorFlow commits refuse to write such a state."""
+    items: Any = (state.items() if isinstance(state, dict) else
+                  enumerate(state) if isinstance(state, list | tuple) else ())
+    for key, item in items:
+        inner = refusal(item)
+        if inner is not None:
+            return first_unloadable(item, refusal, inner, f"{where}[{key!r}]")
+    text = repr(state)
+    text = text if len(text) <= 80 else text[:77] + "..."
+    return (f"{where or 'the state'} = {text} (a {type(state).__module__}."
+            f"{type(state).__qualname__})", reason)
 
 
 def _pickled(obj: Any) -> tuple[np.ndarray, Exception | None]:

@@ -54,7 +54,7 @@ from dp_plugin import elastic as _core
 from dp_plugin.atomic_file import write_on_rank0
 from dp_plugin.elastic import CommitError, State
 from dp_plugin.errors import DPPluginError as HorovodInternalError
-from dp_plugin.objects import from_rank0
+from dp_plugin.objects import first_unloadable, from_rank0
 from dp_plugin.tensorflow import basics
 from dp_plugin.tensorflow.basics import init, rank, shutdown
 from dp_plugin.tensorflow.broadcast import broadcast_variables
@@ -288,28 +288,18 @@ def _dumps(record: dict[str, Any], path: Path) -> bytes:
         return data
     except pickle.UnpicklingError as exc:
         reason = str(exc)
-    where, value = _first_unloadable(record.get("commit", {}), "")
+    entry, _ = first_unloadable(record.get("commit", {}), _refusal, reason)
     raise CommitError(
-        f"commit {str(path)!r}: {where or 'the state'} = {_short(value)} (a "
-        f"{type(value).__module__}.{type(value).__qualname__}) could not be loaded back "
-        f"safely, so a restart could not read this commit ({reason}); nothing was written. "
+        f"commit {str(path)!r}: {entry} could not be loaded back safely, so a restart "
+        f"could not read this commit ({reason}); nothing was written. "
         "Store it as a plain Python value (float(x), int(x), x.tolist()), a string, or a "
         "numpy array of a plain dtype")
 
 
-def _first_unloadable(value: Any, where: str) -> tuple[str, Any]:
-    """(path such as ``['values']['note']``, value) of the innermost value that does
-    not load back; ``value`` itself if no part of it is to blame alone."""
-    items: Any = (value.items() if isinstance(value, dict) else
-                  enumerate(value) if isinstance(value, list | tuple) else ())
-    for key, item in items:
-        try:
-            _PlainUnpickler(io.BytesIO(pickle.dumps(item))).load()
-        except Exception:
-            return _first_unloadable(item, f"{where}[{key!r}]")
-    return where, value
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+def _refusal(value: Any) -> str | None:
+    """Why ``_loads`` would refuse ``value`` pickled (None: it loads)."""
+    try:
+        _PlainUnpickler(io.BytesIO(pickle.dumps(value))).load()
+    except Exception as exc:
+        return str(exc)
+    return None

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 from dp_plugin import atomic_file
 from dp_plugin.errors import DPPluginError
-from dp_plugin.objects import from_rank0
+from dp_plugin.objects import first_unloadable, from_rank0
 from dp_plugin.torch import basics
 from dp_plugin.torch.functions import allgather_object
 
@@ -161,22 +161,25 @@ def serialize(blob: dict[str, Any], target: Path) -> bytes:
     """``torch.save`` of ``blob``, after checking that ``load_checkpoint``
     (``weights_only=True``) can read it back; ``CheckpointError`` naming the
     first value that could not be, otherwise."""
-    buffer = io.BytesIO()
-    torch.save(blob, buffer)
-    data = buffer.getvalue()
+    data = _saved(blob)
     refusal = _load_refusal(data)
     if refusal is None:
         return data
-    where, value, reason = _first_unloadable(blob["state"], "", refusal)
+    entry, reason = first_unloadable(blob["state"], lambda v: _load_refusal(_saved(v)), refusal)
     raise CheckpointError(
-        f"checkpoint {str(target)!r}: {where or 'the state'} = {_short(value)} (a "
-        f"{type(value).__module__}.{type(value).__qualname__}) could not be loaded back by "
+        f"checkpoint {str(target)!r}: {entry} could not be loaded back by "
         f"torch.load(weights_only=True), so a restart could not read this checkpoint "
         f"({reason}); nothing was written. Store it as a plain Python value (float(x), "
         "int(x), x.tolist()) or a tensor, or allow its class in every process with "
         "torch.serialization.add_safe_globals([...]) if rebuilding it runs no code you do "
         "not trust"
     )
+
+
+def _saved(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
 
 
 def _load_refusal(data: bytes) -> str | None:
@@ -190,25 +193,6 @@ def _load_refusal(data: bytes) -> str | None:
         reasons = [line for line in lines if "allowlisted" in line or "Unsupported" in line]
         return (reasons or lines or [type(exc).__name__])[-1]
     return None
-
-
-def _first_unloadable(obj: Any, where: str, reason: str) -> tuple[str, Any, str]:
-    """(path such as ``['commit']['best_acc']``, value, torch's reason) of the
-    innermost entry of ``obj`` that ``_load_refusal`` refuses."""
-    items = (obj.items() if isinstance(obj, dict) else
-             enumerate(obj) if isinstance(obj, (list, tuple)) else ())
-    for key, value in items:
-        buffer = io.BytesIO()
-        torch.save(value, buffer)
-        inner = _load_refusal(buffer.getvalue())
-        if inner is not None:
-            return _first_unloadable(value, f"{where}[{key!r}]", inner)
-    return where, obj, reason
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def framed(data: bytes) -> tuple[bytes, bytes]:
