@@ -19,8 +19,9 @@ import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
+from dp_plugin import objects, request, runtime
 from dp_plugin.errors import DPPluginError, LaunchError
 
 MARK = "dp_plugin.elastic"
@@ -31,15 +32,6 @@ R = TypeVar("R")
 
 class CommitError(DPPluginError):
     """A commit file cannot be used by this state (another script's, or not a commit)."""
-
-
-class Runtime(Protocol):
-    """What ``run`` needs of an adapter: its ``basics`` module."""
-
-    def is_initialized(self) -> bool: ...
-    def init(self) -> None: ...
-    def rank(self) -> int: ...
-    def size(self) -> int: ...
 
 
 class State:
@@ -98,13 +90,9 @@ class ObjectState(State):
     ``commit_path``: the file each ``commit()`` replaces and ``run`` resumes
     from (keyword only; without one, ``default_commit_path()``). Multi-host:
     rank 0 writes and reads it, so it must be where the next attempt's rank 0
-    finds it. An adapter supplies ``runtime``, the generator states
-    (``_rng_state``/``_set_rng_state``), the commit file (``_write``/``_read``)
-    and the broadcast (``_broadcast_object``).
+    finds it. An adapter supplies the generator states
+    (``_rng_state``/``_set_rng_state``) and the commit file (``_write``/``_read``).
     """
-
-    runtime: Runtime
-    """The adapter's ``basics`` module."""
 
     commit_error: type[Exception] = CommitError
     """What a commit this state cannot use raises."""
@@ -140,17 +128,13 @@ class ObjectState(State):
     def _set_rng_state(self, state: Any) -> None:
         raise NotImplementedError
 
-    def _broadcast_object(self, obj: Any, name: str) -> Any:
-        """Rank 0's ``obj`` on every rank. Collective."""
-        raise NotImplementedError
-
-    def _write(self, record: dict[str, Any]) -> None:
-        """Write ``record`` (with every rank's generator states) to ``commit_path``
+    def _write(self, path: Path, record: dict[str, Any]) -> None:
+        """Write ``record`` (with every rank's generator states) to ``path``
         atomically. Collective."""
         raise NotImplementedError
 
-    def _read(self) -> Any:
-        """The record at ``commit_path`` (None if there is no file), this rank's
+    def _read(self, path: Path) -> Any:
+        """The record at ``path`` (None if there is no file), this rank's
         generator states restored from it. Collective."""
         raise NotImplementedError
 
@@ -170,8 +154,10 @@ class ObjectState(State):
         return {"values": sorted(self._values)}
 
     def _apply_synced(self) -> None:
+        engine = runtime.engine()
         values = {n: getattr(self, n) for n in self._values}
-        self._set_values(self._broadcast_object(values, "dp_plugin.elastic.values"))
+        self._set_values(objects.broadcast_object(engine, values, request.agreed_root(engine, 0),
+                                                  "dp_plugin.elastic.values"))
 
     # -- the State protocol ----------------------------------------------------------
 
@@ -183,7 +169,7 @@ class ObjectState(State):
     def persist(self) -> None:
         """Write the last ``save()`` to ``commit_path`` (nothing without one). Collective."""
         if self.commit_path is not None:
-            self._write({MARK: self._tracked(), "commit": self._saved})
+            self._write(self.commit_path, {MARK: self._tracked(), "commit": self._saved})
 
     def restore(self) -> None:
         """Return to the last ``save()``/``commit()``, generator states included."""
@@ -192,7 +178,7 @@ class ObjectState(State):
 
     def sync(self) -> None:
         """Make every rank's state rank 0's (a first start). Collective."""
-        if self.runtime.is_initialized() and self.runtime.size() > 1:
+        if runtime.is_initialized() and runtime.size() > 1:
             self._apply_synced()
         self.save()
 
@@ -202,7 +188,7 @@ class ObjectState(State):
         first start or without ``commit_path``. Collective."""
         if self.commit_path is None:
             return False
-        record = self._read()
+        record = self._read(self.commit_path)
         if record is None:
             return False
         if not isinstance(record, dict) or MARK not in record:
@@ -223,9 +209,9 @@ class ObjectState(State):
         return True
 
 
-def runner(runtime: Runtime) -> Callable[[Callable[..., R]], Callable[..., R]]:
-    """The adapter's ``run`` (Horovod's): decorate the training function
-    ``func(state, *args, **kwargs)``.
+def runner(init: Callable[[], None]) -> Callable[[Callable[..., R]], Callable[..., R]]:
+    """The adapter's ``run`` (Horovod's), starting the engine with the adapter's
+    ``init``: decorate the training function ``func(state, *args, **kwargs)``.
 
     Each call: refuse launchers it cannot serve (``check_launcher``),
     ``init()`` if needed, then resume from the last commit on disk
@@ -241,7 +227,7 @@ def runner(runtime: Runtime) -> Callable[[Callable[..., R]], Callable[..., R]]:
         def wrapper(state: State, *args: Any, **kwargs: Any) -> R:
             check_launcher(state)
             if not runtime.is_initialized():
-                runtime.init()
+                init()
             if not state.load():
                 state.sync()
             result = func(state, *args, **kwargs)

@@ -58,7 +58,7 @@ from dp_plugin.objects import first_unloadable, from_rank0
 from dp_plugin.tensorflow import basics
 from dp_plugin.tensorflow.basics import init, rank, shutdown
 from dp_plugin.tensorflow.broadcast import broadcast_variables
-from dp_plugin.tensorflow.functions import allgather_object, broadcast_object
+from dp_plugin.tensorflow.functions import allgather_object
 from dp_plugin.tensorflow.graph_ops import broadcast_object_fn
 
 __all__ = [
@@ -73,8 +73,6 @@ class ObjectState(_core.ObjectState):
     see the core's). ``commit_path`` is required under ``torchrun --max-restarts N``
     (N > 0)."""
 
-    runtime = basics
-
     def _rng_state(self) -> Any:
         return {"random": random.getstate(), "numpy": np.random.get_state()}
 
@@ -82,26 +80,19 @@ class ObjectState(_core.ObjectState):
         random.setstate(state["random"])
         np.random.set_state(state["numpy"])
 
-    def _broadcast_object(self, obj: Any, name: str) -> Any:
-        return broadcast_object(obj, 0, name=name)
-
-    def _write(self, record: dict[str, Any]) -> None:
-        assert self.commit_path is not None  # persist() checked
+    def _write(self, path: Path, record: dict[str, Any]) -> None:
         rng = allgather_object(self._saved_rng, name="dp_plugin.elastic.rng")
-        path = self.commit_path
         write_on_rank0(path, lambda: [_dumps({**record, "rng": rng}, path)], what="commit",
                        error=CommitError, name="dp_plugin.elastic.committed")
 
-    def _read(self) -> Any:
-        assert self.commit_path is not None  # load() checked
-        path = self.commit_path
+    def _read(self, path: Path) -> Any:
         data = from_rank0(lambda: _read_or_none(path), CommitError, "dp_plugin.elastic.load",
                           lambda exc: f"rank 0 could not read the commit {str(path)!r} "
                           f"({type(exc).__name__}: {exc}); check that this user can read it "
                           "on rank 0's host, or delete it to start afresh")
         if data is None:
             return None
-        record = _loads(data, self.commit_path)  # the same bytes: the same outcome everywhere
+        record = _loads(data, path)  # the same bytes: the same outcome everywhere
         rng = record.get("rng") if isinstance(record, dict) else None
         if rng is not None and len(rng) == basics.size():
             self._set_rng_state(rng[basics.rank()])
@@ -177,7 +168,7 @@ class TensorFlowState(_VariablesState):
         return self.variables
 
 
-run = _core.runner(basics)
+run = _core.runner(init)
 """Horovod's ``run``: see ``dp_plugin.elastic.runner``."""
 
 

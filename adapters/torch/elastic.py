@@ -58,7 +58,6 @@ import torch
 from dp_plugin import elastic as _core
 from dp_plugin.elastic import State
 from dp_plugin.errors import LaunchError
-from dp_plugin.torch import basics
 from dp_plugin.torch.basics import init, shutdown
 from dp_plugin.torch.checkpoint import (
     CheckpointError,
@@ -83,7 +82,6 @@ class ObjectState(_core.ObjectState):
     ``commit_path``: where commits go (see ``TorchState``); reserved, not tracked.
     """
 
-    runtime = basics
     commit_error = CheckpointError
 
     @staticmethod
@@ -93,16 +91,11 @@ class ObjectState(_core.ObjectState):
     _rng_state = staticmethod(rng_state)
     _set_rng_state = staticmethod(set_rng_state)
 
-    def _broadcast_object(self, obj: Any, name: str) -> Any:
-        return broadcast_object(obj, 0, name=name)
+    def _write(self, path: Path, record: dict[str, Any]) -> None:
+        save_checkpoint(path, **record)  # every rank's RNG states with it
 
-    def _write(self, record: dict[str, Any]) -> None:
-        assert self.commit_path is not None  # persist() checked
-        save_checkpoint(self.commit_path, **record)  # every rank's RNG states with it
-
-    def _read(self) -> Any:
-        assert self.commit_path is not None  # load() checked
-        return load_checkpoint(self.commit_path, missing_ok=True)  # restores the RNG states
+    def _read(self, path: Path) -> Any:
+        return load_checkpoint(path, missing_ok=True)  # restores the RNG states
 
 
 class TorchState(ObjectState):
@@ -156,7 +149,7 @@ class TorchState(ObjectState):
         super()._apply_synced()
 
 
-run = _core.runner(basics)
+run = _core.runner(init)
 """Horovod's ``run``: see ``dp_plugin.elastic.runner``."""
 
 
