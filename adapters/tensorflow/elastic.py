@@ -16,12 +16,9 @@
     train(state)          # under `torchrun --max-restarts 3 --nproc_per_node N train.py`
 
 The shape is Horovod 0.28.1's ``horovod.tensorflow.elastic`` /
-``horovod.tensorflow.keras.elastic`` (``TensorFlowKerasState``, alias
-``KerasState``; ``TensorFlowState`` for a list of variables; ``ObjectState``;
-``run``; the Keras callbacks ``CommitStateCallback``,
-``UpdateBatchStateCallback``, ``UpdateEpochStateCallback``). The recovery is
-the core's (``dp_plugin.elastic``, docs/elastic.md); this module adds the
-generator states, the commit file and the broadcasts.
+``horovod.tensorflow.keras.elastic`` (its states, ``run`` and Keras callbacks).
+The recovery is the core's (``dp_plugin.elastic``, docs/elastic.md); this
+module adds the generator states, the commit file and the variables' broadcast.
 
 Tracked: the model's weights and the optimizer's variables (as numpy arrays,
 assigned back into the same variables), the variables of a

@@ -13,28 +13,16 @@
 
     train(state)          # under `torchrun --max-restarts 3 --nproc_per_node N train.py`
 
-The shape is Horovod 0.28.1's ``horovod.torch.elastic``; the recovery is not.
-Horovod keeps the surviving processes alive, rolls them back to the last
-commit in memory and re-forms the ring in place. dp_plugin recovers by
-restarting processes: torchrun (``--max-restarts``) restarts every worker
-when one fails, so a commit must outlive the process. ``commit()`` therefore
-also writes the committed state through the atomic checkpoint writer
-(``save_checkpoint``: rank 0 writes, every rank's RNG states are kept), and
-``run`` starts each attempt by initialising the engine and loading the last
-commit (``load_checkpoint``: rank 0 reads, every rank receives the same
-bytes). A first start, with no commit on disk, broadcasts rank 0's state
-instead, as Horovod's ``run`` does.
+The shape is Horovod 0.28.1's ``horovod.torch.elastic``; the recovery is not:
+Horovod rolls the surviving processes back in memory, dp_plugin restarts
+them all and resumes from the commit on disk (``dp_plugin.elastic``). Here
+the commit file is a checkpoint (``save_checkpoint``/``load_checkpoint``:
+rank 0 writes and reads it atomically, every rank's RNG states are kept).
 
 Tracked: every keyword value with ``state_dict``/``load_state_dict``
 (models, optimizers, LR schedulers, ``ElasticSampler``, ``GradScaler``)
 through those methods; any other value (epoch, batch, ...) as it is; and the
 torch, numpy and ``random`` generator states of every rank.
-
-Where commits go: ``commit_path`` if given; under torchrun without one, a
-file private to the user and to this job (``default_commit_path``), so that
-Horovod's own elastic examples (``TorchState(model, optimizer, batch=0,
-epoch=0)``) recover a killed worker unchanged; it is removed when ``run``'s
-function returns.
 
 horovodrun's elastic mode is refused with an explanation: Horovod hands new
 ranks to running workers through its rendezvous server at ``hvd.init()``,
@@ -108,11 +96,13 @@ class TorchState(ObjectState):
 
     ``commit_path`` (keyword only, not an attribute name Horovod scripts
     use): the file each ``commit()`` replaces atomically and ``run`` resumes
-    from. Under torchrun it defaults to a per-job file in the temporary
-    directory (``default_commit_path``); elsewhere (no restarts) commits
-    stay in memory. Multi-host: rank 0 writes and reads it, so it must be
-    where the next attempt's rank 0 can read it (shared storage, or a
-    fixed first node: the default is on rank 0's local disk).
+    from. Under torchrun it defaults to a per-job file private to the user
+    (``default_commit_path``, removed when ``run``'s function returns), so
+    that Horovod's own examples (``TorchState(model, optimizer, batch=0,
+    epoch=0)``) recover a killed worker unchanged; elsewhere (no restarts)
+    commits stay in memory. Multi-host: rank 0 writes and reads it, so it
+    must be where the next attempt's rank 0 can read it (shared storage, or
+    a fixed first node: the default is on rank 0's local disk).
     """
 
     def __init__(self, model: torch.nn.Module | None = None,
