@@ -91,11 +91,10 @@ def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> Path:
     Returns the path."""
     target = Path(path)
     rngs = [rng_state()]
-    distributed = basics.is_initialized() and basics.size() > 1
-    if distributed:
+    if basics.is_initialized() and basics.size() > 1:
         rngs = allgather_object(rngs[0], name="dp_plugin.checkpoint.rng")
-    atomic_file.write_on_rank0(target, lambda: framed(serialize({"state": state, "rng": rngs},
-                                                                target)),
+    blob = {"state": state, "rng": rngs}
+    atomic_file.write_on_rank0(target, lambda: framed(serialize(blob, target)),
                                what="checkpoint", error=CheckpointError,
                                name="dp_plugin.checkpoint.saved")
     return target
