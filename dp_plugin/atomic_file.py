@@ -1,8 +1,6 @@
 """Replace a file so that a crash leaves either the old or the new one, never a torn one;
-and the job's one write of a file, by rank 0, whose outcome every rank learns.
-
-Used by the torch checkpoints / elastic commits and the TensorFlow elastic
-commits alike.
+and the job's one write of a file, by rank 0, whose outcome every rank learns
+(torch checkpoints, TensorFlow elastic commits).
 """
 
 from __future__ import annotations

@@ -9,11 +9,8 @@
 Both are collective: every rank calls them, at the same point.
 
 Saving: every rank's RNG states (torch, numpy, Python ``random``) are
-gathered, and rank 0 alone writes. It writes a temporary file in the target's
-directory, fsyncs it, renames it over the target (atomic on POSIX) and fsyncs
-the directory. A process killed during the write leaves the previous
-checkpoint intact: the target always holds a complete checkpoint or nothing.
-The file's mode follows the umask, as any file the program creates. Rank
+gathered, and rank 0 alone writes, atomically (``dp_plugin.atomic_file``): a
+process killed during the write leaves the previous checkpoint intact. Rank
 0's outcome is then broadcast, so that a checkpoint that could not be
 written (a read-only or missing directory, a full disk) raises the same
 ``CheckpointError`` on every rank, not on rank 0 alone while the others
