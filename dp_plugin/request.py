@@ -194,12 +194,12 @@ def check(engine: Any, request: Request, *, accept_joined: bool = False) -> Agre
     numbers = [shape[0] if shape else -1 for shape in request.shapes] + extra
     got = compare(engine, CHECK_TAG, mine, numbers, joined_ok=accept_joined,
                   what=f"{request.kind}{_named(request.name)}")
-    blocks = [b for b in got.described if b is not None] if got.described else [mine]
+    blocks = [mine] if got.same else [b for b in got.described if b is not None]
     # Equal digests on several ranks: every rank described the same request, its
     # problem included, and only this rank's copy is at hand (issue 32: it was
     # blamed on "rank(s) [0]" alone).
-    _raise_problems(blocks, detail, every_rank=got.described is None and engine.size > 1)
-    if got.described is not None:
+    _raise_problems(blocks, detail, every_rank=got.same and engine.size > 1)
+    if not got.same:
         _raise_mismatch(blocks, request, engine.rank)
         if not got.joined:
             raise MismatchError(  # the digests differ, the descriptions do not
