@@ -38,7 +38,7 @@ from dp_plugin import join
 from dp_plugin.agreement import Heard, compare
 from dp_plugin.dtypes import SUPPORTED_DTYPES, canonical_dtype
 from dp_plugin.edge import caller
-from dp_plugin.engines.types import ReduceOp, Started
+from dp_plugin.engines.base import ReduceOp, Started
 from dp_plugin.errors import MismatchError, Problem
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.validate import is_int
