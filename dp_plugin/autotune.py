@@ -135,16 +135,6 @@ class Autotuner:
         self.last = 0.0
         self.decision: Decision | None = None
 
-    @classmethod
-    def of(cls, config: Any, configured: int) -> Autotuner:
-        """The tuner ``config`` (a ``dp_plugin.Config``) asks for."""
-        return cls(config.autotune_candidates, configured,
-                   warmup_steps=config.autotune_warmup_steps, steps=config.autotune_steps)
-
-    @property
-    def done(self) -> bool:
-        return self.decision is not None
-
     def step_ended(self, plan_key: Callable[[int], Hashable],
                    share: Callable[[np.ndarray], np.ndarray]) -> int | None:
         now = clock()
@@ -172,11 +162,11 @@ class Autotuner:
         return self._decide(shared, local)
 
     def after_step(self, fused: Any, order: Sequence[int], timeline: Any,
-                   share: Callable[[np.ndarray], np.ndarray], *, log_here: bool) -> int:
+                   share: Callable[[np.ndarray], np.ndarray], *, log_here: bool) -> None:
         """One step of tuning for a scheduler: re-plans ``fused`` (its
-        ``Reducer``, buckets in ``order``) when the threshold
-        changes, records it in ``timeline``, logs the decision if
-        ``log_here``. Returns the threshold in use from now on."""
+        ``Reducer``, buckets in ``order``) when the threshold changes
+        (``retune``), records it in ``timeline``, logs the decision if
+        ``log_here``."""
 
         def plan_key(threshold: int) -> Hashable:
             plan = plan_buckets(fused.specs, threshold, order=order,
@@ -185,18 +175,17 @@ class Autotuner:
 
         threshold = self.step_ended(plan_key, share)
         if threshold is None:
-            return int(fused.fusion_threshold)
+            return
         fused.retune(threshold, order)
         now = time.perf_counter()
         if self.decision is None:
             timeline.instant(f"autotune: try {mib(threshold)}", "autotune", now, tid="step",
                              args={"threshold": threshold})
-            return threshold
+            return
         timeline.instant("autotune: decision", "autotune", now, tid="step",
                          args=self.decision.as_args())
         if log_here:
             log.info("dp_plugin: %s [%s]", self.decision.describe(), fused.name)
-        return threshold
 
     def _decide(self, medians: tuple[float, ...], local: tuple[float, ...]) -> int:
         """Record the decision from rank 0's ``medians``; returns the threshold chosen."""

@@ -175,7 +175,10 @@ class Reducer:
         self.agreed = agreed
         """True once the ranks agreed (or the caller already made them agree)."""
         self.broken: BaseException | None = None
-        self.autotuner = Autotuner.of(config, self.fusion_threshold) if autotune else None
+        self.autotuner = Autotuner(
+            config.autotune_candidates, self.fusion_threshold,
+            warmup_steps=config.autotune_warmup_steps, steps=config.autotune_steps,
+        ) if autotune else None
         """Measures bucket sizes in the first steps (``autotune=True``), else None."""
         self._order = default_order(len(self.specs)) if order is None else list(order)
         self.rebuilt = False
@@ -352,8 +355,8 @@ class Reducer:
                 self._order = order.tolist()
                 self.replan(self._order)
                 self.rebuilt = True
-            if self.autotuner is not None and not self.autotuner.done:
-                self.fusion_threshold = self.autotuner.after_step(
+            if self.autotuner is not None and self.autotuner.decision is None:
+                self.autotuner.after_step(
                     self, self._order, self.timeline,
                     lambda medians: self._from_root(medians, "autotune"),
                     log_here=self.engine.rank == 0)
