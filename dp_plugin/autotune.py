@@ -77,15 +77,6 @@ def mib(nbytes: float, spec: str = "g") -> str:
     return f"{nbytes:g} B"
 
 
-def agreement_setting(config: Any, enabled: bool) -> str:
-    """What the ranks must agree on (they switch plans in lockstep): compared
-    by the first step's agreement with the scheduler's other settings."""
-    if not enabled:
-        return "off"
-    return (f"candidates {list(config.autotune_candidates)}, warm-up "
-            f"{config.autotune_warmup_steps}, steps {config.autotune_steps}")
-
-
 def choose(candidates: Sequence[int], medians: Sequence[float], configured: int) -> int:
     """The threshold with the lowest median step time.
 
@@ -134,6 +125,13 @@ class Autotuner:
         self.seen = 0
         self.last = 0.0
         self.decision: Decision | None = None
+
+    @property
+    def setting(self) -> str:
+        """What the ranks must agree on (they switch plans in lockstep): compared
+        by the first step's agreement with the scheduler's other settings."""
+        return (f"candidates {list(self.requested)}, warm-up {self.warmup_steps}, "
+                f"steps {self.steps}")
 
     def step_ended(self, plan_key: Callable[[int], Hashable],
                    share: Callable[[np.ndarray], np.ndarray]) -> int | None:

@@ -33,7 +33,7 @@ import numpy as np
 from dp_plugin import runtime
 from dp_plugin.agreement import to_device, to_host
 from dp_plugin.arrays import ArrayOps, NumpyOps, TorchOps, is_torch, ops_for, spec_of
-from dp_plugin.autotune import Autotuner, agreement_setting
+from dp_plugin.autotune import Autotuner
 from dp_plugin.buffer import SLABS_PER_KIND, FusionBuffer, Slab
 from dp_plugin.compression import Compressor, get_compressor
 from dp_plugin.dtypes import itemsize
@@ -159,6 +159,11 @@ class Reducer:
         self.hook: CommHook = hook_for(self.compressor) if hook is None else hook
         self.state = HookState(engine, policy.engine_op, root)
         self.what = what or f"tensors of scheduler {name!r}"
+        self.autotuner = Autotuner(
+            config.autotune_candidates, self.fusion_threshold,
+            warmup_steps=config.autotune_warmup_steps, steps=config.autotune_steps,
+        ) if autotune else None
+        """Measures bucket sizes in the first steps (``autotune=True``), else None."""
         self.settings = {
             "fusion threshold": self.fusion_threshold,
             "first bucket threshold": self.first_threshold,
@@ -166,7 +171,7 @@ class Reducer:
             **dict(policy.settings), "root": root,
             "backward_passes_per_step": self.backward_passes_per_step,
             "rebuild_buckets": self.rebuild_buckets, **(settings or {}),
-            "DP_PLUGIN_AUTOTUNE": agreement_setting(config, autotune),
+            "DP_PLUGIN_AUTOTUNE": "off" if self.autotuner is None else self.autotuner.setting,
         }
         self.groups = tuple(tuple(g) for g in groups)
         if self.groups:
@@ -175,11 +180,6 @@ class Reducer:
         self.agreed = agreed
         """True once the ranks agreed (or the caller already made them agree)."""
         self.broken: BaseException | None = None
-        self.autotuner = Autotuner(
-            config.autotune_candidates, self.fusion_threshold,
-            warmup_steps=config.autotune_warmup_steps, steps=config.autotune_steps,
-        ) if autotune else None
-        """Measures bucket sizes in the first steps (``autotune=True``), else None."""
         self._order = default_order(len(self.specs)) if order is None else list(order)
         self.rebuilt = False
         """True once the plan was rebuilt from the ready order of the first step."""
