@@ -17,25 +17,19 @@ picks from those same numbers with the same rule (``choose``), so the
 bucket plans stay identical. Candidates that give the same
 bucket plan (e.g. every threshold larger than the model) are measured once.
 
-No framework and no engine: the scheduler passes its ``Reducer``
-(re-planned through ``retune``), its timeline and ``share`` (rank 0's
-values on every rank).
+No framework and no engine: the scheduler passes ``plan_key`` (the bucket
+plan a threshold gives) and ``share`` (rank 0's values on every rank), then
+re-plans and records the threshold ``step_ended`` returns.
 """
 
 from __future__ import annotations
 
-import logging
 import statistics
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
-
-from dp_plugin.fusion import plan_buckets
-
-log = logging.getLogger("dp_plugin")
 
 clock: Callable[[], float] = time.perf_counter
 """The clock steps are timed with (tests replace it to give each rank other timings)."""
@@ -158,32 +152,6 @@ class Autotuner:
         local = tuple(statistics.median(t) for t in self.times)
         shared = tuple(float(m) for m in share(np.array(local, dtype=np.float64)))
         return self._decide(shared, local)
-
-    def after_step(self, fused: Any, order: Sequence[int], timeline: Any,
-                   share: Callable[[np.ndarray], np.ndarray], *, log_here: bool) -> None:
-        """One step of tuning for a scheduler: re-plans ``fused`` (its
-        ``Reducer``, buckets in ``order``) when the threshold changes
-        (``retune``), records it in ``timeline``, logs the decision if
-        ``log_here``."""
-
-        def plan_key(threshold: int) -> Hashable:
-            plan = plan_buckets(fused.specs, threshold, order=order,
-                                first_threshold=fused.first_threshold, groups=fused.groups)
-            return tuple(b.members for b in plan)
-
-        threshold = self.step_ended(plan_key, share)
-        if threshold is None:
-            return
-        fused.retune(threshold, order)
-        now = time.perf_counter()
-        if self.decision is None:
-            timeline.instant(f"autotune: try {mib(threshold)}", "autotune", now, tid="step",
-                             args={"threshold": threshold})
-            return
-        timeline.instant("autotune: decision", "autotune", now, tid="step",
-                         args=self.decision.as_args())
-        if log_here:
-            log.info("dp_plugin: %s [%s]", self.decision.describe(), fused.name)
 
     def _decide(self, medians: tuple[float, ...], local: tuple[float, ...]) -> int:
         """Record the decision from rank 0's ``medians``; returns the threshold chosen."""

@@ -22,9 +22,10 @@ failed collective the Reducer refuses further work (the ranks are out of step).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,7 @@ import numpy as np
 from dp_plugin import runtime
 from dp_plugin.agreement import to_device, to_host
 from dp_plugin.arrays import ArrayOps, NumpyOps, TorchOps, is_torch, ops_for, spec_of
-from dp_plugin.autotune import Autotuner
+from dp_plugin.autotune import Autotuner, mib
 from dp_plugin.buffer import SLABS_PER_KIND, FusionBuffer, Slab
 from dp_plugin.compression import Compressor, get_compressor
 from dp_plugin.dtypes import itemsize
@@ -46,6 +47,8 @@ from dp_plugin.request import Request, check
 from dp_plugin.step_state import StepState
 from dp_plugin.timeline import NullTimeline, StatsHistory, open_timeline
 from dp_plugin.validate import check_int
+
+log = logging.getLogger("dp_plugin")
 
 _ACCUMULATION_ERROR = (
     "Gradients were computed more than backward_passes_per_step times before call to "
@@ -198,11 +201,13 @@ class Reducer:
         buffer (see ``UNBOUNDED``)."""
         return self.fusion_threshold >= UNBOUNDED
 
-    def _plan(self, order: Iterable[int]) -> list[PlanEntry]:
-        """Buckets of ``threshold`` bytes; of ``PIPELINE_CHUNK`` when grouped, with
-        every tensor of ``DIRECT_BYTES`` or more alone."""
-        grouped = self.grouped
-        return plan_buckets(self.specs, PIPELINE_CHUNK if grouped else self.fusion_threshold,
+    def _plan(self, order: Iterable[int], threshold: int | None = None) -> list[PlanEntry]:
+        """Buckets of ``threshold`` bytes (default: the fusion threshold); of
+        ``PIPELINE_CHUNK`` when grouped, with every tensor of ``DIRECT_BYTES``
+        or more alone."""
+        threshold = self.fusion_threshold if threshold is None else threshold
+        grouped = threshold >= UNBOUNDED
+        return plan_buckets(self.specs, PIPELINE_CHUNK if grouped else threshold,
                             order=order, first_threshold=self.first_threshold,
                             alone_from=DIRECT_BYTES if grouped else None, groups=self.groups)
 
@@ -254,13 +259,6 @@ class Reducer:
         if control is not None:  # the control slot's values move with it
             self._backend().pack(self._control(), control)
         return True
-
-    def retune(self, threshold: int, order: Sequence[int]) -> bool:
-        """Use ``threshold`` from now on and re-plan for ``order`` (autotune);
-        every rank at the same point, between steps. True if the buckets changed."""
-        self.fusion_threshold = threshold
-        self.settings["fusion threshold"] = threshold
-        return self.replan(order)
 
     def _backend(self, like: Any = None) -> ArrayOps:
         if self.ops is None:
@@ -356,10 +354,7 @@ class Reducer:
                 self.replan(self._order)
                 self.rebuilt = True
             if self.autotuner is not None and self.autotuner.decision is None:
-                self.autotuner.after_step(
-                    self, self._order, self.timeline,
-                    lambda medians: self._from_root(medians, "autotune"),
-                    log_here=self.engine.rank == 0)
+                self._autotune(self.autotuner)
             self._state = StepState(st.step + 1, len(self.specs), len(self.plan))
             return result
 
@@ -526,6 +521,29 @@ class Reducer:
             if not self._done(self.buckets[st.polled]):
                 return
             st.polled += 1
+
+    def _autotune(self, tuner: Autotuner) -> None:
+        """One step of autotune: re-plan for the threshold ``tuner`` switches
+        to, if any (every rank at the same point, between steps), and record it."""
+
+        def plan_key(threshold: int) -> Hashable:
+            return tuple(b.members for b in self._plan(self._order, threshold))
+
+        threshold = tuner.step_ended(plan_key, lambda medians: self._from_root(medians, "autotune"))
+        if threshold is None:
+            return
+        self.fusion_threshold = threshold
+        self.settings["fusion threshold"] = threshold
+        self.replan(self._order)
+        now = time.perf_counter()
+        if tuner.decision is None:
+            self.timeline.instant(f"autotune: try {mib(threshold)}", "autotune", now, tid="step",
+                                  args={"threshold": threshold})
+            return
+        self.timeline.instant("autotune: decision", "autotune", now, tid="step",
+                              args=tuner.decision.as_args())
+        if self.engine.rank == 0:
+            log.info("dp_plugin: %s [%s]", tuner.decision.describe(), self.name)
 
     def _from_root(self, values: np.ndarray, what: str) -> np.ndarray:
         """Rank 0's ``values`` on every rank (one broadcast on this Reducer's engine)."""
