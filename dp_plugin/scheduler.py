@@ -548,12 +548,8 @@ class Reducer:
     def _from_root(self, values: np.ndarray, what: str) -> np.ndarray:
         """Rank 0's ``values`` on every rank (one broadcast on this Reducer's engine)."""
         buf = to_device(values, self.engine.buffer_device)
-
-        def share() -> None:
-            if self.engine.size > 1:
-                self.engine.broadcast(buf, 0, name=f"{self.name}.{what}")
-
-        self._guard(share)
+        if self.engine.size > 1:
+            self._guard(lambda: self.engine.broadcast(buf, 0, name=f"{self.name}.{what}"))
         return to_host(buf)
 
     # -- one bucket: start (pack, hook) ... finish (wait, unpack) -------------------
