@@ -18,7 +18,7 @@ import time
 import torch
 
 from dp_plugin.engines import shm
-from dp_plugin.engines.types import ReduceOp
+from dp_plugin.engines.base import ReduceOp
 from tests.unit.test_shm import connected
 
 N = 20000

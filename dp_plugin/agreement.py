@@ -40,15 +40,31 @@ from dp_plugin.errors import JoinedRankError, LayoutMismatchError
 DIGEST_SIZE = 32
 
 
-class Compared(NamedTuple):
-    """What ``compare`` found: every rank's numbers, every rank's description
-    when (and only when) the descriptions differ, and the ranks that have
-    joined (``join()``; they describe nothing and their numbers are empty;
-    only a ``joined_ok`` caller sees any)."""
+class Heard(NamedTuple):
+    """One agreement as every rank sees it (``compare``'s result; a joined
+    rank's ``dp_plugin.join.Listener`` hears the same)."""
 
-    described: list[Any] | None
+    envelopes: list[Any | None]
+    """Per rank ``[tag, joined_ok, described]``; None for joined ranks,
+    and for every rank when the first exchange showed agreement."""
     numbers: list[list[int]]
-    joined: tuple[int, ...] = ()
+    joined: tuple[int, ...]
+    same: bool
+    """Do the active (not joined) ranks describe the same thing?"""
+
+    @property
+    def described(self) -> list[Any]:
+        """Per rank its description (None where not exchanged: see ``envelopes``)."""
+        return [None if env is None else env[2] for env in self.envelopes]
+
+    @property
+    def joined_ok(self) -> list[bool]:
+        """Per active rank: does its caller run with joined ranks?"""
+        return [bool(env[1]) for env in self.envelopes if env is not None]
+
+    def tags(self) -> str:
+        """The callers' tags, for messages."""
+        return ", ".join(sorted({env[0] for env in self.envelopes if env is not None}))
 
 
 AGREE_NAME = "dp_plugin.agree"
@@ -71,7 +87,7 @@ has called ``join()`` (``dp_plugin.join.Listener`` writes such rows)."""
 
 
 def compare(engine: Any, tag: str, described: Any, numbers: Sequence[int] = (), *,
-            joined_ok: bool = False, what: str = "") -> Compared:
+            joined_ok: bool = False, what: str = "") -> Heard:
     """The one agreement exchange: do all ranks describe the same thing?
 
     ``described`` is this rank's JSON-able description of what it is about
@@ -91,7 +107,7 @@ def compare(engine: Any, tag: str, described: Any, numbers: Sequence[int] = (), 
     """
     payload = json.dumps([tag, joined_ok, described], separators=(",", ":")).encode()
     if engine.size == 1:
-        return Compared(None, [list(numbers)])
+        return Heard([None], [list(numbers)], (), True)
     digest = np.frombuffer(hashlib.sha256(payload).digest(), dtype="<i8")
     row = np.zeros(WIDTH, dtype=np.int64)
     row[:_HEAD] = [len(numbers), len(payload), *digest]
@@ -103,32 +119,7 @@ def compare(engine: Any, tag: str, described: Any, numbers: Sequence[int] = (), 
     if heard.joined and not all(heard.joined_ok):
         raise JoinedRankError.refusing([engine.global_ranks[r] for r in heard.joined],
                                        what or heard.tags(), where=" (dp_plugin.join)")
-    return Compared(None if heard.same else heard.described, heard.numbers, heard.joined)
-
-
-class Heard(NamedTuple):
-    """One agreement as every rank sees it."""
-
-    envelopes: list[Any | None]
-    """Per rank ``[tag, joined_ok, described]``; None for joined ranks,
-    and for every rank when the first exchange showed agreement."""
-    numbers: list[list[int]]
-    joined: tuple[int, ...]
-    same: bool
-    """Do the active (not joined) ranks describe the same thing?"""
-
-    @property
-    def described(self) -> list[Any]:
-        return [None if env is None else env[2] for env in self.envelopes]
-
-    @property
-    def joined_ok(self) -> list[bool]:
-        """Per active rank: does its caller run with joined ranks?"""
-        return [bool(env[1]) for env in self.envelopes if env is not None]
-
-    def tags(self) -> str:
-        """The callers' tags, for messages."""
-        return ", ".join(sorted({env[0] for env in self.envelopes if env is not None}))
+    return heard
 
 
 def table_buffer(engine: Any, row: np.ndarray) -> Any:

@@ -17,25 +17,19 @@ picks from those same numbers with the same rule (``choose``), so the
 bucket plans stay identical. Candidates that give the same
 bucket plan (e.g. every threshold larger than the model) are measured once.
 
-No framework and no engine: the scheduler passes its ``Reducer``
-(re-planned through ``retune``), its timeline and ``share`` (rank 0's
-values on every rank).
+No framework and no engine: the scheduler passes ``plan_key`` (the bucket
+plan a threshold gives) and ``share`` (rank 0's values on every rank), then
+re-plans and records the threshold ``step_ended`` returns.
 """
 
 from __future__ import annotations
 
-import logging
 import statistics
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
-
-from dp_plugin.fusion import plan_buckets
-
-log = logging.getLogger("dp_plugin")
 
 clock: Callable[[], float] = time.perf_counter
 """The clock steps are timed with (tests replace it to give each rank other timings)."""
@@ -75,15 +69,6 @@ def mib(nbytes: float, spec: str = "g") -> str:
         if nbytes >= 1 << shift:
             return f"{nbytes / (1 << shift):{spec}} {unit}"
     return f"{nbytes:g} B"
-
-
-def agreement_setting(config: Any, enabled: bool) -> str:
-    """What the ranks must agree on (they switch plans in lockstep): compared
-    by the first step's agreement with the scheduler's other settings."""
-    if not enabled:
-        return "off"
-    return (f"candidates {list(config.autotune_candidates)}, warm-up "
-            f"{config.autotune_warmup_steps}, steps {config.autotune_steps}")
 
 
 def choose(candidates: Sequence[int], medians: Sequence[float], configured: int) -> int:
@@ -135,15 +120,12 @@ class Autotuner:
         self.last = 0.0
         self.decision: Decision | None = None
 
-    @classmethod
-    def of(cls, config: Any, configured: int) -> Autotuner:
-        """The tuner ``config`` (a ``dp_plugin.Config``) asks for."""
-        return cls(config.autotune_candidates, configured,
-                   warmup_steps=config.autotune_warmup_steps, steps=config.autotune_steps)
-
     @property
-    def done(self) -> bool:
-        return self.decision is not None
+    def setting(self) -> str:
+        """What the ranks must agree on (they switch plans in lockstep): compared
+        by the first step's agreement with the scheduler's other settings."""
+        return (f"candidates {list(self.requested)}, warm-up {self.warmup_steps}, "
+                f"steps {self.steps}")
 
     def step_ended(self, plan_key: Callable[[int], Hashable],
                    share: Callable[[np.ndarray], np.ndarray]) -> int | None:
@@ -170,33 +152,6 @@ class Autotuner:
         local = tuple(statistics.median(t) for t in self.times)
         shared = tuple(float(m) for m in share(np.array(local, dtype=np.float64)))
         return self._decide(shared, local)
-
-    def after_step(self, fused: Any, order: Sequence[int], timeline: Any,
-                   share: Callable[[np.ndarray], np.ndarray], *, log_here: bool) -> int:
-        """One step of tuning for a scheduler: re-plans ``fused`` (its
-        ``Reducer``, buckets in ``order``) when the threshold
-        changes, records it in ``timeline``, logs the decision if
-        ``log_here``. Returns the threshold in use from now on."""
-
-        def plan_key(threshold: int) -> Hashable:
-            plan = plan_buckets(fused.specs, threshold, order=order,
-                                first_threshold=fused.first_threshold, groups=fused.groups)
-            return tuple(b.members for b in plan)
-
-        threshold = self.step_ended(plan_key, share)
-        if threshold is None:
-            return int(fused.fusion_threshold)
-        fused.retune(threshold, order)
-        now = time.perf_counter()
-        if self.decision is None:
-            timeline.instant(f"autotune: try {mib(threshold)}", "autotune", now, tid="step",
-                             args={"threshold": threshold})
-            return threshold
-        timeline.instant("autotune: decision", "autotune", now, tid="step",
-                         args=self.decision.as_args())
-        if log_here:
-            log.info("dp_plugin: %s [%s]", self.decision.describe(), fused.name)
-        return threshold
 
     def _decide(self, medians: tuple[float, ...], local: tuple[float, ...]) -> int:
         """Record the decision from rank 0's ``medians``; returns the threshold chosen."""

@@ -8,14 +8,13 @@ Horovod's coordinator gives "Mismatched allreduce tensor shapes" there.
 Both adapters and the core describe what they are about to run as a
 ``Request`` (a fused collective's layout and settings too: ``Request.fused``)
 and call ``check``: every rank looks for its own mistakes (``_local_problem``),
-then all ranks run the one agreement exchange (``dp_plugin.agreement.compare``:
-a digest all-reduce carrying the numbers the collective needs from every
-rank; the descriptions travel only when the digests differ). Every rank runs
-the same comparison on the same descriptions, so the outcome — an ``Agreed``
-to run, or a ``MismatchError`` carrying its ``Problem`` — is the same
-everywhere, and so is the message (a problem's local detail is added on the
-rank that has it, after "On this rank:"). The messages come from one table
-(``_PROBLEM_TEXT``, ``_FIELD_TEXT``, and the layout's ``_layout_text``,
+then all ranks run the one agreement exchange (``dp_plugin.agreement.compare``,
+which also carries the numbers the collective needs from every rank). Every
+rank runs the same comparison on the same descriptions, so the outcome — an
+``Agreed`` to run, or a ``MismatchError`` carrying its ``Problem`` — is the
+same everywhere, and so is the message (a problem's local detail is added on
+the rank that has it, after "On this rank:"). The messages come from one
+table (``_PROBLEM_TEXT``, ``_FIELD_TEXT``, and the layout's ``_layout_text``,
 ``_settings_text``).
 
 Engines then move bytes only: ``Engine.allgather`` takes the agreed rows,
@@ -38,7 +37,7 @@ from dp_plugin import join
 from dp_plugin.agreement import Heard, compare
 from dp_plugin.dtypes import SUPPORTED_DTYPES, canonical_dtype
 from dp_plugin.edge import caller
-from dp_plugin.engines.types import ReduceOp, Started
+from dp_plugin.engines.base import ReduceOp, Started
 from dp_plugin.errors import MismatchError, Problem
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.validate import is_int
@@ -194,12 +193,12 @@ def check(engine: Any, request: Request, *, accept_joined: bool = False) -> Agre
     numbers = [shape[0] if shape else -1 for shape in request.shapes] + extra
     got = compare(engine, CHECK_TAG, mine, numbers, joined_ok=accept_joined,
                   what=f"{request.kind}{_named(request.name)}")
-    blocks = [b for b in got.described if b is not None] if got.described else [mine]
+    blocks = [mine] if got.same else [b for b in got.described if b is not None]
     # Equal digests on several ranks: every rank described the same request, its
     # problem included, and only this rank's copy is at hand (issue 32: it was
     # blamed on "rank(s) [0]" alone).
-    _raise_problems(blocks, detail, every_rank=got.described is None and engine.size > 1)
-    if got.described is not None:
+    _raise_problems(blocks, detail, every_rank=got.same and engine.size > 1)
+    if not got.same:
         _raise_mismatch(blocks, request, engine.rank)
         if not got.joined:
             raise MismatchError(  # the digests differ, the descriptions do not
@@ -569,9 +568,8 @@ def allgather_async(engine: Any, buf: Any, name: str = "allgather") -> Started:
 def allgather(engine: Any, buf: Any, name: str = "allgather") -> Any:
     """Concatenate every rank's ``buf`` along the first dimension (which may
     differ); dtype and the other dimensions must agree (checked first)."""
-    handle, result = allgather_async(engine, buf, name)
-    handle.wait()
-    return result()
+    agreed = check(engine, Request.of("allgather", [buf], name=name))
+    return engine.allgather(buf, agreed.rows(), name)
 
 
 def alltoall(engine: Any, buf: Any, splits: Any = None,

@@ -22,9 +22,10 @@ failed collective the Reducer refuses further work (the ranks are out of step).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,7 @@ import numpy as np
 from dp_plugin import runtime
 from dp_plugin.agreement import to_device, to_host
 from dp_plugin.arrays import ArrayOps, NumpyOps, TorchOps, is_torch, ops_for, spec_of
-from dp_plugin.autotune import Autotuner, agreement_setting
+from dp_plugin.autotune import Autotuner, mib
 from dp_plugin.buffer import SLABS_PER_KIND, FusionBuffer, Slab
 from dp_plugin.compression import Compressor, get_compressor
 from dp_plugin.dtypes import itemsize
@@ -46,6 +47,8 @@ from dp_plugin.request import Request, check
 from dp_plugin.step_state import StepState
 from dp_plugin.timeline import NullTimeline, StatsHistory, open_timeline
 from dp_plugin.validate import check_int
+
+log = logging.getLogger("dp_plugin")
 
 _ACCUMULATION_ERROR = (
     "Gradients were computed more than backward_passes_per_step times before call to "
@@ -159,6 +162,11 @@ class Reducer:
         self.hook: CommHook = hook_for(self.compressor) if hook is None else hook
         self.state = HookState(engine, policy.engine_op, root)
         self.what = what or f"tensors of scheduler {name!r}"
+        self.autotuner = Autotuner(
+            config.autotune_candidates, self.fusion_threshold,
+            warmup_steps=config.autotune_warmup_steps, steps=config.autotune_steps,
+        ) if autotune else None
+        """Measures bucket sizes in the first steps (``autotune=True``), else None."""
         self.settings = {
             "fusion threshold": self.fusion_threshold,
             "first bucket threshold": self.first_threshold,
@@ -166,7 +174,7 @@ class Reducer:
             **dict(policy.settings), "root": root,
             "backward_passes_per_step": self.backward_passes_per_step,
             "rebuild_buckets": self.rebuild_buckets, **(settings or {}),
-            "DP_PLUGIN_AUTOTUNE": agreement_setting(config, autotune),
+            "DP_PLUGIN_AUTOTUNE": "off" if self.autotuner is None else self.autotuner.setting,
         }
         self.groups = tuple(tuple(g) for g in groups)
         if self.groups:
@@ -175,8 +183,6 @@ class Reducer:
         self.agreed = agreed
         """True once the ranks agreed (or the caller already made them agree)."""
         self.broken: BaseException | None = None
-        self.autotuner = Autotuner.of(config, self.fusion_threshold) if autotune else None
-        """Measures bucket sizes in the first steps (``autotune=True``), else None."""
         self._order = default_order(len(self.specs)) if order is None else list(order)
         self.rebuilt = False
         """True once the plan was rebuilt from the ready order of the first step."""
@@ -195,11 +201,13 @@ class Reducer:
         buffer (see ``UNBOUNDED``)."""
         return self.fusion_threshold >= UNBOUNDED
 
-    def _plan(self, order: Iterable[int]) -> list[PlanEntry]:
-        """Buckets of ``threshold`` bytes; of ``PIPELINE_CHUNK`` when grouped, with
-        every tensor of ``DIRECT_BYTES`` or more alone."""
-        grouped = self.grouped
-        return plan_buckets(self.specs, PIPELINE_CHUNK if grouped else self.fusion_threshold,
+    def _plan(self, order: Iterable[int], threshold: int | None = None) -> list[PlanEntry]:
+        """Buckets of ``threshold`` bytes (default: the fusion threshold); of
+        ``PIPELINE_CHUNK`` when grouped, with every tensor of ``DIRECT_BYTES``
+        or more alone."""
+        threshold = self.fusion_threshold if threshold is None else threshold
+        grouped = threshold >= UNBOUNDED
+        return plan_buckets(self.specs, PIPELINE_CHUNK if grouped else threshold,
                             order=order, first_threshold=self.first_threshold,
                             alone_from=DIRECT_BYTES if grouped else None, groups=self.groups)
 
@@ -251,13 +259,6 @@ class Reducer:
         if control is not None:  # the control slot's values move with it
             self._backend().pack(self._control(), control)
         return True
-
-    def retune(self, threshold: int, order: Sequence[int]) -> bool:
-        """Use ``threshold`` from now on and re-plan for ``order`` (autotune);
-        every rank at the same point, between steps. True if the buckets changed."""
-        self.fusion_threshold = threshold
-        self.settings["fusion threshold"] = threshold
-        return self.replan(order)
 
     def _backend(self, like: Any = None) -> ArrayOps:
         if self.ops is None:
@@ -352,11 +353,8 @@ class Reducer:
                 self._order = order.tolist()
                 self.replan(self._order)
                 self.rebuilt = True
-            if self.autotuner is not None and not self.autotuner.done:
-                self.fusion_threshold = self.autotuner.after_step(
-                    self, self._order, self.timeline,
-                    lambda medians: self._from_root(medians, "autotune"),
-                    log_here=self.engine.rank == 0)
+            if self.autotuner is not None and self.autotuner.decision is None:
+                self._autotune(self.autotuner)
             self._state = StepState(st.step + 1, len(self.specs), len(self.plan))
             return result
 
@@ -524,15 +522,34 @@ class Reducer:
                 return
             st.polled += 1
 
+    def _autotune(self, tuner: Autotuner) -> None:
+        """One step of autotune: re-plan for the threshold ``tuner`` switches
+        to, if any (every rank at the same point, between steps), and record it."""
+
+        def plan_key(threshold: int) -> Hashable:
+            return tuple(b.members for b in self._plan(self._order, threshold))
+
+        threshold = tuner.step_ended(plan_key, lambda medians: self._from_root(medians, "autotune"))
+        if threshold is None:
+            return
+        self.fusion_threshold = threshold
+        self.settings["fusion threshold"] = threshold
+        self.replan(self._order)
+        now = time.perf_counter()
+        if tuner.decision is None:
+            self.timeline.instant(f"autotune: try {mib(threshold)}", "autotune", now, tid="step",
+                                  args={"threshold": threshold})
+            return
+        self.timeline.instant("autotune: decision", "autotune", now, tid="step",
+                              args=tuner.decision.as_args())
+        if self.engine.rank == 0:
+            log.info("dp_plugin: %s [%s]", tuner.decision.describe(), self.name)
+
     def _from_root(self, values: np.ndarray, what: str) -> np.ndarray:
         """Rank 0's ``values`` on every rank (one broadcast on this Reducer's engine)."""
         buf = to_device(values, self.engine.buffer_device)
-
-        def share() -> None:
-            if self.engine.size > 1:
-                self.engine.broadcast(buf, 0, name=f"{self.name}.{what}")
-
-        self._guard(share)
+        if self.engine.size > 1:
+            self._guard(lambda: self.engine.broadcast(buf, 0, name=f"{self.name}.{what}"))
         return to_host(buf)
 
     # -- one bucket: start (pack, hook) ... finish (wait, unpack) -------------------

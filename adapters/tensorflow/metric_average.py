@@ -85,10 +85,9 @@ def average_logs(logs: dict[str, Any], engine: Engine, when: str = "") -> None:
             break
     mine = {"bad": bad is not None,
             "metrics": [[n, list(v.shape)] for n, v in zip(names, values, strict=False)]}
-    everyone = agreement.compare(engine, _OP_NAME, mine).described
-    if bad is not None and everyone is None:
-        everyone = [mine] * engine.size  # every rank logged a bad value
-    if everyone is not None:
+    heard = agreement.compare(engine, _OP_NAME, mine)
+    if bad is not None or not heard.same:  # same: every rank logged this bad value
+        everyone = [mine] * engine.size if heard.same else heard.described
         _raise_difference(everyone, bad, f"{_OP_NAME} at the {when}" if when else _OP_NAME)
     specs = [TensorSpec(n, v.shape, "float64") for n, v in zip(names, values, strict=True)]
     if sum(v.size for v in values) == 0:  # no metrics anywhere: nothing to reduce

@@ -122,7 +122,7 @@ def worker(sizes: list[int], reps: int, warmup: int, models: list[str],
     import torch
 
     import dp_plugin
-    from dp_plugin.engines.types import ReduceOp
+    from dp_plugin.engines.base import ReduceOp
 
     torch.set_num_threads(1)
     engine = dp_plugin.init()

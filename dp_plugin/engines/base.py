@@ -31,8 +31,10 @@ Contract shared by all engines:
 
 from __future__ import annotations
 
+import enum
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -44,10 +46,37 @@ from dp_plugin.engines import generic
 from dp_plugin.engines.generic import as_bytes, byte_rows
 from dp_plugin.engines.handle import DoneHandle, Handle
 from dp_plugin.engines.lifecycle import Lifecycle
-from dp_plugin.engines.types import Availability as Availability
-from dp_plugin.engines.types import ReduceOp as ReduceOp
-from dp_plugin.engines.types import Started as Started
 from dp_plugin.topology import Topology
+
+Started = tuple[Handle, Callable[[], Any]]
+"""A collective in flight and the function that returns its output once
+the handle is done (``allgather_async``, ``reducescatter_async``)."""
+
+
+class ReduceOp(enum.Enum):
+    SUM = "sum"
+    AVERAGE = "average"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
+
+    @classmethod
+    def parse(cls, op: ReduceOp | str) -> ReduceOp:
+        if isinstance(op, ReduceOp):
+            return op
+        try:
+            return cls(str(op).lower())
+        except ValueError:
+            valid = ", ".join(o.value for o in cls)
+            raise ValueError(f"reduce op {op!r} is not known; valid ops: {valid}") from None
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether an engine can run here, and why (shown by ``make check``)."""
+
+    ok: bool
+    reason: str
 
 
 class Engine(Lifecycle):

@@ -81,10 +81,10 @@ from typing import Any
 import numpy as np
 
 from dp_plugin.config import Config
+from dp_plugin.engines.base import ReduceOp
 from dp_plugin.engines.deadline import poll
 from dp_plugin.engines.handle import Handle
 from dp_plugin.engines.shm import ShmHandle, ShmTransport
-from dp_plugin.engines.types import ReduceOp
 from dp_plugin.errors import DPPluginError
 from dp_plugin.topology import Topology
 

@@ -89,8 +89,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from dp_plugin.engines.base import ReduceOp
 from dp_plugin.engines.handle import Handle
-from dp_plugin.engines.types import ReduceOp
 from dp_plugin.errors import DPPluginError, LayoutMismatchError
 
 log = logging.getLogger("dp_plugin")

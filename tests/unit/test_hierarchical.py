@@ -225,7 +225,7 @@ from collections.abc import Iterator  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 
 from dp_plugin.engines import shm  # noqa: E402
-from dp_plugin.engines.types import ReduceOp  # noqa: E402
+from dp_plugin.engines.base import ReduceOp  # noqa: E402
 from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, LayoutMismatchError  # noqa: E402
 from tests.unit.test_shm import (  # noqa: E402
     CHUNK,

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from dp_plugin.engines import shm
-from dp_plugin.engines.types import ReduceOp
+from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, LayoutMismatchError
 
 torch = pytest.importorskip("torch")
