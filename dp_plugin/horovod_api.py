@@ -77,7 +77,10 @@ class HorovodBasics:
 
     Names, signatures and return types follow Horovod 0.28.1's
     ``HorovodBasics``. Every method that needs ``init()`` first raises
-    ``error(what)`` before it, ``what`` naming the call. ``reset`` runs at
+    ``error(what)`` before it, ``what`` naming the call; so do the process
+    sets' calls (as Horovod's frameworks call ``process_sets._setup``). With
+    both adapters imported, the more specific error class wins (torch's is a
+    subclass of the core's, which TensorFlow uses). ``reset`` runs at
     ``shutdown()``: the adapter's own per-process state (torch's handles).
     """
 
@@ -86,6 +89,8 @@ class HorovodBasics:
         self.module = module
         self.error = error
         self.reset = reset
+        if issubclass(error, _process_sets.not_initialized_error):
+            _process_sets.not_initialized_error = error
 
     def engine(self) -> Engine:
         """The running global engine; ``error`` naming the caller before ``init()``."""

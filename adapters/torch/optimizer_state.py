@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from dp_plugin.compression import Compressor, get_compressor
+from dp_plugin.compression import Compressor
 from dp_plugin.edge import calling
 from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.errors import DPPluginError
@@ -33,9 +33,7 @@ from dp_plugin.horovod_names import require_sum_or_average
 from dp_plugin.process_sets import ProcessSet
 from dp_plugin.scheduler import Reducer
 from dp_plugin.timeline import shared_timeline
-from dp_plugin.torch.basics import engine as job_engine
 from dp_plugin.torch.control_slot import FiniteFlags, RankMarks
-from dp_plugin.torch.joining import JoinFlags
 from dp_plugin.torch.sparse import SparseGradients, sparse_embedding_weights
 
 Groups = list[dict[str, Any]]
@@ -45,6 +43,49 @@ Groups = list[dict[str, Any]]
 FLAGS = ("join", "unfrozen", "sparse")
 """The optimizer reducer's flag groups (``Reducer.flags_of``), then "finite"
 when ``DP_PLUGIN_CHECK_FINITE`` is on."""
+
+
+class JoinFlags(RankMarks):
+    """The "join" flags of one optimizer's reducer: one element per rank of
+    its process set, marked by a rank that has joined (``joining.join``).
+
+    A training step only keeps a device-side copy of the reduced elements
+    (``keep``: no host synchronization, nothing for a GPU to wait on); a
+    join step reads them on the host (``decide``).
+    """
+
+    def __init__(self, reducer: Any, *, op: ReduceOp, like: torch.Tensor) -> None:
+        super().__init__(reducer, "join", op=op, like=like)
+        self._previous = torch.empty_like(self._elements())
+        self._has_previous = False
+
+    def fill(self, joined: bool) -> None:
+        """Write this rank's flags for the next step."""
+        self.reset()
+        self.mark(joined)
+
+    def keep(self) -> None:
+        """After a training step: remember its reduced flags (for a later
+        ``decide``), then reset them to idle for the next step."""
+        self._previous.copy_(self._elements())
+        self._has_previous = True
+        self.reset()
+
+    def decide(self) -> tuple[bool, int]:
+        """After a join step: (has every rank joined?, global rank that joined last).
+
+        The last joiners are the ranks that joined in this step; of several,
+        the highest rank is returned (they joined in the same step).
+        """
+        joined = self.flags(self._elements())
+        before = self.flags(self._previous) if self._has_previous else [False] * len(joined)
+        self.keep()
+        if not all(joined):
+            return False, -1
+        self._has_previous = False  # the next join() round starts afresh
+        newest = [i for i, (now, was) in enumerate(zip(joined, before, strict=True))
+                  if now and not was]
+        return True, self.ranks[max(newest) if newest else len(joined) - 1]
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,16 +104,16 @@ class Marks:
 class OptimizerState:
     """One optimizer's gradient reduction (see the module docstring)."""
 
-    def __init__(self, *, names: dict[torch.Tensor, str], named: bool,
-                 compression: Any, op: ReduceOp, predivide: float, passes: int,
+    def __init__(self, *, names: dict[torch.Tensor, str], named: bool, compression: Any,
+                 compressor: Compressor, op: ReduceOp, predivide: float, passes: int,
                  sparse_as_dense: bool, process_set: ProcessSet, engine: Engine | None,
                  label: str, groups: int | list[list[torch.Tensor]] | None = None) -> None:
         self.names = names
         self.named = named
         """Names came from ``named_parameters``: a parameter added later needs one."""
         self.compression = compression
-        """The ``compression`` argument as the user gave it (validated)."""
-        self.compressor: Compressor = get_compressor(compression)
+        """The ``compression`` argument as the user gave it; ``compressor``: what it names."""
+        self.compressor = compressor
         self.process_set = process_set
         self.op = op
         self.predivide = predivide
@@ -292,8 +333,8 @@ class OptimizerState:
         results = sched.synchronize()
         self.sparse.reduce(self.names, self.op, self.engine)
         try:  # after this step's collectives, before any update
-            self._check_unfrozen(groups)
-            self._check_sparse()
+            self.check_unfrozen(groups)
+            self.check_sparse()
         except DPPluginError:  # the step is dropped: the next one starts clean
             marks.join.keep()
             marks.sparse.reset()
@@ -322,7 +363,7 @@ class OptimizerState:
 
     def _dense(self, index: int, grad: torch.Tensor) -> torch.Tensor | None:
         """The gradient for the dense buckets; None if it is reduced as sparse,
-        or is sparse unexpectedly (this rank is marked: ``_check_sparse``)."""
+        or is sparse unexpectedly (this rank is marked: ``check_sparse``)."""
         param = self.params[index]
         if self.sparse.owns(param):
             self.sparse.grads[param] = grad
@@ -348,7 +389,7 @@ class OptimizerState:
         if self.marks is not None and self.unfrozen(groups):
             self.marks.unfrozen.mark()
 
-    def _check_unfrozen(self, groups: Groups, joined: bool = False) -> None:
+    def check_unfrozen(self, groups: Groups, joined: bool = False) -> None:
         """After the reduction, on every rank alike: raise if any rank marked
         an unfrozen parameter. A ``joined`` rank trains nothing, so only the
         others' marks count."""
@@ -359,7 +400,7 @@ class OptimizerState:
         self.marks.unfrozen.reset()
         check_requires_grad([] if joined else self.unfrozen(groups), ranks)
 
-    def _check_sparse(self, joined: bool = False) -> None:
+    def check_sparse(self, joined: bool = False) -> None:
         """After the reduction, on every rank alike: raise if any rank got a
         sparse gradient for a parameter wrapped as dense (it travelled as
         zeros). A ``joined`` rank names none of its own."""
@@ -386,46 +427,6 @@ class OptimizerState:
         is handed to the scheduler: the flags travel with the last bucket)."""
         if self.marks is not None and self.marks.finite is not None:
             self.marks.finite.note(grad)
-
-    # -- hvd.join(): zero steps ---------------------------------------------------------
-    def join_ready(self) -> bool:
-        """Does this optimizer reduce on this rank? Raises if a step is half done."""
-        if self.closed:
-            return False  # left over from before hvd.shutdown(); nothing to answer
-        if self.pending:
-            raise SynchronizationError(
-                "hvd.join() was called after loss.backward() but before optimizer.step() or "
-                "optimizer.synchronize(); finish the step first, then join"
-            )
-        return self.reducer is not None
-
-    def join_start(self) -> None:
-        """Start a step in which this rank contributes zero gradients and its
-        joined flag; poll ``join_polled``, then ``join_finish``."""
-        assert self.reducer is not None and self.marks is not None  # join_ready said so
-        self.marks.join.fill(joined=True)
-        self.reducer.launch_all()
-
-    def join_polled(self) -> bool:
-        return self.reducer is None or self.reducer.all_done()
-
-    def join_global(self) -> bool:
-        """Does it reduce over every rank of the job (its steps count for
-        ``joining``'s last joined rank)?"""
-        return self.engine is not None and self.engine.size == job_engine().size
-
-    def join_finish(self) -> bool:
-        """End the zero step; has every rank of the optimizer's set joined?"""
-        reducer, marks = self.reducer, self.marks
-        assert reducer is not None and marks is not None
-        results = reducer.synchronize()  # every gradient: zeros; results dropped
-        self.sparse.reduce(self.names, self.op, self.engine, contribute=False)
-        self._check_unfrozen([], joined=True)  # raise where the training ranks raise
-        self._check_sparse(joined=True)
-        if marks.finite is not None:  # raise where the training ranks raise
-            marks.finite.decide([(self.names[p], g) for p, g in zip(self.params, results,
-                                                                       strict=True)])
-        return marks.join.decide()[0]
 
 
 class SynchronizationError(DPPluginError, AssertionError):
