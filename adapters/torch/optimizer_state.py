@@ -40,11 +40,6 @@ Groups = list[dict[str, Any]]
 """``optimizer.param_groups``."""
 
 
-FLAGS = ("join", "unfrozen", "sparse")
-"""The optimizer reducer's flag groups (``Reducer.flags_of``), then "finite"
-when ``DP_PLUGIN_CHECK_FINITE`` is on."""
-
-
 class JoinFlags(RankMarks):
     """The "join" flags of one optimizer's reducer: one element per rank of
     its process set, marked by a rank that has joined (``joining.join``).
@@ -266,7 +261,7 @@ class OptimizerState:
             specs, engine=eng, compression=self.compressor, passes=self.passes,
             policy=ReducePolicy(self.op, eng.size, predivide=self.predivide),
             timeline=shared_timeline, name=self.label, hook=self.comm_hook,
-            flags=FLAGS if check == "off" else (*FLAGS, "finite"),
+            flags=("join", "unfrozen", "sparse", *(() if check == "off" else ("finite",))),
             settings={"DP_PLUGIN_CHECK_FINITE": check}, autotune=eng.config.autotune,
             groups=group_indices(self.groups, params),
         )
@@ -317,7 +312,7 @@ class OptimizerState:
         groups = optimizer.param_groups
         if self.reducer is None or self.marks is None:
             self.pending = False
-            check_requires_grad(self.unfrozen(groups))
+            self.check_unfrozen(groups)
             self.synchronized = True
             return
         if not self.pending:  # no hook fired this step: look for unfrozen parameters now
@@ -390,15 +385,28 @@ class OptimizerState:
             self.marks.unfrozen.mark()
 
     def check_unfrozen(self, groups: Groups, joined: bool = False) -> None:
-        """After the reduction, on every rank alike: raise if any rank marked
-        an unfrozen parameter. A ``joined`` rank trains nothing, so only the
-        others' marks count."""
-        assert self.marks is not None
-        ranks = self.marks.unfrozen.marked()
-        if not ranks:  # the usual step: nothing marked, nothing to name
+        """Raise if a parameter was unfrozen after wrapping: here or, with a
+        reducer, on any rank that marked one (read after the reduction, so
+        every rank raises at the same ``synchronize()``). A ``joined`` rank
+        trains nothing, so only the others' marks count."""
+        ranks: list[int] | None = None
+        if self.marks is not None:
+            ranks = self.marks.unfrozen.marked()
+            if not ranks:  # the usual step: nothing marked, nothing to name
+                return
+            self.marks.unfrozen.reset()
+        mine = [] if joined else self.unfrozen(groups)
+        if not mine and not ranks:
             return
-        self.marks.unfrozen.reset()
-        check_requires_grad([] if joined else self.unfrozen(groups), ranks)
+        raise DPPluginError(
+            f"{_which(mine, ranks)} requires a gradient now but did not when the "
+            "DistributedOptimizer was wrapped, so its gradient would not be averaged "
+            "across ranks and the replicas would silently diverge; this step is dropped on "
+            "every rank. Fix: set requires_grad alike on every rank, then call "
+            "optimizer.refresh_parameters() on every rank (between steps), or set "
+            "requires_grad before wrapping (freezing later needs nothing: a frozen "
+            "parameter contributes zeros)"
+        )
 
     def check_sparse(self, joined: bool = False) -> None:
         """After the reduction, on every rank alike: raise if any rank got a
@@ -432,24 +440,6 @@ class OptimizerState:
 class SynchronizationError(DPPluginError, AssertionError):
     """The optimizer was used out of order (e.g. ``zero_grad()`` between
     ``backward()`` and ``step()``). Also an ``AssertionError``, as in Horovod."""
-
-
-def check_requires_grad(mine: list[str], ranks: list[int] | None = None) -> None:
-    """Raise if a parameter was unfrozen after wrapping: here (``mine``, from
-    ``OptimizerState.unfrozen``) or on any of ``ranks`` (every rank learns
-    these from the control slot, so every rank raises at the same
-    ``synchronize()``)."""
-    if not mine and not ranks:
-        return
-    raise DPPluginError(
-        f"{_which(mine, ranks)} requires a gradient now but did not when the "
-        "DistributedOptimizer was wrapped, so its gradient would not be averaged "
-        "across ranks and the replicas would silently diverge; this step is dropped on "
-        "every rank. Fix: set requires_grad alike on every rank, then call "
-        "optimizer.refresh_parameters() on every rank (between steps), or set "
-        "requires_grad before wrapping (freezing later needs nothing: a frozen "
-        "parameter contributes zeros)"
-    )
 
 
 def _which(mine: list[str], ranks: list[int] | None) -> str:
