@@ -1,15 +1,12 @@
 """``hvd.join()``: a rank that ran out of data keeps answering the others' steps.
 
-Horovod semantics: a rank calls ``join()`` when it has no more batches; until
-every rank has joined it takes part in the ``DistributedOptimizer``
-reductions of the ranks still training, contributing zero gradients; then
-``join()`` returns on every rank, with the rank that joined last.
-
-Design (no extra collective per step): a joined rank marks its own element
-of each optimizer's "join" flags (``control_slot.py``: reduced with the last
-fusion bucket, so every rank reads the same values and all agree on when
-everyone has joined) and loops over "zero steps" (``synchronize()`` with no
-gradient marked ready, so every gradient contributes zeros) until they say so.
+Horovod's semantics are in ``join``'s docstring. Design (no extra collective
+per step): a joined rank marks its own element of each optimizer's "join"
+flags (``control_slot.py``: reduced with the last fusion bucket, so every
+rank reads the same values and all agree on when everyone has joined) and
+loops over "zero steps" (``synchronize()`` with no gradient marked ready, so
+every gradient contributes zeros, finished as the training ranks finish
+theirs, raising what they raise) until they say so.
 
 The others' all-reduces and barriers are answered through
 ``dp_plugin.join`` (``Listener`` and ``replay``: the wire protocol, what is
@@ -88,12 +85,7 @@ def join(device: int = -1) -> int:
 
 class _Joined:
     """One ``join()`` call: listeners on this rank's engines (the global one
-    first), zero steps of its optimizers, polled until every rank has joined.
-
-    A zero step: this rank's joined flag set and every bucket launched with
-    no gradient marked ready (zeros), then, once the reducer is done, the
-    step finished as the training ranks finish theirs, raising what they raise.
-    """
+    first), zero steps of its optimizers, polled until every rank has joined."""
 
     def __init__(self, eng: Any, engines: list[Any], states: list[OptimizerState]) -> None:
         self.eng = eng

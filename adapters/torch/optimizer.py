@@ -366,14 +366,14 @@ def _check_wrappable(optimizer: Any) -> None:
             f"DistributedOptimizer expects a torch.optim.Optimizer, got "
             f"{type(optimizer).__name__}; create the optimizer first, then wrap it"
         )
-    if isinstance(optimizer, _DistributedOptimizer) and optimizer._dp.closed:
+    if isinstance(optimizer, _DistributedOptimizer):
+        if not optimizer._dp.closed:
+            raise ValueError(
+                f"{type(optimizer).__name__} is already a DistributedOptimizer; wrap the plain "
+                "optimizer only once (two wrappers would reduce every gradient twice)"
+            )
         for handle in optimizer._dp.hooks:  # its engine was shut down: wrap it anew
             handle.remove()
-    elif isinstance(optimizer, _DistributedOptimizer):
-        raise ValueError(
-            f"{type(optimizer).__name__} is already a DistributedOptimizer; wrap the plain "
-            "optimizer only once (two wrappers would reduce every gradient twice)"
-        )
 
 
 def _wrap(optimizer: torch.optim.Optimizer) -> Any:

@@ -5,8 +5,8 @@
 parameters it reduces and their names, a post-accumulate-grad hook on each,
 the core's ``Reducer`` on the optimizer's own channel, the ``Marks`` read
 from its per-rank flags (``control_slot.py``) and the step in
-progress. The wrapper (``optimizer.py``) calls it; nothing else changes its
-fields.
+progress. The wrapper (``optimizer.py``) calls it, and ``hvd.join()``
+(``joining.py``) runs its zero steps on it.
 
 A step: each hook reports its gradient ready (``grad_ready``) and complete
 fusion buckets are all-reduced while backward still runs; ``synchronize``
