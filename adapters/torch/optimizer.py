@@ -36,11 +36,6 @@ from dp_plugin.torch.optimizer_state import (
 )
 from dp_plugin.validate import check_groups, check_int, check_positive_float
 
-_RACE_MESSAGE = (
-    "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
-    "optimizer.synchronize(). This is prohibited as it can cause a race condition."
-)
-
 
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
@@ -237,8 +232,12 @@ class _DistributedOptimizer:
     step.hooked = True  # type: ignore[attr-defined]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._dp.pending:
-            raise SynchronizationError(_RACE_MESSAGE)
+        if self._dp.pending:  # Horovod's words
+            raise SynchronizationError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
+                "cause a race condition."
+            )
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
