@@ -111,6 +111,18 @@ class _Joined:
 
     def _poll(self) -> bool:
         progressed = False
+        # The zero steps first: one that finished raises what the training
+        # ranks raise, before a listener finds those ranks gone.
+        for st in list(self.stepping):
+            if not st.reducer.all_done():
+                continue
+            progressed = True
+            if _finish_zero_step(st):
+                self.stepping.remove(st)
+            else:
+                if st.engine.size == self.eng.size:  # a step of the whole job: counts
+                    self.answered += 1
+                _start_zero_step(st)
         for index, listener in list(self.listening.items()):
             if not listener.done():
                 continue
@@ -126,16 +138,6 @@ class _Joined:
             if index == 0:
                 self.answered += 1
             self.listening[index] = Listener(e)
-        for st in list(self.stepping):
-            if not st.reducer.all_done():
-                continue
-            progressed = True
-            if _finish_zero_step(st):
-                self.stepping.remove(st)
-            else:
-                if st.engine.size == self.eng.size:  # a step of the whole job: counts
-                    self.answered += 1
-                _start_zero_step(st)
         return progressed
 
 

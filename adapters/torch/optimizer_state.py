@@ -205,15 +205,14 @@ class OptimizerState:
         for handle in self.hooks:
             handle.remove()
         self.names.update(names)
-        self.params, self.reducer, self.marks, self.hooks = params, reducer, marks, []
-        self.sparse = sparse
+        self.params, self.reducer, self.marks, self.sparse = params, reducer, marks, sparse
         reduced = {id(p) for p in params}
         self.frozen = [(gi, pj) for gi, group in enumerate(groups)
                        for pj, p in enumerate(group["params"]) if id(p) not in reduced]
         self._reset_step()
         ref = weakref.ref(optimizer)
-        for index, p in enumerate(params):
-            self.hooks.append(p.register_post_accumulate_grad_hook(_make_hook(ref, index)))
+        self.hooks = [p.register_post_accumulate_grad_hook(_make_hook(ref, index))
+                      for index, p in enumerate(params)]
 
     def _collect(self, groups: Groups) -> tuple[list[torch.Tensor], dict[torch.Tensor, str]]:
         """The parameters to reduce (requiring grad, in group order) and names for new ones."""
