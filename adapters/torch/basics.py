@@ -5,9 +5,6 @@ process-level functions are ``dp_plugin.horovod_api.HorovodBasics``'s, shared
 with ``dp_plugin.tensorflow``; what is torch's own is here: the error before
 ``init()``, the collectives' handles that ``shutdown()`` forgets, and what
 torch was built with (``cuda_built()``, ``nccl_built()``, ``rocm_built()``).
-
-Every function that needs ``init()`` first raises ``NotInitializedError``
-before it: a ``DPPluginError`` and, like Horovod's error, a ``ValueError``.
 """
 
 from __future__ import annotations
