@@ -77,8 +77,9 @@ class HorovodBasics:
 
     Names, signatures and return types follow Horovod 0.28.1's
     ``HorovodBasics``. Every method that needs ``init()`` first raises
-    ``error(what)`` before it, ``what`` naming the call. ``reset`` runs at
-    ``shutdown()``: the adapter's own per-process state (torch's handles).
+    ``error(what)`` before it, ``what`` naming the call; so do the process
+    sets' calls (as Horovod's frameworks call ``process_sets._setup``).
+    ``reset`` runs at ``shutdown()``: the adapter's own state (torch's handles).
     """
 
     def __init__(self, module: str, error: type[NotInitializedError],
@@ -86,6 +87,8 @@ class HorovodBasics:
         self.module = module
         self.error = error
         self.reset = reset
+        if issubclass(error, _process_sets.not_initialized_error):  # torch's, over the core's
+            _process_sets.not_initialized_error = error
 
     def engine(self) -> Engine:
         """The running global engine; ``error`` naming the caller before ``init()``."""

@@ -145,7 +145,9 @@ _registered: dict[int, ProcessSet] = {}
 """Registered sets other than the global one, by id (equal on every rank)."""
 _free_ids: deque[int] = deque()
 _next_id = 1
-_not_initialized: type[NotInitializedError] = NotInitializedError
+not_initialized_error: type[NotInitializedError] = NotInitializedError
+"""Raised by a process-set call before ``init()``: the adapter's subclass,
+whose message names its own ``init()`` (set by ``HorovodBasics``)."""
 
 
 @public("hvd.add_process_set()")
@@ -204,15 +206,6 @@ def registered(process_set_id: int) -> ProcessSet:
         f"{caller()}: process_set_id={process_set_id} is not a registered process set; use the "
         "process_set_id of a set returned by hvd.add_process_set(ranks) (0: the whole job)"
     )
-
-
-def use_not_initialized_error(error: type[NotInitializedError]) -> None:
-    """Raise ``error`` (an adapter's subclass, whose message names its own
-    ``init()``) when a process-set call comes before ``init()``. Called once
-    by an adapter on import, as Horovod's frameworks call
-    ``process_sets._setup``: with several adapters imported, the last wins."""
-    global _not_initialized
-    _not_initialized = error
 
 
 def setup(process_sets: Any, adapter: str) -> None:
@@ -304,7 +297,7 @@ def member_engines() -> list[Engine]:
 def _global_engine() -> Engine:
     """``runtime.engine()``, or the adapter's ``NotInitializedError`` naming the caller."""
     if not runtime.is_initialized():
-        raise _not_initialized(caller("hvd.ProcessSet"))
+        raise not_initialized_error(caller("hvd.ProcessSet"))
     return runtime.engine()
 
 

@@ -5,14 +5,10 @@ process-level functions are ``dp_plugin.horovod_api.HorovodBasics``'s, shared
 with ``dp_plugin.tensorflow``; what is torch's own is here: the error before
 ``init()``, the collectives' handles that ``shutdown()`` forgets, and what
 torch was built with (``cuda_built()``, ``nccl_built()``, ``rocm_built()``).
-
-Every function that needs ``init()`` first raises ``NotInitializedError``
-before it: a ``DPPluginError`` and, like Horovod's error, a ``ValueError``.
 """
 
 from __future__ import annotations
 
-from dp_plugin import process_sets as _process_sets
 from dp_plugin.errors import NotInitializedError as _CoreNotInitializedError
 from dp_plugin.horovod_api import HorovodBasics
 from dp_plugin.torch import handles as _handles
@@ -33,8 +29,6 @@ class NotInitializedError(_CoreNotInitializedError, ValueError):
             "and before any other hvd call",
         )
 
-
-_process_sets.use_not_initialized_error(NotInitializedError)
 
 _basics = HorovodBasics("dp_plugin.torch", NotInitializedError, reset=_handles.reset)
 engine = _basics.engine

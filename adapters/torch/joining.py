@@ -1,15 +1,12 @@
 """``hvd.join()``: a rank that ran out of data keeps answering the others' steps.
 
-Horovod semantics: a rank calls ``join()`` when it has no more batches; until
-every rank has joined it takes part in the ``DistributedOptimizer``
-reductions of the ranks still training, contributing zero gradients; then
-``join()`` returns on every rank, with the rank that joined last.
-
-Design (no extra collective per step): a joined rank marks its own element
-of each optimizer's "join" flags (``control_slot.py``: reduced with the last
-fusion bucket, so every rank reads the same values and all agree on when
-everyone has joined) and loops over "zero steps" (``synchronize()`` with no
-gradient marked ready, so every gradient contributes zeros) until they say so.
+Horovod's semantics are in ``join``'s docstring. Design (no extra collective
+per step): a joined rank marks its own element of each optimizer's "join"
+flags (``control_slot.py``: reduced with the last fusion bucket, so every
+rank reads the same values and all agree on when everyone has joined) and
+loops over "zero steps" (``synchronize()`` with no gradient marked ready, so
+every gradient contributes zeros, finished as the training ranks finish
+theirs, raising what they raise) until they say so.
 
 The others' all-reduces and barriers are answered through
 ``dp_plugin.join`` (``Listener`` and ``replay``: the wire protocol, what is
@@ -21,64 +18,15 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
 from dp_plugin import join as protocol
 from dp_plugin.edge import public
-from dp_plugin.engines.base import ReduceOp
 from dp_plugin.join import Deadline, Listener
 from dp_plugin.process_sets import member_engines
 from dp_plugin.request import joined_view
 from dp_plugin.torch.basics import engine
-from dp_plugin.torch.control_slot import RankMarks
-
-if TYPE_CHECKING:  # optimizer_state imports JoinFlags from here
-    from dp_plugin.torch.optimizer_state import OptimizerState
-
-
-class JoinFlags(RankMarks):
-    """The "join" flags of one optimizer's reducer: one element per rank of
-    its process set, marked by a rank that has joined.
-
-    A training step only keeps a device-side copy of the reduced elements
-    (``keep``: no host synchronization, nothing for a GPU to wait on); a
-    join step reads them on the host (``decide``).
-    """
-
-    def __init__(self, reducer: Any, *, op: ReduceOp, like: torch.Tensor) -> None:
-        super().__init__(reducer, "join", op=op, like=like)
-        self._previous = torch.empty_like(self._elements())
-        self._has_previous = False
-
-    def fill(self, joined: bool) -> None:
-        """Write this rank's flags for the next step."""
-        self.reset()
-        self.mark(joined)
-
-    def keep(self) -> None:
-        """After a training step: remember its reduced flags (for a later
-        ``decide``), then reset them to idle for the next step."""
-        self._previous.copy_(self._elements())
-        self._has_previous = True
-        self.reset()
-
-    def decide(self) -> tuple[bool, int]:
-        """After a join step: (has every rank joined?, global rank that joined last).
-
-        The last joiners are the ranks that joined in this step; of several,
-        the highest rank is returned (they joined in the same step).
-        """
-        joined = self.flags(self._elements())
-        before = self.flags(self._previous) if self._has_previous else [False] * len(joined)
-        self.keep()
-        if not all(joined):
-            return False, -1
-        self._has_previous = False  # the next join() round starts afresh
-        newest = [i for i, (now, was) in enumerate(zip(joined, before, strict=True))
-                  if now and not was]
-        return True, self.ranks[max(newest) if newest else len(joined) - 1]
-
+from dp_plugin.torch.optimizer_state import OptimizerState, SynchronizationError
 
 _states: list[weakref.ref[OptimizerState]] = []
 
@@ -125,8 +73,14 @@ def join(device: int = -1) -> int:
     eng = engine()
     if eng.size == 1:
         return 0
-    live = [st for st in (r() for r in _states) if st is not None]
-    return _Joined(eng, member_engines(), [st for st in live if st.join_ready()]).run()
+    # One left over from before hvd.shutdown() has nothing to answer.
+    live = [st for st in (r() for r in _states) if st is not None and not st.closed]
+    if any(st.pending for st in live):
+        raise SynchronizationError(
+            "hvd.join() was called after loss.backward() but before optimizer.step() or "
+            "optimizer.synchronize(); finish the step first, then join"
+        )
+    return _Joined(eng, member_engines(), [st for st in live if st.reducer is not None]).run()
 
 
 class _Joined:
@@ -140,7 +94,7 @@ class _Joined:
         self.listening: dict[int, Listener] = {i: Listener(e) for i, e in enumerate(engines)}
         self.stepping = list(states)
         for st in self.stepping:
-            st.join_start()
+            _start_zero_step(st)
 
     def run(self) -> int:
         deadline = Deadline(self.eng.config.timeout_s, self.eng.rank)
@@ -157,6 +111,18 @@ class _Joined:
 
     def _poll(self) -> bool:
         progressed = False
+        # The zero steps first: one that finished raises what the training
+        # ranks raise, before a listener finds those ranks gone.
+        for st in list(self.stepping):
+            if not st.reducer.all_done():
+                continue
+            progressed = True
+            if _finish_zero_step(st):
+                self.stepping.remove(st)
+            else:
+                if st.engine.size == self.eng.size:  # a step of the whole job: counts
+                    self.answered += 1
+                _start_zero_step(st)
         for index, listener in list(self.listening.items()):
             if not listener.done():
                 continue
@@ -172,14 +138,21 @@ class _Joined:
             if index == 0:
                 self.answered += 1
             self.listening[index] = Listener(e)
-        for st in list(self.stepping):
-            if not st.join_polled():
-                continue
-            progressed = True
-            if st.join_finish():
-                self.stepping.remove(st)
-            else:
-                if st.join_global():
-                    self.answered += 1
-                st.join_start()
         return progressed
+
+
+def _start_zero_step(st: OptimizerState) -> None:
+    st.marks.join.fill(joined=True)
+    st.reducer.launch_all()
+
+
+def _finish_zero_step(st: OptimizerState) -> bool:
+    """Has every rank of the optimizer's set joined?"""
+    results = st.reducer.synchronize()  # every gradient: zeros; results dropped
+    st.sparse.reduce(st.names, st.op, st.engine, contribute=False)
+    st.check_unfrozen([], joined=True)  # raise where the training ranks raise
+    st.check_sparse(joined=True)
+    if st.marks.finite is not None:  # raise where the training ranks raise
+        st.marks.finite.decide([(st.names[p], g) for p, g in zip(st.params, results,
+                                                                  strict=True)])
+    return st.marks.join.decide()[0]

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from dp_plugin.compression import get_compressor
+from dp_plugin.compression import Compressor, get_compressor
 from dp_plugin.edge import calling
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.process_sets import ProcessSet, engine_or_none, global_process_set
@@ -35,11 +35,6 @@ from dp_plugin.torch.optimizer_state import (
     parameter_names,
 )
 from dp_plugin.validate import check_groups, check_int, check_positive_float
-
-_RACE_MESSAGE = (
-    "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
-    "optimizer.synchronize(). This is prohibited as it can cause a race condition."
-)
 
 
 def DistributedOptimizer(
@@ -74,7 +69,7 @@ def DistributedOptimizer(
     ``hvd.join()``, sparse gradients and process sets.
     """
     _check_wrappable(optimizer)
-    reduce_op, passes, groups = _checked_arguments(
+    reduce_op, passes, groups, compressor = _checked_arguments(
         op, gradient_predivide_factor, num_groups, groups, backward_passes_per_step,
         compression, process_set)
     with calling("hvd.DistributedOptimizer()"):
@@ -87,9 +82,9 @@ def DistributedOptimizer(
     wrapped = _wrap(optimizer)
     wrapped._dp = OptimizerState(
         names=names, named=named_parameters is not None, compression=compression,
-        op=reduce_op, predivide=float(gradient_predivide_factor), passes=passes,
-        sparse_as_dense=bool(sparse_as_dense), process_set=process_set, label=label,
-        groups=groups,
+        compressor=compressor, op=reduce_op, predivide=float(gradient_predivide_factor),
+        passes=passes, sparse_as_dense=bool(sparse_as_dense), process_set=process_set,
+        label=label, groups=groups,
         # Its own communicator: buckets start when gradients are ready, which
         # differs between ranks when a parameter is unused on one of them, and
         # must not cross SyncBatchNorm's or the user's collectives.
@@ -237,8 +232,12 @@ class _DistributedOptimizer:
     step.hooked = True  # type: ignore[attr-defined]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._dp.pending:
-            raise SynchronizationError(_RACE_MESSAGE)
+        if self._dp.pending:  # Horovod's words
+            raise SynchronizationError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
+                "cause a race condition."
+            )
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -304,10 +303,10 @@ class _SkippedStep(Exception):
 
 def _checked_arguments(op: Any, gradient_predivide_factor: float, num_groups: int,
                        groups: Any, backward_passes_per_step: Any, compression: Any,
-                       process_set: Any) -> tuple[ReduceOp, int, Any]:
+                       process_set: Any) -> tuple[ReduceOp, int, Any, Compressor]:
     """``DistributedOptimizer``'s arguments, validated with Horovod's rules:
-    (op, passes, groups: ``num_groups`` folded in). Every mistake raises naming
-    the argument and the fix."""
+    (op, passes, groups: ``num_groups`` folded in, the compressor). Every
+    mistake raises naming the argument and the fix."""
     with calling("DistributedOptimizer"):
         reduce_op = parse_op(op)
     if gradient_predivide_factor != 1.0 and reduce_op is not ReduceOp.AVERAGE:
@@ -319,7 +318,7 @@ def _checked_arguments(op: Any, gradient_predivide_factor: float, num_groups: in
     groups = check_groups(groups, num_groups, torch.Tensor, "torch.Tensor", stacklevel=4)
     passes = check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)
     try:
-        get_compressor(compression)
+        compressor = get_compressor(compression)
     except ValueError:
         raise ValueError(
             f"compression={compression!r} is not supported; use hvd.Compression.none, "
@@ -332,7 +331,7 @@ def _checked_arguments(op: Any, gradient_predivide_factor: float, num_groups: in
             f"{type(process_set).__name__}; pass hvd.global_process_set (the default) or a set "
             "registered with hvd.add_process_set(ranks)"
         )
-    return reduce_op, passes, groups
+    return reduce_op, passes, groups, compressor
 
 
 def _warn_if_ddp(named: Iterable[tuple[str, torch.Tensor]] | None) -> None:
@@ -366,14 +365,14 @@ def _check_wrappable(optimizer: Any) -> None:
             f"DistributedOptimizer expects a torch.optim.Optimizer, got "
             f"{type(optimizer).__name__}; create the optimizer first, then wrap it"
         )
-    if isinstance(optimizer, _DistributedOptimizer) and optimizer._dp.closed:
+    if isinstance(optimizer, _DistributedOptimizer):
+        if not optimizer._dp.closed:
+            raise ValueError(
+                f"{type(optimizer).__name__} is already a DistributedOptimizer; wrap the plain "
+                "optimizer only once (two wrappers would reduce every gradient twice)"
+            )
         for handle in optimizer._dp.hooks:  # its engine was shut down: wrap it anew
             handle.remove()
-    elif isinstance(optimizer, _DistributedOptimizer):
-        raise ValueError(
-            f"{type(optimizer).__name__} is already a DistributedOptimizer; wrap the plain "
-            "optimizer only once (two wrappers would reduce every gradient twice)"
-        )
 
 
 def _wrap(optimizer: torch.optim.Optimizer) -> Any:

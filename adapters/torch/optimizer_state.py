@@ -5,8 +5,8 @@
 parameters it reduces and their names, a post-accumulate-grad hook on each,
 the core's ``Reducer`` on the optimizer's own channel, the ``Marks`` read
 from its per-rank flags (``control_slot.py``) and the step in
-progress. The wrapper (``optimizer.py``) calls it; nothing else changes its
-fields.
+progress. The wrapper (``optimizer.py``) calls it, and ``hvd.join()``
+(``joining.py``) runs its zero steps on it.
 
 A step: each hook reports its gradient ready (``grad_ready``) and complete
 fusion buckets are all-reduced while backward still runs; ``synchronize``
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from dp_plugin.compression import Compressor, get_compressor
+from dp_plugin.compression import Compressor
 from dp_plugin.edge import calling
 from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.errors import DPPluginError
@@ -33,18 +33,54 @@ from dp_plugin.horovod_names import require_sum_or_average
 from dp_plugin.process_sets import ProcessSet
 from dp_plugin.scheduler import Reducer
 from dp_plugin.timeline import shared_timeline
-from dp_plugin.torch.basics import engine as job_engine
 from dp_plugin.torch.control_slot import FiniteFlags, RankMarks
-from dp_plugin.torch.joining import JoinFlags
 from dp_plugin.torch.sparse import SparseGradients, sparse_embedding_weights
 
 Groups = list[dict[str, Any]]
 """``optimizer.param_groups``."""
 
 
-FLAGS = ("join", "unfrozen", "sparse")
-"""The optimizer reducer's flag groups (``Reducer.flags_of``), then "finite"
-when ``DP_PLUGIN_CHECK_FINITE`` is on."""
+class JoinFlags(RankMarks):
+    """The "join" flags of one optimizer's reducer: one element per rank of
+    its process set, marked by a rank that has joined (``joining.join``).
+
+    A training step only keeps a device-side copy of the reduced elements
+    (``keep``: no host synchronization, nothing for a GPU to wait on); a
+    join step reads them on the host (``decide``).
+    """
+
+    def __init__(self, reducer: Any, *, op: ReduceOp, like: torch.Tensor) -> None:
+        super().__init__(reducer, "join", op=op, like=like)
+        self._previous = torch.empty_like(self._elements())
+        self._has_previous = False
+
+    def fill(self, joined: bool) -> None:
+        """Write this rank's flags for the next step."""
+        self.reset()
+        self.mark(joined)
+
+    def keep(self) -> None:
+        """After a training step: remember its reduced flags (for a later
+        ``decide``), then reset them to idle for the next step."""
+        self._previous.copy_(self._elements())
+        self._has_previous = True
+        self.reset()
+
+    def decide(self) -> tuple[bool, int]:
+        """After a join step: (has every rank joined?, global rank that joined last).
+
+        The last joiners are the ranks that joined in this step; of several,
+        the highest rank is returned (they joined in the same step).
+        """
+        joined = self.flags(self._elements())
+        before = self.flags(self._previous) if self._has_previous else [False] * len(joined)
+        self.keep()
+        if not all(joined):
+            return False, -1
+        self._has_previous = False  # the next join() round starts afresh
+        newest = [i for i, (now, was) in enumerate(zip(joined, before, strict=True))
+                  if now and not was]
+        return True, self.ranks[max(newest) if newest else len(joined) - 1]
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,16 +99,16 @@ class Marks:
 class OptimizerState:
     """One optimizer's gradient reduction (see the module docstring)."""
 
-    def __init__(self, *, names: dict[torch.Tensor, str], named: bool,
-                 compression: Any, op: ReduceOp, predivide: float, passes: int,
+    def __init__(self, *, names: dict[torch.Tensor, str], named: bool, compression: Any,
+                 compressor: Compressor, op: ReduceOp, predivide: float, passes: int,
                  sparse_as_dense: bool, process_set: ProcessSet, engine: Engine | None,
                  label: str, groups: int | list[list[torch.Tensor]] | None = None) -> None:
         self.names = names
         self.named = named
         """Names came from ``named_parameters``: a parameter added later needs one."""
         self.compression = compression
-        """The ``compression`` argument as the user gave it (validated)."""
-        self.compressor: Compressor = get_compressor(compression)
+        """The ``compression`` argument as the user gave it; ``compressor``: what it names."""
+        self.compressor = compressor
         self.process_set = process_set
         self.op = op
         self.predivide = predivide
@@ -169,15 +205,14 @@ class OptimizerState:
         for handle in self.hooks:
             handle.remove()
         self.names.update(names)
-        self.params, self.reducer, self.marks, self.hooks = params, reducer, marks, []
-        self.sparse = sparse
+        self.params, self.reducer, self.marks, self.sparse = params, reducer, marks, sparse
         reduced = {id(p) for p in params}
         self.frozen = [(gi, pj) for gi, group in enumerate(groups)
                        for pj, p in enumerate(group["params"]) if id(p) not in reduced]
         self._reset_step()
         ref = weakref.ref(optimizer)
-        for index, p in enumerate(params):
-            self.hooks.append(p.register_post_accumulate_grad_hook(_make_hook(ref, index)))
+        self.hooks = [p.register_post_accumulate_grad_hook(_make_hook(ref, index))
+                      for index, p in enumerate(params)]
 
     def _collect(self, groups: Groups) -> tuple[list[torch.Tensor], dict[torch.Tensor, str]]:
         """The parameters to reduce (requiring grad, in group order) and names for new ones."""
@@ -225,7 +260,7 @@ class OptimizerState:
             specs, engine=eng, compression=self.compressor, passes=self.passes,
             policy=ReducePolicy(self.op, eng.size, predivide=self.predivide),
             timeline=shared_timeline, name=self.label, hook=self.comm_hook,
-            flags=FLAGS if check == "off" else (*FLAGS, "finite"),
+            flags=("join", "unfrozen", "sparse", *(() if check == "off" else ("finite",))),
             settings={"DP_PLUGIN_CHECK_FINITE": check}, autotune=eng.config.autotune,
             groups=group_indices(self.groups, params),
         )
@@ -276,7 +311,7 @@ class OptimizerState:
         groups = optimizer.param_groups
         if self.reducer is None or self.marks is None:
             self.pending = False
-            check_requires_grad(self.unfrozen(groups))
+            self.check_unfrozen(groups)
             self.synchronized = True
             return
         if not self.pending:  # no hook fired this step: look for unfrozen parameters now
@@ -292,8 +327,8 @@ class OptimizerState:
         results = sched.synchronize()
         self.sparse.reduce(self.names, self.op, self.engine)
         try:  # after this step's collectives, before any update
-            self._check_unfrozen(groups)
-            self._check_sparse()
+            self.check_unfrozen(groups)
+            self.check_sparse()
         except DPPluginError:  # the step is dropped: the next one starts clean
             marks.join.keep()
             marks.sparse.reset()
@@ -322,7 +357,7 @@ class OptimizerState:
 
     def _dense(self, index: int, grad: torch.Tensor) -> torch.Tensor | None:
         """The gradient for the dense buckets; None if it is reduced as sparse,
-        or is sparse unexpectedly (this rank is marked: ``_check_sparse``)."""
+        or is sparse unexpectedly (this rank is marked: ``check_sparse``)."""
         param = self.params[index]
         if self.sparse.owns(param):
             self.sparse.grads[param] = grad
@@ -348,18 +383,31 @@ class OptimizerState:
         if self.marks is not None and self.unfrozen(groups):
             self.marks.unfrozen.mark()
 
-    def _check_unfrozen(self, groups: Groups, joined: bool = False) -> None:
-        """After the reduction, on every rank alike: raise if any rank marked
-        an unfrozen parameter. A ``joined`` rank trains nothing, so only the
-        others' marks count."""
-        assert self.marks is not None
-        ranks = self.marks.unfrozen.marked()
-        if not ranks:  # the usual step: nothing marked, nothing to name
+    def check_unfrozen(self, groups: Groups, joined: bool = False) -> None:
+        """Raise if a parameter was unfrozen after wrapping: here or, with a
+        reducer, on any rank that marked one (read after the reduction, so
+        every rank raises at the same ``synchronize()``). A ``joined`` rank
+        trains nothing, so only the others' marks count."""
+        ranks: list[int] | None = None
+        if self.marks is not None:
+            ranks = self.marks.unfrozen.marked()
+            if not ranks:  # the usual step: nothing marked, nothing to name
+                return
+            self.marks.unfrozen.reset()
+        mine = [] if joined else self.unfrozen(groups)
+        if not mine and not ranks:
             return
-        self.marks.unfrozen.reset()
-        check_requires_grad([] if joined else self.unfrozen(groups), ranks)
+        raise DPPluginError(
+            f"{_which(mine, ranks)} requires a gradient now but did not when the "
+            "DistributedOptimizer was wrapped, so its gradient would not be averaged "
+            "across ranks and the replicas would silently diverge; this step is dropped on "
+            "every rank. Fix: set requires_grad alike on every rank, then call "
+            "optimizer.refresh_parameters() on every rank (between steps), or set "
+            "requires_grad before wrapping (freezing later needs nothing: a frozen "
+            "parameter contributes zeros)"
+        )
 
-    def _check_sparse(self, joined: bool = False) -> None:
+    def check_sparse(self, joined: bool = False) -> None:
         """After the reduction, on every rank alike: raise if any rank got a
         sparse gradient for a parameter wrapped as dense (it travelled as
         zeros). A ``joined`` rank names none of its own."""
@@ -387,68 +435,10 @@ class OptimizerState:
         if self.marks is not None and self.marks.finite is not None:
             self.marks.finite.note(grad)
 
-    # -- hvd.join(): zero steps ---------------------------------------------------------
-    def join_ready(self) -> bool:
-        """Does this optimizer reduce on this rank? Raises if a step is half done."""
-        if self.closed:
-            return False  # left over from before hvd.shutdown(); nothing to answer
-        if self.pending:
-            raise SynchronizationError(
-                "hvd.join() was called after loss.backward() but before optimizer.step() or "
-                "optimizer.synchronize(); finish the step first, then join"
-            )
-        return self.reducer is not None
-
-    def join_start(self) -> None:
-        """Start a step in which this rank contributes zero gradients and its
-        joined flag; poll ``join_polled``, then ``join_finish``."""
-        assert self.reducer is not None and self.marks is not None  # join_ready said so
-        self.marks.join.fill(joined=True)
-        self.reducer.launch_all()
-
-    def join_polled(self) -> bool:
-        return self.reducer is None or self.reducer.all_done()
-
-    def join_global(self) -> bool:
-        """Does it reduce over every rank of the job (its steps count for
-        ``joining``'s last joined rank)?"""
-        return self.engine is not None and self.engine.size == job_engine().size
-
-    def join_finish(self) -> bool:
-        """End the zero step; has every rank of the optimizer's set joined?"""
-        reducer, marks = self.reducer, self.marks
-        assert reducer is not None and marks is not None
-        results = reducer.synchronize()  # every gradient: zeros; results dropped
-        self.sparse.reduce(self.names, self.op, self.engine, contribute=False)
-        self._check_unfrozen([], joined=True)  # raise where the training ranks raise
-        self._check_sparse(joined=True)
-        if marks.finite is not None:  # raise where the training ranks raise
-            marks.finite.decide([(self.names[p], g) for p, g in zip(self.params, results,
-                                                                       strict=True)])
-        return marks.join.decide()[0]
-
 
 class SynchronizationError(DPPluginError, AssertionError):
     """The optimizer was used out of order (e.g. ``zero_grad()`` between
     ``backward()`` and ``step()``). Also an ``AssertionError``, as in Horovod."""
-
-
-def check_requires_grad(mine: list[str], ranks: list[int] | None = None) -> None:
-    """Raise if a parameter was unfrozen after wrapping: here (``mine``, from
-    ``OptimizerState.unfrozen``) or on any of ``ranks`` (every rank learns
-    these from the control slot, so every rank raises at the same
-    ``synchronize()``)."""
-    if not mine and not ranks:
-        return
-    raise DPPluginError(
-        f"{_which(mine, ranks)} requires a gradient now but did not when the "
-        "DistributedOptimizer was wrapped, so its gradient would not be averaged "
-        "across ranks and the replicas would silently diverge; this step is dropped on "
-        "every rank. Fix: set requires_grad alike on every rank, then call "
-        "optimizer.refresh_parameters() on every rank (between steps), or set "
-        "requires_grad before wrapping (freezing later needs nothing: a frozen "
-        "parameter contributes zeros)"
-    )
 
 
 def _which(mine: list[str], ranks: list[int] | None) -> str:

@@ -22,8 +22,8 @@ import dp_plugin.torch as hvd
 from dp_plugin import process_sets
 from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.errors import DPPluginError, LayoutMismatchError
-from dp_plugin.torch.joining import JoinFlags
 from dp_plugin.torch.optimizer import _DistributedOptimizer
+from dp_plugin.torch.optimizer_state import JoinFlags
 from tests.torch.local_runtime import local_engine  # noqa: F401 - autouse fixture
 from tests.unit.fakes import make_thread_group, run_ranks, run_ranks_outcomes
 
