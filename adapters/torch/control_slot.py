@@ -4,7 +4,7 @@ Every ``DistributedOptimizer``'s ``Reducer`` has named groups of per-rank
 flags (``Reducer.flags_of``): elements reduced, unscaled, with its last
 fusion bucket, so what they carry costs no collective of its own. One
 element per rank of the optimizer's process set each: the ``hvd.join()``
-flags (``joining.JoinFlags``), the marks of a parameter unfrozen after
+flags (``optimizer_state.JoinFlags``), the marks of a parameter unfrozen after
 wrapping, a sparse gradient for a parameter wrapped as dense, and
 (``DP_PLUGIN_CHECK_FINITE``) the finite flags.
 Each rank may mark only its own element, with the op's "marked" code
