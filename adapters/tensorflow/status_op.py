@@ -87,6 +87,7 @@ def library() -> Any | None:
 
 
 def fail_on(code: Any, message: Any) -> Any:
-    """The op that fails with ``code`` (a ``tf.errors`` code; 0: none) and ``message``;
-    ``library()`` must have been built."""
-    return library().dp_plugin_status(code, message)
+    """The op that fails with ``code`` (a ``tf.errors`` code; 0: none) and ``message``."""
+    lib = library()
+    assert lib is not None, "status_op.fail_on: check library() first"
+    return lib.dp_plugin_status(code, message)

@@ -114,6 +114,7 @@ class _Joined:
         # The zero steps first: one that finished raises what the training
         # ranks raise, before a listener finds those ranks gone.
         for st in list(self.stepping):
+            assert st.reducer is not None and st.engine is not None  # join() kept built ones
             if not st.reducer.all_done():
                 continue
             progressed = True
@@ -142,12 +143,14 @@ class _Joined:
 
 
 def _start_zero_step(st: OptimizerState) -> None:
+    assert st.reducer is not None and st.marks is not None  # join() kept built ones
     st.marks.join.fill(joined=True)
     st.reducer.launch_all()
 
 
 def _finish_zero_step(st: OptimizerState) -> bool:
     """Has every rank of the optimizer's set joined?"""
+    assert st.reducer is not None and st.marks is not None  # join() kept built ones
     results = st.reducer.synchronize()  # every gradient: zeros; results dropped
     st.sparse.reduce(st.names, st.op, st.engine, contribute=False)
     st.check_unfrozen([], joined=True)  # raise where the training ranks raise
