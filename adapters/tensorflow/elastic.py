@@ -55,13 +55,14 @@ from dp_plugin.objects import first_unloadable, from_rank0
 from dp_plugin.tensorflow import basics
 from dp_plugin.tensorflow.basics import init, rank, shutdown
 from dp_plugin.tensorflow.broadcast import broadcast_variables
-from dp_plugin.tensorflow.functions import allgather_object
+from dp_plugin.tensorflow.functions import allgather_object, broadcast_object
 from dp_plugin.tensorflow.graph_ops import broadcast_object_fn
 
 __all__ = [
     "CommitError", "CommitStateCallback", "HorovodInternalError", "KerasState", "ObjectState",
     "State", "TensorFlowKerasState", "TensorFlowState", "UpdateBatchStateCallback",
-    "UpdateEpochStateCallback", "broadcast_object_fn", "init", "rank", "run", "shutdown",
+    "UpdateEpochStateCallback", "broadcast_object", "broadcast_object_fn", "init", "rank",
+    "run", "shutdown",
 ]
 
 
