@@ -181,20 +181,7 @@ class Config:
         # Finite: an infinite timeout is a hang, and timedelta(seconds=inf) overflows.
         check_positive_float("timeout_s", self.timeout_s, unit="seconds", maximum=MAX_TIMEOUT_S,
                              fix=f"the default is {DEFAULT_TIMEOUT_S:g}", error=error)
-        check_int("autotune_warmup_steps", self.autotune_warmup_steps, minimum=0,
-                  maximum=MAX_AUTOTUNE_STEPS, fix="set DP_PLUGIN_AUTOTUNE_WARMUP_STEPS (default 2)",
-                  error=error)
-        check_int("autotune_steps", self.autotune_steps, minimum=1, maximum=MAX_AUTOTUNE_STEPS,
-                  fix="set DP_PLUGIN_AUTOTUNE_STEPS (default 5)", error=error)
-        cands = self.autotune_candidates
-        fix = ("set DP_PLUGIN_AUTOTUNE_CANDIDATES to a comma-separated list of bytes, e.g. "
-               "1048576,8388608,26214400")
-        if not isinstance(cands, tuple) or not 1 <= len(cands) <= MAX_AUTOTUNE_CANDIDATES:
-            raise error(f"autotune_candidates must be a tuple of 1 to "
-                        f"{MAX_AUTOTUNE_CANDIDATES} ints, got {cands!r}; {fix}")
-        for c in cands:
-            check_int("autotune_candidates (bytes)", c, minimum=1, maximum=MAX_THRESHOLD,
-                      fix=fix, error=error)
+        self._check_autotune()
         check_choice("check_finite", self.check_finite, CHECK_FINITE_MODES, kind="modes",
                      fix="set DP_PLUGIN_CHECK_FINITE to one of them", error=error)
         secret = self.job_secret
@@ -222,6 +209,22 @@ class Config:
             cap = min(cap, max(-(-total_bytes // self.min_buckets), first or 1))
         return cap, first
 
+    def _check_autotune(self) -> None:
+        check_int("autotune_warmup_steps", self.autotune_warmup_steps, minimum=0,
+                  maximum=MAX_AUTOTUNE_STEPS, fix="set DP_PLUGIN_AUTOTUNE_WARMUP_STEPS (default 2)",
+                  error=ConfigError)
+        check_int("autotune_steps", self.autotune_steps, minimum=1, maximum=MAX_AUTOTUNE_STEPS,
+                  fix="set DP_PLUGIN_AUTOTUNE_STEPS (default 5)", error=ConfigError)
+        cands = self.autotune_candidates
+        fix = ("set DP_PLUGIN_AUTOTUNE_CANDIDATES to a comma-separated list of bytes, e.g. "
+               "1048576,8388608,26214400")
+        if not isinstance(cands, tuple) or not 1 <= len(cands) <= MAX_AUTOTUNE_CANDIDATES:
+            raise ConfigError(f"autotune_candidates must be a tuple of 1 to "
+                              f"{MAX_AUTOTUNE_CANDIDATES} ints, got {cands!r}; {fix}")
+        for c in cands:
+            check_int("autotune_candidates (bytes)", c, minimum=1, maximum=MAX_THRESHOLD,
+                      fix=fix, error=ConfigError)
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
         """Read the configuration from ``env`` (default: ``os.environ``).
@@ -235,20 +238,9 @@ class Config:
         if "DP_PLUGIN_ENGINE" in env:
             kwargs["engine"] = env_choice(env, "DP_PLUGIN_ENGINE", ENGINE_NAMES, kind="engine",
                                           error=ConfigError)
-        fusion = f"(default {DEFAULT_FUSION_THRESHOLD}, i.e. 25 MiB)"
-        if "DP_PLUGIN_FUSION_THRESHOLD" in env:
-            kwargs["fusion_threshold"] = env_int(
-                env, "DP_PLUGIN_FUSION_THRESHOLD", minimum=1, maximum=MAX_THRESHOLD, unit="bytes",
-                fix=f"set a positive number of bytes {fusion}", error=ConfigError,
-            )
-        elif "HOROVOD_FUSION_THRESHOLD" in env:
-            # Horovod's 0 means "no fusion": a 1-byte threshold, one tensor per bucket.
-            value = env_int(
-                env, "HOROVOD_FUSION_THRESHOLD", minimum=0, maximum=MAX_THRESHOLD, unit="bytes",
-                fix=f"set 0 (no fusion) or a positive number of bytes {fusion}",
-                error=ConfigError,
-            )
-            kwargs["fusion_threshold"] = 1 if value == 0 else value
+        threshold = _fusion_threshold(env)
+        if threshold is not None:
+            kwargs["fusion_threshold"] = threshold
         for name, key, minimum, maximum, unit, fix in _INT_VARIABLES:
             if name in env:
                 kwargs[key] = env_int(env, name, minimum=minimum, maximum=maximum, unit=unit,
@@ -256,13 +248,9 @@ class Config:
         if "fusion_threshold" in kwargs:  # the user's size, for every bucket (as DDP)
             kwargs["first_bucket_threshold"] = None
             kwargs.setdefault("min_buckets", 1)
-        for name in ("DP_PLUGIN_TIMELINE", "HOROVOD_TIMELINE"):
-            if env.get(name):
-                if "\x00" in env[name]:
-                    raise ConfigError(f"{name}={env[name]!r} holds a NUL character; set it to "
-                                      "a file path (or empty for no timeline)")
-                kwargs["timeline"] = env[name]
-                break
+        timeline = next((n for n in ("DP_PLUGIN_TIMELINE", "HOROVOD_TIMELINE") if env.get(n)), None)
+        if timeline is not None:
+            kwargs["timeline"] = _timeline_path(timeline, env[timeline])
         if "DP_PLUGIN_TIMEOUT" in env:
             kwargs["timeout_s"] = env_positive_float(
                 env, "DP_PLUGIN_TIMEOUT", unit="seconds", maximum=MAX_TIMEOUT_S,
@@ -319,6 +307,31 @@ _BOOL_VARIABLES: tuple[tuple[str, str], ...] = (
     ("DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW", "gradient_as_bucket_view"),
     ("DP_PLUGIN_AUTOTUNE", "autotune"),
 )
+
+
+def _fusion_threshold(env: Mapping[str, str]) -> int | None:
+    """The fusion threshold the user set (ours over Horovod's), or None."""
+    fusion = f"(default {DEFAULT_FUSION_THRESHOLD}, i.e. 25 MiB)"
+    if "DP_PLUGIN_FUSION_THRESHOLD" in env:
+        return env_int(
+            env, "DP_PLUGIN_FUSION_THRESHOLD", minimum=1, maximum=MAX_THRESHOLD, unit="bytes",
+            fix=f"set a positive number of bytes {fusion}", error=ConfigError,
+        )
+    if "HOROVOD_FUSION_THRESHOLD" in env:
+        # Horovod's 0 means "no fusion": a 1-byte threshold, one tensor per bucket.
+        value = env_int(
+            env, "HOROVOD_FUSION_THRESHOLD", minimum=0, maximum=MAX_THRESHOLD, unit="bytes",
+            fix=f"set 0 (no fusion) or a positive number of bytes {fusion}", error=ConfigError,
+        )
+        return 1 if value == 0 else value
+    return None
+
+
+def _timeline_path(name: str, value: str) -> str:
+    if "\x00" in value:
+        raise ConfigError(f"{name}={value!r} holds a NUL character; set it to a file path (or "
+                          "empty for no timeline)")
+    return value
 
 
 def _job_secret(env: Mapping[str, str]) -> dict[str, object]:
