@@ -108,9 +108,11 @@ class DistributedGradientTape:
         local = [variable_ref(s) in self._local_sources for s in flat_sources]
         shared = [None if is_local else g for g, is_local in zip(flat_grads, local, strict=True)]
         reduced = reduce_gradients(self._bridge, shared, flat_sources, self._sparse_as_dense)
-        scale = self.scale_local_gradients
-        out = [(_scaled_locally(g) if scale and g is not None else g) if is_local else r
-               for g, r, is_local in zip(flat_grads, reduced, local, strict=True)]
+        out = [g if is_local else r for g, r, is_local in zip(flat_grads, reduced, local,
+                                                                strict=True)]
+        if self.scale_local_gradients:
+            out = [_scaled_locally(g) if is_local and g is not None else g
+                   for g, is_local in zip(out, local, strict=True)]
         return tf.nest.pack_sequence_as(grads, out)
 
     def get_local_and_global_gradients(self, target: Any, sources: Any,
