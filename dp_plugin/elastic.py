@@ -35,7 +35,7 @@ class CommitError(DPPluginError):
 
 
 class State:
-    """What ``run`` needs from a state: ``sync``, ``save``, ``restore``, ``load``."""
+    """What ``run`` needs from a state: ``sync``, ``save``, ``restore``, ``load``, ``discard``."""
 
     commit_path: Path | None = None
 
