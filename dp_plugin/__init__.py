@@ -12,6 +12,7 @@ core API is for adapters and advanced users::
 """
 
 from dp_plugin.config import Config
+from dp_plugin.engines import exit_bounds as _exit_bounds  # noqa: F401 - its exit hook, early
 from dp_plugin.errors import (
     CollectiveTimeoutError,
     DPPluginError,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,7 +35,7 @@ class CommitError(DPPluginError):
 
 
 class State:
-    """What ``run`` needs from a state: ``sync``, ``save``, ``restore``, ``load``."""
+    """What ``run`` needs from a state: ``sync``, ``save``, ``restore``, ``load``, ``discard``."""
 
     commit_path: Path | None = None
 
@@ -83,6 +83,9 @@ class State:
     def load(self) -> bool:
         raise NotImplementedError
 
+    def discard(self) -> None:
+        """The job is over: remove what only its restarts would read (nothing here)."""
+
 
 class ObjectState(State):
     """Plain Python values, each keyword argument an attribute (Horovod's ``ObjectState``).
@@ -98,7 +101,8 @@ class ObjectState(State):
     """What a commit this state cannot use raises."""
 
     default_path: bool = False
-    """``commit_path`` is ``default_commit_path()`` (removed when ``run`` returns)."""
+    """``commit_path`` is ``default_commit_path()``: ``run`` removes it when the
+    job is over (``discard``), and a start removes other jobs' (``_remove_stale``)."""
 
     _objects: list[str] = []
     """Keyword names a subclass tracks itself (through ``state_dict``, ...)."""
@@ -137,6 +141,10 @@ class ObjectState(State):
         """The record at ``path`` (None if there is no file), this rank's
         generator states restored from it. Collective."""
         raise NotImplementedError
+
+    def _remove_stale(self, path: Path) -> None:
+        """Remove the default commits beside ``path`` that no job will resume
+        (rank 0, before it reads ``path``). Nothing without a default path."""
 
     # -- what subclasses extend ------------------------------------------------------
 
@@ -188,6 +196,8 @@ class ObjectState(State):
         first start or without ``commit_path``. Collective."""
         if self.commit_path is None:
             return False
+        if self.default_path and _is_rank_0():
+            self._remove_stale(self.commit_path)
         record = self._read(self.commit_path)
         if record is None:
             return False
@@ -208,6 +218,17 @@ class ObjectState(State):
         self.on_reset()
         return True
 
+    def discard(self) -> None:
+        """Remove the default commit file (rank 0; nothing for an explicit
+        ``commit_path``, which is the user's): ``run`` calls it when the job
+        is over."""
+        if self.default_path and self.commit_path is not None and _is_rank_0():
+            self.commit_path.unlink(missing_ok=True)
+
+
+def _is_rank_0() -> bool:
+    return not runtime.is_initialized() or runtime.rank() == 0
+
 
 def runner(init: Callable[[], None]) -> Callable[[Callable[..., R]], Callable[..., R]]:
     """The adapter's ``run`` (Horovod's), starting the engine with the adapter's
@@ -220,7 +241,9 @@ def runner(init: Callable[[], None]) -> Callable[[Callable[..., R]], Callable[..
     collective timed out) propagates and ends the process; the launcher
     restarts every worker and the next attempt resumes from the commit.
     ``func`` must not begin with a collective that the resume could meet
-    (as in Horovod). A default commit file is removed when ``func`` returns."""
+    (as in Horovod). A default commit file is removed when the job is over:
+    when ``func`` returns, or raises on the last attempt the launcher grants
+    (``last_attempt``)."""
 
     def run(func: Callable[..., R]) -> Callable[..., R]:
         @functools.wraps(func)
@@ -230,16 +253,31 @@ def runner(init: Callable[[], None]) -> Callable[[Callable[..., R]], Callable[..
                 init()
             if not state.load():
                 state.sync()
-            result = func(state, *args, **kwargs)
-            # The job's function returned: its default commit file is not needed again.
-            if getattr(state, "default_path", False) and state.commit_path is not None and (
-                    not runtime.is_initialized() or runtime.rank() == 0):
-                state.commit_path.unlink(missing_ok=True)
+            try:
+                result = func(state, *args, **kwargs)
+            except BaseException:
+                if last_attempt():  # nothing will resume from the commit
+                    state.discard()
+                raise
+            state.discard()
             return result
 
         return wrapper
 
     return run
+
+
+def last_attempt(env: Mapping[str, str] | None = None) -> bool:
+    """Whether no launcher restart follows this attempt's failure: under
+    torchrun, when this agent has used its ``--max-restarts``
+    (``TORCHELASTIC_RESTART_COUNT`` reached ``TORCHELASTIC_MAX_RESTARTS``);
+    elsewhere always (nothing restarts the workers)."""
+    env = os.environ if env is None else env
+    count = env.get("TORCHELASTIC_RESTART_COUNT", "")
+    most = env.get("TORCHELASTIC_MAX_RESTARTS", "")
+    if not (count.isdigit() and most.isdigit()):
+        return True
+    return int(count) >= int(most)
 
 
 def check_launcher(state: State) -> None:

@@ -34,10 +34,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import logging
 import os
 import re
 import stat
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -85,6 +87,9 @@ class ObjectState(_core.ObjectState):
     def _read(self, path: Path) -> Any:
         return load_checkpoint(path, missing_ok=True)  # restores the RNG states
 
+    def _remove_stale(self, path: Path) -> None:
+        remove_stale_commits(path)
+
 
 class TorchState(ObjectState):
     """The state of a PyTorch training run (Horovod's ``TorchState``).
@@ -97,7 +102,8 @@ class TorchState(ObjectState):
     ``commit_path`` (keyword only, not an attribute name Horovod scripts
     use): the file each ``commit()`` replaces atomically and ``run`` resumes
     from. Under torchrun it defaults to a per-job file private to the user
-    (``default_commit_path``, removed when ``run``'s function returns), so
+    (``default_commit_path``: only a restart of the same job resumes it,
+    removed when the job is over), so
     that Horovod's own examples (``TorchState(model, optimizer, batch=0,
     epoch=0)``) recover a killed worker unchanged; elsewhere (no restarts)
     commits stay in memory. Multi-host: rank 0 writes and reads it, so it
@@ -143,29 +149,44 @@ run = _core.runner(init)
 """Horovod's ``run``: see ``dp_plugin.elastic.runner``."""
 
 
+STALE_AFTER_S = 7 * 24 * 3600
+"""A default commit not written for a week is removed by the next start of
+any job of this user on the host: its job ended without removing it (its
+rank 0 was killed on the last attempt), since a live job commits far more
+often than that."""
+
+log = logging.getLogger("dp_plugin")
+
+
 def default_commit_path(env: Mapping[str, str] | None = None) -> Path | None:
     """Where commits go without ``commit_path``: under torchrun,
-    ``<temp dir>/dp_plugin-<uid>/elastic-<job id>.pt``; None elsewhere (no
-    launcher restarts the workers, memory is enough).
+    ``<temp dir>/dp_plugin-<uid>/elastic-<run id>-<job>.pt``; None elsewhere
+    (no launcher restarts the workers, memory is enough).
 
-    Per job: the job id is torchrun's run id (a UUID under ``--standalone``,
-    the job's name with ``--rdzv-id``), which it keeps across its restarts.
-    Without either, torchrun gives every job the run id ``none`` (its static
-    rendezvous: any ``--master_port`` launch, multi-node ``--node_rank``
-    launches); there the id is derived from the job's own log directory
-    (``_static_job_id``), and without one restarts are refused (issue 32:
-    every such job shared ``elastic-none.pt`` and a fresh job started from
-    another job's commit). Private: the directory is created 0700 and refused
-    unless this user owns it and no one else may enter it (a commit is
-    unpickled, with ``weights_only=True``, by the next attempt)."""
+    Per job, not per run id: torchrun keeps its run id (a UUID under
+    ``--standalone``, the name given with ``--rdzv-id``, ``none`` for the
+    static rendezvous) across a job's restarts, but a job script that fixes
+    ``--rdzv-id`` gives every job the same one, and a new job would resume
+    the commit of the last one that failed. ``<job>`` names the launch
+    itself: torchrun makes one log directory per launch (``_launch_id``),
+    kept across that launch's restarts. So only a restart of the same job
+    resumes (also after a restart for a membership change, which keeps
+    ``TORCHELASTIC_RESTART_COUNT`` at 0), and a new job's first attempt never
+    finds an earlier job's commit. When torchrun's log directory is unknown
+    (``--log-dir /dev/null``), restarts are refused (``LaunchError``) and,
+    without restarts, commits stay in memory.
+
+    Private: the directory is created 0700 and refused unless this user owns
+    it and no one else may enter it (a commit is unpickled, with
+    ``weights_only=True``, by the next attempt). When files are removed:
+    ``ObjectState.discard`` and ``remove_stale_commits``."""
     env = os.environ if env is None else env
     run_id = env.get("TORCHELASTIC_RUN_ID")
     if not run_id:
         return None
-    if run_id == "none":
-        run_id = _static_job_id(env)
-        if run_id is None:
-            return None
+    launch = _launch_id(env)
+    if launch is None:
+        return None
     folder = Path(tempfile.gettempdir()) / f"dp_plugin-{os.getuid()}"
     with contextlib.suppress(FileExistsError):
         folder.mkdir(mode=0o700)
@@ -179,41 +200,76 @@ def default_commit_path(env: Mapping[str, str] | None = None) -> Path | None:
             "): another user could replace the commits a restart loads. Remove it, or pass "
             "TorchState(..., commit_path='some/dir/elastic.pt')"
         )
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:128]
-    return folder / f"elastic-{safe}.pt"
+    return folder / f"elastic-{_safe(run_id)}-{launch}.pt"
 
 
-def _static_job_id(env: Mapping[str, str]) -> str | None:
-    """A job id for torchrun's static rendezvous (run id ``none``), or None when
-    nothing restarts the workers and none can be derived.
+def remove_stale_commits(path: Path, now: float | None = None) -> list[Path]:
+    """Remove the default commits beside ``path`` (a default commit path)
+    that no job will resume, saying so in a warning; return them.
 
-    torchrun makes one log directory per job (``mkdtemp``, under ``--log-dir``
-    or the temporary directory) and gives each worker
-    ``TORCHELASTIC_ERROR_FILE=<that directory>/attempt_<restart>/<local rank>/error.json``:
-    the directory is the same for every worker of the job's agent and for
-    every restart, and never the same for two jobs. Only rank 0 writes and
-    reads the commit, so ranks on other hosts (another agent, another
-    directory) never use theirs."""
+    Those are: another launch's commit with the same run id (an earlier job
+    with the same ``--rdzv-id`` on this host; only its own restarts could
+    have resumed it, and its launch is over, or two jobs run at once with one
+    ``--rdzv-id``, which the default path does not support), and any default
+    commit not written for ``STALE_AFTER_S``. ``run`` calls this on rank 0 at
+    every start, before it looks for the job's own commit. The job's own
+    commit is removed by ``ObjectState.discard`` when the job is over."""
+    now = time.time() if now is None else now
+    same_run = re.compile(re.escape(path.name.rsplit("-", 1)[0]) + r"-[0-9a-f]{16}\.pt")
+    removed = []
+    for other in sorted(path.parent.glob("elastic-*.pt")):
+        if other == path:
+            continue
+        try:
+            age = now - other.stat().st_mtime
+        except FileNotFoundError:
+            continue
+        if same_run.fullmatch(other.name):
+            why = "an earlier torchrun job with the same run id left it; a new job never resumes it"
+        elif age > STALE_AFTER_S:
+            why = f"not written for {age / 86400:.0f} days: its job is over"
+        else:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            other.unlink()
+            removed.append(other)
+            log.warning("dp_plugin: removed the default elastic commit %s (%s)", other, why)
+    return removed
+
+
+def _safe(run_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:128]
+
+
+def _launch_id(env: Mapping[str, str]) -> str | None:
+    """A name for this torchrun launch, the same for all its local ranks and
+    restarts and never the same for two launches; None when nothing
+    restarts the workers and none can be derived.
+
+    torchrun makes one log directory per launch (``mkdtemp``, under
+    ``--log-dir`` or the temporary directory) and gives each worker
+    ``TORCHELASTIC_ERROR_FILE=<that directory>/attempt_<restart>/<local rank>/error.json``.
+    Only rank 0 writes and reads the commit, so ranks on other hosts
+    (another agent, another directory) never use theirs."""
     error_file = Path(env.get("TORCHELASTIC_ERROR_FILE") or "error.json")
     rank_dir = error_file.parent
     if (error_file.name == "error.json" and rank_dir.name.isdigit()
             and re.fullmatch(r"attempt_\d+", rank_dir.parent.name) and error_file.is_absolute()):
         job_dir = str(rank_dir.parent.parent)
-        return "none-" + hashlib.sha256(job_dir.encode()).hexdigest()[:16]
+        return hashlib.sha256(job_dir.encode()).hexdigest()[:16]
     restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0")
     if not (restarts.isdigit() and int(restarts) > 0):
         return None  # nothing restarts the workers: commits stay in memory
     raise LaunchError(
-        "torchrun gives every job launched without --rdzv-id or --standalone (its static "
-        "rendezvous: --master_port, --node_rank) the run id 'none' (TORCHELASTIC_RUN_ID=none), "
-        "and this "
-        "job's own torchrun log directory is unknown (TORCHELASTIC_ERROR_FILE="
+        "this torchrun job's log directory is unknown (TORCHELASTIC_ERROR_FILE="
         f"{env.get('TORCHELASTIC_ERROR_FILE', '')!r}, expected "
-        "<log dir>/attempt_<n>/<local rank>/error.json; --log-dir /dev/null leaves it empty): "
-        "a default commit file named after the run id would be shared by every such job, and "
-        f"a restart (TORCHELASTIC_MAX_RESTARTS={restarts}) could resume another job's commit. "
-        "Pass TorchState(..., commit_path='some/dir/elastic.pt'), a file of this job's own, "
-        "or give torchrun --rdzv-id <a name unique to this job>"
+        "<log dir>/attempt_<n>/<local rank>/error.json; --log-dir /dev/null leaves it empty), "
+        "and the default elastic commit file is named after it: the run id alone "
+        f"(TORCHELASTIC_RUN_ID={env.get('TORCHELASTIC_RUN_ID', '')!r}) is shared by every "
+        "job given the same --rdzv-id, or by every job of the static rendezvous ('none'), "
+        f"and a restart (TORCHELASTIC_MAX_RESTARTS={restarts}) could resume another job's "
+        "commit. Pass TorchState(..., commit_path='some/dir/elastic.pt'), a file of this "
+        "job's own, or give torchrun a --log-dir"
     )
 
 

@@ -60,7 +60,12 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     lazily at its first step is handled without running any step. If the
     root has no state yet, the others' state is cleared, and only the
     hyper-parameters travel; unlike Horovod's zero-gradient dummy step, this
-    never changes parameters or step counters.
+    never changes parameters or step counters. What that step leaves behind
+    is kept, as scripts ported from Horovod read it: on a rank whose
+    optimizer had no state yet, each parameter that requires a gradient and
+    has none gets a zero ``.grad`` (sparse for ``SparseAdam``, and for
+    ``SGD`` over a sparse ``Embedding`` of ``model``); a frozen parameter's
+    stays None.
 
     ``model`` is accepted for compatibility and not needed. Collective: every
     rank passes an optimizer over the same parameter groups.
@@ -79,6 +84,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         eng = engine_of(process_set)
     root = agreed_root(eng, root_rank)
     is_root = eng.rank == root
+    if not optimizer.state:
+        _zero_missing_grads(optimizer, model)
     tensors: list[torch.Tensor] = []
     skeleton = _strip(optimizer.state_dict(), tensors) if is_root else None
     skeleton = _objects.broadcast_object(eng, skeleton, root, "broadcast_optimizer_state.skeleton")
@@ -197,6 +204,25 @@ def _walk(obj: Any, leaf: Any) -> Any:
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
         return tuple(_walk(v, leaf) for v in obj)
     return leaf(obj)
+
+
+def _zero_missing_grads(optimizer: torch.optim.Optimizer, model: Any) -> None:
+    """Give each parameter that requires a gradient and has none a zero one, as
+    Horovod's state-initialising step leaves them (its ``test_broadcast_state_no_grad``
+    broadcasts such a ``.grad`` next). Sparse where that step makes it sparse."""
+    sparse = set()
+    if model is not None:
+        sparse = {id(p) for m in model.modules()
+                  if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not p.requires_grad or p.grad is not None:
+                continue
+            grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            if isinstance(optimizer, torch.optim.SparseAdam) or (
+                    isinstance(optimizer, torch.optim.SGD) and id(p) in sparse):
+                grad = grad.to_sparse()
+            p.grad = grad
 
 
 def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:

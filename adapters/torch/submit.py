@@ -35,6 +35,14 @@ def check_tensors(tensors: Any) -> list[torch.Tensor]:
     Argument-type mistakes raise at once on the rank that made them: in an
     SPMD program every rank makes them alike."""
     what = caller()
+    if tensors is None:
+        raise TypeError(
+            f"{what}: the input is None, not a torch.Tensor. A parameter's .grad is None "
+            "until a backward pass reaches it, and stays None for a parameter with "
+            "requires_grad=False; pass a tensor (e.g. torch.zeros_like(p) for a missing "
+            "gradient) or skip the call on every rank alike: a rank that skips it alone "
+            "leaves the others waiting until DP_PLUGIN_TIMEOUT"
+        )
     items = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     for i, t in enumerate(items):
         if not isinstance(t, torch.Tensor):

@@ -10,7 +10,15 @@ Two libraries end a process with a wait that has no timeout:
   that calls ``MPI_Finalize`` itself, through ``ctypes`` (which releases
   the GIL), on the main thread as MPI requires, while a watchdog thread
   waits ``DP_PLUGIN_TIMEOUT``; mpi4py's own hook then finds MPI finalized
-  and does nothing.
+  and does nothing. The hook is registered when ``dp_plugin`` is imported,
+  not when the engine starts: ``atexit`` runs the last registered first,
+  so every hook registered after ``import dp_plugin`` (a library's flush,
+  the user's own, also one registered before ``hvd.init()``) runs while
+  MPI is still up and may use it. Registered at the engine's start, it
+  finalized MPI before such hooks, and one that asked MPI anything (its
+  rank, for a log line) ended the job with ``Attempting to use an MPI
+  routine ... after finalizing MPICH``. Only hooks registered before
+  ``import dp_plugin`` and the interpreter's own teardown run after it.
 - **Horovod's shutdown.** ``hvd.shutdown()`` joins Horovod's background
   thread, which first agrees on the shutdown with every rank; Horovod
   registers it with ``atexit`` and its global state's destructor joins the
@@ -35,6 +43,9 @@ from collections.abc import Callable
 
 _registered: set[str] = set()
 """What already has an exit hook in this process (one hook per teardown)."""
+
+_finalize_mpi: list[Callable[[], None]] = []
+"""The bounded ``MPI_Finalize`` once an engine has armed it (``run_armed_at_exit``)."""
 
 
 def finalize_mpi_at_exit(rank: int, timeout_s: float) -> None:
@@ -70,7 +81,16 @@ def finalize_mpi_at_exit(rank: int, timeout_s: float) -> None:
         finalize()  # ctypes releases the GIL: the watchdog can run meanwhile
         done.set()
 
-    atexit.register(at_exit)
+    _finalize_mpi.append(at_exit)
+
+
+def run_armed_at_exit() -> None:
+    """The exit hook registered at import: the bounded ``MPI_Finalize``, if armed."""
+    for finalize in _finalize_mpi:
+        finalize()
+
+
+atexit.register(run_armed_at_exit)  # at import: see the module docstring
 
 
 def bound_at_exit(key: str, teardown: Callable[[], bool], what: str) -> None:

@@ -1,4 +1,4 @@
-"""broadcast_optimizer_state with a frozen parameter (workers/optimizer_state_frozen.py)."""
+"""broadcast_optimizer_state with frozen parameters (workers/optimizer_state_frozen.py)."""
 
 from __future__ import annotations
 
@@ -13,3 +13,12 @@ def test_a_frozen_parameter_has_no_state_to_broadcast() -> None:
     result = run_workers("env", 2, WORKER, args=["--case", "frozen"],
                          env={"DP_PLUGIN_ENGINE": "gloo", "DP_PLUGIN_TIMEOUT": "60"}, timeout=120)
     assert_ranks_ok(result, 2)
+
+
+def test_horovods_broadcast_state_no_grad() -> None:
+    """Horovod's ``test_broadcast_state_no_grad``: a zero ``.grad`` after
+    ``broadcast_optimizer_state`` (it was None, and ``hvd.broadcast`` of it
+    raised ``'NoneType' object is not iterable``); 3 ranks."""
+    result = run_workers("env", 3, WORKER, args=["--case", "no_grad"],
+                         env={"DP_PLUGIN_ENGINE": "gloo", "DP_PLUGIN_TIMEOUT": "60"}, timeout=120)
+    assert_ranks_ok(result, 3)

@@ -8,10 +8,16 @@
 
 Rank 0 prints ``rank 0 leaves at <unix time>`` when its program ends; rank
 1 ``rank 1 late from <unix time>``.
+
+- ``slow_teardown`` (mpirun x3, mpi engine): rank 2's teardown is slow (an
+  ``atexit`` hook that sleeps ``SLOW_TEARDOWN_S``, then asks MPI its rank)
+  while ranks 0 and 1 exit at once. Prints ``rank 2 teardown done``.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
 import time
 from typing import Any
 
@@ -35,7 +41,30 @@ def case_mpi_finalize(_: Any) -> None:
     print(f"rank {rank} leaves at {time.time():.3f}", flush=True)
 
 
-CASES = {"mpi_finalize": case_mpi_finalize}
+SLOW_TEARDOWN_S = 3.0
+"""How long rank 2's teardown takes after its program ends."""
+
+
+def case_slow_teardown(_: Any) -> None:
+    rank = int(os.environ["PMI_RANK"])
+    if rank == 2:
+        # Registered after ``import dp_plugin`` but before ``hvd.init()``, as
+        # a library's flush often is: it must run while MPI is still up.
+
+        def slow_teardown() -> None:
+            from mpi4py import MPI  # imported by the engine already
+
+            time.sleep(SLOW_TEARDOWN_S)
+            MPI.COMM_WORLD.Get_rank()  # a log handler asking its rank at exit
+            print(f"rank {rank} teardown done", flush=True)
+
+        atexit.register(slow_teardown)
+    hvd.init()
+    hvd.allreduce(torch.ones(1), name="last")
+    print(f"rank {hvd.rank()} leaves", flush=True)
+
+
+CASES = {"mpi_finalize": case_mpi_finalize, "slow_teardown": case_slow_teardown}
 
 if __name__ == "__main__":
     run_cases(CASES)

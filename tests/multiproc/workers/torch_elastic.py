@@ -10,7 +10,9 @@ the batch of step ``s`` on rank ``r`` is drawn from a generator seeded with
 SIGKILLs itself right after step ``KILL_AFTER``; torchrun restarts all three
 workers and ``run`` resumes them from the commit of step 5. ``killed`` gives
 no ``commit_path`` (as Horovod's own elastic example): the commits go to the
-per-job default under torchrun.
+per-job default under torchrun. ``rank0_dies``: the same, but rank 0 is
+killed (so nothing removes the commit of step 5); ``fresh``: the default
+commit path, nobody killed (a new job after ``rank0_dies``).
 
 At the end rank 0 writes the raw bytes of every weight to ``--out``/weights.bin
 (the test compares both runs' files) and every rank checks that the ranks
@@ -34,7 +36,6 @@ import dp_plugin.torch as hvd
 STEPS = 12
 COMMIT_EVERY = 5
 KILL_AFTER = 7
-KILLED_RANK = 1
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +43,8 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
 
 
-def _train(out: Path, kill: bool) -> None:
+def _train(out: Path, kill: int | None, default_path: bool = True) -> None:
+    """Train; rank ``kill`` (None: nobody) kills itself on the first attempt."""
     hvd.init()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.25), nn.Linear(16, 4))
@@ -52,7 +54,7 @@ def _train(out: Path, kill: bool) -> None:
     opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
     # ``killed`` is Horovod's elastic example as written: no commit_path,
     # torchrun's run id gives the default one (elastic.default_commit_path).
-    where = {} if kill else {"commit_path": out / "commit.pt"}
+    where = {} if default_path else {"commit_path": out / "commit.pt"}
     state = hvd.elastic.TorchState(model, opt, scheduler=scheduler, batch=0, **where)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -68,7 +70,7 @@ def _train(out: Path, kill: bool) -> None:
             state.batch = step + 1
             if state.batch % COMMIT_EVERY == 0:
                 state.commit()
-            if kill and attempt == 0 and state.batch == KILL_AFTER and hvd.rank() == KILLED_RANK:
+            if attempt == 0 and state.batch == KILL_AFTER and hvd.rank() == kill:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     train(state)
@@ -83,8 +85,10 @@ def _train(out: Path, kill: bool) -> None:
 
 
 CASES = {
-    "uninterrupted": lambda args: _train(Path(args.out), kill=False),
-    "killed": lambda args: _train(Path(args.out), kill=True),
+    "uninterrupted": lambda args: _train(Path(args.out), kill=None, default_path=False),
+    "killed": lambda args: _train(Path(args.out), kill=1),
+    "rank0_dies": lambda args: _train(Path(args.out), kill=0),
+    "fresh": lambda args: _train(Path(args.out), kill=None),
 }
 
 if __name__ == "__main__":
