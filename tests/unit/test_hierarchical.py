@@ -524,3 +524,41 @@ def test_a_second_segment_over_the_budget_leaves_every_rank_unpipelined_said_onc
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1 and instead in warned[0], warned
     assert "DP_PLUGIN_SHARED_MEMORY_BUDGET" in warned[0]
+
+
+def test_each_sub_engine_of_two_hosts_of_two_sees_its_own_topology(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 hosts x 2, the real GlooEngine constructor on thread-ranks: each
+    host's shared-memory transport holds that host's job ranks, and each
+    cross-host group (one per local rank) is one rank on each of two hosts.
+    The groups' host keys used to be the ranks' votes, the same on every
+    rank: every cross group saw 'local_size 2, cross_size 1'."""
+    from dp_plugin.engines.gloo_nccl import GlooEngine
+
+    made: dict[int, tuple[tuple[int, ...], Topology]] = {}
+
+    class Cross:
+        def shutdown(self) -> None:
+            pass
+
+    def record(self: Any, members: tuple[int, ...], topology: Topology | None,
+               name: str) -> Any:
+        if topology is None:
+            return None
+        made[self.rank] = (members, topology)
+        return Cross()
+
+    monkeypatch.setattr(GlooEngine, "_subgroup", record)
+    topologies = [detect(hosts_env("env", [2, 2], r)) for r in range(4)]
+    engines, _ = gloo_engines(monkeypatch, topologies, [Config()] * 4)
+    try:
+        assert [e.hierarchical for e in engines] == [True] * 4
+        for rank in range(4):
+            host, local = divmod(rank, 2)
+            assert engines[rank]._hier._transport.ranks == (2 * host, 2 * host + 1)
+            members, seen = made[rank]
+            assert members == (local, local + 2)
+            assert (seen.rank, seen.size, seen.local_rank, seen.local_size, seen.cross_rank,
+                    seen.cross_size) == (host, 2, 0, 1, host, 2), seen
+    finally:
+        on_ranks(4, lambda r: engines[r]._hier.close())
