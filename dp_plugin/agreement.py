@@ -144,8 +144,9 @@ def conclude(engine: Any, table: np.ndarray, payload: bytes,
     counts = [0 if r in joined else int(table[r, 0]) for r in range(engine.size)]
     if any(c < 0 for c in counts) or any(table[r, 1] < 0 for r in active):
         raise LayoutMismatchError(
-            f"rank {engine.rank}: the agreement received a malformed table from ranks "
-            f"{sorted(active)}; some rank runs another version of dp_plugin"
+            f"rank {engine.job_rank}: the agreement received a malformed table from ranks "
+            f"{[engine.global_ranks[r] for r in active]}; some rank runs another version of "
+            "dp_plugin"
         )
     numbers_of = [table[r, _HEAD:_HEAD + min(c, INLINE)].tolist()
                   for r, c in enumerate(counts)]
@@ -170,8 +171,9 @@ def conclude(engine: Any, table: np.ndarray, payload: bytes,
     tags = {envelopes[r][0] for r in active}  # type: ignore[index]
     if len(tags) > 1:
         raise LayoutMismatchError(
-            f"rank {engine.rank}: ranks called different collectives at the same point: "
-            + "; ".join(f"rank {r} in {envelopes[r][0]}" for r in active)  # type: ignore[index]
+            f"rank {engine.job_rank}: ranks called different collectives at the same point: "
+            + "; ".join(f"rank {engine.global_ranks[r]} in {envelopes[r][0]}"  # type: ignore[index]
+                        for r in active)
             + ". Every rank must call the same collectives in the same order"
         )
     return Heard(envelopes, numbers_of, joined, same)

@@ -193,13 +193,12 @@ def check(engine: Any, request: Request, *, accept_joined: bool = False) -> Agre
     numbers = [shape[0] if shape else -1 for shape in request.shapes] + extra
     got = compare(engine, CHECK_TAG, mine, numbers, joined_ok=accept_joined,
                   what=f"{request.kind}{_named(request.name)}")
-    blocks = [mine] if got.same else [b for b in got.described if b is not None]
-    # Equal digests on several ranks: every rank described the same request, its
-    # problem included, and only this rank's copy is at hand (issue 32: it was
-    # blamed on "rank(s) [0]" alone).
-    _raise_problems(blocks, detail, every_rank=got.same and engine.size > 1)
+    blocks = _by_job_rank(engine, got, mine)
+    # Equal digests: every active rank described the same request, its problem
+    # included, and only this rank's copy is at hand (it stands for each of them).
+    _raise_problems(blocks, detail, every_rank=got.same and not got.joined and engine.size > 1)
     if not got.same:
-        _raise_mismatch(blocks, request, engine.rank)
+        _raise_mismatch(blocks, request, engine.job_rank)
         if not got.joined:
             raise MismatchError(  # the digests differ, the descriptions do not
                 "the agreement check's digests differ across ranks although the requests "
@@ -384,14 +383,25 @@ def _describe(req: Request, index: int, problem: Problem,
     return out
 
 
-Described = list[list[dict[str, Any]]]
-"""``described[rank][i]``: rank's description of tensor ``i``."""
+Described = dict[int, list[dict[str, Any]]]
+"""``described[rank][i]``: job rank ``rank``'s description of tensor ``i``,
+for the active ranks, in rank order (``_by_job_rank``)."""
+
+
+def _by_job_rank(engine: Any, got: Heard, mine: list[dict[str, Any]]) -> Described:
+    """Every active rank's description by its job-wide rank (what the user
+    sees in the logs, whatever process set runs the collective); joined
+    ranks are left out: they describe nothing and are never blamed. Where
+    the digests agreed, ``mine`` stands for every active rank's."""
+    return {rank: mine if got.same else got.described[r]
+            for r, rank in enumerate(engine.global_ranks) if r not in got.joined}
 
 
 def _raise_problems(blocks: Described, detail: str, *, every_rank: bool = False) -> None:
-    """Raise the first problem a rank found in its own request, naming the ranks
-    that have it (``every_rank``: ``blocks`` is this rank's, the same on all)."""
-    bad = [(rank, d) for rank, block in enumerate(blocks) for d in block if d["problem"]]
+    """Raise the first problem a rank found in its own request, naming the job
+    ranks that have it (``every_rank``: every rank of the collective has it,
+    none has joined: say so rather than list them)."""
+    bad = [(rank, d) for rank, block in blocks.items() for d in block if d["problem"]]
     if not bad:
         return
     first = bad[0][1]
@@ -399,8 +409,8 @@ def _raise_problems(blocks: Described, detail: str, *, every_rank: bool = False)
     ranks = sorted({r for r, d in bad if d["problem"] == problem})
     dtypes = sorted({d.get("dtype", "?") for _, d in bad if d["problem"] == problem})
     said = _PROBLEM_TEXT[problem].replace("{dtypes}", " / ".join(dtypes))
-    roots = [block[0].get("root") for block in blocks]
-    if problem is Problem.BAD_ROOT and len(set(roots)) > 1:
+    roots = {rank: block[0].get("root") for rank, block in blocks.items()}
+    if problem is Problem.BAD_ROOT and len(set(roots.values())) > 1:
         said += f" ({_DIFFERENT_ROOTS}: {_by_value(roots, _SHOW['root'])})"
     mine = f" On this rank: {detail}." if detail else ""
     who = "every rank" if every_rank else f"rank(s) {ranks}"
@@ -410,42 +420,46 @@ def _raise_problems(blocks: Described, detail: str, *, every_rank: bool = False)
 
 
 def _raise_mismatch(blocks: Described, req: Request, rank: int) -> None:
-    counts = [len(b) for b in blocks]
-    if len(set(counts)) > 1:
+    """Raise for the first field where the ranks' requests differ (``rank``:
+    this rank's job-wide rank)."""
+    counts = {r: len(b) for r, b in blocks.items()}
+    if len(set(counts.values())) > 1:
         raise MismatchError(
             f"Mismatched group sizes for grouped {req.kind}{_named(req.name)}: "
             + _by_value(counts, lambda n: f"passed {n} tensor(s)")
             + ". Every rank must pass the same number of tensors, in the same order"
         )
-    for index in range(counts[0]):
-        column = [b[index] for b in blocks]
-        if len({d["kind"] for d in column}) > 1:
+    group = next(iter(counts.values()))
+    for index in range(group):
+        column = {r: b[index] for r, b in blocks.items()}
+        if len({d["kind"] for d in column.values()}) > 1:
             raise MismatchError(
                 "Mismatched collectives: at the same point in the program "
-                + _by_value([(d["kind"], _name_text(d)) for d in column],
+                + _by_value({r: (d["kind"], _name_text(d)) for r, d in column.items()},
                             lambda v: f"called {v[0]} ({v[1]})")
                 + ". Every rank must call the same collectives in the same order"
             )
-        if len({d["name"] for d in column}) > 1:
+        if len({d["name"] for d in column.values()}) > 1:
             raise MismatchError(
                 f"Mismatched names for {req.kind}: "
-                + _by_value([_name_text(d) for d in column], lambda t: f"passed {t}")
+                + _by_value({r: _name_text(d) for r, d in column.items()},
+                            lambda t: f"passed {t}")
                 + ". Every rank must give a collective the same name (or none)"
             )
         for check_field in _CHECKS[req.kind]:
             key = "shape" if check_field == "trailing" else check_field
-            values = [_hashable(d.get(key)) for d in column]
-            if len(set(values)) > 1:
+            values = {r: _hashable(d.get(key)) for r, d in column.items()}
+            if len(set(values.values())) > 1:
                 what, fix = _FIELD_TEXT[check_field]
                 raise MismatchError(
-                    f"Mismatched {req.kind} {what} for {_what(req, index, counts[0])}: "
+                    f"Mismatched {req.kind} {what} for {_what(req, index, group)}: "
                     + _by_value(values, _SHOW[key]) + f". {fix}"
                 )
         if req.kind == "fused":
             what = str(req.name)
-            text = _layout_text([d["layout"] for d in column], what, rank)
+            text = _layout_text({r: d["layout"] for r, d in column.items()}, what, rank)
             raise MismatchError.of(Problem.LAYOUT, text or _settings_text(
-                [d["settings"] for d in column], what, rank))
+                {r: d["settings"] for r, d in column.items()}, what, rank))
 
 
 def _what(req: Request, index: int, group: int) -> str:
@@ -467,10 +481,11 @@ def _hashable(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
-def _by_value(values: Sequence[Any], show: Any) -> str:
-    """'rank(s) 0, 2 <show(v)>; rank(s) 1 <show(w)>' grouped by value, in rank order."""
+def _by_value(values: Mapping[int, Any], show: Any) -> str:
+    """'rank(s) 0, 2 <show(v)>; rank(s) 1 <show(w)>' grouped by value, in rank
+    order (``values``: by job rank)."""
     groups: dict[Any, list[int]] = {}
-    for rank, v in enumerate(values):
+    for rank, v in values.items():
         groups.setdefault(v, []).append(rank)
     return "; ".join(f"rank(s) {', '.join(map(str, ranks))} {show(v)}"
                      for v, ranks in groups.items())
@@ -503,20 +518,22 @@ _FIELD_TEXT = {
 }
 
 
-def _layout_text(layouts: list[list[list[Any]]], what: str, rank: int) -> str | None:
+def _layout_text(layouts: Mapping[int, list[list[Any]]], what: str, rank: int) -> str | None:
     """The message for the first position where some rank's fused layout
-    differs from rank 0's (None when every layout is the same)."""
-    longest = max(len(layout) for layout in layouts)
+    differs from the first rank's (None when every layout is the same);
+    ``layouts`` by job rank, ``rank`` this rank's."""
+    first = next(iter(layouts))
+    longest = max(len(layout) for layout in layouts.values())
     for pos in range(longest):
-        reference = _entry_at(layouts[0], pos)
-        differing = [r for r, layout in enumerate(layouts) if _entry_at(layout, pos) != reference]
+        reference = _entry_at(layouts[first], pos)
+        differing = [r for r, layout in layouts.items() if _entry_at(layout, pos) != reference]
         if not differing:
             continue
         theirs = _entry_at(layouts[differing[0]], pos)
-        counts = ", ".join(f"rank {r}: {len(layout)}" for r, layout in enumerate(layouts))
+        counts = ", ".join(f"rank {r}: {len(layout)}" for r, layout in layouts.items())
         return (
             f"rank {rank}: the {what} registered for all-reduce differ across ranks. "
-            f"First difference at position {pos}: rank 0 has {_entry_text(reference)}, but "
+            f"First difference at position {pos}: rank {first} has {_entry_text(reference)}, but "
             f"rank(s) {', '.join(map(str, differing))} have {_entry_text(theirs)} "
             f"(tensor counts: {counts}). Every rank must build the same model and "
             "register the same parameters, with the same names, shapes and dtypes, "
@@ -525,13 +542,14 @@ def _layout_text(layouts: list[list[list[Any]]], what: str, rank: int) -> str | 
     return None
 
 
-def _settings_text(settings: list[dict[str, str]], what: str, rank: int) -> str:
-    """The message for settings that differ across ranks (layouts agree)."""
-    keys = sorted({k for s in settings for k in s})
+def _settings_text(settings: Mapping[int, dict[str, str]], what: str, rank: int) -> str:
+    """The message for settings that differ across ranks (layouts agree);
+    ``settings`` by job rank, ``rank`` this rank's."""
+    keys = sorted({k for s in settings.values() for k in s})
     for key in keys:
-        values = [s.get(key, "<unset>") for s in settings]
-        if len(set(values)) > 1:
-            per_rank = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+        values = {r: s.get(key, "<unset>") for r, s in settings.items()}
+        if len(set(values.values())) > 1:
+            per_rank = "; ".join(f"rank {r}: {v}" for r, v in values.items())
             return (
                 f"rank {rank}: the {what} use different settings across ranks: {key} differs "
                 f"({per_rank}). Every rank must use the same {key}: set the same environment "

@@ -141,7 +141,9 @@ class GlooEngine(TorchDistEngine):
             log.warning("dp_plugin: all-reduces use one flat Gloo ring, not the hierarchical "
                         "path: shared memory cannot be set up on every host")
             return None
-        cross, hosts = None, table[:, 0].tolist()  # the host index is a host key
+        # Rows are (vote, host index, local rank, ranks on its host): the
+        # host index is the host key the cross-host groups' topologies read.
+        cross, hosts = None, table[:, 1].tolist()
         for peers in layout.peer_groups() if len(layout.hosts) > 1 else []:
             made = self.subgroup(list(peers), hosts, "hierarchical cross-host")
             cross = made if made is not None else cross

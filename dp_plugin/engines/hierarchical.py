@@ -57,7 +57,10 @@ pieces were queued, the same on every rank whatever is in flight at any
 moment: nothing depends on timing. Each stage keeps the transport's
 per-operation header check; a failure in either (a mismatch, a peer gone,
 a deadline) finishes the all-reduce's handle with that error on every
-rank and breaks the transport, so later all-reduces fail too. Where the
+rank and breaks the transport, so later all-reduces fail too. A cross-host
+step that fails names the job ranks it could not reach, and says so on the
+wait board (``waits.py``) before its transports shut down: the host's other
+ranks, which only see their connections to this rank close, name them too. Where the
 second segment does not fit the shared-memory budget, every rank of the
 job runs the unpipelined steps (said once in the log).
 
@@ -72,6 +75,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -85,7 +89,8 @@ from dp_plugin.engines.base import ReduceOp
 from dp_plugin.engines.deadline import poll
 from dp_plugin.engines.handle import Handle
 from dp_plugin.engines.shm import ShmHandle, ShmTransport
-from dp_plugin.errors import DPPluginError
+from dp_plugin.engines.waits import lost_text
+from dp_plugin.errors import CollectiveTimeoutError, DPPluginError
 from dp_plugin.topology import Topology
 
 log = logging.getLogger("dp_plugin")
@@ -244,10 +249,11 @@ class HierarchicalAllreduce:
         with self._queueing:  # both queues take the pieces in the same order
             for lo in range(0, n, step):
                 piece = data[lo:lo + step]
-                where = f", elements {lo}..{lo + piece.numel()}" if self.pipelined else ""
+                elements = f"elements {lo}..{lo + piece.numel()}" if self.pipelined else ""
+                where = f", {elements}" if elements else ""
                 whole = (lo, n) if self.pipelined else (0, 0)
                 crossing = _Crossing(self, handle, op, f"{description} (across hosts{where})",
-                                     standing, deadline)
+                                     elements, standing, deadline)
                 reduce_t.stage_async("reducescatter", piece, op, handle, deadline,
                                      after=crossing.start, on_error=crossing.fail, whole=whole)
                 gather_t.stage_async("allgather", piece, op, handle, deadline,
@@ -279,6 +285,27 @@ class HierarchicalAllreduce:
             if deadline is not None and time.perf_counter() >= deadline:
                 raise job.timeout_error()
 
+    def unreachable(self, error: BaseException, job: ShmHandle, elements: str) -> DPPluginError:
+        """The error of a cross-host step that failed (not by its deadline),
+        in dp_plugin's words: which job ranks could not be reached, said on
+        the board first (``WaitBoard.post_lost``) so that this host's ranks,
+        which see only this rank close its shared-memory connections, can
+        name them too. The library's own text follows, shortened."""
+        me = getattr(self._cross, "job_rank", None)
+        peers = [r for r in getattr(self._cross, "global_ranks", ()) if r != me]
+        place = ("its peer on another host" if len(peers) == 1 else
+                 "its peers on the other hosts") + ", in the cross-host step"
+        if job.board is not None:
+            job.board.post_lost(peers, place)
+        place += f" of {elements}" if elements else ""
+        who = lost_text(peers, place) if peers else f"a peer ({place})"
+        return DPPluginError(
+            f"rank {job.rank}: {job.description} failed: {who} cannot be reached; it has "
+            "probably died, or its host is down or cut off: check its log first (the "
+            "cross-host library said: "
+            f"{_first_sentence(error)}).{job.report()}"
+        )
+
     def close(self) -> None:
         """Stop the transports (their threads may be in a cross step or
         waiting for one: ``_closing`` ends a wait with no deadline), then
@@ -302,12 +329,13 @@ class _Crossing:
     other hosts would take its bytes for this host's sum and succeed with a
     wrong result. A peer that started its own waits for it to its deadline."""
 
-    __slots__ = ("_deadline", "_error", "_handle", "_job", "_name", "_op", "_owner", "_ready",
-                 "_standing")
+    __slots__ = ("_deadline", "_elements", "_error", "_handle", "_job", "_name", "_op", "_owner",
+                 "_ready", "_standing")
 
     def __init__(self, owner: HierarchicalAllreduce, job: ShmHandle, op: ReduceOp, name: str,
-                 standing: bool, deadline: float | None) -> None:
+                 elements: str, standing: bool, deadline: float | None) -> None:
         self._owner, self._job, self._op, self._name = owner, job, op, name
+        self._elements = elements
         self._standing, self._deadline = standing, deadline
         self._ready = threading.Event()
         self._handle: Handle | None = None
@@ -342,5 +370,29 @@ class _Crossing:
         if self._error is not None:
             raise self._error
         if self._handle is not None:
-            self._owner.until(self._handle.done, deadline, self._job, self._name)
+            self._owner.until(self._crossed, deadline, self._job, self._name)
+
+    def _crossed(self) -> bool:
+        """Whether the cross-host all-reduce is over; its failure raised in
+        the words of the all-reduce it is a step of (the cross engine's own
+        message would wrap that all-reduce's description in its own)."""
+        assert self._handle is not None
+        try:
+            if not self._handle.done():
+                return False
             self._handle.wait()  # done: raises the cross step's own error, if any
+        except CollectiveTimeoutError:
+            raise self._job.timeout_error() from None
+        except DPPluginError as exc:
+            raise self._owner.unreachable(exc, self._job, self._elements) from exc
+        return True
+
+
+def _first_sentence(error: BaseException) -> str:
+    """The library's own reason, without its source location or its advice:
+    Gloo's "[.../pair.cc:537] Read error [10.0.0.2]:13209: Connection reset
+    by peer. This is typically caused by ..." becomes "Read error
+    [10.0.0.2]:13209: Connection reset by peer"."""
+    text = str(error.__cause__ or error).strip()
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    return text.split(". ")[0].rstrip(".")[:300]

@@ -91,7 +91,8 @@ import numpy as np
 
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.engines.handle import Handle
-from dp_plugin.errors import DPPluginError, LayoutMismatchError
+from dp_plugin.engines.waits import lost_text
+from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, LayoutMismatchError
 
 log = logging.getLogger("dp_plugin")
 
@@ -414,6 +415,14 @@ class ShmTransport:
         return _HEADER.pack(self._seq, KINDS.index(kind), data.numel(), code,
                             OPS.index(job.op), job.postscale, *job.whole)
 
+    def _gone(self, job: _Job, peer: int, exc: BaseException | None) -> BaseException:
+        """The error when group rank ``peer``'s connection fails: the error
+        this transport was broken with, where ``fail`` shut the sockets
+        (this rank closed them: its cause is elsewhere), else ``_peer_gone``."""
+        with self._lock:
+            broken = self._error
+        return broken if broken is not None else _peer_gone(job, self.ranks[peer], exc)
+
     def _barrier(self, job: _Job, said: bytes = _PLAIN) -> None:
         """Wait until every rank has reached this point. ``said``: what this
         rank sends every peer, one byte or the operation's header (the first
@@ -424,7 +433,7 @@ class ShmTransport:
             try:
                 sock.sendall(said)
             except OSError as exc:
-                raise _peer_gone(job, self.ranks[peer], exc) from exc
+                raise self._gone(job, peer, exc) from exc
         differs: tuple[int, bytes] | None = None
         for peer, sock in self._socks.items():
             got = b""
@@ -438,9 +447,9 @@ class ShmTransport:
                 except TimeoutError:
                     raise job.handle.timeout_error() from None
                 except OSError as exc:
-                    raise _peer_gone(job, self.ranks[peer], exc) from exc
+                    raise self._gone(job, peer, exc) from exc
                 if not part:
-                    raise _peer_gone(job, self.ranks[peer], None)
+                    raise self._gone(job, peer, None)
                 got += part
             if got != said and differs is None:
                 differs = (peer, got)
@@ -507,6 +516,20 @@ class ShmHandle(Handle):
             raise self._failure
         return True
 
+    def wait(self) -> None:
+        """``Handle.wait``; where the wait runs out after a part has failed
+        (the others wait to their deadline for a cross-host step that a
+        broken peer never starts), that failure, which says what went
+        wrong, not the timeout that followed from it."""
+        try:
+            super().wait()
+        except CollectiveTimeoutError:
+            with self._finishing:
+                failure = self._failure
+            if failure is None or isinstance(failure, CollectiveTimeoutError):
+                raise
+            raise failure from None
+
     def _block(self, timeout_s: float) -> bool:
         return self._event.wait(timeout_s) and self._test()
 
@@ -538,11 +561,29 @@ def _reduce(parts: list[Any], out: Any, op: ReduceOp) -> None:
 
 
 def _peer_gone(job: _Job, peer: int, exc: BaseException | None) -> DPPluginError:
+    """The error when job rank ``peer``'s connection fails. A peer that
+    stopped because it lost a rank elsewhere said so on the board before it
+    closed (a hierarchical all-reduce's cross-host step): name that rank.
+    Otherwise the peer itself is gone, and this rank says so for its own
+    host peers in turn."""
+    handle = job.handle
+    board = handle.board
+    theirs = None if board is None else board.lost_by(peer)
+    if theirs is not None:
+        lost = lost_text(*theirs)
+        return DPPluginError(
+            f"rank {handle.rank}: {handle.description} failed: rank {peer} of this "
+            f"shared-memory group stopped, as {lost} cannot be reached from it; "
+            f"{'that rank' if len(theirs[0]) == 1 else 'it'} has probably died, or its host is "
+            f"down or cut off: check its log first.{handle.report()}"
+        )
+    if board is not None:
+        board.post_lost([peer], "its peer on the same host, in the shared-memory transport")
     why = "closed its connection" if exc is None else f"cannot be reached ({exc})"
     return DPPluginError(
-        f"rank {job.handle.rank}: {job.handle.description} failed: rank {peer} of this "
+        f"rank {handle.rank}: {handle.description} failed: rank {peer} of this "
         f"shared-memory group {why}; it has probably died or shut down early: check its "
-        f"log.{job.handle.report()}"
+        f"log.{handle.report()}"
     )
 
 

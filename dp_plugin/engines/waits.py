@@ -14,8 +14,16 @@ messages on a private communicator for mpi, ``mpi_notes.py``):
   wait ends;
 - when a collective times out or fails, the rank reads every rank's note and
   the error says, per rank: waiting in the same collective, waiting in a
-  different one (the ranks called collectives in different orders), or no
-  note (died, stalls outside dp_plugin, or cannot reach the store).
+  different one (the ranks called collectives in different orders), stopped
+  because it lost a peer (below), or no note (died, stalls outside
+  dp_plugin, or cannot reach the store).
+
+A rank that stops because a peer cannot be reached (a cross-host step whose
+peer host is gone, a shared-memory peer that died) says so first
+(``post_lost``), then closes its connections. A rank that only sees those
+connections close (the host peer of a rank that lost its cross-host peer)
+reads it (``lost_by``) and names the rank that is really gone, not the
+messenger.
 
 Every store access is bounded by ``REPORT_S``: a store that is gone (its
 host died) or unreachable (a cut link) costs at most that, and the report
@@ -37,6 +45,7 @@ REPORT_S = 1.5
 """The longest a rank spends posting or reading notes."""
 
 _PREFIX = "dp_plugin/waits/"
+_LOST_PREFIX = "dp_plugin/lost/"
 _NO_NOTE = ("no note: it died, stalls outside dp_plugin's collectives (data loading, a "
             "lock, a debugger) or cannot reach the store")
 
@@ -48,6 +57,7 @@ class WaitBoard:
         self._store = store
         self._me = me
         self._ranks = tuple(ranks)
+        self._lost_said = False
 
     def post(self, description: str) -> None:
         self._quietly(lambda: self._store.set(self._key(self._me),
@@ -56,11 +66,33 @@ class WaitBoard:
     def clear(self) -> None:
         self._quietly(lambda: self._store.set(self._key(self._me), ""))
 
+    def post_lost(self, ranks: Sequence[int], where: str) -> None:
+        """Say that this rank stops because ``ranks`` (job-wide) cannot be
+        reached, ``where`` saying what they are to it ("its peer on another
+        host, in the cross-host step"): before it closes its connections.
+        Only the first is kept: what follows from it (connections this rank
+        closes itself) is no cause of its own."""
+        if self._lost_said:
+            return
+        self._lost_said = True
+        text = f"{','.join(map(str, ranks))}|{where}"
+        self._quietly(lambda: self._store.set(_LOST_PREFIX + str(self._me), text))
+
+    def lost_by(self, rank: int) -> tuple[list[int], str] | None:
+        """What ``rank`` said it lost (``post_lost``): the ranks and where;
+        None if it said nothing (or the store cannot be read)."""
+        try:
+            notes = bounded(lambda: self._read([rank])[1], what="reading the wait notes",
+                            rank=self._me, timeout_s=REPORT_S)
+        except Exception:
+            return None
+        return notes.get(rank)
+
     def report(self, description: str) -> str:
         """One sentence per other rank: what it was waiting in, if anything."""
         try:
-            notes = bounded(self._read, what="reading the wait notes", rank=self._me,
-                            timeout_s=REPORT_S)
+            notes, lost = bounded(lambda: self._read(self._ranks), what="reading the wait notes",
+                                  rank=self._me, timeout_s=REPORT_S)
         except Exception as exc:
             reason = ("it did not answer within "
                       f"{REPORT_S:g} s" if isinstance(exc, CollectiveTimeoutError) else str(exc))
@@ -68,11 +100,17 @@ class WaitBoard:
                     f"their notes failed ({reason}); its host (rank 0, or the launcher) may "
                     "have died or be unreachable.")
         now = time.time()
-        parts, silent = [], []
+        parts, silent, gone = [], [], []
         for rank in self._ranks:
             if rank == self._me:
                 continue
             note = notes.get(rank, "")
+            if rank in lost:
+                ranks, where = lost[rank]
+                gone += [r for r in ranks if r not in gone]
+                parts.append(f"rank {rank}: stopped, as {lost_text(ranks, where)} cannot be "
+                             "reached from it")
+                continue
             if not note:
                 silent.append(rank)
                 parts.append(f"rank {rank}: {_NO_NOTE}")
@@ -83,19 +121,31 @@ class WaitBoard:
             parts.append(f"rank {rank}: waiting {max(0.0, now - float(since)):.1f} s in {where}")
         if not parts:
             return ""
-        advice = (f" Check the log of rank(s) {silent} first." if silent else
+        first = sorted(gone) or silent
+        advice = (f" Check the log of rank(s) {first} first." if first else
                   " Every rank waits, in different collectives: the ranks issued "
                   "collectives in different orders; look for code that runs on some ranks "
                   "only (a rank-0-only collective, a skipped optimizer step, an early break).")
         return " What the other ranks were doing: " + "; ".join(parts) + "." + advice
 
-    def _read(self) -> dict[int, str]:
-        out: dict[int, str] = {}
-        for rank in self._ranks:
-            key = self._key(rank)
-            if rank != self._me and self._store.check([key]):
-                out[rank] = bytes(self._store.get(key)).decode(errors="replace")
-        return out
+    def _read(self, ranks: Sequence[int]
+              ) -> tuple[dict[int, str], dict[int, tuple[list[int], str]]]:
+        """The wait notes and lost notes of the other ranks among ``ranks``."""
+        notes: dict[int, str] = {}
+        lost: dict[int, tuple[list[int], str]] = {}
+        for rank in ranks:
+            if rank == self._me:
+                continue
+            for key in (self._key(rank), _LOST_PREFIX + str(rank)):
+                if not self._store.check([key]):
+                    continue
+                text = bytes(self._store.get(key)).decode(errors="replace")
+                if key.startswith(_PREFIX):
+                    notes[rank] = text
+                elif text:
+                    listed, _, where = text.partition("|")
+                    lost[rank] = ([int(r) for r in listed.split(",") if r], where)
+        return notes, lost
 
     def _key(self, rank: int) -> str:
         return f"{_PREFIX}{rank}"
@@ -104,3 +154,10 @@ class WaitBoard:
         # A note is a courtesy: never fail a wait for it.
         with contextlib.suppress(Exception):
             bounded(fn, what="posting a wait note", rank=self._me, timeout_s=REPORT_S)
+
+
+def lost_text(ranks: Sequence[int], where: str) -> str:
+    """'rank 3 (its peer on another host, ...)', or 'one of ranks 3, 5 (...)'."""
+    who = (f"rank {ranks[0]}" if len(ranks) == 1 else
+           f"one of ranks {', '.join(map(str, ranks))}")
+    return f"{who} ({where})" if where else who

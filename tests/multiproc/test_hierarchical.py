@@ -51,10 +51,22 @@ def test_a_rank_killed_mid_pipeline_fails_every_other_rank() -> None:
     assert result.returncodes[3] == -9, result.returncodes
     for rank in (0, 1, 2):
         assert f"rank {rank} raised: " in result.output, result.output
+    said = {rank: next(x for x in result.output.splitlines() if f"rank {rank} raised: " in x)
+            for rank in (0, 1, 2)}
     # Its host peer names job ranks: itself (2) and the dead one (3), not
     # their local ranks on the host (0 and 1).
-    line = next(x for x in result.output.splitlines() if "rank 2 raised: " in x)
-    assert "rank 2 raised: rank 2: " in line and "rank 3 of this shared-memory group" in line, line
+    assert "rank 2 raised: rank 2: " in said[2] and "rank 3 of this shared-memory group" in said[2]
+    # The other host: rank 1 loses rank 3 in its cross-host step, and rank 0
+    # sees rank 1 stop, and why. Both used to get Gloo's raw text (or 'rank
+    # 1 closed its connection'), naming no rank, in a nested description.
+    assert "rank 1 raised: rank 1: gloo allreduce of 'killed." in said[1], said[1]
+    assert ("rank 3 (its peer on another host, in the cross-host step of elements "
+            in said[1]), said[1]
+    assert ("rank 0 raised: rank 0: gloo allreduce of 'killed." in said[0]
+            and "rank 1 of this shared-memory group stopped, as rank 3 (its peer on another "
+            "host, in the cross-host step" in said[0]), said[0]
+    for line in said.values():
+        assert "pair.cc" not in line and 'allreduce of "' not in line, line
 
 
 @pytest.mark.timeout(120)

@@ -105,8 +105,8 @@ def test_dtype_and_order_mismatch() -> None:
 
 def test_describe_mismatch_when_layouts_agree() -> None:
     same = [["w", [1], "float32", "cpu"]]
-    assert _layout_text([same, same], "gradients", 0) is None
-    assert "corrupted" in _settings_text([{"a": "1"}, {"a": "1"}], "gradients", 0)
+    assert _layout_text({0: same, 1: same}, "gradients", 0) is None
+    assert "corrupted" in _settings_text({0: {"a": "1"}, 1: {"a": "1"}}, "gradients", 0)
 
 
 @pytest.mark.parametrize(("key", "values"), [
@@ -176,3 +176,45 @@ def test_control_buffers_move_to_the_engines_device() -> None:
     moved = to_device(arr, "meta")  # a non-CPU device that exists without a GPU
     assert moved.device.type == "meta" and moved.dtype == torch.int64
     assert to_host(torch.arange(3)).tolist() == [0, 1, 2]
+
+
+def process_set(members: tuple[int, ...]) -> list[FakeEngine]:
+    """The engines of a process set of the job ranks ``members`` (what
+    ``Engine.subgroup`` gives its members)."""
+    engines = make_thread_group(len(members))
+    for e in engines:
+        e.global_ranks = members
+    return engines
+
+
+def test_a_process_sets_mismatch_names_job_ranks() -> None:
+    """In the process set [1, 2], a root mismatch named 'rank(s) 0' (not a
+    member) and 'rank(s) 1': the ranks' places in the set."""
+    def body(e: FakeEngine) -> object:
+        buf = np.zeros(3, np.float32)
+        return check(e, Request.of("broadcast", [buf], name="w", root=e.job_rank))
+
+    errors = run_ranks_outcomes(process_set((1, 2)), body)
+    for err in errors:
+        assert isinstance(err, MismatchError), err
+        assert "rank(s) 1 passed root_rank=1; rank(s) 2 passed root_rank=2" in str(err), err
+
+    def bad_dtype(e: FakeEngine) -> object:
+        buf = np.zeros(3, np.complex64 if e.job_rank == 2 else np.float32)
+        return check(e, Request.of("allreduce", [buf], name="g"))
+
+    for err in run_ranks_outcomes(process_set((1, 2)), bad_dtype):
+        assert isinstance(err, MismatchError) and err.problem is Problem.UNSUPPORTED_DTYPE, err
+        assert "cannot run: rank(s) [2] passed a tensor of dtype complex64" in str(err), err
+
+
+def test_a_fused_layout_mismatch_in_a_process_set_names_job_ranks() -> None:
+    def body(e: FakeEngine) -> None:
+        agree(e, model(3 if e.job_rank == 5 else 4))
+
+    for err, me in zip(run_ranks_outcomes(process_set((3, 5)), body), (3, 5), strict=True):
+        assert isinstance(err, LayoutMismatchError), err
+        text = str(err)
+        assert text.startswith(f"rank {me}: the gradients registered"), text
+        assert "rank 3 has tensor 'layer3.weight'" in text and "rank(s) 5 have no tensor" in text
+        assert "(tensor counts: rank 3: 4, rank 5: 3)" in text, text

@@ -259,14 +259,22 @@ class Wire:
         self.members, self.lock, self.rng = members, threading.Lock(), random.Random(seed)
         self.fails: set[int] = set()
         """The k-th all-reduces that fail on every member (a peer host gone)."""
+        self.cut_from: int | None = None
+        """From the k-th all-reduce on, each fails at once on the member that
+        starts it, without waiting for the others (a cut link: Gloo fails
+        every operation on a pair whose connection is gone)."""
         self.parts: dict[int, list[Any]] = {}
         self.handles: dict[int, WireHandle] = {}
         self.ops: list[str] = []  # (member, name) in the order they were started
 
-    def engine(self, member: int) -> Any:
+    def engine(self, member: int, ranks: list[int]) -> Any:
+        """Member ``member``'s end; ``ranks``: every member's job rank."""
         wire, count = self, [0]
 
         class Cross:
+            global_ranks = tuple(ranks)
+            job_rank = ranks[member]
+
             def allreduce_async(self, part: Any, op: ReduceOp, name: str) -> WireHandle:
                 count[0] += 1
                 return wire.post(member, count[0], part, op, name)
@@ -284,6 +292,11 @@ class Wire:
             self.ops.append(f"{member}: {name}")
             parts = self.parts.setdefault(k, [None] * self.members)
             handle = self.handles.setdefault(k, WireHandle())
+            if self.cut_from is not None and k >= self.cut_from:
+                handle.error = DPPluginError(f"cross-host all-reduce #{k} failed: Connection "
+                                             "reset by peer")
+                handle.event.set()
+                return handle
             parts[member] = part
             if any(p is None for p in parts):
                 return handle
@@ -323,7 +336,8 @@ def pipelined(hosts: int, per_host: int, gather: bool = True, timeout_s: float =
         assert made[0] is not None and made[1] is not None
         if not gather:
             made[1].close()
-        cross = wires[local].engine(host) if hosts > 1 else None
+        peers = [h * per_host + local for h in range(hosts)]
+        cross = wires[local].engine(host, peers) if hosts > 1 else None
         return hierarchical.HierarchicalAllreduce(made[0], cross, made[1] if gather else None)
 
     hiers = on_ranks(size, setup)
@@ -524,3 +538,78 @@ def test_a_second_segment_over_the_budget_leaves_every_rank_unpipelined_said_onc
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1 and instead in warned[0], warned
     assert "DP_PLUGIN_SHARED_MEMORY_BUDGET" in warned[0]
+
+
+def test_each_sub_engine_of_two_hosts_of_two_sees_its_own_topology(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 hosts x 2, the real GlooEngine constructor on thread-ranks: each
+    host's shared-memory transport holds that host's job ranks, and each
+    cross-host group (one per local rank) is one rank on each of two hosts.
+    The groups' host keys used to be the ranks' votes, the same on every
+    rank: every cross group saw 'local_size 2, cross_size 1'."""
+    from dp_plugin.engines.gloo_nccl import GlooEngine
+
+    made: dict[int, tuple[tuple[int, ...], Topology]] = {}
+
+    class Cross:
+        def shutdown(self) -> None:
+            pass
+
+    def record(self: Any, members: tuple[int, ...], topology: Topology | None,
+               name: str) -> Any:
+        if topology is None:
+            return None
+        made[self.rank] = (members, topology)
+        return Cross()
+
+    monkeypatch.setattr(GlooEngine, "_subgroup", record)
+    topologies = [detect(hosts_env("env", [2, 2], r)) for r in range(4)]
+    engines, _ = gloo_engines(monkeypatch, topologies, [Config()] * 4)
+    try:
+        assert [e.hierarchical for e in engines] == [True] * 4
+        for rank in range(4):
+            host, local = divmod(rank, 2)
+            assert engines[rank]._hier._transport.ranks == (2 * host, 2 * host + 1)
+            members, seen = made[rank]
+            assert members == (local, local + 2)
+            assert (seen.rank, seen.size, seen.local_rank, seen.local_size, seen.cross_rank,
+                    seen.cross_size) == (host, 2, 0, 1, host, 2), seen
+    finally:
+        on_ranks(4, lambda r: engines[r]._hier.close())
+
+
+def test_a_cut_cross_host_link_is_named_by_every_rank_in_dp_plugins_words(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 hosts x 2; the cross-host step between ranks 1 and 3 fails (their
+    link is cut). Ranks 1 and 3 name each other; their host peers, which
+    only see their shared-memory connection close, name the rank that cannot
+    be reached too (read from the wait board), not the host peer that
+    passed the failure on. It used to reach them as the cross engine's own
+    message, its description nested in the all-reduce's."""
+    from dp_plugin.engines.waits import WaitBoard
+    from tests.unit.test_waits import DictStore
+
+    monkeypatch.setattr(hierarchical, "PIECE_BYTES", 256)
+    wires = [Wire(2, seed=j) for j in range(2)]
+    wires[1].cut_from = 2
+    store = DictStore()
+    boards = [WaitBoard(store, r, range(4)) for r in range(4)]
+    with pipelined(2, 2, wires=wires, timeout_s=5.0) as hiers:
+        def run(rank: int) -> Any:
+            hs = [hiers[rank].allreduce_async(torch.ones(2_000), ReduceOp.SUM,
+                                              f"gloo allreduce of 'b{k}'", lambda d: None,
+                                              boards[rank]) for k in range(3)]
+            return next(e for e in outcomes_of(hs) if e is not None)
+
+        errors = on_ranks(4, run)
+    gone = {0: 3, 1: 3, 2: 1, 3: 1}  # the rank each one cannot reach, itself or via its peer
+    for rank, exc in enumerate(errors):
+        text = str(exc)
+        assert text.startswith(f"rank {rank}: gloo allreduce of 'b"), text
+        assert f"rank {gone[rank]} (its peer on another host, in the cross-host step" in text, text
+        assert "cannot be reached" in text and "allreduce of \"" not in text, text
+    for rank, peer in ((0, 1), (2, 3)):
+        assert f"rank {peer} of this shared-memory group stopped, as rank {gone[rank]}" in str(
+            errors[rank])
+    assert "(the cross-host library said: cross-host all-reduce #2 failed: Connection reset by " \
+           "peer)" in str(errors[1])

@@ -9,7 +9,7 @@ import pytest
 from dp_plugin import join, request
 from dp_plugin.agreement import compare
 from dp_plugin.engines.base import ReduceOp
-from dp_plugin.errors import JoinedRankError
+from dp_plugin.errors import JoinedRankError, MismatchError
 from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks_outcomes
 
 
@@ -106,3 +106,45 @@ def test_replay_contributes_the_ops_identity(op: ReduceOp, dtype: str) -> None:
     want = {ReduceOp.MIN: 2.0, ReduceOp.MAX: 3.0, ReduceOp.PRODUCT: 6.0, ReduceOp.SUM: 5.0}[op]
     outcomes = run_ranks_outcomes(make_thread_group(3), body)
     assert outcomes == [None, [want] * 3, [want] * 3], outcomes
+
+
+def test_a_mismatch_beside_a_joined_rank_names_the_ranks_that_differ() -> None:
+    """Rank 1 has joined; ranks 0 and 2 pass different shapes. The message
+    used to number the active ranks by position ('rank(s) 1 passed shape
+    (5,)'), blaming the joined rank for rank 2's tensor."""
+    def body(e: FakeEngine) -> object:
+        if e.rank == 1:
+            return join.Listener(e).heard().joined
+        buf = np.ones(4 if e.rank == 0 else 5, dtype=np.float32)
+        return request.check(e, request.Request.of("allreduce", [buf], name="g", op=ReduceOp.SUM),
+                             accept_joined=True)
+
+    first, joined, last = run_ranks_outcomes(make_thread_group(3), body)
+    assert joined == (1,)
+    for err in (first, last):
+        assert isinstance(err, MismatchError), err
+        assert "rank(s) 0 passed shape (4,); rank(s) 2 passed shape (5,)" in str(err), err
+
+    def problem(e: FakeEngine) -> object:
+        if e.rank == 1:
+            return join.Listener(e).heard().joined
+        buf = np.ones(4, dtype=np.complex64 if e.rank == 2 else np.float32)
+        return request.check(e, request.Request.of("allreduce", [buf], op=ReduceOp.SUM),
+                             accept_joined=True)
+
+    first, _, last = run_ranks_outcomes(make_thread_group(3), problem)
+    for err in (first, last):
+        assert isinstance(err, MismatchError), err
+        assert "rank(s) [2] passed a tensor of dtype complex64" in str(err), err
+
+    def same_problem(e: FakeEngine) -> object:
+        if e.rank == 1:
+            return join.Listener(e).heard().joined
+        buf = np.ones(4, dtype=np.complex64)
+        return request.check(e, request.Request.of("allreduce", [buf], op=ReduceOp.SUM),
+                             accept_joined=True)
+
+    first, _, last = run_ranks_outcomes(make_thread_group(3), same_problem)
+    for err in (first, last):
+        assert isinstance(err, MismatchError), err
+        assert "rank(s) [0, 2] passed a tensor of dtype complex64" in str(err), err

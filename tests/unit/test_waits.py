@@ -67,3 +67,24 @@ def test_a_dead_or_unreachable_store_costs_at_most_the_report_bound(monkeypatch:
         store.release.set()
         assert "is unknown" in text, text
         assert ("did not answer within 0.2 s" if block else "Connection refused") in text, text
+
+
+def test_a_rank_that_lost_a_peer_says_which_and_the_report_points_there() -> None:
+    store = DictStore()
+    boards = [WaitBoard(store, r, range(4)) for r in range(4)]
+    assert boards[0].lost_by(1) is None
+    boards[1].post_lost([3], "its peer on another host, in the cross-host step")
+    boards[1].post_lost([0], "its peer on the same host")  # what follows: not kept
+    assert boards[0].lost_by(1) == ([3], "its peer on another host, in the cross-host step")
+    text = boards[0].report("allreduce 'a'")
+    assert ("rank 1: stopped, as rank 3 (its peer on another host, in the cross-host step) "
+            "cannot be reached from it") in text, text
+    assert "Check the log of rank(s) [3] first" in text, text
+    assert waits.lost_text([3, 5], "") == "one of ranks 3, 5"
+
+
+def test_reading_what_a_rank_lost_from_a_dead_store_is_bounded(monkeypatch: Any) -> None:
+    monkeypatch.setattr(waits, "REPORT_S", 0.2)
+    store = DeadStore(True)
+    assert WaitBoard(store, 0, range(2)).lost_by(1) is None
+    store.release.set()

@@ -18,6 +18,8 @@
   round, rank 1 trains two more: each gradient is its own half, every time.
 - ``outside_set``: an optimizer over the process set [1, 2] of 3 ranks;
   rank 0, outside it, joins at once and must not take part in its steps.
+- ``blamed_ranks``: mismatch messages name job ranks, in a process set and
+  beside a joined rank (3 ranks).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from _fail_fast import run_cases
 from torch import nn
 
 import dp_plugin.torch as hvd
-from dp_plugin.errors import JoinedRankError
+from dp_plugin.errors import JoinedRankError, MismatchError
 
 
 def check(cond: bool, what: str) -> None:
@@ -275,11 +277,41 @@ def case_slow_steps(_: object) -> None:
     hvd.shutdown()
 
 
+def case_blamed_ranks(_: object) -> None:
+    """Errors name job ranks (3 ranks). In the process set [1, 2], ranks 1
+    and 2 broadcast from different roots: the message names ranks 1 and 2
+    (it used to say 'rank(s) 0', not a member). Then rank 1 joins and ranks
+    0 and 2 all-reduce different shapes: the message names ranks 0 and 2,
+    never the joined rank 1. Then they join too."""
+    hvd.init()
+    rank = hvd.rank()
+    ps = hvd.add_process_set([1, 2])
+    if rank in (1, 2):
+        expect_mismatch(lambda: hvd.broadcast(torch.ones(3), root_rank=rank, process_set=ps),
+                        "rank(s) 1 passed root_rank=1; rank(s) 2 passed root_rank=2")
+    if rank != 1:
+        expect_mismatch(lambda: hvd.allreduce(torch.ones(4 if rank == 0 else 5), name="g"),
+                        "rank(s) 0 passed shape (4,); rank(s) 2 passed shape (5,)")
+    last = hvd.join()
+    check(last in (0, 2), f"join() returned {last}, the rank that joined first")
+    hvd.shutdown()
+
+
+def expect_mismatch(call: object, words: str) -> None:
+    try:
+        call()  # type: ignore[operator]
+    except MismatchError as exc:
+        check(words in str(exc), f"message lacks {words!r}: {exc}")
+        print(f"rank {hvd.rank()}: raised as meant: {exc}", flush=True)
+    else:
+        raise AssertionError("no MismatchError")
+
+
 CASES = {"collectives": case_collectives, "refused": case_refused,
          "different_rates": case_different_rates,
          "outside_set": case_outside_set, "last_joiner": case_last_joiner,
          "sync_batch_norm": case_sync_batch_norm, "sparse_first": case_sparse_first,
-         "slow_steps": case_slow_steps}
+         "slow_steps": case_slow_steps, "blamed_ranks": case_blamed_ranks}
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
