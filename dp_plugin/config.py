@@ -43,6 +43,9 @@ MAX_MIN_BUCKETS = 1024
 DEFAULT_TIMEOUT_S = 1800.0
 """30 minutes, torch.distributed's default for gloo: a rank-0-only evaluation or
 checkpoint between steps must not kill the job (docs/configuration.md)."""
+DEFAULT_STALL_WARNING_S = 60.0
+"""A minute, Horovod's stall inspector's default: a rank waiting this long in one
+collective warns, and again every minute, naming the ranks not yet there."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """A week: longer is no timeout at all (and overflows some engines' clocks)."""
 MIN_SECRET = 16
@@ -93,6 +96,11 @@ class Config:
 
     timeout_s: float = DEFAULT_TIMEOUT_S
     """Seconds a collective may take before it raises instead of hanging."""
+
+    stall_warning_s: float = DEFAULT_STALL_WARNING_S
+    """Seconds between the warnings a rank logs while it waits in one collective,
+    naming the ranks not yet there (as Horovod's stall inspector); 0: none.
+    The wait still ends at ``timeout_s``."""
 
     shared_memory: bool = True
     """The gloo engine all-reduces through a shared-memory segment when every
@@ -181,6 +189,11 @@ class Config:
         # Finite: an infinite timeout is a hang, and timedelta(seconds=inf) overflows.
         check_positive_float("timeout_s", self.timeout_s, unit="seconds", maximum=MAX_TIMEOUT_S,
                              fix=f"the default is {DEFAULT_TIMEOUT_S:g}", error=error)
+        if self.stall_warning_s != 0:
+            check_positive_float("stall_warning_s", self.stall_warning_s, unit="seconds",
+                                 maximum=MAX_TIMEOUT_S, fix=f"the default is "
+                                 f"{DEFAULT_STALL_WARNING_S:g}; 0 turns the warning off",
+                                 error=error)
         self._check_autotune()
         check_choice("check_finite", self.check_finite, CHECK_FINITE_MODES, kind="modes",
                      fix="set DP_PLUGIN_CHECK_FINITE to one of them", error=error)
@@ -256,6 +269,8 @@ class Config:
                 env, "DP_PLUGIN_TIMEOUT", unit="seconds", maximum=MAX_TIMEOUT_S,
                 fix=f"default {DEFAULT_TIMEOUT_S:g}", error=ConfigError,
             )
+        if "DP_PLUGIN_STALL_WARNING_SECONDS" in env:
+            kwargs["stall_warning_s"] = _stall_warning(env)
         for name, key in _BOOL_VARIABLES:
             if name in env:
                 kwargs[key] = env_bool(env, name, error=ConfigError)
@@ -325,6 +340,16 @@ def _fusion_threshold(env: Mapping[str, str]) -> int | None:
         )
         return 1 if value == 0 else value
     return None
+
+
+def _stall_warning(env: Mapping[str, str]) -> float:
+    """DP_PLUGIN_STALL_WARNING_SECONDS: 0 (off) or a positive number of seconds."""
+    name = "DP_PLUGIN_STALL_WARNING_SECONDS"
+    if env[name].strip() in ("0", "0.0"):
+        return 0.0
+    return env_positive_float(env, name, unit="seconds", maximum=MAX_TIMEOUT_S,
+                              fix=f"the default is {DEFAULT_STALL_WARNING_S:g}; 0 turns the "
+                                  "warning off", error=ConfigError)
 
 
 def _timeline_path(name: str, value: str) -> str:

@@ -131,8 +131,9 @@ script.
 
 `from horovod.torch.compression import Compressor` becomes
 `from dp_plugin.torch.compression import Compressor`.
-Launch as before (`horovodrun`, `mpirun`, `torchrun`, `srun`); no Horovod
-installation is needed (see [configuration.md](configuration.md)).
+Launch as before (`horovodrun`, `mpirun`, `torchrun`, `srun`). Horovod itself
+is needed only for the `horovod` engine and for `horovodrun`; the gloo, nccl
+and mpi engines run without it (see [horovod-build.md](horovod-build.md)).
 
 ## The one change Keras 3 forces
 

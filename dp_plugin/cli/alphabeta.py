@@ -10,7 +10,9 @@ A training step is modelled as forward, then backward, during which the
 gradients become ready in reverse definition order, evenly spaced in time
 (one tensor per equal slice of backward; ``ready_by="bytes"`` spaces them
 by size instead). Gradients are packed into buckets of at most ``threshold``
-bytes in ready order (a larger tensor forms a bucket of its own); a bucket
+bytes in ready order (a larger tensor forms a bucket of its own; the first
+bucket at most ``first_threshold``), by dp_plugin's own planner
+(``dp_plugin.fusion.plan_buckets``); a bucket
 starts when its last gradient is ready and the previous bucket is done (one
 all-reduce at a time, as in Horovod and dp_plugin). The step ends when both
 compute and the last all-reduce are done. Scaling efficiency is the
@@ -25,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dp_plugin.cli.bandwidth import bus_factor
+from dp_plugin.fusion import TensorSpec, plan_buckets
 
 MiB = 2**20
 
@@ -103,18 +106,14 @@ def fit_link(points: Sequence[tuple[float, float]], n: int) -> Link:
     return Link(alpha=alpha, beta=beta)
 
 
-def buckets(sizes: Sequence[int], threshold: int) -> list[tuple[int, int]]:
-    """Greedy buckets over ``sizes`` (ready order): ``[(last index, bytes), ...]``."""
-    out: list[tuple[int, int]] = []
-    current = 0
-    for i, size in enumerate(sizes):
-        if current and current + size > threshold:
-            out.append((i - 1, current))
-            current = 0
-        current += size
-    if current:
-        out.append((len(sizes) - 1, current))
-    return out
+def buckets(sizes: Sequence[int], threshold: int,
+            first_threshold: int | None = None) -> list[tuple[int, int]]:
+    """dp_plugin's buckets over ``sizes`` (gradient bytes, in ready
+    order): ``[(last index, bytes), ...]``."""
+    specs = [TensorSpec(str(i), (size,), "uint8") for i, size in enumerate(sizes)]
+    plan = plan_buckets(specs, threshold, order=range(len(specs)),
+                        first_threshold=first_threshold)
+    return [(b.members[-1], b.nbytes) for b in plan]
 
 
 @dataclass(frozen=True)
@@ -148,9 +147,11 @@ def ready_times(sizes: Sequence[int], backward_s: float, ready_by: str) -> list[
 
 def predict(sizes: Sequence[int], compute_s: float, n: int, link: Link, threshold: int,
             backward_fraction: float = 2 / 3, ready_by: str = "tensors",
-            per_host: int = 1, local: Link | None = None) -> Prediction:
+            per_host: int = 1, local: Link | None = None,
+            first_threshold: int | None = None) -> Prediction:
     """Step time at ``n`` workers; ``sizes`` are gradient bytes in definition order;
-    ``per_host`` and ``local`` as in ``allreduce_time``."""
+    ``per_host`` and ``local`` as in ``allreduce_time``; ``first_threshold``
+    caps the first bucket (None: ``threshold`` as every other)."""
     if not sizes or compute_s <= 0 or not 0 < backward_fraction <= 1 or threshold < 1:
         raise ValueError(f"need gradients, compute > 0 s, 0 < backward fraction <= 1 and "
                          f"threshold >= 1 byte; got {len(sizes)} gradients, compute "
@@ -160,7 +161,7 @@ def predict(sizes: Sequence[int], compute_s: float, n: int, link: Link, threshol
     backward = compute_s * backward_fraction
     start_backward = compute_s - backward
     ready = ready_times(order, backward, ready_by)
-    plan = buckets(order, threshold)
+    plan = buckets(order, threshold, first_threshold)
     end = comm = 0.0
     for last, nbytes in plan:
         t = allreduce_time(nbytes, n, link, per_host, local)

@@ -5,7 +5,9 @@ from 14 to 17 (torch >= 2.1 headers need C++17), gives Gloo process sets the
 global context's network interface (Horovod's process-set contexts otherwise
 bind to ``gethostname()``, which breaks multi-host jobs whose host name
 resolves to loopback; see docs/horovod-build.md), builds a wheel against the
-torch that ``--python`` imports and installs it. The wheel is cached outside
+torch that ``--python`` imports and installs it. A Horovod it did not build
+(no patch marker: a site's own NCCL or MPI build) is kept as it is, and
+dp_plugin uses it; ``--force`` replaces it. The wheel is cached outside
 any project, keyed by the Horovod, patch set, torch and Python versions
 (``DP_PLUGIN_WHEEL_CACHE``, default ``~/.cache/dp_plugin/wheels``), so a
 second install takes seconds.
@@ -57,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wheel cache (default: $DP_PLUGIN_WHEEL_CACHE or "
                              "~/.cache/dp_plugin/wheels)")
     parser.add_argument("--force", action="store_true",
-                        help="reinstall even when Horovod is already installed")
+                        help="reinstall even when Horovod is already installed, also over a "
+                             "Horovod this command did not build (a site's NCCL or MPI build)")
 
 
 def _ask(python: str, code: str) -> str | None:
@@ -139,6 +142,10 @@ def build(python: str, root: Path | None = None, force: bool = False) -> str:
     patches = _ask(python, "from horovod.dp_plugin_patches import PATCH_SET; print(PATCH_SET)")
     if installed == HOROVOD_VERSION and patches == PATCH_SET and not force:
         return f"horovod {HOROVOD_VERSION} (patch set {PATCH_SET}) already installed"
+    if patches is None and not force and not _from_our_cache(python, root):
+        found = _site_horovod(python)
+        if found is not None:
+            return found
     py_tag = _ask(python, "import sys; print(f'cp{sys.version_info[0]}{sys.version_info[1]}')")
     where = cache_dir(root, torch_version, str(py_tag))
     wheels = sorted(where.glob(f"horovod-{HOROVOD_VERSION}-*.whl"))
@@ -160,6 +167,48 @@ def build(python: str, root: Path | None = None, force: bool = False) -> str:
                          f"built without Gloo or lacks patch set {PATCH_SET}; delete {where} "
                          "and run this again")
     return f"installed {wheels[0]}"
+
+
+_DESCRIBE_HOROVOD = """
+import horovod
+try:
+    import horovod.torch as h
+    built = [n for n in ("gloo", "mpi", "nccl") if getattr(h, n + "_built")()]
+    torch_ext = "its torch extension built with " + (", ".join(built) or "no controller")
+except Exception as exc:
+    torch_ext = f"horovod.torch fails to import ({type(exc).__name__}: {exc})"
+print(f"Horovod {horovod.__version__} at {horovod.__path__[0]}, {torch_ext}")
+"""
+
+
+def _from_our_cache(python: str, root: Path | None) -> bool:
+    """Whether pip installed the Horovod from this command's wheel cache (an
+    older patch set, before the builds carried their marker)."""
+    url = _ask(python, "from importlib.metadata import distribution; "
+                       "print(distribution('horovod').read_text('direct_url.json') or '')")
+    return bool(url) and str(cache_dir(root, "", "").parent) in str(url)
+
+
+def _site_horovod(python: str) -> str | None:
+    """None where no Horovod is installed; else the site's own build (one
+    build-horovod did not make) is kept: what dp_plugin does with it, or a
+    ``BuildError`` where its torch extension does not import."""
+    found = _ask(python, _DESCRIBE_HOROVOD)
+    if found is None:
+        return None
+    uses = ("dp_plugin uses an installed Horovod as it is: the horovod engine "
+            "(DP_PLUGIN_ENGINE=horovod, or auto under horovodrun) drives its horovod.torch "
+            "and horovodrun launches the job; the gloo, nccl and mpi engines do not use it. "
+            "build-horovod's own build adds only what a stock 0.28.1 lacks (C++17 for "
+            "torch >= 2.1, the network interface for Gloo process sets across hosts).")
+    if "fails to import" in found:
+        raise BuildError(f"found a Horovod that build-horovod did not build: {found}. It was "
+                         f"left as it is. {uses} Fix that build, or run `dp-plugin "
+                         "build-horovod --force` to replace it with a CPU Gloo build (this "
+                         "uninstalls it)")
+    return (f"kept the Horovod already installed, which build-horovod did not build: {found}. "
+            f"{uses} To replace it with build-horovod's CPU Gloo build anyway (it overwrites "
+            "that build, e.g. an NCCL or MPI one), run `dp-plugin build-horovod --force`.")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,15 +4,27 @@ Like ``horovodrun --check-build``: frameworks, engines and launchers, each
 with the reason when it is unavailable, and which engine ``auto`` picks here.
 Importing this module loads nothing; ``main()`` probes lazily. ``make check``
 and ``python -m dp_plugin check`` print the same.
+
+Its time is the frameworks' imports, and each row says how long its import
+took: TensorFlow and Keras take most of it (about 5 s on a loaded 2-core
+machine), PyTorch and Horovod's torch extension most of the rest. TensorFlow
+is imported in a child interpreter while this one imports PyTorch, so the
+two overlap, and TensorFlow's C++ start-up lines (absl, oneDNN), which it
+writes straight to file descriptor 2, stay out of the report.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import shutil
+import subprocess
 import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 
 def _framework(module: str) -> tuple[bool, str]:
@@ -23,22 +35,59 @@ def _framework(module: str) -> tuple[bool, str]:
     return True, str(getattr(mod, "__version__", "installed"))
 
 
-def _frameworks() -> list[tuple[str, bool, str]]:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep the report readable
-    rows = []
+_TENSORFLOW_PROBE = """
+import importlib, json, time
+start = time.perf_counter()
+def version(name):
+    try:
+        return True, str(getattr(importlib.import_module(name), "__version__", "installed"))
+    except Exception as exc:
+        return False, f"not importable: {type(exc).__name__}: {exc}"
+ok, info = version("tensorflow")
+if ok:
+    ok_k, info_k = version("keras")
+    info += f", Keras {info_k if ok_k else 'missing'}"
+print(json.dumps([ok, info, time.perf_counter() - start]))
+"""
+
+
+def _start_tensorflow_probe() -> subprocess.Popen[str]:
+    """TensorFlow and Keras imported in a child interpreter: it runs while
+    this process imports PyTorch, and its stderr (absl and oneDNN lines)
+    is dropped."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
+    return subprocess.Popen([sys.executable, "-c", _TENSORFLOW_PROBE], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+
+def _tensorflow_row(probe: subprocess.Popen[str]) -> tuple[str, bool, str]:
+    out, _ = probe.communicate()
+    try:
+        ok, info, seconds = json.loads(out.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return ("TensorFlow", False, f"the import probe exited with status {probe.returncode} "
+                "and no answer (TensorFlow's native import crashed?); run `python -c "
+                "'import tensorflow'` to see its error")
+    return ("TensorFlow", ok, f"{info} (import {seconds:.1f} s)")
+
+
+def _timed(probe: Callable[[], tuple[bool, str]]) -> tuple[bool, str]:
+    start = time.perf_counter()
+    ok, info = probe()
+    return ok, f"{info} (import {time.perf_counter() - start:.1f} s)"
+
+
+def _torch() -> tuple[bool, str]:
     ok, info = _framework("torch")
     if ok:
         import torch
 
         info += (f", CUDA available ({torch.cuda.device_count()} device(s))"
                  if torch.cuda.is_available() else ", CUDA not available")
-    rows.append(("PyTorch", ok, info))
-    ok, info = _framework("tensorflow")
-    if ok:
-        ok_k, info_k = _framework("keras")
-        info += f", Keras {info_k if ok_k else 'missing'}"
-    rows.append(("TensorFlow", ok, info))
-    rows.append(("mpi4py", *_framework("mpi4py")))
+    return ok, info
+
+
+def _horovod() -> tuple[bool, str]:
     ok, info = _framework("horovod")
     if ok:
         try:
@@ -47,8 +96,30 @@ def _frameworks() -> list[tuple[str, bool, str]]:
             info += f", torch extension {'with' if hvd.gloo_built() else 'WITHOUT'} Gloo"
         except Exception as exc:
             ok, info = False, f"horovod {info} but horovod.torch fails: {exc}"
-    rows.append(("Horovod", ok, info))
+    return ok, info
+
+
+def _frameworks() -> list[tuple[str, bool, str]]:
+    probe = _start_tensorflow_probe()
+    rows = [("PyTorch", *_timed(_torch))]
+    rows.append(_tensorflow_row(probe))
+    rows.append(("mpi4py", *_timed(lambda: _framework("mpi4py"))))
+    rows.append(("Horovod", *_timed(_horovod)))
     return rows
+
+
+def find_launcher(tool: str) -> tuple[str | None, str]:
+    """(path, where) of ``tool``: on PATH, else beside this interpreter (a
+    virtual environment's ``bin/`` that is not on PATH, e.g. when
+    ``dp-plugin`` is run by its full path)."""
+    found = shutil.which(tool)
+    if found:
+        return found, "on PATH"
+    for folder in dict.fromkeys((Path(sys.executable).parent, Path(sys.argv[0]).parent)):
+        candidate = shutil.which(tool, path=str(folder))
+        if candidate:
+            return candidate, "beside the interpreter, not on PATH: call it by this path"
+    return None, "not on PATH, nor beside the interpreter " + str(Path(sys.executable).parent)
 
 
 HELP = "frameworks, engines and launchers available here, and why not"
@@ -66,6 +137,7 @@ def main() -> int:
     from dp_plugin.engines import availability_report, choose_engine
     from dp_plugin.launch import detect
 
+    started = time.perf_counter()
     topo = detect()
     out = sys.stdout
     mark = {True: "[X]", False: "[ ]"}
@@ -77,12 +149,15 @@ def main() -> int:
         out.write(f"    {mark[avail.ok]} {name:<11} {avail.reason}\n")
     out.write("\nLaunchers:\n")
     for tool in ("horovodrun", "torchrun", "mpirun", "mpiexec", "srun"):
-        path = shutil.which(tool)
-        out.write(f"    {mark[path is not None]} {tool:<11} {path or 'not on PATH'}\n")
+        path, where = find_launcher(tool)
+        shown = where if path is None else path + ("" if where == "on PATH" else f" ({where})")
+        out.write(f"    {mark[path is not None]} {tool:<11} {shown}\n")
     chosen, reason = choose_engine(topo)
     out.write(
         f"\nThis process: launcher {topo.launcher}, rank {topo.rank} of {topo.size}; "
         f"DP_PLUGIN_ENGINE=auto would pick '{chosen}' ({reason}).\n"
+        f"The check took {time.perf_counter() - started:.1f} s, nearly all of it the imports "
+        "timed above.\n"
     )
     return 0
 

@@ -7,7 +7,15 @@ An alpha-beta model of ring all-reduce with bucketed overlap (see
 shape list (``--model``); its compute time per step (forward + backward at
 one worker) from ``--compute-ms``. For each worker count it prints the
 predicted step, how much of it is communication nobody hides, the scaling
-efficiency, and the bucket size that would minimise the step.
+efficiency, and the bucket size that would minimise the step; below the
+table, each worker count where a bucket size shortens the step against
+the default plan, with the setting.
+
+The default plan is dp_plugin's own (``Config.bucket_caps``): a 1 MiB first
+bucket, then 25 MiB or a quarter of the gradient, whichever is smaller;
+``--threshold-mib`` predicts one size for every bucket instead, as
+``DP_PLUGIN_FUSION_THRESHOLD`` sets it. Hosts are assumed to hold 8 ranks
+(a typical 8-GPU node) unless ``--ranks-per-host`` says otherwise.
 
     dp-plugin plan --model resnet50 --compute-ms 250 --alpha-us 10 --bandwidth-gbit 25
     dp-plugin plan --model bert-base --compute-ms 900 --sweep out/results.json --engine gloo
@@ -35,6 +43,7 @@ from typing import Any
 from dp_plugin.cli import int_list
 from dp_plugin.cli.alphabeta import Link, MiB, Prediction, best_threshold, fit_link, predict
 from dp_plugin.cli.shapes import MODELS, model_shapes, param_count
+from dp_plugin.config import Config
 
 HELP = "predict step time and scaling efficiency at 8-1024 workers (alpha-beta model)"
 DEFAULT_WORKERS = "8,16,32,64,128,256,512,1024"
@@ -45,6 +54,11 @@ WORTH = 0.05
 """A change is suggested when it shortens the predicted step by this share."""
 BUSY = 0.10
 """fp16 is suggested only when exposed communication exceeds this share of the step."""
+BETTER = 0.01
+"""A bucket size is named for a worker count where it shortens the predicted step
+against the default plan by this share (the model's tie rule is 0.5%)."""
+TYPICAL_RANKS_PER_HOST = 8
+"""The assumed node without ``--ranks-per-host``: 8 GPUs, one rank each."""
 
 
 def _positive(text: str) -> float:
@@ -75,14 +89,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="link bandwidth, Gbit/s")
     parser.add_argument("--workers", type=_workers, default=_workers(DEFAULT_WORKERS),
                         help=f"worker counts (default {DEFAULT_WORKERS})")
-    parser.add_argument("--threshold-mib", type=_positive, default=64.0,
-                        help="bucket size to predict with (default 64, Horovod's)")
+    parser.add_argument("--threshold-mib", type=_positive, default=None,
+                        help="one bucket size for every bucket, as DP_PLUGIN_FUSION_THRESHOLD "
+                             "(default: dp_plugin's plan, a 1 MiB first bucket, then 25 MiB "
+                             "or a quarter of the gradient, whichever is smaller)")
     parser.add_argument("--backward-fraction", type=_positive, default=2 / 3,
                         help="share of compute that is backward (default 2/3)")
     parser.add_argument("--ready-by", choices=("tensors", "bytes"), default="tensors",
                         help="gradients ready evenly per tensor (default) or per byte")
-    parser.add_argument("--ranks-per-host", type=int, default=1,
-                        help="ranks on each host; the link is the host's (default 1)")
+    parser.add_argument("--ranks-per-host", type=int, default=None,
+                        help="ranks on each host; the link is the host's (default "
+                             f"{TYPICAL_RANKS_PER_HOST}, a typical GPU node, where it divides "
+                             "every worker count; the plan prints what it assumed)")
     parser.add_argument("--local-bandwidth-gbit", type=_positive, default=LOCAL_GBIT,
                         help="bandwidth between the ranks of one host (shared memory), "
                              f"Gbit/s (default {LOCAL_GBIT:g})")
@@ -126,46 +144,91 @@ def resolve_link(args: argparse.Namespace) -> tuple[Link, str]:
     return link, "from the command line"
 
 
+def ranks_per_host(given: int | None, workers: list[int]) -> tuple[int, str]:
+    """The ranks per host to model and, where it was not given, the assumption
+    to print: 8 (a typical GPU node), or the largest number below it that
+    divides every worker count."""
+    if given is not None:
+        if given < 1 or any(n % given for n in workers):
+            raise SystemExit(f"--ranks-per-host {given}: must be >= 1 and divide every worker "
+                             f"count ({', '.join(map(str, workers))})")
+        return given, ""
+    per_host = math.gcd(TYPICAL_RANKS_PER_HOST, *workers)
+    why = ("a typical 8-GPU node" if per_host == TYPICAL_RANKS_PER_HOST else
+           f"the largest count up to {TYPICAL_RANKS_PER_HOST} that divides every worker count")
+    return per_host, (f"assumed {per_host} ranks per host ({why}); give --ranks-per-host "
+                      "for your hosts")
+
+
+def default_plan(sizes: list[int], threshold_mib: float | None) -> tuple[int, int | None, str]:
+    """(bucket cap, first bucket cap, words): dp_plugin's default plan for
+    these gradients (``Config.bucket_caps``), or one size for every bucket."""
+    if threshold_mib is not None:
+        return int(threshold_mib * MiB), None, f"buckets of {threshold_mib:g} MiB"
+    cap, first = Config().bucket_caps(total_bytes=sum(sizes))
+    first_text = "" if first is None else f"first bucket {first / MiB:g} MiB, then "
+    return cap, first, f"dp_plugin's default plan ({first_text}{cap / MiB:.3g} MiB)"
+
+
 def run(args: argparse.Namespace) -> int:
     if args.backward_fraction > 1:
         raise SystemExit(f"--backward-fraction {args.backward_fraction}: must be in (0, 1]")
-    per_host = args.ranks_per_host
-    if per_host < 1 or any(n % per_host for n in args.workers):
-        raise SystemExit(f"--ranks-per-host {per_host}: must be >= 1 and divide every worker "
-                         f"count ({', '.join(map(str, args.workers))})")
+    per_host, assumed = ranks_per_host(args.ranks_per_host, args.workers)
     link, source = resolve_link(args)
     local = Link(alpha=5e-6, beta=args.local_bandwidth_gbit * 1e9 / 8) if per_host > 1 else None
     shapes = model_shapes(args.model)
     sizes = [4 * math.prod(shape) for _, shape in shapes]
     compute = args.compute_ms / 1e3
-    threshold = int(args.threshold_mib * MiB)
-    rows = []
+    threshold, first, plan_words = default_plan(sizes, args.threshold_mib)
+    rows, better = [], []
     for n in args.workers:
-        p = predict(sizes, compute, n, link, threshold, args.backward_fraction, args.ready_by)
+        p = predict(sizes, compute, n, link, threshold, args.backward_fraction, args.ready_by,
+                    first_threshold=first)
         best = best_threshold(sizes, compute, n, link, args.backward_fraction, args.ready_by)
+        gain = 1 - best.step_s / p.step_s
         rows.append({"workers": n, "buckets": p.buckets, "comm_ms": p.comm_s * 1e3,
                      "exposed_ms": p.exposed_s * 1e3, "step_ms": p.step_s * 1e3,
-                     "efficiency": p.efficiency, "best_threshold_mib": best.threshold / MiB,
-                     "best_efficiency": best.efficiency})
+                     "efficiency": p.efficiency,
+                     # None: no single size beats the plan predicted (its small first
+                     # bucket can win, and a set threshold drops it)
+                     "best_threshold_mib": best.threshold / MiB if gain > 0 else None,
+                     "best_efficiency": max(best.efficiency, p.efficiency)})
+        if gain >= BETTER:
+            better.append({"workers": n, "threshold_mib": best.threshold / MiB,
+                           "fusion_threshold": best.threshold, "step_ms": best.step_s * 1e3,
+                           "default_step_ms": p.step_s * 1e3, "shorter": gain})
     n = args.workers[-1]
-    choice = suggest(sizes, compute, n, link, args, per_host, local)
+    choice = suggest(sizes, compute, n, link, args, per_host, local, plan_words)
     if args.json:
         json.dump({"model": args.model, "alpha_s": link.alpha, "beta_bytes_s": link.beta,
-                   "rows": rows, "suggested": choice}, sys.stdout, indent=1)
+                   "plan": {"threshold_bytes": threshold, "first_threshold_bytes": first},
+                   "ranks_per_host": per_host, "assumed": assumed, "rows": rows,
+                   "better_buckets": better, "suggested": choice}, sys.stdout, indent=1)
         print()
         return 0
     hosts = f", {per_host} ranks per host sharing it" if per_host > 1 else ""
     print(f"{args.model}: {param_count(shapes) / 1e6:.1f} M parameters in {len(shapes)} "
           f"tensors ({sum(sizes) / MiB:.0f} MiB of float32 gradients), compute "
           f"{args.compute_ms:g} ms per step\nlink: alpha {link.alpha * 1e6:.1f} us, bandwidth "
-          f"{link.beta * 8 / 1e9:.2f} Gbit/s ({source}){hosts}; buckets of "
-          f"{args.threshold_mib:g} MiB, flat ring\n")
-    print(f"{'workers':>7} {'buckets':>7} {'all-reduce':>11} {'exposed':>9} {'step':>9} "
+          f"{link.beta * 8 / 1e9:.2f} Gbit/s ({source}){hosts}; {plan_words}, flat ring")
+    if assumed:
+        print(assumed)
+    print(f"\n{'workers':>7} {'buckets':>7} {'all-reduce':>11} {'exposed':>9} {'step':>9} "
           f"{'efficiency':>10} {'best bucket':>11} {'its eff.':>8}")
     for r in rows:
         print(f"{r['workers']:>7} {r['buckets']:>7} {r['comm_ms']:>8.1f} ms "
               f"{r['exposed_ms']:>6.1f} ms {r['step_ms']:>6.1f} ms {r['efficiency']:>9.1%} "
-              f"{r['best_threshold_mib']:>7g} MiB {r['best_efficiency']:>7.1%}")
+              f"{_mib(r['best_threshold_mib']):>11} {r['best_efficiency']:>7.1%}")
+    if better:
+        print(f"\na better bucket size than {plan_words}:")
+        for b in better:
+            print(f"  - at {b['workers']} workers: DP_PLUGIN_FUSION_THRESHOLD="
+                  f"{b['fusion_threshold']} ({b['threshold_mib']:g} MiB), step "
+                  f"{b['step_ms']:.1f} ms against {b['default_step_ms']:.1f} ms "
+                  f"({b['shorter']:.0%} shorter)")
+    else:
+        print(f"\nno bucket size shortens the step by {BETTER:.0%} or more against "
+              f"{plan_words} at these worker counts")
     print(f"\nsuggested at {n} workers: step {choice['step_ms']:.1f} ms "
           f"(efficiency {choice['efficiency']:.1%})")
     for line in choice["why"]:
@@ -173,8 +236,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mib(value: float | None) -> str:
+    return "this plan" if value is None else f"{value:g} MiB"
+
+
 def suggest(sizes: list[int], compute: float, n: int, link: Link, args: argparse.Namespace,
-            per_host: int, local: Link | None) -> dict[str, Any]:
+            per_host: int, local: Link | None, plan_words: str) -> dict[str, Any]:
     """What to change in the defaults at ``n`` workers on this link: the bucket
     size, hierarchy (when several ranks share a host) and fp16 compression,
     each with the prediction that justifies it (``why``); also the JSON
@@ -212,9 +279,9 @@ def suggest(sizes: list[int], compute: float, n: int, link: Link, args: argparse
     else:
         why.append(f"no compression: exposed communication is {exposed:.0%} of the step and "
                    f"fp16 would save {max(gain, 0):.0%}")
-    why.insert(0, f"bucket size {chosen.threshold / MiB:g} MiB (default "
-                  f"{args.threshold_mib:g}): the shortest predicted step among "
-                  "256 KiB-512 MiB")
+    why.insert(0, f"bucket size {chosen.threshold / MiB:g} MiB (DP_PLUGIN_FUSION_THRESHOLD="
+                  f"{chosen.threshold}; against {plan_words}): the shortest predicted step "
+                  "among 256 KiB-512 MiB")
     return {"workers": n, "threshold_mib": chosen.threshold / MiB,
             "hierarchical": hierarchical, "compression": compression,
             "step_ms": chosen.step_s * 1e3, "efficiency": chosen.efficiency, "why": why}

@@ -1,11 +1,15 @@
 """Handles: in-flight collectives that honour the timeout (``Handle.wait``).
-With a ``WaitBoard`` (``waits.py``) a wait longer than half the timeout
-leaves a note for the other ranks, and the timeout error says what every
-other rank was waiting in.
+With a ``WaitBoard`` (``waits.py``) a long wait leaves a note for the other
+ranks (past half the timeout, or half the stall warning time if sooner),
+logs a stall warning naming the ranks not yet there every
+``stall_warning_s``, and the timeout error says what every other rank was
+waiting in.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -14,6 +18,8 @@ from typing import Any
 from dp_plugin.engines.deadline import poll
 from dp_plugin.engines.waits import WaitBoard
 from dp_plugin.errors import CollectiveTimeoutError
+
+log = logging.getLogger("dp_plugin")
 
 
 class Handle(ABC):
@@ -66,16 +72,34 @@ class Handle(ABC):
             self._finishers.pop(0)()
 
     def _block_with_note(self) -> bool:
-        """``_block`` for the timeout; past half of it, with a note on the board."""
-        if self.board is None:
+        """``_block`` for the timeout; a long wait posts a note on the board
+        and logs a stall warning every ``board.stall_warning_s``."""
+        board = self.board
+        if board is None:
             return self._block(self.timeout_s)
-        if self._block(self.timeout_s / 2):
-            return True
-        self.board.post(self.description)
-        done = self._block(self.timeout_s / 2)
-        if done:
-            self.board.clear()
-        return done
+        warn_every = board.stall_warning_s
+        start = time.perf_counter()
+        end = start + self.timeout_s
+        note_at = start + (min(self.timeout_s, warn_every) if warn_every else self.timeout_s) / 2
+        warn_at = start + warn_every if warn_every else math.inf
+        posted = False
+        while True:
+            now = time.perf_counter()
+            if now >= end:
+                return False
+            until = min(end, warn_at, math.inf if posted else note_at)
+            if self._block(max(0.0, until - now)):
+                if posted:
+                    board.clear()
+                return True
+            now = time.perf_counter()
+            if not posted and now >= note_at:
+                board.post(self.description)
+                posted = True
+            if now >= warn_at and now < end:
+                log.warning("%s", board.stall_warning(self.description, now - start,
+                                                      self.timeout_s))
+                warn_at += warn_every
 
     def report(self) -> str:
         """What the other ranks were waiting in ("" without a board)."""

@@ -292,7 +292,8 @@ class MPIEngine(Engine):
         """Notes of long waits, sent over MPI itself (``mpi_notes.py``); None
         while the engine starts, or when MPI is not thread-multiple."""
         if self._board is None and getattr(self, "_notes", None) is not None:
-            self._board = WaitBoard(self._notes, self.global_ranks[self.rank], self.global_ranks)
+            self._board = WaitBoard(self._notes, self.global_ranks[self.rank],
+                                    self.global_ranks, self.config.stall_warning_s)
         return self._board
 
     def _spec(self, arr: np.ndarray) -> list[Any]:

@@ -311,7 +311,8 @@ class TorchDistEngine(Engine):
                 store = self._dist.distributed_c10d._get_default_store()
             except Exception:  # no default group (torch internals moved): no notes
                 return None
-            self._board = WaitBoard(store, self.global_ranks[self.rank], self.global_ranks)
+            self._board = WaitBoard(store, self.global_ranks[self.rank], self.global_ranks,
+                                    self.config.stall_warning_s)
         return self._board
 
     def _tensor(self, buf: Any, what: str, flat: bool = True) -> Any:

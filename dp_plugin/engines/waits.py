@@ -12,6 +12,10 @@ messages on a private communicator for mpi, ``mpi_notes.py``):
   waits in <collective> since <time>" (nothing is written for waits that end
   sooner, so a healthy job never touches the store) and clears it when the
   wait ends;
+- while a wait lasts, every ``stall_warning_s`` (``DP_PLUGIN_STALL_WARNING_SECONDS``,
+  a minute by default; the note is then posted at half of that) the rank
+  reads the notes and logs a warning naming the collective and the ranks
+  not yet waiting in it, as Horovod's stall inspector does;
 - when a collective times out or fails, the rank reads every rank's note and
   the error says, per rank: waiting in the same collective, waiting in a
   different one (the ranks called collectives in different orders), stopped
@@ -51,13 +55,16 @@ _NO_NOTE = ("no note: it died, stalls outside dp_plugin's collectives (data load
 
 
 class WaitBoard:
-    """Notes of the ranks ``ranks`` (job-wide) in ``store``; this process is ``me``."""
+    """Notes of the ranks ``ranks`` (job-wide) in ``store``; this process is ``me``.
+    ``stall_warning_s``: seconds between the warnings of a long wait (0: none)."""
 
-    def __init__(self, store: Any, me: int, ranks: Sequence[int]) -> None:
+    def __init__(self, store: Any, me: int, ranks: Sequence[int],
+                 stall_warning_s: float = 0.0) -> None:
         self._store = store
         self._me = me
         self._ranks = tuple(ranks)
         self._lost_said = False
+        self.stall_warning_s = stall_warning_s
 
     def post(self, description: str) -> None:
         self._quietly(lambda: self._store.set(self._key(self._me),
@@ -127,6 +134,40 @@ class WaitBoard:
                   "collectives in different orders; look for code that runs on some ranks "
                   "only (a rank-0-only collective, a skipped optimizer step, an early break).")
         return " What the other ranks were doing: " + "; ".join(parts) + "." + advice
+
+    def stall_warning(self, description: str, waited_s: float, timeout_s: float) -> str:
+        """The warning for a wait of ``waited_s`` in ``description``: which
+        ranks wait in it too, which are not there yet, and when it will raise."""
+        try:
+            notes = bounded(lambda: self._read(self._ranks)[0], what="reading the wait notes",
+                            rank=self._me, timeout_s=REPORT_S)
+        except Exception:
+            notes = None
+        head = (f"rank {self._me}: {description} has waited {waited_s:.0f} s for the other "
+                f"ranks; ")
+        tail = (f" It raises after {timeout_s:g} s (DP_PLUGIN_TIMEOUT); this warning repeats "
+                f"every {self.stall_warning_s:g} s (DP_PLUGIN_STALL_WARNING_SECONDS, 0: off).")
+        if notes is None:
+            return (head + "which ranks are missing is unknown: the store that carries the "
+                    "ranks' notes did not answer." + tail)
+        there, elsewhere, missing = [self._me], [], []
+        for rank in self._ranks:
+            if rank == self._me:
+                continue
+            theirs = notes.get(rank, "").partition("|")[2]
+            if theirs == description:
+                there.append(rank)
+            elif theirs:
+                elsewhere.append(f"rank {rank} waits in {theirs}")
+                missing.append(rank)
+            else:
+                missing.append(rank)
+        if not missing:
+            return head + f"every rank waits in it ({sorted(there)})." + tail
+        detail = f" ({'; '.join(elsewhere)})" if elsewhere else ""
+        return (head + f"ranks not there yet: {missing}{detail}; waiting in it: {sorted(there)}. "
+                "Check what the missing ranks do (their log, py-spy dump): a slow rank-0-only "
+                "step, a hang, or collectives called in a different order." + tail)
 
     def _read(self, ranks: Sequence[int]
               ) -> tuple[dict[int, str], dict[int, tuple[list[int], str]]]:

@@ -331,6 +331,42 @@ def test_check_names_the_engine_auto_picks(
     monkeypatch.setattr(launch, "detect", lambda env=None: topo)
     monkeypatch.setattr(engines, "availability",
                         lambda name, t: Availability(name in usable, "test"))
+    monkeypatch.setattr(check, "_frameworks", list)  # the imports are tested below
     assert check.main() == 0
     out = capsys.readouterr().out
     assert f"launcher mpich, rank 0 of 2; DP_PLUGIN_ENGINE=auto {expected}" in out
+
+
+def test_check_finds_launchers_beside_the_interpreter(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A venv's bin/ that is not on PATH (dp-plugin run by its full path)."""
+    from dp_plugin.cli import check
+
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("python", "torchrun"):
+        (bin_dir / name).write_text("#!/bin/sh\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(check.sys, "executable", str(bin_dir / "python"))
+    path, where = check.find_launcher("torchrun")
+    assert path == str(bin_dir / "torchrun") and "beside the interpreter" in where
+    path, where = check.find_launcher("srun")
+    assert path is None and str(bin_dir) in where
+
+
+def test_check_by_full_path_prints_each_line_once_without_tensorflow_noise() -> None:
+    """Run as a user runs it: ``.venv/bin/dp-plugin check`` with the venv off PATH."""
+    import subprocess
+    import sys
+
+    script = Path(sys.executable).parent / "dp-plugin"
+    done = subprocess.run([str(script), "check"], capture_output=True, text=True, timeout=240,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home())}, check=False)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text
+    for noise in ("absl::InitializeLog", "oneDNN custom operations"):
+        assert noise not in text, text
+    assert f"{Path(sys.executable).parent / 'torchrun'} (beside the interpreter" in text, text
+    assert "TensorFlow  2." in text and "(import " in text, text
+    assert "The check took " in text, text

@@ -145,6 +145,21 @@ def test_bad_timeout_names_variable_and_value(raw: str) -> None:
     assert "positive number of seconds" in message
 
 
+def test_stall_warning_default_off_and_seconds() -> None:
+    assert Config().stall_warning_s == 60.0  # Horovod's stall inspector's default
+    assert Config.from_env({"DP_PLUGIN_STALL_WARNING_SECONDS": "0"}).stall_warning_s == 0.0
+    assert Config.from_env({"DP_PLUGIN_STALL_WARNING_SECONDS": "2.5"}).stall_warning_s == 2.5
+    assert Config.from_env({"DP_PLUGIN_STALL_WARNING_SECONDS": "2.5"}).timeout_s == \
+        DEFAULT_TIMEOUT_S
+
+
+@pytest.mark.parametrize("raw", ["-1", "soon", "nan", "", "inf"])
+def test_bad_stall_warning_names_variable_value_and_off(raw: str) -> None:
+    message = _message({"DP_PLUGIN_STALL_WARNING_SECONDS": raw})
+    assert f"DP_PLUGIN_STALL_WARNING_SECONDS={raw!r}" in message
+    assert "0 turns the warning off" in message
+
+
 def test_bad_boolean_lists_the_spellings() -> None:
     message = _message({"DP_PLUGIN_REBUILD_BUCKETS": "maybe"})
     assert "DP_PLUGIN_REBUILD_BUCKETS='maybe'" in message
@@ -175,6 +190,7 @@ def test_config_is_frozen_keyword_only_and_slotted() -> None:
         ({"timeout_s": float("nan")}, ["timeout_s", "nan"]),
         ({"timeout_s": float("inf")}, ["timeout_s", "inf", "finite"]),
         ({"timeout_s": "300"}, ["timeout_s", "'300'"]),
+        ({"stall_warning_s": -1.0}, ["stall_warning_s", "-1.0", "0 turns the warning off"]),
     ],
 )
 def test_direct_construction_is_validated(kwargs: dict[str, object], words: list[str]) -> None:

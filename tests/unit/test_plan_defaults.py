@@ -5,6 +5,7 @@ all-reduce and suggests fp16, saying why; on a fast one it changes neither."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -12,9 +13,11 @@ from dp_plugin.cli import main
 from dp_plugin.cli.alphabeta import (
     Link,
     allreduce_time,
+    buckets,
     hierarchical_allreduce_time,
     ring_allreduce_time,
 )
+from dp_plugin.config import Config
 
 
 def plan(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
@@ -63,3 +66,63 @@ def test_ranks_per_host_must_divide_the_workers(capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit, match="--ranks-per-host 3: must be >= 1 and divide"):
         main(["plan", "--model", "bert-base", "--compute-ms", "900", "--alpha-us", "50",
               "--bandwidth-gbit", "1", "--ranks-per-host", "3", "--workers", "4"])
+
+
+# -- the default plan, the assumed host and the per-row bucket suggestions ----------
+
+
+def plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    assert main(["plan", "--model", "resnet50", "--compute-ms", "250", "--alpha-us", "10",
+                 "--bandwidth-gbit", "25", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+
+
+def test_the_default_bucket_plan_is_dp_plugins_own(capsys: pytest.CaptureFixture[str]) -> None:
+    """A 1 MiB first bucket, then 25 MiB or a quarter of the gradient, as
+    Config.bucket_caps plans it for the gradient scheduler."""
+    from dp_plugin.cli.shapes import model_shapes
+
+    total = sum(4 * math.prod(shape) for _, shape in model_shapes("resnet50"))
+    out = plan_json(capsys, "--workers", "8")
+    assert out["plan"] == {"threshold_bytes": Config().bucket_caps(total_bytes=total)[0],
+                           "first_threshold_bytes": 1 << 20}
+    assert out["plan"]["threshold_bytes"] == min(25 << 20, -(-total // 4))
+    # One size for every bucket when asked, as DP_PLUGIN_FUSION_THRESHOLD does.
+    out = plan_json(capsys, "--workers", "8", "--threshold-mib", "64")
+    assert out["plan"] == {"threshold_bytes": 64 << 20, "first_threshold_bytes": None}
+
+
+def test_the_model_buckets_as_the_planner_does() -> None:
+    sizes = [3 << 19, 1 << 19, 1 << 19, 5 << 20, 1 << 20]  # 1.5, .5, .5, 5, 1 MiB
+    assert buckets(sizes, 4 << 20, first_threshold=1 << 20) == \
+        [(0, 3 << 19), (2, 1 << 20), (3, 5 << 20), (4, 1 << 20)]
+    assert buckets(sizes, 4 << 20) == [(2, 5 << 19), (3, 5 << 20), (4, 1 << 20)]
+
+
+def test_ranks_per_host_defaults_to_a_typical_node_and_says_so(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    out = plan_json(capsys, "--workers", "8,64")
+    assert out["ranks_per_host"] == 8 and "assumed 8 ranks per host" in out["assumed"]
+    out = plan_json(capsys, "--workers", "4,12")
+    assert out["ranks_per_host"] == 4 and "divides every worker count" in out["assumed"]
+    out = plan_json(capsys, "--workers", "8", "--ranks-per-host", "1")
+    assert out["ranks_per_host"] == 1 and out["assumed"] == ""
+    assert main(["plan", "--model", "resnet50", "--compute-ms", "250", "--alpha-us", "10",
+                 "--bandwidth-gbit", "25", "--workers", "16"]) == 0
+    assert "assumed 8 ranks per host (a typical 8-GPU node); give --ranks-per-host" in \
+        capsys.readouterr().out
+
+
+def test_a_better_bucket_size_is_named_at_every_worker_count_it_helps(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    out = plan_json(capsys, "--workers", "8,16,1024")
+    better = {b["workers"]: b for b in out["better_buckets"]}
+    rows = {r["workers"]: r for r in out["rows"]}
+    assert 8 in better and 16 in better, better  # not only at the largest count
+    for n, b in better.items():
+        assert b["step_ms"] <= rows[n]["step_ms"] * 0.99
+        assert b["fusion_threshold"] == int(b["threshold_mib"] * 2**20)
+    assert main(["plan", "--model", "resnet50", "--compute-ms", "250", "--alpha-us", "10",
+                 "--bandwidth-gbit", "25", "--workers", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "at 8 workers: DP_PLUGIN_FUSION_THRESHOLD=" in text, text

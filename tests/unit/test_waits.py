@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from typing import Any
 
+import pytest
+
 from dp_plugin.engines import waits
+from dp_plugin.engines.handle import Handle
 from dp_plugin.engines.waits import WaitBoard
+from dp_plugin.errors import CollectiveTimeoutError
 
 
 class DictStore:
@@ -88,3 +94,53 @@ def test_reading_what_a_rank_lost_from_a_dead_store_is_bounded(monkeypatch: Any)
     store = DeadStore(True)
     assert WaitBoard(store, 0, range(2)).lost_by(1) is None
     store.release.set()
+
+
+def test_stall_warning_names_the_ranks_not_there_yet() -> None:
+    store = DictStore()
+    boards = [WaitBoard(store, r, range(4), stall_warning_s=60) for r in range(4)]
+    boards[0].post("allreduce 'a'")
+    boards[2].post("allreduce 'a'")
+    boards[3].post("broadcast 'b'")
+    text = boards[0].stall_warning("allreduce 'a'", 61.0, 1800.0)
+    assert text.startswith("rank 0: allreduce 'a' has waited 61 s"), text
+    assert "ranks not there yet: [1, 3] (rank 3 waits in broadcast 'b')" in text, text
+    assert "waiting in it: [0, 2]" in text, text
+    assert "raises after 1800 s (DP_PLUGIN_TIMEOUT)" in text, text
+    assert "every 60 s (DP_PLUGIN_STALL_WARNING_SECONDS" in text, text
+
+
+class _SlowHandle(Handle):
+    """Finishes once ``release`` is set."""
+
+    def __init__(self, board: WaitBoard, timeout_s: float) -> None:
+        super().__init__("allreduce 'a'", 0, timeout_s, board=board)
+        self.release = threading.Event()
+
+    def _test(self) -> bool:
+        return self.release.is_set()
+
+    def _block(self, timeout_s: float) -> bool:
+        return self.release.wait(timeout_s)
+
+
+def test_a_long_wait_warns_periodically_then_finishes(caplog: Any) -> None:
+    store = DictStore()
+    handle = _SlowHandle(WaitBoard(store, 0, range(2), stall_warning_s=0.1), timeout_s=30)
+    threading.Timer(0.45, handle.release.set).start()
+    with caplog.at_level(logging.WARNING, logger="dp_plugin"):
+        handle.wait()
+    warnings = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
+    assert 3 <= len(warnings) <= 5, warnings
+    assert all("ranks not there yet: [1]" in w for w in warnings), warnings
+    assert store.data["dp_plugin/waits/0"] == b"", "the note is cleared when the wait ends"
+
+
+def test_no_stall_warning_when_off_and_the_timeout_is_unchanged(caplog: Any) -> None:
+    handle = _SlowHandle(WaitBoard(DictStore(), 0, range(2), stall_warning_s=0), timeout_s=0.3)
+    started = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="dp_plugin"), \
+            pytest.raises(CollectiveTimeoutError, match=r"did not finish within 0\.3 s"):
+        handle.wait()
+    assert time.perf_counter() - started >= 0.3
+    assert not [r for r in caplog.records if "has waited" in r.getMessage()]
