@@ -85,7 +85,8 @@ NOTES: dict[str, tuple[str, str]] = {
                     "(Horovod returns None)"),
     "horovod.torch:broadcast_optimizer_state": (
         DIFF, "also works for LBFGS and optimizers whose state is created lazily, without "
-        "Horovod's zero-gradient dummy step"),
+        "Horovod's zero-gradient dummy step (the zero `.grad` that step leaves on a fresh "
+        "optimizer's parameters is kept)"),
     "mpi_threads_supported": (DIFF, "answers for dp_plugin's MPI engine (mpi4py's thread "
                               "level), False without it"),
     "horovod.tensorflow:LocalGradientAggregationHelper": (
