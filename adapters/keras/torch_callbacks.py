@@ -1,5 +1,10 @@
 """Keras 3 on the torch backend: ``DistributedCallback`` and ``BroadcastGlobalVariablesCallback``.
 
+Also the ``callbacks`` namespace of Horovod's Keras API on this backend:
+``dp.callbacks.X`` names every callback (``MetricAverageCallback``,
+``LearningRateWarmupCallback``, ``LearningRateScheduleCallback``, shared with
+TensorFlow, are re-exported here).
+
 The same names, arguments and contract as on TensorFlow (docs/keras.md). The
 gradient reduction is ``torch_optimizer.DistributedApply`` (the torch
 adapter's ``DistributedOptimizer`` underneath); the broadcast is the torch
@@ -16,6 +21,8 @@ from dp_plugin import runtime
 from dp_plugin.edge import calling
 from dp_plugin.errors import DPPluginError, NotInitializedError
 from dp_plugin.horovod_names import Average, Compression
+from dp_plugin.keras.callbacks_lr import LearningRateScheduleCallback, LearningRateWarmupCallback
+from dp_plugin.keras.metric_average import MetricAverageCallback
 from dp_plugin.keras.torch_optimizer import (
     DistributedApply,
     checked_settings,
@@ -181,3 +188,9 @@ class DistributedCallback(BroadcastGlobalVariablesCallback):
         if existing is not None and target is optimizer and existing.same_settings(hook):
             return  # installed by an earlier fit
         install(optimizer, hook, replacing=target if existing is not None else None)
+
+
+__all__ = [
+    "BroadcastGlobalVariablesCallback", "DistributedCallback", "LearningRateScheduleCallback",
+    "LearningRateWarmupCallback", "MetricAverageCallback",
+]

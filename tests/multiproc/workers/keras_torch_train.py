@@ -4,9 +4,9 @@ Run under any launcher (see tests/multiproc/harness.py)::
 
     python keras_torch_train.py --case fit     # prints "rank R OK"
 
-``KERAS_BACKEND=torch`` is set before Keras is imported; importing
-``dp_plugin.keras`` must not import TensorFlow (checked first; Keras's
-``set_random_seed`` imports it later where it is installed). Each rank starts from a
+``KERAS_BACKEND=torch`` is set before Keras is imported; TensorFlow must
+never be imported (checked at the end; the models are seeded through their
+initializers, since ``keras.utils.set_random_seed`` imports TensorFlow). Each rank starts from a
 model initialised with its own seed; after ``fit`` the weights must be
 bitwise identical on all ranks (a digest is all-gathered) and, on rank 0,
 within 1e-5 of a single-process run from rank 0's initial weights on the
@@ -25,8 +25,10 @@ Cases:
   that averages the two ranks' gradients itself.
 - validation: ``fit`` with ``validation_data``, a metric and two epochs;
   ``evaluate``/``predict`` identical on all ranks.
-- callbacks: ``MetricAverageCallback`` averages the epoch logs and
-  ``LearningRateWarmupCallback`` sets the same learning rate on every rank.
+- callbacks: ``MetricAverageCallback`` makes every rank's history the mean
+  of the ranks' epoch logs; ``LearningRateWarmupCallback`` (momentum
+  corrected in the batch of each change) sets the learning rates one
+  process sets, and the weights equal that process's.
 """
 
 from __future__ import annotations
@@ -46,9 +48,6 @@ from _fail_fast import run_cases
 
 import dp_plugin.keras as dp
 from dp_plugin import request, runtime
-
-# Before keras.utils.set_random_seed, which imports TensorFlow where it is installed.
-TF_IMPORTED = "tensorflow" in sys.modules
 
 FEATURES, OUTPUTS, HIDDEN = 6, 2, 16
 LOCAL_BATCH = 8
@@ -76,24 +75,27 @@ def local_rows(a: np.ndarray) -> np.ndarray:
                            for s in range(0, len(a), g)])
 
 
+def seeded(seed: int) -> keras.initializers.Initializer:
+    # Not keras.utils.set_random_seed: it imports TensorFlow where it is installed.
+    return keras.initializers.GlorotUniform(seed=seed)
+
+
 def dense_model(seed: int, outputs: int = OUTPUTS, activation: str | None = None) -> keras.Model:
-    keras.utils.set_random_seed(seed)
     return keras.Sequential([
         keras.Input((FEATURES,)),
-        keras.layers.Dense(HIDDEN, activation="tanh"),
-        keras.layers.Dense(outputs, activation=activation),
+        keras.layers.Dense(HIDDEN, activation="tanh", kernel_initializer=seeded(seed)),
+        keras.layers.Dense(outputs, activation=activation, kernel_initializer=seeded(seed + 1)),
     ])
 
 
 def conv_model(seed: int, norm: Callable[[], keras.layers.Layer]) -> keras.Model:
-    keras.utils.set_random_seed(seed)
     return keras.Sequential([
         keras.Input((5, 5, 2)),
-        keras.layers.Conv2D(4, 3, padding="same"),
+        keras.layers.Conv2D(4, 3, padding="same", kernel_initializer=seeded(seed)),
         norm(),
         keras.layers.Activation("relu"),
         keras.layers.Flatten(),
-        keras.layers.Dense(OUTPUTS),
+        keras.layers.Dense(OUTPUTS, kernel_initializer=seeded(seed + 1)),
     ])
 
 
@@ -246,7 +248,73 @@ def case_validation() -> None:
         assert_close(final, ref.get_weights(), "validation")
 
 
+class Probe(keras.callbacks.Callback):
+    """Records the learning rate and momentum each batch trains with, and each
+    epoch's logs as this rank computed them (placed before MetricAverageCallback)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rates: list[tuple[float, float]] = []
+        self.logs: list[dict[str, float]] = []
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        opt = self.model.optimizer
+        self.rates.append((float(opt.learning_rate),
+                           float(opt.momentum)))
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.logs.append(dict(logs or {}))
+
+
+def case_callbacks() -> None:
+    """MetricAverageCallback and LearningRateWarmupCallback (with momentum
+    correction) on the torch backend; the warmup equals one process's."""
+    x, y = global_data(STEPS, seed=6)
+    initial_lr, epochs = 0.1, 2
+
+    def train(model: keras.Model, xs: np.ndarray, ys: np.ndarray, batch: int,
+              distributed: list[Any]) -> Probe:
+        probe = Probe()
+        model.compile(optimizer=sgd(), loss="mse", metrics=["mae"])
+        model.fit(xs, ys, batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
+                  callbacks=[*distributed[:1], dp.LearningRateWarmupCallback(
+                      initial_lr, warmup_epochs=epochs), probe, *distributed[1:]])
+        return probe
+
+    model = dense_model(300 + dp.rank())
+    init_w = model.get_weights()
+    probe = train(model, local_rows(x), local_rows(y), LOCAL_BATCH,
+                  [dp.DistributedCallback(), dp.MetricAverageCallback()])
+    final = model.get_weights()
+    assert_identical_on_all_ranks(final, "callbacks")
+    history = model.history.history
+    averaged = [history[k][e] for e in range(epochs) for k in sorted(history)]
+    assert_identical_on_all_ranks([np.array(averaged)], "callbacks history")
+    mine = np.array([log[k] for log in probe.logs for k in sorted(history)])
+    everyone = np.asarray(request.allgather(runtime.engine(), mine, "logs"))
+    expected = everyone.reshape(dp.size(), -1).mean(axis=0)
+    if not np.allclose(averaged, expected, rtol=1e-6):
+        raise AssertionError(f"MetricAverageCallback: history {averaged} is not the mean of "
+                             f"the ranks' logs {expected}")
+    (lr0, _), (lr1, m1) = probe.rates[0], probe.rates[1]
+    if not (np.isclose(m1, 0.9 * lr1 / lr0) and float(model.optimizer.momentum) == 0.9):
+        raise AssertionError(f"momentum correction: {m1} at lr {lr1} after {lr0}, "
+                             f"{model.optimizer.momentum} after fit")
+    last = float(model.optimizer.learning_rate)
+    if not np.isclose(last, initial_lr):
+        raise AssertionError(f"warmup ended at learning rate {last}, not {initial_lr}")
+    if dp.rank() == 0:
+        ref = dense_model(0)
+        ref.set_weights(init_w)
+        ref_probe = train(ref, x, y, LOCAL_BATCH * dp.size(), [])
+        if ref_probe.rates != probe.rates:
+            raise AssertionError(f"rates {probe.rates} differ from one process's "
+                                 f"{ref_probe.rates}")
+        assert_close(final, ref.get_weights(), "callbacks")
+
+
 CASES: dict[str, Callable[[object], None]] = {
+    "callbacks": lambda _: case_callbacks(),
     "fit": lambda _: case_fit(),
     "optimizer": lambda _: case_fit("optimizer"),
     "conv_sync_bn": lambda _: case_conv_sync_bn(),
@@ -256,14 +324,14 @@ CASES: dict[str, Callable[[object], None]] = {
 
 
 def start(_: object) -> None:
-    if TF_IMPORTED:
-        raise AssertionError("import dp_plugin.keras on the torch backend imported TensorFlow")
     dp.init()
     print(f"rank {dp.rank()} engine {runtime.engine().name}, {dp.size()} ranks, "
           f"backend {keras.backend.backend()}")
 
 
 def finish(_: object) -> None:
+    if "tensorflow" in sys.modules:
+        raise AssertionError("dp_plugin.keras on the torch backend imported TensorFlow")
     runtime.engine().barrier()
     dp.shutdown()
 
