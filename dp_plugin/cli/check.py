@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -27,6 +28,7 @@ def _frameworks() -> list[tuple[str, bool, str]]:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep the report readable
     rows = []
     ok, info = _framework("torch")
+    has_torch = ok
     if ok:
         import torch
 
@@ -38,6 +40,7 @@ def _frameworks() -> list[tuple[str, bool, str]]:
         ok_k, info_k = _framework("keras")
         info += f", Keras {info_k if ok_k else 'missing'}"
     rows.append(("TensorFlow", ok, info))
+    rows.append(_keras_row({"tensorflow": ok, "torch": has_torch}))
     rows.append(("mpi4py", *_framework("mpi4py")))
     ok, info = _framework("horovod")
     if ok:
@@ -49,6 +52,21 @@ def _frameworks() -> list[tuple[str, bool, str]]:
             ok, info = False, f"horovod {info} but horovod.torch fails: {exc}"
     rows.append(("Horovod", ok, info))
     return rows
+
+
+def _keras_row(found: dict[str, bool]) -> tuple[str, bool, str]:
+    """Keras, its backend here, and the backends ``dp_plugin.keras`` serves with
+    what is installed (TensorFlow and torch; JAX has Keras's own path)."""
+    ok, info = _framework("keras")
+    if ok:
+        import keras
+
+        served = [name for name, here in found.items() if here]
+        info += (f", backend {keras.backend.backend()!r} (KERAS_BACKEND); dp_plugin.keras "
+                 f"serves {' and '.join(served) or 'neither backend: install torch or tensorflow'}")
+        if importlib.util.find_spec("jax") is not None:
+            info += "; jax found: not served (use keras.distribution with jax.distributed)"
+    return "Keras", ok, info
 
 
 HELP = "frameworks, engines and launchers available here, and why not"

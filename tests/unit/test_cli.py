@@ -334,3 +334,17 @@ def test_check_names_the_engine_auto_picks(
     assert check.main() == 0
     out = capsys.readouterr().out
     assert f"launcher mpich, rank 0 of 2; DP_PLUGIN_ENGINE=auto {expected}" in out
+
+
+@pytest.mark.parametrize(("found", "served"), [
+    ({"tensorflow": True, "torch": True}, "serves tensorflow and torch"),
+    ({"tensorflow": False, "torch": True}, "serves torch"),
+    ({"tensorflow": False, "torch": False}, "serves neither backend: install torch or tensorflow"),
+])
+def test_check_lists_the_keras_backends_dp_plugin_serves(found: dict[str, bool],
+                                                         served: str) -> None:
+    from dp_plugin.cli import check
+
+    name, ok, info = check._keras_row(found)
+    assert (name, ok) == ("Keras", True)
+    assert "backend '" in info and served in info
