@@ -45,8 +45,12 @@ class KerasGradients(torch.optim.Optimizer):
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         super().__init__(list(tensors), {})
+        self.stepped = False
+        """Set by ``step``: the wrapper calls it after the reduction unless
+        ``DP_PLUGIN_CHECK_FINITE=skip`` dropped the step (on every rank alike)."""
 
     def step(self, closure: Any = None) -> Any:  # the Keras optimizer updates
+        self.stepped = True
         return None
 
 
@@ -95,9 +99,11 @@ class DistributedApply:
         self.variables = variables
 
     def detach(self) -> None:
-        """Remove the gradient hooks (the hook is replaced or uninstalled)."""
+        """Remove the gradient hooks (the hook is replaced, or the variables
+        changed): dropping the wrapper is not enough, since until it is
+        collected its hooks would still start all-reduces on its channel."""
         if self.gradients is not None:
-            for handle in self.gradients._dp.hooks:
+            for handle in self.gradients._dp.hooks:  # as the torch adapter's re-wrap does
                 handle.remove()
         self.gradients, self.variables = None, []
 
@@ -107,11 +113,9 @@ class DistributedApply:
         variables = list(trainable_variables)
         self.attach(variables)
         gradients = self.gradients
-        gradients.synchronize()
-        state = gradients._dp
-        state.synchronized = False
-        if state.skip_step:  # DP_PLUGIN_CHECK_FINITE=skip: every rank skips alike
-            state.skip_step = False
+        gradients.stepped = False
+        gradients.step()  # waits for the reduction, then KerasGradients.step
+        if not gradients.stepped:  # DP_PLUGIN_CHECK_FINITE=skip: every rank skips alike
             return None
         # The reduced gradients are the tensors' .grad now (the fusion buffer's
         # slices, or written into the old tensors): read them back.
