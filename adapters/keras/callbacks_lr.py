@@ -313,7 +313,7 @@ def _momentum(optimizer: Any, who: str) -> tuple[Momentum | None, bool]:
     run-time momentum now)."""
     if keras.backend.backend() == "tensorflow":
         tf_lr = importlib.import_module("dp_plugin.tensorflow.callbacks_lr")
-        return tf_lr.dynamic_momentum(optimizer, who)  # type: ignore[no-any-return]
+        return tf_lr.dynamic_momentum(optimizer, who)
     while hasattr(optimizer, "inner_optimizer"):  # LossScaleOptimizer
         optimizer = optimizer.inner_optimizer
     momentum = getattr(optimizer, "momentum", None)
