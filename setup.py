@@ -2,7 +2,7 @@
 
 The framework-agnostic core lives in ``dp_plugin/``; framework glue lives in
 ``adapters/`` and is installed as ``dp_plugin.torch``, ``dp_plugin.tensorflow``
-and ``dp_plugin.keras`` (Horovod-Keras-style alias of the TensorFlow adapter).
+and ``dp_plugin.keras`` (Keras 3 on the TensorFlow and torch backends).
 ``adapters`` is never a top-level import name: an unrelated PyPI package owns it.
 Metadata, dependencies and the ``dp-plugin`` console script are in pyproject.toml.
 """

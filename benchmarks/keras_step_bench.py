@@ -19,6 +19,9 @@ Configurations:
   solo, solo+xla  the floor's 2 independent processes, each with
                 ``DistributedCallback`` at world size 1 (local engine): the
                 bridge (and the split step) without communication;
+  dp_plugin@torch, floor@torch  dp_plugin and floor on Keras's torch backend
+                (``KERAS_BACKEND=torch``; ``dp_plugin.keras.DistributedCallback``
+                over the torch adapter's reduction; one torch thread per worker);
   mwms          TensorFlow's own way: 2 workers under
                 ``MultiWorkerMirroredStrategy`` (TF_CONFIG on localhost),
                 ``model.fit`` on a distributed dataset. Since TF 2.16 (Keras 3)
@@ -57,7 +60,7 @@ from dp_plugin.cli.jobs import Job, clean_env, free_port, mpiexec_job, run_jobs,
 FEATURES, HIDDEN, CLASSES = 512, 1024, 10
 BATCH = 64  # per worker
 CONFIGS = ("dp_plugin", "dp_plugin+xla", "dp_plugin@mpi", "single", "floor", "floor+xla",
-           "solo", "solo+xla", "mwms")
+           "solo", "solo+xla", "dp_plugin@torch", "floor@torch", "mwms")
 MWMS_TIMEOUT = 180.0
 
 
@@ -87,6 +90,8 @@ def step_timer(warmup: int) -> Any:
 
 
 def _bridge(model: Any) -> Any:
+    if os.environ.get("KERAS_BACKEND") == "torch":
+        return None  # no bridge: the torch adapter's hooks reduce the gradients
     from dp_plugin.tensorflow.optimizer import hook_of
 
     hook = hook_of(model.optimizer)
@@ -110,21 +115,34 @@ def build_model(jit: bool) -> Any:
 def worker(config: str, steps: int, warmup: int, threads: int) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import numpy as np
-    import tensorflow as tf
 
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(max(2, threads))
+    on_torch = config.endswith("@torch")
+    if on_torch:
+        import torch
+
+        torch.set_num_threads(threads)
+    else:
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(max(2, threads))
     import keras
 
     distributed = config.startswith(("dp_plugin", "solo"))
     rank, size = int(os.environ.get("BENCH_INDEX", "0")), 1
-    if distributed:
+    if distributed and on_torch:
+        import dp_plugin.keras as dp
+
+        dp.init()
+        rank, size = rank + dp.rank(), dp.size()
+    elif distributed:
         import dp_plugin.tensorflow as dp
 
         dp.init()
         rank, size = rank + dp.rank(), dp.size()
     batch = BATCH * (2 if config == "single" else 1)
-    keras.utils.set_random_seed(rank)
+    if not on_torch:  # it imports TensorFlow, which a torch worker never loads
+        keras.utils.set_random_seed(rank)
     rng = np.random.default_rng(rank)
     n = batch * (warmup + steps)
     x = rng.normal(size=(n, FEATURES)).astype(np.float32)
@@ -142,7 +160,16 @@ def worker(config: str, steps: int, warmup: int, threads: int) -> None:
     result: dict[str, Any] = {"config": config, "size": size, "times": times,
                               "params": model.count_params(),
                               "tensors": len(model.trainable_weights), "jit": model.jit_compile}
-    if distributed:
+    if distributed and on_torch:
+        from dp_plugin import runtime
+        from dp_plugin.keras.torch_optimizer import hook_of
+
+        stats = hook_of(model.optimizer).gradients.comm_stats()  # type: ignore[union-attr]
+        result["engine"] = runtime.engine().name
+        result["sched"] = {f: stats.mean(f, skip_first=warmup)
+                           for f in ("buckets", "bytes_reduced", "allreduce_s", "exposed_s")}
+        dp.shutdown()
+    elif distributed:
         from dp_plugin import runtime
 
         bridge = _bridge(model)
@@ -200,11 +227,16 @@ def launch(config: str, nprocs: int, steps: int, warmup: int, timeout: float) ->
         jobs = [mpiexec_job(me(1), nprocs, dict(env, DP_PLUGIN_ENGINE="mpi"))]
     elif config in ("dp_plugin", "dp_plugin+xla"):
         jobs = torchrun_jobs(me(1), nprocs, dict(env, DP_PLUGIN_ENGINE="gloo"))
+    elif config == "dp_plugin@torch":
+        jobs = torchrun_jobs(me(1), nprocs, dict(env, DP_PLUGIN_ENGINE="gloo",
+                                                   KERAS_BACKEND="torch"))
     elif config == "single":
         jobs = [(me(nprocs), env)]
-    else:  # floor, floor+xla, solo, solo+xla
+    else:  # floor, floor+xla, floor@torch, solo, solo+xla
         if config.startswith("solo"):
             env = dict(env, DP_PLUGIN_ENGINE="local")
+        if config.endswith("@torch"):
+            env = dict(env, KERAS_BACKEND="torch")
         jobs = [(me(1), dict(env, BENCH_INDEX=str(i))) for i in range(nprocs)]
     return run_jobs(config, jobs, timeout)
 
@@ -257,7 +289,10 @@ def main() -> None:
 
 
 def _floor_of(config: str, medians: dict[str, float]) -> float | None:
-    """The floor row a row is compared with: the one with the same XLA setting."""
+    """The floor row a row is compared with: the one with the same XLA setting
+    and Keras backend."""
+    if config.endswith("@torch"):
+        return medians.get("floor@torch")
     return medians.get("floor+xla" if config.endswith("+xla") else "floor")
 
 
@@ -282,13 +317,14 @@ def report(runs: dict[str, list[dict[str, Any]]], args: Any, seconds: float,
         vs_floor = f"{medians[config] / floor:.2f}" if floor else "-"
         vs = f"{medians[config] / medians['single']:.2f}" if "single" in medians else "-"
         bridge = overhead = allreduce = exposed = "-"
+        if "sched" in rs[0]:
+            allreduce = f"{statistics.median(r['sched']['allreduce_s'] for r in rs) * 1e3:.2f} ms"
+            exposed = f"{statistics.median(r['sched']['exposed_s'] for r in rs) * 1e3:.2f} ms"
         if "bridge_s" in rs[0]:
             b = statistics.median(r["bridge_s"] for r in rs)
             e = statistics.median(r["sched"]["exposed_s"] for r in rs)
             bridge = f"{b * 1e3:.2f} ms {100 * b / medians[config]:.0f}%"
             overhead = f"{(b - e) * 1e3:.2f} ms {100 * (b - e) / medians[config]:.0f}%"
-            allreduce = f"{statistics.median(r['sched']['allreduce_s'] for r in rs) * 1e3:.2f} ms"
-            exposed = f"{e * 1e3:.2f} ms"
         print(f"{config:<14} {medians[config] * 1e3:>9.2f} ms "
               f"{min(per_round):>13.2f} - {max(per_round):>6.2f} ms {vs_floor:>9} {vs:>10} "
               f"{bridge:>13} {overhead:>13} {allreduce:>10} {exposed:>9}")

@@ -1,54 +1,58 @@
-"""``import dp_plugin.keras as dp``: the ``dp_plugin.tensorflow`` API, Horovod-Keras flavoured.
+"""``import dp_plugin.keras as dp``: data-parallel Keras 3, on the backend Keras runs.
 
-Horovod spells its Keras entry ``import horovod.tensorflow.keras as hvd``
-(or ``horovod.keras``); this is the same entry for dp_plugin. Everything is
-``dp_plugin.tensorflow``'s, except the four tensor functions that
-``horovod.tensorflow.keras`` defines with its own signatures
-(``allreduce(value, name, average, prescale_factor, postscale_factor, op,
-compression)``, ``allgather(value, name)``, ``broadcast(value, root_rank,
-name)``, ``reducescatter(value, name, op)``): they take any tensor-like
-value and, eagerly, return numpy arrays as Horovod's do (tensors inside
-``tf.function``). It lives with the adapters (installed as
-``dp_plugin.keras``): importing ``dp_plugin`` imports neither this module nor
-TensorFlow.
+One set of names for every supported backend, chosen from
+``keras.backend.backend()`` when this package is imported:
+
+- ``tensorflow``: ``dp_plugin.tensorflow``'s API, Horovod-Keras flavoured
+  (``tensorflow_api``);
+- ``torch``: the same Keras callbacks and optimizer over the torch adapter
+  (``torch_api``); TensorFlow is not imported.
+
+The callbacks that need no gradient path (``MetricAverageCallback``, the
+learning-rate callbacks) are one implementation for both, in this package
+(``metric_average``, ``callbacks_lr``). Other backends are refused with the
+reason and what to use (JAX has its own multi-process path:
+``keras.distribution`` with ``jax.distributed``; see docs/keras.md).
+
+The backend's API module is imported at the first name read from this
+package (PEP 562's module ``__getattr__``), not when the package is: the
+TensorFlow adapter imports this package's shared callbacks while it is
+itself being imported, and ``tensorflow_api`` imports that adapter. It
+lives with the adapters (installed as ``dp_plugin.keras``): importing
+``dp_plugin`` imports neither this package nor a framework.
 """
 
-from __future__ import annotations
-
+import importlib
 from typing import Any
 
-import tensorflow as tf
+import keras as _keras
 
-from dp_plugin.horovod_names import Average as _Average
-from dp_plugin.horovod_names import Compression as _Compression
-from dp_plugin.tensorflow import *  # noqa: F403 - this module is an alias
-from dp_plugin.tensorflow import __all__ as __all__
-from dp_plugin.tensorflow import collectives as _c
+BACKEND = _keras.backend.backend()
+"""The Keras backend this package was imported under."""
 
+_APIS = {"tensorflow": "dp_plugin.keras.tensorflow_api", "torch": "dp_plugin.keras.torch_api"}
 
-def _value(result: Any) -> Any:
-    return result.numpy() if tf.executing_eagerly() else result
-
-
-def allreduce(value: Any, name: str | None = None, average: Any = None,  # type: ignore[no-redef]
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0, op: Any = None,
-              compression: Any = _Compression.none) -> Any:
-    """Average (default) ``value`` over all ranks; a numpy array when eager."""
-    return _value(_c.allreduce(tf.convert_to_tensor(value), average=average, name=name, op=op,
-                               prescale_factor=prescale_factor,
-                               postscale_factor=postscale_factor, compression=compression))
+if BACKEND not in _APIS:
+    raise ImportError(
+        f"dp_plugin.keras supports KERAS_BACKEND=tensorflow and KERAS_BACKEND=torch, but Keras "
+        f"runs on {BACKEND!r}. "
+        + ("For JAX use Keras's own multi-process training: jax.distributed.initialize() "
+           "on every process, then keras.distribution.set_distribution("
+           "keras.distribution.DataParallel()) (docs/keras.md). " if BACKEND == "jax" else "")
+        + "Or set KERAS_BACKEND=torch (or tensorflow) before Keras is first imported")
 
 
-def allgather(value: Any, name: str | None = None) -> Any:  # type: ignore[no-redef]
-    """Concatenate every rank's ``value`` along the first dimension; numpy when eager."""
-    return _value(_c.allgather(tf.convert_to_tensor(value), name=name))
+def _api() -> Any:
+    return importlib.import_module(_APIS[BACKEND])
 
 
-def broadcast(value: Any, root_rank: int, name: str | None = None) -> Any:  # type: ignore[no-redef]
-    """``root_rank``'s ``value`` on every rank; numpy when eager."""
-    return _value(_c.broadcast(tf.convert_to_tensor(value), root_rank, name=name))
+def __getattr__(name: str) -> Any:
+    try:
+        return getattr(_api(), name)
+    except AttributeError:
+        raise AttributeError(f"module 'dp_plugin.keras' has no attribute {name!r} on the "
+                             f"{BACKEND} backend") from None
 
 
-def reducescatter(value: Any, name: str | None = None, op: Any = _Average) -> Any:  # type: ignore[no-redef]
-    """Reduce ``value`` (Average by default) and keep this rank's rows; numpy when eager."""
-    return _value(_c.reducescatter(tf.convert_to_tensor(value), name=name, op=op))
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_api().__all__})

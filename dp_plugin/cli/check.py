@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -44,10 +45,12 @@ def version(name):
     except Exception as exc:
         return False, f"not importable: {type(exc).__name__}: {exc}"
 ok, info = version("tensorflow")
+ok_k, info_k = version("keras")
 if ok:
-    ok_k, info_k = version("keras")
     info += f", Keras {info_k if ok_k else 'missing'}"
-print(json.dumps([ok, info, time.perf_counter() - start]))
+seconds = time.perf_counter() - start
+backend = importlib.import_module("keras").backend.backend() if ok_k else None
+print(json.dumps([ok, info, seconds, ok_k, info_k, backend]))
 """
 
 
@@ -60,15 +63,18 @@ def _start_tensorflow_probe() -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
 
-def _tensorflow_row(probe: subprocess.Popen[str]) -> tuple[str, bool, str]:
+def _tensorflow_rows(probe: subprocess.Popen[str],
+                     torch_ok: bool) -> list[tuple[str, bool, str]]:
+    """The TensorFlow row and the Keras row, from the child's answer."""
     out, _ = probe.communicate()
     try:
-        ok, info, seconds = json.loads(out.strip().splitlines()[-1])
+        ok, info, seconds, ok_k, info_k, backend = json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        return ("TensorFlow", False, f"the import probe exited with status {probe.returncode} "
-                "and no answer (TensorFlow's native import crashed?); run `python -c "
-                "'import tensorflow'` to see its error")
-    return ("TensorFlow", ok, f"{info} (import {seconds:.1f} s)")
+        return [("TensorFlow", False, f"the import probe exited with status {probe.returncode} "
+                 "and no answer (TensorFlow's native import crashed?); run `python -c "
+                 "'import tensorflow'` to see its error")]
+    return [("TensorFlow", ok, f"{info} (import {seconds:.1f} s)"),
+            _keras_row(ok_k, info_k, backend, {"tensorflow": ok, "torch": torch_ok})]
 
 
 def _timed(probe: Callable[[], tuple[bool, str]]) -> tuple[bool, str]:
@@ -102,7 +108,7 @@ def _horovod() -> tuple[bool, str]:
 def _frameworks() -> list[tuple[str, bool, str]]:
     probe = _start_tensorflow_probe()
     rows = [("PyTorch", *_timed(_torch))]
-    rows.append(_tensorflow_row(probe))
+    rows.extend(_tensorflow_rows(probe, torch_ok=rows[0][1]))
     rows.append(("mpi4py", *_timed(lambda: _framework("mpi4py"))))
     rows.append(("Horovod", *_timed(_horovod)))
     return rows
@@ -120,6 +126,19 @@ def find_launcher(tool: str) -> tuple[str | None, str]:
         if candidate:
             return candidate, "beside the interpreter, not on PATH: call it by this path"
     return None, "not on PATH, nor beside the interpreter " + str(Path(sys.executable).parent)
+
+
+def _keras_row(ok: bool, info: str, backend: str | None,
+               found: dict[str, bool]) -> tuple[str, bool, str]:
+    """Keras, its backend here, and the backends ``dp_plugin.keras`` serves with
+    what is installed (TensorFlow and torch; JAX has Keras's own path)."""
+    if ok:
+        served = [name for name, here in found.items() if here]
+        info += (f", backend {backend!r} (KERAS_BACKEND); dp_plugin.keras "
+                 f"serves {' and '.join(served) or 'neither backend: install torch or tensorflow'}")
+        if importlib.util.find_spec("jax") is not None:
+            info += "; jax found: not served (use keras.distribution with jax.distributed)"
+    return "Keras", ok, info
 
 
 HELP = "frameworks, engines and launchers available here, and why not"

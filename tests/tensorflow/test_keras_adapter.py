@@ -63,6 +63,7 @@ def test_import_loads_neither_torch_nor_the_adapter_from_the_core() -> None:
         "import sys, dp_plugin; assert 'dp_plugin.tensorflow' not in sys.modules\n"
         "assert 'dp_plugin.keras' not in sys.modules\n"
         "import dp_plugin.keras\n"
+        "dp_plugin.keras.DistributedCallback  # the backend's API: imported at first use\n"
         "print('torch' in sys.modules, 'dp_plugin.tensorflow' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -370,3 +370,17 @@ def test_check_by_full_path_prints_each_line_once_without_tensorflow_noise() -> 
     assert f"{Path(sys.executable).parent / 'torchrun'} (beside the interpreter" in text, text
     assert "TensorFlow  2." in text and "(import " in text, text
     assert "The check took " in text, text
+
+
+@pytest.mark.parametrize(("found", "served"), [
+    ({"tensorflow": True, "torch": True}, "serves tensorflow and torch"),
+    ({"tensorflow": False, "torch": True}, "serves torch"),
+    ({"tensorflow": False, "torch": False}, "serves neither backend: install torch or tensorflow"),
+])
+def test_check_lists_the_keras_backends_dp_plugin_serves(found: dict[str, bool],
+                                                         served: str) -> None:
+    from dp_plugin.cli import check
+
+    name, ok, info = check._keras_row(True, "3.15.1", "tensorflow", found)
+    assert (name, ok) == ("Keras", True)
+    assert "backend '" in info and served in info
