@@ -138,10 +138,14 @@ class HorovodStrategyBody:
             return
         module = self.lightning_module  # type: ignore[attr-defined]
         hvd.broadcast_parameters(module.state_dict(), root_rank=0)
+        for optimizer in self.optimizers:
+            # A fresh optimizer has no state to send. Horovod's broadcast would
+            # make some with a zero-gradient step, and Adam's step count would
+            # then differ from DDP's. Before wrapping: no reduction of its own.
+            if hvd.broadcast_object(bool(optimizer.state), root_rank=0):
+                hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         passes = trainer.accumulate_grad_batches
         self.optimizers = [self._distributed(opt, module, passes) for opt in self.optimizers]
-        for optimizer in self.optimizers:
-            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
     def _distributed(self, optimizer: torch.optim.Optimizer, module: torch.nn.Module,
                      passes: int) -> Any:
