@@ -31,12 +31,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from lightning_utilities.core.rank_zero import rank_zero_only
 
 import dp_plugin.torch as hvd
-from dp_plugin.torch import joining as _joining
+import torch
 from dp_plugin.errors import DPPluginError
+from dp_plugin.torch import joining as _joining
 
 OPTIMIZER_OPTIONS = ("compression", "op", "gradient_predivide_factor", "num_groups", "groups",
                      "sparse_as_dense")

@@ -14,8 +14,9 @@ Cases:
   the test compares them across ranks and strategies.
 - ``features`` (horovod only): ``self.log("rank", rank, sync_dist=True)`` in
   ``validate`` gives the mean rank on every rank; ``predict`` over 7 samples
-  covers every sample exactly once, each predicted with the same weights; manual optimization with two optimizers equals plain torch
-  trained on the global batch (1e-6); a run stopped after 2 epochs and
+  covers every sample exactly once, each predicted with the same weights;
+  manual optimization with two optimizers equals plain torch trained on
+  the global batches (1e-6); a run stopped after 2 epochs and
   resumed from its last checkpoint ends bitwise equal to a run of 4 epochs.
 - ``raise``: rank 1 raises in its third ``training_step``; the exception is
   left to end the interpreter as in a user's script (not ``run_cases``).
