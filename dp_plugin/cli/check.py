@@ -23,6 +23,20 @@ def _framework(module: str) -> tuple[bool, str]:
     return True, str(getattr(mod, "__version__", "installed"))
 
 
+def _lightning() -> tuple[bool, str]:
+    """Lightning 2.x's version from its metadata: importing it takes seconds."""
+    from importlib import metadata
+
+    for dist in ("lightning", "pytorch-lightning"):
+        try:
+            version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        return True, (f"{dist} {version}, Trainer(strategy=\"horovod\") after "
+                      "import dp_plugin.lightning")
+    return False, "not installed: pip install 'dp_plugin[lightning]'"
+
+
 def _frameworks() -> list[tuple[str, bool, str]]:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep the report readable
     rows = []
@@ -33,6 +47,7 @@ def _frameworks() -> list[tuple[str, bool, str]]:
         info += (f", CUDA available ({torch.cuda.device_count()} device(s))"
                  if torch.cuda.is_available() else ", CUDA not available")
     rows.append(("PyTorch", ok, info))
+    rows.append(("Lightning", *_lightning()))
     ok, info = _framework("tensorflow")
     if ok:
         ok_k, info_k = _framework("keras")

@@ -334,3 +334,23 @@ def test_check_names_the_engine_auto_picks(
     assert check.main() == 0
     out = capsys.readouterr().out
     assert f"launcher mpich, rank 0 of 2; DP_PLUGIN_ENGINE=auto {expected}" in out
+
+
+def test_check_lists_lightning_from_its_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib import metadata
+
+    from dp_plugin.cli import check
+
+    versions = {"pytorch-lightning": "2.6.0"}
+
+    def version(dist: str) -> str:
+        if dist not in versions:
+            raise metadata.PackageNotFoundError(dist)
+        return versions[dist]
+
+    monkeypatch.setattr(metadata, "version", version)
+    assert check._lightning() == (
+        True, 'pytorch-lightning 2.6.0, Trainer(strategy="horovod") after import '
+              "dp_plugin.lightning")
+    versions.clear()
+    assert check._lightning() == (False, "not installed: pip install 'dp_plugin[lightning]'")

@@ -133,6 +133,11 @@ class HorovodStrategyBody:
 
     # -- training ------------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
+        if getattr(self, "_layer_sync", None) is not None:
+            raise ValueError(
+                "Trainer(sync_batchnorm=True) converts to torch.nn.SyncBatchNorm, which "
+                "HorovodStrategy does not run; use dp_plugin.torch.SyncBatchNorm in the "
+                "model instead and leave sync_batchnorm=False")
         super().setup(trainer)  # type: ignore[misc]
         if trainer.state.fn != "fit":
             return
