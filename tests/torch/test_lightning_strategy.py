@@ -10,13 +10,13 @@ import pytest
 pytest.importorskip("lightning", reason="needs the lightning extra: pip install "
                                         "'dp_plugin[lightning]'")
 
-import lightning.pytorch as lp  # noqa: E402
-import pytorch_lightning as pl  # noqa: E402
-import torch  # noqa: E402
+import lightning.pytorch as lp
+import pytorch_lightning as pl
+import torch
 
-import dp_plugin.lightning as dpl  # noqa: E402
-from dp_plugin.lightning.strategy import _check_group, _reduce_op  # noqa: E402
-from dp_plugin.torch import Average, Max, Sum  # noqa: E402
+import dp_plugin.lightning as dpl
+from dp_plugin.lightning.strategy import _check_group, _reduce_op
+from dp_plugin.torch import Average, Max, Sum
 
 
 @pytest.mark.parametrize("name", ["horovod", "dp_plugin"])
