@@ -12,13 +12,14 @@ from setuptools import setup
 setup(
     packages=[
         "dp_plugin", "dp_plugin.engines", "dp_plugin.torch", "dp_plugin.tensorflow",
-        "dp_plugin.keras", "dp_plugin.cli", "dp_plugin.ray",
+        "dp_plugin.keras", "dp_plugin.cli", "dp_plugin.ray", "dp_plugin.lightning",
     ],
     package_dir={
         "dp_plugin": "dp_plugin",
         "dp_plugin.torch": "adapters/torch",
         "dp_plugin.tensorflow": "adapters/tensorflow",
         "dp_plugin.keras": "adapters/keras",
+        "dp_plugin.lightning": "adapters/torch/lightning",
     },
     # The TensorFlow adapter compiles this kernel on first use (status_op.py).
     package_data={"dp_plugin.tensorflow": ["status_op.cc"]},

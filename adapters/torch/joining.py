@@ -38,6 +38,16 @@ def register(state: OptimizerState) -> None:
     _states.append(weakref.ref(state))
 
 
+def retire(optimizer: Any) -> None:
+    """Stop ``join`` driving ``optimizer`` (a ``DistributedOptimizer``) once
+    its owner is done with it: a Lightning ``Trainer``'s at teardown. Call it
+    on every rank alike: ``join`` steps the same live optimizers everywhere,
+    and one kept alive on one rank only (by the garbage collector's timing)
+    would leave the others waiting."""
+    state = getattr(optimizer, "_dp", None)
+    _states[:] = [r for r in _states if r() is not None and r() is not state]
+
+
 @public("hvd.join()")
 def join(device: int = -1) -> int:
     """Wait, answering the other ranks' all-reduces, until every rank has joined.

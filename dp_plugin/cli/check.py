@@ -83,6 +83,20 @@ def _timed(probe: Callable[[], tuple[bool, str]]) -> tuple[bool, str]:
     return ok, f"{info} (import {time.perf_counter() - start:.1f} s)"
 
 
+def _lightning() -> tuple[bool, str]:
+    """Lightning 2.x's version from its metadata: importing it takes seconds."""
+    from importlib import metadata
+
+    for dist in ("lightning", "pytorch-lightning"):
+        try:
+            version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        return True, (f"{dist} {version}, Trainer(strategy=\"horovod\") after "
+                      "import dp_plugin.lightning")
+    return False, "not installed: pip install 'dp_plugin[lightning]'"
+
+
 def _torch() -> tuple[bool, str]:
     ok, info = _framework("torch")
     if ok:
@@ -107,7 +121,7 @@ def _horovod() -> tuple[bool, str]:
 
 def _frameworks() -> list[tuple[str, bool, str]]:
     probe = _start_tensorflow_probe()
-    rows = [("PyTorch", *_timed(_torch))]
+    rows = [("PyTorch", *_timed(_torch)), ("Lightning", *_lightning())]
     rows.extend(_tensorflow_rows(probe, torch_ok=rows[0][1]))
     rows.append(("mpi4py", *_timed(lambda: _framework("mpi4py"))))
     rows.append(("Horovod", *_timed(_horovod)))

@@ -384,3 +384,23 @@ def test_check_lists_the_keras_backends_dp_plugin_serves(found: dict[str, bool],
     name, ok, info = check._keras_row(True, "3.15.1", "tensorflow", found)
     assert (name, ok) == ("Keras", True)
     assert "backend '" in info and served in info
+
+
+def test_check_lists_lightning_from_its_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib import metadata
+
+    from dp_plugin.cli import check
+
+    versions = {"pytorch-lightning": "2.6.0"}
+
+    def version(dist: str) -> str:
+        if dist not in versions:
+            raise metadata.PackageNotFoundError(dist)
+        return versions[dist]
+
+    monkeypatch.setattr(metadata, "version", version)
+    assert check._lightning() == (
+        True, 'pytorch-lightning 2.6.0, Trainer(strategy="horovod") after import '
+              "dp_plugin.lightning")
+    versions.clear()
+    assert check._lightning() == (False, "not installed: pip install 'dp_plugin[lightning]'")
