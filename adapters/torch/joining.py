@@ -155,7 +155,14 @@ def _finish_zero_step(st: OptimizerState) -> bool:
     st.sparse.reduce(st.names, st.op, st.engine, contribute=False)
     st.check_unfrozen([], joined=True)  # raise where the training ranks raise
     st.check_sparse(joined=True)
+    skip = False
     if st.marks.finite is not None:  # raise where the training ranks raise
-        st.marks.finite.decide([(st.names[p], g) for p, g in zip(st.params, results,
-                                                                  strict=True)])
-    return st.marks.join.decide()[0]
+        skip = st.marks.finite.decide([(st.names[p], g) for p, g in zip(st.params, results,
+                                                                         strict=True)])
+    everyone = st.marks.join.decide()[0]
+    optimizer = st.optimizer()
+    if st.shard is not None and not everyone and not skip and optimizer is not None:
+        # The training ranks step their pieces and all-gather: this rank's
+        # pieces are stepped here, with the gradients they reduced.
+        st.shard.step(optimizer, results)
+    return everyone
