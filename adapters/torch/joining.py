@@ -161,8 +161,11 @@ def _finish_zero_step(st: OptimizerState) -> bool:
                                                                          strict=True)])
     everyone = st.marks.join.decide()[0]
     optimizer = st.optimizer()
-    if st.shard is not None and not everyone and not skip and optimizer is not None:
-        # The training ranks step their pieces and all-gather: this rank's
-        # pieces are stepped here, with the gradients they reduced.
-        st.shard.step(optimizer, results)
+    if st.shard is not None and optimizer is not None:
+        if not everyone and not skip:
+            # The training ranks step their pieces and all-gather: this rank's
+            # pieces are stepped here, with the gradients they reduced.
+            st.shard.step(optimizer, results)
+        else:
+            st.shard.follow(optimizer)
     return everyone

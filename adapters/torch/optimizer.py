@@ -243,6 +243,8 @@ class _DistributedOptimizer:
         st.synchronized = False
         if st.skip_step:  # DP_PLUGIN_CHECK_FINITE=skip: every rank skips this step
             st.skip_step = False
+            if st.shard is not None:
+                st.shard.follow(self)
             return loss
         if st.shard is not None:
             st.shard.step(self, [p.grad.to_dense() if p.grad is not None and p.grad.is_sparse

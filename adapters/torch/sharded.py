@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from dp_plugin.engines.base import Engine
+from dp_plugin.fusion import Bucket
 from dp_plugin.objects import allgather_object
 from dp_plugin.scheduler import Reducer
 from dp_plugin.sharding import Piece, gather_rows, shard_pieces
@@ -74,6 +75,9 @@ class ShardedStep:
         self.reducer = reducer
         self.engine = engine
         self.label = label
+        self.plan: list[Bucket] = []
+        """The plan the pieces were cut from: the one this step's gradients were
+        reduced with, even when ``synchronize()`` re-planned at its end."""
         self.pieces: list[Piece] = []
         self.views: list[torch.Tensor] = []
         self.group_views: list[list[torch.Tensor]] = []
@@ -92,7 +96,8 @@ class ShardedStep:
                     "shard_optimizer_state=False"
                 )
         eng = self.engine
-        self.pieces = shard_pieces(self.reducer.plan, [p.numel() for p in self.params],
+        self.plan = list(self.reducer.plan)
+        self.pieces = shard_pieces(self.plan, [p.numel() for p in self.params],
                                    eng.rank, eng.size)
         self.views = [self.params[pc.index].detach().view(-1)[pc.start:pc.stop]
                       for pc in self.pieces]
@@ -113,8 +118,6 @@ class ShardedStep:
         the reduced gradient of each parameter, by index), then all-gather
         the updated pieces. Collective: every rank of the channel calls it
         once per step, after the same ``synchronize()``."""
-        if self.reducer.plan_version != self.version:  # rebuilt or autotuned
-            self.reshard(optimizer)
         with torch.no_grad():
             for pc, view in zip(self.pieces, self.views, strict=True):
                 grad = grads[pc.index]
@@ -131,13 +134,21 @@ class ShardedStep:
             for view in self.views:
                 view.grad = None
         self.gather()
+        self.follow(optimizer)
+
+    def follow(self, optimizer: Any) -> None:
+        """After a step (or a skipped one): if that ``synchronize()`` re-planned
+        the buckets (the first step's rebuild, autotune), move the state to
+        the new pieces. Collective, like the step."""
+        if self.reducer.plan_version != self.version:
+            self.reshard(optimizer)
 
     def gather(self) -> None:
         """Every rank's updated pieces into every rank's parameters: one
         all-gather per bucket, all started before the first is waited for."""
         eng, size = self.engine, self.engine.size
         started = []
-        for b in self.reducer.plan:
+        for b in self.plan:
             if b.numel == 0:
                 continue  # alike on every rank (one plan)
             mine = [v for pc, v in zip(self.pieces, self.views, strict=True)
