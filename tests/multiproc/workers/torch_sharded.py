@@ -21,8 +21,9 @@ on every rank.
   ``broadcast_optimizer_state`` fixes other ranks' hyper-parameters.
 - ``join``: rank r trains 3 + r steps, then ``hvd.join()``; the last rank's
   parameters equal the unsharded run's.
-- ``process_set``: at 3 ranks, optimizers over the set {0, last}.
+- ``process_set``: at 3 ranks, optimizers over the set {0, last} (run at 3).
 - ``refused``: LBFGS, Adafactor, a sparse embedding: clear errors.
+- ``from_env``: run under DP_PLUGIN_SHARD_OPTIMIZER_STATE=1.
 """
 
 from __future__ import annotations
@@ -267,6 +268,23 @@ def case_refused(_: object) -> None:
     opt.step()
 
 
+def case_from_env(_: object) -> None:
+    """Under DP_PLUGIN_SHARD_OPTIMIZER_STATE=1: sharded unless the argument says no."""
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    plain = hvd.DistributedOptimizer(torch.optim.SGD(Net().parameters(), lr=0.1),
+                                     shard_optimizer_state=False)
+    if not opt.shard_optimizer_state or plain.shard_optimizer_state:
+        raise AssertionError("DP_PLUGIN_SHARD_OPTIMIZER_STATE=1 was not honoured")
+    try:
+        hvd.DistributedOptimizer(torch.optim.LBFGS(Net().parameters()))
+    except ValueError as exc:
+        if "DP_PLUGIN_SHARD_OPTIMIZER_STATE" not in str(exc):
+            raise
+    else:
+        raise AssertionError("LBFGS was sharded under DP_PLUGIN_SHARD_OPTIMIZER_STATE=1")
+
+
 CASES = {
     "optimizers": case_optimizers,
     "options": case_options,
@@ -274,6 +292,7 @@ CASES = {
     "join": case_join,
     "process_set": case_process_set,
     "refused": case_refused,
+    "from_env": case_from_env,
 }
 
 
