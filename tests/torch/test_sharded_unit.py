@@ -140,6 +140,6 @@ def test_optimizers_that_are_not_element_wise_are_refused(
 
 
 def test_bad_argument_is_refused() -> None:
-    with pytest.raises(TypeError, match=r"shard_optimizer_state=\.\.\.) must be True or False"):
+    with pytest.raises(TypeError, match=r"shard_optimizer_state=\.\.\.\) must be True or False"):
         hvd.DistributedOptimizer(torch.optim.SGD(model().parameters(), lr=0.1),
                                  shard_optimizer_state="yes")
