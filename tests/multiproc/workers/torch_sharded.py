@@ -14,7 +14,8 @@ on every rank.
 - ``optimizers``: SGD with momentum, Adam and AdamW; each rank keeps the
   state of at most 1/size of the elements (+ one element per bucket).
 - ``options``: backward_passes_per_step=2, compression=fp16,
-  gradient_predivide_factor=2, groups=3, a closure, and an unused parameter.
+  gradient_predivide_factor=2, groups=3, op=Sum, a closure, an unused
+  parameter, the backward_passes_per_step setter and add_param_group.
 - ``checkpoint``: the sharded ``state_dict()`` equals the unsharded one;
   each loads into the other and training goes on bitwise alike; elastic's
   ``TorchState`` commits and restores the sharded state;
@@ -145,6 +146,7 @@ def case_options(_: object) -> None:
     train(pair(adam, compression=hvd.Compression.fp16), range(STEPS))
     train(pair(adam, gradient_predivide_factor=2.0), range(STEPS))
     train(pair(sgd, groups=3), range(STEPS))
+    train(pair(sgd, op=hvd.Sum), range(STEPS))
     train(pair(adam), range(STEPS), closure=True)
     for _, opt in pair(sgd):
         opt.backward_passes_per_step = 2  # re-plans, keeps the (empty) state
