@@ -50,6 +50,12 @@ each matrix), SparseAdam (sparse gradients only) and any optimizer whose
 update reads across elements (orthogonalizing ones such as Muon) are not."""
 
 
+GATHERS_IN_FLIGHT = 2
+"""Parameter all-gathers in flight at once: the next bucket's transfer
+overlaps the previous one's unpack, and the gathered copies held at a time
+stay at two buckets."""
+
+
 def check_shardable(optimizer: torch.optim.Optimizer) -> None:
     """Refuse an optimizer whose update is not element-wise (see ``ELEMENTWISE``)."""
     if isinstance(optimizer, ELEMENTWISE):
@@ -145,12 +151,16 @@ class ShardedStep:
 
     def gather(self) -> None:
         """Every rank's updated pieces into every rank's parameters: one
-        all-gather per bucket, all started before the first is waited for."""
+        all-gather per bucket, ``GATHERS_IN_FLIGHT`` at a time (each returns a
+        whole bucket: more at once would add a copy of the model to the
+        peak memory this option exists to lower)."""
         eng, size = self.engine, self.engine.size
-        started = []
+        started: list[tuple[Bucket, Any, Any]] = []
         for b in self.plan:
             if b.numel == 0:
                 continue  # alike on every rank (one plan)
+            if len(started) == GATHERS_IN_FLIGHT:
+                self._unpack(*started.pop(0))
             mine = [v for pc, v in zip(self.pieces, self.views, strict=True)
                     if pc.bucket == b.index]
             like = self.params[b.members[0]]
@@ -158,13 +168,16 @@ class ShardedStep:
             handle, result = eng.allgather_async(shard, gather_rows(b, size),
                                                  name=f"{self.label}.gather{b.index}")
             started.append((b, handle, result))
+        for item in started:
+            self._unpack(*item)
+
+    def _unpack(self, b: Bucket, handle: Any, result: Any) -> None:
+        handle.wait()
+        full = result()
         with torch.no_grad():
-            for b, handle, result in started:
-                handle.wait()
-                full = result()
-                for index, offset in zip(b.members, b.offsets, strict=True):
-                    p = self.params[index]
-                    p.detach().view(-1).copy_(full[offset:offset + p.numel()])
+            for index, offset in zip(b.members, b.offsets, strict=True):
+                p = self.params[index]
+                p.detach().view(-1).copy_(full[offset:offset + p.numel()])
 
     # -- the state, sharded and whole -----------------------------------------------
     def full_state(self, optimizer: Any) -> dict[torch.Tensor, dict[str, Any]]:
