@@ -69,13 +69,8 @@ def DistributedOptimizer(
     contributes zeros; ``zero_grad()`` between ``backward()`` and ``step()``
     raises. Arguments are Horovod's; see docs/torch.md for each of them,
     ``hvd.join()``, sparse gradients and process sets.
-
-    ``shard_optimizer_state=True`` (default: ``DP_PLUGIN_SHARD_OPTIMIZER_STATE``,
-    else off) keeps the optimizer state of 1/size of the parameters per rank
-    (ZeRO stage 1, ``dp_plugin.torch.sharded``): buckets are reduce-scattered,
-    each rank steps its own pieces, the parameters are all-gathered in
-    ``step()``. ``state_dict()`` is then collective (every rank calls it)
-    and returns the whole, unsharded state.
+    ``shard_optimizer_state=True`` (default: ``DP_PLUGIN_SHARD_OPTIMIZER_STATE``)
+    keeps the optimizer state of 1/size of the parameters per rank (``sharded.py``).
     """
     _check_wrappable(optimizer)
     reduce_op, passes, groups, compressor = _checked_arguments(
