@@ -21,7 +21,7 @@ import pytest
 from tests.multiproc.harness import assert_ranks_ok, run_workers, worker_cases
 
 WORKER = Path(__file__).parent / "workers" / "torch_sharded.py"
-CASES = [c for c in worker_cases(WORKER) if c != "from_env"]
+CASES = [c for c in worker_cases(WORKER) if c not in ("from_env", "check_finite")]
 SMALL_BUCKETS = {"DP_PLUGIN_FUSION_THRESHOLD": "512"}
 
 
@@ -72,3 +72,14 @@ def test_environment_variable_turns_sharding_on() -> None:
                          env={"DP_PLUGIN_ENGINE": "gloo", "DP_PLUGIN_TIMEOUT": "30",
                               "DP_PLUGIN_SHARD_OPTIMIZER_STATE": "1"}, timeout=240)
     assert_ranks_ok(result, 2)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("launcher", "engine"), [("env", "gloo"), ("mpirun", "mpi")])
+def test_check_finite_skips_the_sharded_step_on_every_rank(launcher: str, engine: str) -> None:
+    """The finite flags ride in the control slot, all-reduced beside MPI's
+    reduce-scatter: every rank reads them and skips alike."""
+    result = run_workers(launcher, 3, WORKER, args=["--case", "check_finite"],
+                         env={"DP_PLUGIN_ENGINE": engine, "DP_PLUGIN_TIMEOUT": "30",
+                              "DP_PLUGIN_CHECK_FINITE": "skip", **SMALL_BUCKETS}, timeout=240)
+    assert_ranks_ok(result, 3)

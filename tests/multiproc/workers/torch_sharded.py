@@ -25,6 +25,7 @@ on every rank.
 - ``process_set``: at 3 ranks, optimizers over the set {0, last} (run at 3).
 - ``refused``: LBFGS, Adafactor, a sparse embedding: clear errors.
 - ``from_env``: run under DP_PLUGIN_SHARD_OPTIMIZER_STATE=1.
+- ``check_finite``: run under DP_PLUGIN_CHECK_FINITE=skip.
 """
 
 from __future__ import annotations
@@ -270,6 +271,28 @@ def case_refused(_: object) -> None:
     opt.step()
 
 
+def case_check_finite(_: object) -> None:
+    """Under DP_PLUGIN_CHECK_FINITE=skip: a step whose gradient holds a nan on
+    one rank is skipped alike by both optimizers, on every rank."""
+    rank, size = hvd.rank(), hvd.size()
+    pairs = pair(lambda ps: torch.optim.Adam(ps, lr=0.01))
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    for step in range(4):
+        before = flat(pairs[1][0])
+        for model, opt in pairs:
+            opt.zero_grad()
+            x, y = batch(step, 0, PER_RANK * size)
+            loss = nn.functional.mse_loss(model(x[mine]), y[mine])
+            if step == 2 and rank == 0:  # in backward: the hooks see it
+                loss = loss * float("nan")
+            loss.backward()
+            opt.step()
+        same(pairs, f"step {step}")
+        if (step == 2) != torch.equal(before, flat(pairs[1][0])):
+            raise AssertionError(f"step {step}: skipped {step == 2}, but the parameters "
+                                 f"{'did not change' if step != 2 else 'changed'}")
+
+
 def case_from_env(_: object) -> None:
     """Under DP_PLUGIN_SHARD_OPTIMIZER_STATE=1: sharded unless the argument says no."""
     model = Net()
@@ -295,6 +318,7 @@ CASES = {
     "process_set": case_process_set,
     "refused": case_refused,
     "from_env": case_from_env,
+    "check_finite": case_check_finite,
 }
 
 
