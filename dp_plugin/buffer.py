@@ -176,7 +176,8 @@ class FusionBuffer:
         return GradBucket(b.index, b.dtype, b.device, self.names, ops,
                           self.flat if direct is None else direct, self.label, self.scratch,
                           None if slab is None else slab.shared,
-                          0 if slab is None else slab.numel)
+                          0 if slab is None else slab.numel,
+                          self.control_numel if direct is None else 0)
 
     def describe(self) -> str:
         b = self.bucket

@@ -126,6 +126,11 @@ class Config:
     check_finite: CheckFinite = "off"
     """After the gradient all-reduce: ``skip`` the step or ``raise`` on inf/nan."""
 
+    shard_optimizer_state: bool = False
+    """``DistributedOptimizer`` keeps the optimizer state of 1/size of the
+    parameters per rank (ZeRO stage 1) where its ``shard_optimizer_state``
+    argument is not given (docs/torch.md, "Sharded optimizer state")."""
+
     autotune: bool = False
     """Measure the candidate bucket sizes during the first steps and keep the fastest
     (``DistributedOptimizer``; see docs/configuration.md, "Autotune")."""
@@ -169,7 +174,8 @@ class Config:
         check_int("min_buckets", self.min_buckets, minimum=1, maximum=MAX_MIN_BUCKETS,
                   fix=f"set DP_PLUGIN_MIN_BUCKETS to e.g. {DEFAULT_MIN_BUCKETS}, or 1 to keep "
                       "the buckets at the fusion threshold", error=error)
-        for flag in ("gradient_as_bucket_view", "rebuild_buckets", "process_sets", "autotune"):
+        for flag in ("gradient_as_bucket_view", "rebuild_buckets", "process_sets", "autotune",
+                     "shard_optimizer_state"):
             if not isinstance(getattr(self, flag), bool):
                 raise error(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.hierarchical_allreduce not in (None, True, False):
@@ -321,6 +327,7 @@ _BOOL_VARIABLES: tuple[tuple[str, str], ...] = (
     ("DP_PLUGIN_REBUILD_BUCKETS", "rebuild_buckets"),
     ("DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW", "gradient_as_bucket_view"),
     ("DP_PLUGIN_AUTOTUNE", "autotune"),
+    ("DP_PLUGIN_SHARD_OPTIMIZER_STATE", "shard_optimizer_state"),
 )
 
 

@@ -147,6 +147,10 @@ class GradBucket:
     flight (a wire buffer), sized to ``shared_numel`` elements; None when the
     bucket has a buffer of its own (keep such things in ``scratch``)."""
     shared_numel: int = 0
+    control_numel: int = 0
+    """Trailing elements of ``flat`` that are the reducer's control slot (per-rank
+    flags every rank reads): a hook that reduces only part of the buffer
+    (``sharding.reducescatter_hook``) must still reduce these in full."""
 
     def buffer(self) -> Any:
         return self.flat

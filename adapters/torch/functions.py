@@ -86,6 +86,18 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     is_root = eng.rank == root
     if not optimizer.state:
         _zero_missing_grads(optimizer, model)
+    dp = getattr(optimizer, "_dp", None)
+    if dp is not None and dp.shard is not None:
+        # Sharded state (DistributedOptimizer(shard_optimizer_state=True)):
+        # state_dict() is collective and whole on every rank; the root's
+        # (its hyper-parameters) is then loaded by the others, each keeping
+        # its pieces.
+        whole = optimizer.state_dict()
+        whole = _objects.broadcast_object(eng, whole if is_root else None, root,
+                                          "broadcast_optimizer_state.sharded")
+        if not is_root:
+            optimizer.load_state_dict(whole)
+        return
     tensors: list[torch.Tensor] = []
     skeleton = _strip(optimizer.state_dict(), tensors) if is_root else None
     skeleton = _objects.broadcast_object(eng, skeleton, root, "broadcast_optimizer_state.skeleton")

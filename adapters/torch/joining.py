@@ -165,7 +165,17 @@ def _finish_zero_step(st: OptimizerState) -> bool:
     st.sparse.reduce(st.names, st.op, st.engine, contribute=False)
     st.check_unfrozen([], joined=True)  # raise where the training ranks raise
     st.check_sparse(joined=True)
+    skip = False
     if st.marks.finite is not None:  # raise where the training ranks raise
-        st.marks.finite.decide([(st.names[p], g) for p, g in zip(st.params, results,
-                                                                  strict=True)])
-    return st.marks.join.decide()[0]
+        skip = st.marks.finite.decide([(st.names[p], g) for p, g in zip(st.params, results,
+                                                                         strict=True)])
+    everyone = st.marks.join.decide()[0]
+    optimizer = st.optimizer()
+    if st.shard is not None and optimizer is not None:
+        if not everyone and not skip:
+            # The training ranks step their pieces and all-gather: this rank's
+            # pieces are stepped here, with the gradients they reduced.
+            st.shard.step(optimizer, results)
+        else:
+            st.shard.follow(optimizer)
+    return everyone

@@ -34,6 +34,7 @@ from dp_plugin.torch.optimizer_state import (
     SynchronizationError,
     parameter_names,
 )
+from dp_plugin.torch.sharded import check_shardable
 from dp_plugin.validate import check_groups, check_int, check_positive_float
 
 
@@ -48,6 +49,7 @@ def DistributedOptimizer(
     groups: Any = None,
     sparse_as_dense: bool = False,
     process_set: ProcessSet = global_process_set,
+    shard_optimizer_state: bool | None = None,
 ) -> Any:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
@@ -67,6 +69,8 @@ def DistributedOptimizer(
     contributes zeros; ``zero_grad()`` between ``backward()`` and ``step()``
     raises. Arguments are Horovod's; see docs/torch.md for each of them,
     ``hvd.join()``, sparse gradients and process sets.
+    ``shard_optimizer_state=True`` (default: ``DP_PLUGIN_SHARD_OPTIMIZER_STATE``)
+    keeps the optimizer state of 1/size of the parameters per rank (``sharded.py``).
     """
     _check_wrappable(optimizer)
     reduce_op, passes, groups, compressor = _checked_arguments(
@@ -77,6 +81,7 @@ def DistributedOptimizer(
     if named_parameters is not None:
         named_parameters = list(named_parameters)  # read twice
     names = parameter_names(optimizer.param_groups, named_parameters)  # validates them
+    shard = _check_shard(shard_optimizer_state, optimizer, eng)
     _warn_if_ddp(named_parameters)
     label = f"DistributedOptimizer.{0 if eng is None else eng.channels_made}"
     wrapped = _wrap(optimizer)
@@ -84,7 +89,7 @@ def DistributedOptimizer(
         names=names, named=named_parameters is not None, compression=compression,
         compressor=compressor, op=reduce_op, predivide=float(gradient_predivide_factor),
         passes=passes, sparse_as_dense=bool(sparse_as_dense), process_set=process_set,
-        label=label, groups=groups,
+        label=label, groups=groups, shard=shard,
         # Its own communicator: buckets start when gradients are ready, which
         # differs between ranks when a parameter is unused on one of them, and
         # must not cross SyncBatchNorm's or the user's collectives.
@@ -125,6 +130,11 @@ class _DistributedOptimizer:
     @property
     def process_set(self) -> ProcessSet:
         return self._dp.process_set
+
+    @property
+    def shard_optimizer_state(self) -> bool:
+        """Does each rank keep the optimizer state of its pieces only?"""
+        return self._dp.sharded
 
     @property
     def _parameter_names(self) -> dict[torch.Tensor, str]:
@@ -207,6 +217,13 @@ class _DistributedOptimizer:
     # -- torch.optim.Optimizer overrides -------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         st = self._dp
+        loss = None
+        if closure is not None and st.shard is not None:
+            # Called here, not by the update: the groups hold this rank's
+            # pieces while it runs (sharded.py).
+            with torch.enable_grad():
+                loss = closure()
+            closure = None
         if closure is not None and st.should_synchronize:
             closure = self._synchronized(closure)
         elif st.should_synchronize:
@@ -221,7 +238,13 @@ class _DistributedOptimizer:
         st.synchronized = False
         if st.skip_step:  # DP_PLUGIN_CHECK_FINITE=skip: every rank skips this step
             st.skip_step = False
-            return None
+            if st.shard is not None:
+                st.shard.follow(self)
+            return loss
+        if st.shard is not None:
+            st.shard.step(self, [p.grad.to_dense() if p.grad is not None and p.grad.is_sparse
+                                 else p.grad for p in st.params])  # sparse_as_dense's
+            return loss
         try:
             return super().step(closure)  # type: ignore[misc]
         except _SkippedStep as skipped:
@@ -230,6 +253,31 @@ class _DistributedOptimizer:
     # torch wraps a class's step() for profiling and step hooks unless it is
     # marked; the user's class's step() is already wrapped, so hooks run once.
     step.hooked = True  # type: ignore[attr-defined]
+
+    def _plain_step(self) -> Any:
+        """The wrapped optimizer's own update, nothing else (``sharded.py``
+        runs it on this rank's pieces)."""
+        return super().step()  # type: ignore[misc]
+
+    def state_dict(self) -> dict[str, Any]:
+        """As torch's. With ``shard_optimizer_state``: collective (every rank
+        of the process set calls it at the same point), and the state is the
+        whole, unsharded one, as the plain optimizer would have it, so it
+        loads into a sharded or an unsharded run of any size."""
+        shard = self._dp.shard
+        if shard is None:
+            return super().state_dict()  # type: ignore[misc]
+        self._dp.check_idle("state_dict()")
+        state = vars(self)["state"]
+        whole = shard.full_state(self)
+        pieces = dict(state)
+        state.clear()
+        state.update(whole)
+        try:
+            return super().state_dict()  # type: ignore[misc]
+        finally:
+            state.clear()
+            state.update(pieces)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._dp.pending:  # Horovod's words
@@ -257,6 +305,8 @@ class _DistributedOptimizer:
             state.clear()
             state.update(vars(self)["state"])
             vars(self)["state"] = state
+        if self._dp.shard is not None:  # keep this rank's pieces of it
+            self._dp.shard.split(self, dict(state))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.add_param_group``; the new parameters are reduced too.
@@ -332,6 +382,21 @@ def _checked_arguments(op: Any, gradient_predivide_factor: float, num_groups: in
             "registered with hvd.add_process_set(ranks)"
         )
     return reduce_op, passes, groups, compressor
+
+
+def _check_shard(shard: bool | None, optimizer: torch.optim.Optimizer, eng: Any) -> bool:
+    """``shard_optimizer_state``, resolved (None: ``DP_PLUGIN_SHARD_OPTIMIZER_STATE``)
+    and checked against the optimizer (``sharded.check_shardable``)."""
+    if shard is None:  # outside the process set nothing is reduced: no matter
+        shard = eng is not None and eng.config.shard_optimizer_state
+    elif not isinstance(shard, bool):
+        raise TypeError(
+            f"DistributedOptimizer(shard_optimizer_state=...) must be True or False, got "
+            f"{shard!r}"
+        )
+    if shard:
+        check_shardable(optimizer)
+    return shard
 
 
 def _warn_if_ddp(named: Iterable[tuple[str, torch.Tensor]] | None) -> None:

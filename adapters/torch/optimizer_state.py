@@ -28,12 +28,14 @@ from dp_plugin.edge import calling
 from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import TensorSpec, group_indices
-from dp_plugin.hooks import ReducePolicy
+from dp_plugin.hooks import ReducePolicy, compression_wrapper
 from dp_plugin.horovod_names import require_sum_or_average
 from dp_plugin.process_sets import ProcessSet
 from dp_plugin.scheduler import Reducer
+from dp_plugin.sharding import reducescatter_hook
 from dp_plugin.timeline import shared_timeline
 from dp_plugin.torch.control_slot import FiniteFlags, RankMarks
+from dp_plugin.torch.sharded import ShardedStep
 from dp_plugin.torch.sparse import SparseGradients, sparse_embedding_weights
 
 Groups = list[dict[str, Any]]
@@ -102,7 +104,8 @@ class OptimizerState:
     def __init__(self, *, names: dict[torch.Tensor, str], named: bool, compression: Any,
                  compressor: Compressor, op: ReduceOp, predivide: float, passes: int,
                  sparse_as_dense: bool, process_set: ProcessSet, engine: Engine | None,
-                 label: str, groups: int | list[list[torch.Tensor]] | None = None) -> None:
+                 label: str, groups: int | list[list[torch.Tensor]] | None = None,
+                 shard: bool = False) -> None:
         self.names = names
         self.named = named
         """Names came from ``named_parameters``: a parameter added later needs one."""
@@ -122,6 +125,12 @@ class OptimizerState:
         self.groups = groups
         """Horovod's ``groups`` (validated): how many groups to cut the parameters
         into, or lists of parameters, each reduced as one all-reduce; None: none."""
+        self.sharded = shard
+        """``shard_optimizer_state``: each rank keeps the optimizer state of its
+        pieces only (``sharded.py``); ``shard`` does it while a reducer exists."""
+        self.shard: ShardedStep | None = None
+        self.optimizer: Callable[[], Any] = lambda: None
+        """The wrapper (weakly; ``register`` sets it): ``hvd.join()`` steps its pieces."""
         self.comm_hook: Callable[..., Any] | None = None
         """A user's ``hook(state, bucket) -> Handle`` (``register_comm_hook``)."""
         self.params: list[torch.Tensor] = []
@@ -197,7 +206,21 @@ class OptimizerState:
         eng = self.engine
         sparse = SparseGradients(sparse_embedding_weights(params) if eng is not None
                                  and eng.size > 1 and not self.sparse_as_dense else [])
+        if self.sharded and sparse.params:
+            which = ", ".join(repr(self.names.get(p) or names.get(p, "?")) for p in sparse.params)
+            raise ValueError(
+                f"shard_optimizer_state=True cannot shard the sparse gradients of {which} "
+                "(nn.Embedding "
+                "with sparse=True): they are all-gathered, not reduce-scattered, and a sparse "
+                "update is not element-wise. Fix: pass sparse_as_dense=True, or "
+                "shard_optimizer_state=False"
+            )
+        # The whole state, before the pieces move with the new plan (collective,
+        # as register is).
+        full = None if self.shard is None else self.shard.full_state(optimizer)
         reducer, marks = self._build_reducer(params, names, sparse)
+        shard = None if reducer is None or not self.sharded else ShardedStep(
+            params, reducer, self.engine, self.label, groups)  # type: ignore[arg-type]
         if sparse.params:  # after the agreement: alike on every rank
             with calling("DistributedOptimizer"):
                 require_sum_or_average(self.op, "cannot reduce sparse gradients", prefix="hvd.",
@@ -206,11 +229,15 @@ class OptimizerState:
             handle.remove()
         self.names.update(names)
         self.params, self.reducer, self.marks, self.sparse = params, reducer, marks, sparse
+        self.shard = shard
+        if shard is not None and full:
+            shard.split(optimizer, full)
         reduced = {id(p) for p in params}
         self.frozen = [(gi, pj) for gi, group in enumerate(groups)
                        for pj, p in enumerate(group["params"]) if id(p) not in reduced]
         self._reset_step()
         ref = weakref.ref(optimizer)
+        self.optimizer = ref
         self.hooks = [p.register_post_accumulate_grad_hook(_make_hook(ref, index))
                       for index, p in enumerate(params)]
 
@@ -252,6 +279,10 @@ class OptimizerState:
                     f"DistributedOptimizer cannot reduce parameter {name!r}: {exc}"
                 ) from None
         check = eng.config.check_finite
+        hook = self.comm_hook
+        if hook is None and self.sharded:  # a user's hook that all-reduces is fine too
+            hook = reducescatter_hook if self.compressor.name == "none" else \
+                compression_wrapper(reducescatter_hook, self.compressor)
         # The label is unique per optimizer: the horovod engine matches
         # collectives by name (its channel is the engine itself).
         # The arguments were validated by DistributedOptimizer (and the setter of
@@ -259,9 +290,11 @@ class OptimizerState:
         reducer = Reducer(
             specs, engine=eng, compression=self.compressor, passes=self.passes,
             policy=ReducePolicy(self.op, eng.size, predivide=self.predivide),
-            timeline=shared_timeline, name=self.label, hook=self.comm_hook,
+            timeline=shared_timeline, name=self.label, hook=hook,
             flags=("join", "unfrozen", "sparse", *(() if check == "off" else ("finite",))),
-            settings={"DP_PLUGIN_CHECK_FINITE": check}, autotune=eng.config.autotune,
+            settings={"DP_PLUGIN_CHECK_FINITE": check,
+                      "shard_optimizer_state": self.sharded},
+            autotune=eng.config.autotune,
             groups=group_indices(self.groups, params),
         )
         # Agree on the layout here (the optimizer is made, or a group added, at

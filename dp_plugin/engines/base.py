@@ -123,6 +123,13 @@ class Engine(Lifecycle):
         Control buffers and staging copies belong there."""
         return "cpu"
 
+    @property
+    def native_reducescatter(self) -> bool:
+        """Does ``reducescatter`` use the library's own reduce-scatter (each
+        rank receives only its rows), rather than the generic all-reduce of
+        a copy and a slice (``generic.reducescatter_by_allreduce``)?"""
+        return type(self)._reducescatter_start is not Engine._reducescatter_start
+
     # -- public API --------------------------------------------------------
     def allreduce_async(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM,
                         name: str = "allreduce", postscale: float = 1.0) -> Handle:
