@@ -84,6 +84,9 @@ def main() -> int:
         f"\nThis process: launcher {topo.launcher}, rank {topo.rank} of {topo.size}; "
         f"DP_PLUGIN_ENGINE=auto would pick '{chosen}' ({reason}).\n"
     )
+    if topo.launcher == "horovodrun" and topo.size > 1:
+        out.write("Under horovodrun every rank takes part in one choice for the job at init(), "
+                  "which rank 0 logs; DP_PLUGIN_ENGINE=horovod runs Horovod's ring.\n")
     return 0
 
 
