@@ -17,6 +17,7 @@ import pytest
 from tests.multiproc.harness import assert_ranks_ok, run_workers
 
 WORKER = Path(__file__).parent / "workers" / "horovodrun_default.py"
+COLLECTIVES = Path(__file__).parent / "workers" / "torch_collectives.py"
 
 
 @pytest.mark.multiproc
@@ -42,3 +43,14 @@ def test_a_rank_without_horovod_takes_part_in_the_choice() -> None:
     refused = re.findall(r"refused horovod: rank (\d): engine 'horovod' cannot run this job: "
                          r"rank\(s\) 1: Horovod is not installed", result.output)
     assert sorted(refused) == ["0", "1", "2"], result.output
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("case", ["collectives", "mistakes"])
+def test_every_torch_collective_under_horovodrun_by_default(case: str) -> None:
+    """The collectives battery (every op, process sets, rank-dependent
+    mistakes) at 3 ranks under horovodrun with auto, as it runs on each
+    engine by name in test_torch_collectives.py."""
+    result = run_workers("horovodrun", 3, COLLECTIVES, args=["--engine", "auto", "--case", case],
+                         env={"DP_PLUGIN_TIMEOUT": "60"}, timeout=240)
+    assert_ranks_ok(result, 3)
