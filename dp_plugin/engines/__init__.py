@@ -90,9 +90,8 @@ def _under_horovodrun(topology: Topology) -> tuple[str, str]:
 
     On CPUs, ``gloo`` through horovodrun's rendezvous: shared memory on one
     host, hierarchical across hosts. Measured faster than Horovod's ring
-    (BENCHMARKS.md, "The default engine under horovodrun": Horovod's
-    synthetic benchmark 1.8-1.9x the images per second of Horovod itself;
-    across hosts the hierarchical path took 4.5-5.2 s where Horovod's took
+    under horovodrun (BENCHMARKS.md, "The default engine under horovodrun";
+    across hosts, "Issue 34": 4.5-5.2 s where Horovod's engine took
     6.3-6.9 s), and Horovod's library then never starts its background
     thread. On GPUs, Horovod built with NCCL keeps Horovod's own NCCL path,
     what a Horovod user ran before: it was not measured here against the
