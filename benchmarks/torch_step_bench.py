@@ -15,7 +15,7 @@ Configurations (world size 2 unless noted):
   horovod       Horovod 0.28.1's own ``horovod.torch.DistributedOptimizer``
                 under ``horovodrun --gloo``;
   dp_plugin@hvd ``dp_plugin.torch`` under ``horovodrun --gloo`` (engine auto ->
-                horovod: Horovod's ring does the all-reduce);
+                gloo on CPUs; ``dp_plugin@hvd:engine=horovod`` for Horovod's ring);
   dp_plugin@mpi ``dp_plugin.torch`` under ``mpiexec`` (engine auto -> mpi);
   floor         no communication: two single-process trainings side by side
                 (world size 1 each), so they compete for the cores as the
@@ -38,7 +38,7 @@ A configuration may end in options, each ``:name=value``: ``fusion=MiB``
 ``autotune=1``, ``tune_steps=N``, ``tune_warmup=N`` (DP_PLUGIN_AUTOTUNE and its
 step counts; give --warmup enough steps to cover the tuning, see
 benchmarks/autotune_bench.py), and ``engine=NAME`` (DP_PLUGIN_ENGINE, the
-dp_plugin rows: ``dp_plugin@hvd:engine=gloo`` is gloo under horovodrun).
+dp_plugin rows: ``dp_plugin@hvd:engine=horovod`` is Horovod's ring under horovodrun).
 
 Without a launcher it starts itself once per configuration and round,
 interleaved (A B C ... A B C ...), and prints a table: median step time over

@@ -150,6 +150,36 @@ it. Delete it: `model.compile(optimizer=opt, loss=...)`. dp_plugin's
 nothing replaces it. Likewise `opt.variables` is a property in Keras 3, not a
 method: `opt.variables()` becomes `opt.variables`.
 
+## What runs under `horovodrun`
+
+A Horovod script launched by `horovodrun` as before does not run Horovod's
+ring by default. On CPUs dp_plugin's `auto` runs its `gloo` engine through
+horovodrun's rendezvous: shared memory on one host, the hierarchical path
+(shared memory inside each host, Gloo across) on several. It measured
+faster than Horovod's ring under horovodrun: the BERT-like encoder's step
+took 0.89x Horovod's time against 1.14x on Horovod's ring, Horovod's own
+synthetic benchmark ran 1.08-1.12x faster than on the ring, and across hosts
+BERT-base's all-reduce took 4.5-5.2 s against 6.3-6.9 s
+([BENCHMARKS.md](../BENCHMARKS.md#the-default-engine-under-horovodrun-2026-12-03)).
+Horovod's library is then never loaded (no background thread taking a
+share of the cores). On GPUs, where Horovod is built with NCCL, `auto`
+keeps Horovod's own NCCL path, which was not measured here against the
+`nccl` engine; elsewhere on GPUs it runs `nccl`.
+
+Every Horovod call answers the same on either engine: `rank()`,
+`local_rank()`, `cross_rank()` and their sizes come from horovodrun's
+variables; process sets, `join()`, `broadcast_*`, elastic (horovodrun's
+elastic mode is refused on every engine, see below) behave as documented
+here. No call switches engines behind the script's back.
+
+To get Horovod's ring back, set `DP_PLUGIN_ENGINE=horovod` where
+`horovodrun` starts (`DP_PLUGIN_ENGINE=horovod horovodrun -np 2 python
+train.py`: horovodrun passes its environment to every worker). Every rank must be able to run
+it: where one cannot (Horovod missing on its host), every rank stops at
+`hvd.init()` with `EngineUnavailableError` naming that rank and the fix.
+The engine chosen and why is logged once by rank 0 at `init()` and shown by
+`dp-plugin check`.
+
 ## Remaining differences, and why
 
 - **Errors at the call, on every rank.** Every tensor collective first checks

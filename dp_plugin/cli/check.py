@@ -192,6 +192,9 @@ def main() -> int:
         f"The check took {time.perf_counter() - started:.1f} s, nearly all of it the imports "
         "timed above.\n"
     )
+    if topo.launcher == "horovodrun" and topo.size > 1:
+        out.write("Under horovodrun every rank takes part in one choice for the job at init(), "
+                  "which rank 0 logs; DP_PLUGIN_ENGINE=horovod runs Horovod's ring.\n")
     return 0
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import socket
 from typing import TYPE_CHECKING
 
 from dp_plugin.config import ENGINE_NAMES as _CONFIG_NAMES
@@ -65,48 +66,88 @@ def choose_engine(topology: Topology) -> tuple[str, str]:
     """What ``auto`` picks for this launcher and hardware: ``(name, reason)``.
 
     - no launcher, one process: ``local`` (nothing to communicate);
-    - horovodrun: ``horovod`` (Horovod's own ring) when its torch extension
-      is built with Gloo, else ``gloo`` through Horovod's rendezvous;
+    - horovodrun: see ``_under_horovodrun`` (``gloo`` on CPUs);
     - mpirun/mpiexec: ``mpi`` when mpi4py imports, else ``gloo``;
     - torchrun or srun: ``nccl`` with CUDA, else ``gloo``.
+
+    This rank's own pick: under horovodrun the job then takes one choice for
+    every rank (``choose_for_job``).
     """
     launcher = topology.launcher
     if launcher == "single" and topology.size == 1:
         return "local", "single process without a launcher: no communication needed"
-    preferred = ("horovod" if launcher == "horovodrun" else "mpi" if topology.is_mpi
-                 else "nccl")
+    if launcher == "horovodrun":
+        return _under_horovodrun(topology)
+    preferred = "mpi" if topology.is_mpi else "nccl"
     avail = availability(preferred, topology)
     if avail.ok:
         return preferred, f"launched by {launcher}; {preferred} is available ({avail.reason})"
     return "gloo", f"launched by {launcher}; {preferred} is not available: {avail.reason}"
 
 
+def _under_horovodrun(topology: Topology) -> tuple[str, str]:
+    """``auto`` under horovodrun, by measurement rather than by the launcher's name.
+
+    On CPUs, ``gloo`` through horovodrun's rendezvous: shared memory on one
+    host, hierarchical across hosts. Measured faster than Horovod's ring
+    under horovodrun (BENCHMARKS.md, "The default engine under horovodrun";
+    across hosts, the table of Horovod's engine beside Gloo under horovodrun:
+    4.5-5.2 s where Horovod's engine took 6.3-6.9 s), and Horovod's library
+    then never starts its background thread. On GPUs, Horovod built with
+    NCCL keeps Horovod's own NCCL path,
+    what a Horovod user ran before: it was not measured here against the
+    nccl engine (no machine with a GPU per rank), so it is not replaced
+    unmeasured. Other GPU hosts run ``nccl``.
+    """
+    gpus = availability("nccl", topology)
+    if not gpus.ok:
+        return "gloo", (
+            "launched by horovodrun on CPUs: gloo through horovodrun's rendezvous (shared "
+            "memory on one host, hierarchical across hosts), measured faster than Horovod's "
+            "ring; DP_PLUGIN_ENGINE=horovod runs Horovod's ring"
+        )
+    from dp_plugin.engines.horovod import built_with_nccl
+
+    if availability("horovod", topology).ok and built_with_nccl():
+        return "horovod", ("launched by horovodrun on GPUs with Horovod built with NCCL: "
+                           "Horovod's own NCCL path (DP_PLUGIN_ENGINE=nccl for "
+                           "torch.distributed's)")
+    return "nccl", (f"launched by horovodrun on GPUs, Horovod here without NCCL: nccl through "
+                    f"horovodrun's rendezvous ({gpus.reason})")
+
+
 def choose_for_job(requested: str, topology: Topology, config: Config) -> tuple[str, str]:
     """The engine this job runs, ``(name, reason)``: ``requested``, or for
-    ``auto`` what ``choose_engine`` picks, after one check for the whole job
-    that Horovod's engine can connect its hosts (``horovod_hosts``).
+    ``auto`` what ``choose_engine`` picks.
 
-    Collective under horovodrun across hosts: every rank must call it, and
-    every rank gets the same name. Where Horovod's engine cannot connect the
-    hosts, ``auto`` runs ``gloo`` and an explicit ``horovod`` raises
-    ``EngineUnavailableError`` with the cause and the fix, on every rank.
+    Collective under horovodrun for ``auto`` and ``horovod``: every rank must
+    call it, whatever it has installed, and every rank gets the same name,
+    or the same ``EngineUnavailableError`` naming the ranks, the cause and
+    the fix (``job_choice``: Horovod missing on some host, or a host Horovod's
+    Gloo cannot reach). Elsewhere every rank decides alone.
     """
     if requested == "auto":
         name, reason = choose_engine(topology)
     else:
         name, reason = requested, "requested by DP_PLUGIN_ENGINE / Config.engine"
-    if name != "horovod" or not availability(name, topology).ok:
+    if (topology.launcher != "horovodrun" or topology.size == 1
+            or requested not in ("auto", "horovod")):
         return name, reason  # create_engine says why an unavailable engine cannot run
-    from dp_plugin.engines.horovod_hosts import FIX, job_problem
+    from dp_plugin.engines import horovod_hosts, job_choice
 
-    problem = job_problem(topology, config)
-    if not problem:
-        return name, reason
-    if requested == "auto":
-        return "gloo", f"launched by horovodrun; horovod cannot connect the hosts: {problem}"
-    raise EngineUnavailableError(
-        f"rank {topology.rank}: engine 'horovod' cannot run this job: {problem}. Fix: {FIX}"
+    horovod = ""
+    unreachable = ""
+    if name == "horovod":
+        avail = availability("horovod", topology)
+        horovod = "" if avail.ok else avail.reason
+        if avail.ok and topology.local_size != topology.size:
+            unreachable = horovod_hosts.this_host()  # one host: loopback reaches everyone
+    mine = job_choice.Finding(
+        host=topology.hostname or socket.gethostname(), pick=name, horovod=horovod,
+        unreachable=unreachable,
+        nccl=requested == "auto" and name != "gloo" and availability("nccl", topology).ok,
     )
+    return job_choice.agree(requested, topology, config, mine, reason)
 
 
 def create_engine(name: str, topology: Topology, config: Config) -> Engine:

@@ -381,6 +381,16 @@ class HorovodEngine(Engine):
         return tensor
 
 
+def built_with_nccl() -> bool:
+    """Whether ``horovod.torch`` imports and was built with NCCL (Horovod's GPU
+    path). Importing the extension starts nothing: no ``hvd.init()``."""
+    try:
+        import horovod.torch as hvd
+    except Exception:  # ImportError, or an ABI error from the extension
+        return False
+    return bool(hvd.nccl_built())
+
+
 def _registered_set(members: tuple[int, ...]) -> Any:
     """The set the user registered with these ranks (hvd.init(process_sets=...)
     or hvd.add_process_set)."""

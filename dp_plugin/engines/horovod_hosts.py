@@ -16,28 +16,19 @@ So Horovod's engine cannot work when, on some rank, the build lacks that
 fix *and* the host name binds to a loopback address, in a job that spans
 hosts (on one host loopback reaches everyone). The facts differ per host,
 and the choice must not: a job where some ranks ran Horovod's engine and
-others Gloo would hang. ``job_problem`` is collective under horovodrun:
-every rank publishes its own finding in horovodrun's rendezvous server,
-rank 0 reads them all and publishes one verdict, and every rank returns
-that verdict. ``auto`` then runs ``gloo`` on every rank; an explicit
-``horovod`` raises the same error, naming the ranks, on every rank.
+others Gloo would hang. So each rank's ``local_finding`` goes into the
+job's one choice of engine (``job_choice``): ``auto`` then runs ``gloo`` on
+every rank; an explicit ``horovod`` raises the same error, naming the
+ranks (``verdict``), on every rank.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import itertools
 import socket
-
-from dp_plugin.config import Config
-from dp_plugin.engines.rendezvous import horovod_get, horovod_put
-from dp_plugin.topology import Topology
 
 FIXED_PATCH_SETS = ("p2",)
 """``horovod.dp_plugin_patches.PATCH_SET`` values whose build has the fix."""
-
-# The n-th check of this process uses key n on every rank (the same init sequence).
-_checks = itertools.count()
 
 
 def has_process_set_iface_fix() -> bool:
@@ -107,31 +98,7 @@ FIX = ("rebuild Horovod with the fix (`dp-plugin build-horovod --force`, or `mak
 """What to do, for the error of an explicit ``horovod``."""
 
 
-def job_problem(topology: Topology, config: Config) -> str:
-    """Why Horovod's engine cannot connect this job's hosts ('' when it can).
-
-    Collective under horovodrun across hosts: every rank must call it, in the
-    same order relative to other inits; every rank gets the same answer. A
-    job on one host, or not under horovodrun, needs no exchange."""
-    if topology.launcher != "horovodrun" or topology.local_size == topology.size:
-        return ""
-    key = f"horovod_hosts_{next(_checks)}"
+def this_host() -> str:
+    """``local_finding`` for this process's host (imports no Horovod extension)."""
     hostname = socket.gethostname()
-    finding = local_finding(has_process_set_iface_fix(), hostname, hostname_binds_to(hostname))
-    host = topology.hostname or hostname
-    horovod_put(topology, config, f"{key}_{topology.rank}", f"{host}|{finding}")
-    if topology.rank != 0:
-        # "ok" or "no <why>": a value never empty, whatever the store makes of one.
-        said = horovod_get(topology, config, f"{key}_verdict", "rank 0's verdict on Horovod's "
-                           "engine", "Rank 0 has probably failed; check its log")
-        return said.partition(" ")[2] if said.startswith("no ") else ""
-    findings, hosts = [], []
-    for rank in range(topology.size):
-        text = horovod_get(topology, config, f"{key}_{rank}", f"rank {rank}'s host check",
-                           f"Rank {rank} has probably failed to start; check its log")
-        where, _, found = text.partition("|")
-        hosts.append(where)
-        findings.append(found)
-    answer = verdict(findings, hosts)
-    horovod_put(topology, config, f"{key}_verdict", f"no {answer}" if answer else "ok")
-    return answer
+    return local_finding(has_process_set_iface_fix(), hostname, hostname_binds_to(hostname))

@@ -173,7 +173,9 @@ def _link_bytes(output: str) -> dict[str, tuple[int, int]]:
 def test_bert_under_horovodrun_across_two_hosts(engine: str, tmp_path: Path) -> None:
     """The main job, 2 hosts x 2 ranks under horovodrun by host names: every
     rank ends with the same parameters, the loss falls, and the gradients
-    crossed the shaped links (more than the tiny model's bytes, each way)."""
+    crossed the shaped links: each way, at least the 6 steps' gradients once
+    (124 KB of float32 each), what the hierarchical path of auto sends
+    across per host; Horovod's flat ring sends more."""
     env = {"DP_PLUGIN_ENGINE": engine} if engine != "auto" else {}
     steps = [*TINY[:TINY.index("--steps")], "--steps", "6", "--warmup-steps", "1",
              "--log-every", "1", "--checkpoint-every", "0", "--no-progress", "--report-digest"]
@@ -188,7 +190,7 @@ def test_bert_under_horovodrun_across_two_hosts(engine: str, tmp_path: Path) -> 
     losses = [float(x) for x in re.findall(r"step \d+ loss (\d+\.\d+)", output)]
     assert len(losses) == 6 and losses[-1] < losses[0], losses
     for host, (sent, received) in _link_bytes(output).items():
-        assert sent > 1_000_000 and received > 1_000_000, (host, sent, received)
+        assert sent > 6 * 120_000 and received > 6 * 120_000, (host, sent, received)
 
 
 @pytest.mark.multiproc
@@ -197,13 +199,13 @@ def test_patched_horovod_connects_hosts_whose_names_are_loopback() -> None:
     """Both hosts' names resolve to 127.0.0.1 (--loopback-hostname): Horovod
     0.28.1 as released aborts ('Connection refused'); build-horovod's build
     binds its process sets to horovodrun's interface and connects, plain and
-    under dp_plugin (explicit horovod and auto)."""
+    under dp_plugin's explicit horovod; auto runs gloo (on CPUs, by measurement)."""
     output, _ = _cluster(["--hosts", "2", "--loopback-hostname", "--", str(WORKER), "--plain"])
     assert "launchers exited with [0]" in output, output
     for rank in (0, 1):
         assert f"plain horovod rank {rank} sum 3" in output, output
-        for requested in ("horovod", "auto"):
-            assert f"dp_plugin {requested} rank {rank} engine horovod sum 3" in output, output
+        assert f"dp_plugin horovod rank {rank} engine horovod sum 3" in output, output
+        assert f"dp_plugin auto rank {rank} engine gloo sum 3" in output, output
     assert "Connection refused" not in output, output
 
 

@@ -404,3 +404,22 @@ def test_check_lists_lightning_from_its_metadata(monkeypatch: pytest.MonkeyPatch
               "dp_plugin.lightning")
     versions.clear()
     assert check._lightning() == (False, "not installed: pip install 'dp_plugin[lightning]'")
+
+
+def test_check_under_horovodrun_names_gloo_and_how_to_get_horovods_ring(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """On CPUs under horovodrun, auto picks gloo even where Horovod's engine can run."""
+    from dp_plugin import engines, launch
+    from dp_plugin.cli import check
+    from dp_plugin.engines.base import Availability
+    from dp_plugin.launch import Topology
+
+    topo = Topology(launcher="horovodrun", rank=0, size=2, local_rank=0, local_size=2,
+                    cross_rank=0, cross_size=1)
+    monkeypatch.setattr(launch, "detect", lambda env=None: topo)
+    monkeypatch.setattr(engines, "availability",
+                        lambda name, t: Availability(name in {"horovod", "gloo"}, "test"))
+    assert check.main() == 0
+    out = capsys.readouterr().out
+    assert "DP_PLUGIN_ENGINE=auto would pick 'gloo' (launched by horovodrun on CPUs" in out
+    assert "one choice for the job at init()" in out and "DP_PLUGIN_ENGINE=horovod" in out

@@ -75,8 +75,9 @@ def _fake_availability(ok: set[str]) -> Callable[[str, Topology], Availability]:
 @pytest.mark.parametrize(
     ("launcher", "available", "expected"),
     [
-        ("horovodrun", {"horovod", "gloo"}, "horovod"),
+        ("horovodrun", {"horovod", "gloo"}, "gloo"),  # CPUs: measured faster than the ring
         ("horovodrun", {"gloo"}, "gloo"),
+        ("horovodrun", {"nccl", "gloo"}, "nccl"),  # GPUs, no Horovod
         ("mpich", {"mpi", "gloo"}, "mpi"),
         ("openmpi", {"gloo"}, "gloo"),
         ("torchrun", {"nccl", "gloo"}, "nccl"),
@@ -92,8 +93,31 @@ def test_auto_prefers_the_launchers_engine_and_says_why(
     name, reason = engines.choose_engine(_topology(launcher))
     assert name == expected
     assert launcher in reason
-    if expected == "gloo":
+    if expected == "gloo" and launcher != "horovodrun":
         assert "is missing" in reason  # names why the preferred engine was passed over
+
+
+@pytest.mark.parametrize(("nccl_build", "expected"), [(True, "horovod"), (False, "nccl")])
+def test_auto_under_horovodrun_on_gpus_keeps_horovods_nccl_build(
+    monkeypatch: pytest.MonkeyPatch, nccl_build: bool, expected: str
+) -> None:
+    """Horovod's NCCL path was not measured against the nccl engine: auto keeps it."""
+    import dp_plugin.engines.horovod as horovod_engine
+
+    monkeypatch.setattr(engines, "availability", _fake_availability({"horovod", "nccl", "gloo"}))
+    monkeypatch.setattr(horovod_engine, "built_with_nccl", lambda: nccl_build)
+    name, reason = engines.choose_engine(_topology("horovodrun"))
+    assert (name, "on GPUs" in reason) == (expected, True), reason
+
+
+def test_auto_under_horovodrun_on_cpus_says_why_and_how_to_get_the_ring(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(engines, "availability", _fake_availability({"horovod", "gloo"}))
+    name, reason = engines.choose_engine(_topology("horovodrun"))
+    assert name == "gloo"
+    assert "measured faster than Horovod's ring" in reason, reason
+    assert "DP_PLUGIN_ENGINE=horovod" in reason, reason
 
 
 def test_auto_is_local_for_a_lone_process() -> None:
