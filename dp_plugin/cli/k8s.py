@@ -122,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-node", type=int, default=0, help="nvidia.com/gpu per node pod")
     p.add_argument("--shm-size", type=_quantity, default=None,
                    help="the /dev/shm of each node pod (default: sized for the shared-"
-                        "memory transport at --procs-per-node ranks, see docs/kubernetes.md)")
+                        "memory transport at --procs-per-node ranks, see docs/cli.md)")
     p.add_argument("--port", type=int, default=None,
                    help=f"the rendezvous port (default {TRAINJOB_PORT} for a TrainJob, "
                         f"{PYTORCHJOB_PORT} for a PyTorchJob)")
