@@ -1,0 +1,67 @@
+"""Ray Train v2 with dp_plugin's backend (``dp_plugin.ray.train``), on a
+one-node Ray head that the driver starts (1 CPU, two workers of 0.5 CPU).
+
+The same loop under ``HorovodTrainer`` and under Ray's ``TorchTrainer``
+(DDP) ends with bitwise equal weights on every rank; a worker SIGKILLed
+mid-run is restarted by Ray (``FailureConfig``), the loop resumes from its
+last reported checkpoint, and the weights equal the uninterrupted run. The
+two-host run is in test_ray.py (it shares that module's cluster).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.schedulers import proc
+
+pytest.importorskip("ray.train.v2")
+DRIVER = Path(__file__).resolve().parent / "workers" / "ray_train_v2.py"
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def parse(out: str) -> tuple[dict[str, list[str]], dict[str, list[list[int]]], dict[str, str]]:
+    """(weights per kind by rank, dp_plugin's ranks per kind, attempts per kind)."""
+    weights: dict[str, list[str]] = {}
+    for kind, _rank, hexed in re.findall(r"^weights (\w+) (\d) (\w+)$", out, flags=re.M):
+        weights.setdefault(kind, []).append(hexed)
+    ranks: dict[str, list[list[int]]] = {}
+    for kind, _rank, text in re.findall(r"^ranks (\w+) (\d) (\[.*\])$", out, flags=re.M):
+        ranks.setdefault(kind, []).append(json.loads(text))
+    attempts = dict(re.findall(r"^attempts (\w+) (.*)$", out, flags=re.M))
+    return weights, ranks, attempts
+
+
+def test_horovod_trainer_equals_torch_trainer_and_resumes_a_killed_worker(
+        tmp_path: Path) -> None:
+    done = proc.run([sys.executable, str(DRIVER), str(tmp_path), "--local"],
+                    proc.clean_env(), timeout=840)
+    out = done.stdout
+    assert done.returncode == 0, out
+    for kind in ("dp_plugin", "ddp", "killed"):
+        assert f"error {kind} None" in out, out
+    weights, ranks, attempts = parse(out)
+    # every rank of every run holds the same weights, and they are DDP's
+    for kind in ("dp_plugin", "ddp", "killed"):
+        assert len(weights[kind]) == 2 and "missing" not in weights[kind], out
+    assert len({w for ws in weights.values() for w in ws}) == 1, weights
+    # dp_plugin's rank is Ray Train's world rank; both workers on the one node
+    assert sorted(ranks["dp_plugin"]) == [[0, 0, 2, 0], [1, 1, 2, 1]], out
+    # one attempt each, except the killed run: both workers restarted, resuming
+    # after the last checkpoint (step 3) of the first attempt
+    assert sorted(attempts["dp_plugin"].split()) == ["0:0", "1:0"], out
+    assert sorted(attempts["killed"].split()) == ["0:0", "0:4", "1:0", "1:4"], out
+    assert (tmp_path / "killed-once").exists()
+
+
+def test_a_foreign_backend_config_is_refused_with_the_fix() -> None:
+    from ray.train.torch import TorchConfig
+
+    from dp_plugin.ray.train import HorovodTrainer
+
+    with pytest.raises(TypeError, match=r"dp_plugin.ray.train.BackendConfig.*DP_PLUGIN_TIMEOUT"):
+        HorovodTrainer(lambda: None, backend_config=TorchConfig())
