@@ -52,9 +52,12 @@ def test_horovod_trainer_equals_torch_trainer_and_resumes_a_killed_worker(
     # dp_plugin's rank is Ray Train's world rank; both workers on the one node
     assert sorted(ranks["dp_plugin"]) == [[0, 0, 2, 0], [1, 1, 2, 1]], out
     # one attempt each, except the killed run: both workers restarted, resuming
-    # after the last checkpoint (step 3) of the first attempt
+    # after a checkpoint of the first attempt (the last that Ray had registered
+    # when rank 1 died: step 1 or 3)
     assert sorted(attempts["dp_plugin"].split()) == ["0:0", "1:0"], out
-    assert sorted(attempts["killed"].split()) == ["0:0", "0:4", "1:0", "1:4"], out
+    starts = sorted(attempts["killed"].split(), key=lambda a: (a.split(":")[1], a))
+    assert starts[:2] == ["0:0", "1:0"], out
+    assert starts[2:] in (["0:2", "1:2"], ["0:4", "1:4"]), out
     assert (tmp_path / "killed-once").exists()
 
 

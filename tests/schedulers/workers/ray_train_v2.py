@@ -73,7 +73,7 @@ def loop(config: dict[str, Any]) -> None:
             saved = torch.load(Path(d) / "state.pt", weights_only=True)
         target = model.module if kind == "ddp" else model
         target.load_state_dict(saved["model"])
-        base.load_state_dict(saved["opt"])
+        opt.load_state_dict(saved["opt"])
         start = saved["step"] + 1
     attempts = out / f"attempts-{kind}"
     with attempts.open("a") as f:
@@ -92,7 +92,7 @@ def loop(config: dict[str, Any]) -> None:
             with tempfile.TemporaryDirectory() as d:
                 if rank == 0:
                     target = model.module if kind == "ddp" else model
-                    torch.save({"model": target.state_dict(), "opt": base.state_dict(),
+                    torch.save({"model": target.state_dict(), "opt": opt.state_dict(),
                                 "step": step}, Path(d) / "state.pt")
                 ray.train.report({"step": step},
                                  checkpoint=Checkpoint.from_directory(d) if rank == 0 else None)
