@@ -20,9 +20,11 @@ Priority (``LAUNCHERS``) matters because launchers nest:
    its daemons through srun, so the SLURM variables describe the daemons and
    the MPI variables describe the ranks;
 4. SLURM srun, only for an srun job step (not the batch script itself);
-5. no launcher, but a torch.distributed default group the program made
+5. a Kubeflow TrainJob/PyTorchJob pod whose command started no torchrun
+   (``PET_NNODES``): an error unless the job is one process;
+6. no launcher, but a torch.distributed default group the program made
    itself: its rank and size (``ProcessGroup``);
-6. a single process.
+7. a single process.
 
 Cross rank/size follow Horovod's meaning: with every host running the same
 number of processes they are the index of this host and the number of hosts.
@@ -139,6 +141,11 @@ class Horovod(Launcher):
     )
 
 
+KUBEFLOW_VARIABLES = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK")
+"""What a Kubeflow TrainJob or PyTorchJob sets in every node pod for torchrun,
+which reads them as its --nnodes, --nproc-per-node and --node-rank."""
+
+
 class Torchrun(Launcher):
     """torchrun / torch.distributed.run, or a hand-made ``env://`` launch.
 
@@ -152,12 +159,64 @@ class Torchrun(Launcher):
     variables = ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK")
     cross_variables = ("GROUP_RANK", "GROUP_WORLD_SIZE")
     address_variables = ("MASTER_ADDR", "MASTER_PORT")
+    reads = (*variables, *cross_variables, *address_variables, "KUBERNETES_SERVICE_HOST",
+             *KUBEFLOW_VARIABLES)
     command = "torchrun --nproc_per_node N train.py"
     fix = (
         "torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE for every worker: "
         f"start the job with `{command}`, set all four consistently, "
         "or unset them to run a single process"
     )
+
+    @classmethod
+    def topology(cls, env: Mapping[str, str]) -> Topology:
+        if ("LOCAL_RANK" not in env and "LOCAL_WORLD_SIZE" not in env
+                and "KUBERNETES_SERVICE_HOST" in env):
+            return cls._one_process_per_pod(env)
+        topology = super().topology(env)
+        _check_kubeflow_agrees(env)
+        return topology
+
+    @classmethod
+    def _one_process_per_pod(cls, env: Mapping[str, str]) -> Topology:
+        """A PyTorchJob pod whose container runs the script itself, not torchrun:
+        the operator sets RANK (the pod's index), WORLD_SIZE (the pods) and
+        MASTER_ADDR/MASTER_PORT (the Master pod), and one process runs per pod."""
+        procs = env.get("PET_NPROC_PER_NODE", "1").strip()
+        if procs.isdigit() and int(procs) > 1:
+            raise LaunchError(
+                f"PET_NPROC_PER_NODE={procs!r} asks for {procs} processes in this pod, but it "
+                "runs one (torchrun's LOCAL_RANK is not set): start the container's command "
+                "with torchrun (`torchrun train.py ...`, as `dp-plugin k8s render` writes it), "
+                "or set the job's nprocPerNode to 1"
+            )
+        r = VariableReader(env, cls)
+        size, rank = r.required("WORLD_SIZE", minimum=1), r.required("RANK")
+        addr, port = r.address("MASTER_ADDR", "MASTER_PORT")
+        return build_topology(
+            cls, size=size, rank=rank, local_size=Sourced("local size (one process per pod)", 1),
+            local_rank=Sourced("local rank (one process per pod)", 0),
+            cross=(Sourced("RANK (the pod's index)", rank.value, env["RANK"]),
+                   Sourced("WORLD_SIZE (the pods)", size.value, env["WORLD_SIZE"])),
+            addr=addr, port=port, hostname=None,
+        )
+
+
+def _check_kubeflow_agrees(env: Mapping[str, str]) -> None:
+    """Under torchrun in a Kubeflow job, torchrun's layout must be the job's:
+    a command that passes its own --nnodes or --nproc-per-node overrides the
+    PET_* variables and starts a job of another shape than the pods were made for."""
+    for pet, torchrun_name in zip(KUBEFLOW_VARIABLES,
+                                  ("GROUP_WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"),
+                                  strict=True):
+        asked, got = env.get(pet, "").strip(), env.get(torchrun_name, "").strip()
+        if asked.isdigit() and got.isdigit() and int(asked) != int(got):
+            raise LaunchError(
+                f"{pet}={asked!r} (what the Kubeflow job set for this pod) disagrees with "
+                f"torchrun's {torchrun_name}={got!r}: the container's command overrides the "
+                "job's layout; drop torchrun's --nnodes, --nproc-per-node and --node-rank "
+                "flags from it, so that torchrun reads the PET_* variables"
+            )
 
 
 class OpenMPI(Launcher):
@@ -346,6 +405,33 @@ class Slurm(Launcher):
         return Sourced(name, count, raw, note=f"{count} task(s) on node {node.value}")
 
 
+class KubeflowPod(Launcher):
+    """A Kubeflow TrainJob or PyTorchJob pod whose command started no launcher.
+
+    The job set ``PET_*`` for torchrun, but the container ran ``python
+    train.py``: every pod would train alone, silently. Raises unless the job
+    is one process in all.
+    """
+
+    name = "kubeflow"
+    markers = ("PET_NNODES",)
+    reads = KUBEFLOW_VARIABLES
+    command = "torchrun train.py (in the job's container command)"
+    fix = ("start the container's command with torchrun (`torchrun train.py ...`, as "
+           "`dp-plugin k8s render` writes it): torchrun reads the PET_* variables")
+
+    @classmethod
+    def topology(cls, env: Mapping[str, str]) -> Topology:
+        nodes, procs = (env.get(n, "1").strip() for n in KUBEFLOW_VARIABLES[:2])
+        if nodes == "1" and procs in ("1", "auto", "cpu"):
+            return Topology.single()
+        raise LaunchError(
+            f"PET_NNODES={nodes!r} and PET_NPROC_PER_NODE={procs!r} say this pod is part of a "
+            "Kubeflow job of several processes, but no launcher started this process (RANK, "
+            f"WORLD_SIZE and LOCAL_RANK are not set); {cls.fix}"
+        )
+
+
 class ProcessGroup(Launcher):
     """No launcher variables, but the program made torch.distributed's default
     group itself (``init_process_group("gloo", init_method="tcp://...")``, or
@@ -415,7 +501,7 @@ class Single(Launcher):
 
 
 LAUNCHERS: tuple[type[Launcher], ...] = (
-    Horovod, Torchrun, OpenMPI, IntelMPI, MPICH, Slurm, ProcessGroup, Single,
+    Horovod, Torchrun, OpenMPI, IntelMPI, MPICH, Slurm, KubeflowPod, ProcessGroup, Single,
 )
 """Every launcher, in detection priority order (see the module docstring)."""
 

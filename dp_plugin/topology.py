@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from dp_plugin.launch import Launcher
 
 LAUNCHER_NAMES: tuple[str, ...] = (
-    "horovodrun", "torchrun", "openmpi", "mpich", "intelmpi", "slurm", "process_group",
-    "single",
+    "horovodrun", "torchrun", "openmpi", "mpich", "intelmpi", "slurm", "kubeflow",
+    "process_group", "single",
 )
 
 

@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ipaddress
+import json
 import os
 import re
 import shutil
@@ -72,6 +73,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pods  # scripts/pods.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "bert_pretrain.py"
@@ -127,8 +131,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ranks-per-host", type=int, default=1, help="ranks on each host")
     ap.add_argument("--link", default="1gbit",
                     help="each host's link rate, both directions (tc units; none: unshaped)")
-    ap.add_argument("--launcher", choices=["torchrun", "mpirun", "horovodrun"],
-                    default="torchrun", help="multi-node launcher to start the job with")
+    ap.add_argument("--launcher", choices=["torchrun", "mpirun", "horovodrun", "k8s"],
+                    default="torchrun", help="multi-node launcher to start the job with "
+                                             "(k8s: the pods of --manifest)")
+    ap.add_argument("--manifest", type=Path, default=None,
+                    help="with --launcher k8s: a manifest of `dp-plugin k8s render`; one host "
+                         "per pod runs the pod's own command and environment (--hosts, "
+                         "--ranks-per-host and the command come from it)")
     ap.add_argument("--loopback-hostname", action="store_true",
                     help="the machine's host name resolves to 127.0.0.1 inside every host "
                          "(default: to the host's own address)")
@@ -140,6 +149,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("command", nargs=argparse.REMAINDER,
                     help="command for every rank, after -- (default: a short BERT run)")
     args = ap.parse_args(argv)
+    args.pods = None
+    if (args.launcher == "k8s") != (args.manifest is not None):
+        ap.error("--launcher k8s and --manifest FILE go together")
+    if args.manifest is not None:
+        try:
+            args.pods = pods.plan(pods.load(args.manifest))
+        except (OSError, ValueError, KeyError) as exc:
+            ap.error(f"--manifest {args.manifest}: {exc!r}")
+        args.hosts, args.ranks_per_host = len(args.pods.pods), args.pods.procs_per_node
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
     args.command = args.command or list(DEFAULT_COMMAND)
@@ -202,11 +220,12 @@ class Cluster:
         self.created: list[str] = []
         self.workdir = Path(tempfile.mkdtemp(prefix=self.prefix))
 
-    def create(self, rate_bps: int, loopback_hostname: bool = False) -> None:
+    def create(self, rate_bps: int, loopback_hostname: bool = False,
+               aliases: list[list[str]] | None = None) -> None:
         for ns in [self.switch, *self.names]:
             _run("ip", "netns", "add", ns)
             self.created.append(ns)
-        self._write_hosts_files(loopback_hostname)
+        self._write_hosts_files(loopback_hostname, aliases or [[] for _ in self.names])
         _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
         _run("ip", "-n", self.switch, "link", "set", "br0", "up")
         for i, (ns, addr) in enumerate(zip(self.names, self.addrs, strict=True)):
@@ -224,10 +243,12 @@ class Cluster:
                 shape(ns, HOST_IFACE, rate_bps)
                 shape(self.switch, port, rate_bps)
 
-    def _write_hosts_files(self, loopback_hostname: bool) -> None:
-        """Each host's ``/etc/hosts``: every host by name, and the machine's
-        host name as this host (or as loopback)."""
-        names = [f"{a} {n}" for n, a in zip(self.names, self.addrs, strict=True)]
+    def _write_hosts_files(self, loopback_hostname: bool, aliases: list[list[str]]) -> None:
+        """Each host's ``/etc/hosts``: every host by name (and its ``aliases``,
+        a pod's DNS names), and the machine's host name as this host (or as
+        loopback)."""
+        names = [" ".join([a, n, *more])
+                 for n, a, more in zip(self.names, self.addrs, aliases, strict=True)]
         for ns, addr in zip(self.names, self.addrs, strict=True):
             own = "127.0.0.1" if loopback_hostname else addr
             (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)
@@ -337,6 +358,51 @@ def clean_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+def k8s_size(quantity: str) -> str:
+    """A Kubernetes quantity (``2Gi``, ``512Mi``, ``1G``) as tmpfs's ``size=``."""
+    m = re.match(r"^(\d+)(Ki|Mi|Gi|Ti|k|M|G|T)?$", quantity)
+    if not m:
+        raise ValueError(f"sizeLimit {quantity!r}: expected a whole number and a unit like 2Gi")
+    scale = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
+             "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}[m.group(2)]
+    return str(int(m.group(1)) * scale)
+
+
+def pod_wrapper(pod: pods.Pod) -> list[str]:
+    """What makes a host namespace look like ``pod`` from inside: its own
+    host name (a UTS namespace) and a ``/dev/shm`` of its ``sizeLimit`` (a
+    tmpfs in a mount namespace of its own)."""
+    setup = 'hostname "$1" && '
+    if pod.shm_size:
+        setup += f'mount -t tmpfs -o size={k8s_size(pod.shm_size)} tmpfs /dev/shm && '
+    return ["unshare", "--uts", "--ipc", "--mount", "sh", "-c", setup + 'shift && exec "$@"',
+            "pod", pod.name]
+
+
+def pod_commands(args: argparse.Namespace,
+                 cluster: Cluster) -> list[tuple[str, list[str], dict[str, str]]]:
+    """(namespace, command, environment) of each pod that runs a command; the
+    others (an MPIJob's workers) wait for the launcher's ssh, which enters
+    them as their pods (``<workdir>/<ns>/pod.json``)."""
+    out = []
+    for ns, pod in zip(cluster.names, args.pods.pods, strict=True):
+        env = dict(pod.env)
+        for path, text in pod.files.items():  # the operator's mounts, here in workdir
+            local = cluster.workdir / ns / Path(path).name
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_text(text)
+            env = {k: str(local) if v == path else v for k, v in env.items()}
+        (cluster.workdir / ns).mkdir(parents=True, exist_ok=True)
+        (cluster.workdir / ns / "pod.json").write_text(json.dumps(
+            {"name": pod.name, "shm_size": pod.shm_size, "env": pod.env}))
+        if pod.command is not None:
+            command = list(pod.command)
+            if command[0].endswith(".py"):
+                command = [sys.executable, *command]
+            out.append((ns, [*pod_wrapper(pod), *command], env))
+    return out
+
+
 def commands(args: argparse.Namespace, cluster: Cluster) -> list[tuple[str, list[str]]]:
     """(namespace, command) per launcher to start."""
     bindir = Path(sys.executable).parent
@@ -433,8 +499,14 @@ def enter_host(prefix: str, argv: list[str]) -> int:
             login = {"PATH": LOGIN_PATH, "HOME": os.environ.get("HOME", "/"),
                      "USER": os.environ.get("USER", "root"), "SHELL": "/bin/sh",
                      "LANG": os.environ.get("LANG", "C.UTF-8")}
-            return subprocess.call(["ip", "netns", "exec", ns, "sh", "-c", " ".join(command)],
-                                   env=login)
+            pod_files = list(Path(tempfile.gettempdir()).glob(f"{prefix}*/{ns}/pod.json"))
+            wrapper: list[str] = []
+            if pod_files:  # a pod's sshd: its host name, /dev/shm and variables
+                pod = json.loads(pod_files[0].read_text())
+                wrapper = pod_wrapper(pods.Pod(pod["name"], [], {}, None, pod["shm_size"]))
+                login.update(pod["env"])
+            return subprocess.call(["ip", "netns", "exec", ns, *wrapper,
+                                    "sh", "-c", " ".join(command)], env=login)
     print(f"cluster ssh: {host}: no host of this cluster ({prefix}*) has that name or "
           "address", file=sys.stderr)
     return 255
@@ -470,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signum, on_signal)
     try:
         try:
-            cluster.create(args.link, args.loopback_hostname)
+            cluster.create(args.link, args.loopback_hostname,
+                           [p.dns_names for p in args.pods.pods] if args.pods else None)
         except Refused as exc:
             print(f"cluster: refused: {exc}", file=sys.stderr)
             return REFUSED
@@ -485,8 +558,10 @@ def main(argv: list[str] | None = None) -> int:
         env = clean_env(args)
         env["PATH"] = f"{cluster.ssh()}{os.pathsep}{env['PATH']}"  # ssh reaches the hosts
         pumps = []
-        for i, (ns, cmd) in enumerate(commands(args, cluster)):
-            proc = subprocess.Popen(["ip", "netns", "exec", ns, *cmd], env=env,
+        started = (pod_commands(args, cluster) if args.pods else
+                   [(ns, cmd, {}) for ns, cmd in commands(args, cluster)])
+        for i, (ns, cmd, pod_env) in enumerate(started):
+            proc = subprocess.Popen(["ip", "netns", "exec", ns, *cmd], env={**env, **pod_env},
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
             procs.append(proc)

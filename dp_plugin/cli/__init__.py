@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, str] = {
     "build-horovod": "dp_plugin.cli.build_horovod",
     "bench": "dp_plugin.cli.bench",
     "plan": "dp_plugin.cli.plan",
+    "k8s": "dp_plugin.cli.k8s",
 }
 """name -> module; each module has ``HELP``, ``add_arguments(parser)`` and ``run(args)``."""
 

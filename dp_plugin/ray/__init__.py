@@ -10,6 +10,9 @@ A Horovod-on-Ray script runs with its import changed::
     results = executor.run(train, kwargs={"epochs": 2})   # train calls hvd.init() itself
     executor.shutdown()
 
+Ray Train v2's trainer with dp_plugin as its backend is ``dp_plugin.ray.train``
+(``HorovodTrainer``, ``BackendConfig``).
+
 Needs Ray (``pip install 'dp_plugin[ray]'``). Importing this package imports
 ray; the core (``import dp_plugin``) never does.
 """

@@ -84,3 +84,23 @@ def test_a_killed_worker_makes_run_raise_dp_plugins_error(ray_hosts: RayCluster)
     assert raised is not None, out
     assert "rank 0" in raised.group(2) and "allreduce" in raised.group(2), out
     assert re.search(r"rank 1 \(node \S+\): its actor died", out), out
+
+
+def test_horovod_trainer_spans_two_hosts_like_torch_trainer(
+        ray_hosts: RayCluster, tmp_path: Path) -> None:
+    """Ray Train v2 with dp_plugin's backend (dp_plugin.ray.train), one worker
+    per host: each is its node's only rank, and the weights equal DDP's."""
+    from tests.schedulers.test_ray_train import DRIVER as TRAIN_V2
+    from tests.schedulers.test_ray_train import parse
+
+    before = netns.traffic(ray_hosts.hosts)
+    env = proc.clean_env(ray_hosts.env(), RAY_ADDRESS=ray_hosts.address, DP_PLUGIN_TIMEOUT="60")
+    done = proc.run(ray_hosts.driver(sys.executable, str(TRAIN_V2), str(tmp_path), "--spread",
+                                     "dp_plugin", "ddp"), env, timeout=600)
+    out = done.stdout
+    assert done.returncode == 0 and "error dp_plugin None" in out and "error ddp None" in out, out
+    weights, ranks, _ = parse(out)
+    assert len(weights["dp_plugin"]) == len(weights["ddp"]) == 2, out
+    assert len({*weights["dp_plugin"], *weights["ddp"]}) == 1, weights
+    assert sorted(ranks["dp_plugin"]) == [[0, 0, 2, 0], [1, 0, 2, 1]], out
+    netns.assert_links_shaped(ray_hosts.hosts, before)

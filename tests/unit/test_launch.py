@@ -333,8 +333,8 @@ def test_detect_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_launchers_are_listed_in_priority_order() -> None:
     assert [cls.name for cls in LAUNCHERS] == [
-        "horovodrun", "torchrun", "openmpi", "intelmpi", "mpich", "slurm", "process_group",
-        "single",
+        "horovodrun", "torchrun", "openmpi", "intelmpi", "mpich", "slurm", "kubeflow",
+        "process_group", "single",
     ]
     assert {cls.name for cls in LAUNCHERS} == set(LAUNCHER_NAMES)
     for cls in LAUNCHERS:

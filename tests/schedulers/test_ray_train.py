@@ -1,0 +1,69 @@
+"""Ray Train v2 with dp_plugin's backend (``dp_plugin.ray.train``), on a
+one-node Ray head that the driver starts (1 CPU, two workers of 0.5 CPU).
+
+Two fits of the same loop: under ``HorovodTrainer``, with a worker that
+SIGKILLs itself mid-run, which Ray restarts (``FailureConfig``) and the loop
+resumes from its last reported checkpoint; and under Ray's ``TorchTrainer``
+(DDP), uninterrupted. Every rank of both ends with bitwise equal weights. The
+two-host run is in test_ray.py (it shares that module's cluster).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.schedulers import proc
+
+pytest.importorskip("ray.train.v2")
+DRIVER = Path(__file__).resolve().parent / "workers" / "ray_train_v2.py"
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def parse(out: str) -> tuple[dict[str, list[str]], dict[str, list[list[int]]], dict[str, str]]:
+    """(weights per kind by rank, dp_plugin's ranks per kind, attempts per kind)."""
+    weights: dict[str, list[str]] = {}
+    for kind, _rank, hexed in re.findall(r"^weights (\w+) (\d) (\w+)$", out, flags=re.M):
+        weights.setdefault(kind, []).append(hexed)
+    ranks: dict[str, list[list[int]]] = {}
+    for kind, _rank, text in re.findall(r"^ranks (\w+) (\d) (\[.*\])$", out, flags=re.M):
+        ranks.setdefault(kind, []).append(json.loads(text))
+    attempts = dict(re.findall(r"^attempts (\w+) (.*)$", out, flags=re.M))
+    return weights, ranks, attempts
+
+
+def test_horovod_trainer_equals_torch_trainer_and_resumes_a_killed_worker(
+        tmp_path: Path) -> None:
+    done = proc.run([sys.executable, str(DRIVER), str(tmp_path), "--local", "killed", "ddp"],
+                    proc.clean_env(), timeout=840)
+    out = done.stdout
+    assert done.returncode == 0, out
+    for kind in ("ddp", "killed"):
+        assert f"error {kind} None" in out, out
+    weights, ranks, attempts = parse(out)
+    # every rank of both runs holds the same weights: DDP's, uninterrupted
+    for kind in ("ddp", "killed"):
+        assert len(weights[kind]) == 2 and "missing" not in weights[kind], out
+    assert len({w for ws in weights.values() for w in ws}) == 1, weights
+    # dp_plugin's rank is Ray Train's world rank; both workers on the one node
+    assert sorted(ranks["killed"]) == [[0, 0, 2, 0], [1, 1, 2, 1]], out
+    # both workers restarted once, resuming after a checkpoint of the first
+    # attempt (the last that Ray had registered when rank 1 died: step 1 or 3)
+    assert sorted(attempts["ddp"].split()) == ["0:0", "1:0"], out
+    starts = sorted(attempts["killed"].split(), key=lambda a: (a.split(":")[1], a))
+    assert starts[:2] == ["0:0", "1:0"], out
+    assert starts[2:] in (["0:2", "1:2"], ["0:4", "1:4"]), out
+    assert (tmp_path / "killed-once").exists()
+
+
+def test_a_foreign_backend_config_is_refused_with_the_fix() -> None:
+    from ray.train.torch import TorchConfig
+
+    from dp_plugin.ray.train import HorovodTrainer
+
+    with pytest.raises(TypeError, match=r"dp_plugin.ray.train.BackendConfig.*DP_PLUGIN_TIMEOUT"):
+        HorovodTrainer(lambda: None, backend_config=TorchConfig())
