@@ -23,6 +23,7 @@ from dp_plugin.tensorflow.callbacks_lr import (
 )
 from dp_plugin.tensorflow.checkpoint import BestModelCheckpoint
 from dp_plugin.tensorflow.compat import check_keras, check_strategy
+from dp_plugin.tensorflow.functions import allgather_object
 from dp_plugin.tensorflow.metric_average import MetricAverageCallback
 from dp_plugin.tensorflow.optimizer import (
     DistributedApply,
@@ -110,6 +111,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         model = _checked_model(self.model, self._who)
+        _check_equal_steps(self.params.get("steps"), self._who)
         changed = self._install(model.optimizer)
         _rebuild_train_function(model, find_hook(model.optimizer)[1], changed, self._who)
         if model.built:
@@ -149,6 +151,25 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         )
         install(optimizer, moved, replacing=target)
         return True
+
+
+def _check_equal_steps(steps: int | None, who: str) -> None:
+    """Refuse, on every rank before the first step, a ``fit`` whose ranks have
+    different numbers of batches per epoch (``steps``: Keras's count, None where
+    the data's length is unknown): the rank with more would wait in an
+    all-reduce that the others never start. Collective."""
+    counts = allgather_object(steps, name="dp_plugin.keras.steps")
+    known = [c for c in counts if c is not None]
+    if len(set(known)) <= 1:
+        return
+    each = "; ".join(f"rank {r}: {c if c is not None else 'unknown'}"
+                     for r, c in enumerate(counts))
+    raise ValueError(
+        f"{who}: the ranks have different numbers of batches per epoch ({each}), so a "
+        "rank would wait at the end of the epoch in an all-reduce the others never start. "
+        f"Give every rank the same number: pass steps_per_epoch={min(known)} to fit (the "
+        "smallest), or make the shards equal: dp.shard(dataset) before batching, and "
+        "dataset.batch(n, drop_remainder=True) or dataset.take(k) to drop the remainder")
 
 
 class DistributedCallback(BroadcastGlobalVariablesCallback):

@@ -49,7 +49,7 @@ from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.request import Request, check
 from dp_plugin.scheduler import UNBOUNDED, Reducer
 from dp_plugin.tensorflow import errors as tf_errors
-from dp_plugin.tensorflow import graph_order, status_op
+from dp_plugin.tensorflow import graph_gradient, graph_order, status_op
 from dp_plugin.validate import check_positive_float
 
 
@@ -113,16 +113,11 @@ def _differentiable(forward: Callable[..., list[Any]], backward: Callable[..., l
         kept[:] = outs[len(outs) - side:]
         return outs[:len(outs) - side]
 
+    ys = split(*xs)
     if not all(x.dtype.is_floating for x in xs):
-        return [*split(*xs), *kept]
-
-    @tf.custom_gradient
-    def op(*args: Any) -> Any:
-        ys, extra = split(*args), list(kept)
-        return ys, lambda *dys: backward(*extra, *[tf.zeros_like(y) if d is None else d
-                                                   for y, d in zip(ys, dys, strict=True)])
-
-    return [*op(*xs), *kept]
+        return [*ys, *kept]
+    extra = list(kept)
+    return [*graph_gradient.with_gradient(ys, xs, lambda *dys: backward(*extra, *dys)), *kept]
 
 
 def _writable(array: np.ndarray) -> np.ndarray:

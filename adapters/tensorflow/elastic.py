@@ -25,9 +25,11 @@ assigned back into the same variables), the variables of a
 ``TensorFlowState``, any other keyword value (epoch, batch, ...) as it is,
 and each rank's ``random`` and numpy generator states. The commit file is a
 pickle read back by a restricted unpickler (``_PlainUnpickler``: plain
-Python values and numpy arrays, scalars and dtypes; no code of the file's
-choosing runs), so a keyword value must be one of those: ``commit()``
-refuses anything else with ``CommitError`` naming it, before writing.
+Python values, and numpy arrays and scalars of plain dtypes, which are stored
+as dtype name, shape and bytes: no code of the file's choosing runs, and no
+dtype or array object is ever unpickled), so a keyword value must be one of
+those: ``commit()`` refuses anything else (a numpy dtype, an object array)
+with ``CommitError`` naming it, before writing.
 A failure on rank 0 (writing, reading or loading the file) raises
 ``CommitError`` on every rank at once: rank 0's outcome is broadcast.
 TensorFlow's own global generator and Keras ``SeedGenerator`` states are not
@@ -37,6 +39,7 @@ TensorFlow's own global generator and Keras ``SeedGenerator`` states are not
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import random
@@ -48,6 +51,7 @@ import keras
 import numpy as np
 
 from dp_plugin import elastic as _core
+from dp_plugin.arrays import numpy_dtype
 from dp_plugin.atomic_file import write_on_rank0
 from dp_plugin.elastic import CommitError, State
 from dp_plugin.errors import DPPluginError as HorovodInternalError
@@ -224,29 +228,104 @@ class UpdateEpochStateCallback(keras.callbacks.Callback):
 
 
 # -- the commit file ----------------------------------------------------------------
+#
+# A commit is a pickle of plain Python values in which every numpy array and
+# scalar is replaced by a persistent id: a tuple of plain values (its dtype's
+# name, its shape, its raw bytes). The unpickler names no numpy class at all:
+# pickling a dtype or an array stores flags and object pointers that numpy
+# trusts when it rebuilds them, so a forged file could make numpy read raw
+# bytes as pointers in every rank. Dtypes that hold Python objects, or fields
+# that could hide one, are refused both ways.
 
 _LOADABLE = frozenset({
     ("builtins", "complex"), ("builtins", "set"), ("builtins", "frozenset"),
     ("builtins", "bytearray"), ("collections", "OrderedDict"),
-    ("numpy", "ndarray"), ("numpy", "dtype"),
-    ("numpy._core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "scalar"),
-    ("numpy.core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),  # numpy 1
 })
-"""What a commit may name when it is unpickled: Python's plain values and numpy
-arrays, scalars and dtypes. Rebuilding these runs no code of the file's choosing."""
+"""What a commit may name when it is unpickled: Python's plain containers and
+numbers. Rebuilding these runs no code of the file's choosing."""
+
+_PLAIN_KINDS = "biufcmMSU"
+"""numpy dtype kinds stored as raw bytes: bool, integers, floats, complex,
+timedelta/datetime, bytes and str. Object (O) and structured or void (V) are not."""
+
+
+def _dtype_name(dtype: np.dtype) -> str | None:
+    """The name a commit stores ``dtype`` under, or None when it is not a plain
+    dtype (the value is then refused, as anything else ``_LOADABLE`` lacks)."""
+    if dtype == numpy_dtype("bfloat16"):
+        return "bfloat16"
+    if dtype.kind in _PLAIN_KINDS and dtype.fields is None and dtype.subdtype is None:
+        return dtype.str
+    return None
+
+
+def _plain_dtype(name: Any) -> np.dtype:
+    """The dtype a commit names, refusing anything ``_dtype_name`` would not write."""
+    dtype = numpy_dtype(name) if name == "bfloat16" else (
+        np.dtype(name) if isinstance(name, str) else None)
+    if dtype is None or dtype.hasobject or _dtype_name(dtype) != name:
+        raise pickle.UnpicklingError(
+            f"an array of dtype {name!r}: a commit holds arrays of plain dtypes only "
+            "(bool, integers, floats, complex, datetimes, bytes, str, bfloat16), never "
+            "objects or structured dtypes")
+    return dtype
+
+
+class _Pickler(pickle.Pickler):
+    """``pickle.Pickler`` that stores numpy arrays and scalars of plain dtypes as
+    ``("ndarray", dtype name, shape, bytes)`` / ``("scalar", dtype name, bytes)``."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is np.ndarray or isinstance(obj, np.generic):
+            name = _dtype_name(obj.dtype)
+            if name is None:
+                return None  # pickled as numpy's own class: refused by the check
+            if isinstance(obj, np.generic):
+                return ("scalar", name, np.asarray(obj).tobytes())
+            return ("ndarray", name, tuple(int(d) for d in obj.shape), obj.tobytes())
+        return None
 
 
 class _PlainUnpickler(pickle.Unpickler):
-    """``pickle.Unpickler`` that refuses any class or function outside ``_LOADABLE``:
-    whoever can write ``commit_path`` must not be able to run code in every rank
-    (``torch.load(weights_only=True)`` is the same rule for the torch adapter)."""
+    """``pickle.Unpickler`` that refuses any class or function outside ``_LOADABLE``
+    and rebuilds ``_Pickler``'s arrays from their bytes: whoever can write
+    ``commit_path`` must not be able to run code, or forge object pointers, in
+    every rank (``torch.load(weights_only=True)`` is the same rule for the torch
+    adapter)."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in _LOADABLE:
             raise pickle.UnpicklingError(
                 f"{module}.{name} is not a plain value (numbers, strings, bytes, lists, "
-                "tuples, dicts, sets, numpy arrays and scalars)")
+                "tuples, dicts, sets, numpy arrays and scalars of plain dtypes)")
         return super().find_class(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) == 3 and pid[0] == "scalar":
+            _, name, data = pid
+            return _from_bytes(_plain_dtype(name), (), data)[()]
+        if isinstance(pid, tuple) and len(pid) == 4 and pid[0] == "ndarray":
+            _, name, shape, data = pid
+            return _from_bytes(_plain_dtype(name), shape, data)
+        raise pickle.UnpicklingError(f"unknown persistent id {str(pid)[:80]}")
+
+
+def _from_bytes(dtype: np.dtype, shape: Any, data: Any) -> np.ndarray:
+    """A new writable array of ``dtype`` and ``shape`` holding ``data``, exactly."""
+    if not (isinstance(shape, tuple) and all(type(d) is int and d >= 0 for d in shape)):
+        raise pickle.UnpicklingError(f"an array of shape {str(shape)[:80]}: not a shape")
+    if type(data) is not bytes or len(data) != math.prod(shape) * dtype.itemsize:
+        raise pickle.UnpicklingError(
+            f"an array of dtype {dtype} and shape {shape} with "
+            f"{len(data) if type(data) is bytes else type(data).__name__} bytes of data, "
+            f"not {math.prod(shape) * dtype.itemsize}")
+    return np.frombuffer(data, dtype).reshape(shape).copy()
+
+
+def _pickled(value: Any) -> bytes:
+    out = io.BytesIO()
+    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return out.getvalue()
 
 
 def _loads(data: bytes, path: Path) -> Any:
@@ -256,8 +335,8 @@ def _loads(data: bytes, path: Path) -> Any:
     except Exception as exc:
         raise CommitError(
             f"{str(path)!r} cannot be loaded as an elastic commit ({type(exc).__name__}: "
-            f"{exc}): it was not written by commit(), or was changed since; delete it to start "
-            "afresh, or give commit_path a file of its own") from None
+            f"{exc}): it was not written by this version's commit(), or was changed since; "
+            "delete it to start afresh, or give commit_path a file of its own") from None
 
 
 def _read_or_none(path: Path) -> bytes | None:
@@ -271,7 +350,7 @@ def _dumps(record: dict[str, Any], path: Path) -> bytes:
     """``record`` pickled, after checking that ``_loads`` can read it back (a commit that
     was written always loads on restart); ``CommitError`` naming the first value that
     could not be, otherwise."""
-    data = pickle.dumps(record)
+    data = _pickled(record)
     try:
         _PlainUnpickler(io.BytesIO(data)).load()
         return data
@@ -288,7 +367,7 @@ def _dumps(record: dict[str, Any], path: Path) -> bytes:
 def _refusal(value: Any) -> str | None:
     """Why ``_loads`` would refuse ``value`` pickled (None: it loads)."""
     try:
-        _PlainUnpickler(io.BytesIO(pickle.dumps(value))).load()
+        _PlainUnpickler(io.BytesIO(_pickled(value))).load()
     except Exception as exc:
         return str(exc)
     return None

@@ -56,7 +56,10 @@ from dp_plugin.edge import caller
 T = TypeVar("T")
 
 _lock = threading.Lock()
-_tails: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # graph -> last op
+_tails: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+"""graph -> the name of its last dp_plugin op. A name, not the op: an op holds its
+graph, so a value holding one would keep its own key, and every graph that
+ever held a dp_plugin op, alive (retracing builds a new graph each time)."""
 _starting = threading.local()  # .graph: the graph whose next op starts a new chain
 
 
@@ -123,9 +126,10 @@ def ordered(make: Callable[[], T]) -> T:
     if starts:
         _starting.graph = None  # only the first op inside new_chain()
     with _lock:
-        previous = None if starts else _tails.get(graph)
-    with graph.control_dependencies([previous] if previous is not None else []):
+        tail = None if starts else _tails.get(graph)
+    previous = [] if tail is None else [graph.get_operation_by_name(tail)]
+    with graph.control_dependencies(previous):
         result = make()
     with _lock:
-        _tails[graph] = _first_op(result)
+        _tails[graph] = _first_op(result).name
     return result

@@ -17,15 +17,25 @@ ranks that start together build it once, under a file lock (about 10 s of
 CPU). Where it cannot be built (no compiler), ``library()`` warns once and
 returns None, and graph errors keep TensorFlow's own type
 (``InvalidArgumentError`` / ``UnknownError``) with dp_plugin's message.
+
+Loading a library runs its code in every rank, and its name in the cache is
+predictable (a hash of public inputs). So it is loaded only from a directory
+that no one but this user (or root) owns or may write, from a regular file
+with the same owners and no write permission for others, opened without
+following a link and loaded through that open file, so the file checked is
+the file loaded. Anything else is refused with a warning naming the path,
+its owner and mode and the fix, and graph errors keep TensorFlow's types.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import functools
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import warnings
@@ -61,29 +71,76 @@ def _build(target: Path) -> None:
             capture_output=True, text=True, timeout=600, check=False)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr[-2000:]}")
+        built.chmod(0o755)  # whatever the umask: _check refuses a file others may write
         os.replace(built, target)
+
+
+class _Unsafe(Exception):
+    """The cache holds a library that another user could have written."""
+
+
+def _check(info: os.stat_result, path: Path, directory: bool) -> None:
+    """Refuse ``path`` (its ``lstat``/``fstat`` is ``info``) unless it is a directory
+    (``directory``) or a regular file owned by this user or root that no one else
+    may write."""
+    kind = stat.S_ISDIR(info.st_mode) if directory else stat.S_ISREG(info.st_mode)
+    mode = stat.S_IMODE(info.st_mode)
+    if kind and info.st_uid in (os.getuid(), 0) and not mode & 0o022:
+        return
+    what = "a directory" if directory else "a regular file"
+    raise _Unsafe(
+        f"{str(path)!r} is not safe to load code from: it must be {what} owned by this user "
+        f"(uid {os.getuid()}) or root that only its owner may write; it has mode {mode:o}, "
+        f"owner uid {info.st_uid}{'' if kind else f', and is not {what}'}. Another user could "
+        f"have planted the library. Remove {str(path)!r} (dp_plugin rebuilds the library), or "
+        "set XDG_CACHE_HOME to a directory only you can write")
+
+
+def _load(target: Path) -> Any:
+    """Build ``target`` if it is missing, then load it after ``_check``-ing its
+    directory and the open file itself (module docstring)."""
+    target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    _check(os.lstat(target.parent), target.parent, directory=True)
+    if not target.exists():
+        with open(target.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another rank may be building it
+            if not target.exists():
+                _build(target)
+    try:
+        fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise _Unsafe(f"{str(target)!r} is a symbolic link; remove it (dp_plugin "
+                          "rebuilds it)") from None
+        raise
+    try:
+        _check(os.fstat(fd), target, directory=False)
+        # dlopen the very file checked; without /proc (macOS), the path in the checked
+        # directory, which only its owner can change.
+        opened = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(target)
+        return tf.load_op_library(opened)
+    finally:
+        os.close(fd)
+
+
+_WITHOUT = ("inside tf.function and TF1 sessions collective errors are TensorFlow's "
+            "InvalidArgumentError/UnknownError instead of Horovod's "
+            "FailedPreconditionError/InvalidArgumentError (same messages)")
 
 
 @functools.cache
 def library() -> Any | None:
     """The loaded op library (``library().dp_plugin_status``), or None (module docstring)."""
     try:
-        target = _target()
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with open(target.with_suffix(".lock"), "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # another rank may be building it
-                if not target.exists():
-                    _build(target)
-        return tf.load_op_library(str(target))
+        return _load(_target())
+    except _Unsafe as error:
+        warnings.warn(f"dp_plugin did not load its TensorFlow status op: {error}. Without it "
+                      f"{_WITHOUT}", RuntimeWarning, stacklevel=2)
     except Exception as error:  # any failure: the errors keep TensorFlow's own types
         warnings.warn(
-            f"dp_plugin could not build its TensorFlow status op ({error}); inside "
-            "tf.function and TF1 sessions collective errors are TensorFlow's "
-            "InvalidArgumentError/UnknownError instead of Horovod's "
-            "FailedPreconditionError/InvalidArgumentError (same messages). Install a C++ "
-            "compiler to get Horovod's types", RuntimeWarning, stacklevel=2)
-        return None
+            f"dp_plugin could not build its TensorFlow status op ({error}); {_WITHOUT}. "
+            "Install a C++ compiler to get Horovod's types", RuntimeWarning, stacklevel=2)
+    return None
 
 
 def fail_on(code: Any, message: Any) -> Any:

@@ -23,6 +23,7 @@ ENV = {"DP_PLUGIN_TIMEOUT": "60", "DP_PLUGIN_ENGINE": "gloo", "TF_CPP_MIN_LOG_LE
 MARKERS = {
     "layout_mismatch": ("CALLBACK-OK", "BRIDGE-OK", "TAPE-OK"),
     "strategies": ("PASSES-OK", "STRATEGY-OK"),
+    "uneven_shards": ("UNEVEN-OK", "STEPS-OK"),
 }
 assert set(worker_cases(WORKER)) == set(MARKERS)
 

@@ -6,6 +6,8 @@ Multi-rank: tests/multiproc/workers/tf_horovod_compat.py, case graph_errors.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -55,3 +57,71 @@ def test_without_a_compiler_it_warns_and_graphs_keep_tensorflows_types(
             tf.function(lambda: dp.alltoall(tf.ones([3]), [1, 1]))()
     finally:
         status_op.library.cache_clear()
+
+
+PLANTED = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *marker = fopen(getenv("DP_PLUGIN_TEST_PLANTED"), "w");
+    if (marker) fclose(marker);
+}
+"""
+
+
+def _plant(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """A library at the cache's predictable name whose loading creates a marker file."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the planted library")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    marker = tmp_path / "planted-library-ran"
+    monkeypatch.setenv("DP_PLUGIN_TEST_PLANTED", str(marker))
+    target = status_op._target()
+    target.parent.mkdir(parents=True)
+    (tmp_path / "planted.c").write_text(PLANTED)
+    subprocess.run([compiler, "-shared", "-fPIC", str(tmp_path / "planted.c"), "-o", str(target)],
+                   check=True)
+    return target, marker
+
+
+def _refused(marker: Path, match: str) -> None:
+    status_op.library.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match=match):
+            assert status_op.library() is None
+        assert not marker.exists(), "the planted library was loaded"
+        out = tf.function(lambda: dp.allreduce(tf.ones([2]), op=dp.Sum))()
+        np.testing.assert_allclose(out, [1.0, 1.0])
+    finally:
+        status_op.library.cache_clear()
+
+
+def test_a_library_planted_in_a_world_writable_cache_is_not_loaded(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The cache name is a hash of public inputs: in a shared or world-writable cache
+    another user could put a library there that every rank would load and run."""
+    target, marker = _plant(tmp_path / "cache", tmp_path, monkeypatch)
+    target.parent.chmod(0o777)
+    _refused(marker, r"did not load its TensorFlow status op: '.*tf_ops' is not safe to load "
+                     r"code from: it must be a directory .* mode 777")
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")
+def test_a_library_owned_by_another_user_is_not_loaded(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    target, marker = _plant(tmp_path / "cache", tmp_path, monkeypatch)
+    os.chown(target, 65534, 65534)
+    _refused(marker, r"status_op-.*\.so' is not safe to load code from: it must be a regular "
+                     r"file .* owner uid 65534")
+
+
+def test_a_library_others_may_write_or_a_link_is_not_loaded(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    target, marker = _plant(tmp_path / "cache", tmp_path, monkeypatch)
+    target.chmod(0o777)
+    _refused(marker, r"status_op-.*\.so' is not safe to load code from: .* mode 777")
+    elsewhere = target.rename(tmp_path / "elsewhere.so")
+    elsewhere.chmod(0o755)
+    target.symlink_to(elsewhere)
+    _refused(marker, r"status_op-.*\.so' is a symbolic link")

@@ -144,9 +144,36 @@ def case_strategies(_: object) -> None:
     case_strategy()
 
 
+def case_uneven_shards(_: object) -> None:
+    """The README's Keras snippet with 10 batches of 64 on rank 0 and 11 on rank 1:
+    a plain ValueError on both ranks before the first step, naming each rank's
+    count and the fix; with that fix (steps_per_epoch=10) the same fit trains.
+    Before, LayoutMismatchError on one rank and TensorFlow's InvalidArgumentError
+    on the other, at the end of the epoch, neither naming the batch counts."""
+    rows = 64 * (10 + dp.rank())
+    rng = np.random.default_rng(dp.rank())
+    dataset = tf.data.Dataset.from_tensor_slices(
+        (rng.normal(size=(rows, 4)).astype(np.float32),
+         rng.normal(size=(rows, 1)).astype(np.float32)))
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01 * dp.size()), loss="mse")
+    callbacks = [dp.DistributedCallback(), dp.MetricAverageCallback()]
+    expect("uneven", lambda exc: isinstance(exc, ValueError) and (
+        "different numbers of batches per epoch (rank 0: 10; rank 1: 11)" in str(exc)
+        and "steps_per_epoch=10" in str(exc) and "drop_remainder=True" in str(exc)),
+        lambda: model.fit(dataset.batch(64), callbacks=callbacks, verbose=0))
+    model.fit(dataset.batch(64), steps_per_epoch=10, callbacks=callbacks, verbose=0)
+    weights = dp.allgather_object([w.numpy() for w in model.weights])
+    for a, b in zip(weights[0], weights[1], strict=True):
+        np.testing.assert_array_equal(a, b)
+    print(f"rank {dp.rank()} STEPS-OK")
+
+
 CASES = {
     "layout_mismatch": case_layout_mismatch,
     "strategies": case_strategies,
+    "uneven_shards": case_uneven_shards,
 }
 
 

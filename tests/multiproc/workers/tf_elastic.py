@@ -120,7 +120,28 @@ def check_rank0_fails(args: argparse.Namespace) -> None:
     print(f"rank {rank}: both failures raised CommitError at once", flush=True)
 
 
-CASES = {"killed": check_killed, "rank0_fails": check_rank0_fails}
+def check_forged(args: argparse.Namespace) -> None:
+    """A forged commit (the test writes it: a dtype whose object field numpy is told
+    holds no references, over bytes that would be read as object pointers) is
+    refused with ``CommitError`` on every rank, and no rank crashes. Before,
+    ``run`` unpickled the dtype, rank 0 broadcast the bytes and every rank
+    segfaulted while formatting the commit's mismatch message."""
+    hvd.init()
+    rank = hvd.rank()
+    state = hvd.elastic.ObjectState(epoch=0, commit_path=args.commit)
+    try:
+        hvd.elastic.run(lambda s: None)(state)
+    except hvd.elastic.CommitError as exc:
+        assert "cannot be loaded as an elastic commit" in str(exc), str(exc)
+        assert "numpy" in str(exc) and "delete it to start afresh" in str(exc), str(exc)
+    else:
+        raise AssertionError(f"rank {rank}: the forged commit {args.commit} was loaded")
+    total = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum)  # the engine is not broken
+    assert np.asarray(total).tolist() == [2.0], total
+    print(f"rank {rank}: the forged commit was refused", flush=True)
+
+
+CASES = {"killed": check_killed, "rank0_fails": check_rank0_fails, "forged": check_forged}
 
 
 if __name__ == "__main__":
