@@ -370,7 +370,7 @@ def _job_secret(env: Mapping[str, str]) -> dict[str, object]:
     """``job_secret`` from DP_PLUGIN_JOB_SECRET_FILE (read here, at init) or
     DP_PLUGIN_JOB_SECRET. The file keeps the secret off every command line:
     horovodrun starts its workers as ``env K=V ... python``, which ``ps``
-    shows on every host for the whole job (issue 24)."""
+    shows on every host for the whole job."""
     path = env.get("DP_PLUGIN_JOB_SECRET_FILE")
     if not path:
         return {"job_secret": env["DP_PLUGIN_JOB_SECRET"]} if "DP_PLUGIN_JOB_SECRET" in env else {}
