@@ -73,7 +73,7 @@ one flat Gloo buffer of ResNet-50's 97 MiB when every tensor was copied)."""
 
 PIPELINE_CHUNK = 8 * 1024 * 1024
 """Bytes per bucket of a grouped collective. Measured on the rehearsal
-cluster (benchmarks/cluster_bench.py, BENCHMARKS.md "Rehearsal cluster"):
+cluster (benchmarks/cluster_bench.py, docs/benchmarks-history.md, "The rehearsal cluster"):
 small enough that the first pack and the last unpack, the only copies left
 exposed, are short; large enough that a collective's fixed cost per bucket
 stays small next to its transfer."""
