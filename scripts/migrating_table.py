@@ -160,7 +160,7 @@ faster than Horovod's ring under horovodrun: the BERT-like encoder's step
 took 0.89x Horovod's time against 1.14x on Horovod's ring, Horovod's own
 synthetic benchmark ran 1.08-1.12x faster than on the ring, and across hosts
 BERT-base's all-reduce took 4.5-5.2 s against 6.3-6.9 s
-([BENCHMARKS.md](../BENCHMARKS.md#the-default-engine-under-horovodrun-2026-12-03)).
+([BENCHMARKS.md](../BENCHMARKS.md#under-horovodrun)).
 Horovod's library is then never loaded (no background thread taking a
 share of the cores). On GPUs, where Horovod is built with NCCL, `auto`
 keeps Horovod's own NCCL path, which was not measured here against the
