@@ -53,7 +53,7 @@ next to the transfers here)."""
 LINK_PAYLOAD = 0.93
 """The share of a shaped link's rate that arrives as payload, the
 predictions' bandwidth: what one flat Gloo buffer reached on the quiet
-machine (BENCHMARKS.md, "Issue 25 on a quiet machine": 0.936 and 0.930 of
+machine (docs/benchmarks-history.md, "Shaped links on a quiet machine": 0.936 and 0.930 of
 1 Gbit/s as bus bandwidth at 2 x 1 and 2 x 2); the rest is TCP/IP and
 Ethernet headers and tbf's accounting. As ``dp-plugin plan --sweep`` takes
 a measured bandwidth, not the nominal one."""

@@ -3,7 +3,7 @@
 A 2-rank job through the test harness (tests/multiproc/harness.py): import
 torch and dp_plugin, ``hvd.init()``, one ``DistributedOptimizer`` step with
 its all-reduce, ``hvd.shutdown()``, exit. Each launcher fresh (a new
-interpreter per rank, as every launch was before issue 33) and, where the
+interpreter per rank, as every launch once was) and, where the
 harness forks ranks from its warm server (env, horovodrun), warm; the TF
 row imports TensorFlow too. Median and min of ``--rounds`` launches, after
 one launch that starts the warm servers (not counted).

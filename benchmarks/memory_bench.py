@@ -1,7 +1,7 @@
 """Memory of ``DistributedOptimizer`` over a long run: resident memory per
 100 steps, fusion buffer bytes against the threshold and the gradients.
 
-Issue 10's memory goals: resident memory flat over 1,000 steps; fusion
+The memory goals: resident memory flat over 1,000 steps; fusion
 memory at most twice the threshold (counted as what the fusion buffers add
 beyond the gradients themselves: with gradients as bucket views the buffers
 *are* the gradients' storage); no allocation per step once warm (the test

@@ -31,7 +31,7 @@ The dp_plugin and horovod rows run the same training function; only the
 
 A configuration may end in options, each ``:name=value``: ``fusion=MiB``
 (DP_PLUGIN_FUSION_THRESHOLD, or HOROVOD_FUSION_THRESHOLD for ``horovod``;
-64 gives the plan of dp_plugin before issue 10: one 64 MiB bucket),
+64 gives a plan of one 64 MiB bucket, as Horovod's default),
 ``views=0|1`` (DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW), ``buckets=N``
 (DP_PLUGIN_MIN_BUCKETS; 1 gives the plan before it: 1 MiB, then 25 MiB), ``cycle=ms``
 (HOROVOD_CYCLE_TIME), ``dps=0|1`` (HOROVOD_DYNAMIC_PROCESS_SETS), and

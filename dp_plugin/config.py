@@ -37,8 +37,9 @@ DEFAULT_FIRST_BUCKET_THRESHOLD = 1024 * 1024
 DEFAULT_MIN_BUCKETS = 4
 """A gradient smaller than 4 buckets of the default size is spread over about 4:
 the first three then travel while backward still runs, as they do for large
-models (BENCHMARKS.md: on a 28.5 MiB model 42-57% of the all-reduce was waited
-for with one 25 MiB bucket, 14-22% spread over 7 MiB ones, at the same step time)."""
+models (docs/benchmarks-history.md, "With the shared-memory all-reduce": on a
+28.5 MiB model 42-57% of the all-reduce was waited for with one 25 MiB bucket,
+14-22% spread over 7 MiB ones, at the same step time)."""
 MAX_MIN_BUCKETS = 1024
 DEFAULT_TIMEOUT_S = 1800.0
 """30 minutes, torch.distributed's default for gloo: a rank-0-only evaluation or
@@ -370,7 +371,7 @@ def _job_secret(env: Mapping[str, str]) -> dict[str, object]:
     """``job_secret`` from DP_PLUGIN_JOB_SECRET_FILE (read here, at init) or
     DP_PLUGIN_JOB_SECRET. The file keeps the secret off every command line:
     horovodrun starts its workers as ``env K=V ... python``, which ``ps``
-    shows on every host for the whole job (issue 24)."""
+    shows on every host for the whole job."""
     path = env.get("DP_PLUGIN_JOB_SECRET_FILE")
     if not path:
         return {"job_secret": env["DP_PLUGIN_JOB_SECRET"]} if "DP_PLUGIN_JOB_SECRET" in env else {}

@@ -4,7 +4,7 @@ Pure functions of the registered tensors, no engine and no framework. Every
 rank that registers the same tensors in the same order gets the same plan,
 which is what lets the scheduler launch buckets in the same order everywhere.
 
-Rules (issue 2, "Fusion and scheduling"):
+Rules:
 - walk the tensors in their expected ready order (default: reverse
   registration order, the order backward produces gradients);
 - keep one open bucket per (dtype, device): a bucket never mixes them;

@@ -58,7 +58,7 @@ class ReducePolicy:
     settings: tuple[tuple[str, float], ...]
     """The factors as the user set them (``gradient_predivide_factor``,
     ``prescale_factor``, ``postscale_factor``), which a mismatch across ranks
-    names: ``prescale``/``postscale`` are derived from them (issue 32)."""
+    names: ``prescale``/``postscale`` are derived from them."""
 
     def __init__(self, op: ReduceOp | str = ReduceOp.SUM, size: int = 1, *,
                  predivide: float = 1.0, prescale: float = 1.0, postscale: float = 1.0,

@@ -71,7 +71,7 @@ def from_rank0(run: Callable[[], T], error: type[Exception], name: str,
     ``name``). If it raised, every rank raises ``error``, with the failure's
     message when it is an ``error`` already, else ``explain(failure)``: no rank
     goes on believing that rank 0's write succeeded, and none waits for a rank
-    0 that has already raised (issue 32). Collective when the job has several
+    0 that has already raised. Collective when the job has several
     ranks; otherwise ``run()`` here."""
     engine = runtime.engine() if runtime.is_initialized() else None
     value: Any = None

@@ -62,7 +62,7 @@ averaging): the caller puts the whole list in flight at once. Its tensors of
 most ``PIPELINE_CHUNK`` bytes, each with a buffer of its own,
 so that packing chunk k+1 and unpacking chunk k-1 run while chunk k is on
 the wire (the engine's transport runs in its own threads) instead of pack,
-transfer and unpack one after another (issue 25: one 110 MB bucket reached
+transfer and unpack one after another (measured: one 110 MB bucket reached
 78-83% of a 1 Gbit/s link where one flat buffer reaches 95%)."""
 
 DIRECT_BYTES = 1024 * 1024
@@ -73,7 +73,7 @@ one flat Gloo buffer of ResNet-50's 97 MiB when every tensor was copied)."""
 
 PIPELINE_CHUNK = 8 * 1024 * 1024
 """Bytes per bucket of a grouped collective. Measured on the rehearsal
-cluster (benchmarks/cluster_bench.py, BENCHMARKS.md "Rehearsal cluster"):
+cluster (benchmarks/cluster_bench.py, docs/benchmarks-history.md, "The rehearsal cluster"):
 small enough that the first pack and the last unpack, the only copies left
 exposed, are short; large enough that a collective's fixed cost per bucket
 stays small next to its transfer."""

@@ -53,7 +53,8 @@ missing it refuses with exit status 77 and says what is missing.
     sudo .venv/bin/python scripts/cluster.py --launcher mpirun --hosts 3 --link 500mbit
     sudo .venv/bin/python scripts/cluster.py --launcher horovodrun --ranks-per-host 2
 
-The documented recipe is docs/multinode.md ("Rehearse it on one machine").
+The documented rehearsal is docs/testing.md ("Multi-node rehearsals on one
+machine"); the real-cluster recipes are docs/multinode.md.
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ import argparse
 import ast
 import importlib
 import importlib.util
-import re
 import sys
 from pathlib import Path
 
@@ -57,8 +56,9 @@ NOTES: dict[str, tuple[str, str]] = {
     "horovod.torch.elastic:run": (DIFF, "a failure ends the process and the launcher "
                                   "(`torchrun --max-restarts`) restarts every worker; each "
                                   "start resumes from the last commit on disk"),
-    "horovod.torch.elastic:TorchState": (DIFF, "takes `commit_path=` (required under "
-                                         "`torchrun --max-restarts`); also tracks LR schedulers "
+    "horovod.torch.elastic:TorchState": (DIFF, "takes `commit_path=` (optional: under "
+                                         "torchrun commits default to a private file in the "
+                                         "temp dir); also tracks LR schedulers "
                                          "and anything with `state_dict`, and every rank's RNG "
                                          "states"),
     "horovod.torch.elastic:run_fn": (UNSUPPORTED, "Horovod's internal retry loop behind `run`; "
@@ -160,7 +160,7 @@ faster than Horovod's ring under horovodrun: the BERT-like encoder's step
 took 0.89x Horovod's time against 1.14x on Horovod's ring, Horovod's own
 synthetic benchmark ran 1.08-1.12x faster than on the ring, and across hosts
 BERT-base's all-reduce took 4.5-5.2 s against 6.3-6.9 s
-([BENCHMARKS.md](../BENCHMARKS.md#the-default-engine-under-horovodrun-2026-12-03)).
+([BENCHMARKS.md](../BENCHMARKS.md#under-horovodrun)).
 Horovod's library is then never loaded (no background thread taking a
 share of the cores). On GPUs, where Horovod is built with NCCL, `auto`
 keeps Horovod's own NCCL path, which was not measured here against the
@@ -208,11 +208,8 @@ The engine chosen and why is logged once by rank 0 at `init()` and shown by
   `allgather`, `broadcast`, `reducescatter`, `alltoall` and the helpers built
   on them (`broadcast_parameters`, `broadcast_object`, `SyncBatchNorm`) raise
   `JoinedRankError` on the ranks that call them, and those ranks call
-  `join()` next. *Changed* (issue 24): earlier versions also answered
-  `allgather`, `broadcast` and `reducescatter` (no rows / zeros) and raised
-  on the joined rank too; a script written for Horovod behaves the same now.
-  `join()` returns the rank that joined last (earlier versions could return
-  the highest rank instead). In `dp_plugin.tensorflow` / `dp_plugin.keras`,
+  `join()` next, so a script written for Horovod behaves the same.
+  `join()` returns the rank that joined last. In `dp_plugin.tensorflow` / `dp_plugin.keras`,
   `join()` is a synchronization point only: every rank must run the same
   collectives before joining.
 - **`horovod.torch.elastic` restarts processes.** `hvd.elastic.TorchState`,
@@ -245,15 +242,12 @@ The engine chosen and why is logged once by rank 0 at `init()` and shown by
   `LayoutMismatchError`, with the `problem` that chose the TensorFlow
   class; a `ValueError` / `TypeError` for an argument this rank alone checked). Inside a graph
   TensorFlow would retype any exception of dp_plugin's `tf.numpy_function`,
-  so a small TensorFlow kernel (`adapters/tensorflow/status_op.cc`) fails
+  so a small TensorFlow kernel, shipped as source with dp_plugin, fails
   the step with the right code; it is compiled on first use with the C++
   compiler and TensorFlow's headers (about 10 s of CPU, once per machine and
-  TensorFlow version, cached in `~/.cache/dp_plugin/tf_ops`). *Changed*
-  (issue 36): graphs raised `InvalidArgumentError` / `UnknownError` for all
-  of these, and a mismatch other than splits raised `FailedPreconditionError`
-  eagerly even when it was one rank's bad root or dtype. Without a C++
+  TensorFlow version, cached in `~/.cache/dp_plugin/tf_ops`). Without a C++
   compiler, a `RuntimeWarning` says so and graphs raise TensorFlow's own
-  types as before.
+  types (`InvalidArgumentError` / `UnknownError`).
 - **`broadcast_optimizer_state`** sends the root's whole state (tensors fused
   as raw bytes, the rest pickled) and loads it on the others, so it needs no
   dummy step and works for every `torch.optim` optimizer, LBFGS included
@@ -284,8 +278,8 @@ The engine chosen and why is logged once by rank 0 at `init()` and shown by
 """
 
 
-def public_names(module: str) -> tuple[list[str], bool, str]:
-    """(sorted public names, imported?, import error) of a Horovod module."""
+def public_names(module: str) -> list[str]:
+    """Sorted public names of a Horovod module, read from its source."""
     # Located without importing it: a parent package may not import (Keras 3).
     top = importlib.util.find_spec("horovod")
     if top is None or top.origin is None:
@@ -304,14 +298,7 @@ def public_names(module: str) -> tuple[list[str], bool, str]:
             names.add(node.name)
         elif isinstance(node, ast.Assign):
             names.update(t.id for t in node.targets if isinstance(t, ast.Name))
-    error = ""
-    try:
-        importlib.import_module(module)
-        imported = True
-    except Exception as exc:  # any import failure is reported in the page
-        first = re.sub(r"/\S+/", "", str(exc).splitlines()[0])  # no machine paths
-        imported, error = False, f"{type(exc).__name__}: {first}"[:160]
-    return sorted(n for n in names if not n.startswith("_")), imported, error
+    return sorted(n for n in names if not n.startswith("_"))
 
 
 def _top_level(body: list[ast.stmt]) -> list[ast.stmt]:
@@ -334,12 +321,10 @@ def note_for(module: str, name: str) -> tuple[str, str] | None:
 
 
 def table(horovod: str, ours: str, problems: list[str]) -> str:
-    names, imported, error = public_names(horovod)
+    names = public_names(horovod)
     dp = importlib.import_module(ours)
-    how = ("imported" if imported else
-           f"read from its `__init__.py` source with `ast`: it does not import here ({error})")
     lines = [f"## `{horovod}` -> `{ours}`", "",
-             f"{len(names)} public names (`{horovod}` {how}).", "",
+             f"{len(names)} public names of `{horovod}`.", "",
              "| Name | dp_plugin |", "|---|---|"]
     for name in names:
         note = note_for(horovod, name)

@@ -283,7 +283,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
     (x,) = _tensors([tensor])
     engine_of(process_set)  # not a member: fails here, while tracing
     # A bad root_rank is the callback's check's Problem.BAD_ROOT, raised on every
-    # rank (checked here it failed only this rank, and the others waited: issue 36).
+    # rank (checked here it failed only this rank, and the others waited).
     label = name or "broadcast"
 
     def bcast(array: np.ndarray) -> list[np.ndarray]:

@@ -15,7 +15,7 @@ unchanged. The core never imports TensorFlow, so these classes live here.
 ``tf.numpy_function`` op, or the eager call). Inside a graph TensorFlow
 would turn any exception of the callback into an error of its own choosing,
 so there ``collectives.run_op`` returns the typed error's code and message
-from the callback and ``status_op`` fails the step with them (issue 36).
+from the callback and ``status_op`` fails the step with them.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ called. Eagerly that is the program's order. In a graph (a TF1
 runs ops that do not depend on each other concurrently and in any order, so
 two independent all-reduces fetched by one ``Session.run`` could start in
 one order on rank 0 and the other on rank 1: the ranks would pair the wrong
-tensors (silently), or hang, or abort (issue 27).
+tensors (silently), or hang, or abort.
 
 ``ordered(make)`` builds a dp_plugin op (``make()`` creates it) with a
 control dependency on the previous dp_plugin op built in the same graph, so
@@ -18,7 +18,7 @@ the rule ours rather than an implementation detail of tracing, and covers
 TF1 graphs, where nothing else does.
 
 Collectives inside ``tf.compat.v1.cond``/``while_loop`` of a TF1 graph are
-refused when they are built (issue 32). There the construct's ops live in
+refused when they are built. There the construct's ops live in
 v1 control-flow contexts (``disable_control_flow_v2``) or in the branch and
 body graphs of an ``If``/``While`` op (TensorFlow 2's default, also in TF1
 graphs), and nothing orders an op built after the construct against the
@@ -99,7 +99,7 @@ def _refuse_tf1_control_flow(graph: Any) -> None:
         f"{caller()}: a dp_plugin collective cannot be built inside "
         f"tf.compat.v1.{construct} of a TF1 graph: nothing orders it against the "
         f"collectives built before and after the {construct}, so ranks could pair it with "
-        f"a different collective (issue 32). Build it {outside}; or build the step in a "
+        f"a different collective. Build it {outside}; or build the step in a "
         f"tf.function, where TensorFlow orders the {construct} as one op.")
 
 

@@ -1,6 +1,5 @@
 // DpPluginStatus: fail the graph with the TensorFlow error code and message
-// dp_plugin computed in a tf.numpy_function (adapters/tensorflow/status_op.py,
-// issue 36). A Python exception in a numpy_function always becomes
+// dp_plugin computed in a tf.numpy_function (adapters/tensorflow/status_op.py). A Python exception in a numpy_function always becomes
 // InvalidArgument or Unknown; Horovod's ops fail with FailedPrecondition for
 // ranks that disagree, and only a kernel can set that code.
 #include "tensorflow/core/framework/op.h"

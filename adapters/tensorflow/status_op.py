@@ -1,4 +1,4 @@
-"""A graph op that fails with the TensorFlow error code dp_plugin chose (issue 36).
+"""A graph op that fails with the TensorFlow error code dp_plugin chose.
 
 Inside a graph (``tf.function``, a TF1 ``Session``) each dp_plugin collective
 is a ``tf.numpy_function``, and TensorFlow turns any Python exception raised

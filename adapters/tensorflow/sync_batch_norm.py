@@ -9,7 +9,7 @@ use equal per-rank batch sizes). The gradient flows through the all-reduce
 which every rank updates identically. Everything else is Keras 3's
 ``BatchNormalization`` (same arguments, saving, masks).
 
-Keras 2 arguments (issue 36). Horovod's layer subclassed Keras 2's
+Keras 2 arguments. Horovod's layer subclassed Keras 2's
 ``BatchNormalization``, whose ``fused``, ``virtual_batch_size`` and
 ``adjustment`` Keras 3 removed (it refuses unknown keyword arguments), so a
 Horovod script passing them would fail here. They are taken and dropped:

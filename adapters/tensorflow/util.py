@@ -7,7 +7,7 @@ working.
 ``variable_ref`` is the one hashable key of a variable in the adapter (the
 local sources of ``DistributedGradientTape`` too): ``tf.Variable.ref()``
 where the variable has it; Keras 3 variables have no ``ref()`` and compare
-elementwise with ``==`` (Horovod's own tape broke on them, its issue 4290),
+elementwise with ``==`` (Horovod's own tape broke on them),
 so they get a ``VariableRef`` by identity, which ``ref()`` also is.
 """
 

@@ -90,7 +90,7 @@ def _under_horovodrun(topology: Topology) -> tuple[str, str]:
 
     On CPUs, ``gloo`` through horovodrun's rendezvous: shared memory on one
     host, hierarchical across hosts. Measured faster than Horovod's ring
-    under horovodrun (BENCHMARKS.md, "The default engine under horovodrun";
+    under horovodrun (BENCHMARKS.md, "Under horovodrun";
     across hosts, the table of Horovod's engine beside Gloo under horovodrun:
     4.5-5.2 s where Horovod's engine took 6.3-6.9 s), and Horovod's library
     then never starts its background thread. On GPUs, Horovod built with

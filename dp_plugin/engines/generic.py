@@ -94,7 +94,7 @@ def torch_byte_rows(tensor: Any) -> Any:
     (numpy 2 gives a copied empty array strides of 0, ``torch.from_numpy`` keeps
     them, ``contiguous()`` leaves an empty tensor as it is) and ``view(uint8)``
     refuses those, so a rank that sends no rows failed its all-to-all while the
-    others waited for it (issue 36)."""
+    others waited for it."""
     import torch
 
     rows = int(tensor.shape[0])

@@ -31,7 +31,7 @@ HOROVOD_DYNAMIC_PROCESS_SETS=1 at ``hvd.init()``. The engine sets it when it
 initializes Horovod itself and the program asked for process sets
 (``Config.process_sets``: ``hvd.init(process_sets="dynamic")`` or a list),
 as Horovod's own ``init`` does: with it, Horovod checks for new sets in
-every background cycle, 4-9% of a step (BENCHMARKS.md). Only the job-wide
+every background cycle, 4-9% of a step (docs/benchmarks-history.md). Only the job-wide
 engine can add process sets.
 When it starts Horovod it also keeps Horovod's library from fusing
 dp_plugin's pre-fused buckets again (``horovod_env.library_settings``:

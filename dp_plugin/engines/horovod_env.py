@@ -3,7 +3,7 @@ around its ``hvd.init()``: ``library_settings(config)``. What it sets and why
 (dynamic process sets, a 1 MiB library fusion threshold, never
 ``HOROVOD_CYCLE_TIME`` beside it: Horovod 0.28.1's re-init crash) is
 docs/configuration.md, the horovod engine's paragraph; the measurements are
-in BENCHMARKS.md.
+in docs/benchmarks-history.md.
 """
 
 from __future__ import annotations

@@ -150,7 +150,7 @@ class TorchDistEngine(Engine):
                 self.backend, rank=self.rank, world_size=self.size, timeout=timeout, **kwargs
             )
         except (dist.DistStoreError, dist.DistNetworkError) as exc:
-            # torch's own text names a store key, not what happened (fault matrix, issue 24).
+            # torch's own text names a store key, not what happened (fault matrix).
             raise _formation_error(
                 exc, f"rank {self.rank}: the {self.backend} process group of {self.size} ranks "
                 f"did not form within {self.config.timeout_s:g} s (DP_PLUGIN_TIMEOUT; ranks met "

@@ -5,7 +5,7 @@ c10d rendezvous and ``--nnodes 2`` (Gloo: it must find the host's
 interface itself through dp_plugin.netif, else rank 1 cannot connect), and
 MPICH's mpiexec reaching host 2 through the script (MPI engine, through
 the scripts/two_hosts.py front end), and horovodrun by host names through
-the cluster's ssh stand-in (issue 34: the BERT job at 2 hosts x 2 ranks with
+the cluster's ssh stand-in (the BERT job at 2 hosts x 2 ranks with
 the default and the horovod engine; Horovod's process-set interface fix where
 the host name resolves to loopback; dp_plugin's one verdict for the job when
 Horovod lacks it). The namespaces and their hosts files must be gone
@@ -126,7 +126,7 @@ def test_namespaces_of_a_killed_run_are_deleted_by_the_next() -> None:
         shutil.rmtree(hosts_file.parent, ignore_errors=True)
 
 
-# -- horovodrun across hosts (issue 34) ----------------------------------------------
+# -- horovodrun across hosts ----------------------------------------------
 
 WORKER = ROOT / "tests" / "multiproc" / "workers" / "horovod_across_hosts.py"
 # Hides build-horovod's patch marker, so dp_plugin takes this Horovod for an

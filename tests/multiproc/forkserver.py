@@ -2,7 +2,7 @@
 
 Most of a multi-process test's time used to be each rank's start-up, not the
 case it runs: ``import torch`` 1.4-2.1 s, ``import tensorflow`` 4.8-6.6 s, the
-first forward/backward 1.7-2.6 s, for every rank of every launch (issue 33).
+first forward/backward 1.7-2.6 s, for every rank of every launch.
 This server pays that once: it imports the frameworks and dp_plugin, runs one
 tiny optimizer step (never initialising an engine), then forks one child per
 rank that asks. The launchers stay real: ``horovodrun`` and the harness's

@@ -1,9 +1,9 @@
-"""The fault matrix (issue 24): one rank of two killed by SIGKILL at each
+"""The fault matrix: one rank of two killed by SIGKILL at each
 phase of a run (workers/fault_matrix.py), on the gloo engine over shared
 memory and over TCP (``DP_PLUGIN_SHARED_MEMORY=0``) and on the mpi engine,
 and by SIGTERM in one phase (``mid_bucket``) per engine: 7 cells x 3
 engines = 21 cells, one launch each. SIGTERM in the other phases repeated
-the SIGKILL cells (36 cells before, issue 33): dp_plugin installs no SIGTERM
+the SIGKILL cells: dp_plugin installs no SIGTERM
 handler, so the default one ends the process at once, without ``atexit``,
 as SIGKILL does - every cell checks that the handler is still the default
 after ``init()`` and a training step. One test per engine runs its 7 cells

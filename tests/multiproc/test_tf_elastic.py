@@ -34,7 +34,7 @@ def test_keras_state_resumes_from_the_commit_after_a_kill(tmp_path: Path) -> Non
 
 
 def test_a_commit_failing_on_rank_0_raises_on_every_rank_at_once(tmp_path: Path) -> None:
-    """Issue 32: rank 0's failure to write or read the commit reached the other rank
+    """Rank 0's failure to write or read the commit reached the other rank
     only through DP_PLUGIN_TIMEOUT (30 s here); now CommitError on both within 10 s."""
     blocked = tmp_path / "a-file"
     blocked.write_text("nothing can be written under a regular file")

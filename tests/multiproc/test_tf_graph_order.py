@@ -1,4 +1,4 @@
-"""Collectives built into graphs run in the same order on every rank (issue 27).
+"""Collectives built into graphs run in the same order on every rank.
 
 One launch per case of workers/tf_graph_order.py: nine independent
 collectives fetched together by a TF1 ``Session.run``, and inside one

@@ -1,4 +1,4 @@
-"""Horovod's TensorFlow error types and worker-local gradients on 2 ranks (issue 27).
+"""Horovod's TensorFlow error types and worker-local gradients on 2 ranks.
 
 One launch per case of workers/tf_horovod_compat.py.
 """

@@ -1,4 +1,4 @@
-"""horovod.torch parity (issue 8) across real processes: ``workers/torch_parity.py``.
+"""horovod.torch parity across real processes: ``workers/torch_parity.py``.
 
 One launch per case, 2 ranks on gloo; the asynchronous gather case also on
 MPI (its ``Iallgatherv`` / ``Ireduce_scatter`` path), and the shutdown and

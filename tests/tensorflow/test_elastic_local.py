@@ -72,7 +72,7 @@ class _RunsCode:
 
 
 def test_a_commit_is_loaded_without_running_code(tmp_path: Path) -> None:
-    """``_read`` unpickled whatever the file held (issue 32): anyone who could write
+    """``_read`` unpickled whatever the file held: anyone who could write
     ``commit_path`` could run code in every rank. Now only plain values and numpy
     load; a forged file is refused with CommitError and its code never runs."""
     path, marker = tmp_path / "elastic.pkl", tmp_path / "ran"

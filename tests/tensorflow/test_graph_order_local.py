@@ -1,4 +1,4 @@
-"""Collectives inside TF1 control flow are refused when the graph is built (issue 32).
+"""Collectives inside TF1 control flow are refused when the graph is built.
 
 In a TF1 graph, ``tf.compat.v1.cond``/``while_loop`` either put their ops in
 v1 control-flow contexts (``disable_control_flow_v2``) or in branch graphs

@@ -1,4 +1,4 @@
-"""The graph op behind Horovod's error types inside graphs (issue 36), in one process.
+"""The graph op behind Horovod's error types inside graphs, in one process.
 
 Multi-rank: tests/multiproc/workers/tf_horovod_compat.py, case graph_errors.
 """

@@ -179,7 +179,7 @@ def test_sync_batch_norm_is_batch_norm_in_one_process_and_saves(tmp_path: Path) 
 
 
 def test_sync_batch_norm_takes_horovods_keras2_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 36: Keras 3 refused fused=; Horovod's layer took Keras 2's arguments."""
+    """Keras 3 refused fused=; Horovod's layer took Keras 2's arguments."""
     from dp_plugin.tensorflow import sync_batch_norm
 
     monkeypatch.setattr(sync_batch_norm, "_warned", set())

@@ -88,7 +88,7 @@ def test_allreduce_cuda_tensor(nccl_one_rank: Any) -> None:
 
 
 def test_nccl_stages_cpu_buffers(nccl_one_rank: Any) -> None:
-    """Issue 9 item 3: CPU tensors and numpy buffers under nccl are copied to the
+    """CPU tensors and numpy buffers under nccl are copied to the
     GPU, moved there and copied back (Horovod's ``metric_average`` pattern)."""
     import numpy as np
 

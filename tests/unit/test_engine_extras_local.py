@@ -216,7 +216,7 @@ def test_a_mistake_on_one_rank_raises_on_every_rank() -> None:
 
 @pytest.mark.parametrize("mistake", ["bool", "splits"])
 def test_a_mistake_every_rank_makes_is_blamed_on_every_rank(mistake: str) -> None:
-    """Issue 32: when every rank made the same mistake the digests agree, only this
+    """When every rank made the same mistake the digests agree, only this
     rank's description was at hand, and the message blamed "rank(s) [0]"."""
     engines = make_thread_group(3)
 
@@ -393,7 +393,7 @@ class _FoldingEngine(LocalEngine):
 @pytest.mark.parametrize("wrapped", [False, True])
 def test_only_the_default_hook_folds_and_every_hook_is_scaled_once(wrapped: bool) -> None:
     """The Reducer folds the post-scale into the engine's reduction where it
-    runs the default hook (issue 35: no longer part of the hook contract); a
+    runs the default hook (not part of the hook contract); a
     user's hook, wrapping allreduce_hook or not, gets it at unpack. Either
     way the result is scaled exactly once."""
     from dp_plugin.fusion import TensorSpec

@@ -1,6 +1,6 @@
 """A grouped collective (threshold ``UNBOUNDED``) travels in chunks of
 ``PIPELINE_CHUNK`` bytes, each with a buffer of its own, so every chunk is
-packed and on its way before the first one finishes (issue 25): packing and
+packed and on its way before the first one finishes: packing and
 unpacking overlap the transfer instead of running before and after it."""
 
 from __future__ import annotations

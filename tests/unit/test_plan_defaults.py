@@ -1,4 +1,4 @@
-"""``dp-plugin plan``'s suggested defaults follow the link (issue 25): on a
+"""``dp-plugin plan``'s suggested defaults follow the link: on a
 slow link shared by several ranks per host it picks the hierarchical
 all-reduce and suggests fp16, saying why; on a fast one it changes neither."""
 

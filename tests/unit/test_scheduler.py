@@ -198,7 +198,7 @@ def test_predivide_scales_before_the_sum() -> None:
 ])
 def test_differing_scale_settings_are_named_as_the_user_set_them(
         setting: str, values: tuple[float, float]) -> None:
-    """Issue 32: a different gradient_predivide_factor was reported as the derived
+    """A different gradient_predivide_factor was reported as the derived
     ``postscale`` (``postscale * predivide / size``), not the argument the user set."""
     spec = [TensorSpec("g", (4,), "float32")]
 

@@ -85,7 +85,7 @@ def alltoall_case(engine: Engine, kind: str, pattern: str, cols: tuple[int, ...]
     me, size = engine.rank, engine.size
     mine = send_counts(me, size, pattern)
     # A copy: numpy gives an empty copy strides of 0, which broke the byte
-    # view of a rank sending no rows (issue 36).
+    # view of a rank sending no rows.
     buf = to_kind(rows_of(me, sum(mine), cols, dtype).copy(), kind)
     splits = None if pattern == "even" else mine
     got, received = request.alltoall(engine, buf, splits, name=f"a2a.{pattern}")

@@ -18,13 +18,13 @@
   test's inputs, ``axis=1``, built with Horovod's Keras 2 ``fused=False``):
   the output and the moving statistics equal BatchNormalization's on the
   concatenated batch, eagerly, in ``tf.function`` and in a TF1 ``Session``
-  (issue 36: Keras 3 refused ``fused``);
+  (Keras 3's layer refuses ``fused``);
 - ``alltoall_sends_nothing``: Horovod's ``alltoall_one_rank_sends_nothing``:
   rank 0 sends no rows (splits all zero), the others ``rank + 1`` rows to
   each rank, for each of Horovod's dtypes and 1-3 dimensions, eagerly, in
   ``tf.function`` and in a TF1 ``Session``: every rank gets the rows meant
-  for it and Horovod's received splits (issue 36: the rank sending nothing
-  failed, and the others waited in the all-to-all);
+  for it and Horovod's received splits (the rank sending nothing
+  must not fail while the others wait in the all-to-all);
 - ``sparse``: embedding gradients (``tf.IndexedSlices``) through
   DistributedGradientTape and DistributedOptimizer, all-gathered by default
   and dense with ``sparse_as_dense=True``.

@@ -94,7 +94,7 @@ def check_killed(args: argparse.Namespace) -> None:
 
 def check_rank0_fails(args: argparse.Namespace) -> None:
     """A commit rank 0 cannot write, and one it cannot read, raise ``CommitError``
-    on every rank at once, and the engine still works (issue 32). Before, rank 0
+    on every rank at once, and the engine still works. Before, rank 0
     raised its own ``OSError`` while the other ranks waited for it in the commit's
     barrier or the load's broadcast until ``DP_PLUGIN_TIMEOUT``.
 

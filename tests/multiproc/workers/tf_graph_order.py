@@ -1,4 +1,4 @@
-"""Worker: several independent collectives in one graph, run many times on 2 ranks (issue 27).
+"""Worker: several independent collectives in one graph, run many times on 2 ranks.
 
 ``python tf_graph_order.py --case NAME`` (one case per launch; ``--list-cases``):
 

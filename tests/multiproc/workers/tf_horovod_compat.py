@@ -1,4 +1,4 @@
-"""Worker: Horovod's TensorFlow error types and local gradients on 2 ranks (issue 27).
+"""Worker: Horovod's TensorFlow error types and local gradients on 2 ranks.
 
 ``python tf_horovod_compat.py --case NAME`` (one case per launch; ``--list-cases``):
 
@@ -13,14 +13,14 @@
   ``FailedPreconditionError`` when the ranks disagree (shape, dtype, root,
   trailing dimensions, group size), ``InvalidArgumentError`` for one rank's bad
   argument (splits, root, dtype), with the eager message word for word inside
-  the graph's (issue 36: the graphs raised ``InvalidArgumentError`` /
+  the graph's (not ``InvalidArgumentError`` /
   ``UnknownError`` for all of them).
 - ``keras3_local_layers``: ``PartialDistributedGradientTape`` over a Keras 3
   model (``keras.Variable``, which has no ``ref()``) with its first layer
   local, eagerly, in ``tf.function`` and in a TF1 ``Session``: that layer's
   gradients stay this rank's (divided by the size), the others are averaged;
   ``get_local_and_global_gradients`` splits them and ``vars_to_refs`` /
-  ``refs_to_vars`` take Keras 3 variables (issue 36).
+  ``refs_to_vars`` take Keras 3 variables.
 - ``local_sources``: ``DistributedGradientTape.register_local_source`` keeps a
   rank's own gradient (divided by the size), the others are averaged.
 - ``groups``: ``DistributedOptimizer(groups=N)`` and ``groups=[[v, ...]]``

@@ -1,4 +1,4 @@
-"""Worker: ``hvd.join()`` answers the other ranks' collectives (issue 8, item 5).
+"""Worker: ``hvd.join()`` answers the other ranks' collectives.
 
     python torch_join.py --case NAME     # prints "rank R OK"
 
@@ -12,8 +12,8 @@
   reducescatter, alltoall and broadcast_object raise ``JoinedRankError``
   (Horovod's rule), rank 0 keeps waiting; then everyone joins.
 - ``last_joiner``, ``sync_batch_norm``, ``sparse_first``, ``slow_steps``:
-  issue 24's join rows (see each case's docstring).
-- ``different_rates`` (issue 9 item 6): two optimizers stepping at different
+  the fault matrix's join rows (see each case's docstring).
+- ``different_rates``: two optimizers stepping at different
   rates (a GAN's discriminator 3x per generator step); rank 0 joins after one
   round, rank 1 trains two more: each gradient is its own half, every time.
 - ``outside_set``: an optimizer over the process set [1, 2] of 3 ranks;

@@ -1,4 +1,4 @@
-"""Worker: horovod.torch behaviours a drop-in must match (issue 8), one case per launch.
+"""Worker: horovod.torch behaviours a drop-in must match, one case per launch.
 
     python torch_parity.py --case NAME     # prints "rank R OK"
 
