@@ -1,4 +1,4 @@
-"""Per-rank unused parameters with collectives inside backward (issue: ordering).
+"""Per-rank unused parameters with collectives inside backward (the ordering case).
 
 ``workers/torch_unused.py``: a parameter used on only some ranks in a step,
 SyncBatchNorm's backward all-reduce in between, one tensor per bucket; one
