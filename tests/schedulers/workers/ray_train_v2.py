@@ -103,7 +103,28 @@ def loop(config: dict[str, Any]) -> None:
 KINDS = ("dp_plugin", "ddp", "killed")
 
 
+def reference() -> str:
+    """The loop's final weights at 2 ranks, in this process without Ray or any
+    engine: both ranks' gradients averaged by hand, the plain optimizer stepped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        grads = []
+        for rank in (0, 1):
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, a, b in zip(model.parameters(), *grads, strict=True):
+            p.grad = (a + b) / 2
+        opt.step()
+    return b"".join(p.detach().numpy().tobytes() for p in model.parameters()).hex()
+
+
 def main(out: Path, kinds: list[str], spread: bool) -> None:
+    print(f"weights reference - {reference()}", flush=True)
     if spread:  # one worker on each node of the cluster
         scaling = ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1},
                                 placement_strategy="STRICT_SPREAD")
