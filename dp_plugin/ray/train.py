@@ -40,7 +40,6 @@ last reported checkpoint.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +47,8 @@ from typing import Any
 from ray.train.backend import Backend as _RayBackend
 from ray.train.backend import BackendConfig as _RayBackendConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+from dp_plugin.ray.worker import free_port
 
 
 @dataclass
@@ -88,13 +89,6 @@ def launch_env(workers: list[Any], port: int) -> list[dict[str, str]]:
     } for c in contexts]
 
 
-def _free_port() -> int:
-    """A TCP port free on this node now (rank 0's store binds it moments later)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
 def _start(env: Mapping[str, str]) -> None:
     os.environ.update(env)
     import dp_plugin.torch as hvd
@@ -116,18 +110,18 @@ class _Backend(_RayBackend):
     # engine's cuda:LOCAL_RANK is the worker's own (what Ray's torch backend does).
     share_cuda_visible_devices = True
 
-    def on_start(self, worker_group: Any, backend_config: BackendConfig) -> None:
+    def on_start(self, worker_group: Any, backend_config: _RayBackendConfig) -> None:
         workers = worker_group.get_workers()
         rank0 = next(i for i, w in enumerate(workers) if w.distributed_context.world_rank == 0)
-        port = worker_group.execute_single(rank0, _free_port)
-        extra = dict(backend_config.env or {})
+        port = worker_group.execute_single(rank0, free_port)
+        extra = dict(backend_config.env or {}) if isinstance(backend_config, BackendConfig) else {}
         refs = [worker_group.execute_single_async(i, _start, {**extra, **env})
                 for i, env in enumerate(launch_env(workers, port))]
         import ray
 
         ray.get(refs)  # init() is collective: all at once, each raising its own error
 
-    def on_shutdown(self, worker_group: Any, backend_config: BackendConfig) -> None:
+    def on_shutdown(self, worker_group: Any, backend_config: _RayBackendConfig) -> None:
         worker_group.execute(_stop)
 
 

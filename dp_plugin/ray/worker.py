@@ -17,6 +17,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 
+def free_port() -> int:
+    """A TCP port free on this node now, for rank 0's store (the OS picks it;
+    the store binds it again moments later, as Ray Train does)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
 class Worker:
     """One rank's process. Methods are called through Ray (``.remote``)."""
 
@@ -30,11 +38,7 @@ class Worker:
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
     def free_port(self) -> int:
-        """A TCP port free on this node now, for rank 0's store (the OS picks it;
-        the store binds it again moments later, as Ray Train does)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return int(s.getsockname()[1])
+        return free_port()
 
     def set_env(self, env: Mapping[str, str]) -> None:
         os.environ.update({k: str(v) for k, v in env.items()})

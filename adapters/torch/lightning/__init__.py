@@ -39,7 +39,9 @@ if importlib.util.find_spec("lightning") is not None:
     class HorovodStrategy(HorovodStrategyBody, _Parallel):  # type: ignore[no-redef]
         __doc__ = HorovodStrategyBody.__doc__
 
-    HorovodStrategy.register_strategies(_Registry)
+    # lightning.pytorch's registry is typed as lightning.fabric's, which the
+    # lightning package vendors under another module name than lightning_fabric.
+    HorovodStrategy.register_strategies(_Registry)  # type: ignore[arg-type]
 
 if "HorovodStrategy" not in globals():
     raise ImportError(

@@ -62,6 +62,9 @@ class HorovodStrategyBody:
     """
 
     strategy_name = "horovod"
+    optimizers: list[Any]
+    """Lightning's ``Strategy.optimizers`` (a property of the base this body is
+    put in front of); declared for the type checker only."""
 
     def __init__(self, accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
                  checkpoint_io: Any = None, precision_plugin: Any = None,
