@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,6 +186,15 @@ class Reducer:
         self._order = default_order(len(self.specs)) if order is None else list(order)
         self.rebuilt = False
         """True once the plan was rebuilt from the ready order of the first step."""
+        self._rebuild_pending = self.rebuild_buckets
+        self.postpone_rebuild: Callable[[], bool] | None = None
+        """Asked at the end of a step while the plan waits for its rebuild,
+        after the step's buckets (and so its flags) are reduced: True puts
+        the rebuild off to the next step. It must answer alike on every rank
+        (read reduced flags): the rebuild broadcasts rank 0's ready order. The
+        torch adapter puts it off while any rank has joined, so ``hvd.join()``
+        finishes its optimizers' zero steps in any order with no collective
+        of their own, and the order comes from a step rank 0 trained."""
         self.stats = StatsHistory()
         """``StepStats`` of the recent completed ``synchronize()`` calls (step 0 first)."""
         self._lock = threading.RLock()
@@ -348,7 +357,9 @@ class Reducer:
                     st.intervals.append((handle.started_at, handle.completed_at or before))
             self.stats.append(st.record(self.timeline, time.perf_counter(), exposed))
             result = list(st.tensors)
-            if st.step == 0 and self.rebuild_buckets:  # rank 0's ready order, for all
+            if self._rebuild_pending and not (self.postpone_rebuild is not None
+                                              and self.postpone_rebuild()):
+                self._rebuild_pending = False  # rank 0's ready order, for all
                 order = self._from_root(np.array(st.ready_order, dtype=np.int64), "bucket_order")
                 self._order = order.tolist()
                 self.replan(self._order)

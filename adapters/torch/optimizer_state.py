@@ -68,6 +68,11 @@ class JoinFlags(RankMarks):
         self._has_previous = True
         self.reset()
 
+    def anyone(self) -> bool:
+        """After the reduction, before ``keep``/``decide``: has any rank
+        joined in this step? (The reducer's ``postpone_rebuild``.)"""
+        return any(self.flags(self._elements()))
+
     def decide(self) -> tuple[bool, int]:
         """After a join step: (has every rank joined?, global rank that joined last).
 
@@ -308,6 +313,10 @@ class OptimizerState:
                       RankMarks(reducer, "sparse", op=op, like=like),
                       None if check == "off" else FiniteFlags(reducer, mode=check, op=op,
                                                               like=like))
+        # A zero step of hvd.join() has no ready order to offer, and join
+        # finishes its optimizers' zero steps in whatever order they complete:
+        # the first step's bucket order must not cost a collective there.
+        reducer.postpone_rebuild = marks.join.anyone
         return reducer, marks
 
     # -- a step ----------------------------------------------------------------------

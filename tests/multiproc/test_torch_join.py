@@ -18,7 +18,8 @@ WORKER = Path(__file__).parent / "workers" / "torch_join.py"
 ENV = {"DP_PLUGIN_TIMEOUT": "20"}
 
 
-SIZES = {"collectives": (3,), "outside_set": (3,), "last_joiner": (2, 3), "blamed_ranks": (3,)}
+SIZES = {"collectives": (3,), "outside_set": (3,), "last_joiner": (2, 3), "blamed_ranks": (3,),
+         "before_the_first_step": (2, 3)}
 """World sizes per case (default: 2)."""
 
 SHORT = {"slow_steps": "5"}

@@ -18,6 +18,10 @@
   round, rank 1 trains two more: each gradient is its own half, every time.
 - ``outside_set``: an optimizer over the process set [1, 2] of 3 ranks;
   rank 0, outside it, joins at once and must not take part in its steps.
+- ``before_the_first_step``: two fresh optimizers, joined before their first
+  step (which agrees on rank 0's bucket order): every rank joins at once, as
+  Lightning's barrier does; then rank 0 joins while rank 1 steps the
+  optimizers in the reverse of their creation order.
 - ``blamed_ranks``: mismatch messages name job ranks, in a process set and
   beside a joined rank (3 ranks).
 """
@@ -168,6 +172,42 @@ def case_different_rates(_: object) -> None:
     hvd.shutdown()
 
 
+def fresh_pair(label: str) -> list[tuple[nn.Linear, torch.optim.Optimizer]]:
+    pairs = []
+    for half in ("a", "b"):
+        model = nn.Linear(2, 1, bias=False).double()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=[(f"{label}.{half}.w", model.weight)])
+        pairs.append((model, opt))
+    return pairs
+
+
+def case_before_the_first_step(_: object) -> None:
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    pairs = fresh_pair("barrier")
+    check(hvd.join() == size - 1, "join() as a barrier returned the wrong rank")
+    gan_round(rank, pairs[0], pairs[1], size, range(size))  # the first real steps
+    pairs = fresh_pair("uneven")
+    if rank == 1:  # one backward into both, then the later optimizer first
+        for _, opt in pairs:
+            opt.zero_grad()
+        sum(m(torch.tensor([[1.0, 1.0]], dtype=torch.float64)).sum() for m, _ in pairs).backward()
+        for model, opt in reversed(pairs):
+            opt.step()
+            grad = model.weight.grad
+            assert grad is not None
+            want = torch.tensor([[1.0, 1.0]], dtype=torch.float64) / size
+            check(torch.equal(grad, want), f"grad {grad} != {want}")
+    if rank > 1:
+        for _, opt in reversed(pairs):
+            opt.zero_grad()
+            opt.step()  # no gradient: zeros, in rank 1's order
+    last = hvd.join()
+    check(last == (1 if size == 2 else size - 1), f"join() returned {last}")
+    hvd.shutdown()
+
+
 def case_outside_set(_: object) -> None:
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
@@ -309,6 +349,7 @@ def expect_mismatch(call: object, words: str) -> None:
 
 CASES = {"collectives": case_collectives, "refused": case_refused,
          "different_rates": case_different_rates,
+         "before_the_first_step": case_before_the_first_step,
          "outside_set": case_outside_set, "last_joiner": case_last_joiner,
          "sync_batch_norm": case_sync_batch_norm, "sparse_first": case_sparse_first,
          "slow_steps": case_slow_steps, "blamed_ranks": case_blamed_ranks}
