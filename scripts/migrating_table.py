@@ -140,6 +140,7 @@ and mpi engines run without it (see [horovod-build.md](horovod-build.md)).
 
 Horovod's Keras guide told every user to write
 
+<!-- doc-test: refused -->
 ```python
 model.compile(optimizer=opt, loss=..., experimental_run_tf_function=False)
 ```
