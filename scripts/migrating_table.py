@@ -140,6 +140,7 @@ and mpi engines run without it (see [horovod-build.md](horovod-build.md)).
 
 Horovod's Keras guide told every user to write
 
+<!-- doc-test: refused -->
 ```python
 model.compile(optimizer=opt, loss=..., experimental_run_tf_function=False)
 ```
@@ -153,32 +154,18 @@ method: `opt.variables()` becomes `opt.variables`.
 ## What runs under `horovodrun`
 
 A Horovod script launched by `horovodrun` as before does not run Horovod's
-ring by default. On CPUs dp_plugin's `auto` runs its `gloo` engine through
-horovodrun's rendezvous: shared memory on one host, the hierarchical path
-(shared memory inside each host, Gloo across) on several. It measured
-faster than Horovod's ring under horovodrun: the BERT-like encoder's step
-took 0.89x Horovod's time against 1.14x on Horovod's ring, Horovod's own
-synthetic benchmark ran 1.08-1.12x faster than on the ring, and across hosts
-BERT-base's all-reduce took 4.5-5.2 s against 6.3-6.9 s
-([BENCHMARKS.md](../BENCHMARKS.md#under-horovodrun)).
-Horovod's library is then never loaded (no background thread taking a
-share of the cores). On GPUs, where Horovod is built with NCCL, `auto`
-keeps Horovod's own NCCL path, which was not measured here against the
-`nccl` engine; elsewhere on GPUs it runs `nccl`.
+ring by default. On CPUs `auto` runs dp_plugin's `gloo` engine through
+horovodrun's rendezvous (shared memory on one host, the hierarchical path
+on several), measured faster than Horovod's ring
+([BENCHMARKS.md](../BENCHMARKS.md#under-horovodrun)), and Horovod's library
+is never loaded. On GPUs, where Horovod is built with NCCL, `auto` keeps
+Horovod's own NCCL path; elsewhere it runs `nccl`. Every Horovod call
+answers the same on either engine.
 
-Every Horovod call answers the same on either engine: `rank()`,
-`local_rank()`, `cross_rank()` and their sizes come from horovodrun's
-variables; process sets, `join()`, `broadcast_*`, elastic (horovodrun's
-elastic mode is refused on every engine, see below) behave as documented
-here. No call switches engines behind the script's back.
-
-To get Horovod's ring back, set `DP_PLUGIN_ENGINE=horovod` where
-`horovodrun` starts (`DP_PLUGIN_ENGINE=horovod horovodrun -np 2 python
-train.py`: horovodrun passes its environment to every worker). Every rank must be able to run
-it: where one cannot (Horovod missing on its host), every rank stops at
+To get Horovod's ring back: `DP_PLUGIN_ENGINE=horovod horovodrun -np 2
+python train.py`. Where a rank cannot run it, every rank stops at
 `hvd.init()` with `EngineUnavailableError` naming that rank and the fix.
-The engine chosen and why is logged once by rank 0 at `init()` and shown by
-`dp-plugin check`.
+Rank 0 logs the engine chosen and why at `init()`.
 
 ## Remaining differences, and why
 
@@ -196,7 +183,8 @@ The engine chosen and why is logged once by rank 0 at `init()` and shown by
   1-D buffer of several gradients: gradients are fused before they travel.
   Element-wise compressors (casts, quantisation) behave the same.
 - **`groups` / `num_groups` of `DistributedOptimizer` (and TensorFlow's
-  `DistributedGradientTape`, by keyword) make one bucket per group**, as Horovod's grouped all-reduce: `groups=N` cuts the parameters
+  `DistributedGradientTape`, by keyword) make one bucket per group**, as
+  Horovod's grouped all-reduce: `groups=N` cuts the parameters
   (variables), in order, into N groups of near-equal count; listed groups are
   fused as given, the parameters in none into buckets of
   `DP_PLUGIN_FUSION_THRESHOLD` bytes. A group is reduced once all of its
@@ -233,21 +221,12 @@ The engine chosen and why is logged once by rank 0 at `init()` and shown by
   refused with `ValueError` when built: reduce before the construct, or
   build the step in a `tf.function`.
 - **TensorFlow errors come at the call, on every rank, with Horovod's types,
-  eagerly and inside graphs** (`tf.function`, `Session.run`): ranks that
-  disagree (shapes, dtypes, roots, names, group sizes) raise
-  `tf.errors.FailedPreconditionError`, a bad argument one rank can see
-  (all-to-all splits, a root outside the set, an unsupported dtype)
-  `tf.errors.InvalidArgumentError`, each with dp_plugin's message word for
-  word; eagerly the error is also dp_plugin's type (`MismatchError`, or
-  `LayoutMismatchError`, with the `problem` that chose the TensorFlow
-  class; a `ValueError` / `TypeError` for an argument this rank alone checked). Inside a graph
-  TensorFlow would retype any exception of dp_plugin's `tf.numpy_function`,
-  so a small TensorFlow kernel, shipped as source with dp_plugin, fails
-  the step with the right code; it is compiled on first use with the C++
-  compiler and TensorFlow's headers (about 10 s of CPU, once per machine and
-  TensorFlow version, cached in `~/.cache/dp_plugin/tf_ops`). Without a C++
-  compiler, a `RuntimeWarning` says so and graphs raise TensorFlow's own
-  types (`InvalidArgumentError` / `UnknownError`).
+  eagerly and inside graphs**: ranks that disagree raise
+  `tf.errors.FailedPreconditionError`, a bad argument
+  `tf.errors.InvalidArgumentError`, with dp_plugin's message. Inside graphs
+  this needs a small TensorFlow kernel compiled on first use (about 10 s,
+  cached in `~/.cache/dp_plugin/tf_ops`); without a C++ compiler a
+  `RuntimeWarning` says so and graphs raise TensorFlow's own types.
 - **`broadcast_optimizer_state`** sends the root's whole state (tensors fused
   as raw bytes, the rest pickled) and loads it on the others, so it needs no
   dummy step and works for every `torch.optim` optimizer, LBFGS included

@@ -2,7 +2,7 @@
 
 No MASTER_ADDR/MASTER_PORT anywhere: dp_plugin derives them from SLURM's
 variables (the step's first host, a port from the job id). The BERT
-example's losses under srun (one node) and under the sbatch script of
+example's losses under srun (one node) and under the CPU sbatch script of
 docs/multinode.md (two nodes) equal a torchrun run's; ``srun -N 2 -n 4``
 spans both hosts with the right local/cross topology; a rank SIGKILLed
 under srun ends the step with dp_plugin's error on the survivor and SLURM
@@ -47,27 +47,34 @@ def test_srun_on_one_node_derives_the_rendezvous_and_trains_like_torchrun(
     proc.assert_same_losses(proc.losses(done.stdout), want, done.stdout)
 
 
-def _sbatch_script() -> str:
-    """The sbatch script of docs/multinode.md, exactly as written there. Its CPU
-    and GPU variants begin with a comment line, so the pattern skips them: they
-    ask for cores and GPUs the namespace nodes do not have."""
-    text = DOCS.read_text()
-    scripts = re.findall(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", text, flags=re.S)
-    assert len(scripts) == 1, "docs/multinode.md should hold one script starting with #SBATCH"
-    return scripts[0]
+def sbatch_scripts() -> dict[str, str]:
+    """docs/multinode.md's batch scripts, exactly as written there, by their
+    first comment line ("CPU nodes", "GPU nodes")."""
+    found = re.findall(r"```bash\n(#!/bin/bash\n# (\w+) nodes.*?)```", DOCS.read_text(), flags=re.S)
+    return {kind: script for script, kind in found}
 
 
-def test_the_sbatch_script_of_the_docs_runs_across_two_nodes(
+def test_the_doc_holds_a_cpu_and_a_gpu_script() -> None:
+    scripts = sbatch_scripts()
+    assert sorted(scripts) == ["CPU", "GPU"], scripts
+    for script in scripts.values():
+        assert "#SBATCH" in script and "srun" in script, script
+
+
+def test_the_cpu_sbatch_script_of_the_docs_runs_across_two_nodes(
         slurm_cluster: SlurmCluster, bert_reference: tuple[dict[int, float], Path],
         tmp_path: Path) -> None:
+    # The GPU script cannot run here (no GPUs); the doc says so beside it.
     want, vocabulary = bert_reference
     script = tmp_path / "train.sbatch"
-    script.write_text(_sbatch_script())
+    script.write_text(sbatch_scripts()["CPU"])
     out = tmp_path / "job.out"
     before = netns.traffic(slurm_cluster.hosts)
-    # Options on the command line override the script's #SBATCH lines: two
-    # nodes of this cluster, one task each; the example's flags follow the script.
-    done = proc.run(["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=1", f"--output={out}",
+    # Options on the command line override the script's #SBATCH lines: this
+    # cluster's two nodes of 2 CPUs, one task each; the example's flags follow
+    # the script, as the doc shows.
+    done = proc.run(["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=1",
+                     "--cpus-per-task=1", "--time=00:10:00", f"--output={out}",
                      str(script), *proc.TINY, "--tokenizer", str(vocabulary),
                      "--output-dir", str(tmp_path / "bert")],
                     _env(slurm_cluster), timeout=600)
