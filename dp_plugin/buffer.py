@@ -14,6 +14,11 @@ in and out, chosen per step:
 - *direct*: a bucket of one contiguous member whose wire dtype is its own
   dtype is reduced where it lies, with no fusion buffer at all.
 
+An out-of-place collective (``pack``'s ``sources``) reads its inputs and
+writes new outputs: a *direct* member is copied into its output as the
+bucket starts, then reduced there; the others are packed from the inputs
+and unpacked into the outputs, as in place.
+
 An optional *control slot* of ``control_numel`` elements follows the
 members in the last bucket: its owner writes values there (join flags),
 they travel with the bucket unscaled, and the owner reads the reduced
