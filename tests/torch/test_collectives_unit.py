@@ -558,3 +558,19 @@ def test_out_of_place_copies_each_large_input_as_its_bucket_starts(
     assert torch.equal(outs[0], torch.full((n,), 2.0))
     assert torch.equal(outs[1], torch.full((3,), 2.0))
     assert torch.equal(outs[2], torch.full((n,), 10.0)), "the input was copied before it started"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_out_of_place_group_of_cpu_and_cuda_tensors() -> None:
+    n = scheduler.DIRECT_BYTES // 4 + 1  # travels alone
+    xs = [torch.arange(n, dtype=torch.float32), torch.ones(3, device="cuda"),
+          torch.arange(n, dtype=torch.float64, device="cuda"), torch.ones(2, dtype=torch.int32)]
+    kept = [x.clone() for x in xs]
+    outs = grouped_allreduce(xs, op=Sum, postscale_factor=2.0)
+    inplace = [x.clone() for x in xs]
+    grouped_allreduce_(inplace, op=Sum, postscale_factor=2.0)
+    for x, k, out, same in zip(xs, kept, outs, inplace, strict=True):
+        assert out.device == x.device and out.dtype == x.dtype
+        assert torch.equal(out, same) and torch.equal(out, k * 2) and torch.equal(x, k)
+        assert out.data_ptr() != x.data_ptr()
