@@ -11,7 +11,10 @@ by round so that load from outside hits all methods alike:
 - ``dp grouped_``: ``hvd.grouped_allreduce_(list)`` (in place);
 - ``torch flat``: ``torch.distributed.all_reduce`` of one flat float32 gloo
   buffer of the same bytes (DDP's path without its bucketing: the best a
-  ring over Gloo does here).
+  ring over Gloo does here);
+- ``dp clone+grouped_`` (only when asked for): a clone of every tensor,
+  then ``hvd.grouped_allreduce_`` of the clones: what ``dp grouped`` did
+  before its copies were pipelined with the wire, its anchor.
 
 ``--engines gloo horovod`` launches the cluster once per dp_plugin engine
 (``DP_PLUGIN_ENGINE``); ``torch flat`` runs in the gloo launch only (the
@@ -47,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CLUSTER = ROOT / "scripts" / "cluster.py"
 METHODS = ("dp grouped", "dp grouped_", "torch flat")
+EXTRA_METHODS = ("dp clone+grouped_",)
 ALPHA_S = 50e-6
 """Latency per ring step the predictions use (Gloo over veth, measured small
 next to the transfers here)."""
@@ -66,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ranks-per-host", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--links", nargs="+", default=["1gbit", "10gbit"])
     ap.add_argument("--models", nargs="+", default=["bert-base", "resnet50"])
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + EXTRA_METHODS)
     ap.add_argument("--chunks-mib", type=float, nargs="*", default=[],
                     help="also run dp grouped_ with PIPELINE_CHUNK set to each (0: one bucket)")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm-up)")
@@ -134,6 +138,10 @@ def worker(args: argparse.Namespace) -> int:
                 scheduler.PIPELINE_CHUNK = chunked.get(method, default_chunk)
                 if method == "dp grouped":
                     hvd.grouped_allreduce(grads, op=hvd.Sum, name=f"{model}.g{r}")
+                elif method == "dp clone+grouped_":
+                    clones = [g.clone() for g in grads]
+                    hvd.grouped_allreduce_(clones, op=hvd.Sum, name=f"{model}.c{r}")
+                    del clones
                 elif method.startswith("dp grouped_"):
                     hvd.grouped_allreduce_(grads, op=hvd.Sum, name=f"{model}.i{r}")
                     for g in grads:  # keep the values from growing round after round

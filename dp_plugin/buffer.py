@@ -14,6 +14,11 @@ in and out, chosen per step:
 - *direct*: a bucket of one contiguous member whose wire dtype is its own
   dtype is reduced where it lies, with no fusion buffer at all.
 
+An out-of-place collective (``pack``'s ``sources``) reads its inputs and
+writes new outputs: a *direct* member is copied into its output as the
+bucket starts, then reduced there; the others are packed from the inputs
+and unpacked into the outputs, as in place.
+
 An optional *control slot* of ``control_numel`` elements follows the
 members in the last bucket: its owner writes values there (join flags),
 they travel with the bucket unscaled, and the owner reads the reduced
@@ -130,15 +135,24 @@ class FusionBuffer:
         return None
 
     def pack(self, ops: ArrayOps, tensors: Sequence[Any], prescale: float, direct: Any = None,
-             slab: Slab | None = None) -> list[bool]:
+             slab: Slab | None = None, sources: Sequence[Any] | None = None) -> list[bool]:
         """Bring this step's ``tensors`` (one per member) into the buffer: into
         ``direct`` (from ``direct_alias``) if given, else into ``slab`` if
         given (an unpinned buffer), else into the buffer's own storage.
         Returns, per member, whether it already was its slice (*aliased*:
         scaled in place, nothing copied); empty for ``direct``. The caller
-        keeps both for ``unpack``: they are the bucket's state in flight."""
+        keeps both for ``unpack``: they are the bucket's state in flight.
+
+        ``sources`` (one per member): read the values from there instead,
+        when ``tensors`` are only where the results go (an out-of-place
+        collective: ``tensors`` are fresh outputs). Sources are only read:
+        each is copied (scaled) into ``direct`` or its slice, the one copy an
+        out-of-place member costs beyond an in-place one; none is aliased."""
         if direct is not None:
-            if prescale != 1.0:
+            source = None if sources is None else sources[0]
+            if source is not None and not ops.shares_memory(direct, ops.flat_alias(source)):
+                ops.pack(direct, source, prescale)
+            elif prescale != 1.0:
                 ops.scale_(direct, prescale)
             return []
         if slab is not None:  # the caller made sure its previous owner is unpacked
@@ -146,6 +160,10 @@ class FusionBuffer:
                 self._lie_in(ops, ops.slice(slab.allocate(ops), 0, self.numel), slab)
         else:
             self.allocate(ops)
+        if sources is not None:
+            for view, source in zip(self.views, sources, strict=True):
+                ops.pack(view, source, prescale)
+            return [False] * len(self.views)
         aliased = []
         for view, tensor in zip(self.views, tensors, strict=True):
             aliased.append(ops.shares_memory(view, tensor))

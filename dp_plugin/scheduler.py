@@ -399,20 +399,28 @@ class Reducer:
             return self._state.next_launch == len(self.plan) and \
                 all(self._done(r) for r in self.buckets)
 
-    def start(self, tensors: Sequence[Any]) -> list[Handle]:
+    def start(self, tensors: Sequence[Any], sources: Sequence[Any] | None = None) -> list[Handle]:
         """A one-shot collective: start every bucket of ``tensors`` (indexed by
         spec) at once, in order; returns the handles in flight. ``finish()``
-        writes the results back into ``tensors``."""
-        return [h for r in self.buckets if (h := self._start(r, tensors)) is not None]
+        writes the results back into ``tensors``.
+
+        ``sources`` (indexed by spec; default ``tensors``): an out-of-place
+        collective's inputs, only read, with ``tensors`` the fresh outputs.
+        Each bucket copies its sources in as it starts (the tensors that
+        travel alone straight into their outputs), so that copy runs while
+        the buckets before it are on the wire, and its unpack in ``finish()``
+        while the buckets after it are: the outputs cost no pass of their own
+        over the whole list before the first byte moves."""
+        return [h for r in self.buckets if (h := self._start(r, tensors, sources)) is not None]
 
     def finish(self) -> None:
         """Wait for every bucket ``start`` started and unpack it."""
         for r in self.buckets:
             self._finish(r)
 
-    def run(self, tensors: Sequence[Any]) -> None:
-        """``start(tensors)``, then ``finish()`` (a synchronization point)."""
-        self.start(tensors)
+    def run(self, tensors: Sequence[Any], sources: Sequence[Any] | None = None) -> None:
+        """``start(tensors, sources)``, then ``finish()`` (a synchronization point)."""
+        self.start(tensors, sources)
         self.finish()
 
     def view_for(self, index: int, like: Any = None) -> Any:
@@ -564,9 +572,11 @@ class Reducer:
         return to_host(buf)
 
     # -- one bucket: start (pack, hook) ... finish (wait, unpack) -------------------
-    def _start(self, r: Bucket, tensors: Sequence[Any]) -> Handle | None:
-        """Pack ``r`` from ``tensors`` (indexed by spec) and start its
-        collective. Returns what is in flight (None for an empty bucket)."""
+    def _start(self, r: Bucket, tensors: Sequence[Any],
+               sources: Sequence[Any] | None = None) -> Handle | None:
+        """Pack ``r`` from ``tensors`` (indexed by spec; from ``sources`` if
+        given, see ``start``) and start its collective. Returns what is in
+        flight (None for an empty bucket)."""
         self._check_usable()
         buf = r.buffer
         if buf.numel == 0:
@@ -576,7 +586,8 @@ class Reducer:
         ops, members = self._members(r, tensors)
         direct = buf.direct_alias(ops, members)
         slab = None if direct is not None or buf.pinned else self._free_slab(r)
-        r.aliased = buf.pack(ops, members, self.policy.prescale, direct, slab)
+        read = None if sources is None else [sources[i] for i in r.entry.members]
+        r.aliased = buf.pack(ops, members, self.policy.prescale, direct, slab, read)
         r.direct = direct
         bucket = buf.grad_bucket(ops, direct)
         r.folded = self._can_fold(buf)

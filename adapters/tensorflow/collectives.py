@@ -188,14 +188,15 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense:
 
     def reduce(*arrays: np.ndarray) -> list[np.ndarray]:
         engine = engine_of(process_set)
-        outs = [np.array(a, order="C", copy=True) for a in arrays]
+        # New outputs, filled bucket by bucket from the inputs (Reducer.start).
+        outs = [np.empty_like(a, order="C") for a in arrays]
         check(engine, Request.of("allreduce", outs, name=label, op=op, scales=(pre, post)))
         specs = [TensorSpec(f"{label}.{i}", o.shape, o.dtype.name) for i, o in enumerate(outs)]
         Reducer(
             specs, engine=engine, name=label, fusion_threshold=UNBOUNDED, order=range(len(specs)),
             policy=ReducePolicy(op, engine.size, prescale=pre, postscale=post),
             compression=compressor, agreed=True,
-        ).run(outs)
+        ).run(outs, arrays)
         return outs
 
     def forward(*args: Any) -> list[Any]:

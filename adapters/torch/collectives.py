@@ -85,8 +85,11 @@ def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
     post = check_factor(postscale, "postscale_factor")
     engine = engine_of(process_set)
     key, _ = agree(engine, "allreduce", tensors, name, process_set, op=op, scales=(pre, post))
-    outs = [_storage(t, inplace) for t in tensors]
-    reducer, handles = start_allreduce(engine, outs, name, op, pre, post)
+    outs = [_output(t, inplace) for t in tensors]
+    # Out of place (or a strided in-place tensor): the inputs are only read.
+    sources = (None if inplace and all(t.is_contiguous() for t in tensors)
+               else [t.detach() for t in tensors])
+    reducer, handles = start_allreduce(engine, outs, name, op, pre, post, sources)
 
     def finish() -> Any:
         reducer.finish()
@@ -178,6 +181,17 @@ def _storage(t: torch.Tensor, inplace: bool) -> torch.Tensor:
     """Where a result is written: the caller's tensor in place when it is one
     dense block, else a fresh contiguous copy (the input is never modified)."""
     return t.detach() if inplace and t.is_contiguous() else contiguous_copy(t)
+
+
+def _output(t: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """Where an all-reduce's result is written: the caller's tensor in place
+    when it is one dense block, else a fresh contiguous tensor, uninitialized:
+    the reduction reads ``t`` and copies it in bucket by bucket, while earlier
+    buckets are on the wire (``Reducer.start``), where a copy made here would
+    delay the first byte by a pass over the whole list."""
+    if inplace and t.is_contiguous():
+        return t.detach()
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
 def _copy_back(t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from dp_plugin import runtime
+from dp_plugin import runtime, scheduler
 from dp_plugin.agreement import AGREE_NAME
 from dp_plugin.config import Config
 from dp_plugin.engines.base import Engine
@@ -528,3 +528,49 @@ def test_mismatch_leaves_no_rank_waiting_and_next_collective_works() -> None:
 
     for out in _on_ranks(2, body):
         assert torch.equal(out, torch.ones(2))
+
+
+# -- the out-of-place grouped all-reduce --------------------------------------------
+
+
+def test_out_of_place_copies_each_large_input_as_its_bucket_starts(
+        local_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``grouped_allreduce`` copies a tensor that travels alone into its new
+    output when that tensor's bucket starts, while the buckets before it
+    are on the wire, not in one pass over the whole list before the first
+    byte moves: an input changed once the first bucket has started shows in
+    its result. (A caller must not change inputs in flight; the test only
+    observes when the copy runs.)"""
+    n = scheduler.DIRECT_BYTES // 4 + 1  # travels alone
+    xs = [torch.full((n,), 1.0), torch.ones(3), torch.full((n,), 2.0)]
+    launched: list[int] = []
+    launch = local_engine.allreduce_async
+
+    def spy(buf: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not launched:
+            xs[2].fill_(5.0)
+        launched.append(buf.numel())
+        return launch(buf, *args, **kwargs)
+
+    monkeypatch.setattr(local_engine, "allreduce_async", spy)
+    outs = grouped_allreduce(xs, op=Sum, postscale_factor=2.0)
+    assert launched[0] == n, launched
+    assert torch.equal(outs[0], torch.full((n,), 2.0))
+    assert torch.equal(outs[1], torch.full((3,), 2.0))
+    assert torch.equal(outs[2], torch.full((n,), 10.0)), "the input was copied before it started"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_out_of_place_group_of_cpu_and_cuda_tensors() -> None:
+    n = scheduler.DIRECT_BYTES // 4 + 1  # travels alone
+    xs = [torch.arange(n, dtype=torch.float32), torch.ones(3, device="cuda"),
+          torch.arange(n, dtype=torch.float64, device="cuda"), torch.ones(2, dtype=torch.int32)]
+    kept = [x.clone() for x in xs]
+    outs = grouped_allreduce(xs, op=Sum, postscale_factor=2.0)
+    inplace = [x.clone() for x in xs]
+    grouped_allreduce_(inplace, op=Sum, postscale_factor=2.0)
+    for x, k, out, same in zip(xs, kept, outs, inplace, strict=True):
+        assert out.device == x.device and out.dtype == x.dtype
+        assert torch.equal(out, same) and torch.equal(out, k * 2) and torch.equal(x, k)
+        assert out.data_ptr() != x.data_ptr()

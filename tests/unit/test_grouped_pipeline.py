@@ -90,3 +90,45 @@ def test_a_grouped_collective_reduces_its_large_tensors_where_they_lie(
     big = [b for b in fused.buffers if b.names == ("big",)]
     assert len(big) == 1 and big[0].in_place
     assert [len(b.names) for b in fused.buffers] == [2, 2, 1, 2, 2, 2]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_out_of_place_equals_in_place_and_only_reads_its_sources(
+        monkeypatch: pytest.MonkeyPatch, size: int) -> None:
+    """``start(outputs, sources)``: the tensors that travel alone are copied
+    into their outputs, the small ones packed from the sources and unpacked
+    into the outputs; the results are bitwise those of the in-place run, and
+    the sources are never written."""
+    monkeypatch.setattr(scheduler, "PIPELINE_CHUNK", CHUNK)
+    monkeypatch.setattr(scheduler, "DIRECT_BYTES", 256)
+    specs = [*SPECS, TensorSpec("wide", (40,), "float64"), TensorSpec("ints", (70,), "int32"),
+             TensorSpec("few", (3,), "int32")]
+
+    def values(rank: int, spec: TensorSpec) -> np.ndarray:
+        return data(rank, spec).astype(spec.dtype)
+
+    def body(e: FakeEngine) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        def reducer() -> Reducer:
+            return Reducer(specs, engine=e, name="grouped", fusion_threshold=UNBOUNDED,
+                           order=range(len(specs)), array_ops=NumpyOps(), agreed=True,
+                           policy=ReducePolicy(ReduceOp.SUM, e.size, prescale=0.5,
+                                               postscale=3.0))
+        sources = [values(e.rank, s) for s in specs]
+        outs = [np.full(s.shape, np.nan if s.dtype != "int32" else -1, s.dtype) for s in specs]
+        reducer().run(outs, sources)
+        for spec, source in zip(specs, sources, strict=True):
+            np.testing.assert_array_equal(source, values(e.rank, spec), err_msg=spec.name)
+        inplace = [values(e.rank, s) for s in specs]
+        reducer().run(inplace)
+        return outs, inplace
+
+    results = run_ranks(make_thread_group(size), body)
+    for outs, inplace in results:
+        for spec, out, same in zip(specs, outs, inplace, strict=True):
+            assert out.dtype == same.dtype and out.shape == same.shape
+            np.testing.assert_array_equal(out, same, err_msg=spec.name)
+            if spec.dtype == "float32":
+                want = sum(data(r, spec) * 0.5 for r in range(size)) * 3.0
+                np.testing.assert_allclose(out, want, rtol=1e-6, err_msg=spec.name)
+        for out, first in zip(outs, results[0][0], strict=True):
+            np.testing.assert_array_equal(out, first)

@@ -86,6 +86,11 @@ def check_values(_: Any) -> None:
     close(g[0], [3.0, 2.0], "grouped 0")
     assert g[1].dtype == tf.float64
     close(g[1], [[1.0]], "grouped 1")
+    big = tf.fill([(1 << 20) // 4 + 5], float(r + 1))  # 1 MiB and more: travels alone
+    g = dp.grouped_allreduce([big, tf.constant([r], tf.int32)], op=dp.Sum)
+    close(g[0], np.full(big.shape, 3.0, np.float32), "grouped, one alone")
+    close(g[1], np.array([1], np.int32), "grouped, beside one alone")
+    close(big, np.full(big.shape, float(r + 1), np.float32), "grouped leaves its input alone")
     slices = tf.IndexedSlices(tf.constant([[r + 1.0]]), tf.constant([r]), tf.constant([3, 1]))
     red = dp.allreduce(slices)  # Horovod: all-gather values / size and indices
     assert isinstance(red, tf.IndexedSlices), type(red)
