@@ -21,8 +21,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from dp_plugin import request, runtime
-from dp_plugin.agreement import to_device, to_host
+from dp_plugin import checked, runtime
+from dp_plugin.arrays import to_device, to_host
+from dp_plugin.check import agreed_root
 from dp_plugin.dtypes import SUPPORTED_DTYPES
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import broadcast_hook
@@ -55,7 +56,7 @@ def allgather_object(engine: Any, obj: Any, name: str) -> list[Any]:
     rank's too). Collective: the check and two all-gathers (lengths, then bytes)."""
     payload, problem = _pickled(obj)
     count = np.array([-1 if problem else payload.size], np.int64)
-    sizes = to_host(request.allgather(engine, to_device(count, engine.buffer_device),
+    sizes = to_host(checked.allgather(engine, to_device(count, engine.buffer_device),
                                       f"{name}.sz")).tolist()
     _raise_if_unpickled(engine, sizes, problem, f"allgather_object {name!r}")
     # Every rank's byte count is known now: the rows need no second check.
@@ -85,7 +86,7 @@ def from_rank0(run: Callable[[], T], error: type[Exception], name: str,
             problem = str(exc) if isinstance(exc, error) else explain(exc)
     if engine is not None and engine.size > 1:
         value, problem = broadcast_object(engine, (value, problem),
-                                          request.agreed_root(engine, 0), name)
+                                          agreed_root(engine, 0), name)
     if problem is not None:
         raise error(problem) from failure
     return value

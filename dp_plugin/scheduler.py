@@ -4,7 +4,7 @@
       -> plan (tensors -> buckets)                    dp_plugin.fusion
       -> pack into the bucket's FusionBuffer          dp_plugin.buffer
          (its own, or one of two slabs it borrows)
-      -> agree once across ranks                      dp_plugin.request
+      -> agree once across ranks                      dp_plugin.check
       -> hook(state, bucket) -> handle                dp_plugin.hooks
       -> engine transport                             dp_plugin.engines
       -> unpack (synchronize)
@@ -32,10 +32,19 @@ from typing import Any
 import numpy as np
 
 from dp_plugin import runtime
-from dp_plugin.agreement import to_device, to_host
-from dp_plugin.arrays import ArrayOps, NumpyOps, TorchOps, is_torch, ops_for, spec_of
+from dp_plugin.arrays import (
+    ArrayOps,
+    NumpyOps,
+    TorchOps,
+    is_torch,
+    ops_for,
+    spec_of,
+    to_device,
+    to_host,
+)
 from dp_plugin.autotune import Autotuner, mib
 from dp_plugin.buffer import SLABS_PER_KIND, FusionBuffer, Slab
+from dp_plugin.check import check
 from dp_plugin.compression import Compressor, get_compressor
 from dp_plugin.dtypes import itemsize
 from dp_plugin.engines.base import Handle, ReduceOp
@@ -43,7 +52,7 @@ from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import Bucket as PlanEntry
 from dp_plugin.fusion import TensorSpec, checked_specs, default_order, plan_buckets
 from dp_plugin.hooks import NO_SCALING, CommHook, HookState, ReducePolicy, allreduce_hook, hook_for
-from dp_plugin.request import Request, check
+from dp_plugin.request import Request
 from dp_plugin.step_state import StepState
 from dp_plugin.timeline import NullTimeline, StatsHistory, open_timeline
 from dp_plugin.validate import check_int

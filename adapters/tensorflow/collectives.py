@@ -15,7 +15,7 @@ have Horovod 0.28.1's gradients:
   times the scale factors).
 
 Every collective takes the torch adapter's path: the core's one check
-(``dp_plugin.request.check``: a shape, dtype, op, root or splits mismatch
+(``dp_plugin.check``: a shape, dtype, op, root or splits mismatch
 raises on every rank, with the same messages), then the engine moves the
 agreed bytes — all-reduces through a ``Reducer`` run (one fused buffer per
 dtype), reduce-scatters scaled by the one ``ReducePolicy``.
@@ -39,6 +39,7 @@ import tensorflow as tf
 from dp_plugin import horovod_names as _names
 from dp_plugin import runtime
 from dp_plugin.arrays import NumpyOps
+from dp_plugin.check import check
 from dp_plugin.compression import Compressor, get_compressor
 from dp_plugin.edge import caller, deferred, public
 from dp_plugin.engines.base import ReduceOp
@@ -46,7 +47,7 @@ from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.horovod_names import Compression
 from dp_plugin.process_sets import engine_of, global_process_set
-from dp_plugin.request import Request, check
+from dp_plugin.request import Request
 from dp_plugin.scheduler import UNBOUNDED, Reducer
 from dp_plugin.tensorflow import errors as tf_errors
 from dp_plugin.tensorflow import graph_gradient, graph_order, status_op

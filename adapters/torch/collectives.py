@@ -12,12 +12,13 @@ from typing import Any
 
 import torch
 from dp_plugin.arrays import TorchOps
+from dp_plugin.check import check
 from dp_plugin.collective import start_allreduce
 from dp_plugin.edge import caller, public
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.process_sets import engine_of, global_process_set
-from dp_plugin.request import Request, check
+from dp_plugin.request import Request
 from dp_plugin.torch.handles import InFlight, Ready, new_handle
 from dp_plugin.torch.ops import resolve_op
 from dp_plugin.torch.submit import agree, check_factor, check_tensors, contiguous_copy
@@ -165,7 +166,7 @@ def _start_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, pro
                      inplace: bool) -> int:
     (t,) = check_tensors(tensor)
     engine = engine_of(process_set)
-    # Horovod's root rule (request.root_of: an int raises at once; a root outside
+    # Horovod's root rule (roots.root_of: an int raises at once; a root outside
     # the set is a problem of the agreement, so that every rank raises).
     key, agreed = agree(engine, "broadcast", [t], name, process_set, root=root_rank)
     out = _storage(t, inplace)

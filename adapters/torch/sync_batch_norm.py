@@ -12,11 +12,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from dp_plugin.arrays import TorchOps
+from dp_plugin.check import check
 from dp_plugin.edge import calling
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.process_sets import engine_of
-from dp_plugin.request import Request, check
+from dp_plugin.request import Request
 from dp_plugin.scheduler import UNBOUNDED, Reducer
 from torch.autograd.function import Function
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -120,7 +121,7 @@ def _sum(engine: Any, t: torch.Tensor, name: str) -> None:
     (the statistics are a few numbers per channel), kept per engine, name and
     shape so that its buffer is reused.
 
-    Each call first runs the check (``request.check``, one small all-reduce):
+    Each call first runs the check (``dp_plugin.check``, one small all-reduce):
     the data's all-reduce never runs without one on an engine where a rank
     that called ``hvd.join()`` listens (``dp_plugin.join``), so it cannot pair
     with that rank's standing answer; the check refuses instead, with
