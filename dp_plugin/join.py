@@ -59,9 +59,11 @@ from dp_plugin.agreement import (
     table_buffer,
 )
 from dp_plugin.arrays import numpy_dtype, to_device, to_host
+from dp_plugin.collective import fused_collective
 from dp_plugin.dtypes import is_floating
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import CollectiveTimeoutError, JoinedRankError
+from dp_plugin.hooks import ReducePolicy
 from dp_plugin.request import CHECK_TAG, Agreed
 
 ANSWERED = frozenset({"allreduce", "barrier"})
@@ -149,15 +151,11 @@ def replay(engine: Any, described: list[dict[str, Any]]) -> None:
         return
     if kind != "allreduce":  # answerable said no first
         raise AssertionError(f"a joined rank cannot answer {kind}")
-    # Imported here: the collective checks through dp_plugin.request, which uses this module.
-    from dp_plugin.collective import start_allreduce
-
     op = ReduceOp.parse(described[0]["op"])
     pre, post = described[0]["scales"]
-    _, handles = start_allreduce(engine, [_identity_like(d, op) for d in described], name,
-                                 op, pre, post)
-    for h in handles:
-        h.wait()
+    fused_collective([_identity_like(d, op) for d in described], engine=engine,
+                     name=name or "allreduce",
+                     policy=ReducePolicy(op, engine.size, prescale=pre, postscale=post)).finish()
 
 
 def _identity_like(d: dict[str, Any], op: ReduceOp) -> Any:

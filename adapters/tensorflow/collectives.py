@@ -40,15 +40,14 @@ from dp_plugin import horovod_names as _names
 from dp_plugin import runtime
 from dp_plugin.arrays import NumpyOps
 from dp_plugin.check import check
+from dp_plugin.collective import fused_collective
 from dp_plugin.compression import Compressor, get_compressor
 from dp_plugin.edge import caller, deferred, public
 from dp_plugin.engines.base import ReduceOp
-from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.horovod_names import Compression
 from dp_plugin.process_sets import engine_of, global_process_set
 from dp_plugin.request import Request
-from dp_plugin.scheduler import UNBOUNDED, Reducer
 from dp_plugin.tensorflow import errors as tf_errors
 from dp_plugin.tensorflow import graph_gradient, graph_order, status_op
 from dp_plugin.validate import check_positive_float
@@ -191,12 +190,9 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense:
         engine = engine_of(process_set)
         outs = [np.array(a, order="C", copy=True) for a in arrays]
         check(engine, Request.of("allreduce", outs, name=label, op=op, scales=(pre, post)))
-        specs = [TensorSpec(f"{label}.{i}", o.shape, o.dtype.name) for i, o in enumerate(outs)]
-        Reducer(
-            specs, engine=engine, name=label, fusion_threshold=UNBOUNDED, order=range(len(specs)),
-            policy=ReducePolicy(op, engine.size, prescale=pre, postscale=post),
-            compression=compressor, agreed=True,
-        ).run(outs)
+        fused_collective(outs, engine=engine, name=label, compression=compressor,
+                         policy=ReducePolicy(op, engine.size, prescale=pre, postscale=post)
+                         ).finish()
         return outs
 
     def forward(*args: Any) -> list[Any]:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from dp_plugin.arrays import TorchOps
 from dp_plugin.check import check
-from dp_plugin.collective import start_allreduce
+from dp_plugin.collective import fused_collective
 from dp_plugin.edge import caller, public
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.hooks import ReducePolicy
@@ -79,23 +79,24 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None =
 def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
                      name: str | None, op: ReduceOp, prescale: Any, postscale: Any,
                      process_set: Any) -> int:
-    """One ``Reducer`` run per call: grouped (large tensors alone,
-    the rest in 8 MiB chunks, see ``dp_plugin.scheduler.UNBOUNDED``), scaled
-    by the one ``ReducePolicy``; ``synchronize`` unpacks the results."""
+    """One ``fused_collective`` per call (large tensors alone, the rest in
+    8 MiB chunks, see ``dp_plugin.collective``), scaled by the one
+    ``ReducePolicy``; ``synchronize`` unpacks the results."""
     pre = check_factor(prescale, "prescale_factor")
     post = check_factor(postscale, "postscale_factor")
     engine = engine_of(process_set)
     key, _ = agree(engine, "allreduce", tensors, name, process_set, op=op, scales=(pre, post))
     outs = [_storage(t, inplace) for t in tensors]
-    reducer, handles = start_allreduce(engine, outs, name, op, pre, post)
+    fused = fused_collective(outs, engine=engine, name=name or "allreduce",
+                             policy=ReducePolicy(op, engine.size, prescale=pre, postscale=post))
 
     def finish() -> Any:
-        reducer.finish()
+        fused.finish()
         results = ([_copy_back(t, out) for t, out in zip(tensors, outs, strict=True)]
                    if inplace else outs)
         return tuple(results) if grouped else results[0]
 
-    return new_handle(InFlight(handles, finish), key)
+    return new_handle(InFlight(fused.handles, finish), key)
 
 
 # -- allgather ------------------------------------------------------------------

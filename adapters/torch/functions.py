@@ -142,7 +142,7 @@ def allgather_object(obj: Any, name: str | None = None,
 def _broadcast_tensors(eng: Engine, named: list[tuple[str, torch.Tensor]], root: int,
                        what: str) -> None:
     """Broadcast ``named`` tensors' bytes from ``root`` (a rank of ``eng``),
-    fused: one ``Reducer`` run with the broadcast hook."""
+    fused: one ``fused_collective`` with the broadcast hook."""
     device = eng.buffer_device
     layout = [_layout_spec(name, t, device) for name, t in named]
     if not named:

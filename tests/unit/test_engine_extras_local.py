@@ -392,13 +392,24 @@ class _FoldingEngine(LocalEngine):
 
 @pytest.mark.parametrize("wrapped", [False, True])
 def test_only_the_default_hook_folds_and_every_hook_is_scaled_once(wrapped: bool) -> None:
-    """The Reducer folds the post-scale into the engine's reduction where it
-    runs the default hook (not part of the hook contract); a
-    user's hook, wrapping allreduce_hook or not, gets it at unpack. Either
-    way the result is scaled exactly once."""
+    """A fused collective and the Reducer fold the post-scale into the
+    engine's reduction where they run the default hook (not part of the hook
+    contract); a user's hook, wrapping allreduce_hook or not, gets it at
+    unpack. Either way the result is scaled exactly once."""
+    from dp_plugin.collective import fused_collective
     from dp_plugin.fusion import TensorSpec
     from dp_plugin.hooks import ReducePolicy, allreduce_hook
-    from dp_plugin.scheduler import UNBOUNDED, Reducer
+    from dp_plugin.scheduler import GradientScheduler
+
+    def one_shot(engine: Any, hook: Any, values: list[np.ndarray]) -> None:
+        fused_collective(values, engine=engine, name="g", hook=hook,
+                         policy=ReducePolicy("sum", 1, postscale=0.5)).finish()
+
+    def gradients(engine: Any, hook: Any, values: list[np.ndarray]) -> None:
+        sched = GradientScheduler([TensorSpec("w", (6,), "float32")], engine=engine, op="sum",
+                                  postscale_factor=0.5, hook=hook, name="g")
+        sched.mark_ready(0, values[0])
+        sched.synchronize()
 
     def users_hook(state: Any, bucket: Any) -> Any:  # e.g. adds logging
         return allreduce_hook(state, bucket)
@@ -406,13 +417,12 @@ def test_only_the_default_hook_folds_and_every_hook_is_scaled_once(wrapped: bool
     def ignores_the_offer(state: Any, bucket: Any) -> Any:
         return state.engine.allreduce_async(bucket.buffer(), state.engine_op, name=bucket.label)
 
-    for hook, folds in ((users_hook if wrapped else allreduce_hook, not wrapped),
-                        (ignores_the_offer, False)):
-        _FoldingEngine.folded_calls = 0
-        engine = _FoldingEngine(Topology.single(), Config())
-        values = [np.arange(6, dtype=np.float32)]
-        Reducer([TensorSpec("w", (6,), "float32")], engine=engine, name="g",
-                fusion_threshold=UNBOUNDED, hook=hook, agreed=True,
-                policy=ReducePolicy("sum", 1, postscale=0.5)).run(values)
-        np.testing.assert_array_equal(values[0], np.arange(6, dtype=np.float32) * 0.5)
-        assert _FoldingEngine.folded_calls == (1 if folds else 0), hook
+    for run in (one_shot, gradients):
+        for hook, folds in ((users_hook if wrapped else allreduce_hook, not wrapped),
+                            (ignores_the_offer, False)):
+            _FoldingEngine.folded_calls = 0
+            engine = _FoldingEngine(Topology.single(), Config())
+            values = [np.arange(6, dtype=np.float32)]
+            run(engine, hook, values)
+            np.testing.assert_array_equal(values[0], np.arange(6, dtype=np.float32) * 0.5)
+            assert _FoldingEngine.folded_calls == (1 if folds else 0), (run, hook)

@@ -86,7 +86,8 @@ def test_replay_contributes_the_ops_identity(op: ReduceOp, dtype: str) -> None:
     """Rank 0 has joined and replays what ranks 1 and 2 all-reduce: the result
     is theirs alone (``join.replay``, the core's zero contribution)."""
     from dp_plugin.arrays import numpy_dtype
-    from dp_plugin.collective import start_allreduce
+    from dp_plugin.collective import fused_collective
+    from dp_plugin.hooks import ReducePolicy
 
     def body(e: FakeEngine) -> object:
         if e.rank == 0:
@@ -98,9 +99,7 @@ def test_replay_contributes_the_ops_identity(op: ReduceOp, dtype: str) -> None:
         buf = np.full(3, e.rank + 1, dtype=numpy_dtype(dtype))
         check.check(e, request.Request.of("allreduce", [buf], name="m", op=op),
                       accept_joined=True)
-        _, handles = start_allreduce(e, [buf], "m", op, 1.0, 1.0)
-        for h in handles:
-            h.wait()
+        fused_collective([buf], engine=e, name="m", policy=ReducePolicy(op, e.size)).finish()
         return buf.astype(np.float64).tolist()
 
     want = {ReduceOp.MIN: 2.0, ReduceOp.MAX: 3.0, ReduceOp.PRODUCT: 6.0, ReduceOp.SUM: 5.0}[op]

@@ -1,4 +1,4 @@
-"""Worker: a grouped all-reduce large enough to be chunked (dp_plugin.scheduler
+"""Worker: a grouped all-reduce large enough to be chunked (dp_plugin.collective
 ``PIPELINE_CHUNK``, ``DIRECT_BYTES``) against a local reference.
 
 Tensors of 1-3 MiB (reduced alone, in place) among many small ones (fused
@@ -20,7 +20,7 @@ import torch
 from _fail_fast import run_cases
 
 import dp_plugin.torch as hvd
-from dp_plugin import scheduler
+from dp_plugin import collective
 
 
 def shapes() -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -45,7 +45,7 @@ def case_chunked(args: argparse.Namespace) -> None:
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     total = sum(t.numel() * t.element_size() for t in inputs(rank))
-    assert total > 3 * scheduler.PIPELINE_CHUNK, total
+    assert total > 3 * collective.PIPELINE_CHUNK, total
     summed = [sum(ts) for ts in zip(*(inputs(r) for r in range(size)), strict=True)]
 
     out = hvd.grouped_allreduce(inputs(rank), op=hvd.Sum, name="chunked.sum")
