@@ -39,10 +39,11 @@ MOVABLE = frozenset({*SUPPORTED_DTYPES, "bool", "uint16"})
 """What the other kinds take: Horovod's dtypes (the engines move the ones
 they do not reduce as raw bytes)."""
 
-NEEDS_FIRST_DIM = frozenset({"allgather", "alltoall", "reducescatter"})
+_NEEDS_FIRST_DIM = frozenset({"allgather", "alltoall", "reducescatter"})
 
-NEEDS_TENSORS = REDUCING | NEEDS_FIRST_DIM
+_NEEDS_TENSORS = REDUCING | _NEEDS_FIRST_DIM
 """Kinds over a tensor list (a broadcast without a tensor checks its root alone)."""
+
 
 def check(engine: Any, request: Request, *, accept_joined: bool = False) -> Agreed:
     """Compare the ranks' requests and raise, on every rank alike, if any
@@ -54,7 +55,7 @@ def check(engine: Any, request: Request, *, accept_joined: bool = False) -> Agre
     torch adapter, whose ``hvd.join()`` answers); ``dp_plugin.join`` then
     says which kinds run and raises ``JoinedRankError`` for the others.
     """
-    if request.kind in NEEDS_TENSORS and not request.shapes:
+    if request.kind in _NEEDS_TENSORS and not request.shapes:
         raise ValueError("a collective needs at least one tensor; got an empty list")
     problem, detail, extra, members, root = _local_problem(engine, request)
     mine = [_describe(request, i, problem, members) for i in range(max(1, len(request.shapes)))]
@@ -114,7 +115,7 @@ def _local_problem(engine: Any, req: Request
                 f"dtype {dtype} cannot be moved by {req.kind}; supported dtypes: "
                 f"{', '.join(sorted(MOVABLE))}. Cast the tensor (e.g. complex -> two float "
                 "tensors)")
-        if not problem and req.kind in NEEDS_FIRST_DIM and not shape:
+        if not problem and req.kind in _NEEDS_FIRST_DIM and not shape:
             problem, detail = Problem.ZERO_DIM, f"the {req.kind} input is 0-dim (shape ())"
     extra: list[int] = []
     members: tuple[int, ...] = ()

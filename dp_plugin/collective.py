@@ -86,7 +86,9 @@ def fused_collective(tensors: Sequence[Any], *, engine: Any, name: str,
     compressor = get_compressor(compression)
     hook = hook_for(compressor) if hook is None else hook
     state = HookState(engine, policy.engine_op, root)
-    ops = ops_for(tensors[0]) if tensors else None
+    if not specs:
+        return Fused([], [])
+    ops = ops_for(tensors[0])
     handles: list[Handle] = []
     finishers: list[Any] = []
     for b in plan_buckets(specs, PIPELINE_CHUNK, order=range(len(specs)),
@@ -95,7 +97,6 @@ def fused_collective(tensors: Sequence[Any], *, engine: Any, name: str,
                            wire_dtype=compressor.wire_dtype(b.dtype))
         if buf.numel == 0:
             continue  # nothing to move; every rank skips it alike (same plan)
-        assert ops is not None
         members = [tensors[i] for i in b.members]
         handle, finish = _start(engine, buf, ops, members, policy, hook, state)
         handles.append(handle)
