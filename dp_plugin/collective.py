@@ -23,10 +23,10 @@ themselves run no agreement.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
-from dp_plugin.arrays import ArrayOps, ops_for, spec_of
+from dp_plugin.arrays import ops_for, spec_of
 from dp_plugin.buffer import FusionBuffer
 from dp_plugin.compression import Compressor, get_compressor
 from dp_plugin.engines.base import Handle, ReduceOp
@@ -47,19 +47,13 @@ copies left exposed, are short; large enough that a collective's fixed cost
 per bucket stays small next to its transfer."""
 
 
-class Fused:
-    """A fused collective in flight: ``handles`` (one per bucket that moves
-    bytes); ``finish()`` waits for them and writes the results back into the
-    tensors it was started with."""
+class Fused(NamedTuple):
+    """A fused collective in flight: the handles of its buckets that move
+    bytes, and ``finish()``, which waits for them and writes the results back
+    into the tensors it was started with (a synchronization point)."""
 
-    def __init__(self, handles: list[Handle], finishers: list[Any]) -> None:
-        self.handles = handles
-        self._finishers = finishers
-
-    def finish(self) -> None:
-        """Wait for every bucket and unpack it (a synchronization point)."""
-        while self._finishers:
-            self._finishers.pop(0)()
+    handles: list[Handle]
+    finish: Callable[[], None]
 
 
 def fused_collective(tensors: Sequence[Any], *, engine: Any, name: str,
@@ -86,26 +80,26 @@ def fused_collective(tensors: Sequence[Any], *, engine: Any, name: str,
     compressor = get_compressor(compression)
     hook = hook_for(compressor) if hook is None else hook
     state = HookState(engine, policy.engine_op, root)
-    if not specs:
-        return Fused([], [])
-    ops = ops_for(tensors[0])
-    handles: list[Handle] = []
-    finishers: list[Any] = []
+    ops = ops_for(tensors[0]) if tensors else None
+    started = []
     for b in plan_buckets(specs, PIPELINE_CHUNK, order=range(len(specs)),
                           alone_from=DIRECT_BYTES):
         buf = FusionBuffer(b, specs, f"{name}.bucket{b.index}", pinned=True,
                            wire_dtype=compressor.wire_dtype(b.dtype))
-        if buf.numel == 0:
-            continue  # nothing to move; every rank skips it alike (same plan)
-        members = [tensors[i] for i in b.members]
-        handle, finish = _start(engine, buf, ops, members, policy, hook, state)
-        handles.append(handle)
-        finishers.append(finish)
-    return Fused(handles, finishers)
+        if buf.numel:  # an empty one moves nothing; every rank skips it alike (same plan)
+            members = [tensors[i] for i in b.members]
+            started.append(_start(engine, buf, ops, members, policy, hook, state))
+
+    def finish() -> None:
+        for _, unpack in started:
+            unpack()
+
+    return Fused([handle for handle, _ in started], finish)
 
 
-def _start(engine: Any, buf: FusionBuffer, ops: ArrayOps, members: list[Any],
-           policy: ReducePolicy, hook: CommHook, state: HookState) -> tuple[Handle, Any]:
+def _start(engine: Any, buf: FusionBuffer, ops: Any, members: list[Any],
+           policy: ReducePolicy, hook: CommHook, state: HookState
+           ) -> tuple[Handle, Callable[[], None]]:
     """Pack ``members`` into ``buf`` and start its collective; returns the
     handle and the function that waits for it and unpacks."""
     direct = buf.direct_alias(ops, members)
