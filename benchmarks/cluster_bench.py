@@ -113,11 +113,11 @@ def worker(args: argparse.Namespace) -> int:
         path = "horovod engine"
     else:
         path = "hierarchical" if getattr(engine, "hierarchical", False) else "flat"
-    from dp_plugin import scheduler
+    from dp_plugin import collective
 
     link_bps = int(os.environ.get("DP_CLUSTER_LINK_BPS", "0"))
-    default_chunk = scheduler.PIPELINE_CHUNK
-    chunked = {f"dp grouped_ chunk={c:g}MiB": int(c * 2**20) or scheduler.UNBOUNDED
+    default_chunk = collective.PIPELINE_CHUNK
+    chunked = {f"dp grouped_ chunk={c:g}MiB": int(c * 2**20) or 1 << 62
                for c in args.chunks_mib}
     # torch flat needs the torch.distributed group of the gloo engine.
     methods = [m for m in [*args.methods, *chunked] if m != "torch flat" or dist.is_initialized()]
@@ -135,7 +135,7 @@ def worker(args: argparse.Namespace) -> int:
             for method in order:
                 hvd.barrier()
                 tx0, t0, c0 = tx_bytes(), time.perf_counter(), time.process_time()
-                scheduler.PIPELINE_CHUNK = chunked.get(method, default_chunk)
+                collective.PIPELINE_CHUNK = chunked.get(method, default_chunk)
                 if method == "dp grouped":
                     hvd.grouped_allreduce(grads, op=hvd.Sum, name=f"{model}.g{r}")
                 elif method == "dp clone+grouped_":

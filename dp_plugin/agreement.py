@@ -13,8 +13,8 @@ collective therefore agrees before its data moves (a fused one once):
    that every rank can say what differs, and on which ranks.
 
 ``compare`` is that exchange for any JSON-able description; what is
-described, and the messages, are ``dp_plugin.request``'s (its ``check``
-calls it; so does the Keras metric average, whose messages name the logged
+described is ``dp_plugin.request``'s, the messages ``dp_plugin.check_messages``
+(``dp_plugin.check`` calls it; so does the Keras metric average, whose messages name the logged
 metrics). A rank that has called ``join()`` takes part in it with a
 row of its own (``JOINED``); what it answers and what it refuses is
 ``dp_plugin.join``.
@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from dp_plugin.arrays import as_numpy, as_torch, is_torch
+from dp_plugin.arrays import to_device, to_host
 from dp_plugin.errors import JoinedRankError, LayoutMismatchError
 
 DIGEST_SIZE = 32
@@ -178,16 +178,3 @@ def conclude(engine: Any, table: np.ndarray, payload: bytes,
         )
     return Heard(envelopes, numbers_of, joined, same)
 
-
-def to_device(arr: np.ndarray, device: str) -> Any:
-    """``arr`` itself for the CPU, else a torch copy on ``device`` (control buffers)."""
-    if device == "cpu":
-        return arr
-    return as_torch(arr).to(device)
-
-
-def to_host(buf: Any) -> np.ndarray:
-    """A numpy view (or, for a device tensor, a host copy) of a control buffer."""
-    if is_torch(buf) and buf.device.type != "cpu":
-        buf = buf.cpu()
-    return as_numpy(buf)

@@ -63,6 +63,19 @@ def _torch() -> Any:
     return torch
 
 
+def to_device(arr: np.ndarray, device: str) -> Any:
+    """``arr`` itself for the CPU, else a torch copy on ``device`` (control buffers)."""
+    if device == "cpu":
+        return arr
+    return as_torch(arr).to(device)
+
+
+def to_host(buf: Any) -> np.ndarray:
+    """A numpy view (or, for a device tensor, a host copy) of a control buffer."""
+    if is_torch(buf) and buf.device.type != "cpu":
+        buf = buf.cpu()
+    return as_numpy(buf)
+
 def device_of(tensor: Any) -> str:
     """Where ``tensor`` lives: "cpu", or torch's device string."""
     return str(tensor.device) if is_torch(tensor) else "cpu"

@@ -21,7 +21,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dp_plugin import objects, request, runtime
+from dp_plugin import objects, runtime
+from dp_plugin.check import agreed_root
 from dp_plugin.errors import DPPluginError, LaunchError
 
 MARK = "dp_plugin.elastic"
@@ -164,7 +165,7 @@ class ObjectState(State):
     def _apply_synced(self) -> None:
         engine = runtime.engine()
         values = {n: getattr(self, n) for n in self._values}
-        self._set_values(objects.broadcast_object(engine, values, request.agreed_root(engine, 0),
+        self._set_values(objects.broadcast_object(engine, values, agreed_root(engine, 0),
                                                   "dp_plugin.elastic.values"))
 
     # -- the State protocol ----------------------------------------------------------

@@ -57,13 +57,14 @@ from dp_plugin.agreement import (
     conclude,
     read_table,
     table_buffer,
-    to_device,
-    to_host,
 )
-from dp_plugin.arrays import numpy_dtype
+from dp_plugin.arrays import numpy_dtype, to_device, to_host
+from dp_plugin.collective import fused_collective
 from dp_plugin.dtypes import is_floating
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import CollectiveTimeoutError, JoinedRankError
+from dp_plugin.hooks import ReducePolicy
+from dp_plugin.request import CHECK_TAG, Agreed
 
 ANSWERED = frozenset({"allreduce", "barrier"})
 """The collective kinds a joined rank answers (besides optimizer steps)."""
@@ -107,6 +108,26 @@ class Listener:
         return conclude(self.engine, read_table(self.engine, self._buf), b"", ())
 
 
+def joined_view(heard: Heard) -> tuple[list[dict[str, Any]] | None, Agreed]:
+    """On a joined rank: the request the others agreed on (one description
+    per tensor) and what they agreed; None when they ran another agreement
+    than ``check`` or reported a problem (they raise, this rank listens on)."""
+    other = any(env is not None and env[0] != CHECK_TAG for env in heard.envelopes)
+    blocks = [b for b in heard.described if b is not None]
+    if other or not blocks or any(d["problem"] for b in blocks for d in b):
+        return None, Agreed([], 0)
+    width = max(len(n) for n in heard.numbers)
+    count = len(blocks[0]) if blocks[0][0]["kind"] != "barrier" else 0
+    return blocks[0], Agreed(with_joined(heard.numbers, width), count, heard.joined)
+
+
+def with_joined(numbers: list[list[int]], width: int) -> list[list[int]]:
+    """The table, a joined rank's (empty) numbers as zeros: it contributes
+    nothing."""
+    return [row or [0] * width for row in numbers]
+
+
+
 def everyone_joined(heard: Heard, size: int) -> bool:
     return len(heard.joined) == size
 
@@ -120,7 +141,7 @@ def answerable(heard: Heard, kind: str) -> bool:
 
 def replay(engine: Any, described: list[dict[str, Any]]) -> None:
     """Run, contributing nothing, the collective the other ranks agreed on
-    (``described``: one description per tensor, ``request.joined_view``;
+    (``described``: one description per tensor, ``joined_view``;
     blocks). All-reduce: the same grouped all-reduce on the op's identity
     (zeros for Sum and Average, as Horovod's joined ranks contribute, so
     Average still divides by the full size; +inf/-inf/1 for
@@ -130,15 +151,11 @@ def replay(engine: Any, described: list[dict[str, Any]]) -> None:
         return
     if kind != "allreduce":  # answerable said no first
         raise AssertionError(f"a joined rank cannot answer {kind}")
-    # Imported here: the collective checks through dp_plugin.request, which uses this module.
-    from dp_plugin.collective import start_allreduce
-
     op = ReduceOp.parse(described[0]["op"])
     pre, post = described[0]["scales"]
-    _, handles = start_allreduce(engine, [_identity_like(d, op) for d in described], name,
-                                 op, pre, post)
-    for h in handles:
-        h.wait()
+    fused_collective([_identity_like(d, op) for d in described], engine=engine,
+                     name=name or "allreduce",
+                     policy=ReducePolicy(op, engine.size, prescale=pre, postscale=post)).finish()
 
 
 def _identity_like(d: dict[str, Any], op: ReduceOp) -> Any:

@@ -21,12 +21,14 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from dp_plugin import request, runtime
-from dp_plugin.agreement import to_device, to_host
+from dp_plugin import checked, runtime
+from dp_plugin.arrays import to_device, to_host
+from dp_plugin.check import agreed_root, check
+from dp_plugin.collective import fused_collective
 from dp_plugin.dtypes import SUPPORTED_DTYPES
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import broadcast_hook
-from dp_plugin.scheduler import Reducer
+from dp_plugin.request import Request
 
 T = TypeVar("T")
 
@@ -55,7 +57,7 @@ def allgather_object(engine: Any, obj: Any, name: str) -> list[Any]:
     rank's too). Collective: the check and two all-gathers (lengths, then bytes)."""
     payload, problem = _pickled(obj)
     count = np.array([-1 if problem else payload.size], np.int64)
-    sizes = to_host(request.allgather(engine, to_device(count, engine.buffer_device),
+    sizes = to_host(checked.allgather(engine, to_device(count, engine.buffer_device),
                                       f"{name}.sz")).tolist()
     _raise_if_unpickled(engine, sizes, problem, f"allgather_object {name!r}")
     # Every rank's byte count is known now: the rows need no second check.
@@ -85,7 +87,7 @@ def from_rank0(run: Callable[[], T], error: type[Exception], name: str,
             problem = str(exc) if isinstance(exc, error) else explain(exc)
     if engine is not None and engine.size > 1:
         value, problem = broadcast_object(engine, (value, problem),
-                                          request.agreed_root(engine, 0), name)
+                                          agreed_root(engine, 0), name)
     if problem is not None:
         raise error(problem) from failure
     return value
@@ -159,11 +161,9 @@ def broadcast_bytes(engine: Any, names: Sequence[str], wires: Sequence[Any], roo
                     layout: Sequence[TensorSpec], name: str, what: str,
                     device: str = "cpu") -> None:
     """Broadcast the flat uint8 ``wires`` (torch tensors or numpy arrays, written in
-    place) from ``root`` (a rank of ``engine``), fused: one ``Reducer`` run
-    with the broadcast hook, whose agreement step first compares ``layout`` (see
-    ``byte_layout``) and the root on every rank."""
-    specs = [TensorSpec(n, (len(w),), "uint8", device) for n, w in zip(names, wires, strict=True)]
-    Reducer(
-        specs, engine=engine, name=name, fusion_threshold=max(1, engine.config.fusion_threshold),
-        hook=broadcast_hook, order=range(len(specs)), root=root, layout=layout, what=what,
-    ).run(wires)
+    place) from ``root`` (a rank of ``engine``), fused: one check that every
+    rank has the same ``layout`` (see ``byte_layout``) and root, then one
+    ``fused_collective`` with the broadcast hook, its buffers on ``device``."""
+    check(engine, Request.fused(layout, what, {"root": root}))
+    fused_collective(wires, engine=engine, name=name, hook=broadcast_hook, root=root,
+                     names=names, device=device).finish()

@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from dp_plugin import request, runtime
+from dp_plugin import checked, runtime
 from dp_plugin.edge import caller, calling, public
 from dp_plugin.engines.base import Engine
 from dp_plugin.errors import NotInitializedError
@@ -165,7 +165,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     if ranks == list(range(engine.size)) or any(ps.ranks == ranks for ps in _registered.values()):
         raise ValueError(f"Attempted to add a duplicate process set: {process_set}")
     set_id = _free_ids[0] if _free_ids else _next_id
-    process_set._engine = request.subgroup(engine, ranks, f"process_set.{set_id}")
+    process_set._engine = checked.subgroup(engine, ranks, f"process_set.{set_id}")
     if _free_ids:
         _free_ids.popleft()
     else:

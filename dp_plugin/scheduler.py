@@ -4,17 +4,16 @@
       -> plan (tensors -> buckets)                    dp_plugin.fusion
       -> pack into the bucket's FusionBuffer          dp_plugin.buffer
          (its own, or one of two slabs it borrows)
-      -> agree once across ranks                      dp_plugin.request
+      -> agree once across ranks                      dp_plugin.check
       -> hook(state, bucket) -> handle                dp_plugin.hooks
       -> engine transport                             dp_plugin.engines
       -> unpack (synchronize)
 
 A gradient stream drives it bucket by bucket as gradients become ready
-(``mark_ready`` ... ``synchronize``); a one-shot fused collective (grouped
-all-reduces, parameter and optimizer-state broadcasts, metric averaging,
-SyncBatchNorm statistics) is the same Reducer with every tensor ready at
-once (``run``, or ``start`` then ``finish``). ``GradientScheduler`` is the
-Reducer built from the user's keyword arguments (the core's public edge).
+(``mark_ready`` ... ``synchronize``). A one-shot fused collective, every
+tensor given at once, is ``dp_plugin.collective.fused_collective``.
+``GradientScheduler`` is the Reducer built from the user's keyword
+arguments (the core's public edge).
 
 The distributed contract is ``GradientScheduler``'s docstring. After any
 failed collective the Reducer refuses further work (the ranks are out of step).
@@ -32,18 +31,28 @@ from typing import Any
 import numpy as np
 
 from dp_plugin import runtime
-from dp_plugin.agreement import to_device, to_host
-from dp_plugin.arrays import ArrayOps, NumpyOps, TorchOps, is_torch, ops_for, spec_of
+from dp_plugin.arrays import (
+    ArrayOps,
+    NumpyOps,
+    TorchOps,
+    is_torch,
+    ops_for,
+    spec_of,
+    to_device,
+    to_host,
+)
 from dp_plugin.autotune import Autotuner, mib
 from dp_plugin.buffer import SLABS_PER_KIND, FusionBuffer, Slab
+from dp_plugin.check import check
+from dp_plugin.collective import folds
 from dp_plugin.compression import Compressor, get_compressor
 from dp_plugin.dtypes import itemsize
 from dp_plugin.engines.base import Handle, ReduceOp
 from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import Bucket as PlanEntry
 from dp_plugin.fusion import TensorSpec, checked_specs, default_order, plan_buckets
-from dp_plugin.hooks import NO_SCALING, CommHook, HookState, ReducePolicy, allreduce_hook, hook_for
-from dp_plugin.request import Request, check
+from dp_plugin.hooks import NO_SCALING, CommHook, HookState, ReducePolicy, hook_for
+from dp_plugin.request import Request
 from dp_plugin.step_state import StepState
 from dp_plugin.timeline import NullTimeline, StatsHistory, open_timeline
 from dp_plugin.validate import check_int
@@ -55,34 +64,10 @@ _ACCUMULATION_ERROR = (
     "step()/synchronize(). Increase backward_passes_per_step to accumulate gradients locally."
 )
 
-UNBOUNDED = 1 << 62
-"""The threshold of a *grouped* collective (a grouped all-reduce, metric
-averaging): the caller puts the whole list in flight at once. Its tensors of
-``DIRECT_BYTES`` or more travel alone, in place; the others in buckets of at
-most ``PIPELINE_CHUNK`` bytes, each with a buffer of its own,
-so that packing chunk k+1 and unpacking chunk k-1 run while chunk k is on
-the wire (the engine's transport runs in its own threads) instead of pack,
-transfer and unpack one after another (measured: one 110 MB bucket reached
-78-83% of a 1 Gbit/s link where one flat buffer reaches 95%)."""
-
-DIRECT_BYTES = 1024 * 1024
-"""A tensor of a grouped collective this large travels alone, reduced where it
-lies: no pack or unpack copy for the bulk of a model's bytes (a copy costs
-CPU the transport needs on a loaded host: 0.26 s of CPU against 0.13 s for
-one flat Gloo buffer of ResNet-50's 97 MiB when every tensor was copied)."""
-
-PIPELINE_CHUNK = 8 * 1024 * 1024
-"""Bytes per bucket of a grouped collective. Measured on the rehearsal
-cluster (benchmarks/cluster_bench.py, docs/benchmarks-history.md, "The rehearsal cluster"):
-small enough that the first pack and the last unpack, the only copies left
-exposed, are short; large enough that a collective's fixed cost per bucket
-stays small next to its transfer."""
-
-
 @dataclass(eq=False)
 class Bucket:
     """One bucket of the plan: its plan entry, its fusion buffer, the slab
-    it borrows, and what it has in flight between ``start`` and ``finish``."""
+    it borrows, and what it has in flight between ``_start`` and ``_finish``."""
 
     entry: PlanEntry
     buffer: FusionBuffer
@@ -119,15 +104,13 @@ class Reducer:
     ``parse_reduction`` for theirs); ``passes`` is ``backward_passes_per_step``;
     ``hook`` moves a packed bucket (default: all-reduce, compressed per
     ``compression``); ``fusion_threshold`` caps a bucket's bytes (default:
-    ``Config.bucket_caps``; ``UNBOUNDED`` for a grouped collective); ``order``
-    is the expected ready order (default: reverse registration). ``flags``
+    ``Config.bucket_caps``); buckets follow the expected ready order, reverse
+    registration, until the first step's order rebuilds them. ``flags``
     names groups of per-rank flags (one element per rank each) in the control
     slot: ``flags_of(name)`` is a group's elements, reduced (unscaled) with
     the last bucket, so they cost no collective of their own. ``settings``
-    are compared across ranks with ``layout`` (default ``specs``; ``what``
-    names them in the messages); ``root`` is the broadcast root as a rank of
-    ``engine``; ``agreed=True`` skips the agreement when the caller has
-    already checked the ranks' requests. ``groups`` (lists of spec indices)
+    are compared across ranks with ``specs`` (``what`` names them in the
+    messages). ``groups`` (lists of spec indices)
     are reduced as one bucket each, launched when the whole group is ready
     (Horovod's ``groups=``; ``plan_buckets``). ``timeline`` records spans
     (none by default); ``array_ops`` is the array backend (default: from the
@@ -140,14 +123,11 @@ class Reducer:
                  timeline: Any = None, name: str = "grads", array_ops: ArrayOps | None = None,
                  hook: CommHook | None = None, flags: Sequence[str] = (),
                  settings: Mapping[str, Any] | None = None, autotune: bool = False,
-                 what: str | None = None, order: Iterable[int] | None = None,
-                 layout: Sequence[TensorSpec] | None = None, root: int = 0,
-                 agreed: bool = False, groups: Sequence[Sequence[int]] = ()) -> None:
+                 what: str | None = None, groups: Sequence[Sequence[int]] = ()) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
         self.engine, self.name, config = engine, name, engine.config
         self.specs: tuple[TensorSpec, ...] = checked_specs(specs)
-        self.layout = self.specs if layout is None else tuple(layout)
         self.backward_passes_per_step = check_int("backward_passes_per_step", passes,
                                                   minimum=1)
         self.policy = policy
@@ -160,7 +140,7 @@ class Reducer:
         self.timeline = NullTimeline() if timeline is None else timeline
         self.compressor = get_compressor(compression)
         self.hook: CommHook = hook_for(self.compressor) if hook is None else hook
-        self.state = HookState(engine, policy.engine_op, root)
+        self.state = HookState(engine, policy.engine_op)
         self.what = what or f"tensors of scheduler {name!r}"
         self.autotuner = Autotuner(
             config.autotune_candidates, self.fusion_threshold,
@@ -171,7 +151,7 @@ class Reducer:
             "fusion threshold": self.fusion_threshold,
             "first bucket threshold": self.first_threshold,
             "compression": self.compressor.name, "op": policy.op.value,
-            **dict(policy.settings), "root": root,
+            **dict(policy.settings),
             "backward_passes_per_step": self.backward_passes_per_step,
             "rebuild_buckets": self.rebuild_buckets, **(settings or {}),
             "DP_PLUGIN_AUTOTUNE": "off" if self.autotuner is None else self.autotuner.setting,
@@ -180,10 +160,10 @@ class Reducer:
         if self.groups:
             self.settings["groups"] = self.groups
         self.ops = array_ops
-        self.agreed = agreed
-        """True once the ranks agreed (or the caller already made them agree)."""
+        self.agreed = False
+        """True once the ranks agreed."""
         self.broken: BaseException | None = None
-        self._order = default_order(len(self.specs)) if order is None else list(order)
+        self._order = default_order(len(self.specs))
         self.rebuilt = False
         """True once the plan was rebuilt from the ready order of the first step."""
         self._rebuild_pending = self.rebuild_buckets
@@ -204,21 +184,12 @@ class Reducer:
         self._state = StepState(0, len(self.specs), len(self.plan))
 
     # -- the plan ----------------------------------------------------------------
-    @property
-    def grouped(self) -> bool:
-        """A grouped collective: buckets of ``PIPELINE_CHUNK``, each with its own
-        buffer (see ``UNBOUNDED``)."""
-        return self.fusion_threshold >= UNBOUNDED
-
     def _plan(self, order: Iterable[int], threshold: int | None = None) -> list[PlanEntry]:
-        """Buckets of ``threshold`` bytes (default: the fusion threshold); of
-        ``PIPELINE_CHUNK`` when grouped, with every tensor of ``DIRECT_BYTES``
-        or more alone."""
-        threshold = self.fusion_threshold if threshold is None else threshold
-        grouped = threshold >= UNBOUNDED
-        return plan_buckets(self.specs, PIPELINE_CHUNK if grouped else threshold,
+        """Buckets of ``threshold`` bytes (default: the fusion threshold)."""
+        return plan_buckets(self.specs,
+                            self.fusion_threshold if threshold is None else threshold,
                             order=order, first_threshold=self.first_threshold,
-                            alone_from=DIRECT_BYTES if grouped else None, groups=self.groups)
+                            groups=self.groups)
 
     def _install(self, plan: list[PlanEntry]) -> None:
         """Adopt ``plan``: new fusion buffers (allocated on first use); the
@@ -231,9 +202,7 @@ class Reducer:
             Bucket(b, FusionBuffer(
                 b, self.specs, f"{self.name}.bucket{b.index}",
                 self.control_numel if b.index == last else 0,
-                # One tensor over the threshold; or a grouped collective's
-                # chunk, which must not wait for a slab (all start at once).
-                pinned=self.grouped or b.nbytes > self.fusion_threshold,
+                pinned=b.nbytes > self.fusion_threshold,  # one tensor over the threshold
                 wire_dtype=self.compressor.wire_dtype(b.dtype)))
             for b in plan
         ]
@@ -294,7 +263,7 @@ class Reducer:
         gradient hook: it blocks. Raises ``LayoutMismatchError`` on every rank."""
         if not self.agreed:
             self.agreed = True
-            self._guard(lambda: check(self.engine, Request.fused(self.layout, self.what,
+            self._guard(lambda: check(self.engine, Request.fused(self.specs, self.what,
                                                                  self.settings)))
 
     def flags_of(self, name: str, like: Any = None) -> Any:
@@ -398,30 +367,6 @@ class Reducer:
             self._launch_ready(block=False)
             return self._state.next_launch == len(self.plan) and \
                 all(self._done(r) for r in self.buckets)
-
-    def start(self, tensors: Sequence[Any], sources: Sequence[Any] | None = None) -> list[Handle]:
-        """A one-shot collective: start every bucket of ``tensors`` (indexed by
-        spec) at once, in order; returns the handles in flight. ``finish()``
-        writes the results back into ``tensors``.
-
-        ``sources`` (indexed by spec; default ``tensors``): an out-of-place
-        collective's inputs, only read, with ``tensors`` the fresh outputs.
-        Each bucket copies its sources in as it starts (the tensors that
-        travel alone straight into their outputs), so that copy runs while
-        the buckets before it are on the wire, and its unpack in ``finish()``
-        while the buckets after it are: the outputs cost no pass of their own
-        over the whole list before the first byte moves."""
-        return [h for r in self.buckets if (h := self._start(r, tensors, sources)) is not None]
-
-    def finish(self) -> None:
-        """Wait for every bucket ``start`` started and unpack it."""
-        for r in self.buckets:
-            self._finish(r)
-
-    def run(self, tensors: Sequence[Any], sources: Sequence[Any] | None = None) -> None:
-        """``start(tensors, sources)``, then ``finish()`` (a synchronization point)."""
-        self.start(tensors, sources)
-        self.finish()
 
     def view_for(self, index: int, like: Any = None) -> Any:
         """A tensor shaped like spec ``index`` that lives inside its fusion buffer.
@@ -572,11 +517,9 @@ class Reducer:
         return to_host(buf)
 
     # -- one bucket: start (pack, hook) ... finish (wait, unpack) -------------------
-    def _start(self, r: Bucket, tensors: Sequence[Any],
-               sources: Sequence[Any] | None = None) -> Handle | None:
-        """Pack ``r`` from ``tensors`` (indexed by spec; from ``sources`` if
-        given, see ``start``) and start its collective. Returns what is in
-        flight (None for an empty bucket)."""
+    def _start(self, r: Bucket, tensors: Sequence[Any]) -> Handle | None:
+        """Pack ``r`` from ``tensors`` (indexed by spec) and start its
+        collective. Returns what is in flight (None for an empty bucket)."""
         self._check_usable()
         buf = r.buffer
         if buf.numel == 0:
@@ -586,11 +529,10 @@ class Reducer:
         ops, members = self._members(r, tensors)
         direct = buf.direct_alias(ops, members)
         slab = None if direct is not None or buf.pinned else self._free_slab(r)
-        read = None if sources is None else [sources[i] for i in r.entry.members]
-        r.aliased = buf.pack(ops, members, self.policy.prescale, direct, slab, read)
+        r.aliased = buf.pack(ops, members, self.policy.prescale, direct, slab)
         r.direct = direct
         bucket = buf.grad_bucket(ops, direct)
-        r.folded = self._can_fold(buf)
+        r.folded = folds(self.engine, self.hook, self.policy, buf)
         t1 = time.perf_counter()
         if r.folded:  # the engine multiplies while it reduces: no pass of its own
             handle: Handle = self._guard(lambda: self.engine.allreduce_async(
@@ -601,17 +543,6 @@ class Reducer:
         handle.context = buf.describe  # the engine's timeout message names the bucket
         r.handle, r.tensors, r.packed = handle, members, (t0, t1)
         return handle
-
-    def _can_fold(self, buf: FusionBuffer) -> bool:
-        """Can the engine multiply the sum by the post-scale while reducing
-        (exactly as ``unpack`` would)? Only the default hook's plain
-        all-reduce (a user's hook gets the multiply at unpack), on an engine
-        that ``scales_in_reduction`` the dtype (gloo on shared memory), op
-        sum, and no control slot (its counts are not scaled)."""
-        scales = getattr(self.engine, "scales_in_reduction", None)
-        return (self.hook is allreduce_hook and self.policy.postscale != 1.0
-                and self.policy.engine_op is ReduceOp.SUM and scales is not None
-                and not buf.control_numel and bool(scales(buf.bucket.dtype)))
 
     def _would_block(self, r: Bucket, tensors: Sequence[Any]) -> bool:
         """Would ``_start(r, tensors)`` wait for an earlier bucket to finish

@@ -16,12 +16,10 @@ import numpy as np
 
 import keras
 from dp_plugin import agreement, runtime
-from dp_plugin.arrays import NumpyOps
+from dp_plugin.collective import fused_collective
 from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.errors import MismatchError, NotInitializedError, Problem
-from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
-from dp_plugin.scheduler import UNBOUNDED, Reducer
 
 _OP_NAME = "MetricAverageCallback"
 
@@ -89,13 +87,10 @@ def average_logs(logs: dict[str, Any], engine: Engine, when: str = "") -> None:
     if bad is not None or not heard.same:  # same: every rank logged this bad value
         everyone = [mine] * engine.size if heard.same else heard.described
         _raise_difference(everyone, bad, f"{_OP_NAME} at the {when}" if when else _OP_NAME)
-    specs = [TensorSpec(n, v.shape, "float64") for n, v in zip(names, values, strict=True)]
     if sum(v.size for v in values) == 0:  # no metrics anywhere: nothing to reduce
         return
-    Reducer(
-        specs, engine=engine, name=_OP_NAME, fusion_threshold=UNBOUNDED, array_ops=NumpyOps(),
-        policy=ReducePolicy(ReduceOp.AVERAGE, engine.size), agreed=True,
-    ).run(values)
+    fused_collective(values, engine=engine, name=_OP_NAME, names=names,
+                     policy=ReducePolicy(ReduceOp.AVERAGE, engine.size)).finish()
     for name, value in zip(names, values, strict=True):
         logs[name] = float(value) if value.ndim == 0 else value
 

@@ -22,7 +22,7 @@ from dp_plugin.edge import caller, calling
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.objects import broadcast_bytes, byte_layout
 from dp_plugin.process_sets import engine_of
-from dp_plugin.request import root_of
+from dp_plugin.roots import root_of
 from dp_plugin.tensorflow.collectives import run_op
 
 

@@ -15,7 +15,7 @@ have Horovod 0.28.1's gradients:
   times the scale factors).
 
 Every collective takes the torch adapter's path: the core's one check
-(``dp_plugin.request.check``: a shape, dtype, op, root or splits mismatch
+(``dp_plugin.check``: a shape, dtype, op, root or splits mismatch
 raises on every rank, with the same messages), then the engine moves the
 agreed bytes — all-reduces through a ``Reducer`` run (one fused buffer per
 dtype), reduce-scatters scaled by the one ``ReducePolicy``.
@@ -39,15 +39,15 @@ import tensorflow as tf
 from dp_plugin import horovod_names as _names
 from dp_plugin import runtime
 from dp_plugin.arrays import NumpyOps
+from dp_plugin.check import check
+from dp_plugin.collective import fused_collective
 from dp_plugin.compression import Compressor, get_compressor
 from dp_plugin.edge import caller, deferred, public
 from dp_plugin.engines.base import ReduceOp
-from dp_plugin.fusion import TensorSpec
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.horovod_names import Compression
 from dp_plugin.process_sets import engine_of, global_process_set
-from dp_plugin.request import Request, check
-from dp_plugin.scheduler import UNBOUNDED, Reducer
+from dp_plugin.request import Request
 from dp_plugin.tensorflow import errors as tf_errors
 from dp_plugin.tensorflow import graph_gradient, graph_order, status_op
 from dp_plugin.validate import check_positive_float
@@ -188,15 +188,12 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense:
 
     def reduce(*arrays: np.ndarray) -> list[np.ndarray]:
         engine = engine_of(process_set)
-        # New outputs, filled bucket by bucket from the inputs (Reducer.start).
+        # New outputs, filled bucket by bucket from the inputs (fused_collective).
         outs = [np.empty_like(a, order="C") for a in arrays]
         check(engine, Request.of("allreduce", outs, name=label, op=op, scales=(pre, post)))
-        specs = [TensorSpec(f"{label}.{i}", o.shape, o.dtype.name) for i, o in enumerate(outs)]
-        Reducer(
-            specs, engine=engine, name=label, fusion_threshold=UNBOUNDED, order=range(len(specs)),
-            policy=ReducePolicy(op, engine.size, prescale=pre, postscale=post),
-            compression=compressor, agreed=True,
-        ).run(outs, arrays)
+        fused_collective(outs, engine=engine, name=label, compression=compressor,
+                         policy=ReducePolicy(op, engine.size, prescale=pre, postscale=post),
+                         sources=arrays).finish()
         return outs
 
     def forward(*args: Any) -> list[Any]:

@@ -17,9 +17,9 @@ import tensorflow as tf
 from dp_plugin import join as protocol
 from dp_plugin import objects as _objects
 from dp_plugin import runtime
+from dp_plugin.check import agreed_root
 from dp_plugin.edge import public
 from dp_plugin.process_sets import engine_of, global_process_set
-from dp_plugin.request import agreed_root
 from dp_plugin.tensorflow import graph_order
 from dp_plugin.tensorflow.broadcast import broadcast_variables
 

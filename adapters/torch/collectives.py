@@ -12,12 +12,13 @@ from typing import Any
 
 import torch
 from dp_plugin.arrays import TorchOps
-from dp_plugin.collective import start_allreduce
+from dp_plugin.check import check
+from dp_plugin.collective import fused_collective
 from dp_plugin.edge import caller, public
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.hooks import ReducePolicy
 from dp_plugin.process_sets import engine_of, global_process_set
-from dp_plugin.request import Request, check
+from dp_plugin.request import Request
 from dp_plugin.torch.handles import InFlight, Ready, new_handle
 from dp_plugin.torch.ops import resolve_op
 from dp_plugin.torch.submit import agree, check_factor, check_tensors, contiguous_copy
@@ -78,9 +79,9 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None =
 def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
                      name: str | None, op: ReduceOp, prescale: Any, postscale: Any,
                      process_set: Any) -> int:
-    """One ``Reducer`` run per call: grouped (large tensors alone,
-    the rest in 8 MiB chunks, see ``dp_plugin.scheduler.UNBOUNDED``), scaled
-    by the one ``ReducePolicy``; ``synchronize`` unpacks the results."""
+    """One ``fused_collective`` per call (large tensors alone, the rest in
+    8 MiB chunks, see ``dp_plugin.collective``), scaled by the one
+    ``ReducePolicy``; ``synchronize`` unpacks the results."""
     pre = check_factor(prescale, "prescale_factor")
     post = check_factor(postscale, "postscale_factor")
     engine = engine_of(process_set)
@@ -89,15 +90,17 @@ def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
     # Out of place (or a strided in-place tensor): the inputs are only read.
     sources = (None if inplace and all(t.is_contiguous() for t in tensors)
                else [t.detach() for t in tensors])
-    reducer, handles = start_allreduce(engine, outs, name, op, pre, post, sources)
+    fused = fused_collective(outs, engine=engine, name=name or "allreduce",
+                             policy=ReducePolicy(op, engine.size, prescale=pre, postscale=post),
+                             sources=sources)
 
     def finish() -> Any:
-        reducer.finish()
+        fused.finish()
         results = ([_copy_back(t, out) for t, out in zip(tensors, outs, strict=True)]
                    if inplace else outs)
         return tuple(results) if grouped else results[0]
 
-    return new_handle(InFlight(handles, finish), key)
+    return new_handle(InFlight(fused.handles, finish), key)
 
 
 # -- allgather ------------------------------------------------------------------
@@ -168,7 +171,7 @@ def _start_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, pro
                      inplace: bool) -> int:
     (t,) = check_tensors(tensor)
     engine = engine_of(process_set)
-    # Horovod's root rule (request.root_of: an int raises at once; a root outside
+    # Horovod's root rule (roots.root_of: an int raises at once; a root outside
     # the set is a problem of the agreement, so that every rank raises).
     key, agreed = agree(engine, "broadcast", [t], name, process_set, root=root_rank)
     out = _storage(t, inplace)
@@ -187,7 +190,7 @@ def _output(t: torch.Tensor, inplace: bool) -> torch.Tensor:
     """Where an all-reduce's result is written: the caller's tensor in place
     when it is one dense block, else a fresh contiguous tensor, uninitialized:
     the reduction reads ``t`` and copies it in bucket by bucket, while earlier
-    buckets are on the wire (``Reducer.start``), where a copy made here would
+    buckets are on the wire (``fused_collective``), where a copy made here would
     delay the first byte by a pass over the whole list."""
     if inplace and t.is_contiguous():
         return t.detach()

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 from dp_plugin import objects as _objects
+from dp_plugin.check import agreed_root
 from dp_plugin.edge import calling, public
 from dp_plugin.engines.base import Engine
 from dp_plugin.fusion import TensorSpec
 from dp_plugin.process_sets import ProcessSet, engine_of, global_process_set
-from dp_plugin.request import agreed_root
 
 
 @public("broadcast_parameters")
@@ -142,7 +142,7 @@ def allgather_object(obj: Any, name: str | None = None,
 def _broadcast_tensors(eng: Engine, named: list[tuple[str, torch.Tensor]], root: int,
                        what: str) -> None:
     """Broadcast ``named`` tensors' bytes from ``root`` (a rank of ``eng``),
-    fused: one ``Reducer`` run with the broadcast hook."""
+    fused: one ``fused_collective`` with the broadcast hook."""
     device = eng.buffer_device
     layout = [_layout_spec(name, t, device) for name, t in named]
     if not named:

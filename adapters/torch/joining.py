@@ -22,9 +22,8 @@ from typing import Any
 
 from dp_plugin import join as protocol
 from dp_plugin.edge import public
-from dp_plugin.join import Deadline, Listener
+from dp_plugin.join import Deadline, Listener, joined_view
 from dp_plugin.process_sets import member_engines
-from dp_plugin.request import joined_view
 from dp_plugin.torch.basics import engine
 from dp_plugin.torch.optimizer_state import OptimizerState, SynchronizationError
 

@@ -16,7 +16,7 @@ import gc
 from typing import Any
 
 import torch
-from dp_plugin import request
+from dp_plugin import checked
 from dp_plugin.arrays import TorchOps
 from dp_plugin.edge import public
 from dp_plugin.engines.base import ReduceOp
@@ -166,7 +166,7 @@ class SparseGradients:
             grad = self.grads.get(p) if contribute else None
             t, rows = _rows(_as_rows(p, grad))
             name = f"DistributedOptimizer.sparse.{names[p]}"
-            parts = [request.allgather_async(engine, part, f"{name}.{what}")
+            parts = [checked.allgather_async(engine, part, f"{name}.{what}")
                      for what, part in rows.items()]
             started.append((p, t, parts, grad is not None and not grad.is_sparse))
         divisor = engine.size if op is ReduceOp.AVERAGE else 1

@@ -11,13 +11,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from dp_plugin.arrays import TorchOps
+from dp_plugin.check import check
+from dp_plugin.collective import fused_collective
 from dp_plugin.edge import calling
 from dp_plugin.engines.base import ReduceOp
-from dp_plugin.fusion import TensorSpec
 from dp_plugin.process_sets import engine_of
-from dp_plugin.request import Request, check
-from dp_plugin.scheduler import UNBOUNDED, Reducer
+from dp_plugin.request import Request
 from torch.autograd.function import Function
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -112,15 +111,11 @@ class SyncBatchNorm(_BatchNorm):
         )
 
 
-_fused: dict[tuple[Any, ...], Reducer] = {}
-
-
 def _sum(engine: Any, t: torch.Tensor, name: str) -> None:
     """Sum ``t`` over the ranks of ``engine``, in place: one fused collective
-    (the statistics are a few numbers per channel), kept per engine, name and
-    shape so that its buffer is reused.
+    (the statistics are a few numbers per channel, reduced where they lie).
 
-    Each call first runs the check (``request.check``, one small all-reduce):
+    Each call first runs the check (``dp_plugin.check``, one small all-reduce):
     the data's all-reduce never runs without one on an engine where a rank
     that called ``hvd.join()`` listens (``dp_plugin.join``), so it cannot pair
     with that rank's standing answer; the check refuses instead, with
@@ -129,16 +124,7 @@ def _sum(engine: Any, t: torch.Tensor, name: str) -> None:
     (``MismatchError``)."""
     check(engine, Request.of("allreduce", [t], name=f"SyncBatchNorm ({name})",
                              op=ReduceOp.SUM))
-    key = (id(engine), name, tuple(t.shape), t.dtype, t.device)
-    fused = _fused.get(key)
-    if fused is None or fused.engine is not engine:
-        if len(_fused) > 256:  # many shapes (or engines): start over
-            _fused.clear()
-        fused = _fused[key] = Reducer(
-            [TensorSpec.of(name, t)], engine=engine, name=name, fusion_threshold=UNBOUNDED,
-            array_ops=TorchOps(), what=f"statistics of {name}", agreed=True,
-        )
-    fused.run([t])
+    fused_collective([t], engine=engine, name=name, names=[name]).finish()
 
 
 def _shaped(v: torch.Tensor, ndim: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ Contract shared by all engines:
   ``CollectiveTimeoutError`` naming the collective and the rank, instead of
   hanging;
 - ``allgather``, ``alltoall``, ``reducescatter`` and ``subgroup`` take a
-  request the ranks have agreed on already (``dp_plugin.request.check``:
+  request the ranks have agreed on already (``dp_plugin.check``:
   every rank's rows, the alltoall counts, the member list and hosts) and
   only move bytes; a buffer whose dtype cannot be reduced (bool, uint16,
   complex) moves as raw bytes. The base class implements alltoall,
@@ -185,7 +185,7 @@ class Engine(Lifecycle):
         """Concatenate every rank's buffer along the first dimension.
 
         ``rows[r]`` is rank r's first dimension, as the ranks agreed
-        (``dp_plugin.request.check``; ``request.allgather`` checks, then
+        (``dp_plugin.check``; ``checked.allgather`` checks, then
         calls this). The other dimensions and the dtype are the same on
         every rank. Returns a new buffer of the same kind as ``buf``.
         Collective and a synchronization point.
@@ -211,7 +211,7 @@ class Engine(Lifecycle):
     def alltoall(self, buf: Any, counts: Any, name: str = "alltoall") -> tuple[Any, list[int]]:
         """Send row blocks of ``buf`` to every rank; return what this rank got.
 
-        ``counts[i, j]`` (agreed by every rank: ``dp_plugin.request.check``)
+        ``counts[i, j]`` (agreed by every rank: ``dp_plugin.check``)
         is the number of rows rank i sends to rank j: rank r sends rows
         ``buf[o_j : o_j + counts[r, j]]`` to rank j, where ``o_j =
         sum(counts[r, :j])``. Returns ``(received, received_splits)``: the
@@ -230,7 +230,7 @@ class Engine(Lifecycle):
         """Reduce ``buf`` over the ranks; return this rank's block of rows.
 
         ``buf`` (numpy or torch, at least 1-D) has the same shape and dtype
-        on every rank (agreed: ``dp_plugin.request.check``). The reduced
+        on every rank (agreed: ``dp_plugin.check``). The reduced
         result is split along the first dimension as Horovod 0.28.1 does:
         each rank gets ``rows // size`` rows and ranks ``0 .. rows % size - 1``
         one more, in rank order. Returns a new buffer of the same kind as
@@ -260,7 +260,7 @@ class Engine(Lifecycle):
 
         ``members`` are this engine's ranks, sorted, unique and non-empty,
         and ``hosts[r]`` rank r's host key, as every rank agreed
-        (``dp_plugin.request.subgroup`` checks, then calls this). Collective
+        (``dp_plugin.checked.subgroup`` checks, then calls this). Collective
         over *all* ranks of this engine. Members get a new engine with
         ``rank``/``size`` relative to the group (group rank i is
         ``members[i]``; broadcast roots are group ranks) and ``global_ranks``

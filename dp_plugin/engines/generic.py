@@ -1,7 +1,7 @@
 """Collectives derived from all-gather and all-reduce, for engines whose
 library has no native path (``Engine``'s defaults call these).
 
-They run after the agreement (``dp_plugin.request.check``), so their
+They run after the agreement (``dp_plugin.check``), so their
 inputs are valid and agreed by every rank. Also here: the one engine
 Average (``average``) and the raw-bytes view of buffers whose dtype no
 reduction takes (``as_bytes``).

@@ -2,7 +2,7 @@
 from words in the message, so every rank raises the same class.
 
 Two ranks on a fake thread group (``tests.unit.fakes``) run the core's
-``request.check`` and translate its error as the TF adapter does.
+``dp_plugin.check`` and translate its error as the TF adapter does.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dp_plugin import request
+from dp_plugin import check, request
 from dp_plugin.tensorflow.errors import (
     CollectiveArgumentError,
     CollectiveMismatchError,
@@ -23,7 +23,7 @@ from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks_outcomes
 
 def _classes(make: Any) -> list[type]:
     def body(e: FakeEngine) -> Any:
-        request.check(e, make(e.rank))
+        check.check(e, make(e.rank))
 
     outcomes = run_ranks_outcomes(make_thread_group(2), body)
     assert all(isinstance(o, BaseException) for o in outcomes), outcomes

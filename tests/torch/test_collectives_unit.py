@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from dp_plugin import runtime, scheduler
+from dp_plugin import collective, runtime
 from dp_plugin.agreement import AGREE_NAME
 from dp_plugin.config import Config
 from dp_plugin.engines.base import Engine
@@ -541,7 +541,7 @@ def test_out_of_place_copies_each_large_input_as_its_bucket_starts(
     byte moves: an input changed once the first bucket has started shows in
     its result. (A caller must not change inputs in flight; the test only
     observes when the copy runs.)"""
-    n = scheduler.DIRECT_BYTES // 4 + 1  # travels alone
+    n = collective.DIRECT_BYTES // 4 + 1  # travels alone
     xs = [torch.full((n,), 1.0), torch.ones(3), torch.full((n,), 2.0)]
     launched: list[int] = []
     launch = local_engine.allreduce_async
@@ -563,7 +563,7 @@ def test_out_of_place_copies_each_large_input_as_its_bucket_starts(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_out_of_place_group_of_cpu_and_cuda_tensors() -> None:
-    n = scheduler.DIRECT_BYTES // 4 + 1  # travels alone
+    n = collective.DIRECT_BYTES // 4 + 1  # travels alone
     xs = [torch.arange(n, dtype=torch.float32), torch.ones(3, device="cuda"),
           torch.arange(n, dtype=torch.float64, device="cuda"), torch.ones(2, dtype=torch.int32)]
     kept = [x.clone() for x in xs]

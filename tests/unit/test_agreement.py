@@ -1,4 +1,4 @@
-"""Cross-rank agreement of fused layouts and settings (``request.check`` of a
+"""Cross-rank agreement of fused layouts and settings (``dp_plugin.check`` of a
 ``Request.fused``), on a fake thread group (no processes)."""
 
 from __future__ import annotations
@@ -6,11 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dp_plugin.agreement import DIGEST_SIZE, to_device, to_host
+from dp_plugin.agreement import DIGEST_SIZE
+from dp_plugin.arrays import to_device, to_host
+from dp_plugin.check import agreed_root, check
+from dp_plugin.check_messages import layout_text, settings_text
 from dp_plugin.edge import calling
 from dp_plugin.errors import LayoutMismatchError, MismatchError, Problem
 from dp_plugin.fusion import TensorSpec
-from dp_plugin.request import Request, _layout_text, _settings_text, agreed_root, check
+from dp_plugin.request import Request
 from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks, run_ranks_outcomes
 
 
@@ -105,8 +108,8 @@ def test_dtype_and_order_mismatch() -> None:
 
 def test_describe_mismatch_when_layouts_agree() -> None:
     same = [["w", [1], "float32", "cpu"]]
-    assert _layout_text({0: same, 1: same}, "gradients", 0) is None
-    assert "corrupted" in _settings_text({0: {"a": "1"}, 1: {"a": "1"}}, "gradients", 0)
+    assert layout_text({0: same, 1: same}, "gradients", 0) is None
+    assert "corrupted" in settings_text({0: {"a": "1"}, 1: {"a": "1"}}, "gradients", 0)
 
 
 @pytest.mark.parametrize(("key", "values"), [

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dp_plugin import request
+from dp_plugin import checked
 from dp_plugin.agreement import AGREE_NAME
 from dp_plugin.config import Config
 from dp_plugin.engines import base
@@ -44,7 +44,7 @@ def test_local_alltoall_returns_a_copy_and_the_counts(kind: str, splits: Any) ->
     buf = _kind(data, kind)
     if splits == "tensor":
         splits = torch.tensor([3])
-    out, received = request.alltoall(engine, buf, splits)
+    out, received = checked.alltoall(engine, buf, splits)
     assert received == [3]
     assert type(out) is type(buf)
     np.testing.assert_array_equal(np.asarray(out), data)
@@ -64,7 +64,7 @@ def test_local_alltoall_returns_a_copy_and_the_counts(kind: str, splits: Any) ->
 )
 def test_local_alltoall_rejects_bad_splits(splits: Any, needle: str) -> None:
     with pytest.raises(ValueError, match=needle) as info:
-        request.alltoall(_local(), np.zeros(3, np.float32), splits, name="tokens")
+        checked.alltoall(_local(), np.zeros(3, np.float32), splits, name="tokens")
     assert "alltoall 'tokens' cannot run" in str(info.value)
     assert "rank(s) [0] passed invalid splits" in str(info.value)
 
@@ -72,11 +72,11 @@ def test_local_alltoall_rejects_bad_splits(splits: Any, needle: str) -> None:
 def test_local_alltoall_rejects_bad_buffers() -> None:
     engine = _local()
     with pytest.raises(ValueError, match=r"0-dim tensor.*reshape it to \(1,\)"):
-        request.alltoall(engine, np.zeros((), np.float32))
+        checked.alltoall(engine, np.zeros((), np.float32))
     with pytest.raises(TypeError, match="dtype complex64, which collectives do not support"):
-        request.alltoall(engine, np.zeros(3, np.complex64))
+        checked.alltoall(engine, np.zeros(3, np.complex64))
     # Any number of dimensions: the agreement describes them all.
-    assert request.alltoall(engine, np.zeros((1,) * 10, np.float32))[0].shape == (1,) * 10
+    assert checked.alltoall(engine, np.zeros((1,) * 10, np.float32))[0].shape == (1,) * 10
 
 
 @pytest.mark.parametrize("op", list(ReduceOp))
@@ -84,7 +84,7 @@ def test_local_alltoall_rejects_bad_buffers() -> None:
 def test_local_reducescatter_is_a_copy_of_the_input(op: ReduceOp, kind: str) -> None:
     data = np.arange(12, dtype=np.float64).reshape(4, 3)
     buf = _kind(data, kind)
-    out = request.reducescatter(_local(), buf, op)
+    out = checked.reducescatter(_local(), buf, op)
     assert type(out) is type(buf)
     np.testing.assert_array_equal(np.asarray(out), data)
     out[0, 0] = -1
@@ -94,25 +94,25 @@ def test_local_reducescatter_is_a_copy_of_the_input(op: ReduceOp, kind: str) -> 
 def test_local_reducescatter_validation() -> None:
     engine = _local()
     with pytest.raises(ValueError, match="'mean' is not known"):
-        request.reducescatter(engine, np.ones(2, np.float32), "mean")
+        checked.reducescatter(engine, np.ones(2, np.float32), "mean")
     with pytest.raises(TypeError, match="dtype bool, which collectives do not support"):
-        request.reducescatter(engine, np.ones(2, bool), "sum")
+        checked.reducescatter(engine, np.ones(2, bool), "sum")
     with pytest.raises(ValueError, match="0-dim tensor"):
-        request.reducescatter(engine, np.ones((), np.float32))
+        checked.reducescatter(engine, np.ones((), np.float32))
 
 
 def test_local_subgroup_of_rank_zero_runs_every_collective() -> None:
     engine = _local()
-    group = request.subgroup(engine, [0], name="solo")
+    group = checked.subgroup(engine, [0], name="solo")
     assert group is not None and group is not engine
     assert (group.rank, group.size, group.global_ranks) == (0, 1, (0,))
     buf = np.ones(3, np.float32)
     group.allreduce_async(buf, "average").wait()
     group.broadcast(buf, 0)
-    assert request.allgather(group, buf).shape == (3,)
+    assert checked.allgather(group, buf).shape == (3,)
     group.barrier()
-    assert request.alltoall(group, np.ones((2, 2), np.float32))[1] == [2]
-    assert request.reducescatter(group, np.ones((2, 2), np.float32)).shape == (2, 2)
+    assert checked.alltoall(group, np.ones((2, 2), np.float32))[1] == [2]
+    assert checked.reducescatter(group, np.ones((2, 2), np.float32)).shape == (2, 2)
     group.shutdown()
     engine.allreduce_async(buf).wait()  # the parent is unaffected
 
@@ -129,7 +129,7 @@ def test_local_subgroup_of_rank_zero_runs_every_collective() -> None:
 )
 def test_subgroup_validation(ranks: Any, needle: str) -> None:
     with pytest.raises(ValueError, match=needle) as info:
-        request.subgroup(_local(), ranks, name="ps")
+        checked.subgroup(_local(), ranks, name="ps")
     assert "subgroup 'ps'" in str(info.value)
 
 
@@ -171,7 +171,7 @@ def test_generic_alltoall_uneven_with_zero_rows() -> None:
     def body(engine: FakeEngine) -> tuple[Any, list[int]]:
         mine = _send_counts(engine.rank, 3)
         buf = _kind(_rows(engine.rank, sum(mine)), "torch")
-        return request.alltoall(engine, buf, mine, name="a2a")
+        return checked.alltoall(engine, buf, mine, name="a2a")
 
     for me, (out, received) in enumerate(run_ranks(engines, body)):
         want = []
@@ -190,7 +190,7 @@ def test_generic_reducescatter_uneven_rows(op: str) -> None:
     rows = 5  # ranks get 2, 2 and 1 rows
 
     def body(engine: FakeEngine) -> Any:
-        return request.reducescatter(engine, _rows(engine.rank, rows), op, name="rs")
+        return checked.reducescatter(engine, _rows(engine.rank, rows), op, name="rs")
 
     inputs = np.stack([_rows(r, rows) for r in range(3)])
     reduced = {"sum": inputs.sum(0), "average": inputs.sum(0) / 3, "max": inputs.max(0)}[op]
@@ -204,7 +204,7 @@ def test_a_mistake_on_one_rank_raises_on_every_rank() -> None:
 
     def body(engine: FakeEngine) -> Any:
         splits = [2, 2] if engine.rank == 1 else [2, 2, 2]  # only rank 1 errs
-        return request.alltoall(engine, np.zeros((6, 2), np.float32), splits, name="a2a")
+        return checked.alltoall(engine, np.zeros((6, 2), np.float32), splits, name="a2a")
 
     outcomes = run_ranks_outcomes(engines, body)
     for rank, outcome in enumerate(outcomes):
@@ -222,8 +222,8 @@ def test_a_mistake_every_rank_makes_is_blamed_on_every_rank(mistake: str) -> Non
 
     def body(engine: FakeEngine) -> Any:
         if mistake == "bool":
-            return request.reducescatter(engine, np.zeros((6, 2), bool), name="flags")
-        return request.alltoall(engine, np.zeros((6, 2), np.float32), [3, 3], name="a2a")
+            return checked.reducescatter(engine, np.zeros((6, 2), bool), name="flags")
+        return checked.alltoall(engine, np.zeros((6, 2), np.float32), [3, 3], name="a2a")
 
     said = ("every rank passed a tensor of dtype bool" if mistake == "bool"
             else "every rank passed invalid splits")
@@ -251,19 +251,19 @@ def test_mismatches_between_ranks_raise_everywhere(case: str, needle: str) -> No
     def body(engine: FakeEngine) -> Any:
         odd = engine.rank == 2
         if case == "dtype":
-            return request.alltoall(engine, np.zeros(3, np.float64 if odd else np.float32))
+            return checked.alltoall(engine, np.zeros(3, np.float64 if odd else np.float32))
         if case == "trailing":
-            return request.alltoall(engine, np.zeros((3, 3 if odd else 2), np.float32))
+            return checked.alltoall(engine, np.zeros((3, 3 if odd else 2), np.float32))
         if case == "rs-shape":
-            return request.reducescatter(engine, np.zeros(4 if odd else 3, np.float32))
+            return checked.reducescatter(engine, np.zeros(4 if odd else 3, np.float32))
         if case == "rs-op":
-            return request.reducescatter(engine, np.zeros(3, np.float32), "min" if odd else "sum")
+            return checked.reducescatter(engine, np.zeros(3, np.float32), "min" if odd else "sum")
         if case == "ag-dtype":  # uneven first dimensions are fine, dtypes must agree
             rows = engine.rank + 2
-            return request.allgather(engine, np.zeros((rows, 2), np.float64 if odd else np.float32))
+            return checked.allgather(engine, np.zeros((rows, 2), np.float64 if odd else np.float32))
         if case == "ag-trailing":
-            return request.allgather(engine, np.zeros((engine.rank, 3 if odd else 2), np.float32))
-        return request.subgroup(engine, [0] if odd else [0, 1])
+            return checked.allgather(engine, np.zeros((engine.rank, 3 if odd else 2), np.float32))
+        return checked.subgroup(engine, [0] if odd else [0, 1])
 
     outcomes = run_ranks_outcomes(engines, body)
     for outcome in outcomes:
@@ -281,7 +281,7 @@ def test_allgather_of_uneven_rows_agrees_first() -> None:
 
     def body(engine: FakeEngine) -> Any:
         buf = np.full((engine.rank, 2), engine.rank, np.int32)
-        return request.allgather(engine, buf, name="ag")
+        return checked.allgather(engine, buf, name="ag")
 
     expected = np.concatenate([np.full((r, 2), r, np.int32) for r in range(3)])
     for outcome in run_ranks_outcomes(engines, body):
@@ -294,7 +294,7 @@ def test_allgather_of_uneven_rows_agrees_first() -> None:
 
 def test_an_engine_without_subgroups_says_so_on_every_rank() -> None:
     engines = make_thread_group(2)
-    for outcome in run_ranks_outcomes(engines, lambda e: request.subgroup(e, [0], name="ps")):
+    for outcome in run_ranks_outcomes(engines, lambda e: checked.subgroup(e, [0], name="ps")):
         assert isinstance(outcome, NotImplementedError)
         assert "the fake engine cannot create process sets" in str(outcome)
 
@@ -310,9 +310,9 @@ def test_gather_and_alltoall_move_every_horovod_dtype(kind: str, dtype: str) -> 
         return (values % 2 == 0) if dtype == "bool" else (values * 1000 + 3).astype(np.uint16)
 
     def body(engine: FakeEngine) -> Any:
-        gathered = request.allgather(engine, _kind(data(engine.rank, engine.rank), kind), "ag")
+        gathered = checked.allgather(engine, _kind(data(engine.rank, engine.rank), kind), "ag")
         splits = [engine.rank] * 3  # rank r sends r rows to everyone (rank 0: none)
-        received, counts = request.alltoall(engine, _kind(data(engine.rank, 3 * engine.rank),
+        received, counts = checked.alltoall(engine, _kind(data(engine.rank, 3 * engine.rank),
                                                           kind), splits, "a2a")
         return gathered, received, counts
 
@@ -332,7 +332,7 @@ def test_integer_average_reducescatter_truncates_like_allreduce() -> None:
     inputs = [np.array([[7], [-7], [5], [1]], np.int32) * (r + 1) for r in range(3)]
 
     def body(engine: FakeEngine) -> Any:
-        return request.reducescatter(engine, inputs[engine.rank].copy(), "average", "rs")
+        return checked.reducescatter(engine, inputs[engine.rank].copy(), "average", "rs")
 
     total = sum(inputs).astype(np.float64)
     expected = np.trunc(total * (1.0 / 3)).astype(np.int32)
@@ -392,13 +392,24 @@ class _FoldingEngine(LocalEngine):
 
 @pytest.mark.parametrize("wrapped", [False, True])
 def test_only_the_default_hook_folds_and_every_hook_is_scaled_once(wrapped: bool) -> None:
-    """The Reducer folds the post-scale into the engine's reduction where it
-    runs the default hook (not part of the hook contract); a
-    user's hook, wrapping allreduce_hook or not, gets it at unpack. Either
-    way the result is scaled exactly once."""
+    """A fused collective and the Reducer fold the post-scale into the
+    engine's reduction where they run the default hook (not part of the hook
+    contract); a user's hook, wrapping allreduce_hook or not, gets it at
+    unpack. Either way the result is scaled exactly once."""
+    from dp_plugin.collective import fused_collective
     from dp_plugin.fusion import TensorSpec
     from dp_plugin.hooks import ReducePolicy, allreduce_hook
-    from dp_plugin.scheduler import UNBOUNDED, Reducer
+    from dp_plugin.scheduler import GradientScheduler
+
+    def one_shot(engine: Any, hook: Any, values: list[np.ndarray]) -> None:
+        fused_collective(values, engine=engine, name="g", hook=hook,
+                         policy=ReducePolicy("sum", 1, postscale=0.5)).finish()
+
+    def gradients(engine: Any, hook: Any, values: list[np.ndarray]) -> None:
+        sched = GradientScheduler([TensorSpec("w", (6,), "float32")], engine=engine, op="sum",
+                                  postscale_factor=0.5, hook=hook, name="g")
+        sched.mark_ready(0, values[0])
+        sched.synchronize()
 
     def users_hook(state: Any, bucket: Any) -> Any:  # e.g. adds logging
         return allreduce_hook(state, bucket)
@@ -406,13 +417,12 @@ def test_only_the_default_hook_folds_and_every_hook_is_scaled_once(wrapped: bool
     def ignores_the_offer(state: Any, bucket: Any) -> Any:
         return state.engine.allreduce_async(bucket.buffer(), state.engine_op, name=bucket.label)
 
-    for hook, folds in ((users_hook if wrapped else allreduce_hook, not wrapped),
-                        (ignores_the_offer, False)):
-        _FoldingEngine.folded_calls = 0
-        engine = _FoldingEngine(Topology.single(), Config())
-        values = [np.arange(6, dtype=np.float32)]
-        Reducer([TensorSpec("w", (6,), "float32")], engine=engine, name="g",
-                fusion_threshold=UNBOUNDED, hook=hook, agreed=True,
-                policy=ReducePolicy("sum", 1, postscale=0.5)).run(values)
-        np.testing.assert_array_equal(values[0], np.arange(6, dtype=np.float32) * 0.5)
-        assert _FoldingEngine.folded_calls == (1 if folds else 0), hook
+    for run in (one_shot, gradients):
+        for hook, folds in ((users_hook if wrapped else allreduce_hook, not wrapped),
+                            (ignores_the_offer, False)):
+            _FoldingEngine.folded_calls = 0
+            engine = _FoldingEngine(Topology.single(), Config())
+            values = [np.arange(6, dtype=np.float32)]
+            run(engine, hook, values)
+            np.testing.assert_array_equal(values[0], np.arange(6, dtype=np.float32) * 0.5)
+            assert _FoldingEngine.folded_calls == (1 if folds else 0), (run, hook)

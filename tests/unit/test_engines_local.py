@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dp_plugin import request
+from dp_plugin import checked
 from dp_plugin.config import Config
 from dp_plugin.engines import create_engine
 from dp_plugin.engines.base import Handle, ReduceOp
@@ -81,7 +81,7 @@ def test_allgather_returns_a_copy_of_the_same_kind(kind: str) -> None:
     engine = _engine()
     rows = np.arange(6, dtype=np.int64).reshape(3, 2)
     buf = rows.copy() if kind == "numpy" else torch.from_numpy(rows.copy())
-    got = request.allgather(engine, buf)
+    got = checked.allgather(engine, buf)
     assert type(got) is type(buf)
     np.testing.assert_array_equal(np.asarray(got), rows)
     got[0, 0] = 99
@@ -90,7 +90,7 @@ def test_allgather_returns_a_copy_of_the_same_kind(kind: str) -> None:
 
 def test_allgather_rejects_a_0_dim_buffer() -> None:
     with pytest.raises(ValueError, match=r"0-dim tensor.*reshape it to \(1,\)"):
-        request.allgather(_engine(), np.float32(1.0).reshape(()))
+        checked.allgather(_engine(), np.float32(1.0).reshape(()))
 
 
 def test_barrier_and_shutdown_are_harmless_and_idempotent() -> None:
@@ -103,7 +103,7 @@ def test_barrier_and_shutdown_are_harmless_and_idempotent() -> None:
 def test_buffers_live_on_the_cpu() -> None:
     engine = _engine()
     assert engine.buffer_device == "cpu"
-    group = request.subgroup(engine, [0])
+    group = checked.subgroup(engine, [0])
     assert group is not None and group.buffer_device == "cpu"
 
 
@@ -134,7 +134,7 @@ class _NeverDone(Handle):
 
 def test_a_timeout_breaks_the_engine_and_its_subgroups() -> None:
     engine = _engine()
-    group = request.subgroup(engine, [0], "solo")
+    group = checked.subgroup(engine, [0], "solo")
     assert group is not None
     handle = _NeverDone("local allreduce of 'bucket-3'", 0, 0.01, engine.mark_broken)
     with pytest.raises(CollectiveTimeoutError, match="bucket-3"):
@@ -150,7 +150,7 @@ def test_a_timeout_breaks_the_engine_and_its_subgroups() -> None:
 
 def test_a_subgroup_ends_with_its_parent() -> None:
     engine = _engine()
-    group = request.subgroup(engine, [0], "solo")
+    group = checked.subgroup(engine, [0], "solo")
     assert group is not None
     engine.shutdown()
     with pytest.raises(DPPluginError, match=r"came from was shut down.*create the subgroup "

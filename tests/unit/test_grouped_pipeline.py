@@ -1,4 +1,4 @@
-"""A grouped collective (threshold ``UNBOUNDED``) travels in chunks of
+"""A one-shot fused collective (``fused_collective``) travels in chunks of
 ``PIPELINE_CHUNK`` bytes, each with a buffer of its own, so every chunk is
 packed and on its way before the first one finishes: packing and
 unpacking overlap the transfer instead of running before and after it."""
@@ -6,16 +6,18 @@ unpacking overlap the transfer instead of running before and after it."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
 
-from dp_plugin import scheduler
+from dp_plugin import collective
 from dp_plugin.arrays import NumpyOps
+from dp_plugin.collective import fused_collective
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.fusion import TensorSpec, plan_buckets
-from dp_plugin.hooks import ReducePolicy
-from dp_plugin.scheduler import UNBOUNDED, Reducer
+from dp_plugin.hooks import ReducePolicy, allreduce_hook
+from dp_plugin.scheduler import GradientScheduler
 from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks
 
 # 10 tensors of 64 bytes, one of 400; chunks of 128 bytes.
@@ -34,23 +36,21 @@ def test_every_chunk_is_in_flight_before_the_first_completes(
     """Rank 1 starts only after rank 0 has started every chunk: with chunks
     that waited for a slab (or one bucket for everything), rank 0 could not
     start them all while none can complete."""
-    monkeypatch.setattr(scheduler, "PIPELINE_CHUNK", CHUNK)
+    monkeypatch.setattr(collective, "PIPELINE_CHUNK", CHUNK)
     engines = make_thread_group(2)
     rank0_started = threading.Event()
 
     def body(e: FakeEngine) -> tuple[int, list[np.ndarray]]:
-        fused = Reducer(
-            SPECS, engine=e, name="grouped", fusion_threshold=UNBOUNDED, order=range(len(SPECS)),
-            policy=ReducePolicy(ReduceOp.AVERAGE, e.size), array_ops=NumpyOps(), agreed=True)
         outs = [data(e.rank, s) for s in SPECS]
         if e.rank == 1:
             assert rank0_started.wait(20), "rank 0 blocked while starting its chunks"
-        handles = fused.start(outs)
+        fused = fused_collective(outs, engine=e, name="grouped",
+                                 policy=ReducePolicy(ReduceOp.AVERAGE, e.size))
         if e.rank == 0:
-            assert not any(h.done() for h in handles)
+            assert not any(h.done() for h in fused.handles)
             rank0_started.set()
         fused.finish()
-        return len(fused.plan), outs
+        return len(fused.handles), outs
 
     results = run_ranks(engines, body)
     for buckets, outs in results:
@@ -62,11 +62,13 @@ def test_every_chunk_is_in_flight_before_the_first_completes(
     np.testing.assert_array_equal(np.concatenate(results[0][1]), np.concatenate(results[1][1]))
 
 
-def test_a_threshold_below_unbounded_keeps_its_buckets_and_slabs() -> None:
-    fused = Reducer(SPECS, engine=make_thread_group(1)[0], name="bucketed",
-                    fusion_threshold=CHUNK, order=range(len(SPECS)), array_ops=NumpyOps())
-    assert not fused.grouped
-    assert [b.pinned for b in fused.buffers] == [False, False, True, False, False, False]
+def test_a_gradient_reducer_keeps_its_buckets_and_slabs() -> None:
+    """Gradients take turns on slabs; only the tensor over the threshold has
+    a buffer of its own (the one-shot chunks above all have one)."""
+    fused = GradientScheduler(SPECS, engine=make_thread_group(1)[0], name="bucketed",
+                              fusion_threshold=CHUNK, array_ops=NumpyOps())
+    assert [b.pinned for b in fused.buffers] == [b.names == ("big",) for b in fused.buffers]
+    assert len(fused.buffers) == 6 and fused.slabs
 
 
 def test_a_large_tensor_travels_alone_without_closing_the_open_bucket() -> None:
@@ -83,24 +85,31 @@ def test_a_large_tensor_travels_alone_without_closing_the_open_bucket() -> None:
 
 def test_a_grouped_collective_reduces_its_large_tensors_where_they_lie(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scheduler, "PIPELINE_CHUNK", CHUNK)
-    monkeypatch.setattr(scheduler, "DIRECT_BYTES", 256)
-    fused = Reducer(SPECS, engine=make_thread_group(1)[0], name="grouped",
-                    fusion_threshold=UNBOUNDED, order=range(len(SPECS)), array_ops=NumpyOps())
-    big = [b for b in fused.buffers if b.names == ("big",)]
-    assert len(big) == 1 and big[0].in_place
-    assert [len(b.names) for b in fused.buffers] == [2, 2, 1, 2, 2, 2]
+    monkeypatch.setattr(collective, "PIPELINE_CHUNK", CHUNK)
+    monkeypatch.setattr(collective, "DIRECT_BYTES", 256)
+    seen: list[tuple[tuple[str, ...], Any]] = []
+
+    def recording(state: Any, bucket: Any) -> Any:
+        seen.append((bucket.names, bucket.buffer()))
+        return allreduce_hook(state, bucket)
+
+    outs = [data(0, s) for s in SPECS]
+    fused_collective(outs, engine=make_thread_group(1)[0], name="grouped", hook=recording,
+                     names=[s.name for s in SPECS]).finish()
+    assert [len(names) for names, _ in seen] == [2, 2, 1, 2, 2, 2]
+    big = [flat for names, flat in seen if names == ("big",)]
+    assert len(big) == 1 and np.shares_memory(big[0], outs[4])
 
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_out_of_place_equals_in_place_and_only_reads_its_sources(
         monkeypatch: pytest.MonkeyPatch, size: int) -> None:
-    """``start(outputs, sources)``: the tensors that travel alone are copied
+    """``fused_collective(outputs, sources=...)``: the tensors that travel alone are copied
     into their outputs, the small ones packed from the sources and unpacked
     into the outputs; the results are bitwise those of the in-place run, and
     the sources are never written."""
-    monkeypatch.setattr(scheduler, "PIPELINE_CHUNK", CHUNK)
-    monkeypatch.setattr(scheduler, "DIRECT_BYTES", 256)
+    monkeypatch.setattr(collective, "PIPELINE_CHUNK", CHUNK)
+    monkeypatch.setattr(collective, "DIRECT_BYTES", 256)
     specs = [*SPECS, TensorSpec("wide", (40,), "float64"), TensorSpec("ints", (70,), "int32"),
              TensorSpec("few", (3,), "int32")]
 
@@ -108,18 +117,17 @@ def test_out_of_place_equals_in_place_and_only_reads_its_sources(
         return data(rank, spec).astype(spec.dtype)
 
     def body(e: FakeEngine) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        def reducer() -> Reducer:
-            return Reducer(specs, engine=e, name="grouped", fusion_threshold=UNBOUNDED,
-                           order=range(len(specs)), array_ops=NumpyOps(), agreed=True,
-                           policy=ReducePolicy(ReduceOp.SUM, e.size, prescale=0.5,
-                                               postscale=3.0))
+        def run(outs: list[np.ndarray], sources: list[np.ndarray] | None = None) -> None:
+            fused_collective(outs, engine=e, name="grouped", names=[s.name for s in specs],
+                             policy=ReducePolicy(ReduceOp.SUM, e.size, prescale=0.5,
+                                                 postscale=3.0), sources=sources).finish()
         sources = [values(e.rank, s) for s in specs]
         outs = [np.full(s.shape, np.nan if s.dtype != "int32" else -1, s.dtype) for s in specs]
-        reducer().run(outs, sources)
+        run(outs, sources)
         for spec, source in zip(specs, sources, strict=True):
             np.testing.assert_array_equal(source, values(e.rank, spec), err_msg=spec.name)
         inplace = [values(e.rank, s) for s in specs]
-        reducer().run(inplace)
+        run(inplace)
         return outs, inplace
 
     results = run_ranks(make_thread_group(size), body)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dp_plugin import join, request
+from dp_plugin import check, join, request
 from dp_plugin.agreement import compare
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import JoinedRankError, MismatchError
@@ -21,9 +21,9 @@ def _one_round(req: request.Request, n: int = 3) -> list[object]:
         if e.rank == 0:
             heard = join.Listener(e).heard()
             assert heard.joined == (0,)
-            described, _ = request.joined_view(heard)
+            described, _ = join.joined_view(heard)
             return described is not None and join.answerable(heard, described[0]["kind"])
-        return request.check(e, req, accept_joined=True)
+        return check.check(e, req, accept_joined=True)
 
     return run_ranks_outcomes(make_thread_group(n), body)
 
@@ -86,21 +86,20 @@ def test_replay_contributes_the_ops_identity(op: ReduceOp, dtype: str) -> None:
     """Rank 0 has joined and replays what ranks 1 and 2 all-reduce: the result
     is theirs alone (``join.replay``, the core's zero contribution)."""
     from dp_plugin.arrays import numpy_dtype
-    from dp_plugin.collective import start_allreduce
+    from dp_plugin.collective import fused_collective
+    from dp_plugin.hooks import ReducePolicy
 
     def body(e: FakeEngine) -> object:
         if e.rank == 0:
             heard = join.Listener(e).heard()
-            described, _ = request.joined_view(heard)
+            described, _ = join.joined_view(heard)
             assert described is not None and join.answerable(heard, "allreduce")
             join.replay(e, described)
             return None
         buf = np.full(3, e.rank + 1, dtype=numpy_dtype(dtype))
-        request.check(e, request.Request.of("allreduce", [buf], name="m", op=op),
+        check.check(e, request.Request.of("allreduce", [buf], name="m", op=op),
                       accept_joined=True)
-        _, handles = start_allreduce(e, [buf], "m", op, 1.0, 1.0)
-        for h in handles:
-            h.wait()
+        fused_collective([buf], engine=e, name="m", policy=ReducePolicy(op, e.size)).finish()
         return buf.astype(np.float64).tolist()
 
     want = {ReduceOp.MIN: 2.0, ReduceOp.MAX: 3.0, ReduceOp.PRODUCT: 6.0, ReduceOp.SUM: 5.0}[op]
@@ -116,7 +115,7 @@ def test_a_mismatch_beside_a_joined_rank_names_the_ranks_that_differ() -> None:
         if e.rank == 1:
             return join.Listener(e).heard().joined
         buf = np.ones(4 if e.rank == 0 else 5, dtype=np.float32)
-        return request.check(e, request.Request.of("allreduce", [buf], name="g", op=ReduceOp.SUM),
+        return check.check(e, request.Request.of("allreduce", [buf], name="g", op=ReduceOp.SUM),
                              accept_joined=True)
 
     first, joined, last = run_ranks_outcomes(make_thread_group(3), body)
@@ -129,7 +128,7 @@ def test_a_mismatch_beside_a_joined_rank_names_the_ranks_that_differ() -> None:
         if e.rank == 1:
             return join.Listener(e).heard().joined
         buf = np.ones(4, dtype=np.complex64 if e.rank == 2 else np.float32)
-        return request.check(e, request.Request.of("allreduce", [buf], op=ReduceOp.SUM),
+        return check.check(e, request.Request.of("allreduce", [buf], op=ReduceOp.SUM),
                              accept_joined=True)
 
     first, _, last = run_ranks_outcomes(make_thread_group(3), problem)
@@ -141,7 +140,7 @@ def test_a_mismatch_beside_a_joined_rank_names_the_ranks_that_differ() -> None:
         if e.rank == 1:
             return join.Listener(e).heard().joined
         buf = np.ones(4, dtype=np.complex64)
-        return request.check(e, request.Request.of("allreduce", [buf], op=ReduceOp.SUM),
+        return check.check(e, request.Request.of("allreduce", [buf], op=ReduceOp.SUM),
                              accept_joined=True)
 
     first, _, last = run_ranks_outcomes(make_thread_group(3), same_problem)

@@ -125,10 +125,11 @@ def test_a_view_of_a_bucket_in_flight_is_refused() -> None:
     fused = Reducer(SPECS[:2], engine=e, name="g", fusion_threshold=THRESHOLD,
                     array_ops=NumpyOps())
     tensors = [grad(0, 0, i) for i in range(2)]
-    fused.start(tensors)
+    fused.mark_ready(1, tensors[1])
+    fused.mark_ready(0, tensors[0])  # the bucket of both starts
     with pytest.raises(DPPluginError, match="in flight"):
         fused.view_for(0)
-    fused.finish()
+    fused.synchronize()
     assert fused.view_for(0).shape == (16,) and fused.buffers[0].pinned
 
 

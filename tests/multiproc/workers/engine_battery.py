@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from _fail_fast import run_cases
 
-from dp_plugin import request
+from dp_plugin import checked
 from dp_plugin.arrays import as_numpy, as_torch, is_torch, numpy_dtype
 from dp_plugin.config import Config
 from dp_plugin.engines import create_engine
@@ -221,7 +221,7 @@ def check_allgather(engine: Engine) -> None:
                 parts = [_rows(r, nrows(r), dtype) for r in range(size)]
                 expected = np.concatenate(parts)
                 mine = to_kind(parts[rank], kind)
-                got = request.allgather(engine, mine, f"gather-{label}")
+                got = checked.allgather(engine, mine, f"gather-{label}")
                 what = f"allgather {label} {dtype} {kind}"
                 if (kind == "torch") != (type(got).__module__.startswith("torch")):
                     raise AssertionError(f"{what}: returned a {type(got)}, expected {kind}")
@@ -230,7 +230,7 @@ def check_allgather(engine: Engine) -> None:
                     raise AssertionError(f"{what}: result shares memory with the input")
     # 1-D input: uneven lengths too.
     parts_1d = [np.arange(r * 2 + 1, dtype=np.float64) for r in range(size)]
-    got = request.allgather(engine, to_kind(parts_1d[rank], Setup.kinds[0]), "gather-1d")
+    got = checked.allgather(engine, to_kind(parts_1d[rank], Setup.kinds[0]), "gather-1d")
     check_equal("allgather 1-D", got, np.concatenate(parts_1d), "float64", "max")
 
 
@@ -267,7 +267,7 @@ def check_errors(engine: Engine) -> None:
                        ["(2, 2)", "1-D", "flatten"]),
         "root too big": (lambda: engine.broadcast(flat, size), [f"{size}", "root"]),
         "root negative": (lambda: engine.broadcast(flat, -1), ["-1", "root"]),
-        "allgather mismatch": (lambda: request.allgather(engine, uneven, "mismatch"),
+        "allgather mismatch": (lambda: checked.allgather(engine, uneven, "mismatch"),
                                ["Mismatched allgather tensor shapes for 'mismatch'",
                                 *ranks_named, "only the first may differ"]),
     }
@@ -279,13 +279,13 @@ def check_errors(engine: Engine) -> None:
                 raise AssertionError(f"error for {label} lacks {needle!r}: {message}")
         messages.append(message)
     digest = np.frombuffer(hashlib.sha256("\n".join(messages).encode()).digest(), np.uint8)
-    everyone = host(request.allgather(engine, to_kind(digest, Setup.kinds[0]), "error-digests"))
+    everyone = host(checked.allgather(engine, to_kind(digest, Setup.kinds[0]), "error-digests"))
     everyone = everyone.reshape(size, -1)
     if not (everyone == everyone[0]).all():
         raise AssertionError(f"error messages differ between ranks; mine: {messages}")
     # A 0-d all-gather input on the last rank only: every rank raises.
     scalar = np.zeros((), np.float32) if rank == size - 1 else np.zeros(2, np.float32)
-    message = _error_of(lambda: request.allgather(engine, to_kind(scalar, Setup.kinds[0]), "0d"))
+    message = _error_of(lambda: checked.allgather(engine, to_kind(scalar, Setup.kinds[0]), "0d"))
     # MismatchError, the one error of every agreement, is a ValueError (``_error_of``)
     if not message.startswith("MismatchError") or f"rank(s) [{size - 1}]" not in message:
         raise AssertionError(f"0-d all-gather input on rank {size - 1}: {message}")

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from _fail_fast import run_cases
 
-from dp_plugin import request, runtime
+from dp_plugin import checked, runtime
 from dp_plugin.arrays import as_numpy, is_torch, numpy_dtype
 from dp_plugin.engines.base import Engine
 
@@ -88,7 +88,7 @@ def alltoall_case(engine: Engine, kind: str, pattern: str, cols: tuple[int, ...]
     # view of a rank sending no rows.
     buf = to_kind(rows_of(me, sum(mine), cols, dtype).copy(), kind)
     splits = None if pattern == "even" else mine
-    got, received = request.alltoall(engine, buf, splits, name=f"a2a.{pattern}")
+    got, received = checked.alltoall(engine, buf, splits, name=f"a2a.{pattern}")
     want_counts = [send_counts(src, size, pattern)[me] for src in range(size)]
     blocks = []
     for src in range(size):
@@ -113,7 +113,7 @@ def run_alltoall(engine: Engine) -> None:
     # The input is not modified, and a torch split list / tensor is accepted.
     buf = torch.from_numpy(rows_of(engine.rank, 2 * engine.size, (1,)))
     before = buf.clone()
-    request.alltoall(engine, buf, torch.tensor([2] * engine.size), name="a2a.tensor-splits")
+    checked.alltoall(engine, buf, torch.tensor([2] * engine.size), name="a2a.tensor-splits")
     if not torch.equal(buf, before):
         raise AssertionError("alltoall modified its input")
 
@@ -144,7 +144,7 @@ def run_reducescatter(engine: Engine) -> None:
         want = reduced[start:start + counts[me]].astype(inputs[0].dtype)
         for kind in KINDS:
             buf = to_kind(inputs[me], kind)
-            got = request.reducescatter(engine, buf, op, name=f"rs.{rows}.{dtype}.{op}")
+            got = checked.reducescatter(engine, buf, op, name=f"rs.{rows}.{dtype}.{op}")
             check(got, want, kind, f"reducescatter {op} {kind} {dtype}[{rows}, {cols}]")
             check(buf, inputs[me], kind, "reducescatter input (must not change)")
 
@@ -167,18 +167,18 @@ def run_in_group(group: Engine, label: str) -> None:
     group.broadcast(payload, root, name=f"{label}.bcast")
     check(payload, np.arange(6, dtype=np.int32) * (members[root] + 1), "numpy",
           f"{label} broadcast")
-    gathered = request.allgather(group, rows_of(members[me], me + 1, (2,)), name=f"{label}.ag")
+    gathered = checked.allgather(group, rows_of(members[me], me + 1, (2,)), name=f"{label}.ag")
     check(gathered, np.concatenate([rows_of(m, i + 1, (2,)) for i, m in enumerate(members)]),
           "numpy", f"{label} allgather")
     group.barrier()
-    got, received = request.alltoall(group, torch.from_numpy(rows_of(members[me], size, (2,))),
+    got, received = checked.alltoall(group, torch.from_numpy(rows_of(members[me], size, (2,))),
                                    name=f"{label}.a2a")
     want = np.concatenate([rows_of(m, size, (2,))[me:me + 1] for m in members])
     check(got, want, "torch", f"{label} alltoall")
     if received != [1] * size:
         raise AssertionError(f"{label} alltoall received splits {received}")
     rows = size + 1
-    got = request.reducescatter(group, rows_of(members[me], rows, (2,)), "sum", name=f"{label}.rs")
+    got = checked.reducescatter(group, rows_of(members[me], rows, (2,)), "sum", name=f"{label}.rs")
     total = np.sum([rows_of(m, rows, (2,)) for m in members], axis=0)
     counts = [rows // size + (1 if r < rows % size else 0) for r in range(size)]
     start = sum(counts[:me])
@@ -195,8 +195,8 @@ def run_subgroups(engine: Engine, nested: bool) -> None:
     me, size = engine.rank, engine.size
     evens = list(range(0, size, 2))
     odds = list(range(1, size, 2))
-    group_a = request.subgroup(engine, evens, name="evens")
-    group_b = request.subgroup(engine, odds, name="odds")
+    group_a = checked.subgroup(engine, evens, name="evens")
+    group_b = checked.subgroup(engine, odds, name="odds")
     mine, other = (group_a, group_b) if me % 2 == 0 else (group_b, group_a)
     if mine is None or other is not None:
         raise AssertionError(f"rank {me}: membership wrong ({group_a!r}, {group_b!r})")
@@ -209,7 +209,7 @@ def run_subgroups(engine: Engine, nested: bool) -> None:
     run_in_group(mine, "evens" if me % 2 == 0 else "odds")
     global_sum_check(engine, "after-groups")
     if nested and mine.size > 1:
-        inner = request.subgroup(mine, [mine.size - 1], name="inner")
+        inner = checked.subgroup(mine, [mine.size - 1], name="inner")
         if (inner is not None) != (mine.rank == mine.size - 1):
             raise AssertionError("nested membership wrong")
         if inner is not None:
@@ -219,18 +219,18 @@ def run_subgroups(engine: Engine, nested: bool) -> None:
             inner.shutdown()
         mine.barrier()
     elif mine.size > 1:
-        expect_error(NotImplementedError, lambda: request.subgroup(mine, [0], name="inner"),
+        expect_error(NotImplementedError, lambda: checked.subgroup(mine, [0], name="inner"),
                      "cannot be split further")
     mine.shutdown()
     global_sum_check(engine, "after-group-shutdown")
     # The same members again, after the first group was shut down.
-    again = request.subgroup(engine, evens, name="evens-again")
+    again = checked.subgroup(engine, evens, name="evens-again")
     if (again is not None) != (me % 2 == 0):
         raise AssertionError("membership of the re-created group is wrong")
     if again is not None:
         run_in_group(again, "evens-again")
         again.shutdown()
-    whole = request.subgroup(engine, list(range(size)), name="everyone")
+    whole = checked.subgroup(engine, list(range(size)), name="everyone")
     if whole is None or whole.rank != me or whole.size != size:
         raise AssertionError("the subgroup of every rank is wrong")
     run_in_group(whole, "everyone")
@@ -244,39 +244,39 @@ def run_errors(engine: Engine) -> None:
     me, size = engine.rank, engine.size
     rows = np.zeros((2 * size, 3), np.float32)
     bad_len = [2 * size] if me == 0 else [2] * size  # only rank 0 errs
-    text = expect_error(ValueError, lambda: request.alltoall(engine, rows, bad_len, name="e1"),
+    text = expect_error(ValueError, lambda: checked.alltoall(engine, rows, bad_len, name="e1"),
                         "rank(s) [0] passed invalid splits")
     if me == 0 and "entries but there are" not in text:
         raise AssertionError(f"rank 0 lacks its detail: {text}")
     negative = [-1, 2 * size + 1] + [0] * (size - 2)
-    expect_error(ValueError, lambda: request.alltoall(engine, rows, negative, name="e2"),
+    expect_error(ValueError, lambda: checked.alltoall(engine, rows, negative, name="e2"),
                  "negative")
-    expect_error(ValueError, lambda: request.alltoall(engine, rows, [1] * size, name="e3"),
+    expect_error(ValueError, lambda: checked.alltoall(engine, rows, [1] * size, name="e3"),
                  "sums to")
     odd_rows = np.zeros((2 * size + 1, 3), np.float32)
-    expect_error(ValueError, lambda: request.alltoall(engine, odd_rows, name="e4"), "not divisible")
+    expect_error(ValueError, lambda: checked.alltoall(engine, odd_rows, name="e4"), "not divisible")
     mixed = rows if me else rows.astype(np.float64)
-    expect_error(ValueError, lambda: request.alltoall(engine, mixed, name="e5"),
+    expect_error(ValueError, lambda: checked.alltoall(engine, mixed, name="e5"),
                  "Mismatched alltoall tensor types", "float64", "float32")
     wider = rows if me else np.zeros((2 * size, 4), np.float32)
-    expect_error(ValueError, lambda: request.alltoall(engine, wider, name="e6"),
+    expect_error(ValueError, lambda: checked.alltoall(engine, wider, name="e6"),
                  "Mismatched alltoall tensor shapes")
     longer = np.zeros((size + me, 2), np.float32)
-    expect_error(ValueError, lambda: request.reducescatter(engine, longer, name="e7"),
+    expect_error(ValueError, lambda: checked.reducescatter(engine, longer, name="e7"),
                  "Mismatched reducescatter tensor shapes", "same shape")
     op = "sum" if me else "max"
-    expect_error(ValueError, lambda: request.reducescatter(engine, rows, op, name="e8"),
+    expect_error(ValueError, lambda: checked.reducescatter(engine, rows, op, name="e8"),
                  "Mismatched reducescatter tensor reduce ops")
-    expect_error(TypeError, lambda: request.reducescatter(engine, np.zeros(size, bool), "sum"),
+    expect_error(TypeError, lambda: checked.reducescatter(engine, np.zeros(size, bool), "sum"),
                  "dtype bool, which collectives do not support")
     scalar = np.zeros((), np.float32) if me == size - 1 else np.zeros(size, np.float32)
-    expect_error(ValueError, lambda: request.reducescatter(engine, scalar, name="e9"), "0-dim")
+    expect_error(ValueError, lambda: checked.reducescatter(engine, scalar, name="e9"), "0-dim")
     members = [0] if me == 0 else [0, 1]
-    expect_error(ValueError, lambda: request.subgroup(engine, members, name="e10"),
+    expect_error(ValueError, lambda: checked.subgroup(engine, members, name="e10"),
                  "Mismatched subgroup members")
-    expect_error(ValueError, lambda: request.subgroup(engine, [1, 0], name="e11"),
+    expect_error(ValueError, lambda: checked.subgroup(engine, [1, 0], name="e11"),
                  "sorted and unique")
-    expect_error(ValueError, lambda: request.subgroup(engine, [0, size], name="e12"),
+    expect_error(ValueError, lambda: checked.subgroup(engine, [0, size], name="e12"),
                  f"must lie in 0..{size - 1}")
     global_sum_check(engine, "after-errors")
 

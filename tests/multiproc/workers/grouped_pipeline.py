@@ -1,4 +1,4 @@
-"""Worker: a grouped all-reduce large enough to be chunked (dp_plugin.scheduler
+"""Worker: a grouped all-reduce large enough to be chunked (dp_plugin.collective
 ``PIPELINE_CHUNK``, ``DIRECT_BYTES``) against a local reference.
 
 Tensors of 1-3 MiB (reduced alone, in place) among many small ones (fused
@@ -30,7 +30,7 @@ import torch
 from _fail_fast import run_cases
 
 import dp_plugin.torch as hvd
-from dp_plugin import runtime, scheduler
+from dp_plugin import collective, runtime
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
           torch.int16, torch.int32, torch.int64]
@@ -59,7 +59,7 @@ def case_chunked(args: argparse.Namespace) -> None:
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     total = sum(t.numel() * t.element_size() for t in inputs(rank))
-    assert total > 3 * scheduler.PIPELINE_CHUNK, total
+    assert total > 3 * collective.PIPELINE_CHUNK, total
     summed = [sum(ts) for ts in zip(*(inputs(r) for r in range(size)), strict=True)]
 
     out = hvd.grouped_allreduce(inputs(rank), op=hvd.Sum, name="chunked.sum")
@@ -89,7 +89,7 @@ def mixed_group(rank: int, tag: str) -> list[torch.Tensor]:
         def make(shape: tuple[int, ...], dtype: torch.dtype = dtype, lo: int = lo) -> torch.Tensor:
             return torch.randint(lo, 4, shape, generator=rng).to(dtype)
 
-        alone = scheduler.DIRECT_BYTES // torch.empty((), dtype=dtype).element_size() + 3 + k
+        alone = collective.DIRECT_BYTES // torch.empty((), dtype=dtype).element_size() + 3 + k
         out += [make((alone,)), make((5, 7)), make(()), make((0, 2)), make((6, 4)).t()]
     return out
 

@@ -45,7 +45,7 @@ import numpy as np
 import tensorflow as tf
 
 import dp_plugin.tensorflow as dp
-from dp_plugin import request, runtime
+from dp_plugin import checked, runtime
 from dp_plugin.tensorflow.callbacks_lr import LearningRateWarmupCallback
 from dp_plugin.tensorflow.metric_average import MetricAverageCallback
 
@@ -89,7 +89,7 @@ def flat(logs: dict[str, Any]) -> np.ndarray:
 
 
 def gather_rows(vec: np.ndarray) -> np.ndarray:
-    return np.asarray(request.allgather(runtime.engine(), vec[None, :], "test gather"))
+    return np.asarray(checked.allgather(runtime.engine(), vec[None, :], "test gather"))
 
 
 def check_average(rank: int, size: int) -> None:

@@ -47,7 +47,7 @@ import torch
 from _fail_fast import run_cases
 
 import dp_plugin.keras as dp
-from dp_plugin import request, runtime
+from dp_plugin import checked, runtime
 
 FEATURES, OUTPUTS, HIDDEN = 6, 2, 16
 LOCAL_BATCH = 8
@@ -114,7 +114,7 @@ def digest(arrays: list[np.ndarray]) -> np.ndarray:
 
 def assert_identical_on_all_ranks(arrays: list[np.ndarray], what: str) -> None:
     eng = runtime.engine()
-    table = np.asarray(request.allgather(eng, digest(arrays), f"digest.{what}"))
+    table = np.asarray(checked.allgather(eng, digest(arrays), f"digest.{what}"))
     table = table.reshape(eng.size, -1)
     differing = [r for r in range(eng.size) if not np.array_equal(table[r], table[0])]
     if differing:
@@ -291,7 +291,7 @@ def case_callbacks() -> None:
     averaged = [history[k][e] for e in range(epochs) for k in sorted(history)]
     assert_identical_on_all_ranks([np.array(averaged)], "callbacks history")
     mine = np.array([log[k] for log in probe.logs for k in sorted(history)])
-    everyone = np.asarray(request.allgather(runtime.engine(), mine, "logs"))
+    everyone = np.asarray(checked.allgather(runtime.engine(), mine, "logs"))
     expected = everyone.reshape(dp.size(), -1).mean(axis=0)
     if not np.allclose(averaged, expected, rtol=1e-6):
         raise AssertionError(f"MetricAverageCallback: history {averaged} is not the mean of "

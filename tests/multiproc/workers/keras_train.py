@@ -64,7 +64,7 @@ tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfigu
 import keras  # noqa: E402
 
 import dp_plugin.tensorflow as dp  # noqa: E402
-from dp_plugin import request, runtime  # noqa: E402
+from dp_plugin import checked, runtime  # noqa: E402
 from dp_plugin.tensorflow.optimizer import hook_of  # noqa: E402
 from dp_plugin.tensorflow.xla_split import is_split_for  # noqa: E402
 
@@ -121,7 +121,7 @@ def digest(arrays: list[np.ndarray]) -> np.ndarray:
 
 def assert_identical_on_all_ranks(arrays: list[np.ndarray], what: str) -> None:
     eng = runtime.engine()
-    table = np.asarray(request.allgather(eng, digest(arrays), f"digest.{what}"))
+    table = np.asarray(checked.allgather(eng, digest(arrays), f"digest.{what}"))
     table = table.reshape(eng.size, -1)
     differing = [r for r in range(eng.size) if not np.array_equal(table[r], table[0])]
     if differing:

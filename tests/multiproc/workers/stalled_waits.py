@@ -23,7 +23,7 @@ from typing import Any
 
 from _fail_fast import run_cases
 
-from dp_plugin import request, runtime
+from dp_plugin import checked, runtime
 from dp_plugin.errors import CollectiveTimeoutError
 
 RELEASE = os.environ.get("STALL_RELEASE")
@@ -57,7 +57,7 @@ def _expect_timeout(fn: Any, needle: str) -> None:
 def case_mpi_split(engine: Any) -> None:
     if engine.rank == engine.size - 1:
         type(engine)._subgroup = lambda *args: _stall()  # passes the agreement, not Split
-    _expect_timeout(lambda: request.subgroup(engine, [0, engine.size - 1], "pair"),
+    _expect_timeout(lambda: checked.subgroup(engine, [0, engine.size - 1], "pair"),
                     "mpi Comm.Split ('pair')")
 
 
@@ -65,7 +65,7 @@ def case_hvd_add_process_set(engine: Any) -> None:
     if engine.rank == engine.size - 1:
         engine._hvd.add_process_set = lambda ranks: _stall()
     # [0]: not every rank (that is Horovod's global set), yet collective over all.
-    _expect_timeout(lambda: request.subgroup(engine, [0], "first"), "hvd.add_process_set([0])")
+    _expect_timeout(lambda: checked.subgroup(engine, [0], "first"), "hvd.add_process_set([0])")
 
 
 def case_gloo_new_group(engine: Any) -> None:
