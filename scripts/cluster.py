@@ -344,6 +344,14 @@ def reap_stale() -> list[str]:
     return stale
 
 
+def _command_line(pid: int) -> str:
+    """The first words of process ``pid``'s command line (its name when the
+    kernel shows none, as for a process being torn down)."""
+    words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:3]
+    text = b" ".join(words).decode(errors="replace").strip()
+    return text or Path(f"/proc/{pid}/comm").read_text().strip()
+
+
 def _netns_pids(ns: str) -> list[int]:
     """The processes of network namespace ``ns``, in pid order."""
     out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
@@ -631,9 +639,9 @@ class Fault:
                 break
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError, FileNotFoundError):
-                    name = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:3]
+                    name = _command_line(pid)
                     os.kill(pid, signal.SIGKILL)
-                    killed[pid] = f"{pid} ({b' '.join(name).decode(errors='replace')})"
+                    killed.setdefault(pid, f"{pid} ({name})")
             time.sleep(0.1)
         what = "the worker processes" if self.what == "workers" else "every process"
         print(f"cluster: fault: SIGKILLed {what} of host{self.host + 1}: "
