@@ -26,6 +26,7 @@ from tests.examples.test_cluster import CLUSTER, ROOT, TINY, _namespaces, _names
 from tests.multiproc.harness import assert_ranks_ok, run_workers
 
 sys.path.insert(0, str(ROOT / "scripts"))
+import cluster  # scripts/cluster.py
 import pods  # scripts/pods.py
 
 
@@ -137,3 +138,27 @@ def test_pods_of_each_kind_get_what_their_controller_injects(tmp_path: Path) -> 
     assert launcher.files["/etc/mpi/hostfile"] == (
         "dp-plugin-job-worker-0.dp-plugin-job.default.svc:2\n"
         "dp-plugin-job-worker-1.dp-plugin-job.default.svc:2\n")
+
+
+def test_a_fault_goes_only_where_a_launcher_restarts_ranks(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--kill`` needs ``--kill-when`` and a host of the cluster, and is
+    refused where nothing would restart the killed ranks (an MPIJob's
+    mpirun, horovodrun) rather than left to fail the job."""
+    trainjob = _render("trainjob", tmp_path, ["--max-restarts", "1"], ["python", "t.py"])
+    args = cluster.parse_args(["--launcher", "k8s", "--manifest", str(trainjob),
+                               "--kill", "workers", "--kill-when", "step 7"])
+    assert (args.kill, args.kill_host, args.kill_when.pattern) == ("workers", 2, "step 7")
+    mpijob = _render("mpijob", tmp_path, ["--mpi", "mpich"], ["python", "t.py"])
+    for argv, says in (
+            (["--launcher", "k8s", "--manifest", str(trainjob), "--kill", "pod"],
+             "--kill and --kill-when go together"),
+            (["--launcher", "k8s", "--manifest", str(trainjob), "--kill", "pod",
+              "--kill-when", "x", "--kill-host", "3"], "expected a host of 1..2"),
+            (["--launcher", "k8s", "--manifest", str(mpijob), "--kill", "workers",
+              "--kill-when", "x"], "an MPIJob's mpirun has no restarts"),
+            (["--launcher", "horovodrun", "--kill", "workers", "--kill-when", "x"],
+             "horovodrun starts every rank from host 1")):
+        with pytest.raises(SystemExit):
+            cluster.parse_args(argv)
+        assert says in capsys.readouterr().err, argv
