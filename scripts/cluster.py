@@ -283,7 +283,7 @@ class Cluster:
         bindir.mkdir(exist_ok=True)
         enter = bindir / "ssh"
         enter.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{Path(__file__).resolve()}" '
-                         f'--enter {self.prefix} "$@"\n')
+                         f'--enter {self.prefix} "{self.workdir}" "$@"\n')
         enter.chmod(0o755)
         return bindir
 
@@ -511,10 +511,12 @@ def parse_ssh(argv: list[str]) -> tuple[str, list[str]]:
     return host.rpartition("@")[2], argv[i:]
 
 
-def enter_host(prefix: str, argv: list[str]) -> int:
+def enter_host(prefix: str, workdir: Path, argv: list[str]) -> int:
     """``ssh`` for the hosts whose namespaces start with ``prefix``: run the
     command in the host named (by namespace name, a name its hosts file
-    resolves, or an address) with ``sh -c``, in a fresh login environment."""
+    resolves, or an address) with ``sh -c``, in a fresh login environment;
+    a pod's (``workdir/<ns>/pod.json``) with its host name, IPC namespace,
+    ``/dev/shm`` and variables, as its sshd would."""
     try:
         host, command = parse_ssh(argv)
     except ValueError as exc:
@@ -538,10 +540,12 @@ def enter_host(prefix: str, argv: list[str]) -> int:
             login = {"PATH": LOGIN_PATH, "HOME": os.environ.get("HOME", "/"),
                      "USER": os.environ.get("USER", "root"), "SHELL": "/bin/sh",
                      "LANG": os.environ.get("LANG", "C.UTF-8")}
-            pod_files = list(Path(tempfile.gettempdir()).glob(f"{prefix}*/{ns}/pod.json"))
+            # Found from the cluster's own folder, not the temporary directory:
+            # the caller's TMPDIR may be a pod's own (an MPIJob launcher's).
+            pod_file = workdir / ns / "pod.json"
             wrapper: list[str] = []
-            if pod_files:  # a pod's sshd: its host name, /dev/shm and variables
-                pod = json.loads(pod_files[0].read_text())
+            if pod_file.exists():  # a pod's sshd: its host name, /dev/shm and variables
+                pod = json.loads(pod_file.read_text())
                 wrapper = pod_wrapper(pods.Pod(pod["name"], [], {}, None, pod["shm_size"]))
                 login.update(pod["env"])
             return subprocess.call(["ip", "netns", "exec", ns, *wrapper,
@@ -656,7 +660,7 @@ class Fault:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--enter":
-        return enter_host(argv[1], argv[2:])
+        return enter_host(argv[1], Path(argv[2]), argv[3:])
     args = parse_args(argv)
     try:
         check_tools(args.link)
