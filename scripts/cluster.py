@@ -147,6 +147,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=29412, help="rendezvous port on host 1")
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="seconds before the job is killed (and everything torn down)")
+    ap.add_argument("--kill", choices=["workers", "pod"], default=None,
+                    help="a failure to inject once, when a line of output matches --kill-when: "
+                         "workers: SIGKILL the processes the launcher of host --kill-host "
+                         "started (its torchrun lives on and restarts them); pod: SIGKILL "
+                         "every process of that host, then start its command again in the "
+                         "same namespace (a deleted pod that its controller recreates)")
+    ap.add_argument("--kill-host", type=int, default=2,
+                    help="with --kill: the host (1-based; a manifest's pods in its order)")
+    ap.add_argument("--kill-when", type=re.compile, default=None,
+                    help="with --kill: a regular expression searched in every output line")
     ap.add_argument("command", nargs=argparse.REMAINDER,
                     help="command for every rank, after -- (default: a short BERT run)")
     args = ap.parse_args(argv)
@@ -159,6 +169,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except (OSError, ValueError, KeyError) as exc:
             ap.error(f"--manifest {args.manifest}: {exc!r}")
         args.hosts, args.ranks_per_host = len(args.pods.pods), args.pods.procs_per_node
+        if args.kill and args.pods.kind == "MPIJob":
+            ap.error("--kill: an MPIJob's mpirun has no restarts; kill a TrainJob's or a "
+                     "PyTorchJob's pod")
+    if (args.kill is None) != (args.kill_when is None):
+        ap.error("--kill and --kill-when go together")
+    if args.kill and args.launcher in ("mpirun", "horovodrun"):
+        ap.error(f"--kill: {args.launcher} starts every rank from host 1; kill a host's "
+                 "processes under --launcher torchrun or k8s")
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
     args.command = args.command or list(DEFAULT_COMMAND)
@@ -166,6 +184,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.command = [sys.executable, *args.command]
     if args.hosts < 1 or args.ranks_per_host < 1:
         ap.error(f"--hosts {args.hosts} and --ranks-per-host {args.ranks_per_host} must be >= 1")
+    if args.kill and not 1 <= args.kill_host <= args.hosts:
+        ap.error(f"--kill-host {args.kill_host}: expected a host of 1..{args.hosts}")
     args.link_text = args.link
     try:
         args.link = link_bps(args.link)
@@ -263,7 +283,7 @@ class Cluster:
         bindir.mkdir(exist_ok=True)
         enter = bindir / "ssh"
         enter.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{Path(__file__).resolve()}" '
-                         f'--enter {self.prefix} "$@"\n')
+                         f'--enter {self.prefix} "{self.workdir}" "$@"\n')
         enter.chmod(0o755)
         return bindir
 
@@ -322,6 +342,20 @@ def reap_stale() -> list[str]:
         leftover.workdir = Path(tempfile.gettempdir()) / "dpc-none"
         leftover.close()
     return stale
+
+
+def _command_line(pid: int) -> str:
+    """The first words of process ``pid``'s command line (its name when the
+    kernel shows none, as for a process being torn down)."""
+    words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:3]
+    text = b" ".join(words).decode(errors="replace").strip()
+    return text or Path(f"/proc/{pid}/comm").read_text().strip()
+
+
+def _netns_pids(ns: str) -> list[int]:
+    """The processes of network namespace ``ns``, in pid order."""
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+    return sorted(int(p) for p in out.split())
 
 
 def _sent_bytes(stats: str) -> int:
@@ -393,7 +427,11 @@ def pod_commands(args: argparse.Namespace,
             local.parent.mkdir(parents=True, exist_ok=True)
             local.write_text(text)
             env = {k: str(local) if v == path else v for k, v in env.items()}
-        (cluster.workdir / ns).mkdir(parents=True, exist_ok=True)
+        # A pod's own /tmp (torchrun's log directory, the default elastic
+        # commit): the hosts share this machine's, so each pod gets a folder.
+        tmp = cluster.workdir / ns / "tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        env.setdefault("TMPDIR", str(tmp))
         (cluster.workdir / ns / "pod.json").write_text(json.dumps(
             {"name": pod.name, "shm_size": pod.shm_size, "env": pod.env}))
         if pod.command is not None:
@@ -473,10 +511,12 @@ def parse_ssh(argv: list[str]) -> tuple[str, list[str]]:
     return host.rpartition("@")[2], argv[i:]
 
 
-def enter_host(prefix: str, argv: list[str]) -> int:
+def enter_host(prefix: str, workdir: Path, argv: list[str]) -> int:
     """``ssh`` for the hosts whose namespaces start with ``prefix``: run the
     command in the host named (by namespace name, a name its hosts file
-    resolves, or an address) with ``sh -c``, in a fresh login environment."""
+    resolves, or an address) with ``sh -c``, in a fresh login environment;
+    a pod's (``workdir/<ns>/pod.json``) with its host name, IPC namespace,
+    ``/dev/shm`` and variables, as its sshd would."""
     try:
         host, command = parse_ssh(argv)
     except ValueError as exc:
@@ -500,10 +540,12 @@ def enter_host(prefix: str, argv: list[str]) -> int:
             login = {"PATH": LOGIN_PATH, "HOME": os.environ.get("HOME", "/"),
                      "USER": os.environ.get("USER", "root"), "SHELL": "/bin/sh",
                      "LANG": os.environ.get("LANG", "C.UTF-8")}
-            pod_files = list(Path(tempfile.gettempdir()).glob(f"{prefix}*/{ns}/pod.json"))
+            # Found from the cluster's own folder, not the temporary directory:
+            # the caller's TMPDIR may be a pod's own (an MPIJob launcher's).
+            pod_file = workdir / ns / "pod.json"
             wrapper: list[str] = []
-            if pod_files:  # a pod's sshd: its host name, /dev/shm and variables
-                pod = json.loads(pod_files[0].read_text())
+            if pod_file.exists():  # a pod's sshd: its host name, /dev/shm and variables
+                pod = json.loads(pod_file.read_text())
                 wrapper = pod_wrapper(pods.Pod(pod["name"], [], {}, None, pod["shm_size"]))
                 login.update(pod["env"])
             return subprocess.call(["ip", "netns", "exec", ns, *wrapper,
@@ -513,16 +555,112 @@ def enter_host(prefix: str, argv: list[str]) -> int:
     return 255
 
 
-def _pump(stream: object, prefix: str) -> None:
+def _pump(stream: object, prefix: str, fault: Fault | None) -> None:
     for line in iter(stream.readline, b""):  # type: ignore[attr-defined]
-        sys.stdout.write(f"{prefix}{line.decode(errors='replace')}")
+        text = line.decode(errors="replace")
+        sys.stdout.write(f"{prefix}{text}")
         sys.stdout.flush()
+        if fault is not None:
+            fault.see(text)
+
+
+class Launchers:
+    """One launcher process per host, each started (and restarted) in its
+    namespace with its output copied to ours, prefixed ``[host<i>]``."""
+
+    def __init__(self, started: list[tuple[str, list[str], dict[str, str]]],
+                 env: dict[str, str], procs: list[subprocess.Popen[bytes]]) -> None:
+        self.started = started
+        self.env = env
+        self.procs = procs
+        """What is running now, host by host (``main`` kills what is left)."""
+        self.pumps: list[threading.Thread] = []
+        self.fault: Fault | None = None
+
+    def start(self, i: int) -> None:
+        ns, cmd, pod_env = self.started[i]
+        proc = subprocess.Popen(["ip", "netns", "exec", ns, *cmd], env={**self.env, **pod_env},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        if i < len(self.procs):
+            self.procs[i] = proc
+        else:
+            self.procs.append(proc)
+        pump = threading.Thread(target=_pump, args=(proc.stdout, f"[host{i + 1}] ", self.fault),
+                                daemon=True)
+        pump.start()
+        self.pumps.append(pump)
+
+    def wait(self, i: int, timeout: float) -> int:
+        """Host ``i``'s exit status: its last launcher's, after a ``pod`` fault
+        has replaced the one it killed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            proc = self.procs[i]
+            code = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            fault = self.fault
+            if fault is None or fault.host != i or not fault.fired.is_set():
+                return code
+            if not fault.done.wait(timeout=max(0.0, deadline - time.monotonic())):
+                raise subprocess.TimeoutExpired(proc.args, timeout)
+            if self.procs[i] is proc:
+                return code
+
+
+class Fault:
+    """One failure injected into a host when a line of output matches
+    ``when`` (``--kill``): its launcher's worker processes SIGKILLed
+    (``workers``), or every process of the host SIGKILLed and its command
+    started again in the same namespace (``pod``: the pod deleted and
+    recreated by its controller, with its name and address)."""
+
+    def __init__(self, what: str, host: int, when: re.Pattern[str],
+                 launchers: Launchers) -> None:
+        self.what, self.host, self.when, self.launchers = what, host, when, launchers
+        self.fired = threading.Event()
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+
+    def see(self, line: str) -> None:
+        with self._lock:
+            if self.fired.is_set() or not self.when.search(line):
+                return
+            self.fired.set()
+        try:
+            self._inject()
+        finally:
+            self.done.set()
+
+    def _inject(self) -> None:
+        ns = self.launchers.started[self.host][0]
+        launcher = self.launchers.procs[self.host]
+        killed: dict[int, str] = {}
+        # "workers": the processes there now, once (the launcher's restarts live).
+        first = set(_netns_pids(ns)) - {launcher.pid} if self.what == "workers" else None
+        for _ in range(50):
+            pids = [p for p in _netns_pids(ns) if first is None or p in first]
+            if not pids:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+                    name = _command_line(pid)
+                    os.kill(pid, signal.SIGKILL)
+                    killed.setdefault(pid, f"{pid} ({name})")
+            time.sleep(0.1)
+        what = "the worker processes" if self.what == "workers" else "every process"
+        print(f"cluster: fault: SIGKILLed {what} of host{self.host + 1}: "
+              f"{'; '.join(killed.values())}", flush=True)
+        if self.what == "pod":
+            launcher.wait()
+            print(f"cluster: fault: host{self.host + 1}'s pod recreated: its command starts "
+                  "again", flush=True)
+            self.launchers.start(self.host)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--enter":
-        return enter_host(argv[1], argv[2:])
+        return enter_host(argv[1], Path(argv[2]), argv[3:])
     args = parse_args(argv)
     try:
         check_tools(args.link)
@@ -558,25 +696,22 @@ def main(argv: list[str] | None = None) -> int:
               f"link {shaped}: {hosts}", flush=True)
         env = clean_env(args)
         env["PATH"] = f"{cluster.ssh()}{os.pathsep}{env['PATH']}"  # ssh reaches the hosts
-        pumps = []
         started = (pod_commands(args, cluster) if args.pods else
                    [(ns, cmd, {}) for ns, cmd in commands(args, cluster)])
-        for i, (ns, cmd, pod_env) in enumerate(started):
-            proc = subprocess.Popen(["ip", "netns", "exec", ns, *cmd], env={**env, **pod_env},
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
-            procs.append(proc)
-            pumps.append(threading.Thread(target=_pump, args=(proc.stdout, f"[host{i + 1}] "),
-                                          daemon=True))
-            pumps[-1].start()
+        launchers = Launchers(started, env, procs)
+        if args.kill:
+            launchers.fault = Fault(args.kill, args.kill_host - 1, args.kill_when, launchers)
+        for i in range(len(started)):
+            launchers.start(i)
         deadline = time.monotonic() + args.timeout
         codes = []
-        for proc in procs:
+        for i in range(len(started)):
             try:
-                codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
+                codes.append(launchers.wait(i, max(0.0, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
                 print(f"cluster: timed out after {args.timeout:g}s", file=sys.stderr)
                 return 124
+        pumps = launchers.pumps
         for pump in pumps:
             pump.join(timeout=5)
         if args.link:

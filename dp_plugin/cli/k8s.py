@@ -21,6 +21,14 @@ dp_plugin's shared-memory transport (``shm_bytes``): a container's default
 64 MiB halves its chunks several times over (docs/configuration.md,
 ``DP_PLUGIN_SHARED_MEMORY_BUDGET``).
 
+Elastic (``--max-restarts N``, trainjob and pytorchjob): torchrun in every
+pod restarts its ranks, up to N times, when one fails, and ``hvd.elastic``
+resumes them from the last commit. torchrun keeps its static rendezvous
+(node ranks from the controller's variables, the store on node 0), which
+keeps rank 0, who writes and reads the commit, in node 0's pod.
+``--commit-claim`` mounts a PersistentVolumeClaim for a ``commit_path``
+that outlives the pods (docs/elastic.md, "On Kubernetes").
+
     dp-plugin k8s render --kind trainjob --image registry/me/train:1 --nodes 2 \\
         --procs-per-node 4 --cpu 16 --memory 64Gi -- python train.py --epochs 3
     dp-plugin k8s render --kind mpijob --mpi openmpi --image IMG --nodes 4 \\
@@ -50,6 +58,8 @@ PYTORCHJOB_PORT = 23456
 """The Training Operator's default ``pytorchjob-port``, which becomes MASTER_PORT."""
 TRAINJOB_PORT = 29400
 """The torch runtime's ``PET_MASTER_PORT``."""
+COMMIT_DIR = "/var/lib/dp-plugin"
+"""Where ``--commit-claim`` mounts its volume unless ``--commit-dir`` says."""
 GiB = 1 << 30
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -105,6 +115,14 @@ def _job_name(text: str) -> str:
     return text
 
 
+def _claim(text: str) -> str:
+    if len(text) > 253 or not re.match(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", text):
+        raise argparse.ArgumentTypeError(
+            f"--commit-claim {text!r}: a PersistentVolumeClaim's name is lower-case letters, "
+            "digits, '-' and '.', starting and ending with a letter or digit")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     verbs = parser.add_subparsers(dest="k8s_command", metavar="VERB", required=True)
     p = verbs.add_parser("render", help="write the manifest", description=__doc__,
@@ -131,6 +149,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-restarts", type=int, default=0,
                    help="torchrun's --max-restarts: restarts of a node's ranks before the "
                         "job fails (trainjob and pytorchjob)")
+    p.add_argument("--commit-claim", type=_claim, default=None, metavar="CLAIM",
+                   help="a PersistentVolumeClaim mounted in every node pod at --commit-dir, "
+                        "for an elastic commit_path that outlives the pods (trainjob and "
+                        "pytorchjob; see docs/elastic.md)")
+    p.add_argument("--commit-dir", default=None,
+                   help=f"with --commit-claim: where it is mounted (default {COMMIT_DIR})")
     p.add_argument("--env", type=_env_pair, action="append", default=[],
                    help="NAME=VALUE for every rank (repeatable)")
     p.add_argument("--format", choices=("yaml", "json"), default="yaml")
@@ -170,6 +194,18 @@ def _shm(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     return volume, {"name": "dshm", "mountPath": "/dev/shm"}
 
 
+def _volumes(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A node pod's volumes and its container's mounts: ``/dev/shm`` and,
+    with ``--commit-claim``, the claim that holds the elastic commits."""
+    volume, mount = _shm(args)
+    volumes, mounts = [volume], [mount]
+    if args.commit_claim:
+        volumes.append({"name": "commits",
+                        "persistentVolumeClaim": {"claimName": args.commit_claim}})
+        mounts.append({"name": "commits", "mountPath": args.commit_dir or COMMIT_DIR})
+    return volumes, mounts
+
+
 def _env(args: argparse.Namespace) -> list[dict[str, str]]:
     return [{"name": name, "value": value} for name, value in args.env]
 
@@ -183,7 +219,7 @@ def _metadata(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def trainjob(args: argparse.Namespace) -> dict[str, Any]:
-    volume, mount = _shm(args)
+    volumes, mounts = _volumes(args)
     trainer: dict[str, Any] = {
         "image": args.image,
         "command": torchrun_command(args.command, args.max_restarts),
@@ -194,7 +230,7 @@ def trainjob(args: argparse.Namespace) -> dict[str, Any]:
     if args.env:
         trainer["env"] = _env(args)
     # The runtime's replicated job and container are both named "node".
-    pod = {"volumes": [volume], "containers": [{"name": "node", "volumeMounts": [mount]}]}
+    pod = {"volumes": volumes, "containers": [{"name": "node", "volumeMounts": mounts}]}
     if args.port not in (None, TRAINJOB_PORT):
         pod["containers"][0]["env"] = [{"name": "PET_MASTER_PORT", "value": str(args.port)}]
     return {
@@ -217,7 +253,7 @@ def trainjob(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def pytorchjob(args: argparse.Namespace) -> dict[str, Any]:
-    volume, mount = _shm(args)
+    volumes, mounts = _volumes(args)
     port = args.port or PYTORCHJOB_PORT
     container: dict[str, Any] = {
         "name": "pytorch",  # the operator finds its container by this name
@@ -225,11 +261,11 @@ def pytorchjob(args: argparse.Namespace) -> dict[str, Any]:
         "command": torchrun_command(args.command, args.max_restarts),
         "ports": [{"name": "pytorchjob-port", "containerPort": port}],
         "resources": _resources(args),
-        "volumeMounts": [mount],
+        "volumeMounts": mounts,
     }
     if args.env:
         container["env"] = _env(args)
-    template = {"spec": {"containers": [container], "volumes": [volume]}}
+    template = {"spec": {"containers": [container], "volumes": volumes}}
     replicas: dict[str, Any] = {
         "Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": template}}
     if args.nodes > 1:
@@ -315,6 +351,13 @@ def render(args: argparse.Namespace) -> dict[str, Any]:
     if args.max_restarts < 0 or (args.max_restarts and args.kind == "mpijob"):
         raise SystemExit(f"--max-restarts {args.max_restarts}: must be >= 0, and only "
                          "trainjob/pytorchjob restart ranks (torchrun's --max-restarts)")
+    if args.commit_claim and args.kind == "mpijob":
+        raise SystemExit("--commit-claim: an MPIJob restarts no ranks; elastic commits need "
+                         "--kind trainjob or pytorchjob with --max-restarts")
+    if args.commit_dir is not None and (not args.commit_claim
+                                        or not args.commit_dir.startswith("/")):
+        raise SystemExit(f"--commit-dir {args.commit_dir!r}: expected an absolute path, and "
+                         "--commit-claim CLAIM, the volume to mount there")
     return RENDERERS[args.kind](args)
 
 

@@ -128,6 +128,27 @@ def test_mpijob_launcher_worker_split_and_slots(mpi: str, implementation: str) -
     assert worker["containers"][0]["resources"]["limits"]["cpu"] == "16"
 
 
+@pytest.mark.parametrize("kind", ["trainjob", "pytorchjob"])
+def test_an_elastic_job_restarts_under_torchrun_and_mounts_its_commit_claim(kind: str) -> None:
+    manifest = _render("--kind", kind, *COMMON, "--max-restarts", "2", "--commit-claim",
+                       "run42-commits", "--commit-dir", "/commits", "--", "python", "t.py")
+    if kind == "trainjob":
+        assert trainer_models.TrainerV1alpha1TrainJob.from_dict(manifest).to_dict() == manifest
+        assert manifest["spec"]["trainer"]["command"] == ["torchrun", "--max-restarts=2", "t.py"]
+    for template in _pod_templates(manifest):
+        _check_pod_template(template)
+        spec = template["spec"]
+        assert {"name": "commits", "persistentVolumeClaim": {"claimName": "run42-commits"}} \
+            in spec["volumes"]
+        assert {"name": "commits", "mountPath": "/commits"} in spec["containers"][0]["volumeMounts"]
+        if kind == "pytorchjob":
+            assert spec["containers"][0]["command"] == ["torchrun", "--max-restarts=2", "t.py"]
+    default = _render("--kind", kind, *COMMON, "--commit-claim", "c", "--", "python", "t.py")
+    mounts = [m for t in _pod_templates(default)
+              for m in t["spec"]["containers"][0]["volumeMounts"]]
+    assert {"name": "commits", "mountPath": "/var/lib/dp-plugin"} in mounts
+
+
 def test_shm_is_sized_for_full_chunks_at_every_rank_count() -> None:
     from dp_plugin.engines.shm import CHUNK_BYTES
 
@@ -153,6 +174,9 @@ def test_torchrun_command_forms() -> None:
     (["--kind", "mpijob", "--port", "1234"], "no rendezvous port"),
     (["--kind", "mpijob", "--max-restarts", "2"], "only trainjob/pytorchjob"),
     (["--kind", "trainjob", "--port", "70000"], "1..65535"),
+    (["--kind", "mpijob", "--commit-claim", "c"], "an MPIJob restarts no ranks"),
+    (["--kind", "trainjob", "--commit-dir", "/commits"], "--commit-claim CLAIM"),
+    (["--kind", "trainjob", "--commit-claim", "c", "--commit-dir", "commits"], "absolute path"),
 ])
 def test_bad_combinations_are_refused_with_the_fix(argv: list[str], says: str) -> None:
     with pytest.raises(SystemExit, match=says):
@@ -162,7 +186,8 @@ def test_bad_combinations_are_refused_with_the_fix(argv: list[str], says: str) -
 
 def test_bad_values_are_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
     for argv, says in ((["--name", "Bad_Name"], "lower-case"), (["--memory", "lots"], "quantity"),
-                       (["--env", "NOEQUALS"], "NAME=VALUE"), (["--nodes", "0"], ">= 1")):
+                       (["--env", "NOEQUALS"], "NAME=VALUE"), (["--nodes", "0"], ">= 1"),
+                       (["--commit-claim", "My_Claim"], "PersistentVolumeClaim")):
         base = {"--image": "i", "--nodes": "2", "--procs-per-node": "2"}
         base.update(dict(zip(argv[::2], argv[1::2], strict=True)))
         flat = [x for kv in base.items() for x in kv]

@@ -12,7 +12,11 @@ workers and ``run`` resumes them from the commit of step 5. ``killed`` gives
 no ``commit_path`` (as Horovod's own elastic example): the commits go to the
 per-job default under torchrun. ``rank0_dies``: the same, but rank 0 is
 killed (so nothing removes the commit of step 5); ``fresh``: the default
-commit path, nobody killed (a new job after ``rank0_dies``).
+commit path, nobody killed (a new job after ``rank0_dies``). ``held``: the
+default commit path; on the first attempt the ranks of the second host
+(``cross_rank`` 1) print ``rank R holds at step 7`` and wait there for
+someone outside to kill them (the Kubernetes rehearsal kills one pod's
+workers), while the others block in step 8's all-reduce.
 
 At the end rank 0 writes the raw bytes of every weight to ``--out``/weights.bin
 (the test compares both runs' files) and every rank checks that the ranks
@@ -25,6 +29,7 @@ import argparse
 import hashlib
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -36,6 +41,7 @@ import dp_plugin.torch as hvd
 STEPS = 12
 COMMIT_EVERY = 5
 KILL_AFTER = 7
+HOLD_S = 30
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,8 +49,9 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
 
 
-def _train(out: Path, kill: int | None, default_path: bool = True) -> None:
-    """Train; rank ``kill`` (None: nobody) kills itself on the first attempt."""
+def _train(out: Path, kill: int | None, default_path: bool = True, hold: bool = False) -> None:
+    """Train; rank ``kill`` (None: nobody) kills itself on the first attempt;
+    with ``hold``, the second host's ranks wait to be killed instead."""
     hvd.init()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.25), nn.Linear(16, 4))
@@ -72,6 +79,9 @@ def _train(out: Path, kill: int | None, default_path: bool = True) -> None:
                 state.commit()
             if attempt == 0 and state.batch == KILL_AFTER and hvd.rank() == kill:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if hold and attempt == 0 and state.batch == KILL_AFTER and hvd.cross_rank() == 1:
+                print(f"rank {hvd.rank()} holds at step {KILL_AFTER}", flush=True)
+                time.sleep(HOLD_S)  # killed long before; if not, the test sees no resume
 
     train(state)
     weights = b"".join(t.detach().contiguous().numpy().tobytes()
@@ -89,6 +99,7 @@ CASES = {
     "killed": lambda args: _train(Path(args.out), kill=1),
     "rank0_dies": lambda args: _train(Path(args.out), kill=0),
     "fresh": lambda args: _train(Path(args.out), kill=None),
+    "held": lambda args: _train(Path(args.out), kill=None, hold=True),
 }
 
 if __name__ == "__main__":
