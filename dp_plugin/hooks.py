@@ -151,6 +151,11 @@ class GradBucket:
     """Trailing elements of ``flat`` that are the reducer's control slot (per-rank
     flags every rank reads): a hook that reduces only part of the buffer
     (``sharding.reducescatter_hook``) must still reduce these in full."""
+    shapes: tuple[tuple[int, ...], ...] = ()
+    """Each member's shape, in ``names`` order (DDP's ``bucket.gradients()``:
+    a hook that treats members as matrices, ``dp_plugin.torch.powersgd``)."""
+    offsets: tuple[int, ...] = ()
+    """Where each member starts in ``flat``, in ``names`` order."""
 
     def buffer(self) -> Any:
         return self.flat

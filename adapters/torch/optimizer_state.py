@@ -293,7 +293,9 @@ class OptimizerState:
             timeline=shared_timeline, name=self.label, hook=hook,
             flags=("join", "unfrozen", "sparse", *(() if check == "off" else ("finite",))),
             settings={"DP_PLUGIN_CHECK_FINITE": check,
-                      "shard_optimizer_state": self.sharded},
+                      "shard_optimizer_state": self.sharded,
+                      **({"comm hook": hook.describe()} if callable(getattr(hook, "describe",
+                                                                            None)) else {})},
             autotune=eng.config.autotune,
             groups=group_indices(self.groups, params),
         )
@@ -302,6 +304,9 @@ class OptimizerState:
         # time differs between ranks; a blocking collective there could wait
         # for a rank that is itself waiting in a SyncBatchNorm all-reduce.
         reducer.agree()
+        bind = getattr(hook, "bind", None)
+        if callable(bind):  # a hook with state or communicators of its own (PowerSGD)
+            bind(reducer.state)
         op, like = self.op, params[0]
         marks = Marks(JoinFlags(reducer, op=op, like=like),
                       RankMarks(reducer, "unfrozen", op=op, like=like),
