@@ -17,7 +17,7 @@ This module is the framework-free part, shared by the torch hook
   tensor of shape ``(d0, d1, ...)`` is the matrix ``d0 x (d1 * ...)``
   (torch's rule: a convolution's output channels are the rows). It is
   compressed when it has two dimensions or more and its ``(n + m) * r``
-  elements are at most ``1 / min_compression_rate`` of its ``n * m``; the
+  elements are fewer than ``1 / min_compression_rate`` of its ``n * m``; the
   others (biases, norms, small matrices) travel whole, batched with ``P``;
 - ``wire_numel``: the elements one step moves, the formula the plan and the
   benchmark check the link against.
@@ -93,7 +93,7 @@ def matrix_of(shape: Shape, settings: PowerSGDSettings) -> tuple[int, int, int] 
     n = int(shape[0])
     m = math.prod(int(d) for d in shape[1:])
     r = min(n, m, settings.rank)
-    if r == 0 or (n + m) * r * settings.min_compression_rate > n * m:
+    if r == 0 or (n + m) * r * settings.min_compression_rate >= n * m:
         return None
     return n, m, r
 

@@ -99,7 +99,7 @@ class Reference:
         for name, p in named:
             n, m = p.shape[0], p[0].numel() if p.dim() > 1 else 1
             r = min(n, m, RANK)
-            if p.dim() >= 2 and (n + m) * r * 2 <= n * m:
+            if p.dim() >= 2 and (n + m) * r * 2 < n * m:
                 gen = torch.Generator().manual_seed(SEED * 1_000_003 + zlib.crc32(name.encode()))
                 self.q[name] = torch.randn(m, r, generator=gen)
                 for e in self.error:
