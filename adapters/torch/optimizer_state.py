@@ -30,7 +30,7 @@ from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import TensorSpec, group_indices
 from dp_plugin.hooks import ReducePolicy, compression_wrapper
 from dp_plugin.horovod_names import require_sum_or_average
-from dp_plugin.process_sets import ProcessSet
+from dp_plugin.process_sets import ProcessSet, engine_or_none
 from dp_plugin.scheduler import Reducer
 from dp_plugin.sharding import reducescatter_hook
 from dp_plugin.timeline import shared_timeline
@@ -306,7 +306,7 @@ class OptimizerState:
         reducer.agree()
         bind = getattr(hook, "bind", None)
         if callable(bind):  # a hook with state or communicators of its own (PowerSGD)
-            bind(reducer.state)
+            bind(reducer.state, self._new_channel)
         op, like = self.op, params[0]
         marks = Marks(JoinFlags(reducer, op=op, like=like),
                       RankMarks(reducer, "unfrozen", op=op, like=like),
@@ -314,6 +314,13 @@ class OptimizerState:
                       None if check == "off" else FiniteFlags(reducer, mode=check, op=op,
                                                               like=like))
         return reducer, marks
+
+    def _new_channel(self, name: str) -> Engine:
+        """Another communicator over the optimizer's ranks, made from its process
+        set's engine (collective), for a hook that runs collectives of its own."""
+        eng = engine_or_none(self.process_set)
+        assert eng is not None  # a reducer exists: this rank is in the set
+        return eng.channel(f"{self.label}.{name}")
 
     # -- a step ----------------------------------------------------------------------
     def grad_ready(self, index: int, param: torch.Tensor, groups: Groups) -> None:

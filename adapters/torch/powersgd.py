@@ -161,9 +161,10 @@ class PowerSGDHook:
         """The settings, compared across ranks when the optimizer is wrapped."""
         return self.settings.describe()
 
-    def bind(self, state: HookState) -> None:
+    def bind(self, state: HookState, new_channel: Callable[[str], Engine]) -> None:
         """Attach to the optimizer's engine (``state.engine``) and make the
-        communicator the ``Q`` all-reduces run on. Collective: the optimizer
+        communicator the ``Q`` all-reduces run on (``new_channel(name)``: a
+        new communicator over the same ranks). Collective: the optimizer
         calls it when the hook is registered (and its buckets re-planned),
         on every rank, once the ranks agreed on the settings."""
         if state.engine_op is not ReduceOp.SUM:
@@ -179,7 +180,7 @@ class PowerSGDHook:
                 "this PowerSGDHook is already registered with another optimizer; its step "
                 "counter and errors belong to one: make one PowerSGDHook(...) per optimizer")
         self._engine = engine
-        self._q_engine = engine.channel("powersgd.q")
+        self._q_engine = new_channel("powersgd.q")
         self._waiting = []
 
     def __call__(self, state: HookState, bucket: GradBucket) -> Handle:
@@ -188,7 +189,7 @@ class PowerSGDHook:
             raise ValueError(
                 "PowerSGDHook was called on an engine it was not bound to; register it with "
                 "optimizer.register_comm_hook(hook) on every rank (that binds it), or call "
-                "hook.bind(state) on every rank before the first step")
+                "hook.bind(state, new_channel) on every rank before the first step")
         if bucket.index == 0:
             self.step += 1
         flat = bucket.buffer()

@@ -20,14 +20,23 @@ ranks, where the engine's summation order is its own.
   zero gradients (plus its own error) go through the same two all-reduces,
   and the reference says what the others end with.
 - ``refused``: bad rank/start_iter/min_compression_rate, ranks with
-  different settings, op=Adasum-like ops, one hook on two optimizers.
+  different settings, a reduction that is not a sum, one hook on two
+  optimizers.
+- ``elastic_killed`` / ``elastic_reference``: under torchrun a rank dies
+  and every rank resumes from the last commit with a new hook (the hook's
+  state is not in the commit: it restarts); the reference makes the new
+  hook at the commit's step in one uninterrupted run. The test compares the
+  final weights bitwise.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
+import signal
 import zlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -264,18 +273,92 @@ def case_refused(_: object) -> None:
                  lambda: make(op=hvd.Min).register_comm_hook(PowerSGDHook(rank=2)))
 
 
+# -- elastic restarts: the hook's state starts afresh -------------------------------------
+
+STEPS, COMMIT_EVERY, KILL_AFTER, ELASTIC_START = 12, 5, 7, 2
+
+
+def elastic_step(model: nn.Module, opt: Any, step: int) -> None:
+    opt.zero_grad()
+    local_grads(model, step, hvd.rank(), 1)
+    opt.step()
+
+
+def wrapped(model: nn.Module) -> tuple[Any, PowerSGDHook]:
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    hook = PowerSGDHook(rank=RANK, start_iter=ELASTIC_START, seed=SEED)
+    opt.register_comm_hook(hook)
+    return opt, hook
+
+
+def save_weights(model: nn.Module, out: Path) -> None:
+    weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+    everyone = hvd.allgather_object(weights, name="powersgd.weights")
+    if any(w != weights for w in everyone):
+        raise AssertionError("the ranks' final weights differ")
+    if hvd.rank() == 0:
+        (out / "weights.bin").write_bytes(weights)
+
+
+def case_elastic_killed(args: Any) -> None:
+    """Under torchrun --max-restarts 1: rank 1 dies after step 7 of the first
+    attempt; every rank restarts from the commit of step 5 with a new hook."""
+    out = Path(args.out)
+    torch.manual_seed(3)
+    model = Net()
+    opt, hook = wrapped(model)
+    state = hvd.elastic.TorchState(model, opt, batch=0, commit_path=out / "commit.pt")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    @hvd.elastic.run
+    def train(state: Any) -> None:
+        print(f"rank {hvd.rank()} attempt {attempt} starts at step {state.batch} "
+              f"(hook at step {hook.step})", flush=True)
+        for step in range(state.batch, STEPS):
+            elastic_step(model, opt, step)
+            state.batch = step + 1
+            if state.batch % COMMIT_EVERY == 0:
+                state.commit()
+            if attempt == 0 and state.batch == KILL_AFTER and hvd.rank() == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    train(state)
+    save_weights(model, out)
+
+
+def case_elastic_reference(args: Any) -> None:
+    """What the killed run must end with: steps 0-4, then (the restart from
+    the commit of step 5) a new model, optimizer and hook: plain steps again
+    for ``start_iter``, zero errors, the seeded Q."""
+    torch.manual_seed(3)
+    model = Net()
+    opt, _ = wrapped(model)
+    for step in range(STEPS):
+        if step == COMMIT_EVERY:
+            model = copy.deepcopy(model)
+            opt, _ = wrapped(model)
+        elastic_step(model, opt, step)
+    save_weights(model, Path(args.out))
+
+
 CASES = {
     "reference": case_reference,
     "accumulation": case_accumulation,
     "join": case_join,
     "refused": case_refused,
+    "elastic_killed": case_elastic_killed,
+    "elastic_reference": case_elastic_reference,
 }
 
 
-def start(args: object) -> None:
+def start(args: object) -> object:
     torch.set_num_threads(1)
     hvd.init()
+    return args
 
 
 if __name__ == "__main__":
-    run_cases(CASES, setup=start, teardown=lambda _: hvd.shutdown())
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", help="directory for the commit and the weights (elastic)")
+    run_cases(CASES, parser=parser, setup=start, teardown=lambda _: hvd.shutdown())
