@@ -110,7 +110,7 @@ class Reference:
             r = min(n, m, RANK)
             if p.dim() >= 2 and (n + m) * r * 2 < n * m:
                 gen = torch.Generator().manual_seed(SEED * 1_000_003 + zlib.crc32(name.encode()))
-                self.q[name] = torch.randn(m, r, generator=gen)
+                self.q[name] = torch.randn(m, r, generator=gen).mT.contiguous()  # Q^T
                 for e in self.error:
                     e[name] = torch.zeros(n, m)
         if set(self.q) != COMPRESSED:
@@ -130,16 +130,18 @@ class Reference:
             shape = grads[0][name].shape
             ms = [g[name].reshape(shape[0], -1) + e[name] for g, e in zip(grads, self.error,
                                                                            strict=True)]
-            q = orthogonalize(self.q[name])
-            p = ms[0] @ q
+            # Q is kept transposed (r x m), and Q^T = P^T M, as the hook does:
+            # the same products in the same layouts give the same bits.
+            qt = orthogonalize(self.q[name].mT).mT.contiguous()
+            p = ms[0] @ qt.mT
             for m in ms[1:]:
-                p = p + m @ q
+                p = p + m @ qt.mT
             p = orthogonalize(p)
-            q = ms[0].mT @ p
+            qt = p.mT @ ms[0]
             for m in ms[1:]:
-                q = q + m.mT @ p
-            self.q[name] = q
-            approx = p @ q.mT
+                qt = qt + p.mT @ m
+            self.q[name] = qt
+            approx = p @ qt
             for m, e in zip(ms, self.error, strict=True):
                 e[name] = m - approx * (1.0 / self.size)
             out[name] = (approx * (1.0 / self.size)).reshape(shape)
