@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--blocks", type=int, default=2, help="interleaved blocks per method")
     ap.add_argument("--gflops", type=float, default=None,
                     help="the plan's speed of the matrix products (default: its own)")
+    ap.add_argument("--gbytes", type=float, default=None,
+                    help="the plan's bandwidth of the passes over the gradients (default: its own)")
     ap.add_argument("--timeout", type=float, default=1500.0)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
@@ -153,7 +155,7 @@ def worker(args: argparse.Namespace) -> int:
                           op=hvd.Max, name="link")
     if rank == 0:
         from dp_plugin.cli.alphabeta import Link, predict, predict_powersgd
-        from dp_plugin.cli.plan import POWERSGD_GFLOPS
+        from dp_plugin.cli.plan import POWERSGD_GBYTES, POWERSGD_GFLOPS
         from dp_plugin.config import Config
         from dp_plugin.powersgd import PowerSGDSettings, wire_numel
 
@@ -166,6 +168,7 @@ def worker(args: argparse.Namespace) -> int:
         sizes = [4 * s.numel() for s in setups["local"][0].params]
         cap, first = Config().bucket_caps(total_bytes=sum(sizes))
         gflops = args.gflops or POWERSGD_GFLOPS
+        gbytes = args.gbytes or POWERSGD_GBYTES
         dp = statistics.median(times["dp" if "dp" in times else "local"])
         for i, method in enumerate(methods):
             t = statistics.median(times[method])
@@ -174,7 +177,8 @@ def worker(args: argparse.Namespace) -> int:
                 pred = (predict(sizes, local, size, link, cap, first_threshold=first).step_s
                         if method == "dp" else
                         predict_powersgd(tensor_shapes, local, size, link, cap, settings,
-                                         gflops * 1e9, first_threshold=first).step_s)
+                                         gflops * 1e9, gbytes * 1e9,
+                                         first_threshold=first).step_s)
             formula = 4 * (wire.dense if method in ("local", "dp") else wire.total)
             print("RESULT " + json.dumps({
                 "method": method, "size": size, "step_s": t, "vs_dp": t / dp,
@@ -214,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
            str(Path(__file__).resolve()), "--worker", "--layers", str(args.layers),
            "--rank", str(args.rank), "--steps", str(args.steps), "--blocks", str(args.blocks),
            "--ddp-bucket-mb", str(args.ddp_bucket_mb), "--methods", *args.methods,
-           *([] if args.gflops is None else ["--gflops", str(args.gflops)])]
+           *([] if args.gflops is None else ["--gflops", str(args.gflops)]),
+           *([] if args.gbytes is None else ["--gbytes", str(args.gbytes)])]
     env = {**os.environ, "DP_PLUGIN_ENGINE": "gloo", "DP_PLUGIN_TIMEOUT": "600"}
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

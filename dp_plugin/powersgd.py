@@ -149,3 +149,22 @@ def flops(shapes: Iterable[Shape], settings: PowerSGDSettings) -> int:
             n, m, r = found
             total += 6 * n * m * r
     return total
+
+
+PASSES = 11
+"""Passes over each compressed matrix per step, counted in elements read or
+written: adding the error (3), keeping ``M`` as the next error (2), ``M Q``
+(1), ``P^T M`` (1), writing ``P Q^T`` (1), subtracting it from the error
+(3). At small ranks these passes, not the multiply-adds, take the time: 11
+passes of 4 bytes against ``6 r`` flops per element."""
+
+
+def touched_bytes(shapes: Iterable[Shape], settings: PowerSGDSettings, itemsize: int = 4) -> int:
+    """Bytes one compressed step reads and writes in the compressed matrices
+    (``PASSES`` times each one's ``n * m`` elements)."""
+    total = 0
+    for shape in shapes:
+        found = matrix_of(shape, settings)
+        if found is not None:
+            total += PASSES * itemsize * found[0] * found[1]
+    return total

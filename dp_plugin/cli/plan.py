@@ -67,7 +67,11 @@ BETTER = 0.01
 """A bucket size is named for a worker count where it shortens the predicted step
 against the default plan by this share (the model's tie rule is 0.5%)."""
 POWERSGD_GFLOPS = 20.0
-"""Default speed of PowerSGD's matrix products (float32 on a few CPU cores)."""
+"""Default speed of PowerSGD's matrix products (float32 on one CPU core)."""
+POWERSGD_GBYTES = 5.0
+"""Default bandwidth of PowerSGD's passes over the gradients (one CPU core's
+element-wise torch ops); at small ranks these, not the products, set its
+compute time (``dp_plugin.powersgd.PASSES``)."""
 TYPICAL_RANKS_PER_HOST = 8
 """The assumed node without ``--ranks-per-host``: 8 GPUs, one rank each."""
 
@@ -122,7 +126,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                "per bucket")
     powersgd.add_argument("--powersgd-gflops", type=_positive, default=POWERSGD_GFLOPS,
                           help="speed of PowerSGD's matrix products, GFLOP/s (default "
-                               f"{POWERSGD_GFLOPS:g}: a few CPU cores; a GPU does thousands)")
+                               f"{POWERSGD_GFLOPS:g}: a CPU core; a GPU does thousands)")
+    powersgd.add_argument("--powersgd-gbytes", type=_positive, default=POWERSGD_GBYTES,
+                          help="memory bandwidth of PowerSGD's passes over the gradients, GB/s "
+                               f"(default {POWERSGD_GBYTES:g}: a CPU core; a GPU: over 1000)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -328,14 +335,15 @@ def powersgd_rows(args: argparse.Namespace, shapes: list[tuple[str, tuple[int, .
     out = []
     for row in rows:
         p = predict_powersgd(tensor_shapes, compute, row["workers"], link, threshold, settings,
-                             args.powersgd_gflops * 1e9, args.backward_fraction, args.ready_by,
-                             first_threshold=first)
+                             args.powersgd_gflops * 1e9, args.powersgd_gbytes * 1e9,
+                             args.backward_fraction, args.ready_by, first_threshold=first)
         out.append({"workers": row["workers"], "comm_ms": p.comm_s * 1e3,
                     "step_ms": p.step_s * 1e3, "efficiency": p.efficiency,
                     "plain_step_ms": row["step_ms"]})
     return {"rank": settings.rank, "dense_bytes": 4 * wire.dense, "wire_bytes": 4 * wire.total,
             "p_bytes": 4 * wire.p, "q_bytes": 4 * wire.q, "uncompressed_bytes": 4 * wire.whole,
-            "ratio": wire.ratio, "gflops": args.powersgd_gflops, "rows": out}
+            "ratio": wire.ratio, "gflops": args.powersgd_gflops,
+            "gbytes": args.powersgd_gbytes, "rows": out}
 
 
 def print_powersgd(lowrank: dict[str, Any]) -> None:
@@ -343,7 +351,8 @@ def print_powersgd(lowrank: dict[str, Any]) -> None:
           f"all-reduce step instead of {lowrank['dense_bytes'] / MiB:.1f} MiB "
           f"({lowrank['ratio']:.1f}x fewer: P {lowrank['p_bytes'] / MiB:.2f} + Q "
           f"{lowrank['q_bytes'] / MiB:.2f} + uncompressed {lowrank['uncompressed_bytes'] / MiB:.2f}"
-          f" MiB); matrix products at {lowrank['gflops']:g} GFLOP/s")
+          f" MiB); matrix products at {lowrank['gflops']:g} GFLOP/s, passes over the "
+          f"gradients at {lowrank['gbytes']:g} GB/s")
     print(f"{'workers':>7} {'all-reduce':>11} {'step':>9} {'efficiency':>10} {'plain step':>10}")
     for r in lowrank["rows"]:
         print(f"{r['workers']:>7} {r['comm_ms']:>8.1f} ms {r['step_ms']:>6.1f} ms "

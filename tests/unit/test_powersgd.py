@@ -12,7 +12,7 @@ import pytest
 from dp_plugin.cli import main
 from dp_plugin.cli.alphabeta import Link, predict, predict_powersgd, ring_allreduce_time
 from dp_plugin.cli.shapes import model_shapes
-from dp_plugin.powersgd import PowerSGDSettings, flops, matrix_of, wire_numel
+from dp_plugin.powersgd import PowerSGDSettings, flops, matrix_of, touched_bytes, wire_numel
 
 R4 = PowerSGDSettings(rank=4)
 
@@ -38,6 +38,7 @@ def test_the_wire_formula_by_hand() -> None:
     assert w.dense == 768 * 3072 + 3072 + 480 + 72
     assert w.ratio == pytest.approx(w.dense / w.total)
     assert flops(shapes, PowerSGDSettings(rank=2)) == 6 * 2 * (768 * 3072 + 40 * 12)
+    assert touched_bytes(shapes, PowerSGDSettings(rank=2)) == 11 * 4 * (768 * 3072 + 40 * 12)
 
 
 def test_bert_base_at_rank_4() -> None:
@@ -76,9 +77,10 @@ def test_the_prediction_counts_two_all_reduces_and_the_products_per_bucket() -> 
     shapes = [(768, 3072), (3072,)]
     link = Link(alpha=50e-6, beta=1e9 / 8)
     s = PowerSGDSettings(rank=4)
-    got = predict_powersgd(shapes, 1.0, 4, link, 64 << 20, s, 20e9, backward_fraction=1.0)
+    got = predict_powersgd(shapes, 1.0, 4, link, 64 << 20, s, 20e9, 5e9, backward_fraction=1.0)
+    work = max(6 * 768 * 3072 * 4 / 20e9, 11 * 4 * 768 * 3072 / 5e9)
     t = (ring_allreduce_time(4 * (768 * 4 + 3072), 4, link)
-         + ring_allreduce_time(4 * 3072 * 4, 4, link) + 6 * 768 * 3072 * 4 / 20e9)
+         + ring_allreduce_time(4 * 3072 * 4, 4, link) + work)
     assert got.buckets == 1
     assert got.step_s == pytest.approx(1.0 + t)
     plain = predict([4 * 768 * 3072, 4 * 3072], 1.0, 4, link, 64 << 20, backward_fraction=1.0)
