@@ -13,7 +13,12 @@ method, the blocks interleaved so that outside load hits all alike:
 - ``dp powersgd``: the same with ``PowerSGDHook(rank=R, start_iter=0)``;
 - ``ddp powersgd``: ``DistributedDataParallel`` over the Gloo group
   dp_plugin's engine made, with torch's ``powerSGD_hook`` at the same rank
-  (``start_powerSGD_iter=2``; the warm-up steps are not timed).
+  (``start_powerSGD_iter=2``; the warm-up steps are not timed), in one
+  bucket (``--ddp-bucket-mb 1000``): torch's hook starts each bucket's
+  next all-reduce from the last one's completion callback, so with several
+  buckets on Gloo the ranks issued them in different orders (seen here at
+  2 x 2 with 25 MB buckets: Gloo's "Received data size doesn't match
+  expected size", every rank aborted).
 
 Per method: median step (slowest rank), its ratio to ``dp``, the bytes
 each host's link sent per step (the host's ``eth0`` counter, read by its
@@ -65,8 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
                     help="methods to run (the no-communication step always runs too)")
-    ap.add_argument("--ddp-bucket-mb", type=float, default=25.0,
-                    help="DDP's bucket_cap_mb for torch's powerSGD_hook")
+    ap.add_argument("--ddp-bucket-mb", type=float, default=1000.0,
+                    help="DDP's bucket_cap_mb for torch's powerSGD_hook (one bucket: see above)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
