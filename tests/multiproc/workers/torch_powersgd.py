@@ -8,10 +8,11 @@ Every training case checks, after every step, that the ranks' parameters
 are bitwise equal and that they equal a single-process reference of the
 same algorithm (``Reference``, written here from the paper's steps: every
 rank's gradient computed in this process, error feedback, warm-started
-``Q``, plain averages for the first ``start_iter`` steps). ``EXACT=1``
-(the default) requires the reference bitwise (two ranks: every sum is
-``a + b`` whatever the engine's order); ``EXACT=0`` within 1e-5, for more
-ranks, where the engine's summation order is its own.
+``Q``, plain averages for the first ``start_iter`` steps), within 1e-5:
+the products' last bits depend on where their operands lie in memory (the
+fusion buffer's layout; seen: 7e-9 apart with the default buckets, equal
+with 512-byte ones), and at more than two ranks on the engine's summation
+order. A missing error feedback or a wrong ``Q`` is off by 1e-3 or more.
 
 - ``reference``: SGD, 8 steps, start_iter=3, rank 2; the elements the hook
   sent equal the wire formula (``dp_plugin.powersgd.wire_numel``).
@@ -52,7 +53,6 @@ PER_RANK = 4
 RANK = 2
 START = 3
 SEED = 5
-EXACT = os.environ.get("EXACT", "1") == "1"
 
 
 class Net(nn.Module):
@@ -158,8 +158,7 @@ def flat(model: nn.Module) -> torch.Tensor:
 def check(model: nn.Module, ref_model: nn.Module, what: str, compare_ranks: bool = True
           ) -> None:
     a, b = flat(model), flat(ref_model)
-    ok = torch.equal(a, b) if EXACT else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-    if not ok:
+    if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
         raise AssertionError(f"{what}: parameters differ from the single-process reference "
                              f"(max diff {(a - b).abs().max():.3g})")
     if compare_ranks:
