@@ -283,6 +283,7 @@ class OptimizerState:
         if hook is None and self.sharded:  # a user's hook that all-reduces is fine too
             hook = reducescatter_hook if self.compressor.name == "none" else \
                 compression_wrapper(reducescatter_hook, self.compressor)
+        describe = getattr(hook, "describe", None)  # a hook's settings, compared across ranks
         # The label is unique per optimizer: the horovod engine matches
         # collectives by name (its channel is the engine itself).
         # The arguments were validated by DistributedOptimizer (and the setter of
@@ -294,8 +295,7 @@ class OptimizerState:
             flags=("join", "unfrozen", "sparse", *(() if check == "off" else ("finite",))),
             settings={"DP_PLUGIN_CHECK_FINITE": check,
                       "shard_optimizer_state": self.sharded,
-                      **({"comm hook": hook.describe()} if callable(getattr(hook, "describe",
-                                                                            None)) else {})},
+                      **({"comm hook": describe()} if callable(describe) else {})},
             autotune=eng.config.autotune,
             groups=group_indices(self.groups, params),
         )
