@@ -35,8 +35,8 @@ Shape = Sequence[int]
 
 DEFAULT_RANK = 4
 """Rank 4: Vogels et al. reach full-precision accuracy at rank 2-4 on their
-image and language models, and the BERT example's loss stays within 2% of
-uncompressed at rank 4 (BENCHMARKS.md, "PowerSGD")."""
+image and language models, and the BERT example's loss at rank 4 followed
+the uncompressed run's (BENCHMARKS.md, "PowerSGD")."""
 
 DEFAULT_START_ITER = 10
 """Plain all-reduces for the first 10 steps: the first gradients are large
