@@ -82,6 +82,7 @@ class FusionBuffer:
         self.label = label
         self.names = tuple(specs[i].name for i in bucket.members)
         self.numels = tuple(specs[i].numel for i in bucket.members)
+        self.shapes = tuple(tuple(specs[i].shape) for i in bucket.members)
         self.control_numel = control_numel
         self.wire_dtype = wire_dtype
         """The dtype the bucket travels in (the compressor's ``wire_dtype``)."""
@@ -195,7 +196,8 @@ class FusionBuffer:
                           self.flat if direct is None else direct, self.label, self.scratch,
                           None if slab is None else slab.shared,
                           0 if slab is None else slab.numel,
-                          self.control_numel if direct is None else 0)
+                          self.control_numel if direct is None else 0,
+                          self.shapes, tuple(b.offsets))
 
     def describe(self) -> str:
         b = self.bucket

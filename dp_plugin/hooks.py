@@ -12,7 +12,12 @@ bucket's buffer must hold the reduced values. Policies compose by wrapping::
 any hook travel in a narrower dtype through a persistent wire buffer.
 Users may write their own (error feedback, PowerSGD-style low rank): the
 contract is only "after ``handle.wait()`` the buffer holds what every rank
-agrees on", and every rank must run the same collectives for a bucket.
+agrees on", and every rank must run the same collectives for a bucket. A
+hook object with ``bind(state, new_channel)`` is bound by the optimizer
+that registers it, on every rank at the same point (after the ranks agreed
+on its ``describe()``, if it has one): ``new_channel(name)`` makes another
+communicator over the same ranks, for collectives a hook starts at times
+that differ between ranks (``dp_plugin.torch.powersgd``).
 
 Scaling (averaging, Horovod's predivide, pre/post factors) is *not* a hook:
 ``ReducePolicy`` computes the factors once, in one place, and the fusion
@@ -151,6 +156,11 @@ class GradBucket:
     """Trailing elements of ``flat`` that are the reducer's control slot (per-rank
     flags every rank reads): a hook that reduces only part of the buffer
     (``sharding.reducescatter_hook``) must still reduce these in full."""
+    shapes: tuple[tuple[int, ...], ...] = ()
+    """Each member's shape, in ``names`` order (DDP's ``bucket.gradients()``:
+    a hook that treats members as matrices, ``dp_plugin.torch.powersgd``)."""
+    offsets: tuple[int, ...] = ()
+    """Where each member starts in ``flat``, in ``names`` order."""
 
     def buffer(self) -> Any:
         return self.flat

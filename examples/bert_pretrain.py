@@ -112,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "10%% unchanged)")
     g.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none",
                    help="wire type of the gradient all-reduce")
+    g.add_argument("--powersgd-rank", type=int, default=0,
+                   help="reduce gradients with PowerSGD at this rank (0: off; "
+                        "dp_plugin.torch.powersgd, docs/torch.md)")
     g.add_argument("--bf16", action="store_true",
                    help="run forward and loss under torch.autocast(bfloat16)")
     g.add_argument("--seed", type=int, default=42, help="seed of model init, data order, masks")
@@ -287,6 +290,10 @@ def main(argv: list[str] | None = None) -> None:
         compression={"none": hvd.Compression.none, "fp16": hvd.Compression.fp16,
                      "bf16": hvd.Compression.bf16}[args.compression],
     )
+    if args.powersgd_rank:
+        from dp_plugin.torch.powersgd import PowerSGDHook
+
+        opt.register_comm_hook(PowerSGDHook(rank=args.powersgd_rank))
     schedule = get_linear_schedule_with_warmup(opt, args.warmup_steps, args.steps)
 
     step, epoch, position = 0, 0, 0  # position: backward passes done in this epoch

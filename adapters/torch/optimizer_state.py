@@ -30,7 +30,7 @@ from dp_plugin.errors import DPPluginError
 from dp_plugin.fusion import TensorSpec, group_indices
 from dp_plugin.hooks import ReducePolicy, compression_wrapper
 from dp_plugin.horovod_names import require_sum_or_average
-from dp_plugin.process_sets import ProcessSet
+from dp_plugin.process_sets import ProcessSet, engine_or_none
 from dp_plugin.scheduler import Reducer
 from dp_plugin.sharding import reducescatter_hook
 from dp_plugin.timeline import shared_timeline
@@ -288,6 +288,7 @@ class OptimizerState:
         if hook is None and self.sharded:  # a user's hook that all-reduces is fine too
             hook = reducescatter_hook if self.compressor.name == "none" else \
                 compression_wrapper(reducescatter_hook, self.compressor)
+        describe = getattr(hook, "describe", None)  # a hook's settings, compared across ranks
         # The label is unique per optimizer: the horovod engine matches
         # collectives by name (its channel is the engine itself).
         # The arguments were validated by DistributedOptimizer (and the setter of
@@ -298,7 +299,8 @@ class OptimizerState:
             timeline=shared_timeline, name=self.label, hook=hook,
             flags=("join", "unfrozen", "sparse", *(() if check == "off" else ("finite",))),
             settings={"DP_PLUGIN_CHECK_FINITE": check,
-                      "shard_optimizer_state": self.sharded},
+                      "shard_optimizer_state": self.sharded,
+                      **({"comm hook": describe()} if callable(describe) else {})},
             autotune=eng.config.autotune,
             groups=group_indices(self.groups, params),
         )
@@ -307,6 +309,9 @@ class OptimizerState:
         # time differs between ranks; a blocking collective there could wait
         # for a rank that is itself waiting in a SyncBatchNorm all-reduce.
         reducer.agree()
+        bind = getattr(hook, "bind", None)
+        if callable(bind):  # a hook with state or communicators of its own (PowerSGD)
+            bind(reducer.state, self._new_channel)
         op, like = self.op, params[0]
         marks = Marks(JoinFlags(reducer, op=op, like=like),
                       RankMarks(reducer, "unfrozen", op=op, like=like),
@@ -318,6 +323,13 @@ class OptimizerState:
         # the first step's bucket order must not cost a collective there.
         reducer.postpone_rebuild = marks.join.anyone
         return reducer, marks
+
+    def _new_channel(self, name: str) -> Engine:
+        """Another communicator over the optimizer's ranks, made from its process
+        set's engine (collective), for a hook that runs collectives of its own."""
+        eng = engine_or_none(self.process_set)
+        assert eng is not None  # a reducer exists: this rank is in the set
+        return eng.channel(f"{self.label}.{name}")
 
     # -- a step ----------------------------------------------------------------------
     def grad_ready(self, index: int, param: torch.Tensor, groups: Groups) -> None:

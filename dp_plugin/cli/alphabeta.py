@@ -23,11 +23,14 @@ single-worker step (compute only) over the step at ``n`` workers
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dp_plugin.cli.bandwidth import bus_factor
 from dp_plugin.fusion import TensorSpec, plan_buckets
+from dp_plugin.powersgd import PowerSGDSettings, touched_bytes, wire_numel
+from dp_plugin.powersgd import flops as powersgd_flops
 
 MiB = 2**20
 
@@ -184,3 +187,43 @@ def best_threshold(sizes: Sequence[int], compute_s: float, n: int, link: Link,
              for t in CANDIDATE_THRESHOLDS]
     fastest = min(p.step_s for p in preds)
     return max((p for p in preds if p.step_s <= fastest * 1.005), key=lambda p: p.threshold)
+
+
+def predict_powersgd(shapes: Sequence[Sequence[int]], compute_s: float, n: int, link: Link,
+                     threshold: int, settings: PowerSGDSettings, flops_per_s: float,
+                     bytes_per_s: float, backward_fraction: float = 2 / 3,
+                     ready_by: str = "tensors",
+                     first_threshold: int | None = None) -> Prediction:
+    """``predict`` for float32 gradients of ``shapes`` (definition order)
+    reduced by PowerSGD (``dp_plugin.powersgd``) on the same buckets: each
+    bucket costs one all-reduce of its ``P`` s and uncompressed members, one
+    of its ``Q`` s, and its work on the rank: the matrix products at
+    ``flops_per_s`` or the passes over the matrices at ``bytes_per_s``,
+    whichever is longer, one after the other (a bucket with nothing to
+    compress: one plain all-reduce)."""
+    if flops_per_s <= 0 or bytes_per_s <= 0:
+        raise ValueError(f"flops_per_s and bytes_per_s must be > 0, got {flops_per_s!r} and "
+                         f"{bytes_per_s!r}")
+    order = list(reversed([tuple(s) for s in shapes]))
+    sizes = [4 * math.prod(s) for s in order]
+    backward = compute_s * backward_fraction
+    start_backward = compute_s - backward
+    ready = ready_times(sizes, backward, ready_by)
+    plan = buckets(sizes, threshold, first_threshold)
+    end = comm = 0.0
+    first = 0
+    for last, _ in plan:
+        members = order[first:last + 1]
+        first = last + 1
+        wire = wire_numel(members, settings)
+        if wire.p == 0:
+            t = ring_allreduce_time(4 * wire.whole, n, link)
+        else:
+            t = (ring_allreduce_time(4 * (wire.whole + wire.p), n, link)
+                 + ring_allreduce_time(4 * wire.q, n, link)
+                 + max(powersgd_flops(members, settings) / flops_per_s,
+                       touched_bytes(members, settings) / bytes_per_s))
+        end = max(end, start_backward + ready[last]) + t
+        comm += t
+    return Prediction(workers=n, threshold=threshold, buckets=len(plan), compute_s=compute_s,
+                      comm_s=comm, step_s=max(compute_s, end))

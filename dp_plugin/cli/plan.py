@@ -41,9 +41,18 @@ from pathlib import Path
 from typing import Any
 
 from dp_plugin.cli import int_list
-from dp_plugin.cli.alphabeta import Link, MiB, Prediction, best_threshold, fit_link, predict
+from dp_plugin.cli.alphabeta import (
+    Link,
+    MiB,
+    Prediction,
+    best_threshold,
+    fit_link,
+    predict,
+    predict_powersgd,
+)
 from dp_plugin.cli.shapes import MODELS, model_shapes, param_count
 from dp_plugin.config import Config
+from dp_plugin.powersgd import PowerSGDSettings, wire_numel
 
 HELP = "predict step time and scaling efficiency at 8-1024 workers (alpha-beta model)"
 DEFAULT_WORKERS = "8,16,32,64,128,256,512,1024"
@@ -57,6 +66,12 @@ BUSY = 0.10
 BETTER = 0.01
 """A bucket size is named for a worker count where it shortens the predicted step
 against the default plan by this share (the model's tie rule is 0.5%)."""
+POWERSGD_GFLOPS = 20.0
+"""Default speed of PowerSGD's matrix products (float32 on one CPU core)."""
+POWERSGD_GBYTES = 5.0
+"""Default bandwidth of PowerSGD's passes over the gradients (one CPU core's
+element-wise torch ops); at small ranks these, not the products, set its
+compute time (``dp_plugin.powersgd.PASSES``)."""
 TYPICAL_RANKS_PER_HOST = 8
 """The assumed node without ``--ranks-per-host``: 8 GPUs, one rank each."""
 
@@ -104,6 +119,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-bandwidth-gbit", type=_positive, default=LOCAL_GBIT,
                         help="bandwidth between the ranks of one host (shared memory), "
                              f"Gbit/s (default {LOCAL_GBIT:g})")
+    powersgd = parser.add_argument_group("PowerSGD (dp_plugin.torch.powersgd)")
+    powersgd.add_argument("--powersgd-rank", type=int, default=None,
+                          help="also predict the step with PowerSGD at this rank: bytes on the "
+                               "link from the formula, two all-reduces and the matrix products "
+                               "per bucket")
+    powersgd.add_argument("--powersgd-gflops", type=_positive, default=POWERSGD_GFLOPS,
+                          help="speed of PowerSGD's matrix products, GFLOP/s (default "
+                               f"{POWERSGD_GFLOPS:g}: a CPU core; a GPU does thousands)")
+    powersgd.add_argument("--powersgd-gbytes", type=_positive, default=POWERSGD_GBYTES,
+                          help="memory bandwidth of PowerSGD's passes over the gradients, GB/s "
+                               f"(default {POWERSGD_GBYTES:g}: a CPU core; a GPU: over 1000)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -197,13 +223,15 @@ def run(args: argparse.Namespace) -> int:
             better.append({"workers": n, "threshold_mib": best.threshold / MiB,
                            "fusion_threshold": best.threshold, "step_ms": best.step_s * 1e3,
                            "default_step_ms": p.step_s * 1e3, "shorter": gain})
+    lowrank = powersgd_rows(args, shapes, compute, link, threshold, first, rows)
     n = args.workers[-1]
     choice = suggest(sizes, compute, n, link, args, per_host, local, plan_words)
     if args.json:
         json.dump({"model": args.model, "alpha_s": link.alpha, "beta_bytes_s": link.beta,
                    "plan": {"threshold_bytes": threshold, "first_threshold_bytes": first},
                    "ranks_per_host": per_host, "assumed": assumed, "rows": rows,
-                   "better_buckets": better, "suggested": choice}, sys.stdout, indent=1)
+                   "better_buckets": better, "suggested": choice,
+                   **({} if lowrank is None else {"powersgd": lowrank})}, sys.stdout, indent=1)
         print()
         return 0
     hosts = f", {per_host} ranks per host sharing it" if per_host > 1 else ""
@@ -229,6 +257,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"\nno bucket size shortens the step by {BETTER:.0%} or more against "
               f"{plan_words} at these worker counts")
+    if lowrank is not None:
+        print_powersgd(lowrank)
     print(f"\nsuggested at {n} workers: step {choice['step_ms']:.1f} ms "
           f"(efficiency {choice['efficiency']:.1%})")
     for line in choice["why"]:
@@ -286,3 +316,44 @@ def suggest(sizes: list[int], compute: float, n: int, link: Link, args: argparse
             "hierarchical": hierarchical, "compression": compression,
             "step_ms": chosen.step_s * 1e3, "efficiency": chosen.efficiency, "why": why}
 
+
+
+def powersgd_rows(args: argparse.Namespace, shapes: list[tuple[str, tuple[int, ...]]],
+                  compute: float, link: Link, threshold: int, first: int | None,
+                  rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The PowerSGD prediction at ``--powersgd-rank`` (None without it): bytes
+    on the link per step from the formula, and each worker count's step
+    beside the plain row's (flat ring, the same buckets)."""
+    if args.powersgd_rank is None:
+        return None
+    try:
+        settings = PowerSGDSettings(rank=args.powersgd_rank)
+    except ValueError as exc:
+        raise SystemExit(f"--powersgd-rank {args.powersgd_rank}: {exc}") from None
+    tensor_shapes = [shape for _, shape in shapes]
+    wire = wire_numel(tensor_shapes, settings)
+    out = []
+    for row in rows:
+        p = predict_powersgd(tensor_shapes, compute, row["workers"], link, threshold, settings,
+                             args.powersgd_gflops * 1e9, args.powersgd_gbytes * 1e9,
+                             args.backward_fraction, args.ready_by, first_threshold=first)
+        out.append({"workers": row["workers"], "comm_ms": p.comm_s * 1e3,
+                    "step_ms": p.step_s * 1e3, "efficiency": p.efficiency,
+                    "plain_step_ms": row["step_ms"]})
+    return {"rank": settings.rank, "dense_bytes": 4 * wire.dense, "wire_bytes": 4 * wire.total,
+            "p_bytes": 4 * wire.p, "q_bytes": 4 * wire.q, "uncompressed_bytes": 4 * wire.whole,
+            "ratio": wire.ratio, "gflops": args.powersgd_gflops,
+            "gbytes": args.powersgd_gbytes, "rows": out}
+
+
+def print_powersgd(lowrank: dict[str, Any]) -> None:
+    print(f"\nPowerSGD at rank {lowrank['rank']}: {lowrank['wire_bytes'] / MiB:.2f} MiB per "
+          f"all-reduce step instead of {lowrank['dense_bytes'] / MiB:.1f} MiB "
+          f"({lowrank['ratio']:.1f}x fewer: P {lowrank['p_bytes'] / MiB:.2f} + Q "
+          f"{lowrank['q_bytes'] / MiB:.2f} + uncompressed {lowrank['uncompressed_bytes'] / MiB:.2f}"
+          f" MiB); matrix products at {lowrank['gflops']:g} GFLOP/s, passes over the "
+          f"gradients at {lowrank['gbytes']:g} GB/s")
+    print(f"{'workers':>7} {'all-reduce':>11} {'step':>9} {'efficiency':>10} {'plain step':>10}")
+    for r in lowrank["rows"]:
+        print(f"{r['workers']:>7} {r['comm_ms']:>8.1f} ms {r['step_ms']:>6.1f} ms "
+              f"{r['efficiency']:>9.1%} {r['plain_step_ms']:>7.1f} ms")
