@@ -26,13 +26,12 @@ _ROOT = Path(__file__).resolve().parent.parent
 
 # Summed test time per file, seconds (the files over ~15 s).
 FILE_SECONDS: dict[str, float] = {
-    "tests/schedulers/test_ray.py": 170,
+    "tests/schedulers/test_ray.py": 230,
     "tests/multiproc/test_lightning.py": 125,
     "tests/examples/test_cluster.py": 120,
     "tests/multiproc/test_keras_torch_train.py": 100,
     "tests/multiproc/test_keras_train.py": 95,
     "tests/multiproc/test_fault_matrix.py": 90,
-    "tests/schedulers/test_ray_train.py": 82,
     "tests/multiproc/test_torch_sharded.py": 81,
     "tests/schedulers/test_slurm.py": 70,
     "tests/multiproc/test_torch_syncbn_compile_amp.py": 60,

@@ -8,13 +8,13 @@ from tests.conftest import FILE_SECONDS, file_costs, longest_files_first
 
 def test_known_long_files_go_before_many_short_tests() -> None:
     names = (["tests/unit/test_config.py"] * 300
-             + ["tests/schedulers/test_ray_train.py"] * 2
+             + ["tests/examples/test_cluster.py"] * 2
              + ["tests/unit/test_fusion.py"] * 2
              + ["tests/schedulers/test_ray.py"] * 4)
     order = longest_files_first(names)
     assert sorted(order) == list(range(len(names)))
     assert [names[i] for i in order[:6]] == (["tests/schedulers/test_ray.py"] * 4
-                                            + ["tests/schedulers/test_ray_train.py"] * 2)
+                                            + ["tests/examples/test_cluster.py"] * 2)
     # each file's tests stay in their order
     assert order[:6] == [304, 305, 306, 307, 300, 301]
     assert order[6:306] == list(range(300))
