@@ -9,9 +9,10 @@ the other had finished. The Makefile turns that off
 (``--no-loadscope-reorder``) and this hook sorts the files by their known
 cost instead, the longest first, so the short unit files fill the tail.
 
-A file's cost is its summed test time from ``FILE_SECONDS`` (measured on a
-quiet 2-core machine with ``--durations=0``; refresh it when a file's time
-moves a lot), else an estimate from its number of tests. The order inside
+A file's cost is its summed test time from ``FILE_SECONDS`` (seconds on a
+quiet 2-core machine, from ``--durations=0``; rounded, since only the order
+matters: refresh it when a file's time moves a lot), else an estimate from
+its number of tests. The order inside
 a file never changes, and the sort is the same in every test process, as
 xdist requires.
 """
@@ -27,22 +28,22 @@ _ROOT = Path(__file__).resolve().parent.parent
 # Summed test time per file, seconds (the files over ~15 s).
 FILE_SECONDS: dict[str, float] = {
     "tests/schedulers/test_ray.py": 230,
-    "tests/multiproc/test_lightning.py": 125,
     "tests/examples/test_cluster.py": 120,
-    "tests/multiproc/test_keras_torch_train.py": 100,
     "tests/multiproc/test_keras_train.py": 95,
     "tests/multiproc/test_fault_matrix.py": 90,
-    "tests/multiproc/test_torch_sharded.py": 81,
     "tests/schedulers/test_slurm.py": 70,
+    "tests/multiproc/test_lightning.py": 60,
     "tests/multiproc/test_torch_syncbn_compile_amp.py": 60,
     "tests/multiproc/test_torch_elastic.py": 55,
     "tests/examples/test_kubernetes.py": 50,
+    "tests/multiproc/test_torch_sharded.py": 45,
     "tests/examples/test_resnet_digits.py": 44,
     "tests/multiproc/test_from_ddp_doc.py": 45,
     "tests/examples/test_bert_pretrain.py": 40,
     "tests/multiproc/test_tf_elastic.py": 40,
     "tests/schedulers/test_process_group.py": 30,
     "tests/examples/test_keras_digits.py": 28,
+    "tests/multiproc/test_keras_torch_train.py": 25,
     "tests/examples/test_recommender.py": 20,
     "tests/tensorflow/test_keras_adapter.py": 20,
 }
