@@ -20,8 +20,10 @@ $(STAMP): requirements.txt setup.py pyproject.toml scripts/build_horovod.sh dp_p
 	touch $(STAMP)
 
 # Two test processes (pytest-xdist), each test file whole in one of them
-# (docs/testing.md says why a file: test_faults.py looks for its own workers).
-XDIST ?= -n 2 --dist loadfile
+# (docs/testing.md says why a file: test_faults.py looks for its own workers),
+# the longest files first (tests/conftest.py sorts them; xdist's own order,
+# most tests first, would leave the long scheduler files for last).
+XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 test: install
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 

@@ -38,8 +38,13 @@ launches stay fresh.
 The server is single-threaded (a fork from a threaded process can inherit a
 held lock): one ``selectors`` loop accepts requests and reaps children,
 woken by SIGCHLD through a wakeup pipe. Flavours: ``torch`` (torch and
-dp_plugin's torch adapter) and ``tensorflow`` (also TensorFlow, Keras and
-dp_plugin's TensorFlow adapter: TF workers import both). What a fresh process
+dp_plugin's torch adapter), ``tensorflow`` (also TensorFlow, Keras and
+dp_plugin's TensorFlow adapter: TF workers import both) and ``keras-torch``
+(Keras 3 on the torch backend and dp_plugin's Keras adapter, never
+TensorFlow: a Keras process keeps the backend it first imported, and the
+workers check that TensorFlow stays out) and ``lightning`` (Lightning and
+dp_plugin's strategy: ``import lightning`` alone is 5-7 s of CPU a rank).
+What a fresh process
 alone covers (the interpreter's own start and end, import-time side effects)
 keeps a handful of fresh launches (``fresh=True`` in the harness, or
 ``DP_PLUGIN_TEST_FRESH=1`` for everything).
@@ -57,6 +62,7 @@ from __future__ import annotations
 import array
 import contextlib
 import gc
+import importlib
 import json
 import os
 import selectors
@@ -71,7 +77,7 @@ from typing import Any
 MAX_FDS = 64
 """More descriptors than any launcher hands a rank (3 stdio + MPICH's PMI_FD)."""
 
-FLAVOURS = ("torch", "tensorflow")
+FLAVOURS = ("torch", "tensorflow", "keras-torch", "lightning")
 _WAKE: list[int] = []
 """The SIGCHLD wakeup pipe's two ends: the server's own, closed in every child."""
 
@@ -105,6 +111,17 @@ def warm_up(flavour: str) -> None:
         import tensorflow  # noqa: F401
 
         import dp_plugin.tensorflow  # noqa: F401
+    elif flavour == "keras-torch":
+        os.environ["KERAS_BACKEND"] = "torch"  # before Keras is imported: it keeps it
+        backend = importlib.import_module("keras").backend.backend()
+        importlib.import_module("dp_plugin.keras")
+        if backend != "torch" or "tensorflow" in sys.modules:
+            raise RuntimeError(f"the keras-torch server has Keras on {backend} and TensorFlow "
+                               f"{'' if 'tensorflow' in sys.modules else 'not '}imported; "
+                               "expected torch, and TensorFlow not imported")
+    elif flavour == "lightning":
+        importlib.import_module("lightning.pytorch")
+        importlib.import_module("dp_plugin.lightning")
 
 
 def serve(flavour: str, path: str) -> None:

@@ -83,6 +83,7 @@ ALL_FRESH = os.environ.get("DP_PLUGIN_TEST_FRESH", "") == "1"
 """``DP_PLUGIN_TEST_FRESH=1``: every launch starts fresh interpreters."""
 _TF_IMPORT = re.compile(
     r"^\s*(import|from)\s+(tensorflow|keras|dp_plugin\.tensorflow|dp_plugin\.keras)\b", re.M)
+_LIGHTNING_IMPORT = re.compile(r"^\s*(import|from)\s+(lightning|dp_plugin\.lightning)\b", re.M)
 
 # Variables that say "a launcher started this process" (dp_plugin.launch_variables
 # owns the one list). If any leaks in from the shell that runs pytest, a worker
@@ -150,7 +151,7 @@ def run_workers(
     python = [sys.executable]
     if warm:
         python = [sys.executable, "-S", str(_HERE / "warm_client.py"),
-                  _warm_servers.path(_flavour(script))]
+                  _warm_servers.path(_flavour(script, base_env))]
     with tempfile.TemporaryDirectory(prefix="dp_plugin_run_") as tmp:
         jobs: list[tuple[list[str], dict[str, str], str]] = []
         rank_files: list[tuple[Path, str]] = []
@@ -224,10 +225,19 @@ def run_cells(cells: Mapping[str, Callable[[], object]], workers: int) -> dict[s
     return results
 
 
-def _flavour(script: str) -> str:
-    """``tensorflow`` for a worker that imports TensorFlow or Keras itself,
-    else ``torch``."""
-    return "tensorflow" if _TF_IMPORT.search(Path(script).read_text()) else "torch"
+def _flavour(script: str, env: Mapping[str, str]) -> str:
+    """The warm server for ``script`` (forkserver.py's flavours):
+    ``tensorflow`` for a worker that imports TensorFlow or Keras itself,
+    ``keras-torch`` for one that imports Keras with ``KERAS_BACKEND=torch``
+    (and not TensorFlow), ``lightning`` for one that imports Lightning, else
+    ``torch``."""
+    text = Path(script).read_text()
+    imports = {m.group(2) for m in _TF_IMPORT.finditer(text)}
+    if not imports:
+        return "lightning" if _LIGHTNING_IMPORT.search(text) else "torch"
+    if env.get("KERAS_BACKEND") == "torch" and imports <= {"keras", "dp_plugin.keras"}:
+        return "keras-torch"
+    return "tensorflow"
 
 
 class _WarmServers:

@@ -142,3 +142,30 @@ def _waiting_rank(probe: Path, tmp_path: Path) -> Iterator[tuple[int, int, dict[
 
 def _alive(pid: int) -> bool:
     return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.parametrize(("worker", "env", "flavour"), [
+    ("torch_sharded.py", {}, "torch"),
+    ("keras_train.py", {}, "tensorflow"),
+    ("keras_torch_train.py", {}, "tensorflow"),
+    ("keras_torch_train.py", {"KERAS_BACKEND": "torch"}, "keras-torch"),
+    ("tf_collectives.py", {"KERAS_BACKEND": "torch"}, "tensorflow"),
+    ("lightning_strategy.py", {}, "lightning"),
+])
+def test_each_worker_gets_the_server_of_what_it_imports(worker: str, env: dict[str, str],
+                                                        flavour: str) -> None:
+    """A Keras worker on the torch backend is forked from a server that never
+    imported TensorFlow (a Keras process keeps its first backend); Lightning's
+    from one that imported Lightning."""
+    script = Path(__file__).parent / "workers" / worker
+    assert harness._flavour(str(script), env) == flavour
+
+
+def test_the_keras_torch_server_has_keras_on_torch_and_no_tensorflow(tmp_path: Path) -> None:
+    probe = tmp_path / "keras_probe.py"
+    probe.write_text("import os, sys\nimport keras\nimport dp_plugin.keras\n"
+                     "print('rank', os.environ['RANK'], 'backend', keras.backend.backend(),\n"
+                     "      'tensorflow', 'tensorflow' in sys.modules, flush=True)\n")
+    result = run_workers("env", 2, probe, env={"KERAS_BACKEND": "torch"}, timeout=120)
+    for rank in (0, 1):
+        assert f"rank {rank} backend torch tensorflow False" in result.output, result.output

@@ -17,6 +17,8 @@ machine (root, apt-get, the ray extra installed) they run.
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import shutil
 import tempfile
@@ -98,8 +100,29 @@ def ray_hosts(hosts: netns.Hosts, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture(scope="session")
 def bert_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], Path]:
-    """(losses of a 2-rank torchrun-style run, the vocabulary it trained)."""
-    out = tmp_path_factory.mktemp("bert_reference")
+    """(losses of a 2-rank torchrun-style run, the vocabulary it trained).
+
+    Run once per ``make test``: under pytest-xdist the test processes share
+    it through their common temporary directory (the first to ask runs it
+    while holding a lock; the other reads its losses), since the scheduler
+    files it serves may run in either process."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return _bert_reference(tmp_path_factory.mktemp("bert_reference"))
+    shared = tmp_path_factory.getbasetemp().parent  # this run's, common to its workers
+    with open(shared / "bert_reference.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        out = shared / "bert_reference"
+        saved = out / "losses.json"
+        if saved.exists():
+            losses = {int(k): v for k, v in json.loads(saved.read_text()).items()}
+            return losses, out / "tokenizer.json"
+        out.mkdir(exist_ok=True)
+        losses, vocabulary = _bert_reference(out)
+        saved.write_text(json.dumps(losses))
+        return losses, vocabulary
+
+
+def _bert_reference(out: Path) -> tuple[dict[int, float], Path]:
     result = run_workers("env", 2, proc.BERT, args=[*proc.TINY, "--output-dir", str(out)],
                          env={"DP_PLUGIN_TIMEOUT": "60"}, timeout=600)
     losses = proc.losses(result.output)

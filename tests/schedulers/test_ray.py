@@ -7,7 +7,10 @@ example a few steps with the same losses (1e-5) as a torchrun-style run;
 the executor's ``execute``/``execute_single``/``run(args, kwargs)`` do what
 Horovod's do; a worker SIGKILLed mid-run makes ``run`` raise dp_plugin's
 error from the survivor on the driver, within DP_PLUGIN_TIMEOUT and the
-grace period, with the dead rank named in the error's note. The hosts'
+grace period, with the dead rank named in the error's note. Ray Train v2
+with dp_plugin's backend: ``HorovodTrainer`` beside ``TorchTrainer``, one
+worker per host, and ``HorovodTrainer`` resuming a killed worker, both
+workers on one host (one driver, three fits: test_ray_train.py). The hosts'
 links are shaped (1gbit tbf each way, as scripts/cluster.py's): the
 training tests check the qdiscs are in place and that the job's traffic
 went through them.
@@ -86,21 +89,53 @@ def test_a_killed_worker_makes_run_raise_dp_plugins_error(ray_hosts: RayCluster)
     assert re.search(r"rank 1 \(node \S+\): its actor died", out), out
 
 
-def test_horovod_trainer_spans_two_hosts_like_torch_trainer(
-        ray_hosts: RayCluster, tmp_path: Path) -> None:
-    """Ray Train v2 with dp_plugin's backend (dp_plugin.ray.train), one worker
-    per host: each is its node's only rank, and the weights equal DDP's."""
+@pytest.fixture(scope="module")
+def ray_train_v2(ray_hosts: RayCluster, tmp_path_factory: pytest.TempPathFactory
+                 ) -> tuple[str, Path, dict[str, dict[str, int]]]:
+    """(the output, the output directory, the links' traffic before) of one
+    Ray Train v2 driver: its three fits in one Ray session."""
     from tests.schedulers.test_ray_train import DRIVER as TRAIN_V2
-    from tests.schedulers.test_ray_train import parse
 
+    out = tmp_path_factory.mktemp("ray_train_v2")
     before = netns.traffic(ray_hosts.hosts)
     env = proc.clean_env(ray_hosts.env(), RAY_ADDRESS=ray_hosts.address, DP_PLUGIN_TIMEOUT="60")
-    done = proc.run(ray_hosts.driver(sys.executable, str(TRAIN_V2), str(tmp_path), "--spread",
-                                     "dp_plugin", "ddp"), env, timeout=600)
-    out = done.stdout
-    assert done.returncode == 0 and "error dp_plugin None" in out and "error ddp None" in out, out
+    done = proc.run(ray_hosts.driver(sys.executable, str(TRAIN_V2), str(out),
+                                     "dp_plugin", "ddp", "killed"), env, timeout=900)
+    assert done.returncode == 0, done.stdout
+    return done.stdout, out, before
+
+
+def test_horovod_trainer_spans_two_hosts_like_torch_trainer(
+        ray_hosts: RayCluster, ray_train_v2: tuple[str, Path, dict[str, dict[str, int]]]
+        ) -> None:
+    """Ray Train v2 with dp_plugin's backend (dp_plugin.ray.train), one worker
+    per host: each is its node's only rank, and the weights equal DDP's."""
+    from tests.schedulers.test_ray_train import parse
+
+    out, _, before = ray_train_v2
+    assert "error dp_plugin None" in out and "error ddp None" in out, out
     weights, ranks, _ = parse(out)
     assert len(weights["dp_plugin"]) == len(weights["ddp"]) == 2, out
     assert len({*weights["dp_plugin"], *weights["ddp"], *weights["reference"]}) == 1, weights
     assert sorted(ranks["dp_plugin"]) == [[0, 0, 2, 0], [1, 0, 2, 1]], out
     netns.assert_links_shaped(ray_hosts.hosts, before)
+
+
+def test_horovod_trainer_resumes_a_killed_worker_to_the_reference_weights(
+        ray_train_v2: tuple[str, Path, dict[str, dict[str, int]]]) -> None:
+    from tests.schedulers.test_ray_train import parse
+
+    out, where, _ = ray_train_v2
+    assert "error killed None" in out, out
+    weights, ranks, attempts = parse(out)
+    # both ranks hold the reference's weights, after the kill and the resume
+    assert len(weights["killed"]) == 2 and len(weights["reference"]) == 1, out
+    assert set(weights["killed"]) == set(weights["reference"]), weights
+    # dp_plugin's rank is Ray Train's world rank; both workers on the one node
+    assert sorted(ranks["killed"]) == [[0, 0, 2, 0], [1, 1, 2, 1]], out
+    # both workers restarted once, resuming after a checkpoint of the first
+    # attempt (the last that Ray had registered when rank 1 died: step 1 or 3)
+    starts = sorted(attempts["killed"].split(), key=lambda a: (a.split(":")[1], a))
+    assert starts[:2] == ["0:0", "1:0"], out
+    assert starts[2:] in (["0:2", "1:2"], ["0:4", "1:4"]), out
+    assert (where / "killed-once").exists()

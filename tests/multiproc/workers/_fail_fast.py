@@ -1,4 +1,4 @@
-"""How every multi-process test worker runs ONE case and ends.
+"""How every multi-process test worker runs its cases and ends.
 
 A worker module defines its cases in one literal dict at module level::
 
@@ -8,10 +8,14 @@ A worker module defines its cases in one literal dict at module level::
         run_cases(CASES, setup=start_engine, teardown=stop_engine)
 
 and is started by the launcher with ``--case NAME`` (``--list-cases`` prints
-the names). ``run_cases`` is the one place with the ending every test relies
-on: the case's exception is printed with the rank and the process exits 1 at
-once (``fail_fast``) so that the other ranks fail their next collective
-instead of waiting for this one; a passing case prints ``rank R OK``.
+the names), or ``--case NAME NAME ...``: several cases one after the other
+in one launch, on one engine (one process start instead of several, for
+cases that leave nothing behind; each prints ``rank R case NAME passed``).
+``run_cases`` is the one place with the ending every test relies on: the
+case's exception is printed with the rank (and the case) and the process
+exits 1 at once (``fail_fast``) so that the other ranks fail their next
+collective instead of waiting for this one; when every case passed it
+prints ``rank R OK``.
 
 The pytest side reads the names from the ``CASES`` literal without importing
 the worker (``tests.multiproc.harness.worker_cases``), so keep it a literal
@@ -62,7 +66,8 @@ def run_cases(
     setup: Callable[[argparse.Namespace], T] | None = None,
     teardown: Callable[[T], object] | None = None,
 ) -> None:
-    """Parse ``--case NAME`` (plus ``parser``'s own options), run that case, end.
+    """Parse ``--case NAME [NAME ...]`` (plus ``parser``'s own options), run
+    those cases in that order, end.
 
     ``setup(args)`` (default: the parsed ``args`` themselves) gives the value
     each case and ``teardown`` receive, e.g. a started engine. Any exception
@@ -74,14 +79,21 @@ def run_cases(
         print("\n".join(cases), flush=True)
         return
     parser = parser or argparse.ArgumentParser()
-    parser.add_argument("--case", required=True, choices=list(cases),
-                        help="the one case to run (see --list-cases)")
+    parser.add_argument("--case", required=True, nargs="+", choices=list(cases),
+                        help="the cases to run, in this order (see --list-cases)")
     parser.add_argument("--list-cases", action="store_true", help="print the case names")
     args = parser.parse_args(argv)
+    names: list[str] = args.case
+    args.case = names[0]  # what a one-case worker's setup reads
     rank = _launcher_rank()
     try:
         context: Any = setup(args) if setup is not None else args
-        cases[args.case](context)
+        for name in names:
+            if len(names) > 1:
+                print(f"rank {rank} case {name}", flush=True)
+            cases[name](context)
+            if len(names) > 1:
+                print(f"rank {rank} case {name} passed", flush=True)
         if teardown is not None:
             teardown(context)
     except BaseException:

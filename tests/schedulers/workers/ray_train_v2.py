@@ -1,17 +1,18 @@
 """Driver of the Ray Train v2 tests: dp_plugin's backend beside TorchTrainer.
 
-    python ray_train_v2.py OUTDIR [--local|--spread] [KIND...]
+    RAY_ADDRESS=HOST:PORT python ray_train_v2.py OUTDIR [KIND...]
 
-``--local``: start a 1-CPU Ray head here, workers of 0.5 CPU; ``--spread``:
-join the cluster of RAY_ADDRESS, one worker of 1 CPU per node. KINDs pick
+Joins the cluster of RAY_ADDRESS (two nodes of 1 CPU each). KINDs pick
 which of the runs below to do (default: all).
 
 One training loop, run three times in one Ray session, each a ``fit()`` of
 2 workers:
 
-1. ``HorovodTrainer`` (dp_plugin's backend): ``DistributedOptimizer``;
-2. ``TorchTrainer`` (DDP), the same model, data and steps;
-3. ``HorovodTrainer`` again with ``FailureConfig(max_failures=1)``, where
+1. ``HorovodTrainer`` (dp_plugin's backend): ``DistributedOptimizer``, one
+   worker of 1 CPU on each node;
+2. ``TorchTrainer`` (DDP), the same model, data, steps and placement;
+3. ``HorovodTrainer`` again, both workers on one node (0.5 CPU each, Ray's
+   default PACK placement), with ``FailureConfig(max_failures=1)``, where
    rank 1 SIGKILLs its own process after step ``KILL_AFTER`` of the first
    attempt: Ray restarts the worker group and the loop resumes from the last
    checkpoint it reported (``ray.train.get_checkpoint()``).
@@ -123,14 +124,13 @@ def reference() -> str:
     return b"".join(p.detach().numpy().tobytes() for p in model.parameters()).hex()
 
 
-def main(out: Path, kinds: list[str], spread: bool) -> None:
+def main(out: Path, kinds: list[str]) -> None:
     print(f"weights reference - {reference()}", flush=True)
-    if spread:  # one worker on each node of the cluster
-        scaling = ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1},
-                                placement_strategy="STRICT_SPREAD")
-    else:
-        scaling = ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 0.5})
+    spread = ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1},
+                           placement_strategy="STRICT_SPREAD")  # one worker on each node
+    packed = ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 0.5})
     for kind in kinds:
+        scaling = packed if kind == "killed" else spread
         run = RunConfig(storage_path=str(out / "ray_results"), name=kind,
                         failure_config=FailureConfig(max_failures=1 if kind == "killed" else 0))
         config = {"kind": kind, "out": str(out)}
@@ -138,8 +138,12 @@ def main(out: Path, kinds: list[str], spread: bool) -> None:
             result = TorchTrainer(loop, train_loop_config=config, scaling_config=scaling,
                                   run_config=run).fit()
         else:
-            # the survivor of the kill gives up its all-reduce within 20 s, not 30 min
-            backend = BackendConfig(env={"DP_PLUGIN_TIMEOUT": "20"})
+            # The survivor of the kill gives up its all-reduce within 20 s, not 30
+            # min; the other fit keeps 60 s, as the two-host tests' other jobs:
+            # on a loaded machine a worker of the other node can reach the
+            # group's formation more than 20 s after the first.
+            timeout = "20" if kind == "killed" else "60"
+            backend = BackendConfig(env={"DP_PLUGIN_TIMEOUT": timeout})
             result = HorovodTrainer(loop, train_loop_config=config, scaling_config=scaling,
                                     run_config=run, backend_config=backend).fit()
         print(f"error {kind} {result.error!r}", flush=True)
@@ -155,9 +159,6 @@ def main(out: Path, kinds: list[str], spread: bool) -> None:
 
 
 if __name__ == "__main__":
-    if "--local" in sys.argv:
-        ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
-    else:
-        ray.init(logging_level="ERROR")
+    ray.init(logging_level="ERROR")
     kinds = [a for a in sys.argv[2:] if a in KINDS] or list(KINDS)
-    main(Path(sys.argv[1]), kinds, spread="--spread" in sys.argv)
+    main(Path(sys.argv[1]), kinds)
