@@ -31,6 +31,10 @@ class BroadcastBase(keras.callbacks.Callback):
     _who = "BroadcastGlobalVariablesCallback"
     _peers = "processes"
     """What the ranks are called in messages (TensorFlow's: ``workers``)."""
+    _hooks: Any = None
+    """*Backend*: its optimizer module, whose ``find_hook(optimizer)``,
+    ``hook_of(optimizer)`` and ``install(optimizer, hook, replacing=...)``
+    place the reduction in a Keras optimizer's ``apply``."""
     _equal_shards = ("give every rank as many samples (cut the arrays, or a "
                      "DistributedSampler(drop_last=True) for a DataLoader)")
     """How to make the ranks' data equal, on this backend (for the uneven-steps error)."""
@@ -86,12 +90,12 @@ class BroadcastBase(keras.callbacks.Callback):
         check would else run before the reduction (and differ between ranks).
         True if it moved (a traced step must be rebuilt)."""
         if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or \
-                self._hook_of(optimizer):
+                self._hooks.hook_of(optimizer):
             return False
-        target, hook = self._find_hook(optimizer)
+        target, hook = self._hooks.find_hook(optimizer)
         if hook is None:
             return False
-        self._install_hook(optimizer, self._moved_hook(optimizer, hook), replacing=target)
+        self._hooks.install(optimizer, self._moved_hook(optimizer, hook), replacing=target)
         return True
 
     # -- backend ----------------------------------------------------------------------
@@ -104,16 +108,6 @@ class BroadcastBase(keras.callbacks.Callback):
     def _broadcast(self, model: Any, first: bool) -> None:
         """Make every rank's weights and optimizer variables ``root_rank``'s
         (``first``: at the start of training, not after a first batch)."""
-        raise NotImplementedError
-
-    def _find_hook(self, optimizer: Any) -> tuple[Any, Any]:
-        """``(optimizer holding the reduction, its hook or None)``."""
-        raise NotImplementedError
-
-    def _hook_of(self, optimizer: Any) -> Any:
-        raise NotImplementedError
-
-    def _install_hook(self, optimizer: Any, hook: Any, replacing: Any) -> None:
         raise NotImplementedError
 
     def _moved_hook(self, optimizer: Any, hook: Any) -> Any:
@@ -147,7 +141,7 @@ class DistributedBase(BroadcastBase):
     def _install(self, optimizer: Any) -> bool:
         """Install (or keep) the reduction in ``optimizer``; True if a traced step
         must be rebuilt."""
-        target, existing = self._find_hook(optimizer)
+        target, existing = self._hooks.find_hook(optimizer)
         if existing is not None and existing.owner != self._who:
             raise ValueError(
                 f"{self._who}: optimizer {target.name!r} was wrapped by "
@@ -158,7 +152,7 @@ class DistributedBase(BroadcastBase):
         hook = self._new_hook(optimizer)
         if existing is not None and target is optimizer and existing.same_settings(hook):
             return False  # installed by an earlier fit: its traced step is still right
-        self._install_hook(optimizer, hook, replacing=target if existing is not None else None)
+        self._hooks.install(optimizer, hook, replacing=target if existing is not None else None)
         return True
 
     # -- backend ----------------------------------------------------------------------

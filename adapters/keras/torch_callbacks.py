@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from dp_plugin.keras import torch_optimizer
 from dp_plugin.keras.base_callbacks import BroadcastBase, DistributedBase
 from dp_plugin.keras.callbacks_lr import LearningRateScheduleCallback, LearningRateWarmupCallback
 from dp_plugin.keras.metric_average import MetricAverageCallback
@@ -23,8 +24,6 @@ from dp_plugin.keras.torch_optimizer import (
     DistributedApply,
     checked_settings,
     find_hook,
-    hook_of,
-    install,
 )
 from dp_plugin.torch import broadcast_parameters
 
@@ -63,6 +62,8 @@ class BroadcastGlobalVariablesCallback(BroadcastBase):
     ``LayoutMismatchError`` on every rank.
     """
 
+    _hooks = torch_optimizer
+
     def _check_backend(self, model: Any) -> None:
         if model.jit_compile:
             # torch.compile would trace the reduction's hooks and waits into fit's step.
@@ -78,15 +79,6 @@ class BroadcastGlobalVariablesCallback(BroadcastBase):
         hook = find_hook(model.optimizer)[1]
         if first and hook is not None:  # agree on the layout now: the first step overlaps
             hook.attach(model.trainable_weights)
-
-    def _find_hook(self, optimizer: Any) -> tuple[Any, Any]:
-        return find_hook(optimizer)
-
-    def _hook_of(self, optimizer: Any) -> Any:
-        return hook_of(optimizer)
-
-    def _install_hook(self, optimizer: Any, hook: Any, replacing: Any) -> None:
-        install(optimizer, hook, replacing=replacing)
 
     def _moved_hook(self, optimizer: Any, hook: Any) -> Any:
         return DistributedApply(optimizer, owner=hook.owner, settings=hook.settings,

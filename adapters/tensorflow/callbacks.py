@@ -11,6 +11,7 @@ import warnings
 from typing import Any
 
 from dp_plugin.keras.base_callbacks import BroadcastBase, DistributedBase
+from dp_plugin.tensorflow import optimizer as _optimizer
 from dp_plugin.tensorflow.broadcast import broadcast_model_state
 from dp_plugin.tensorflow.callbacks_lr import (
     LearningRateScheduleCallback,
@@ -22,8 +23,6 @@ from dp_plugin.tensorflow.metric_average import MetricAverageCallback
 from dp_plugin.tensorflow.optimizer import (
     DistributedApply,
     find_hook,
-    hook_of,
-    install,
     make_hook,
     parse_reduction,
 )
@@ -74,6 +73,7 @@ class BroadcastGlobalVariablesCallback(BroadcastBase):
     ``LayoutMismatchError`` on every rank.
     """
 
+    _hooks = _optimizer
     _peers = "workers"
     _equal_shards = ("make the shards equal: dp.shard(dataset) before batching, and "
                      "dataset.batch(n, drop_remainder=True) or dataset.take(k) to drop the "
@@ -88,15 +88,6 @@ class BroadcastGlobalVariablesCallback(BroadcastBase):
 
     def _broadcast(self, model: Any, first: bool) -> None:
         broadcast_model_state(model, self.root_rank)
-
-    def _find_hook(self, optimizer: Any) -> tuple[Any, Any]:
-        return find_hook(optimizer)
-
-    def _hook_of(self, optimizer: Any) -> Any:
-        return hook_of(optimizer)
-
-    def _install_hook(self, optimizer: Any, hook: Any, replacing: Any) -> None:
-        install(optimizer, hook, replacing=replacing)
 
     def _moved_hook(self, optimizer: Any, hook: Any) -> Any:
         return DistributedApply(
