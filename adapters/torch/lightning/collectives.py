@@ -1,8 +1,8 @@
 """Lightning's collective calls on dp_plugin, for the Trainer's and Fabric's strategies.
 
-Both strategies' ``reduce``/``all_reduce``, ``all_gather`` and
-``root_device`` are these functions: every rank takes part, ``group`` must be
-None or torch's ``WORLD`` (a subset of ranks is a dp_plugin process set, not a torch group), and
+Both strategies' ``reduce``/``all_reduce`` and ``all_gather`` are these
+functions: every rank takes part, ``group`` must be None or torch's
+``WORLD`` (a subset of ranks is a dp_plugin process set, not a torch group), and
 the reductions take Lightning's names (``"mean"``, ``"sum"``, ...) or a
 ``torch.distributed.ReduceOp``.
 """
@@ -13,7 +13,6 @@ from typing import Any
 
 import dp_plugin.torch as hvd
 import torch
-from dp_plugin.errors import DPPluginError
 
 _REDUCE_OPS = {"mean": hvd.Average, "avg": hvd.Average, "sum": hvd.Sum, "min": hvd.Min,
                "max": hvd.Max, "product": hvd.Product}
@@ -36,19 +35,6 @@ def all_gather(tensor: torch.Tensor, group: Any, sync_grads: bool, who: str) -> 
         return hvd.allgather(tensor.unsqueeze(0))
     with torch.no_grad():
         return hvd.allgather(tensor.detach().unsqueeze(0))
-
-
-def root_device(parallel_devices: list[torch.device] | None) -> torch.device:
-    """This process's device: the GPU of its local rank, or the CPU."""
-    devices = parallel_devices or [torch.device("cpu")]
-    if devices[0].type != "cuda":
-        return devices[0]
-    if hvd.local_rank() >= torch.cuda.device_count():
-        raise DPPluginError(
-            f"rank {hvd.rank()}: local rank {hvd.local_rank()} has no GPU of its own "
-            f"(this host has {torch.cuda.device_count()}); start at most one process per "
-            "GPU on each host, or use accelerator='cpu'")
-    return torch.device("cuda", hvd.local_rank())
 
 
 def _check_group(group: Any, who: str) -> None:

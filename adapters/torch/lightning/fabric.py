@@ -31,6 +31,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 import dp_plugin.torch as hvd
 import torch
 from dp_plugin.lightning import collectives
+from dp_plugin.lightning.process import OnDPPlugin, distributed_optimizer
 from dp_plugin.torch import joining as _joining
 
 FABRIC_OPTIMIZER_OPTIONS = ("compression", "op", "gradient_predivide_factor", "num_groups",
@@ -39,7 +40,7 @@ FABRIC_OPTIMIZER_OPTIONS = ("compression", "op", "gradient_predivide_factor", "n
 sets ``named_parameters`` itself."""
 
 
-class HorovodFabricStrategy(ParallelStrategy):
+class HorovodFabricStrategy(OnDPPlugin, ParallelStrategy):
     """``Fabric(strategy="horovod")``: data parallel training on dp_plugin.
 
     Start the script with any launcher dp_plugin detects, one process per
@@ -78,30 +79,6 @@ class HorovodFabricStrategy(ParallelStrategy):
         rank_zero_only.rank = hvd.rank()  # type: ignore[attr-defined]
         super().setup_environment()
 
-    @property
-    def global_rank(self) -> int:
-        return hvd.rank()
-
-    @property
-    def local_rank(self) -> int:
-        return hvd.local_rank()
-
-    @property
-    def node_rank(self) -> int:
-        return hvd.cross_rank()
-
-    @property
-    def world_size(self) -> int:
-        return hvd.size()
-
-    @property
-    def root_device(self) -> torch.device:
-        return collectives.root_device(self.parallel_devices)
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
-
     def module_to_device(self, module: torch.nn.Module) -> None:
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)
@@ -124,17 +101,7 @@ class HorovodFabricStrategy(ParallelStrategy):
 
     def _distributed(self, optimizer: torch.optim.Optimizer,
                      module: torch.nn.Module | None) -> Any:
-        if hasattr(optimizer, "synchronize"):  # wrapped already
-            return optimizer
-        # A fresh optimizer has no state to send (see strategy.py's setup).
-        if hvd.broadcast_object(bool(optimizer.state), root_rank=0):
-            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-        named = None
-        if module is not None:
-            mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            named = [(name, p) for name, p in module.named_parameters() if id(p) in mine]
-        wrapped = hvd.DistributedOptimizer(optimizer, named_parameters=named,
-                                           **self._optimizer_options)
+        wrapped = distributed_optimizer(optimizer, module, **self._optimizer_options)
         self._optimizers.append(wrapped)
         return wrapped
 
@@ -188,10 +155,3 @@ class HorovodFabricStrategy(ParallelStrategy):
         """``hvd.join()``: a rank that arrives early answers the others'
         gradient reductions (zeros) until every rank is here."""
         hvd.join()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for name in ("horovod", "dp_plugin"):
-            strategy_registry.register(
-                name, cls, description="data parallel training on dp_plugin (Horovod's API)",
-                override=True)

@@ -43,6 +43,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 import dp_plugin.torch as hvd
 import torch
 from dp_plugin.lightning import collectives
+from dp_plugin.lightning.process import OnDPPlugin, distributed_optimizer
 from dp_plugin.torch import joining as _joining
 
 OPTIMIZER_OPTIONS = ("compression", "op", "gradient_predivide_factor", "num_groups", "groups",
@@ -50,7 +51,7 @@ OPTIMIZER_OPTIONS = ("compression", "op", "gradient_predivide_factor", "num_grou
 """``hvd.DistributedOptimizer`` arguments the strategy passes on; it sets
 ``named_parameters`` and ``backward_passes_per_step`` itself."""
 
-class HorovodStrategyBody:
+class HorovodStrategyBody(OnDPPlugin):
     """``Trainer(strategy="horovod")``: data parallel training on dp_plugin.
 
     Start the script with any launcher dp_plugin detects, one process per
@@ -95,34 +96,10 @@ class HorovodStrategyBody:
         rank_zero_only.rank = hvd.rank()  # type: ignore[attr-defined]
 
     @property
-    def global_rank(self) -> int:
-        return hvd.rank()
-
-    @property
-    def local_rank(self) -> int:
-        return hvd.local_rank()
-
-    @property
-    def node_rank(self) -> int:
-        return hvd.cross_rank()
-
-    @property
-    def world_size(self) -> int:
-        return hvd.size()
-
-    @property
     def is_distributed(self) -> bool:
         """Read by the Trainer: it adds a ``DistributedSampler`` and lets
         ``self.log(..., sync_dist=True)`` reduce."""
         return True
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
-
-    @property
-    def root_device(self) -> torch.device:
-        return collectives.root_device(self.parallel_devices)  # type: ignore[attr-defined]
 
     def setup_environment(self) -> None:
         self.set_world_ranks()
@@ -147,24 +124,10 @@ class HorovodStrategyBody:
             return
         module = self.lightning_module  # type: ignore[attr-defined]
         hvd.broadcast_parameters(module.state_dict(), root_rank=0)
-        for optimizer in self.optimizers:
-            # A fresh optimizer has no state to send. Horovod's broadcast would
-            # make some with a zero-gradient step, and Adam's step count would
-            # then differ from DDP's. Before wrapping: no reduction of its own.
-            if hvd.broadcast_object(bool(optimizer.state), root_rank=0):
-                hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         passes = trainer.accumulate_grad_batches
-        self.optimizers = [self._distributed(opt, module, passes) for opt in self.optimizers]
-
-    def _distributed(self, optimizer: torch.optim.Optimizer, module: torch.nn.Module,
-                     passes: int) -> Any:
-        if hasattr(optimizer, "synchronize"):  # wrapped already (configure_optimizers did)
-            return optimizer
-        mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        named = [(name, p) for name, p in module.named_parameters() if id(p) in mine]
-        return hvd.DistributedOptimizer(optimizer, named_parameters=named,
-                                        backward_passes_per_step=passes,
-                                        **self._optimizer_options)
+        self.optimizers = [distributed_optimizer(opt, module, backward_passes_per_step=passes,
+                                                 **self._optimizer_options)
+                           for opt in self.optimizers]
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Follow ``accumulate_grad_batches`` when it changes between epochs
@@ -286,10 +249,3 @@ class HorovodStrategyBody:
         gradient reductions (zeros) until every rank is here."""
         if not self._join_if_out_of_batches():
             hvd.join()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for name in ("horovod", "dp_plugin"):
-            strategy_registry.register(
-                name, cls, description="data parallel training on dp_plugin (Horovod's API)",
-                override=True)
