@@ -10,12 +10,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import keras
-
-from dp_plugin import runtime
-from dp_plugin.edge import calling
-from dp_plugin.errors import DPPluginError, NotInitializedError
-from dp_plugin.horovod_names import Average, Compression
+from dp_plugin.keras.base_callbacks import BroadcastBase, DistributedBase
+from dp_plugin.tensorflow import optimizer as _optimizer
 from dp_plugin.tensorflow.broadcast import broadcast_model_state
 from dp_plugin.tensorflow.callbacks_lr import (
     LearningRateScheduleCallback,
@@ -23,33 +19,14 @@ from dp_plugin.tensorflow.callbacks_lr import (
 )
 from dp_plugin.tensorflow.checkpoint import BestModelCheckpoint
 from dp_plugin.tensorflow.compat import check_keras, check_strategy
-from dp_plugin.tensorflow.functions import allgather_object
 from dp_plugin.tensorflow.metric_average import MetricAverageCallback
 from dp_plugin.tensorflow.optimizer import (
     DistributedApply,
     find_hook,
-    hook_of,
-    install,
     make_hook,
     parse_reduction,
 )
 from dp_plugin.tensorflow.xla_split import install_split_train_function, is_split, is_split_for
-from dp_plugin.validate import check_int
-
-
-def _checked_model(model: Any, who: str) -> Any:
-    check_keras()
-    if model is None:
-        raise DPPluginError(f"{who} has no model; pass it to model.fit(callbacks=[...])")
-    if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
-        raise DPPluginError(
-            f"{who}: model {model.name!r} is not compiled, so it has no optimizer to "
-            "distribute; call model.compile(optimizer=..., loss=...) before model.fit"
-        )
-    if not runtime.is_initialized():
-        raise NotInitializedError(who)
-    check_strategy(model.distribute_strategy, f"{who} (model {model.name!r})")
-    return model
 
 
 def _rebuild_train_function(model: Any, hook: DistributedApply | None, changed: bool,
@@ -79,7 +56,7 @@ def _rebuild_train_function(model: Any, hook: DistributedApply | None, changed: 
         model.make_train_function(force=True)
 
 
-class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+class BroadcastGlobalVariablesCallback(BroadcastBase):
     """Broadcast the model's weights and optimizer state from ``root_rank`` when
     training starts, so that every rank starts from the same state (Horovod's).
 
@@ -96,83 +73,32 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     ``LayoutMismatchError`` on every rank.
     """
 
-    _who = "BroadcastGlobalVariablesCallback"
+    _hooks = _optimizer
+    _peers = "workers"
+    _equal_shards = ("make the shards equal: dp.shard(dataset) before batching, and "
+                     "dataset.batch(n, drop_remainder=True) or dataset.take(k) to drop the "
+                     "remainder")
 
-    def __init__(self, root_rank: int = 0, device: str = "",
-                 local_variables: Any = None) -> None:
-        super().__init__()
-        if local_variables is not None:
-            raise NotImplementedError(
-                f"{self._who}: local_variables is not supported (every model weight and "
-                "optimizer variable is broadcast); leave it None")
-        self.device = device
-        self.root_rank = check_int("root_rank", root_rank, minimum=0, where=self._who)
-        self._pending = False
+    def _check_backend(self, model: Any) -> None:
+        check_keras()
+        check_strategy(model.distribute_strategy, f"{self._who} (model {model.name!r})")
 
-    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
-        model = _checked_model(self.model, self._who)
-        _check_equal_steps(self.params.get("steps"), self._who)
-        changed = self._install(model.optimizer)
+    def _prepare(self, model: Any, changed: bool) -> None:
         _rebuild_train_function(model, find_hook(model.optimizer)[1], changed, self._who)
-        if model.built:
-            with calling(self._who):
-                broadcast_model_state(model, self.root_rank)
-            return
-        warnings.warn(
-            f"{self._who}: model {model.name!r} has no weights before its first batch, so "
-            f"they are broadcast from rank {self.root_rank} after it; the first step starts "
-            "from different weights on each rank. Build the model first (keras.Input, or "
-            "model.build(input_shape)) to start from equal weights",
-            stacklevel=2,
-        )
-        self._pending = True
 
-    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        if self._pending:
-            self._pending = False
-            with calling(self._who):
-                broadcast_model_state(self.model, self.root_rank)
+    def _broadcast(self, model: Any, first: bool) -> None:
+        broadcast_model_state(model, self.root_rank)
 
-    def _install(self, optimizer: Any) -> bool:
-        """Move ``DistributedOptimizer``'s reduction onto a ``LossScaleOptimizer`` that
-        ``compile()`` (``mixed_float16``) wrapped around it, whose overflow check
-        would else run before the reduction (see ``optimizer``); True if it moved
-        (the step must be retraced)."""
-        if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or hook_of(optimizer):
-            return False
-        target, hook = find_hook(optimizer)
-        if hook is None:
-            return False
-        moved = DistributedApply(
+    def _moved_hook(self, optimizer: Any, hook: Any) -> Any:
+        return DistributedApply(
             optimizer, hook.bridge, owner=hook.owner,
             backward_passes_per_step=hook.backward_passes_per_step,
             average_aggregated_gradients=hook.average_aggregated_gradients,
             sparse_as_dense=hook.sparse_as_dense,
         )
-        install(optimizer, moved, replacing=target)
-        return True
 
 
-def _check_equal_steps(steps: int | None, who: str) -> None:
-    """Refuse, on every rank before the first step, a ``fit`` whose ranks have
-    different numbers of batches per epoch (``steps``: Keras's count, None where
-    the data's length is unknown): the rank with more would wait in an
-    all-reduce that the others never start. Collective."""
-    counts = allgather_object(steps, name="dp_plugin.keras.steps")
-    known = [c for c in counts if c is not None]
-    if len(set(known)) <= 1:
-        return
-    each = "; ".join(f"rank {r}: {c if c is not None else 'unknown'}"
-                     for r, c in enumerate(counts))
-    raise ValueError(
-        f"{who}: the ranks have different numbers of batches per epoch ({each}), so a "
-        "rank would wait at the end of the epoch in an all-reduce the others never start. "
-        f"Give every rank the same number: pass steps_per_epoch={min(known)} to fit (the "
-        "smallest), or make the shards equal: dp.shard(dataset) before batching, and "
-        "dataset.batch(n, drop_remainder=True) or dataset.take(k) to drop the remainder")
-
-
-class DistributedCallback(BroadcastGlobalVariablesCallback):
+class DistributedCallback(DistributedBase, BroadcastGlobalVariablesCallback):
     """Data-parallel ``model.fit`` across workers, in one callback.
 
     ``model.fit(x, y, callbacks=[dp.DistributedCallback()])``. At the start of
@@ -201,45 +127,14 @@ class DistributedCallback(BroadcastGlobalVariablesCallback):
     number of steps; each train step is a collective.
     """
 
-    _who = "DistributedCallback"
+    def _checked_settings(self, **settings: Any) -> dict[str, Any]:
+        parse_reduction(self._who, settings["op"], settings["compression"],
+                        settings["backward_passes_per_step"],
+                        settings["gradient_predivide_factor"])
+        return settings
 
-    def __init__(
-        self,
-        root_rank: int = 0,
-        compression: Any = Compression.none,
-        op: Any = Average,
-        backward_passes_per_step: int = 1,
-        gradient_predivide_factor: float = 1.0,
-        average_aggregated_gradients: bool = False,
-        sparse_as_dense: bool = False,
-    ) -> None:
-        super().__init__(root_rank)
-        # Validated now, so a bad argument fails where it is written.
-        parse_reduction(self._who, op, compression, backward_passes_per_step,
-                        gradient_predivide_factor)
-        self._settings: dict[str, Any] = dict(
-            compression=compression, op=op, backward_passes_per_step=backward_passes_per_step,
-            gradient_predivide_factor=gradient_predivide_factor,
-            average_aggregated_gradients=average_aggregated_gradients,
-            sparse_as_dense=sparse_as_dense,
-        )
-
-    def _install(self, optimizer: Any) -> bool:
-        """Install (or keep) the reduction in ``optimizer``; True if the step must be retraced."""
-        target, existing = find_hook(optimizer)
-        if existing is not None and existing.owner != self._who:
-            raise ValueError(
-                f"{self._who}: optimizer {target.name!r} was wrapped by "
-                f"dp.{existing.owner}, so it already reduces gradients across workers and "
-                "the callback would reduce them twice. Use either DistributedCallback with "
-                "the plain optimizer, or DistributedOptimizer with "
-                "BroadcastGlobalVariablesCallback"
-            )
-        hook = make_hook(optimizer, owner=self._who, **self._settings)
-        if existing is not None and target is optimizer and existing.same_settings(hook):
-            return False  # installed by an earlier fit: its traced step is still right
-        install(optimizer, hook, replacing=target if existing is not None else None)
-        return True
+    def _new_hook(self, optimizer: Any) -> Any:
+        return make_hook(optimizer, owner=self._who, **self._settings)
 
 
 __all__ = [

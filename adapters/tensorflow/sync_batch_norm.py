@@ -1,13 +1,9 @@
 """``SyncBatchNormalization``: batch normalization with statistics over every rank's batch.
 
-As Horovod 0.28.1's: in training, each rank's batch mean and mean of squares
-are averaged over the ranks of the process set (one fused all-reduce), and
-the variance is ``mean(x^2) - mean(x)^2`` of those averages, so every rank
-normalizes with the statistics of the global batch (ranks weigh equally:
-use equal per-rank batch sizes). The gradient flows through the all-reduce
-(Horovod's: averaged over the ranks). Inference uses the moving statistics,
-which every rank updates identically. Everything else is Keras 3's
-``BatchNormalization`` (same arguments, saving, masks).
+Horovod 0.28.1's layer on Keras 3 (``dp_plugin.keras.base_sync_batch_norm``:
+the statistics of the global batch, through one fused all-reduce of the
+TensorFlow adapter). Everything else is Keras 3's ``BatchNormalization``
+(same arguments, saving, masks).
 
 Keras 2 arguments. Horovod's layer subclassed Keras 2's
 ``BatchNormalization``, whose ``fused``, ``virtual_batch_size`` and
@@ -35,10 +31,9 @@ from typing import Any
 
 import keras
 
-import tensorflow as tf
-from dp_plugin.edge import calling
 from dp_plugin.engines.base import ReduceOp
-from dp_plugin.process_sets import engine_of, global_process_set
+from dp_plugin.keras.base_sync_batch_norm import SyncBatchNormBase
+from dp_plugin.process_sets import global_process_set
 from dp_plugin.tensorflow.collectives import grouped_allreduce
 
 _warned: set[str] = set()  # Keras 2 arguments already warned about in this process
@@ -58,7 +53,7 @@ def _warn_once(argument: str, value: Any, effect: str) -> None:
 
 
 @keras.saving.register_keras_serializable(package="dp_plugin")
-class SyncBatchNormalization(keras.layers.BatchNormalization):
+class SyncBatchNormalization(SyncBatchNormBase):
     """Keras 3 ``BatchNormalization`` whose batch statistics are all-reduced across ranks.
 
     Also takes Horovod's (Keras 2) ``fused=False``, ``virtual_batch_size`` and
@@ -78,22 +73,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         if adjustment is not None:
             _warn_once("adjustment", adjustment, "a scale and offset applied to the "
                        "normalized batch")
-        if kwargs.get("synchronized"):
-            raise ValueError(
-                "SyncBatchNormalization: synchronized=True is Keras's tf.distribute "
-                "synchronization; leave it False, this layer synchronizes across dp_plugin ranks"
-            )
-        super().__init__(*args, **kwargs)
-        self.process_set = process_set
+        super().__init__(*args, process_set=process_set, **kwargs)
 
-    def _moments(self, inputs: Any, mask: Any) -> Any:
-        mean, variance = super()._moments(inputs, mask)
-        with calling("SyncBatchNormalization"):
-            size = engine_of(self.process_set).size
-        if size == 1:
-            return mean, variance
-        mean_of_square = variance + tf.math.square(mean)
-        group_mean, group_mean_of_square = grouped_allreduce(
-            [mean, mean_of_square], op=ReduceOp.AVERAGE, process_set=self.process_set,
-            name="sync_batch_norm")
-        return group_mean, group_mean_of_square - tf.math.square(group_mean)
+    def _grouped_average(self, tensors: list[Any]) -> list[Any]:
+        return grouped_allreduce(tensors, op=ReduceOp.AVERAGE, process_set=self.process_set,
+                                 name="sync_batch_norm")

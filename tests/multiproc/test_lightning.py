@@ -10,6 +10,11 @@ case checks):
   run under horovodrun);
 - ``features``: ``self.log(sync_dist=True)``, ``predict``, two optimizers in
   manual optimization, checkpoint save and resume;
+- ``uneven``: 3 batches on one rank, 4 on the other (loaders of their own):
+  under horovodrun, no hang, ranks bitwise equal, at the weights of DDP's
+  ``Join``; on the gloo engine, a clear error on every rank;
+- ``fabric``: ``Fabric(strategy="horovod")`` with ``fabric.backward`` and
+  clipping equals one process on the global batches, ranks bitwise equal;
 - ``raise``: a rank that raises in ``training_step`` ends every rank with an
   error naming it, within the timeout: no hang.
 """
@@ -67,6 +72,34 @@ def test_fit_trains_as_ddp_does(launcher: str, ddp_weights: dict[str, list[float
 def test_sync_dist_predict_manual_optimization_and_resume(tmp_path: Path) -> None:
     result = run_workers("env", NPROCS, WORKER, env=ENV, timeout=300,
                          args=["--case", "features", "--out", str(tmp_path)])
+    assert_ranks_ok(result, NPROCS)
+
+
+def test_uneven_batches_join_as_ddp_join_does(tmp_path: Path) -> None:
+    # Horovod's engine: torch.distributed stays uninitialized (see the next test).
+    result = run_workers("horovodrun", NPROCS, WORKER, timeout=240,
+                         env={**ENV, "DP_PLUGIN_ENGINE": "horovod"},
+                         args=["--case", "uneven", "--out", str(tmp_path)])
+    assert_ranks_ok(result, NPROCS)
+
+
+def test_uneven_batches_on_gloo_are_refused_on_every_rank(tmp_path: Path) -> None:
+    """On the gloo engine Lightning's own per-batch broadcast shares the group:
+    a clear error at the epoch's first batch, on every rank."""
+    result = run_workers("env", NPROCS, WORKER, env=ENV, timeout=240, check=False,
+                         args=["--case", "uneven", "--out", str(tmp_path)])
+    assert all(code != 0 for code in result.returncodes), result.output
+    for rank in range(NPROCS):
+        mine = "\n".join(line for line in result.output.splitlines()
+                         if line.startswith(f"[rank {rank}]"))
+        assert "different numbers of training batches per epoch (rank 0: 3; rank 1: 4)" \
+            in mine, mine
+
+
+@pytest.mark.parametrize("launcher", ["env", "horovodrun"])
+def test_fabric_trains_as_one_process_on_the_global_batch(launcher: str, tmp_path: Path) -> None:
+    result = run_workers(launcher, NPROCS, WORKER, env=ENV, timeout=240,
+                         args=["--case", "fabric", "--out", str(tmp_path)])
     assert_ranks_ok(result, NPROCS)
 
 

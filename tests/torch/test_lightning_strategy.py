@@ -15,7 +15,7 @@ import pytorch_lightning as pl
 import torch
 
 import dp_plugin.lightning as dpl
-from dp_plugin.lightning.strategy import _check_group, _reduce_op
+from dp_plugin.lightning.collectives import _check_group, _reduce_op
 from dp_plugin.torch import Average, Max, Sum
 
 
@@ -34,9 +34,12 @@ def test_unknown_keyword_names_what_is_passed_on() -> None:
 
 
 def test_reduce_ops_by_name_and_torch_enum() -> None:
-    assert _reduce_op(None) is Average and _reduce_op("mean") is Average
-    assert _reduce_op(torch.distributed.ReduceOp.SUM) is Sum and _reduce_op("max") is Max
-    with pytest.raises(ValueError, match=r"reduce_op='median' is not supported; use one of"):
-        _reduce_op("median")
+    who = "HorovodStrategy.reduce"
+    assert _reduce_op(None, who) is Average and _reduce_op("mean", who) is Average
+    assert _reduce_op(torch.distributed.ReduceOp.SUM, who) is Sum
+    assert _reduce_op("max", who) is Max
+    with pytest.raises(ValueError, match=r"reduce: reduce_op='median' is not supported; use one"):
+        _reduce_op("median", who)
     with pytest.raises(ValueError, match=r"group=.* is not supported; it runs over every rank"):
-        _check_group(object(), "reduce")
+        _check_group(object(), who)
+    _check_group(None, who)  # every rank; Fabric passes torch's WORLD, also every rank

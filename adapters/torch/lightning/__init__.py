@@ -8,6 +8,9 @@ installed; import it before building the ``Trainer``::
     import dp_plugin.lightning  # noqa: F401 - registers strategy="horovod"
     trainer = lightning.Trainer(strategy="horovod", ...)
 
+It also registers ``HorovodFabricStrategy`` (``fabric.py``) in Fabric's
+registry under the same names: ``Fabric(strategy="horovod")``.
+
 ``HorovodStrategy`` is ``lightning.pytorch``'s class (``pytorch_lightning``'s
 when only that package is installed); ``PLHorovodStrategy`` is
 ``pytorch_lightning``'s. Both are ``strategy.HorovodStrategyBody`` in front of
@@ -42,6 +45,13 @@ if importlib.util.find_spec("lightning") is not None:
     # lightning.pytorch's registry is typed as lightning.fabric's, which the
     # lightning package vendors under another module name than lightning_fabric.
     HorovodStrategy.register_strategies(_Registry)  # type: ignore[arg-type]
+
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as _FabricRegistry
+
+    from dp_plugin.lightning.fabric import HorovodFabricStrategy
+
+    HorovodFabricStrategy.register_strategies(_FabricRegistry)
+    __all__ += ["HorovodFabricStrategy"]
 
 if "HorovodStrategy" not in globals():
     raise ImportError(

@@ -19,7 +19,14 @@ What it does, Lightning 1.x's ``HorovodStrategy`` on dp_plugin:
   ``gradient_clip_val`` clips the averaged gradient, as under DDP;
 - ``reduce``, ``all_gather``, ``broadcast`` and ``barrier`` are dp_plugin's
   collectives; ``barrier`` is ``hvd.join()``, so a rank that ran out of batches
-  answers the others' gradient reductions with zeros while it waits.
+  answers the others' gradient reductions with zeros while it waits;
+- a rank whose training batches of the epoch are done joins (``hvd.join()``)
+  before its next collective, so ranks with different numbers of batches
+  (a loader of one's own, ``use_distributed_sampler=False``) do not hang:
+  the joined rank answers the others' remaining steps with zero gradients,
+  divided by the full number of ranks as under DDP's ``Join``; then, when the
+  counts differed, the rank that trained longest sends its parameters,
+  buffers and optimizer state to the others.
 
 Unlike Lightning 1.x, the learning rate is not multiplied by the number of
 ranks: the gradient is averaged, as under ``strategy="ddp"``, and a run
@@ -35,7 +42,8 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 
 import dp_plugin.torch as hvd
 import torch
-from dp_plugin.errors import DPPluginError
+from dp_plugin.lightning import collectives
+from dp_plugin.lightning.process import OnDPPlugin, distributed_optimizer
 from dp_plugin.torch import joining as _joining
 
 OPTIMIZER_OPTIONS = ("compression", "op", "gradient_predivide_factor", "num_groups", "groups",
@@ -43,11 +51,7 @@ OPTIMIZER_OPTIONS = ("compression", "op", "gradient_predivide_factor", "num_grou
 """``hvd.DistributedOptimizer`` arguments the strategy passes on; it sets
 ``named_parameters`` and ``backward_passes_per_step`` itself."""
 
-_REDUCE_OPS = {"mean": hvd.Average, "avg": hvd.Average, "sum": hvd.Sum, "min": hvd.Min,
-               "max": hvd.Max, "product": hvd.Product}
-
-
-class HorovodStrategyBody:
+class HorovodStrategyBody(OnDPPlugin):
     """``Trainer(strategy="horovod")``: data parallel training on dp_plugin.
 
     Start the script with any launcher dp_plugin detects, one process per
@@ -80,6 +84,10 @@ class HorovodStrategyBody:
                          parallel_devices=parallel_devices, cluster_environment=None,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self._optimizer_options = optimizer_options
+        self._fitting: Any = None
+        """The ``Trainer`` during ``fit`` (set in ``setup``), else None."""
+        self._joined_after = -1
+        """``total.completed`` batches when this rank last joined at an epoch's end."""
 
     # -- where this process sits: dp_plugin's launcher detection -------------------
     def set_world_ranks(self) -> None:
@@ -88,42 +96,10 @@ class HorovodStrategyBody:
         rank_zero_only.rank = hvd.rank()  # type: ignore[attr-defined]
 
     @property
-    def global_rank(self) -> int:
-        return hvd.rank()
-
-    @property
-    def local_rank(self) -> int:
-        return hvd.local_rank()
-
-    @property
-    def node_rank(self) -> int:
-        return hvd.cross_rank()
-
-    @property
-    def world_size(self) -> int:
-        return hvd.size()
-
-    @property
     def is_distributed(self) -> bool:
         """Read by the Trainer: it adds a ``DistributedSampler`` and lets
         ``self.log(..., sync_dist=True)`` reduce."""
         return True
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
-
-    @property
-    def root_device(self) -> torch.device:
-        devices = self.parallel_devices or [torch.device("cpu")]  # type: ignore[attr-defined]
-        if devices[0].type != "cuda":
-            return devices[0]
-        if self.local_rank >= torch.cuda.device_count():
-            raise DPPluginError(
-                f"rank {self.global_rank}: local rank {self.local_rank} has no GPU of its own "
-                f"(this host has {torch.cuda.device_count()}); start at most one process per "
-                "GPU on each host, or use accelerator='cpu'")
-        return torch.device("cuda", self.local_rank)
 
     def setup_environment(self) -> None:
         self.set_world_ranks()
@@ -142,32 +118,23 @@ class HorovodStrategyBody:
                 "HorovodStrategy does not run; use dp_plugin.torch.SyncBatchNorm in the "
                 "model instead and leave sync_batchnorm=False")
         super().setup(trainer)  # type: ignore[misc]
+        self._fitting = trainer if trainer.state.fn == "fit" else None
+        self._joined_after = -1
         if trainer.state.fn != "fit":
             return
         module = self.lightning_module  # type: ignore[attr-defined]
         hvd.broadcast_parameters(module.state_dict(), root_rank=0)
-        for optimizer in self.optimizers:
-            # A fresh optimizer has no state to send. Horovod's broadcast would
-            # make some with a zero-gradient step, and Adam's step count would
-            # then differ from DDP's. Before wrapping: no reduction of its own.
-            if hvd.broadcast_object(bool(optimizer.state), root_rank=0):
-                hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         passes = trainer.accumulate_grad_batches
-        self.optimizers = [self._distributed(opt, module, passes) for opt in self.optimizers]
-
-    def _distributed(self, optimizer: torch.optim.Optimizer, module: torch.nn.Module,
-                     passes: int) -> Any:
-        if hasattr(optimizer, "synchronize"):  # wrapped already (configure_optimizers did)
-            return optimizer
-        mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        named = [(name, p) for name, p in module.named_parameters() if id(p) in mine]
-        return hvd.DistributedOptimizer(optimizer, named_parameters=named,
-                                        backward_passes_per_step=passes,
-                                        **self._optimizer_options)
+        self.optimizers = [distributed_optimizer(opt, module, backward_passes_per_step=passes,
+                                                 **self._optimizer_options)
+                           for opt in self.optimizers]
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Follow ``accumulate_grad_batches`` when it changes between epochs
         (``GradientAccumulationScheduler``): the optimizers are idle here."""
+        self._join_if_out_of_batches()  # the last epoch ended with no collective
+        if batch_idx == 0:
+            self._check_batches_joinable()
         passes = self.lightning_module.trainer.accumulate_grad_batches  # type: ignore[attr-defined]
         for optimizer in self.optimizers:
             if optimizer.backward_passes_per_step != passes:
@@ -190,11 +157,71 @@ class HorovodStrategyBody:
         with optimizer.skip_synchronize():
             return super().optimizer_step(optimizer, averaged, model, **kwargs)  # type: ignore[misc]
 
+    def on_train_end(self) -> None:
+        self._join_if_out_of_batches()
+        super().on_train_end()  # type: ignore[misc]
+
+    def on_validation_start(self) -> None:
+        self._join_if_out_of_batches()
+        super().on_validation_start()  # type: ignore[misc]
+
+    # -- uneven data: join where this rank's batches end ---------------------------
+    def _join_if_out_of_batches(self) -> bool:
+        """Join once this rank's last training batch of the epoch is complete
+        (its step and ``on_train_batch_end`` done), at the first collective or
+        hook after it: before validation and the epoch's end, whose
+        collectives would else pair with the gradient reductions of ranks that
+        have more batches. Every rank joins there, so an even epoch costs one
+        join round. True if it joined."""
+        if self._fitting is None:
+            return False
+        progress = self._fitting.fit_loop.epoch_loop.batch_progress
+        done = progress.current.completed
+        if not (progress.is_last_batch and done == progress.current.ready > 0):
+            return False
+        if self._joined_after == progress.total.completed:
+            return False  # joined already at this epoch's end
+        self._joined_after = progress.total.completed
+        last = hvd.join()
+        counts = hvd.allgather_object(done, name="dp_plugin.lightning.batches")
+        if len(set(counts)) > 1:
+            # The joined ranks skipped the others' last steps: the rank that
+            # joined last trained through all of them.
+            hvd.broadcast_parameters(self.lightning_module.state_dict(),  # type: ignore[attr-defined]
+                                     root_rank=last)
+            for optimizer in self.optimizers:
+                hvd.broadcast_optimizer_state(optimizer, root_rank=last)
+        return True
+
+    def _check_batches_joinable(self) -> None:
+        """Refuse, on every rank at the epoch's first batch, different numbers
+        of batches per rank when dp_plugin's engine is torch.distributed's
+        default group (the gloo and nccl engines): Lightning (2.6) then runs a
+        ``torch.distributed.broadcast`` of its own before every training batch
+        (its SIGTERM check), outside dp_plugin, which a rank that has joined
+        cannot answer. Collective on those engines only."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return
+        counts = hvd.allgather_object(self._fitting.num_training_batches,
+                                      name="dp_plugin.lightning.epoch_batches")
+        if len(set(counts)) <= 1:
+            return
+        each = "; ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+        raise ValueError(
+            f"HorovodStrategy: the ranks have different numbers of training batches per epoch "
+            f"({each}). On the gloo and nccl engines dp_plugin shares torch.distributed's "
+            "default process group with Lightning, which broadcasts on it before every "
+            "training batch (its SIGTERM check), so a rank that ran out of batches cannot "
+            "join the others' extra steps. Start the job under horovodrun or mpirun "
+            "(DP_PLUGIN_ENGINE=horovod or mpi), or give every rank the same number of "
+            "batches (Lightning's distributed sampler, use_distributed_sampler=True)")
+
     def teardown(self) -> None:
         """Lightning's teardown; the optimizers this strategy wrapped stop
         taking part in ``hvd.join()`` (the next ``Trainer``'s barriers)."""
         for optimizer in self.optimizers:
             _joining.retire(optimizer)
+        self._fitting = None
         super().teardown()  # type: ignore[misc]
 
     # -- collectives ----------------------------------------------------------------
@@ -202,52 +229,23 @@ class HorovodStrategyBody:
         """All-reduce ``tensor`` over every rank (``"mean"``, ``"sum"``, ``"min"``,
         ``"max"``, ``"product"`` or a ``torch.distributed.ReduceOp``); any other
         value is returned unchanged, as Lightning's strategies do."""
-        if not isinstance(tensor, torch.Tensor):
-            return tensor
-        _check_group(group, "reduce")
-        return hvd.allreduce(tensor, op=_reduce_op(reduce_op))
+        if isinstance(tensor, torch.Tensor):
+            self._join_if_out_of_batches()
+        return collectives.reduce(tensor, group, reduce_op, "HorovodStrategy.reduce")
 
     def all_gather(self, tensor: torch.Tensor, group: Any = None,
                    sync_grads: bool = False) -> torch.Tensor:
         """Every rank's ``tensor`` stacked along a new first dimension, as
         DDP's; with ``sync_grads`` the result is differentiable."""
-        _check_group(group, "all_gather")
-        if sync_grads:
-            return hvd.allgather(tensor.unsqueeze(0))
-        with torch.no_grad():
-            return hvd.allgather(tensor.detach().unsqueeze(0))
+        self._join_if_out_of_batches()
+        return collectives.all_gather(tensor, group, sync_grads, "HorovodStrategy.all_gather")
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._join_if_out_of_batches()
         return hvd.broadcast_object(obj, root_rank=src)
 
     def barrier(self, name: str | None = None) -> None:
         """``hvd.join()``: a rank that arrives early answers the others'
         gradient reductions (zeros) until every rank is here."""
-        hvd.join()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for name in ("horovod", "dp_plugin"):
-            strategy_registry.register(
-                name, cls, description="data parallel training on dp_plugin (Horovod's API)",
-                override=True)
-
-
-def _check_group(group: Any, what: str) -> None:
-    if group is not None:
-        raise ValueError(
-            f"HorovodStrategy.{what}: group={group!r} is not supported; it runs over every "
-            "rank. Leave group=None, or call dp_plugin.torch's collectives with a "
-            "process_set= for a subset of ranks")
-
-
-def _reduce_op(reduce_op: Any) -> Any:
-    if reduce_op is None:
-        return hvd.Average
-    name = getattr(reduce_op, "name", reduce_op)  # torch.distributed.ReduceOp.SUM -> "SUM"
-    op = _REDUCE_OPS.get(str(name).lower())
-    if op is None:
-        raise ValueError(
-            f"HorovodStrategy.reduce: reduce_op={reduce_op!r} is not supported; use one of "
-            f"{sorted(_REDUCE_OPS)} or a torch.distributed.ReduceOp of the same names")
-    return op
+        if not self._join_if_out_of_batches():
+            hvd.join()

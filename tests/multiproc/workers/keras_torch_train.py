@@ -29,6 +29,11 @@ Cases:
   of the ranks' epoch logs; ``LearningRateWarmupCallback`` (momentum
   corrected in the batch of each change) sets the learning rates one
   process sets, and the weights equal that process's.
+- uneven: rank 0 has 10 batches per epoch and rank 1 has 11: ``fit`` with
+  ``DistributedCallback`` (then with ``DistributedOptimizer`` and
+  ``BroadcastGlobalVariablesCallback``) raises, before the first step and on
+  every rank, a ``ValueError`` naming both counts and the fix; with that fix
+  (``steps_per_epoch=10``) the same ``fit`` trains, ranks bitwise equal.
 """
 
 from __future__ import annotations
@@ -313,6 +318,36 @@ def case_callbacks() -> None:
         assert_close(final, ref.get_weights(), "callbacks")
 
 
+def case_uneven() -> None:
+    rows = LOCAL_BATCH * (10 + dp.rank())
+    rng = np.random.default_rng(dp.rank())
+    xs = rng.normal(size=(rows, FEATURES)).astype(np.float32)
+    ys = rng.normal(size=(rows, OUTPUTS)).astype(np.float32)
+    for wrap in ("callback", "optimizer"):
+        model = dense_model(seed=100 + dp.rank())
+        opt = sgd() if wrap == "callback" else dp.DistributedOptimizer(sgd())
+        model.compile(optimizer=opt, loss="mse")
+        callback = (dp.DistributedCallback() if wrap == "callback"
+                    else dp.BroadcastGlobalVariablesCallback(0))
+        before = trainable(model)
+        try:
+            model.fit(xs, ys, batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0,
+                      callbacks=[callback])
+        except ValueError as exc:
+            message = str(exc)
+        else:
+            raise AssertionError(f"uneven[{wrap}]: fit trained on 10 and 11 batches")
+        for want in ("different numbers of batches per epoch (rank 0: 10; rank 1: 11)",
+                     "steps_per_epoch=10"):
+            if want not in message:
+                raise AssertionError(f"uneven[{wrap}]: {want!r} not in {message!r}")
+        if any(not np.array_equal(a, b) for a, b in zip(before, trainable(model), strict=True)):
+            raise AssertionError(f"uneven[{wrap}]: a step ran before the error")
+        model.fit(xs, ys, batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0,
+                  steps_per_epoch=10, callbacks=[callback])
+        assert_identical_on_all_ranks(trainable(model), f"uneven[{wrap}]")
+
+
 CASES: dict[str, Callable[[object], None]] = {
     "callbacks": lambda _: case_callbacks(),
     "fit": lambda _: case_fit(),
@@ -320,6 +355,7 @@ CASES: dict[str, Callable[[object], None]] = {
     "conv_sync_bn": lambda _: case_conv_sync_bn(),
     "batch_norm": lambda _: case_batch_norm(),
     "validation": lambda _: case_validation(),
+    "uneven": lambda _: case_uneven(),
 }
 
 

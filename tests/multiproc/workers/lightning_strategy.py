@@ -18,6 +18,19 @@ Cases:
   manual optimization with two optimizers equals plain torch trained on
   the global batches (1e-6); a run stopped after 2 epochs and
   resumed from its last checkpoint ends bitwise equal to a run of 4 epochs.
+- ``uneven``: rank 0 has 3 batches per epoch and rank 1 has 4, from loaders
+  of their own (``use_distributed_sampler=False``), with ``sync_dist``
+  logging per step and per epoch and a validation each epoch: no rank hangs,
+  the ranks end bitwise equal, at the weights of DDP's ``Join`` computed in
+  one process (a step's gradient is the sum of the ranks' that have a batch,
+  divided by 2).
+- ``fabric``: ``Fabric(strategy="horovod")``, rank 1 starting from other
+  weights: two epochs of a loop with ``fabric.backward``,
+  ``fabric.clip_gradients`` (by norm, to a bound the gradients exceed) and
+  ``optimizer.step()`` over ``fabric.setup_dataloaders``'s shards end
+  bitwise equal on the ranks and within 1e-6 of one process on the global
+  batches, clipping the global batch's gradient; ``fabric.all_reduce`` of
+  the rank is its mean.
 - ``raise``: rank 1 raises in its third ``training_step``; the exception is
   left to end the interpreter as in a user's script (not ``run_cases``).
 """
@@ -214,12 +227,102 @@ def features(args: argparse.Namespace) -> None:
     check_resume(Path(args.out))
 
 
+# -- uneven ----------------------------------------------------------------------
+
+UNEVEN = (3, 4)
+"""Batches per epoch of rank 0 and rank 1."""
+
+
+class LoggingRegression(Regression):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=True, on_epoch=True, sync_dist=True)
+        return loss
+
+
+def uneven_shards() -> list[TensorDataset]:
+    x, y = data().tensors
+    start = UNEVEN[0] * BATCH
+    return [TensorDataset(x[:start], y[:start]),
+            TensorDataset(x[start:start + UNEVEN[1] * BATCH], y[start:start + UNEVEN[1] * BATCH])]
+
+
+def check_uneven(args: argparse.Namespace) -> None:
+    epochs = 2
+    L.seed_everything(0, verbose=False)
+    model = LoggingRegression()
+    reference = net()
+    reference.load_state_dict(model.net.state_dict())
+    shards = uneven_shards()
+    t = trainer("horovod", epochs=epochs, use_distributed_sampler=False)
+    t.fit(model, DataLoader(shards[hvd.rank()], batch_size=BATCH),
+          DataLoader(data(4), batch_size=BATCH))
+    got = weights(model)
+    assert all(g == got for g in hvd.allgather_object(got)), "the ranks' weights differ"
+
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(epochs):
+        for step in range(max(UNEVEN)):
+            opt.zero_grad()
+            losses = [nn.functional.mse_loss(reference(s.tensors[0][step * BATCH:][:BATCH]),
+                                             s.tensors[1][step * BATCH:][:BATCH])
+                      for s, n in zip(shards, UNEVEN, strict=True) if step < n]
+            (sum(losses) / len(UNEVEN)).backward()
+            opt.step()
+    worst = max(abs(a - b) for a, b in zip(got, weights(reference), strict=True))
+    assert worst <= 1e-6, f"uneven batches are {worst:g} from DDP's Join"
+
+
+# -- fabric ----------------------------------------------------------------------
+
+def check_fabric(args: argparse.Namespace) -> None:
+    from lightning.fabric import Fabric
+
+    epochs, max_norm = 2, 0.05
+    torch.manual_seed(0)
+    model = net()
+    reference = net()
+    reference.load_state_dict(model.state_dict())
+    fabric = Fabric(strategy="horovod", accelerator="cpu")
+    fabric.launch()
+    if fabric.global_rank == 1:  # setup must send rank 0's weights
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    loader = fabric.setup_dataloaders(DataLoader(data(), batch_size=BATCH))
+    for _ in range(epochs):
+        for x, y in loader:
+            opt.zero_grad()
+            fabric.backward(nn.functional.mse_loss(model(x), y))
+            fabric.clip_gradients(model, opt, max_norm=max_norm)
+            opt.step()
+    got = weights(model)
+    assert all(g == got for g in hvd.allgather_object(got)), "the ranks' weights differ"
+    mean_rank = fabric.all_reduce(torch.tensor(float(fabric.global_rank)), reduce_op="mean")
+    assert mean_rank.item() == (fabric.world_size - 1) / 2, mean_rank
+
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    clipped = False
+    for _ in range(epochs):  # the ranks' batches i, together: rows 4i .. 4i+3
+        for x, y in DataLoader(data(), batch_size=BATCH * fabric.world_size):
+            ref_opt.zero_grad()
+            nn.functional.mse_loss(reference(x), y).backward()
+            norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+            clipped |= bool(norm > max_norm)
+            ref_opt.step()
+    assert clipped, "the bound clipped nothing"
+    worst = max(abs(a - b) for a, b in zip(got, weights(reference), strict=True))
+    assert worst <= 1e-6, f"Fabric is {worst:g} from one process on the global batches"
+
+
 def raise_in_training_step(args: argparse.Namespace) -> None:
     os.environ["RAISE_ON_RANK"] = "1"
     trainer("horovod", epochs=1).fit(Regression(), DataLoader(data(), batch_size=BATCH))
 
 
-CASES = {"fit": fit, "features": features}
+CASES = {"fit": fit, "features": features, "uneven": check_uneven,
+         "fabric": check_fabric}
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
