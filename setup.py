@@ -11,7 +11,8 @@ from setuptools import setup
 
 setup(
     packages=[
-        "dp_plugin", "dp_plugin.engines", "dp_plugin.torch", "dp_plugin.tensorflow",
+        "dp_plugin", "dp_plugin.reduce", "dp_plugin.agree", "dp_plugin.launch",
+        "dp_plugin.api", "dp_plugin.engines", "dp_plugin.torch", "dp_plugin.tensorflow",
         "dp_plugin.keras", "dp_plugin.cli", "dp_plugin.ray", "dp_plugin.lightning",
     ],
     package_dir={

@@ -26,8 +26,8 @@ def main() -> None:
     import torch
 
     import dp_plugin
-    from dp_plugin.fusion import TensorSpec
-    from dp_plugin.scheduler import GradientScheduler
+    from dp_plugin.reduce.fusion import TensorSpec
+    from dp_plugin.reduce.reducer import GradientScheduler
 
     torch.set_num_threads(1)
     engine = dp_plugin.init()

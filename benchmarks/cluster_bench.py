@@ -106,14 +106,14 @@ def worker(args: argparse.Namespace) -> int:
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    from dp_plugin import runtime
+    from dp_plugin.launch import runtime
 
     engine = runtime.engine()
     if engine.name == "horovod":
         path = "horovod engine"
     else:
         path = "hierarchical" if getattr(engine, "hierarchical", False) else "flat"
-    from dp_plugin import collective
+    from dp_plugin.reduce import collective
 
     link_bps = int(os.environ.get("DP_CLUSTER_LINK_BPS", "0"))
     default_chunk = collective.PIPELINE_CHUNK

@@ -78,7 +78,7 @@ def worker(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
     import dp_plugin.torch as hvd
-    from dp_plugin import runtime
+    from dp_plugin.launch import runtime
 
     hvd.init()
     hf_logging.set_verbosity_error()

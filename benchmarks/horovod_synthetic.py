@@ -104,7 +104,7 @@ def worker(module: str, batch: int, warmup: int, batches_per_iter: int, iters: i
              for _ in range(iters)]
     engine = "horovod.torch"
     if module.startswith("dp_plugin"):
-        from dp_plugin import runtime
+        from dp_plugin.launch import runtime
 
         engine = runtime.engine().name
     if hvd.rank() == 0:

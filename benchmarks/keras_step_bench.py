@@ -161,8 +161,8 @@ def worker(config: str, steps: int, warmup: int, threads: int) -> None:
                               "params": model.count_params(),
                               "tensors": len(model.trainable_weights), "jit": model.jit_compile}
     if distributed and on_torch:
-        from dp_plugin import runtime
         from dp_plugin.keras.torch_optimizer import hook_of
+        from dp_plugin.launch import runtime
 
         stats = hook_of(model.optimizer).gradients.comm_stats()  # type: ignore[union-attr]
         result["engine"] = runtime.engine().name
@@ -170,7 +170,7 @@ def worker(config: str, steps: int, warmup: int, threads: int) -> None:
                            for f in ("buckets", "bytes_reduced", "allreduce_s", "exposed_s")}
         dp.shutdown()
     elif distributed:
-        from dp_plugin import runtime
+        from dp_plugin.launch import runtime
 
         bridge = _bridge(model)
         sched = bridge.schedulers[0]

@@ -23,7 +23,7 @@ method, the blocks interleaved so that outside load hits all alike:
 Per method: median step (slowest rank), its ratio to ``dp``, the bytes
 each host's link sent per step (the host's ``eth0`` counter, read by its
 local rank 0 before and after the block), the formula's bytes per step
-(``dp_plugin.powersgd.wire_numel``: what one all-reduce moves; the link
+(``dp_plugin.reduce.powersgd.wire_numel``: what one all-reduce moves; the link
 carries a multiple of it, 1x on the hierarchical path at 2 hosts, 1.5x on
 a flat ring of 4), and the step ``dp-plugin plan`` predicts
 (``alphabeta.predict`` / ``predict_powersgd`` with the measured no-comm
@@ -162,7 +162,7 @@ def worker(args: argparse.Namespace) -> int:
         from dp_plugin.cli.alphabeta import Link, predict, predict_powersgd
         from dp_plugin.cli.plan import POWERSGD_GBYTES, POWERSGD_GFLOPS
         from dp_plugin.config import Config
-        from dp_plugin.powersgd import PowerSGDSettings, wire_numel
+        from dp_plugin.reduce.powersgd import PowerSGDSettings, wire_numel
 
         settings = PowerSGDSettings(rank=args.rank)
         tensor_shapes = [s for _, s in shapes]

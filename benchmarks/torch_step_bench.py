@@ -175,7 +175,7 @@ def worker(config: str, steps: int, warmup: int) -> None:
 def _engine_name(hvd: Any) -> str:
     if hvd.__name__.startswith("horovod"):
         return "horovod.torch"
-    from dp_plugin import runtime
+    from dp_plugin.launch import runtime
 
     return str(runtime.engine().name)
 

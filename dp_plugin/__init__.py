@@ -21,7 +21,7 @@ from dp_plugin.errors import (
     MismatchError,
     NotInitializedError,
 )
-from dp_plugin.runtime import engine, init, is_initialized, rank, shutdown, size, topology
+from dp_plugin.launch.runtime import engine, init, is_initialized, rank, shutdown, size, topology
 
 __version__ = "0.1.0"
 

@@ -51,7 +51,7 @@ class Problem(enum.IntEnum):
 
 
 class MismatchError(DPPluginError, ValueError):
-    """The one error of every agreement (``dp_plugin.check``): the
+    """The one error of every agreement (``dp_plugin.agree.check``): the
     ranks' requests differ, or some rank's cannot run; raised on every rank
     alike. ``problem`` says why, so that callers pick a class from it (the
     TensorFlow adapter), never from the message; ``of`` picks the subclass

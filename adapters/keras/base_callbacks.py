@@ -17,11 +17,12 @@ import warnings
 from typing import Any
 
 import keras
-from dp_plugin import objects, runtime
-from dp_plugin.edge import calling
+from dp_plugin.agree.edge import calling
+from dp_plugin.api import objects
+from dp_plugin.api.horovod_names import Average, Compression
+from dp_plugin.api.process_sets import engine_of, global_process_set
 from dp_plugin.errors import DPPluginError, NotInitializedError
-from dp_plugin.horovod_names import Average, Compression
-from dp_plugin.process_sets import engine_of, global_process_set
+from dp_plugin.launch import runtime
 from dp_plugin.validate import check_int
 
 

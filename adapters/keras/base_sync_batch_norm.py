@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-from dp_plugin.edge import calling
-from dp_plugin.process_sets import engine_of, global_process_set
+from dp_plugin.agree.edge import calling
+from dp_plugin.api.process_sets import engine_of, global_process_set
 
 
 class SyncBatchNormBase(keras.layers.BatchNormalization):

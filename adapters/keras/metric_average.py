@@ -15,11 +15,12 @@ from typing import Any
 import numpy as np
 
 import keras
-from dp_plugin import agreement, runtime
-from dp_plugin.collective import fused_collective
+from dp_plugin.agree import agreement
 from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.errors import MismatchError, NotInitializedError, Problem
-from dp_plugin.hooks import ReducePolicy
+from dp_plugin.launch import runtime
+from dp_plugin.reduce.collective import fused_collective
+from dp_plugin.reduce.hooks import ReducePolicy
 
 _OP_NAME = "MetricAverageCallback"
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from dp_plugin.horovod_names import Average as _Average
-from dp_plugin.horovod_names import Compression as _Compression
+from dp_plugin.api.horovod_names import Average as _Average
+from dp_plugin.api.horovod_names import Compression as _Compression
 from dp_plugin.tensorflow import *  # noqa: F403 - this module is an alias
 from dp_plugin.tensorflow import __all__ as __all__
 from dp_plugin.tensorflow import collectives as _c

@@ -8,9 +8,9 @@ go through ``dp_plugin.torch``'s fused, overlapped reduction (see
 ``dp_plugin.torch``'s (on torch tensors). TensorFlow is never imported.
 """
 
-from dp_plugin import horovod_api as _api
+from dp_plugin.api import horovod_api as _api
+from dp_plugin.api.horovod_api import *  # noqa: F403 - ops, process sets, capabilities
 from dp_plugin.errors import LayoutMismatchError, NotInitializedError
-from dp_plugin.horovod_api import *  # noqa: F403 - ops, process sets, capabilities
 from dp_plugin.keras import torch_callbacks as callbacks
 from dp_plugin.keras.callbacks_lr import LearningRateScheduleCallback, LearningRateWarmupCallback
 from dp_plugin.keras.metric_average import MetricAverageCallback

@@ -31,10 +31,10 @@ import torch
 
 import dp_plugin.torch as _torch_dp
 import keras
-from dp_plugin.compression import get_compressor
-from dp_plugin.edge import calling
-from dp_plugin.horovod_names import Average, Compression, parse_op, require_sum_or_average
-from dp_plugin.process_sets import global_process_set
+from dp_plugin.agree.edge import calling
+from dp_plugin.api.horovod_names import Average, Compression, parse_op, require_sum_or_average
+from dp_plugin.api.process_sets import global_process_set
+from dp_plugin.reduce.compression import get_compressor
 from dp_plugin.validate import check_groups, check_int, check_positive_float
 
 

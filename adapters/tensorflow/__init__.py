@@ -28,9 +28,9 @@ or in ``tf.function``), ``broadcast_object``, ``allgather_object``,
 Supported Keras: see ``compat.SUPPORTED_KERAS_SPEC``.
 """
 
-from dp_plugin import horovod_api as _api
+from dp_plugin.api import horovod_api as _api
+from dp_plugin.api.horovod_api import *  # noqa: F403 - ops, process sets, capabilities
 from dp_plugin.errors import LayoutMismatchError, NotInitializedError
-from dp_plugin.horovod_api import *  # noqa: F403 - ops, process sets, capabilities
 from dp_plugin.tensorflow import callbacks, elastic
 from dp_plugin.tensorflow import util as util
 from dp_plugin.tensorflow.basics import (

@@ -1,6 +1,6 @@
 """Process-level API, as ``horovod.tensorflow``: init, shutdown, ranks, timeline.
 
-``dp_plugin.horovod_api.HorovodBasics``'s, shared with ``dp_plugin.torch``:
+``dp_plugin.api.horovod_api.HorovodBasics``'s, shared with ``dp_plugin.torch``:
 the launcher decides the ranks and the engine (gloo under torchrun,
 Horovod's ring under horovodrun, MPI under mpirun); no TensorFlow extension
 is involved. Before ``init()`` each raises the core's ``NotInitializedError``
@@ -9,8 +9,8 @@ naming the call. What TensorFlow was built with is in ``functions``.
 
 from __future__ import annotations
 
+from dp_plugin.api.horovod_api import HorovodBasics
 from dp_plugin.errors import NotInitializedError
-from dp_plugin.horovod_api import HorovodBasics
 
 _basics = HorovodBasics("dp_plugin.tensorflow", NotInitializedError)
 init = _basics.init

@@ -60,15 +60,15 @@ from typing import Any
 import numpy as np
 
 import tensorflow as tf
-from dp_plugin import runtime
-from dp_plugin.arrays import NumpyOps, numpy_dtype
-from dp_plugin.compression import Compressor
+from dp_plugin.api.timeline import shared_timeline
 from dp_plugin.engines.base import ReduceOp
-from dp_plugin.fusion import TensorSpec
-from dp_plugin.hooks import ReducePolicy
-from dp_plugin.scheduler import Reducer
+from dp_plugin.launch import runtime
+from dp_plugin.reduce.arrays import NumpyOps, numpy_dtype
+from dp_plugin.reduce.compression import Compressor
+from dp_plugin.reduce.fusion import TensorSpec
+from dp_plugin.reduce.hooks import ReducePolicy
+from dp_plugin.reduce.reducer import Reducer
 from dp_plugin.tensorflow import graph_order
-from dp_plugin.timeline import shared_timeline
 
 _names = itertools.count()
 _names_lock = threading.Lock()

@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 
 import tensorflow as tf
-from dp_plugin import runtime
-from dp_plugin.edge import caller, calling
-from dp_plugin.fusion import TensorSpec
-from dp_plugin.objects import broadcast_bytes, byte_layout
-from dp_plugin.process_sets import engine_of
-from dp_plugin.roots import root_of
+from dp_plugin.agree.edge import caller, calling
+from dp_plugin.agree.roots import root_of
+from dp_plugin.api.objects import broadcast_bytes, byte_layout
+from dp_plugin.api.process_sets import engine_of
+from dp_plugin.launch import runtime
+from dp_plugin.reduce.fusion import TensorSpec
 from dp_plugin.tensorflow.collectives import run_op
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import keras
 
-from dp_plugin.horovod_names import Compression
+from dp_plugin.api.horovod_names import Compression
 from dp_plugin.tensorflow.optimizer import DistributedOptimizer, find_hook
 
 

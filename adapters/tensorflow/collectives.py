@@ -15,7 +15,7 @@ have Horovod 0.28.1's gradients:
   times the scale factors).
 
 Every collective takes the torch adapter's path: the core's one check
-(``dp_plugin.check``: a shape, dtype, op, root or splits mismatch
+(``dp_plugin.agree.check``: a shape, dtype, op, root or splits mismatch
 raises on every rank, with the same messages), then the engine moves the
 agreed bytes — all-reduces through a ``Reducer`` run (one fused buffer per
 dtype), reduce-scatters scaled by the one ``ReducePolicy``.
@@ -36,18 +36,18 @@ from typing import Any
 import numpy as np
 
 import tensorflow as tf
-from dp_plugin import horovod_names as _names
-from dp_plugin import runtime
-from dp_plugin.arrays import NumpyOps
-from dp_plugin.check import check
-from dp_plugin.collective import fused_collective
-from dp_plugin.compression import Compressor, get_compressor
-from dp_plugin.edge import caller, deferred, public
+from dp_plugin.agree.check import check
+from dp_plugin.agree.edge import caller, deferred, public
+from dp_plugin.agree.request import Request
+from dp_plugin.api import horovod_names as _names
+from dp_plugin.api.horovod_names import Compression
+from dp_plugin.api.process_sets import engine_of, global_process_set
 from dp_plugin.engines.base import ReduceOp
-from dp_plugin.hooks import ReducePolicy
-from dp_plugin.horovod_names import Compression
-from dp_plugin.process_sets import engine_of, global_process_set
-from dp_plugin.request import Request
+from dp_plugin.launch import runtime
+from dp_plugin.reduce.arrays import NumpyOps
+from dp_plugin.reduce.collective import fused_collective
+from dp_plugin.reduce.compression import Compressor, get_compressor
+from dp_plugin.reduce.hooks import ReducePolicy
 from dp_plugin.tensorflow import errors as tf_errors
 from dp_plugin.tensorflow import graph_gradient, graph_order, status_op
 from dp_plugin.validate import check_positive_float
@@ -64,7 +64,7 @@ def run_op(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
     graph ``fn``'s typed error travels as a code and message to a
     ``status_op`` that fails the step with them (TensorFlow would retype an
     exception raised by the numpy callback); the outputs depend on that op.
-    ``fn`` runs under this call's name (``dp_plugin.edge``).
+    ``fn`` runs under this call's name (``dp_plugin.agree.edge``).
     """
     fn = deferred(tf_errors.translated(fn))
     if tf.executing_eagerly():

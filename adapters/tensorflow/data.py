@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dp_plugin import runtime
+from dp_plugin.launch import runtime
 
 
 def shard(dataset: Any) -> Any:

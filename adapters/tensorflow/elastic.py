@@ -17,7 +17,7 @@
 
 The shape is Horovod 0.28.1's ``horovod.tensorflow.elastic`` /
 ``horovod.tensorflow.keras.elastic`` (its states, ``run`` and Keras callbacks).
-The recovery is the core's (``dp_plugin.elastic``, docs/elastic.md); this
+The recovery is the core's (``dp_plugin.api.elastic``, docs/elastic.md); this
 module adds the generator states, the commit file and the variables' broadcast.
 
 Tracked: the model's weights and the optimizer's variables (as numpy arrays,
@@ -50,12 +50,12 @@ from typing import Any
 import keras
 import numpy as np
 
-from dp_plugin import elastic as _core
-from dp_plugin.arrays import numpy_dtype
-from dp_plugin.atomic_file import write_on_rank0
-from dp_plugin.elastic import CommitError, State
+from dp_plugin.api import elastic as _core
+from dp_plugin.api.atomic_file import write_on_rank0
+from dp_plugin.api.elastic import CommitError, State
+from dp_plugin.api.objects import first_unloadable, from_rank0
 from dp_plugin.errors import DPPluginError as HorovodInternalError
-from dp_plugin.objects import first_unloadable, from_rank0
+from dp_plugin.reduce.arrays import numpy_dtype
 from dp_plugin.tensorflow import basics
 from dp_plugin.tensorflow.basics import init, rank, shutdown
 from dp_plugin.tensorflow.broadcast import broadcast_variables
@@ -83,12 +83,12 @@ class ObjectState(_core.ObjectState):
         np.random.set_state(state["numpy"])
 
     def _write(self, path: Path, record: dict[str, Any]) -> None:
-        rng = allgather_object(self._saved_rng, name="dp_plugin.elastic.rng")
+        rng = allgather_object(self._saved_rng, name="dp_plugin.api.elastic.rng")
         write_on_rank0(path, lambda: [_dumps({**record, "rng": rng}, path)], what="commit",
-                       error=CommitError, name="dp_plugin.elastic.committed")
+                       error=CommitError, name="dp_plugin.api.elastic.committed")
 
     def _read(self, path: Path) -> Any:
-        data = from_rank0(lambda: _read_or_none(path), CommitError, "dp_plugin.elastic.load",
+        data = from_rank0(lambda: _read_or_none(path), CommitError, "dp_plugin.api.elastic.load",
                           lambda exc: f"rank 0 could not read the commit {str(path)!r} "
                           f"({type(exc).__name__}: {exc}); check that this user can read it "
                           "on rank 0's host, or delete it to start afresh")
@@ -171,7 +171,7 @@ class TensorFlowState(_VariablesState):
 
 
 run = _core.runner(init)
-"""Horovod's ``run``: see ``dp_plugin.elastic.runner``."""
+"""Horovod's ``run``: see ``dp_plugin.api.elastic.runner``."""
 
 
 # -- Keras callbacks (horovod.tensorflow.keras.elastic) -------------------------

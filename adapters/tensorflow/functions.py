@@ -1,7 +1,7 @@
 """Object collectives, barrier, join and build queries, as ``horovod.tensorflow``.
 
 ``broadcast_object`` / ``allgather_object`` pickle Python objects and move
-the bytes with the engine's broadcast / all-gather (``dp_plugin.objects``,
+the bytes with the engine's broadcast / all-gather (``dp_plugin.api.objects``,
 shared with the PyTorch adapter). ``*_built()`` answer
 for dp_plugin's engines as the TensorFlow adapter uses them: tensors are
 staged through host (numpy) memory, so no CUDA/ROCm/NCCL path exists here;
@@ -14,12 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 import tensorflow as tf
-from dp_plugin import join as protocol
-from dp_plugin import objects as _objects
-from dp_plugin import runtime
-from dp_plugin.check import agreed_root
-from dp_plugin.edge import public
-from dp_plugin.process_sets import engine_of, global_process_set
+from dp_plugin.agree import join as protocol
+from dp_plugin.agree.check import agreed_root
+from dp_plugin.agree.edge import public
+from dp_plugin.api import objects as _objects
+from dp_plugin.api.process_sets import engine_of, global_process_set
+from dp_plugin.launch import runtime
 from dp_plugin.tensorflow import graph_order
 from dp_plugin.tensorflow.broadcast import broadcast_variables
 
@@ -55,7 +55,7 @@ def barrier(process_set: Any = global_process_set) -> None:
 
 def join() -> Any:
     """Wait until every rank has called ``join()``; return (an int32 tensor) the rank
-    that joined last, by torch's rule (``dp_plugin.join.last_joined``): of the ranks
+    that joined last, by torch's rule (``dp_plugin.agree.join.last_joined``): of the ranks
     that answered the fewest of the others' collectives since joining, the highest.
     Unlike Horovod, a joined rank does not serve the other ranks' collectives
     meanwhile, so every rank joins at the same point and the highest rank is named;

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
-from dp_plugin.edge import public
-from dp_plugin.process_sets import global_process_set, registered
+from dp_plugin.agree.edge import public
+from dp_plugin.api.process_sets import global_process_set, registered
 from dp_plugin.tensorflow.basics import local_rank, local_size, rank
 from dp_plugin.tensorflow.broadcast import broadcast_variables
 from dp_plugin.tensorflow.functions import broadcast_global_variables, broadcast_object

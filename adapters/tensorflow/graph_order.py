@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import tensorflow as tf
-from dp_plugin.edge import caller
+from dp_plugin.agree.edge import caller
 
 T = TypeVar("T")
 

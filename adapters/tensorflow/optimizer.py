@@ -40,13 +40,13 @@ from typing import Any
 import keras
 
 import tensorflow as tf
-from dp_plugin import horovod_names as _names
-from dp_plugin.compression import Compressor
-from dp_plugin.edge import calling
+from dp_plugin.agree.edge import calling
+from dp_plugin.api import horovod_names as _names
+from dp_plugin.api.horovod_names import Average, Compression
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import DPPluginError
-from dp_plugin.hooks import ReducePolicy
-from dp_plugin.horovod_names import Average, Compression
+from dp_plugin.reduce.compression import Compressor
+from dp_plugin.reduce.hooks import ReducePolicy
 from dp_plugin.tensorflow.bridge import GradientBridge, next_bridge_name
 from dp_plugin.tensorflow.collectives import parse_compression
 from dp_plugin.tensorflow.compat import UnsupportedStrategyError, check_keras

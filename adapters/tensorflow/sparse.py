@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
-from dp_plugin.edge import calling
-from dp_plugin.fusion import group_indices
+from dp_plugin.agree.edge import calling
+from dp_plugin.reduce.fusion import group_indices
 from dp_plugin.tensorflow.bridge import GradientBridge
 from dp_plugin.tensorflow.collectives import reduce_indexed_slices
 

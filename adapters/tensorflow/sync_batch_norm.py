@@ -31,9 +31,9 @@ from typing import Any
 
 import keras
 
+from dp_plugin.api.process_sets import global_process_set
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.keras.base_sync_batch_norm import SyncBatchNormBase
-from dp_plugin.process_sets import global_process_set
 from dp_plugin.tensorflow.collectives import grouped_allreduce
 
 _warned: set[str] = set()  # Keras 2 arguments already warned about in this process

@@ -9,8 +9,8 @@ from typing import Any
 import keras
 
 import tensorflow as tf
-from dp_plugin import runtime
-from dp_plugin.horovod_names import Average, Compression
+from dp_plugin.api.horovod_names import Average, Compression
+from dp_plugin.launch import runtime
 from dp_plugin.tensorflow.bridge import GradientBridge, next_bridge_name
 from dp_plugin.tensorflow.optimizer import parse_reduction
 from dp_plugin.tensorflow.sparse import reduce_gradients

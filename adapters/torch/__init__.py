@@ -10,10 +10,10 @@ purpose is one. ``hvd.elastic`` is ``horovod.torch.elastic``'s API
 ``torchrun --max-restarts``; see docs/elastic.md.
 """
 
-from dp_plugin import horovod_api as _api
+from dp_plugin.api import horovod_api as _api
+from dp_plugin.api.horovod_api import *  # noqa: F403 - ops, process sets, capabilities
 from dp_plugin.errors import DPPluginError as HorovodInternalError
 from dp_plugin.errors import NonFiniteGradientError
-from dp_plugin.horovod_api import *  # noqa: F403 - ops, process sets, capabilities
 from dp_plugin.torch import elastic
 from dp_plugin.torch.autograd_ops import (
     allgather,

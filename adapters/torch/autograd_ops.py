@@ -27,10 +27,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from dp_plugin.edge import public
+from dp_plugin.agree.edge import public
+from dp_plugin.agree.roots import root_of
+from dp_plugin.api.process_sets import engine_of, global_process_set
 from dp_plugin.engines.base import ReduceOp
-from dp_plugin.process_sets import engine_of, global_process_set
-from dp_plugin.roots import root_of
 from dp_plugin.torch.collectives import (
     allreduce_async,
     allreduce_async_,

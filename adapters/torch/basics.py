@@ -1,7 +1,7 @@
 """Process-level API of ``dp_plugin.torch``: init, ranks, build flags, timeline.
 
 Names, signatures and return types follow ``horovod.torch`` 0.28.1. The
-process-level functions are ``dp_plugin.horovod_api.HorovodBasics``'s, shared
+process-level functions are ``dp_plugin.api.horovod_api.HorovodBasics``'s, shared
 with ``dp_plugin.tensorflow``; what is torch's own is here: the error before
 ``init()``, the collectives' handles that ``shutdown()`` forgets, and what
 torch was built with (``cuda_built()``, ``nccl_built()``, ``rocm_built()``).
@@ -9,8 +9,8 @@ torch was built with (``cuda_built()``, ``nccl_built()``, ``rocm_built()``).
 
 from __future__ import annotations
 
+from dp_plugin.api.horovod_api import HorovodBasics
 from dp_plugin.errors import NotInitializedError as _CoreNotInitializedError
-from dp_plugin.horovod_api import HorovodBasics
 from dp_plugin.torch import handles as _handles
 
 

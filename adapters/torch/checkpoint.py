@@ -9,7 +9,7 @@
 Both are collective: every rank calls them, at the same point.
 
 Saving: every rank's RNG states (torch, numpy, Python ``random``) are
-gathered, and rank 0 alone writes, atomically (``dp_plugin.atomic_file``): a
+gathered, and rank 0 alone writes, atomically (``dp_plugin.api.atomic_file``): a
 process killed during the write leaves the previous checkpoint intact. Rank
 0's outcome is then broadcast, so that a checkpoint that could not be
 written (a read-only or missing directory, a full disk) raises the same
@@ -51,9 +51,9 @@ from typing import Any, Literal, overload
 import numpy as np
 
 import torch
-from dp_plugin import atomic_file
+from dp_plugin.api import atomic_file
+from dp_plugin.api.objects import first_unloadable, from_rank0
 from dp_plugin.errors import DPPluginError
-from dp_plugin.objects import first_unloadable, from_rank0
 from dp_plugin.torch import basics
 from dp_plugin.torch.functions import allgather_object
 

@@ -11,14 +11,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from dp_plugin.arrays import TorchOps
-from dp_plugin.check import check
-from dp_plugin.collective import fused_collective
-from dp_plugin.edge import caller, public
+from dp_plugin.agree.check import check
+from dp_plugin.agree.edge import caller, public
+from dp_plugin.agree.request import Request
+from dp_plugin.api.process_sets import engine_of, global_process_set
 from dp_plugin.engines.base import ReduceOp
-from dp_plugin.hooks import ReducePolicy
-from dp_plugin.process_sets import engine_of, global_process_set
-from dp_plugin.request import Request
+from dp_plugin.reduce.arrays import TorchOps
+from dp_plugin.reduce.collective import fused_collective
+from dp_plugin.reduce.hooks import ReducePolicy
 from dp_plugin.torch.handles import InFlight, Ready, new_handle
 from dp_plugin.torch.ops import resolve_op
 from dp_plugin.torch.submit import agree, check_factor, check_tensors, contiguous_copy
@@ -80,7 +80,7 @@ def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
                      name: str | None, op: ReduceOp, prescale: Any, postscale: Any,
                      process_set: Any) -> int:
     """One ``fused_collective`` per call (large tensors alone, the rest in
-    8 MiB chunks, see ``dp_plugin.collective``), scaled by the one
+    8 MiB chunks, see ``dp_plugin.reduce.collective``), scaled by the one
     ``ReducePolicy``; ``synchronize`` unpacks the results."""
     pre = check_factor(prescale, "prescale_factor")
     post = check_factor(postscale, "postscale_factor")

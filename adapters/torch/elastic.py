@@ -15,7 +15,7 @@
 
 The shape is Horovod 0.28.1's ``horovod.torch.elastic``; the recovery is not:
 Horovod rolls the surviving processes back in memory, dp_plugin restarts
-them all and resumes from the commit on disk (``dp_plugin.elastic``). Here
+them all and resumes from the commit on disk (``dp_plugin.api.elastic``). Here
 the commit file is a checkpoint (``save_checkpoint``/``load_checkpoint``:
 rank 0 writes and reads it atomically, every rank's RNG states are kept).
 
@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dp_plugin import elastic as _core
-from dp_plugin.elastic import State
+from dp_plugin.api import elastic as _core
+from dp_plugin.api.elastic import State
 from dp_plugin.errors import LaunchError
 from dp_plugin.torch.basics import init, shutdown
 from dp_plugin.torch.checkpoint import (
@@ -141,12 +141,12 @@ class TorchState(ObjectState):
                 broadcast_optimizer_state(obj, root_rank=0)
             else:
                 obj.load_state_dict(broadcast_object(obj.state_dict(), 0,
-                                                     name=f"dp_plugin.elastic.{name}"))
+                                                     name=f"dp_plugin.api.elastic.{name}"))
         super()._apply_synced()
 
 
 run = _core.runner(init)
-"""Horovod's ``run``: see ``dp_plugin.elastic.runner``."""
+"""Horovod's ``run``: see ``dp_plugin.api.elastic.runner``."""
 
 
 STALE_AFTER_S = 7 * 24 * 3600

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from dp_plugin import objects as _objects
-from dp_plugin.check import agreed_root
-from dp_plugin.edge import calling, public
+from dp_plugin.agree.check import agreed_root
+from dp_plugin.agree.edge import calling, public
+from dp_plugin.api import objects as _objects
+from dp_plugin.api.process_sets import ProcessSet, engine_of, global_process_set
 from dp_plugin.engines.base import Engine
-from dp_plugin.fusion import TensorSpec
-from dp_plugin.process_sets import ProcessSet, engine_of, global_process_set
+from dp_plugin.reduce.fusion import TensorSpec
 
 
 @public("broadcast_parameters")

@@ -9,7 +9,7 @@ every gradient contributes zeros, finished as the training ranks finish
 theirs, raising what they raise) until they say so.
 
 The others' all-reduces and barriers are answered through
-``dp_plugin.join`` (``Listener`` and ``replay``: the wire protocol, what is
+``dp_plugin.agree.join`` (``Listener`` and ``replay``: the wire protocol, what is
 answered, what is refused, the deadline); ``join`` polls both without blocking, so
 the others may step and call collectives in any order.
 """
@@ -20,10 +20,10 @@ import time
 import weakref
 from typing import Any
 
-from dp_plugin import join as protocol
-from dp_plugin.edge import public
-from dp_plugin.join import Deadline, Listener, joined_view
-from dp_plugin.process_sets import member_engines
+from dp_plugin.agree import join as protocol
+from dp_plugin.agree.edge import public
+from dp_plugin.agree.join import Deadline, Listener, joined_view
+from dp_plugin.api.process_sets import member_engines
 from dp_plugin.torch.basics import engine
 from dp_plugin.torch.optimizer_state import OptimizerState, SynchronizationError
 
@@ -53,7 +53,7 @@ def join(device: int = -1) -> int:
 
     Call it on a rank that has run out of data. Until every rank has called
     ``join()``, this rank takes part, contributing nothing, in what the
-    others run (Horovod 0.28.1's semantics, ``dp_plugin.join``):
+    others run (Horovod 0.28.1's semantics, ``dp_plugin.agree.join``):
 
     - every ``DistributedOptimizer`` step, with zero gradients (averages
       still divide by the full size, as in Horovod);

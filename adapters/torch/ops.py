@@ -1,6 +1,6 @@
 """Reduce ops and compression as horovod.torch spells them, and ``op=`` parsing.
 
-The constants and the parsing rule are the core's (``dp_plugin.horovod_names``),
+The constants and the parsing rule are the core's (``dp_plugin.api.horovod_names``),
 shared with the Keras adapter; this module words them for horovod.torch users.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import functools
 
-from dp_plugin import horovod_names as _names
-from dp_plugin.horovod_names import Adasum, Average, Compression, Max, Min, Product, Sum
+from dp_plugin.api import horovod_names as _names
+from dp_plugin.api.horovod_names import Adasum, Average, Compression, Max, Min, Product, Sum
 
 __all__ = ["Adasum", "Average", "Compression", "Max", "Min", "Product", "Sum", "parse_op"]
 

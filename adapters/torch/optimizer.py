@@ -22,11 +22,11 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from dp_plugin.compression import Compressor, get_compressor
-from dp_plugin.edge import calling
+from dp_plugin.agree.edge import calling
+from dp_plugin.api.process_sets import ProcessSet, engine_or_none, global_process_set
+from dp_plugin.api.timeline import StatsHistory
 from dp_plugin.engines.base import ReduceOp
-from dp_plugin.process_sets import ProcessSet, engine_or_none, global_process_set
-from dp_plugin.timeline import StatsHistory
+from dp_plugin.reduce.compression import Compressor, get_compressor
 from dp_plugin.torch import joining as _join
 from dp_plugin.torch.ops import Average, Compression, parse_op
 from dp_plugin.torch.optimizer_state import (
@@ -162,14 +162,14 @@ class _DistributedOptimizer:
         ``bucket.buffer()`` holds the packed, pre-scaled gradients; after the
         returned handle completes it must hold what every rank agrees on (the
         average is finished by the post-scale on unpack). Hooks compose by
-        wrapping: ``dp_plugin.hooks.compression_wrapper(allreduce_hook, "bf16")``.
+        wrapping: ``dp_plugin.reduce.hooks.compression_wrapper(allreduce_hook, "bf16")``.
         Replaces ``compression`` (wrap the hook to compress). Every rank must
         register the same hook before the first step.
         """
         if not callable(hook):
             raise TypeError(
                 f"register_comm_hook expects a callable hook(state, bucket) -> Handle, got "
-                f"{type(hook).__name__}; see dp_plugin.hooks.allreduce_hook"
+                f"{type(hook).__name__}; see dp_plugin.reduce.hooks.allreduce_hook"
             )
         self._dp.check_idle("register_comm_hook()")
         self._dp.comm_hook = hook

@@ -23,17 +23,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from dp_plugin.compression import Compressor
-from dp_plugin.edge import calling
+from dp_plugin.agree.edge import calling
+from dp_plugin.api.horovod_names import require_sum_or_average
+from dp_plugin.api.process_sets import ProcessSet, engine_or_none
+from dp_plugin.api.timeline import shared_timeline
 from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.errors import DPPluginError
-from dp_plugin.fusion import TensorSpec, group_indices
-from dp_plugin.hooks import ReducePolicy, compression_wrapper
-from dp_plugin.horovod_names import require_sum_or_average
-from dp_plugin.process_sets import ProcessSet, engine_or_none
-from dp_plugin.scheduler import Reducer
-from dp_plugin.sharding import reducescatter_hook
-from dp_plugin.timeline import shared_timeline
+from dp_plugin.reduce.compression import Compressor
+from dp_plugin.reduce.fusion import TensorSpec, group_indices
+from dp_plugin.reduce.hooks import ReducePolicy, compression_wrapper
+from dp_plugin.reduce.reducer import Reducer
+from dp_plugin.reduce.sharding import reducescatter_hook
 from dp_plugin.torch.control_slot import FiniteFlags, RankMarks
 from dp_plugin.torch.sharded import ShardedStep
 from dp_plugin.torch.sparse import SparseGradients, sparse_embedding_weights

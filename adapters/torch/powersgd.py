@@ -7,7 +7,7 @@
 
 The algorithm is Vogels et al. (2019), as torch's DDP ``powerSGD_hook``
 runs it; what is compressed and the bytes it moves are
-``dp_plugin.powersgd``'s. Per fusion bucket, each step past ``start_iter``:
+``dp_plugin.reduce.powersgd``'s. Per fusion bucket, each step past ``start_iter``:
 
 1. each compressed member ``M`` (its matrix view) gets this rank's error of
    the last step added; the error buffer takes a copy of ``M``;
@@ -50,8 +50,8 @@ from dataclasses import dataclass
 
 import torch
 from dp_plugin.engines.base import Engine, Handle, ReduceOp
-from dp_plugin.hooks import GradBucket, HookState
-from dp_plugin.powersgd import DEFAULT_RANK, DEFAULT_START_ITER, PowerSGDSettings, matrix_of
+from dp_plugin.reduce.hooks import GradBucket, HookState
+from dp_plugin.reduce.powersgd import DEFAULT_RANK, DEFAULT_START_ITER, PowerSGDSettings, matrix_of
 
 __all__ = ["PowerSGDHook"]
 
@@ -132,7 +132,7 @@ def orthogonalize_(a: torch.Tensor, epsilon: float) -> None:
 class PowerSGDHook:
     """A comm hook (``optimizer.register_comm_hook``) that all-reduces each
     bucket's gradients as rank-``rank`` approximations with error feedback,
-    after ``start_iter`` steps of plain all-reduces (``dp_plugin.powersgd``
+    after ``start_iter`` steps of plain all-reduces (``dp_plugin.reduce.powersgd``
     for the other arguments and the rules). See the module docstring.
 
     Distributed contract: every rank registers a hook with the same

@@ -1,7 +1,7 @@
 """Sharded optimizer state: ``DistributedOptimizer(shard_optimizer_state=True)``.
 
 ZeRO stage 1 on the optimizer's own gradient buckets (the plan and the
-reduce-scatter hook are ``dp_plugin.sharding``'s). Each rank owns the
+reduce-scatter hook are ``dp_plugin.reduce.sharding``'s). Each rank owns the
 ``Piece`` s of the parameters that fall in its range of every bucket. Its
 ``step()``:
 
@@ -32,11 +32,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from dp_plugin.api.objects import allgather_object
 from dp_plugin.engines.base import Engine
-from dp_plugin.fusion import Bucket
-from dp_plugin.objects import allgather_object
-from dp_plugin.scheduler import Reducer
-from dp_plugin.sharding import Piece, gather_rows, shard_pieces
+from dp_plugin.reduce.fusion import Bucket
+from dp_plugin.reduce.reducer import Reducer
+from dp_plugin.reduce.sharding import Piece, gather_rows, shard_pieces
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,

@@ -16,12 +16,12 @@ import gc
 from typing import Any
 
 import torch
-from dp_plugin import checked
-from dp_plugin.arrays import TorchOps
-from dp_plugin.edge import public
+from dp_plugin.agree import checked
+from dp_plugin.agree.edge import public
+from dp_plugin.api.horovod_names import require_sum_or_average
+from dp_plugin.api.process_sets import engine_of, global_process_set
 from dp_plugin.engines.base import ReduceOp
-from dp_plugin.horovod_names import require_sum_or_average
-from dp_plugin.process_sets import engine_of, global_process_set
+from dp_plugin.reduce.arrays import TorchOps
 from dp_plugin.torch.collectives import allgather_async
 from dp_plugin.torch.handles import poll, synchronize
 from dp_plugin.torch.ops import resolve_op

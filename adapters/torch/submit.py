@@ -3,7 +3,7 @@
 Every collective of ``dp_plugin.torch`` starts the same way: find the engine
 of its process set (``process_sets.engine_of``), resolve Horovod's
 ``op``/``average`` arguments (``ops.resolve_op``), refuse a name still in flight on this rank,
-and run the core's one cross-rank check (``dp_plugin.check``), which
+and run the core's one cross-rank check (``dp_plugin.agree.check``), which
 finds every rank's own mistakes (an unsupported dtype, bad splits, ...) and
 raises on every rank alike. Only then does data move.
 """
@@ -15,11 +15,11 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
-from dp_plugin.check import check
-from dp_plugin.edge import caller
+from dp_plugin.agree.check import check
+from dp_plugin.agree.edge import caller
+from dp_plugin.agree.request import Agreed, Request
 from dp_plugin.engines.base import Engine
 from dp_plugin.errors import DPPluginError
-from dp_plugin.request import Agreed, Request
 from dp_plugin.torch.handles import name_in_flight
 
 
@@ -60,7 +60,7 @@ def check_tensors(tensors: Any) -> list[torch.Tensor]:
 
 def agree(engine: Engine, kind: str, tensors: Sequence[torch.Tensor], name: str | None,
           process_set: Any, **fields: Any) -> tuple[Hashable | None, Agreed]:
-    """Run the core's check (``dp_plugin.check``) for one collective
+    """Run the core's check (``dp_plugin.agree.check``) for one collective
     over ``tensors``; ``fields`` complete the ``Request`` (op, scales, root,
     splits, a problem the caller found).
 

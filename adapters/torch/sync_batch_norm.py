@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from dp_plugin.check import check
-from dp_plugin.collective import fused_collective
-from dp_plugin.edge import calling
+from dp_plugin.agree.check import check
+from dp_plugin.agree.edge import calling
+from dp_plugin.agree.request import Request
+from dp_plugin.api.process_sets import engine_of
 from dp_plugin.engines.base import ReduceOp
-from dp_plugin.process_sets import engine_of
-from dp_plugin.request import Request
+from dp_plugin.reduce.collective import fused_collective
 from torch.autograd.function import Function
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -115,9 +115,9 @@ def _sum(engine: Any, t: torch.Tensor, name: str) -> None:
     """Sum ``t`` over the ranks of ``engine``, in place: one fused collective
     (the statistics are a few numbers per channel, reduced where they lie).
 
-    Each call first runs the check (``dp_plugin.check``, one small all-reduce):
+    Each call first runs the check (``dp_plugin.agree.check``, one small all-reduce):
     the data's all-reduce never runs without one on an engine where a rank
-    that called ``hvd.join()`` listens (``dp_plugin.join``), so it cannot pair
+    that called ``hvd.join()`` listens (``dp_plugin.agree.join``), so it cannot pair
     with that rank's standing answer; the check refuses instead, with
     ``JoinedRankError`` on every rank that called it. It also catches ranks
     that call their SyncBatchNorm layers in different orders or shapes

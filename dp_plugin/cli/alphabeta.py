@@ -12,7 +12,7 @@ gradients become ready in reverse definition order, evenly spaced in time
 by size instead). Gradients are packed into buckets of at most ``threshold``
 bytes in ready order (a larger tensor forms a bucket of its own; the first
 bucket at most ``first_threshold``), by dp_plugin's own planner
-(``dp_plugin.fusion.plan_buckets``); a bucket
+(``dp_plugin.reduce.fusion.plan_buckets``); a bucket
 starts when its last gradient is ready and the previous bucket is done (one
 all-reduce at a time, as in Horovod and dp_plugin). The step ends when both
 compute and the last all-reduce are done. Scaling efficiency is the
@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dp_plugin.cli.bandwidth import bus_factor
-from dp_plugin.fusion import TensorSpec, plan_buckets
-from dp_plugin.powersgd import PowerSGDSettings, touched_bytes, wire_numel
-from dp_plugin.powersgd import flops as powersgd_flops
+from dp_plugin.reduce.fusion import TensorSpec, plan_buckets
+from dp_plugin.reduce.powersgd import PowerSGDSettings, touched_bytes, wire_numel
+from dp_plugin.reduce.powersgd import flops as powersgd_flops
 
 MiB = 2**20
 
@@ -195,7 +195,7 @@ def predict_powersgd(shapes: Sequence[Sequence[int]], compute_s: float, n: int, 
                      ready_by: str = "tensors",
                      first_threshold: int | None = None) -> Prediction:
     """``predict`` for float32 gradients of ``shapes`` (definition order)
-    reduced by PowerSGD (``dp_plugin.powersgd``) on the same buckets: each
+    reduced by PowerSGD (``dp_plugin.reduce.powersgd``) on the same buckets: each
     bucket costs one all-reduce of its ``P`` s and uncompressed members, one
     of its ``Q`` s, and its work on the rank: the matrix products at
     ``flops_per_s`` or the passes over the matrices at ``bytes_per_s``,

@@ -116,7 +116,7 @@ def available_engines(wanted: list[str] | None) -> tuple[list[str], dict[str, st
     launcher: their workers say why, if the engine cannot start.
     """
     from dp_plugin.engines import availability
-    from dp_plugin.launch import detect
+    from dp_plugin.launch.launchers import detect
 
     topo = detect()
     ok, skipped = [], {}

@@ -53,8 +53,8 @@ def _fused(engine: Any, model: str, reps: int, warmup: int,
     import torch
 
     from dp_plugin.cli.shapes import model_shapes
-    from dp_plugin.fusion import TensorSpec
-    from dp_plugin.scheduler import GradientScheduler
+    from dp_plugin.reduce.fusion import TensorSpec
+    from dp_plugin.reduce.reducer import GradientScheduler
 
     grads = [torch.full(shape, 1.0) for _, shape in model_shapes(model)]
     specs = [TensorSpec.of(f"g{i}", g) for i, g in enumerate(grads)]

@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main() -> int:
     from dp_plugin.engines import availability_report, choose_engine
-    from dp_plugin.launch import detect
+    from dp_plugin.launch.launchers import detect
 
     started = time.perf_counter()
     topo = detect()

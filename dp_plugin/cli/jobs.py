@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dp_plugin.launch_variables import is_launcher_variable
+from dp_plugin.launch.variables import is_launcher_variable
 
 BINDIR = Path(sys.executable).parent
 """The environment's bin: mpiexec and horovodrun next to the interpreter."""
@@ -35,7 +35,7 @@ def free_port() -> int:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without launcher variables, one thread per worker."""
-    # This shell may itself run under a launcher; dp_plugin.launch owns the one
+    # This shell may itself run under a launcher; dp_plugin.launch.launchers owns the one
     # list of launcher variables. Tuning variables (DP_PLUGIN_FUSION_THRESHOLD...) stay.
     env = {k: v for k, v in os.environ.items() if not is_launcher_variable(k)}
     env.update(PATH=f"{BINDIR}:{env.get('PATH', '')}", OMP_NUM_THREADS="1",

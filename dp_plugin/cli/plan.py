@@ -52,7 +52,7 @@ from dp_plugin.cli.alphabeta import (
 )
 from dp_plugin.cli.shapes import MODELS, model_shapes, param_count
 from dp_plugin.config import Config
-from dp_plugin.powersgd import PowerSGDSettings, wire_numel
+from dp_plugin.reduce.powersgd import PowerSGDSettings, wire_numel
 
 HELP = "predict step time and scaling efficiency at 8-1024 workers (alpha-beta model)"
 DEFAULT_WORKERS = "8,16,32,64,128,256,512,1024"
@@ -71,7 +71,7 @@ POWERSGD_GFLOPS = 20.0
 POWERSGD_GBYTES = 5.0
 """Default bandwidth of PowerSGD's passes over the gradients (one CPU core's
 element-wise torch ops); at small ranks these, not the products, set its
-compute time (``dp_plugin.powersgd.PASSES``)."""
+compute time (``dp_plugin.reduce.powersgd.PASSES``)."""
 TYPICAL_RANKS_PER_HOST = 8
 """The assumed node without ``--ranks-per-host``: 8 GPUs, one rank each."""
 

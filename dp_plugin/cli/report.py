@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dp_plugin.autotune import mib
 from dp_plugin.cli.bandwidth import algbw, busbw
+from dp_plugin.reduce.autotune import mib
 
 GB = 1e9
 

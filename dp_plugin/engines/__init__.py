@@ -21,7 +21,7 @@ from dp_plugin.errors import EngineUnavailableError
 if TYPE_CHECKING:
     from dp_plugin.config import Config
     from dp_plugin.engines.base import Availability, Engine
-    from dp_plugin.topology import Topology
+    from dp_plugin.launch.topology import Topology
 
 log = logging.getLogger("dp_plugin")
 

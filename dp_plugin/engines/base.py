@@ -2,7 +2,7 @@
 
 An engine moves flat buffers between ranks; it knows nothing of tensors,
 buckets or frameworks. Buffers are 1-D numpy arrays or torch tensors (see
-``dp_plugin.arrays``); an engine converts them to what its library takes
+``dp_plugin.reduce.arrays``); an engine converts them to what its library takes
 without copying.
 
 Contract shared by all engines:
@@ -13,7 +13,7 @@ Contract shared by all engines:
   ``CollectiveTimeoutError`` naming the collective and the rank, instead of
   hanging;
 - ``allgather``, ``alltoall``, ``reducescatter`` and ``subgroup`` take a
-  request the ranks have agreed on already (``dp_plugin.check``:
+  request the ranks have agreed on already (``dp_plugin.agree.check``:
   every rank's rows, the alltoall counts, the member list and hosts) and
   only move bytes; a buffer whose dtype cannot be reduced (bool, uint16,
   complex) moves as raw bytes. The base class implements alltoall,
@@ -39,14 +39,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from dp_plugin.arrays import as_numpy
 from dp_plugin.config import Config
-from dp_plugin.dtypes import canonical_dtype
 from dp_plugin.engines import generic
 from dp_plugin.engines.generic import as_bytes, byte_rows
 from dp_plugin.engines.handle import DoneHandle, Handle
 from dp_plugin.engines.lifecycle import Lifecycle
-from dp_plugin.topology import Topology
+from dp_plugin.launch.topology import Topology
+from dp_plugin.reduce.arrays import as_numpy
+from dp_plugin.reduce.dtypes import canonical_dtype
 
 Started = tuple[Handle, Callable[[], Any]]
 """A collective in flight and the function that returns its output once
@@ -159,7 +159,7 @@ class Engine(Lifecycle):
         """Start a sum all-reduce of ``buf`` that may wait for the other ranks
         far longer than ``DP_PLUGIN_TIMEOUT``: its library sets no deadline,
         and its handle is only polled (``done``); the caller bounds the wait
-        (``dp_plugin.join.Deadline``: a joined rank's ``Listener``). It takes
+        (``dp_plugin.agree.join.Deadline``: a joined rank's ``Listener``). It takes
         the route a plain all-reduce of ``buf`` takes, so it meets the
         others' there (``_standing_allreduce_async``)."""
         self._check_usable(f"allreduce {name!r}")
@@ -185,7 +185,7 @@ class Engine(Lifecycle):
         """Concatenate every rank's buffer along the first dimension.
 
         ``rows[r]`` is rank r's first dimension, as the ranks agreed
-        (``dp_plugin.check``; ``checked.allgather`` checks, then
+        (``dp_plugin.agree.check``; ``checked.allgather`` checks, then
         calls this). The other dimensions and the dtype are the same on
         every rank. Returns a new buffer of the same kind as ``buf``.
         Collective and a synchronization point.
@@ -211,7 +211,7 @@ class Engine(Lifecycle):
     def alltoall(self, buf: Any, counts: Any, name: str = "alltoall") -> tuple[Any, list[int]]:
         """Send row blocks of ``buf`` to every rank; return what this rank got.
 
-        ``counts[i, j]`` (agreed by every rank: ``dp_plugin.check``)
+        ``counts[i, j]`` (agreed by every rank: ``dp_plugin.agree.check``)
         is the number of rows rank i sends to rank j: rank r sends rows
         ``buf[o_j : o_j + counts[r, j]]`` to rank j, where ``o_j =
         sum(counts[r, :j])``. Returns ``(received, received_splits)``: the
@@ -230,7 +230,7 @@ class Engine(Lifecycle):
         """Reduce ``buf`` over the ranks; return this rank's block of rows.
 
         ``buf`` (numpy or torch, at least 1-D) has the same shape and dtype
-        on every rank (agreed: ``dp_plugin.check``). The reduced
+        on every rank (agreed: ``dp_plugin.agree.check``). The reduced
         result is split along the first dimension as Horovod 0.28.1 does:
         each rank gets ``rows // size`` rows and ranks ``0 .. rows % size - 1``
         one more, in rank order. Returns a new buffer of the same kind as
@@ -260,7 +260,7 @@ class Engine(Lifecycle):
 
         ``members`` are this engine's ranks, sorted, unique and non-empty,
         and ``hosts[r]`` rank r's host key, as every rank agreed
-        (``dp_plugin.checked.subgroup`` checks, then calls this). Collective
+        (``dp_plugin.agree.checked.subgroup`` checks, then calls this). Collective
         over *all* ranks of this engine. Members get a new engine with
         ``rank``/``size`` relative to the group (group rank i is
         ``members[i]``; broadcast roots are group ranks) and ``global_ranks``

@@ -1,7 +1,7 @@
 """Collectives derived from all-gather and all-reduce, for engines whose
 library has no native path (``Engine``'s defaults call these).
 
-They run after the agreement (``dp_plugin.check``), so their
+They run after the agreement (``dp_plugin.agree.check``), so their
 inputs are valid and agreed by every rank. Also here: the one engine
 Average (``average``) and the raw-bytes view of buffers whose dtype no
 reduction takes (``as_bytes``).
@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from dp_plugin.arrays import as_numpy, as_torch, is_torch, ops_for
-from dp_plugin.dtypes import SUPPORTED_DTYPES
 from dp_plugin.engines.handle import DoneHandle, Handle
+from dp_plugin.reduce.arrays import as_numpy, as_torch, is_torch, ops_for
+from dp_plugin.reduce.dtypes import SUPPORTED_DTYPES
 
 
 def alltoall_by_allgather(engine: Any, buf: Any, counts: np.ndarray, name: str) -> Any:

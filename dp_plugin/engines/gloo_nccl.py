@@ -16,7 +16,7 @@ from dp_plugin.engines import hierarchical, shm
 from dp_plugin.engines.base import Availability, Handle, ReduceOp
 from dp_plugin.engines.hierarchical import HierarchicalAllreduce
 from dp_plugin.engines.torch_dist import TorchDistEngine
-from dp_plugin.topology import Topology
+from dp_plugin.launch.topology import Topology
 
 log = logging.getLogger("dp_plugin")
 

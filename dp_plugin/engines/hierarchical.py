@@ -91,7 +91,7 @@ from dp_plugin.engines.handle import Handle
 from dp_plugin.engines.shm import ShmHandle, ShmTransport
 from dp_plugin.engines.waits import lost_text
 from dp_plugin.errors import CollectiveTimeoutError, DPPluginError
-from dp_plugin.topology import Topology
+from dp_plugin.launch.topology import Topology
 
 log = logging.getLogger("dp_plugin")
 

@@ -53,16 +53,16 @@ from typing import Any
 
 import numpy as np
 
-from dp_plugin.arrays import as_numpy, as_torch, is_torch
 from dp_plugin.config import Config
-from dp_plugin.dtypes import canonical_dtype
 from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp, Started
 from dp_plugin.engines.deadline import bounded_on
 from dp_plugin.engines.exit_bounds import bound_at_exit
 from dp_plugin.engines.generic import torch_byte_rows
 from dp_plugin.engines.horovod_env import library_settings
 from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, EngineUnavailableError
-from dp_plugin.topology import Topology
+from dp_plugin.launch.topology import Topology
+from dp_plugin.reduce.arrays import as_numpy, as_torch, is_torch
+from dp_plugin.reduce.dtypes import canonical_dtype
 
 # Canonical dtype -> dtype the all-reduce runs in, where Horovod has no kernel.
 ALLREDUCE_WIRE_DTYPES = {"int8": "int32", "uint8": "int32", "int16": "int32",

@@ -32,7 +32,7 @@ from dp_plugin.config import Config
 from dp_plugin.engines import horovod_hosts
 from dp_plugin.engines.rendezvous import horovod_get, horovod_put
 from dp_plugin.errors import EngineUnavailableError
-from dp_plugin.topology import Topology
+from dp_plugin.launch.topology import Topology
 
 # The n-th choice of this process uses key n on every rank (the same init sequence).
 _rounds = itertools.count()

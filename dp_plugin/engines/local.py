@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from dp_plugin.arrays import is_torch
 from dp_plugin.config import Config
 from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp
 from dp_plugin.errors import EngineUnavailableError
-from dp_plugin.topology import Topology
+from dp_plugin.launch.topology import Topology
+from dp_plugin.reduce.arrays import is_torch
 
 
 class LocalEngine(Engine):

@@ -31,16 +31,16 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from dp_plugin.arrays import as_numpy, as_torch, is_torch, numpy_dtype
 from dp_plugin.config import Config
-from dp_plugin.dtypes import canonical_dtype
 from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp, Started
 from dp_plugin.engines.deadline import bounded_on
 from dp_plugin.engines.exit_bounds import finalize_mpi_at_exit
 from dp_plugin.engines.mpi_notes import MPINotes
 from dp_plugin.engines.waits import WaitBoard
 from dp_plugin.errors import EngineUnavailableError
-from dp_plugin.topology import Topology
+from dp_plugin.launch.topology import Topology
+from dp_plugin.reduce.arrays import as_numpy, as_torch, is_torch, numpy_dtype
+from dp_plugin.reduce.dtypes import canonical_dtype
 
 # Canonical dtype -> name of the predefined MPI datatype (mpi4py attribute).
 _MPI_TYPE_NAMES = {

@@ -46,7 +46,7 @@ from dp_plugin.config import Config
 from dp_plugin.engines.deadline import poll
 from dp_plugin.engines.exit_bounds import finalize_mpi_at_exit
 from dp_plugin.errors import CollectiveTimeoutError, EngineUnavailableError
-from dp_plugin.topology import Topology
+from dp_plugin.launch.topology import Topology
 
 HOROVOD_SCOPE = "dp_plugin"
 """Ad-hoc scope of our keys in Horovod's rendezvous server."""

@@ -28,8 +28,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from dp_plugin import netif
-from dp_plugin.arrays import as_numpy, as_torch, is_torch
 from dp_plugin.config import Config
 from dp_plugin.engines import rendezvous as rdv
 from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp, Started
@@ -37,7 +35,9 @@ from dp_plugin.engines.deadline import bounded_on
 from dp_plugin.engines.generic import torch_byte_rows
 from dp_plugin.engines.waits import WaitBoard
 from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, EngineUnavailableError
-from dp_plugin.topology import Topology
+from dp_plugin.launch import netif
+from dp_plugin.launch.topology import Topology
+from dp_plugin.reduce.arrays import as_numpy, as_torch, is_torch
 
 STANDING_TIMEOUT = timedelta(days=7)
 """The library's own timeout of a standing all-reduce (``Engine.standing_allreduce_async``):

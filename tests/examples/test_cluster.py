@@ -2,7 +2,7 @@
 
 Two "hosts" on one bridge, each link shaped with tc's tbf: torchrun with
 c10d rendezvous and ``--nnodes 2`` (Gloo: it must find the host's
-interface itself through dp_plugin.netif, else rank 1 cannot connect), and
+interface itself through dp_plugin.launch.netif, else rank 1 cannot connect), and
 MPICH's mpiexec reaching host 2 through the script (MPI engine, through
 the scripts/two_hosts.py front end), and horovodrun by host names through
 the cluster's ssh stand-in (the BERT job at 2 hosts x 2 ranks with

@@ -63,7 +63,7 @@ from typing import IO, Any
 
 import psutil
 
-from dp_plugin.launch_variables import (
+from dp_plugin.launch.variables import (
     LAUNCHER_VARIABLE_NAMES,
     LAUNCHER_VARIABLE_PREFIXES,
     is_launcher_variable,
@@ -85,7 +85,7 @@ _TF_IMPORT = re.compile(
     r"^\s*(import|from)\s+(tensorflow|keras|dp_plugin\.tensorflow|dp_plugin\.keras)\b", re.M)
 _LIGHTNING_IMPORT = re.compile(r"^\s*(import|from)\s+(lightning|dp_plugin\.lightning)\b", re.M)
 
-# Variables that say "a launcher started this process" (dp_plugin.launch_variables
+# Variables that say "a launcher started this process" (dp_plugin.launch.variables
 # owns the one list). If any leaks in from the shell that runs pytest, a worker
 # would believe it is someone else.
 __all__ = [

@@ -93,7 +93,7 @@ def test_gloo_joins_a_user_group_and_leaves_it_alone() -> None:
 
     from dp_plugin.config import Config
     from dp_plugin.engines import create_engine
-    from dp_plugin.launch import Topology
+    from dp_plugin.launch.launchers import Topology
 
     engine = create_engine("gloo", Topology.single(), Config(timeout_s=30))
     assert dist.is_initialized()

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from dp_plugin.elastic import MARK
+from dp_plugin.api.elastic import MARK
 from tests.multiproc.harness import assert_ranks_ok, run_workers
 
 WORKER = Path(__file__).parent / "workers" / "tf_elastic.py"

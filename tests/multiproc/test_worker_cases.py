@@ -33,7 +33,7 @@ TINY = f'''
 import sys
 sys.path.insert(0, {str(WORKERS)!r})
 from _fail_fast import run_cases
-from dp_plugin.launch import detect
+from dp_plugin.launch.launchers import detect
 
 def bad(args):
     if detect().rank == 1:

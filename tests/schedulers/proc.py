@@ -15,7 +15,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from dp_plugin.launch_variables import is_launcher_variable
+from dp_plugin.launch.variables import is_launcher_variable
 
 ROOT = Path(__file__).resolve().parents[2]
 BERT = ROOT / "examples" / "bert_pretrain.py"

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 
 import dp_plugin.tensorflow as dp
-from dp_plugin import runtime
 from dp_plugin.config import Config
+from dp_plugin.launch import runtime
 
 
 @pytest.fixture(autouse=True)

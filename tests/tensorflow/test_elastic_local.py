@@ -1,7 +1,7 @@
 """dp_plugin.tensorflow.elastic in one process: commit, resume, refusals.
 
 The multi-process proof (a worker killed under torchrun --max-restarts) is
-tests/multiproc/test_tf_elastic.py; this is the core ``dp_plugin.elastic``
+tests/multiproc/test_tf_elastic.py; this is the core ``dp_plugin.api.elastic``
 protocol as the TensorFlow adapter fills it in.
 """
 

@@ -21,8 +21,8 @@ import pytest
 import tensorflow as tf
 
 import dp_plugin.tensorflow as dp
-from dp_plugin import runtime
 from dp_plugin.errors import DPPluginError, NotInitializedError
+from dp_plugin.launch import runtime
 from dp_plugin.tensorflow import compat
 from dp_plugin.tensorflow.optimizer import hook_of
 

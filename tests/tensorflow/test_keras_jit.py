@@ -18,9 +18,9 @@ import pytest
 import tensorflow as tf
 
 import dp_plugin.tensorflow as dp
-from dp_plugin import runtime
 from dp_plugin.config import Config
 from dp_plugin.errors import DPPluginError
+from dp_plugin.launch import runtime
 from dp_plugin.tensorflow.optimizer import hook_of
 from dp_plugin.tensorflow.xla_split import is_split, is_split_for
 

@@ -2,7 +2,7 @@
 from words in the message, so every rank raises the same class.
 
 Two ranks on a fake thread group (``tests.unit.fakes``) run the core's
-``dp_plugin.check`` and translate its error as the TF adapter does.
+``dp_plugin.agree.check`` and translate its error as the TF adapter does.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dp_plugin import check, request
+from dp_plugin.agree import check, request
 from dp_plugin.tensorflow.errors import (
     CollectiveArgumentError,
     CollectiveMismatchError,

@@ -3,7 +3,7 @@
 Three ranks on a fake thread group (``tests.unit.fakes``); each rank's
 ``time.time_ns`` is skewed by its own offset, as clocks on different hosts
 are. A TF rank that joined answered none of the others' collectives, so
-every rank joined "at the same point" and ``dp_plugin.join.last_joined``
+every rank joined "at the same point" and ``dp_plugin.agree.join.last_joined``
 names the highest rank on every rank, whatever the clocks say.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from dp_plugin import runtime
+from dp_plugin.launch import runtime
 from dp_plugin.tensorflow import functions
 from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks
 

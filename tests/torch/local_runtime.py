@@ -8,9 +8,10 @@ from collections.abc import Iterator
 import pytest
 
 import dp_plugin.torch as hvd
-from dp_plugin import process_sets, runtime
+from dp_plugin.api import process_sets
 from dp_plugin.config import Config
 from dp_plugin.engines.base import Engine
+from dp_plugin.launch import runtime
 
 
 @pytest.fixture(autouse=True)

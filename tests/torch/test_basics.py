@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dp_plugin.torch as hvd
-from dp_plugin import runtime
+from dp_plugin.launch import runtime
 from tests.multiproc.harness import launcher_variables
 
 

@@ -19,12 +19,13 @@ from typing import Any
 import pytest
 import torch
 
-from dp_plugin import collective, runtime
-from dp_plugin.agreement import AGREE_NAME
+from dp_plugin.agree.agreement import AGREE_NAME
+from dp_plugin.api.process_sets import ProcessSet
 from dp_plugin.config import Config
 from dp_plugin.engines.base import Engine
 from dp_plugin.errors import MismatchError, NotInitializedError
-from dp_plugin.process_sets import ProcessSet
+from dp_plugin.launch import runtime
+from dp_plugin.reduce import collective
 from dp_plugin.torch import handles
 from dp_plugin.torch.autograd_ops import (
     allgather,

@@ -56,7 +56,7 @@ def nccl_one_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         monkeypatch.setenv(name, value)
     hvd.init()
     try:
-        from dp_plugin import runtime
+        from dp_plugin.launch import runtime
 
         assert runtime.engine().name == "nccl"
         torch.cuda.set_device(hvd.local_rank())
@@ -92,7 +92,7 @@ def test_nccl_stages_cpu_buffers(nccl_one_rank: Any) -> None:
     GPU, moved there and copied back (Horovod's ``metric_average`` pattern)."""
     import numpy as np
 
-    from dp_plugin import runtime
+    from dp_plugin.launch import runtime
 
     hvd = nccl_one_rank
     eng = runtime.engine()
@@ -111,9 +111,9 @@ def test_nccl_stages_cpu_buffers(nccl_one_rank: Any) -> None:
 
 
 def test_scheduler_reduces_cuda_buffers(nccl_one_rank: Any) -> None:
-    from dp_plugin import runtime
-    from dp_plugin.fusion import TensorSpec
-    from dp_plugin.scheduler import GradientScheduler
+    from dp_plugin.launch import runtime
+    from dp_plugin.reduce.fusion import TensorSpec
+    from dp_plugin.reduce.reducer import GradientScheduler
 
     grads = [torch.full(shape, float(i + 1), device="cuda", dtype=dtype)
              for i, (shape, dtype) in enumerate([((4, 3), torch.float32), ((5,), torch.float32),
@@ -202,7 +202,7 @@ class _HostOnlyEngine:
 def test_sync_batch_norm_function_cuda(nccl_one_rank: Any, engine_kind: str,
                                        dtype: torch.dtype) -> None:
     """The synchronized path (used with 2+ ranks) run with one rank on CUDA."""
-    from dp_plugin import runtime
+    from dp_plugin.launch import runtime
     from dp_plugin.torch.sync_batch_norm import _SyncBatchNormFunction
 
     engine = runtime.engine() if engine_kind == "nccl" else _HostOnlyEngine()

@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 import dp_plugin.torch as hvd
-from dp_plugin import process_sets, runtime
+from dp_plugin.api import process_sets
 from dp_plugin.config import Config
 from dp_plugin.errors import DPPluginError
+from dp_plugin.launch import runtime
 from tests.torch.local_runtime import local_engine  # noqa: F401 - autouse fixture
 from tests.torch.test_optimizer_unit import ThreadSet, errors_on_ranks, on_ranks
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import dp_plugin.torch as hvd
-from dp_plugin import process_sets
+from dp_plugin.api import process_sets
 from dp_plugin.engines.base import Engine, ReduceOp
 from dp_plugin.errors import DPPluginError, LayoutMismatchError
 from dp_plugin.torch.optimizer import _DistributedOptimizer
@@ -331,7 +331,7 @@ def test_gradients_are_averaged_and_missing_ones_are_zeros(n: int) -> None:
 
 def test_registered_comm_hook_reduces_every_bucket() -> None:
     """A user's hook replaces the default all-reduce; wrapping composes policies."""
-    from dp_plugin.hooks import allreduce_hook, compression_wrapper
+    from dp_plugin.reduce.hooks import allreduce_hook, compression_wrapper
 
     calls: list[tuple[int, str]] = []
 

@@ -15,9 +15,9 @@ import torch
 
 from dp_plugin.config import Config
 from dp_plugin.engines.local import LocalEngine
-from dp_plugin.fusion import TensorSpec
-from dp_plugin.launch import Topology
-from dp_plugin.scheduler import Reducer
+from dp_plugin.launch.launchers import Topology
+from dp_plugin.reduce.fusion import TensorSpec
+from dp_plugin.reduce.reducer import Reducer
 from dp_plugin.torch.powersgd import PowerSGDHook, initial_q, orthogonalize_
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import dp_plugin.torch as hvd
-from dp_plugin import process_sets
+from dp_plugin.api import process_sets
 from dp_plugin.engines.base import Engine
 from tests.torch.local_runtime import local_engine  # noqa: F401 - autouse fixture
 from tests.unit.fakes import make_thread_group, run_ranks

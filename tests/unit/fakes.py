@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from dp_plugin.arrays import as_numpy, as_torch, is_torch
 from dp_plugin.config import Config
 from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp
 from dp_plugin.errors import DPPluginError
-from dp_plugin.launch import Topology
+from dp_plugin.launch.launchers import Topology
+from dp_plugin.reduce.arrays import as_numpy, as_torch, is_torch
 
 _REDUCE: dict[ReduceOp, Callable[[Any, Any], Any]] = {
     ReduceOp.SUM: np.add,

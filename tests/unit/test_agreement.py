@@ -1,4 +1,4 @@
-"""Cross-rank agreement of fused layouts and settings (``dp_plugin.check`` of a
+"""Cross-rank agreement of fused layouts and settings (``dp_plugin.agree.check`` of a
 ``Request.fused``), on a fake thread group (no processes)."""
 
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dp_plugin.agreement import DIGEST_SIZE
-from dp_plugin.arrays import to_device, to_host
-from dp_plugin.check import agreed_root, check
-from dp_plugin.check_messages import layout_text, settings_text
-from dp_plugin.edge import calling
+from dp_plugin.agree.agreement import DIGEST_SIZE
+from dp_plugin.agree.check import agreed_root, check
+from dp_plugin.agree.check_messages import layout_text, settings_text
+from dp_plugin.agree.edge import calling
+from dp_plugin.agree.request import Request
 from dp_plugin.errors import LayoutMismatchError, MismatchError, Problem
-from dp_plugin.fusion import TensorSpec
-from dp_plugin.request import Request
+from dp_plugin.reduce.arrays import to_device, to_host
+from dp_plugin.reduce.fusion import TensorSpec
 from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks, run_ranks_outcomes
 
 

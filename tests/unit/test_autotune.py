@@ -14,12 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dp_plugin import autotune
-from dp_plugin.autotune import Autotuner, choose, distinct
 from dp_plugin.config import DEFAULT_AUTOTUNE_CANDIDATES, Config
 from dp_plugin.errors import ConfigError, LayoutMismatchError
-from dp_plugin.fusion import TensorSpec
-from dp_plugin.scheduler import GradientScheduler
+from dp_plugin.reduce import autotune
+from dp_plugin.reduce.autotune import Autotuner, choose, distinct
+from dp_plugin.reduce.fusion import TensorSpec
+from dp_plugin.reduce.reducer import GradientScheduler
 from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks, run_ranks_outcomes
 
 # -- the decision rule ---------------------------------------------------------------

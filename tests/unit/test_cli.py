@@ -250,7 +250,7 @@ def test_bench_worker_times_copies_views_and_raw_on_one_engine() -> None:
     from dp_plugin.cli.bench_worker import _fused
     from dp_plugin.config import Config
     from dp_plugin.engines.local import LocalEngine
-    from dp_plugin.launch import Topology
+    from dp_plugin.launch.launchers import Topology
 
     engine = LocalEngine(Topology.single(), Config())
     row = _fused(engine, "encoder-mlm", reps=2, warmup=0, per_tensor=True)
@@ -321,10 +321,11 @@ def test_check_names_the_engine_auto_picks(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         usable: set[str], expected: str) -> None:
     """Under mpirun ``auto`` picks mpi, else gloo, and says why."""
-    from dp_plugin import engines, launch
+    from dp_plugin import engines
     from dp_plugin.cli import check
     from dp_plugin.engines.base import Availability
-    from dp_plugin.launch import Topology
+    from dp_plugin.launch import launchers as launch
+    from dp_plugin.launch.launchers import Topology
 
     topo = Topology(launcher="mpich", rank=0, size=2, local_rank=0, local_size=2,
                     cross_rank=0, cross_size=1)
@@ -409,10 +410,11 @@ def test_check_lists_lightning_from_its_metadata(monkeypatch: pytest.MonkeyPatch
 def test_check_under_horovodrun_names_gloo_and_how_to_get_horovods_ring(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """On CPUs under horovodrun, auto picks gloo even where Horovod's engine can run."""
-    from dp_plugin import engines, launch
+    from dp_plugin import engines
     from dp_plugin.cli import check
     from dp_plugin.engines.base import Availability
-    from dp_plugin.launch import Topology
+    from dp_plugin.launch import launchers as launch
+    from dp_plugin.launch.launchers import Topology
 
     topo = Topology(launcher="horovodrun", rank=0, size=2, local_rank=0, local_size=2,
                     cross_rank=0, cross_size=1)

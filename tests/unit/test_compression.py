@@ -7,8 +7,8 @@ import contextlib
 import numpy as np
 import pytest
 
-from dp_plugin.arrays import ArrayOps, NumpyOps, TorchOps, as_numpy, numpy_dtype
-from dp_plugin.compression import (
+from dp_plugin.reduce.arrays import ArrayOps, NumpyOps, TorchOps, as_numpy, numpy_dtype
+from dp_plugin.reduce.compression import (
     BF16Compressor,
     Compressor,
     FP16Compressor,
@@ -146,7 +146,7 @@ def test_user_compressors_are_wrapped_built_ins_are_not() -> None:
 
 def test_tensor_compressor_runs_through_the_comm_hook() -> None:
     from dp_plugin.engines.handle import DoneHandle
-    from dp_plugin.hooks import GradBucket, HookState, compression_wrapper
+    from dp_plugin.reduce.hooks import GradBucket, HookState, compression_wrapper
 
     seen: list[np.ndarray] = []
 

@@ -285,7 +285,7 @@ def test_runtime_init_records_a_request_for_process_sets(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``init(process_sets=...)`` reaches the engine's Config (the horovod engine
     enables dynamic sets only then); a plain init leaves it off."""
-    from dp_plugin import runtime
+    from dp_plugin.launch import runtime
 
     seen: list[Config] = []
 

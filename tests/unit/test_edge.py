@@ -1,10 +1,10 @@
-"""dp_plugin.edge: the public call's name reaches the messages built below it."""
+"""dp_plugin.agree.edge: the public call's name reaches the messages built below it."""
 
 from __future__ import annotations
 
 import threading
 
-from dp_plugin.edge import caller, calling, deferred, public
+from dp_plugin.agree.edge import caller, calling, deferred, public
 
 
 @public("outer_call")

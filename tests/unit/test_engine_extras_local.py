@@ -14,13 +14,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dp_plugin import checked
-from dp_plugin.agreement import AGREE_NAME
+from dp_plugin.agree import checked
+from dp_plugin.agree.agreement import AGREE_NAME
 from dp_plugin.config import Config
 from dp_plugin.engines import base
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.engines.local import LocalEngine
-from dp_plugin.launch import Topology
+from dp_plugin.launch.launchers import Topology
 from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks, run_ranks_outcomes
 
 torch = pytest.importorskip("torch")
@@ -341,8 +341,8 @@ def test_integer_average_reducescatter_truncates_like_allreduce() -> None:
 
 def test_engine_average_is_the_policy_average() -> None:
     """The engine's op=average and ReducePolicy's Average round alike (bitwise)."""
-    from dp_plugin.arrays import NumpyOps
-    from dp_plugin.hooks import ReducePolicy
+    from dp_plugin.reduce.arrays import NumpyOps
+    from dp_plugin.reduce.hooks import ReducePolicy
 
     engines = make_thread_group(3)
     rng = np.random.default_rng(0)
@@ -363,7 +363,7 @@ def test_engine_average_is_the_policy_average() -> None:
 def test_float16_scales_in_float32_like_horovod_and_torch() -> None:
     """NumpyOps (TensorFlow's path) scales float16 in float32, rounding once:
     bitwise what torch's half multiply and Horovod's ScaleBuffer give."""
-    from dp_plugin.arrays import NumpyOps, TorchOps
+    from dp_plugin.reduce.arrays import NumpyOps, TorchOps
 
     halves = np.random.default_rng(1).standard_normal(20000).astype(np.float16)
     for factor in (0.1, 0.3, 1 / 3, 7.7):
@@ -396,10 +396,10 @@ def test_only_the_default_hook_folds_and_every_hook_is_scaled_once(wrapped: bool
     engine's reduction where they run the default hook (not part of the hook
     contract); a user's hook, wrapping allreduce_hook or not, gets it at
     unpack. Either way the result is scaled exactly once."""
-    from dp_plugin.collective import fused_collective
-    from dp_plugin.fusion import TensorSpec
-    from dp_plugin.hooks import ReducePolicy, allreduce_hook
-    from dp_plugin.scheduler import GradientScheduler
+    from dp_plugin.reduce.collective import fused_collective
+    from dp_plugin.reduce.fusion import TensorSpec
+    from dp_plugin.reduce.hooks import ReducePolicy, allreduce_hook
+    from dp_plugin.reduce.reducer import GradientScheduler
 
     def one_shot(engine: Any, hook: Any, values: list[np.ndarray]) -> None:
         fused_collective(values, engine=engine, name="g", hook=hook,

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dp_plugin import checked
+from dp_plugin.agree import checked
 from dp_plugin.config import Config
 from dp_plugin.engines import create_engine
 from dp_plugin.engines.base import Handle, ReduceOp
 from dp_plugin.engines.local import LocalEngine
 from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, EngineUnavailableError
-from dp_plugin.launch import Topology
+from dp_plugin.launch.launchers import Topology
 
 torch = pytest.importorskip("torch")
 

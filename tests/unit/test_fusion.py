@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dp_plugin.fusion import (
+from dp_plugin.reduce.fusion import (
     Bucket,
     TensorSpec,
     default_order,
@@ -178,7 +178,7 @@ def test_duplicate_names_are_rejected() -> None:
 
 
 def test_specs_must_be_tensor_specs() -> None:
-    with pytest.raises(TypeError, match=r"specs\[0\] must be a dp_plugin.fusion.TensorSpec"):
+    with pytest.raises(TypeError, match=r"specs\[0\] must be a dp_plugin.reduce.fusion.TensorSpec"):
         plan_buckets([("w", (1,), "float32")], 100)  # type: ignore[list-item]
 
 

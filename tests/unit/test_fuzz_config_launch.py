@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from dp_plugin.config import Config
 from dp_plugin.errors import DPPluginError
-from dp_plugin.launch import Topology, detect
-from dp_plugin.launch_variables import LAUNCHER_VARIABLE_NAMES
+from dp_plugin.launch.launchers import Topology, detect
+from dp_plugin.launch.variables import LAUNCHER_VARIABLE_NAMES
 from tests.unit.test_launch import horovodrun, intelmpi, mpich, openmpi, srun, torchrun
 
 CONFIG_VARIABLES = (

@@ -11,13 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dp_plugin import collective
-from dp_plugin.arrays import NumpyOps
-from dp_plugin.collective import fused_collective
 from dp_plugin.engines.base import ReduceOp
-from dp_plugin.fusion import TensorSpec, plan_buckets
-from dp_plugin.hooks import ReducePolicy, allreduce_hook
-from dp_plugin.scheduler import GradientScheduler
+from dp_plugin.reduce import collective
+from dp_plugin.reduce.arrays import NumpyOps
+from dp_plugin.reduce.collective import fused_collective
+from dp_plugin.reduce.fusion import TensorSpec, plan_buckets
+from dp_plugin.reduce.hooks import ReducePolicy, allreduce_hook
+from dp_plugin.reduce.reducer import GradientScheduler
 from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks
 
 # 10 tensors of 64 bytes, one of 400; chunks of 128 bytes.

@@ -13,7 +13,7 @@ import pytest
 from dp_plugin.config import Config
 from dp_plugin.engines import hierarchical
 from dp_plugin.errors import ConfigError
-from dp_plugin.launch import Topology, detect
+from dp_plugin.launch.launchers import Topology, detect
 
 
 def topo(size: int, local_size: int, cross_size: int) -> Topology:

@@ -18,7 +18,7 @@ from dp_plugin.engines import choose_for_job, job_choice
 from dp_plugin.engines import horovod_hosts as hh
 from dp_plugin.engines.base import Availability
 from dp_plugin.errors import EngineUnavailableError
-from dp_plugin.launch import detect
+from dp_plugin.launch.launchers import detect
 
 
 def test_a_fixed_build_or_a_routable_name_is_fine() -> None:

@@ -26,10 +26,11 @@ def test_import_dp_plugin_loads_no_framework() -> None:
 
 def test_importing_every_core_module_loads_no_framework() -> None:
     modules = [
-        "dp_plugin.config", "dp_plugin.launch", "dp_plugin.fusion", "dp_plugin.scheduler",
-        "dp_plugin.compression", "dp_plugin.horovod_names", "dp_plugin.timeline",
-        "dp_plugin.agreement", "dp_plugin.cli.check", "dp_plugin.collective",
-        "dp_plugin.buffer", "dp_plugin.hooks",
+        "dp_plugin.config", "dp_plugin.launch.launchers", "dp_plugin.reduce.fusion",
+        "dp_plugin.reduce.reducer",
+        "dp_plugin.reduce.compression", "dp_plugin.api.horovod_names", "dp_plugin.api.timeline",
+        "dp_plugin.agree.agreement", "dp_plugin.cli.check", "dp_plugin.reduce.collective",
+        "dp_plugin.reduce.buffer", "dp_plugin.reduce.hooks",
         "dp_plugin.engines", "dp_plugin.engines.local", "dp_plugin.engines.torch_dist",
         "dp_plugin.engines.mpi", "dp_plugin.engines.horovod",
     ]
@@ -45,5 +46,5 @@ def test_every_module_in_the_core_directory_loads_no_framework() -> None:
         for path in CORE.rglob("*.py")
         if path.name != "__init__.py"
     )
-    assert "dp_plugin.launch" in modules
+    assert "dp_plugin.launch.launchers" in modules
     assert _loaded_after("\n".join(f"import {m}" for m in modules)) == set()

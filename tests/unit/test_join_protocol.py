@@ -1,4 +1,4 @@
-"""Join's wire protocol (``dp_plugin.join``) on a fake thread group, no processes:
+"""Join's wire protocol (``dp_plugin.agree.join``) on a fake thread group, no processes:
 what a joined rank answers, what the others' check refuses, who joined last."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dp_plugin import check, join, request
-from dp_plugin.agreement import compare
+from dp_plugin.agree import check, join, request
+from dp_plugin.agree.agreement import compare
 from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import JoinedRankError, MismatchError
 from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks_outcomes
@@ -85,9 +85,9 @@ def test_last_joined_answered_the_fewest_rounds(answered: list[int], last: int) 
 def test_replay_contributes_the_ops_identity(op: ReduceOp, dtype: str) -> None:
     """Rank 0 has joined and replays what ranks 1 and 2 all-reduce: the result
     is theirs alone (``join.replay``, the core's zero contribution)."""
-    from dp_plugin.arrays import numpy_dtype
-    from dp_plugin.collective import fused_collective
-    from dp_plugin.hooks import ReducePolicy
+    from dp_plugin.reduce.arrays import numpy_dtype
+    from dp_plugin.reduce.collective import fused_collective
+    from dp_plugin.reduce.hooks import ReducePolicy
 
     def body(e: FakeEngine) -> object:
         if e.rank == 0:

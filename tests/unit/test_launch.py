@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from dp_plugin.errors import LaunchError
-from dp_plugin.launch import (
+from dp_plugin.launch.launchers import (
     LAUNCHER_NAMES,
     LAUNCHERS,
     MPICH,

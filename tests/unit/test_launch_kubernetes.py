@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from dp_plugin.errors import LaunchError
-from dp_plugin.launch import KubeflowPod, Torchrun, detect, detected_launcher
-from dp_plugin.launch_variables import is_launcher_variable
+from dp_plugin.launch.launchers import KubeflowPod, Torchrun, detect, detected_launcher
+from dp_plugin.launch.variables import is_launcher_variable
 
 POD = {"PATH": "/usr/bin", "HOME": "/root", "HOSTNAME": "job-node-1-0",
        "KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}

@@ -1,4 +1,4 @@
-"""The one list of launcher variables (dp_plugin.launch) covers everything
+"""The one list of launcher variables (dp_plugin.launch.launchers) covers everything
 launch detection reads, and the test harness and benchmarks use that list."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from dp_plugin import launch
-from dp_plugin.launch import LAUNCHERS, detect
-from dp_plugin.launch_variables import (
+from dp_plugin.launch import launchers as launch
+from dp_plugin.launch.launchers import LAUNCHERS, detect
+from dp_plugin.launch.variables import (
     LAUNCHER_VARIABLE_NAMES,
     LAUNCHER_VARIABLE_PREFIXES,
     is_launcher_variable,
@@ -145,5 +145,5 @@ def test_harness_and_benchmarks_use_the_one_list() -> None:
     # The benchmarks' launching lives in dp_plugin.cli.jobs (dp-plugin bench uses it too).
     root = Path(__file__).resolve().parents[2]
     source = (root / "dp_plugin" / "cli" / "jobs.py").read_text()
-    assert "from dp_plugin.launch_variables import is_launcher_variable" in source
+    assert "from dp_plugin.launch.variables import is_launcher_variable" in source
     assert "HOROVOD_RANK" not in source  # no list of its own

@@ -1,4 +1,4 @@
-"""dp_plugin.netif: the interface that routes to an address (no packet is sent)."""
+"""dp_plugin.launch.netif: the interface that routes to an address (no packet is sent)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from dp_plugin import netif
+from dp_plugin.launch import netif
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIOCGIFADDR is Linux's")
 

@@ -1,4 +1,4 @@
-"""PowerSGD's framework-free part (``dp_plugin.powersgd``) and ``dp-plugin
+"""PowerSGD's framework-free part (``dp_plugin.reduce.powersgd``) and ``dp-plugin
 plan --powersgd-rank``: which tensors are compressed, the wire formula
 (``sum((n + m) * r)`` over the compressed matrices plus the uncompressed
 elements), the settings' checks, and the plan's prediction."""
@@ -12,7 +12,7 @@ import pytest
 from dp_plugin.cli import main
 from dp_plugin.cli.alphabeta import Link, predict, predict_powersgd, ring_allreduce_time
 from dp_plugin.cli.shapes import model_shapes
-from dp_plugin.powersgd import PowerSGDSettings, flops, matrix_of, touched_bytes, wire_numel
+from dp_plugin.reduce.powersgd import PowerSGDSettings, flops, matrix_of, touched_bytes, wire_numel
 
 R4 = PowerSGDSettings(rank=4)
 

@@ -13,7 +13,7 @@ from dp_plugin.config import ENGINE_NAMES as CONFIG_ENGINE_NAMES
 from dp_plugin.config import Config
 from dp_plugin.engines.base import Availability, Engine
 from dp_plugin.errors import EngineUnavailableError
-from dp_plugin.launch import Topology
+from dp_plugin.launch.launchers import Topology
 
 
 def _topology(launcher: str, rendezvous_addr: str | None = None,

@@ -12,11 +12,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dp_plugin import netif
 from dp_plugin.config import Config
 from dp_plugin.engines import rendezvous
 from dp_plugin.errors import CollectiveTimeoutError, ConfigError
-from dp_plugin.launch import detect
+from dp_plugin.launch import netif
+from dp_plugin.launch.launchers import detect
 
 SECRET = "0123456789abcdef0123"
 

@@ -14,9 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dp_plugin import runtime
-from dp_plugin.agreement import AGREE_NAME
-from dp_plugin.arrays import NumpyOps, as_numpy, numpy_dtype
+from dp_plugin.agree.agreement import AGREE_NAME
+from dp_plugin.api.timeline import StepStats
 from dp_plugin.config import Config
 from dp_plugin.errors import (
     CollectiveTimeoutError,
@@ -24,9 +23,10 @@ from dp_plugin.errors import (
     LayoutMismatchError,
     NotInitializedError,
 )
-from dp_plugin.fusion import TensorSpec, plan_buckets
-from dp_plugin.scheduler import GradientScheduler
-from dp_plugin.timeline import StepStats
+from dp_plugin.launch import runtime
+from dp_plugin.reduce.arrays import NumpyOps, as_numpy, numpy_dtype
+from dp_plugin.reduce.fusion import TensorSpec, plan_buckets
+from dp_plugin.reduce.reducer import GradientScheduler
 from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks, run_ranks_outcomes
 
 SHAPES: list[tuple[int, ...]] = [(3, 4), (), (5,), (0,), (2, 3, 2), (7,), (1,), (4, 0, 2), (16,)]
@@ -696,7 +696,7 @@ def test_integer_tensors_need_sum_without_scaling() -> None:
     with pytest.raises(TypeError, match=r"'steps' is int64, which cannot be scaled"):
         GradientScheduler(specs, engine=_one_rank(), op="sum", postscale_factor=0.5)
     GradientScheduler(specs, engine=_one_rank(), op="sum")
-    with pytest.raises(TypeError, match=r"specs\[0\] must be a dp_plugin.fusion.TensorSpec"):
+    with pytest.raises(TypeError, match=r"specs\[0\] must be a dp_plugin.reduce.fusion.TensorSpec"):
         GradientScheduler([("w", (2,), "float32")], engine=_one_rank())  # type: ignore[list-item]
 
 

@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dp_plugin.arrays import NumpyOps
-from dp_plugin.fusion import TensorSpec
-from dp_plugin.scheduler import GradientScheduler
+from dp_plugin.reduce.arrays import NumpyOps
+from dp_plugin.reduce.fusion import TensorSpec
+from dp_plugin.reduce.reducer import GradientScheduler
 from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks
 
 SPECS = [TensorSpec(f"t{i}", shape, "float32") for i, shape in

@@ -1,4 +1,4 @@
-"""The sharded optimizer state's plan (``dp_plugin.sharding``), without processes."""
+"""The sharded optimizer state's plan (``dp_plugin.reduce.sharding``), without processes."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from dp_plugin.config import Config
 from dp_plugin.engines.base import reducescatter_counts
-from dp_plugin.fusion import TensorSpec, plan_buckets
-from dp_plugin.sharding import gather_rows, shard_bounds, shard_pieces
+from dp_plugin.reduce.fusion import TensorSpec, plan_buckets
+from dp_plugin.reduce.sharding import gather_rows, shard_bounds, shard_pieces
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5])

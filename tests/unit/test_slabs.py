@@ -1,4 +1,4 @@
-"""Copy-mode fusion buffers take turns on two slabs (``dp_plugin.buffer``):
+"""Copy-mode fusion buffers take turns on two slabs (``dp_plugin.reduce.buffer``):
 fusion memory within twice the threshold, back-pressure, pinning."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import time
 import numpy as np
 import pytest
 
-from dp_plugin.arrays import NumpyOps
 from dp_plugin.engines.base import Handle
 from dp_plugin.errors import DPPluginError
-from dp_plugin.fusion import TensorSpec
-from dp_plugin.hooks import GradBucket, HookState, allreduce_hook
-from dp_plugin.scheduler import GradientScheduler, Reducer
+from dp_plugin.reduce.arrays import NumpyOps
+from dp_plugin.reduce.fusion import TensorSpec
+from dp_plugin.reduce.hooks import GradBucket, HookState, allreduce_hook
+from dp_plugin.reduce.reducer import GradientScheduler, Reducer
 from tests.unit.fakes import FakeEngine, make_thread_group, run_ranks
 
 # 12 tensors of 64 bytes; a 128-byte threshold makes 6 buckets of 2.

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from dp_plugin.timeline import (
+from dp_plugin.api.timeline import (
     NullTimeline,
     StatsHistory,
     StepStats,
@@ -284,7 +284,7 @@ def test_size_is_bounded_with_one_note(tmp_path: Path) -> None:
 
 _CRASHING_WRITER = """
 import os, sys, time
-from dp_plugin.timeline import Timeline
+from dp_plugin.api.timeline import Timeline
 optimizer, batchnorm = Timeline(sys.argv[1], 0), Timeline(sys.argv[1], 0)
 t = time.perf_counter()
 for i in range(int(sys.argv[2])):

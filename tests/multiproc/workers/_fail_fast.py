@@ -50,7 +50,7 @@ def fail_fast(rank: object) -> None:
 
 def _launcher_rank() -> object:
     """This process's rank as the launcher gave it ("?" if it cannot be read)."""
-    from dp_plugin.launch import detect
+    from dp_plugin.launch.launchers import detect
 
     try:
         return detect().rank

@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 from _fail_fast import run_cases
 
-from dp_plugin import checked
-from dp_plugin.arrays import as_numpy, as_torch, is_torch, numpy_dtype
+from dp_plugin.agree import checked
 from dp_plugin.config import Config
 from dp_plugin.engines import create_engine
 from dp_plugin.engines.base import Engine
 from dp_plugin.errors import CollectiveTimeoutError, DPPluginError
-from dp_plugin.launch import detect
+from dp_plugin.launch.launchers import detect
+from dp_plugin.reduce.arrays import as_numpy, as_torch, is_torch, numpy_dtype
 
 FLOATS = ("float16", "bfloat16", "float32", "float64")
 INTS = ("int8", "uint8", "int16", "int32", "int64")

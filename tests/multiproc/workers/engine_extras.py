@@ -22,9 +22,10 @@ import numpy as np
 import torch
 from _fail_fast import run_cases
 
-from dp_plugin import checked, runtime
-from dp_plugin.arrays import as_numpy, is_torch, numpy_dtype
+from dp_plugin.agree import checked
 from dp_plugin.engines.base import Engine
+from dp_plugin.launch import runtime
+from dp_plugin.reduce.arrays import as_numpy, is_torch, numpy_dtype
 
 KINDS = ("numpy", "torch")
 
@@ -285,7 +286,7 @@ def run_errors(engine: Engine) -> None:
 
 def run_process_sets(engine: Engine) -> None:
     """The Horovod process-set API over ``engine`` (the runtime's engine)."""
-    from dp_plugin import process_sets as ps
+    from dp_plugin.api import process_sets as ps
 
     me, size = engine.rank, engine.size
     ps.setup(None, "dp_plugin.torch")

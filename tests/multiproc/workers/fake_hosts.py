@@ -6,7 +6,7 @@ Before anything reads them, rewrites the variables torchrun sets per host
 (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``)
 from ``RANK`` and ``WORLD_SIZE``: rank r is local rank r % P of host r // P,
 as torchrun with ``--nproc-per-node P`` on WORLD_SIZE / P nodes would say.
-Everything after that is the real code path: ``dp_plugin.launch.detect``
+Everything after that is the real code path: ``dp_plugin.launch.launchers.detect``
 builds the topology from these variables and the engine decides from it.
 The "hosts" share one kernel, so the cross-host step runs over loopback
 TCP (Gloo's), not a real link: this tests correctness, not speed.

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 import dp_plugin.torch as hvd
-from dp_plugin import runtime
+from dp_plugin.launch import runtime
 
 PHASE = os.environ["FAULT_PHASE"]
 SIGNAL = getattr(signal, os.environ["FAULT_SIGNAL"])

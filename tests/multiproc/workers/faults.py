@@ -35,8 +35,8 @@ from _fail_fast import run_cases
 from torch import nn
 
 import dp_plugin.torch as hvd
-from dp_plugin import runtime
 from dp_plugin.errors import DPPluginError
+from dp_plugin.launch import runtime
 
 STEPS = 4
 FAULT_STEP = 2

@@ -1,4 +1,4 @@
-"""Worker: a grouped all-reduce large enough to be chunked (dp_plugin.collective
+"""Worker: a grouped all-reduce large enough to be chunked (dp_plugin.reduce.collective
 ``PIPELINE_CHUNK``, ``DIRECT_BYTES``) against a local reference.
 
 Tensors of 1-3 MiB (reduced alone, in place) among many small ones (fused
@@ -30,7 +30,8 @@ import torch
 from _fail_fast import run_cases
 
 import dp_plugin.torch as hvd
-from dp_plugin import collective, runtime
+from dp_plugin.launch import runtime
+from dp_plugin.reduce import collective
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
           torch.int16, torch.int32, torch.int64]

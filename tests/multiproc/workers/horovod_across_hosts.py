@@ -23,8 +23,8 @@ def main() -> int:
         total = horovod.allreduce(torch.tensor([horovod.rank() + 1.0]), op=horovod.Sum)
         print(f"plain horovod rank {horovod.rank()} sum {total.item():g}", flush=True)
     import dp_plugin.torch as hvd
-    from dp_plugin import runtime
     from dp_plugin.errors import EngineUnavailableError
+    from dp_plugin.launch import runtime
 
     for requested in ("horovod", "auto"):
         os.environ["DP_PLUGIN_ENGINE"] = requested

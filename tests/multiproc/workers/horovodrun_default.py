@@ -54,7 +54,7 @@ def _check_horovod_calls(hvd: Any) -> None:
 
 def default(args: object) -> None:
     import dp_plugin.torch as hvd
-    from dp_plugin import runtime
+    from dp_plugin.launch import runtime
 
     hvd.init(process_sets="dynamic")
     engine = runtime.engine().name
@@ -81,8 +81,8 @@ def hidden(args: object) -> None:
     import torch
 
     import dp_plugin.torch as hvd
-    from dp_plugin import runtime
     from dp_plugin.errors import EngineUnavailableError
+    from dp_plugin.launch import runtime
 
     os.environ["DP_PLUGIN_ENGINE"] = "horovod"
     try:

@@ -45,7 +45,7 @@ tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfigu
 import keras  # noqa: E402
 
 import dp_plugin.tensorflow as dp  # noqa: E402
-from dp_plugin import runtime  # noqa: E402
+from dp_plugin.launch import runtime  # noqa: E402
 
 
 def make_model() -> keras.Model:

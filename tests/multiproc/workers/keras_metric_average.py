@@ -45,7 +45,8 @@ import numpy as np
 import tensorflow as tf
 
 import dp_plugin.tensorflow as dp
-from dp_plugin import checked, runtime
+from dp_plugin.agree import checked
+from dp_plugin.launch import runtime
 from dp_plugin.tensorflow.callbacks_lr import LearningRateWarmupCallback
 from dp_plugin.tensorflow.metric_average import MetricAverageCallback
 

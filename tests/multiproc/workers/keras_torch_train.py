@@ -52,7 +52,8 @@ import torch
 from _fail_fast import run_cases
 
 import dp_plugin.keras as dp
-from dp_plugin import checked, runtime
+from dp_plugin.agree import checked
+from dp_plugin.launch import runtime
 
 FEATURES, OUTPUTS, HIDDEN = 6, 2, 16
 LOCAL_BATCH = 8

@@ -64,7 +64,8 @@ tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfigu
 import keras  # noqa: E402
 
 import dp_plugin.tensorflow as dp  # noqa: E402
-from dp_plugin import checked, runtime  # noqa: E402
+from dp_plugin.agree import checked  # noqa: E402
+from dp_plugin.launch import runtime  # noqa: E402
 from dp_plugin.tensorflow.optimizer import hook_of  # noqa: E402
 from dp_plugin.tensorflow.xla_split import is_split_for  # noqa: E402
 

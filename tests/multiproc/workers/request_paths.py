@@ -30,7 +30,7 @@ import torch
 
 import dp_plugin.tensorflow as tfd
 import dp_plugin.torch as hvd
-from dp_plugin import runtime
+from dp_plugin.launch import runtime
 
 
 def _same(got: Any, want: np.ndarray, what: str) -> None:

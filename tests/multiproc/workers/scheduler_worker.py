@@ -29,14 +29,14 @@ from typing import Any
 import numpy as np
 from _fail_fast import run_cases
 
-from dp_plugin.arrays import as_numpy, as_torch, numpy_dtype
 from dp_plugin.config import Config
 from dp_plugin.engines import create_engine
 from dp_plugin.engines.base import Engine
 from dp_plugin.errors import LayoutMismatchError
-from dp_plugin.fusion import TensorSpec
-from dp_plugin.launch import detect
-from dp_plugin.scheduler import GradientScheduler
+from dp_plugin.launch.launchers import detect
+from dp_plugin.reduce.arrays import as_numpy, as_torch, numpy_dtype
+from dp_plugin.reduce.fusion import TensorSpec
+from dp_plugin.reduce.reducer import GradientScheduler
 
 STEPS = 4
 THRESHOLD = 256  # bytes: many buckets; several tensors exceed it on their own

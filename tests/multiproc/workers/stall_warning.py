@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from _fail_fast import run_cases
 
-from dp_plugin import runtime
+from dp_plugin.launch import runtime
 
 
 def case_late_rank(engine: Any) -> None:

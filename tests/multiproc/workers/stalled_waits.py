@@ -23,8 +23,9 @@ from typing import Any
 
 from _fail_fast import run_cases
 
-from dp_plugin import checked, runtime
+from dp_plugin.agree import checked
 from dp_plugin.errors import CollectiveTimeoutError
+from dp_plugin.launch import runtime
 
 RELEASE = os.environ.get("STALL_RELEASE")
 """A file rank 0 creates once it has reported: the stall may end then."""

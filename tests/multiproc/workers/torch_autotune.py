@@ -8,7 +8,7 @@ global batches (each rank its shard) and checks, across ranks (through
 within 1e-5 of a single-process run; rank 0 saves them to ``DIR/<case>.pt``
 so that the test can compare a run with autotune to one without.
 
-- ``fake_clock``: the test-only hook ``dp_plugin.autotune.clock`` gives each
+- ``fake_clock``: the test-only hook ``dp_plugin.reduce.autotune.clock`` gives each
   rank its own step times: rank 0 finds 1 KiB fastest, rank 1 finds 256
   bytes fastest. Every rank must adopt rank 0's choice, at the same step,
   and end with the same bucket plan.
@@ -32,7 +32,7 @@ from torch import nn
 from torch_equivalence import Net, flat  # the same model and flattening as the equivalence test
 
 import dp_plugin.torch as hvd
-from dp_plugin import autotune
+from dp_plugin.reduce import autotune
 
 PER_RANK = 4
 STEPS = 16

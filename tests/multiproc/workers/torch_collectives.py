@@ -35,8 +35,8 @@ import torch
 from _fail_fast import run_cases
 
 import dp_plugin.torch.ops as ops
+from dp_plugin.api.process_sets import add_process_set, remove_process_set
 from dp_plugin.errors import DPPluginError, MismatchError
-from dp_plugin.process_sets import add_process_set, remove_process_set
 from dp_plugin.torch.autograd_ops import (
     allgather,
     allreduce,

@@ -28,7 +28,7 @@ from _fail_fast import run_cases
 from torch import nn
 
 import dp_plugin.torch as hvd
-from dp_plugin.process_sets import engine_of
+from dp_plugin.api.process_sets import engine_of
 from dp_plugin.torch.compression import Compressor
 
 DEADLINE_S = 60.0  # a guard against hangs, not a timing assertion

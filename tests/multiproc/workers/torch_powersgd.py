@@ -15,7 +15,7 @@ with 512-byte ones), and at more than two ranks on the engine's summation
 order. A missing error feedback or a wrong ``Q`` is off by 1e-3 or more.
 
 - ``reference``: SGD, 8 steps, start_iter=3, rank 2; the elements the hook
-  sent equal the wire formula (``dp_plugin.powersgd.wire_numel``).
+  sent equal the wire formula (``dp_plugin.reduce.powersgd.wire_numel``).
 - ``accumulation``: backward_passes_per_step=2.
 - ``join``: the last rank trains 3 steps fewer, then ``hvd.join()``; its
   zero gradients (plus its own error) go through the same two all-reduces,
@@ -46,7 +46,7 @@ from torch import nn
 
 import dp_plugin.torch as hvd
 from dp_plugin.errors import LayoutMismatchError
-from dp_plugin.powersgd import PowerSGDSettings, wire_numel
+from dp_plugin.reduce.powersgd import PowerSGDSettings, wire_numel
 from dp_plugin.torch.powersgd import PowerSGDHook
 
 PER_RANK = 4

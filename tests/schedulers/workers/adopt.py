@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import dp_plugin.torch as hvd
-from dp_plugin import runtime
+from dp_plugin.launch import runtime
 
 rank, world, method, *bert_args = sys.argv[1:]
 dist.init_process_group("gloo", init_method=method, rank=int(rank), world_size=int(world),

@@ -14,7 +14,7 @@ import socket
 import torch
 
 import dp_plugin.torch as hvd
-from dp_plugin import runtime
+from dp_plugin.launch import runtime
 
 hvd.init()
 topo = runtime.topology()

@@ -1,0 +1,3 @@
+"""Agreement: the request record, the check that every rank describes the
+same collective, and join's protocol.
+"""

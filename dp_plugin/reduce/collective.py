@@ -1,0 +1,162 @@
+"""One-shot fused collectives: a list of tensors, every one given at once.
+
+``fused_collective`` is the one path of grouped all-reduces (both adapters'
+``grouped_allreduce`` and ``allreduce``, and a joined rank's replay of them,
+``join.replay``), the Keras metric average, ``SyncBatchNorm``'s statistics
+and ``objects.broadcast_bytes`` (parameters, optimizer state, variables).
+A stream of gradients, which become ready one by one, is the ``Reducer``'s
+(``dp_plugin.reduce.reducer``).
+
+Nothing waits for readiness, so the plan is simple: every tensor of
+``DIRECT_BYTES`` or more travels alone, reduced where it lies; the others
+go in buckets of at most ``PIPELINE_CHUNK`` bytes, each with a buffer of
+its own, and every bucket is put in flight at once, so that packing chunk
+k+1 and unpacking chunk k-1 run while chunk k is on the wire (the engine's
+transport runs in its own threads) instead of pack, transfer and unpack one
+after another (measured: one 110 MB bucket reached 78-83% of a 1 Gbit/s
+link where one flat buffer reaches 95%).
+
+The caller checks its request first (``dp_plugin.agree.check``): the buckets
+themselves run no agreement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+from dp_plugin.engines.base import Handle, ReduceOp
+from dp_plugin.reduce.arrays import ops_for, spec_of
+from dp_plugin.reduce.buffer import FusionBuffer
+from dp_plugin.reduce.compression import Compressor, get_compressor
+from dp_plugin.reduce.fusion import TensorSpec, plan_buckets
+from dp_plugin.reduce.hooks import (
+    NO_SCALING,
+    CommHook,
+    HookState,
+    ReducePolicy,
+    allreduce_hook,
+    hook_for,
+)
+
+DIRECT_BYTES = 1024 * 1024
+"""A tensor this large travels alone, reduced where it lies: no pack or
+unpack copy for the bulk of a model's bytes (a copy costs CPU the transport
+needs on a loaded host: 0.26 s of CPU against 0.13 s for one flat Gloo
+buffer of ResNet-50's 97 MiB when every tensor was copied)."""
+
+PIPELINE_CHUNK = 8 * 1024 * 1024
+"""Bytes per bucket. Measured on the rehearsal cluster
+(benchmarks/cluster_bench.py, docs/benchmarks-history.md, "The rehearsal
+cluster"): small enough that the first pack and the last unpack, the only
+copies left exposed, are short; large enough that a collective's fixed cost
+per bucket stays small next to its transfer."""
+
+
+class Fused(NamedTuple):
+    """A fused collective in flight: the handles of its buckets that move
+    bytes, and ``finish()``, which waits for them and writes the results back
+    into the tensors it was started with (a synchronization point)."""
+
+    handles: list[Handle]
+    finish: Callable[[], None]
+
+
+def fused_collective(tensors: Sequence[Any], *, engine: Any, name: str,
+                     policy: ReducePolicy = NO_SCALING, hook: CommHook | None = None,
+                     compression: str | Compressor = "none", root: int = 0,
+                     names: Sequence[str] | None = None, device: str | None = None,
+                     sources: Sequence[Any] | None = None) -> Fused:
+    """Start one collective over ``tensors`` (numpy arrays or torch tensors,
+    written in place), in buckets (module docstring); returns it in flight.
+
+    ``hook`` moves each packed bucket (default: all-reduce with ``policy``'s
+    op, compressed per ``compression``; ``hooks.broadcast_hook`` from
+    ``root``, a rank of ``engine``); ``policy`` scales it (none by default).
+    ``name`` names the collectives (``name.bucket<i>``) and ``names`` the
+    tensors in messages (default ``name.<i>``). Buffers live on ``device``
+    (default: each tensor's own); a tensor elsewhere is copied there and
+    back. Collective over ``engine``'s ranks, which must agree on the
+    request (checked by the caller).
+
+    ``sources`` (one per tensor): out of place. The values are read from
+    ``sources``, never written, and ``tensors`` are fresh outputs (they may
+    be uninitialized). Each bucket copies its sources in as it starts (a
+    tensor that travels alone straight into its output), so that copy runs
+    while the buckets before it are on the wire, and its unpack in
+    ``finish()`` while the buckets after it are: the outputs cost no pass of
+    their own over the whole list before the first byte moves."""
+    if names is None:
+        names = [f"{name}.{i}" for i in range(len(tensors))]
+    specs = []
+    for n, t in zip(names, tensors, strict=True):
+        shape, dtype, own = spec_of(t)
+        specs.append(TensorSpec(n, shape, dtype, own if device is None else device))
+    compressor = get_compressor(compression)
+    hook = hook_for(compressor) if hook is None else hook
+    state = HookState(engine, policy.engine_op, root)
+    ops = ops_for(tensors[0]) if tensors else None
+    started = []
+    for b in plan_buckets(specs, PIPELINE_CHUNK, order=range(len(specs)),
+                          alone_from=DIRECT_BYTES):
+        buf = FusionBuffer(b, specs, f"{name}.bucket{b.index}", pinned=True,
+                           wire_dtype=compressor.wire_dtype(b.dtype))
+        if buf.numel:  # an empty one moves nothing; every rank skips it alike (same plan)
+            members = [tensors[i] for i in b.members]
+            read = None if sources is None else [sources[i] for i in b.members]
+            started.append(_start(engine, buf, ops, members, policy, hook, state, read))
+
+    def finish() -> None:
+        for _, unpack in started:
+            unpack()
+
+    return Fused([handle for handle, _ in started], finish)
+
+
+def _start(engine: Any, buf: FusionBuffer, ops: Any, members: list[Any],
+           policy: ReducePolicy, hook: CommHook, state: HookState,
+           sources: list[Any] | None = None) -> tuple[Handle, Callable[[], None]]:
+    """Pack ``members`` (from ``sources`` if given) into ``buf`` and start
+    its collective; returns the handle and the function that waits for it
+    and unpacks."""
+    direct = buf.direct_alias(ops, members)
+    aliased = buf.pack(ops, members, policy.prescale, direct, sources=sources)
+    bucket = buf.grad_bucket(ops, direct)
+    folded = folds(engine, hook, policy, buf)
+    with _noting(buf):
+        if folded:  # the engine multiplies while it reduces: no pass of its own
+            handle: Handle = engine.allreduce_async(bucket.flat, ReduceOp.SUM, name=bucket.label,
+                                                    postscale=policy.postscale)
+        else:
+            handle = hook(state, bucket)
+    handle.context = buf.describe  # the engine's timeout message names the bucket
+
+    def finish() -> None:
+        with _noting(buf):
+            handle.wait()
+        buf.unpack(ops, members, 1.0 if folded else policy.postscale, direct, aliased)
+
+    return handle, finish
+
+
+def folds(engine: Any, hook: CommHook, policy: ReducePolicy, buf: FusionBuffer) -> bool:
+    """Can the engine multiply the sum by the post-scale while reducing
+    (exactly as ``FusionBuffer.unpack`` would)? Only the default hook's
+    plain all-reduce (a user's hook gets the multiply at unpack), on an
+    engine that ``scales_in_reduction`` the dtype (gloo on shared memory),
+    op sum, and no control slot (its counts are not scaled)."""
+    scales = getattr(engine, "scales_in_reduction", None)
+    return (hook is allreduce_hook and policy.postscale != 1.0
+            and policy.engine_op is ReduceOp.SUM and scales is not None
+            and not buf.control_numel and bool(scales(buf.bucket.dtype)))
+
+
+@contextlib.contextmanager
+def _noting(buf: FusionBuffer) -> Iterator[None]:
+    """Add "while reducing <bucket>" to an error raised inside."""
+    try:
+        yield
+    except BaseException as exc:
+        exc.add_note(f"while reducing {buf.describe()}")
+        raise
