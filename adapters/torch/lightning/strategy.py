@@ -80,7 +80,7 @@ class HorovodStrategyBody(OnDPPlugin):
                 f"only {list(OPTIMIZER_OPTIONS)} to hvd.DistributedOptimizer (it sets "
                 "named_parameters, and backward_passes_per_step from the Trainer's "
                 "accumulate_grad_batches)")
-        super().__init__(accelerator=accelerator,  # type: ignore[call-arg]
+        super().__init__(accelerator=accelerator,
                          parallel_devices=parallel_devices, cluster_environment=None,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self._optimizer_options = optimizer_options
@@ -103,12 +103,12 @@ class HorovodStrategyBody(OnDPPlugin):
 
     def setup_environment(self) -> None:
         self.set_world_ranks()
-        super().setup_environment()  # type: ignore[misc]
+        super().setup_environment()
 
     def model_to_device(self) -> None:
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)
-        self.model.to(self.root_device)  # type: ignore[attr-defined]
+        self.model.to(self.root_device)
 
     # -- training ------------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
@@ -117,12 +117,12 @@ class HorovodStrategyBody(OnDPPlugin):
                 "Trainer(sync_batchnorm=True) converts to torch.nn.SyncBatchNorm, which "
                 "HorovodStrategy does not run; use dp_plugin.torch.SyncBatchNorm in the "
                 "model instead and leave sync_batchnorm=False")
-        super().setup(trainer)  # type: ignore[misc]
+        super().setup(trainer)
         self._fitting = trainer if trainer.state.fn == "fit" else None
         self._joined_after = -1
         if trainer.state.fn != "fit":
             return
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self.lightning_module
         hvd.broadcast_parameters(module.state_dict(), root_rank=0)
         passes = trainer.accumulate_grad_batches
         self.optimizers = [distributed_optimizer(opt, module, backward_passes_per_step=passes,
@@ -135,11 +135,11 @@ class HorovodStrategyBody(OnDPPlugin):
         self._join_if_out_of_batches()  # the last epoch ended with no collective
         if batch_idx == 0:
             self._check_batches_joinable()
-        passes = self.lightning_module.trainer.accumulate_grad_batches  # type: ignore[attr-defined]
+        passes = self.lightning_module.trainer.accumulate_grad_batches
         for optimizer in self.optimizers:
             if optimizer.backward_passes_per_step != passes:
                 optimizer.set_backward_passes_per_step(passes)
-        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        super().on_train_batch_start(batch, batch_idx)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None,
                        **kwargs: Any) -> Any:
@@ -155,15 +155,15 @@ class HorovodStrategyBody(OnDPPlugin):
             return result
 
         with optimizer.skip_synchronize():
-            return super().optimizer_step(optimizer, averaged, model, **kwargs)  # type: ignore[misc]
+            return super().optimizer_step(optimizer, averaged, model, **kwargs)
 
     def on_train_end(self) -> None:
         self._join_if_out_of_batches()
-        super().on_train_end()  # type: ignore[misc]
+        super().on_train_end()
 
     def on_validation_start(self) -> None:
         self._join_if_out_of_batches()
-        super().on_validation_start()  # type: ignore[misc]
+        super().on_validation_start()
 
     # -- uneven data: join where this rank's batches end ---------------------------
     def _join_if_out_of_batches(self) -> bool:
@@ -187,7 +187,7 @@ class HorovodStrategyBody(OnDPPlugin):
         if len(set(counts)) > 1:
             # The joined ranks skipped the others' last steps: the rank that
             # joined last trained through all of them.
-            hvd.broadcast_parameters(self.lightning_module.state_dict(),  # type: ignore[attr-defined]
+            hvd.broadcast_parameters(self.lightning_module.state_dict(),
                                      root_rank=last)
             for optimizer in self.optimizers:
                 hvd.broadcast_optimizer_state(optimizer, root_rank=last)
@@ -222,7 +222,7 @@ class HorovodStrategyBody(OnDPPlugin):
         for optimizer in self.optimizers:
             _joining.retire(optimizer)
         self._fitting = None
-        super().teardown()  # type: ignore[misc]
+        super().teardown()
 
     # -- collectives ----------------------------------------------------------------
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
