@@ -20,7 +20,7 @@ def _clean_runtime():
 
 
 def test_use_before_init_names_the_fix() -> None:
-    for fn in (dp_plugin.engine, dp_plugin.rank, dp_plugin.size, dp_plugin.launch.topology):
+    for fn in (dp_plugin.engine, dp_plugin.rank, dp_plugin.size, dp_plugin.topology):
         with pytest.raises(NotInitializedError, match=r"call init\(\)"):
             fn()
     assert not dp_plugin.is_initialized()
