@@ -154,15 +154,22 @@ def gan_round(rank: int, disc: tuple[nn.Linear, torch.optim.Optimizer],
         check(torch.allclose(grad, want, rtol=0, atol=1e-12), f"grad {grad} != {want}")
 
 
+def wrapped(*names: str) -> list[tuple[nn.Linear, torch.optim.Optimizer]]:
+    """One bias-free float64 ``Linear(2, 1)`` and its ``DistributedOptimizer``
+    (SGD) per name, the weight registered under that name, in order."""
+    pairs = []
+    for name in names:
+        model = nn.Linear(2, 1, bias=False).double()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=[(name, model.weight)])
+        pairs.append((model, opt))
+    return pairs
+
+
 def case_different_rates(_: object) -> None:
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    pairs = []
-    for label in ("disc", "gen"):
-        model = nn.Linear(2, 1, bias=False).double()
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=[(f"{label}.w", model.weight)])
-        pairs.append((model, opt))
+    pairs = wrapped("disc.w", "gen.w")
     gan_round(rank, pairs[0], pairs[1], size, range(size))  # everyone trains
     if rank > 0:
         for _ in range(2):
@@ -172,23 +179,13 @@ def case_different_rates(_: object) -> None:
     hvd.shutdown()
 
 
-def fresh_pair(label: str) -> list[tuple[nn.Linear, torch.optim.Optimizer]]:
-    pairs = []
-    for half in ("a", "b"):
-        model = nn.Linear(2, 1, bias=False).double()
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=[(f"{label}.{half}.w", model.weight)])
-        pairs.append((model, opt))
-    return pairs
-
-
 def case_before_the_first_step(_: object) -> None:
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    pairs = fresh_pair("barrier")
+    pairs = wrapped("barrier.a.w", "barrier.b.w")
     check(hvd.join() == size - 1, "join() as a barrier returned the wrong rank")
     gan_round(rank, pairs[0], pairs[1], size, range(size))  # the first real steps
-    pairs = fresh_pair("uneven")
+    pairs = wrapped("uneven.a.w", "uneven.b.w")
     if rank == 1:  # one backward into both, then the later optimizer first
         for _, opt in pairs:
             opt.zero_grad()
