@@ -31,7 +31,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 import dp_plugin.torch as hvd
 import torch
 from dp_plugin.lightning import collectives
-from dp_plugin.lightning.process import OnDPPlugin, distributed_optimizer
+from dp_plugin.lightning.process import OnDPPlugin, distributed_optimizer, refuse_unknown_options
 from dp_plugin.torch import joining as _joining
 
 FABRIC_OPTIMIZER_OPTIONS = ("compression", "op", "gradient_predivide_factor", "num_groups",
@@ -56,12 +56,8 @@ class HorovodFabricStrategy(OnDPPlugin, ParallelStrategy):
     def __init__(self, accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
                  checkpoint_io: Any = None, precision: Any = None,
                  **optimizer_options: Any) -> None:
-        unknown = sorted(set(optimizer_options) - set(FABRIC_OPTIMIZER_OPTIONS))
-        if unknown:
-            raise TypeError(
-                f"HorovodFabricStrategy got unexpected keyword argument(s) {unknown}; it passes "
-                f"only {list(FABRIC_OPTIMIZER_OPTIONS)} to hvd.DistributedOptimizer (it sets "
-                "named_parameters)")
+        refuse_unknown_options("HorovodFabricStrategy", optimizer_options,
+                               FABRIC_OPTIMIZER_OPTIONS, "named_parameters")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=None, checkpoint_io=checkpoint_io,
                          precision=precision)

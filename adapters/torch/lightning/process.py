@@ -5,7 +5,8 @@ separate class trees in Lightning, but they ask the same questions of the
 process (its ranks, its device, the sampler's arguments) and set up their
 optimizers the same way. ``OnDPPlugin`` answers the questions; both
 strategies put it first among their bases. ``distributed_optimizer`` is the
-setup of one optimizer.
+setup of one optimizer; ``refuse_unknown_options`` checks the keyword
+arguments a strategy passes on to it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,18 @@ from typing import Any
 import dp_plugin.torch as hvd
 import torch
 from dp_plugin.errors import DPPluginError
+
+
+def refuse_unknown_options(owner: str, options: dict[str, Any], allowed: tuple[str, ...],
+                           sets: str) -> None:
+    """``TypeError`` naming the keyword arguments of ``owner`` that are not
+    among the ``hvd.DistributedOptimizer`` arguments it passes on; ``sets``
+    says what it sets itself."""
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise TypeError(
+            f"{owner} got unexpected keyword argument(s) {unknown}; it passes "
+            f"only {list(allowed)} to hvd.DistributedOptimizer (it sets {sets})")
 
 
 class OnDPPlugin:

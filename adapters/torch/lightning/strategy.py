@@ -43,7 +43,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 import dp_plugin.torch as hvd
 import torch
 from dp_plugin.lightning import collectives
-from dp_plugin.lightning.process import OnDPPlugin, distributed_optimizer
+from dp_plugin.lightning.process import OnDPPlugin, distributed_optimizer, refuse_unknown_options
 from dp_plugin.torch import joining as _joining
 
 OPTIMIZER_OPTIONS = ("compression", "op", "gradient_predivide_factor", "num_groups", "groups",
@@ -73,13 +73,9 @@ class HorovodStrategyBody(OnDPPlugin):
     def __init__(self, accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
                  checkpoint_io: Any = None, precision_plugin: Any = None,
                  **optimizer_options: Any) -> None:
-        unknown = sorted(set(optimizer_options) - set(OPTIMIZER_OPTIONS))
-        if unknown:
-            raise TypeError(
-                f"HorovodStrategy got unexpected keyword argument(s) {unknown}; it passes "
-                f"only {list(OPTIMIZER_OPTIONS)} to hvd.DistributedOptimizer (it sets "
-                "named_parameters, and backward_passes_per_step from the Trainer's "
-                "accumulate_grad_batches)")
+        refuse_unknown_options("HorovodStrategy", optimizer_options, OPTIMIZER_OPTIONS,
+                               "named_parameters, and backward_passes_per_step from the "
+                               "Trainer's accumulate_grad_batches")
         super().__init__(accelerator=accelerator,
                          parallel_devices=parallel_devices, cluster_environment=None,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
