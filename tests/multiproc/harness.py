@@ -190,14 +190,12 @@ def run_workers(
             cmd = [str(BIN_DIR / "horovodrun"), "--gloo", "-np", str(nprocs),
                    "-H", f"localhost:{nprocs}", *launcher_args, *python, script, *args]
             jobs.append((cmd, base_env, ""))
-        if launcher == "mpirun":
-            _mpich_jobs.enter()
+        _mpich_jobs.enter()  # any rank may start MPICH (_MpichJobs)
         what = f"{launcher} x{nprocs} {Path(script).name}" + ("" if warm else " (fresh)")
         try:
             return _run(jobs, rank_files, Path(tmp), timeout, check, what)
         finally:
-            if launcher == "mpirun":
-                _mpich_jobs.leave()
+            _mpich_jobs.leave()
 
 
 def run_cells(cells: Mapping[str, Callable[[], object]], workers: int) -> dict[str, object]:
@@ -305,8 +303,11 @@ _warm_servers = _WarmServers()
 class _MpichJobs:
     """MPICH unlinks its shared-memory segments at MPI_Finalize; a rank
     killed (by a test, mpiexec or the deadline) leaves its 2 MiB
-    ``mpich_shm_*`` behind. What appeared in /dev/shm while mpirun jobs ran
-    is theirs; it is deleted when the last of them ends (``run_cells`` may
+    ``mpich_shm_*`` behind. Not only under mpirun: a rank of any launcher
+    that imported mpi4py (Lightning's MPI environment detection does) has
+    started MPICH, and one that ends by an error or ``os._exit`` skips
+    MPI_Finalize. What appeared in /dev/shm while launches ran is theirs;
+    it is deleted when the last of them ends (``run_cells`` may
     run several at once, and pytest-xdist runs tests in two processes:
     deleting a segment a running job has yet to open would break it). The
     count of running jobs and the segments seen before the first are kept
