@@ -13,8 +13,9 @@ paths are exercised for real):
   engine (statistics staged through the CPU), against ``F.batch_norm``.
 
 With real processes (this file is also the worker, see ``worker_main``):
-two ranks sharing one GPU with the gloo engine on CUDA tensors, and, with
-two or more GPUs, two ranks with NCCL: parameters must end identical on
+two ranks sharing one GPU with the gloo engine on CUDA tensors (also the
+sharded optimizer's and PowerSGD's multi-process workers with CUDA models),
+and, with two or more GPUs, two ranks with NCCL: parameters must end identical on
 both ranks and equal to a single-process run on the global batch.
 """
 
@@ -248,6 +249,27 @@ def test_two_ranks_train_cuda_model(engine: str) -> None:
     result = run_workers("env", 2, Path(__file__), args=["--worker"],
                          env={"DP_PLUGIN_ENGINE": engine, "DP_PLUGIN_TIMEOUT": "60"},
                          timeout=180)
+    assert_ranks_ok(result, 2)
+
+
+WORKERS = Path(__file__).parents[1] / "multiproc" / "workers"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("worker", "case"), [
+    ("torch_sharded.py", "optimizers"), ("torch_sharded.py", "options"),
+    ("torch_sharded.py", "checkpoint"), ("torch_sharded.py", "join"),
+    ("torch_powersgd.py", "reference"), ("torch_powersgd.py", "accumulation"),
+    ("torch_powersgd.py", "join")])
+def test_two_ranks_on_one_gpu(worker: str, case: str) -> None:
+    """The sharded optimizer (bitwise equal to the unsharded one, SGD-momentum,
+    Adam, AdamW, options, checkpoints, join) and PowerSGD (against the CPU
+    reference of its algorithm) with CUDA models: both ranks on cuda:0, gloo."""
+    from tests.multiproc.harness import assert_ranks_ok, run_workers
+
+    result = run_workers("env", 2, WORKERS / worker, args=["--case", case],
+                         env={"DP_PLUGIN_ENGINE": "gloo", "DP_PLUGIN_TIMEOUT": "60",
+                              "DP_TEST_DEVICE": "cuda"}, timeout=240)
     assert_ranks_ok(result, 2)
 
 

@@ -53,6 +53,9 @@ PER_RANK = 4
 RANK = 2
 START = 3
 SEED = 5
+# DP_TEST_DEVICE=cuda: the distributed model on the GPU (the reference stays
+# on the CPU; tests/torch/test_cuda_paths.py runs it on the gloo engine).
+DEVICE = torch.device(os.environ.get("DP_TEST_DEVICE", "cpu"))
 
 
 class Net(nn.Module):
@@ -78,7 +81,8 @@ def local_grads(model: nn.Module, step: int, rank: int, passes: int) -> None:
     """This rank's backward passes of ``step`` (gradients accumulate in ``.grad``)."""
     for micro in range(passes):
         x, y = batch(step, micro, rank)
-        (nn.functional.mse_loss(model(x), y) / passes).backward()
+        device = next(model.parameters()).device
+        (nn.functional.mse_loss(model(x.to(device)), y.to(device)) / passes).backward()
 
 
 # -- the single-process reference --------------------------------------------------------
@@ -152,13 +156,15 @@ class Reference:
 
 
 def flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
 
 
 def check(model: nn.Module, ref_model: nn.Module, what: str, compare_ranks: bool = True
           ) -> None:
     a, b = flat(model), flat(ref_model)
-    if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
+    # On a GPU the products round differently from the CPU reference's.
+    rtol, atol = (1e-5, 1e-6) if DEVICE.type == "cpu" else (1e-4, 1e-5)
+    if not torch.allclose(a, b, rtol=rtol, atol=atol):
         raise AssertionError(f"{what}: parameters differ from the single-process reference "
                              f"(max diff {(a - b).abs().max():.3g})")
     if compare_ranks:
@@ -189,6 +195,7 @@ def train(steps: int, passes: int = 1, stop_early: int = 0, **kwargs: Any) -> No
     torch.manual_seed(3)
     model = Net()
     ref_model = copy.deepcopy(model)
+    model.to(DEVICE)
     ref = Reference(list(ref_model.named_parameters()), size)
     lr = 0.1
     ref_sgd = torch.optim.SGD(ref_model.parameters(), lr=lr)
@@ -355,6 +362,8 @@ CASES = {
 
 def start(args: object) -> object:
     torch.set_num_threads(1)
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(0)
     hvd.init()
     return args
 

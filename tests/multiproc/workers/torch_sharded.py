@@ -26,6 +26,9 @@ on every rank.
 - ``refused``: LBFGS, Adafactor, a sparse embedding: clear errors.
 - ``from_env``: run under DP_PLUGIN_SHARD_OPTIMIZER_STATE=1.
 - ``check_finite``: run under DP_PLUGIN_CHECK_FINITE=skip.
+
+``DP_TEST_DEVICE=cuda`` puts the models and batches on the GPU (every rank
+on ``cuda:0``: tests/torch/test_cuda_paths.py runs it on the gloo engine).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import dp_plugin.torch as hvd
 PER_RANK = 4
 STEPS = 5
 BITWISE = os.environ.get("BITWISE", "1") == "1"
+DEVICE = torch.device(os.environ.get("DP_TEST_DEVICE", "cpu"))
 
 
 class Net(nn.Module):
@@ -59,18 +63,19 @@ class Net(nn.Module):
 
 def batch(step: int, micro: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + micro)
-    return torch.randn(rows, 6, generator=g), torch.randn(rows, 3, generator=g)
+    return (torch.randn(rows, 6, generator=g).to(DEVICE),
+            torch.randn(rows, 3, generator=g).to(DEVICE))
 
 
 def flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
 
 
 def pair(make: Callable[[Any], torch.optim.Optimizer], named: bool = True, **kwargs: Any
          ) -> list[tuple[nn.Module, Any]]:
     """[(model, unsharded optimizer), (its copy, sharded optimizer)]."""
     torch.manual_seed(3)
-    model = Net()
+    model = Net().to(DEVICE)
     twin = copy.deepcopy(model)
     return [(m, hvd.DistributedOptimizer(make(m.parameters()),
                                          named_parameters=m.named_parameters() if named
@@ -88,7 +93,7 @@ def train(pairs: list[tuple[nn.Module, Any]], steps: range, passes: int = 1,
             opt.zero_grad()
 
             def loss_of(model: nn.Module = model, step: int = step) -> torch.Tensor:
-                total = torch.zeros(())
+                total = torch.zeros((), device=DEVICE)
                 for micro in range(passes):
                     x, y = batch(step, micro, PER_RANK * size)
                     loss = nn.functional.mse_loss(model(x[mine]), y[mine]) / passes
@@ -154,7 +159,7 @@ def case_options(_: object) -> None:
     pairs = pair(adam, named=False)
     train(pairs, range(2))
     for _, opt in pairs:  # a new group re-plans: the state moves with it
-        opt.add_param_group({"params": [nn.Parameter(torch.ones(5))], "lr": 0.1})
+        opt.add_param_group({"params": [nn.Parameter(torch.ones(5, device=DEVICE))], "lr": 0.1})
     train(pairs, range(2, 4))
 
 
@@ -324,6 +329,8 @@ CASES = {
 
 def start(args: object) -> None:
     torch.set_num_threads(1)
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(0)
     hvd.init()
 
 
