@@ -34,6 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dp_plugin.config import Config
+from dp_plugin.engines.local import LocalEngine
+from dp_plugin.launch.launchers import Topology
+
 HAS_CUDA = torch.cuda.is_available()
 pytestmark = [
     pytest.mark.gpu,
@@ -103,7 +107,7 @@ def test_nccl_stages_cpu_buffers(nccl_one_rank: Any) -> None:
     a = np.arange(3, dtype=np.float32)
     eng.allreduce_async(a, "sum", name="numpy.sum").wait()
     assert np.array_equal(a, np.arange(3, dtype=np.float32))
-    rows = eng.allgather(torch.ones(2, 3), name="cpu.gather")
+    rows = eng.allgather(torch.ones(2, 3), [2], name="cpu.gather")
     assert rows.device.type == "cpu" and rows.shape == (2, 3)
     eng.broadcast(x, 0, name="cpu.bcast")
     hvd.barrier()
@@ -175,27 +179,20 @@ def test_sync_batch_norm_module_cuda(nccl_one_rank: Any) -> None:
     torch.testing.assert_close(sync(x), ref(x))
 
 
-class _HostOnlyEngine:
-    """One rank whose collectives accept CPU tensors only, like the gloo,
-    mpi and horovod engines' host paths: checks that SyncBatchNorm stages
-    CUDA statistics through the host for them."""
+class _HostOnlyEngine(LocalEngine):
+    """One rank whose collectives take host buffers only, like the gloo, mpi
+    and horovod engines' host paths: SyncBatchNorm must stage its CUDA
+    statistics through the CPU for it."""
 
     name = "host-only"
-    size = 1
-    rank = 0
 
-    def allgather(self, buf: torch.Tensor, name: str = "") -> torch.Tensor:
+    def __init__(self) -> None:
+        super().__init__(Topology(launcher="torchrun", rank=0, size=1, local_rank=0,
+                                  local_size=1, cross_rank=0, cross_size=1), Config())
+
+    def _allreduce_async(self, buf: Any, op: Any, name: str) -> Any:
         assert buf.device.type == "cpu", f"{name}: got a {buf.device} buffer"
-        return buf.clone()
-
-    def allreduce_async(self, buf: torch.Tensor, op: Any = "sum", name: str = "") -> Any:
-        assert buf.device.type == "cpu", f"{name}: got a {buf.device} buffer"
-
-        class Done:
-            def wait(self) -> None:
-                pass
-
-        return Done()
+        return super()._allreduce_async(buf, op, name)
 
 
 @pytest.mark.parametrize("engine_kind", ["nccl", "host-only"])

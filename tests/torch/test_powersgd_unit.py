@@ -29,7 +29,8 @@ SHAPES = {"w1": (48, 20), "b1": (48,), "w2": (4, 48), "conv": (16, 3, 3, 3)}
 def one_rank(hook: PowerSGDHook, device: str) -> Reducer:
     engine = LocalEngine(Topology(launcher="torchrun", rank=0, size=1, local_rank=0,
                                   local_size=1, cross_rank=0, cross_size=1), Config())
-    specs = [TensorSpec(name, shape, "float32", device) for name, shape in SHAPES.items()]
+    where = str(torch.empty(0, device=device).device)  # "cuda" -> "cuda:0", as a tensor says
+    specs = [TensorSpec(name, shape, "float32", where) for name, shape in SHAPES.items()]
     reducer = Reducer(specs, engine=engine, hook=hook, fusion_threshold=2048)
     hook.bind(reducer.state, engine.channel)
     return reducer

@@ -234,12 +234,12 @@ def check_allgather(engine: Engine) -> None:
     check_equal("allgather 1-D", got, np.concatenate(parts_1d), "float64", "max")
 
 
-def _error_of(fn: Callable[[], object]) -> str:
+def _error_of(fn: Callable[[], object], what: str = "") -> str:
     try:
         fn()
     except (ValueError, TypeError) as exc:
         return f"{type(exc).__name__}: {exc}"
-    raise AssertionError(f"{fn} did not raise")
+    raise AssertionError(f"{what or fn} did not raise")
 
 
 def _refusal(fn: Callable[[], object]) -> str:
@@ -267,13 +267,15 @@ def check_errors(engine: Engine) -> None:
                        ["(2, 2)", "1-D", "flatten"]),
         "root too big": (lambda: engine.broadcast(flat, size), [f"{size}", "root"]),
         "root negative": (lambda: engine.broadcast(flat, -1), ["-1", "root"]),
-        "allgather mismatch": (lambda: checked.allgather(engine, uneven, "mismatch"),
-                               ["Mismatched allgather tensor shapes for 'mismatch'",
-                                *ranks_named, "only the first may differ"]),
     }
+    if size > 1:  # one rank's shapes cannot disagree (a one-GPU machine runs nccl at size 1)
+        cases["allgather mismatch"] = (
+            lambda: checked.allgather(engine, uneven, "mismatch"),
+            ["Mismatched allgather tensor shapes for 'mismatch'", *ranks_named,
+             "only the first may differ"])
     messages = []
     for label, (fn, needles) in cases.items():
-        message = _error_of(fn)
+        message = _error_of(fn, label)
         for needle in needles:
             if needle not in message:
                 raise AssertionError(f"error for {label} lacks {needle!r}: {message}")
@@ -285,7 +287,8 @@ def check_errors(engine: Engine) -> None:
         raise AssertionError(f"error messages differ between ranks; mine: {messages}")
     # A 0-d all-gather input on the last rank only: every rank raises.
     scalar = np.zeros((), np.float32) if rank == size - 1 else np.zeros(2, np.float32)
-    message = _error_of(lambda: checked.allgather(engine, to_kind(scalar, Setup.kinds[0]), "0d"))
+    message = _error_of(lambda: checked.allgather(engine, to_kind(scalar, Setup.kinds[0]), "0d"),
+                        "a 0-d all-gather input")
     # MismatchError, the one error of every agreement, is a ValueError (``_error_of``)
     if not message.startswith("MismatchError") or f"rank(s) [{size - 1}]" not in message:
         raise AssertionError(f"0-d all-gather input on rank {size - 1}: {message}")
