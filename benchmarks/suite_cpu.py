@@ -21,7 +21,6 @@ load from other sessions far better than wall time does.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -78,8 +77,12 @@ def main(args: list[str]) -> int:
                 for line in f.read_text().splitlines()]
     (CPUACCT / "cgroup.procs").write_text(str(os.getpid()))  # out of the group (no xdist)
     for group in CPUACCT.glob(f"dp_suite_cpu_{os.getpid()}_*"):
-        with contextlib.suppress(OSError):  # a daemon a test left behind still runs there
-            group.rmdir()
+        for _ in range(50):  # daemons stopped by the last test may take a moment to exit
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
     rows.sort(key=lambda r: -r[1])
     print("\n| test | wall (s) | CPU (s) | CPU / wall |\n|---|---|---|---|")
     for nodeid, seconds, cpu in rows:
