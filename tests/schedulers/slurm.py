@@ -15,7 +15,12 @@ returns why not where that cannot be done, and the tests skip saying so.
 ``ProctrackType=proctrack/linuxproc`` and ``TaskPlugin=task/none``: no
 cgroups needed. ``InactiveLimit=20``: an allocation whose srun was killed
 (a test's deadline) is released after 20 s; with 0 it held its node
-forever and every later job waited behind it (seen here). Every daemon
+forever and every later job waited behind it (seen here).
+``MinJobAge=0``: finished jobs' records are never purged, and ``sbatch
+--wait`` polls every 2 s (it first sleeps 2 s, then 4 times longer while
+its sleep is under half of MinJobAge: 2 s, then 8 s each time with
+``MinJobAge=10``; ``sbatch --wait`` of a 3 s job took 10.1 s with 10, 4.3 s
+with 0). Every daemon
 runs in the foreground as our child and is stopped by its pid; the
 slurmds' namespaces are emptied by ``Hosts.close``.
 ``close()`` is idempotent and registered with ``atexit``.
@@ -143,7 +148,7 @@ MailProg=/bin/true
 ReturnToService=2
 InactiveLimit=20
 KillWait=5
-MinJobAge=10
+MinJobAge=0
 {nodes}
 PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
 """)
