@@ -36,12 +36,17 @@ step as compute and the shaped rate). Needs root (namespaces).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import math
 import os
+import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ddp-bucket-mb", type=float, default=1000.0,
                     help="DDP's bucket_cap_mb for torch's powerSGD_hook (one bucket: see above)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--errors", type=Path, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -85,6 +91,27 @@ def tx_bytes() -> int:
 
 
 def worker(args: argparse.Namespace) -> int:
+    """One rank; its traceback, if it fails, goes to ``--errors``/rank<N>.txt
+    for the launching side to print (the launchers' output keeps only the
+    last rank's last lines, and torchrun its own summary)."""
+    try:
+        return _worker(args)
+    except BaseException:
+        if args.errors is not None:
+            name = f"rank{os.environ.get('RANK', os.getpid())}.txt"
+            (args.errors / name).write_text(
+                f"host {os.environ.get('GROUP_RANK', '?')}, local rank "
+                f"{os.environ.get('LOCAL_RANK', '?')}, peak RSS {peak_rss_mib():.0f} MiB\n"
+                + traceback.format_exc())
+        raise
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory (``ru_maxrss``, KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
@@ -98,6 +125,9 @@ def worker(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     shapes = bert(layers=args.layers)
 
+    gen = torch.Generator().manual_seed(1 + rank)
+    weights = [torch.randn(s, generator=gen) for _, s in shapes]  # one set for every method
+
     class Shapes(torch.nn.Module):
         """Parameters of BERT's shapes; the loss weights each by a fixed
         random tensor, so backward is one multiply per parameter."""
@@ -107,11 +137,9 @@ def worker(args: argparse.Namespace) -> int:
             gen = torch.Generator().manual_seed(0)
             self.params = torch.nn.ParameterList(
                 [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02) for _, s in shapes])
-            gen.manual_seed(1 + rank)
-            self.weights = [torch.randn(s, generator=gen) for _, s in shapes]
 
         def forward(self) -> torch.Tensor:
-            return sum((p * w).sum() for p, w in zip(self.params, self.weights, strict=True))
+            return sum((p * w).sum() for p, w in zip(self.params, weights, strict=True))
 
     def make(method: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         model = Shapes()
@@ -130,14 +158,17 @@ def worker(args: argparse.Namespace) -> int:
         return model, opt
 
     methods = ["local", *args.methods]
-    setups = {m: make(m) for m in methods}
     times: dict[str, list[float]] = {m: [] for m in methods}
     sent: dict[str, list[float]] = {m: [] for m in methods}
     counts_link = int(os.environ.get("LOCAL_RANK", "0")) == 0
     for block in range(args.blocks):
         order = methods if block % 2 == 0 else list(reversed(methods))
         for method in order:
-            model, opt = setups[method]
+            # Built afresh for each block, and dropped after it: at BERT-base's
+            # size a setup holds about 2 GB per rank (parameters, gradients,
+            # fusion buffers, PowerSGD's errors), and all four at once on each
+            # of 4 ranks ran the 24 GiB machine out of memory.
+            model, opt = make(method)
             for step in range(args.steps + 2):
                 hvd.barrier()
                 if step == 2:
@@ -153,6 +184,9 @@ def worker(args: argparse.Namespace) -> int:
             hvd.barrier()
             if counts_link and before >= 0:
                 sent[method].append((tx_bytes() - before) / args.steps)
+            del model, opt
+            gc.collect()
+    peak = hvd.allreduce(torch.tensor([peak_rss_mib()]), op=hvd.Max, name="peak_rss")
     per_host = [statistics.median(v) if v else -1.0 for v in sent.values()]
     table = torch.tensor(per_host, dtype=torch.float64)
     # Every host's local rank 0 counted its link; rank 0 reports the largest.
@@ -170,7 +204,7 @@ def worker(args: argparse.Namespace) -> int:
         local = statistics.median(times["local"])
         link_bps = int(os.environ.get("DP_CLUSTER_LINK_BPS", "0"))
         link = Link(alpha=ALPHA_S, beta=link_bps / 8) if link_bps else None
-        sizes = [4 * s.numel() for s in setups["local"][0].params]
+        sizes = [4 * math.prod(s) for s in tensor_shapes]
         cap, first = Config().bucket_caps(total_bytes=sum(sizes))
         gflops = args.gflops or POWERSGD_GFLOPS
         gbytes = args.gbytes or POWERSGD_GBYTES
@@ -190,6 +224,7 @@ def worker(args: argparse.Namespace) -> int:
                 "link_bytes_per_step": float(table[i]), "formula_bytes": formula,
                 "predicted_s": pred, "local_s": local, "params": wire.dense,
                 "rank": args.rank, "layers": args.layers, "link_bps": link_bps,
+                "peak_rss_mib": peak.item(),
             }), flush=True)
     dist.barrier()
     hvd.shutdown()
@@ -214,30 +249,53 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def failure_report(proc: subprocess.CompletedProcess[str], errors: Path, ranks: int) -> str:
+    """What a failed cluster run says: each rank's own traceback (written by
+    ``worker``), the ranks that left none (killed by a signal: the kernel's
+    OOM killer, the cluster's timeout), then the launchers' last lines."""
+    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+    parts = [f"powersgd_bench: the cluster run failed (exit {proc.returncode})."]
+    silent = []
+    for rank in range(ranks):
+        found = errors / f"rank{rank}.txt"
+        if found.exists():
+            parts.append(f"--- rank {rank}'s error ---\n{found.read_text().rstrip()}")
+        else:
+            silent.append(str(rank))
+    if silent:
+        parts.append(f"ranks {', '.join(silent)} raised no Python error: they ran to the end, "
+                     "or were killed by a signal (the kernel's OOM killer: see "
+                     "`dmesg | grep -i oom`; the cluster's --timeout)")
+    parts.append(f"--- the launchers' last lines ---\n{tail}")
+    return "\n".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker(args)
-    cmd = [sys.executable, str(CLUSTER), "--hosts", str(args.hosts), "--ranks-per-host",
-           str(args.ranks_per_host), "--link", args.link, "--timeout", str(args.timeout), "--",
-           str(Path(__file__).resolve()), "--worker", "--layers", str(args.layers),
-           "--rank", str(args.rank), "--steps", str(args.steps), "--blocks", str(args.blocks),
-           "--ddp-bucket-mb", str(args.ddp_bucket_mb), "--methods", *args.methods,
-           *([] if args.gflops is None else ["--gflops", str(args.gflops)]),
-           *([] if args.gbytes is None else ["--gbytes", str(args.gbytes)])]
-    env = {**os.environ, "DP_PLUGIN_ENGINE": "gloo", "DP_PLUGIN_TIMEOUT": "600"}
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    rows = [{**json.loads(line.partition("RESULT ")[2]), "hosts": args.hosts,
-             "per_host": args.ranks_per_host, "link": args.link}
-            for line in proc.stdout.splitlines() if "RESULT " in line]
-    if proc.returncode != 0 or not rows:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-        raise SystemExit(f"powersgd_bench: the cluster run failed (exit {proc.returncode}):\n"
-                         f"{tail}")
+    with tempfile.TemporaryDirectory(prefix="powersgd_bench.") as errors:
+        os.chmod(errors, 0o777)  # the ranks may run as another user
+        cmd = [sys.executable, str(CLUSTER), "--hosts", str(args.hosts), "--ranks-per-host",
+               str(args.ranks_per_host), "--link", args.link, "--timeout", str(args.timeout),
+               "--", str(Path(__file__).resolve()), "--worker", "--errors", errors,
+               "--layers", str(args.layers), "--rank", str(args.rank), "--steps",
+               str(args.steps), "--blocks", str(args.blocks), "--ddp-bucket-mb",
+               str(args.ddp_bucket_mb), "--methods", *args.methods,
+               *([] if args.gflops is None else ["--gflops", str(args.gflops)]),
+               *([] if args.gbytes is None else ["--gbytes", str(args.gbytes)])]
+        env = {**os.environ, "DP_PLUGIN_ENGINE": "gloo", "DP_PLUGIN_TIMEOUT": "600"}
+        t0 = time.monotonic()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        rows = [{**json.loads(line.partition("RESULT ")[2]), "hosts": args.hosts,
+                 "per_host": args.ranks_per_host, "link": args.link}
+                for line in proc.stdout.splitlines() if "RESULT " in line]
+        if proc.returncode != 0 or not rows:
+            raise SystemExit(failure_report(proc, Path(errors), args.hosts * args.ranks_per_host))
     print(f"# {args.hosts} x {args.ranks_per_host} at {args.link}: "
           f"{time.monotonic() - t0:.0f} s", file=sys.stderr)
     print(table(rows))
+    print(f"\npeak resident memory per rank: {rows[0]['peak_rss_mib']:.0f} MiB (the largest rank)")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
