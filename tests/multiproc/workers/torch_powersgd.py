@@ -15,7 +15,8 @@ with 512-byte ones), and at more than two ranks on the engine's summation
 order. A missing error feedback or a wrong ``Q`` is off by 1e-3 or more.
 
 - ``reference``: SGD, 8 steps, start_iter=3, rank 2; the elements the hook
-  sent equal the wire formula (``dp_plugin.reduce.powersgd.wire_numel``).
+  sent equal the wire formula (``dp_plugin.reduce.powersgd.wire_numel``),
+  and so do the bytes ``comm_stats()`` reports for a compressed step.
 - ``accumulation``: backward_passes_per_step=2.
 - ``join``: the last rank trains 3 steps fewer, then ``hvd.join()``; its
   zero gradients (plus its own error) go through the same two all-reduces,
@@ -226,6 +227,13 @@ def train(steps: int, passes: int = 1, stop_early: int = 0, **kwargs: Any) -> No
     if hook.sent_numel != expected:
         raise AssertionError(f"the hook sent {hook.sent_numel} elements, the formula "
                              f"says {expected} ({wire})")
+    # comm_stats() counts what crossed: P, Q and the uncompressed members
+    # (float32), not the buckets' dense bytes.
+    stats = opt.comm_stats()
+    if stats.last.bytes_reduced != 4 * (wire.total + control):
+        raise AssertionError(f"comm_stats() says a compressed step reduced "
+                             f"{stats.last.bytes_reduced} bytes, the formula "
+                             f"{4 * (wire.total + control)} (dense: {4 * (dense + control)})")
     print(f"rank {rank}: {wire.dense} elements dense, {wire.total} compressed "
           f"({wire.ratio:.2f}x fewer)", flush=True)
 
