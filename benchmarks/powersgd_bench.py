@@ -27,7 +27,9 @@ local rank 0 before and after the block), the formula's bytes per step
 carries a multiple of it, 1x on the hierarchical path at 2 hosts, 1.5x on
 a flat ring of 4), and the step ``dp-plugin plan`` predicts
 (``alphabeta.predict`` / ``predict_powersgd`` with the measured no-comm
-step as compute and the shaped rate). Needs root (namespaces).
+step as compute, the shaped rate, and the path the gloo engine takes:
+hierarchical when each host holds several ranks). On failure it prints
+each rank's own traceback. Needs root (namespaces).
 
     sudo .venv/bin/python benchmarks/powersgd_bench.py
     sudo .venv/bin/python benchmarks/powersgd_bench.py --layers 2 --steps 3 --blocks 1
@@ -194,7 +196,7 @@ def _worker(args: argparse.Namespace) -> int:
                           op=hvd.Max, name="link")
     if rank == 0:
         from dp_plugin.cli.alphabeta import Link, predict, predict_powersgd
-        from dp_plugin.cli.plan import POWERSGD_GBYTES, POWERSGD_GFLOPS
+        from dp_plugin.cli.plan import LOCAL_GBIT, POWERSGD_GBYTES, POWERSGD_GFLOPS
         from dp_plugin.config import Config
         from dp_plugin.reduce.powersgd import PowerSGDSettings, wire_numel
 
@@ -204,6 +206,10 @@ def _worker(args: argparse.Namespace) -> int:
         local = statistics.median(times["local"])
         link_bps = int(os.environ.get("DP_CLUSTER_LINK_BPS", "0"))
         link = Link(alpha=ALPHA_S, beta=link_bps / 8) if link_bps else None
+        # The gloo engine's automatic path: hierarchical where hosts hold several ranks.
+        ranks_per_host = int(os.environ.get("DP_CLUSTER_RANKS_PER_HOST", "1"))
+        inside = (Link(alpha=5e-6, beta=LOCAL_GBIT * 1e9 / 8)
+                  if 1 < ranks_per_host < size else None)
         sizes = [4 * math.prod(s) for s in tensor_shapes]
         cap, first = Config().bucket_caps(total_bytes=sum(sizes))
         gflops = args.gflops or POWERSGD_GFLOPS
@@ -213,11 +219,12 @@ def _worker(args: argparse.Namespace) -> int:
             t = statistics.median(times[method])
             pred = None
             if link is not None and method in ("dp", "dp powersgd"):
-                pred = (predict(sizes, local, size, link, cap, first_threshold=first).step_s
+                pred = (predict(sizes, local, size, link, cap, per_host=ranks_per_host,
+                                local=inside, first_threshold=first).step_s
                         if method == "dp" else
                         predict_powersgd(tensor_shapes, local, size, link, cap, settings,
-                                         gflops * 1e9, gbytes * 1e9,
-                                         first_threshold=first).step_s)
+                                         gflops * 1e9, gbytes * 1e9, first_threshold=first,
+                                         per_host=ranks_per_host, local=inside).step_s)
             formula = 4 * (wire.dense if method in ("local", "dp") else wire.total)
             print("RESULT " + json.dumps({
                 "method": method, "size": size, "step_s": t, "vs_dp": t / dp,
