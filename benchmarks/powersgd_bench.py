@@ -27,8 +27,11 @@ local rank 0 before and after the block), the formula's bytes per step
 carries a multiple of it, 1x on the hierarchical path at 2 hosts, 1.5x on
 a flat ring of 4), and the step ``dp-plugin plan`` predicts
 (``alphabeta.predict`` / ``predict_powersgd`` with the measured no-comm
-step as compute, the shaped rate, and the path the gloo engine takes:
-hierarchical when each host holds several ranks). On failure it prints
+step as compute, the shaped rate, the speed of the hook's passes over the
+gradients measured on the ranks beside the PowerSGD steps (an ``add_`` over
+64 MiB, the slowest rank: on a shared machine it is far from a quiet
+core's), and the path the gloo engine takes: hierarchical when each host
+holds several ranks). On failure it prints
 each rank's own traceback. Needs root (namespaces).
 
     sudo .venv/bin/python benchmarks/powersgd_bench.py
@@ -72,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gflops", type=float, default=None,
                     help="the plan's speed of the matrix products (default: its own)")
     ap.add_argument("--gbytes", type=float, default=None,
-                    help="the plan's bandwidth of the passes over the gradients (default: its own)")
+                    help="the plan's bandwidth of the passes over the gradients (default: "
+                         "measured on the ranks during the run, the slowest rank's)")
     ap.add_argument("--timeout", type=float, default=1500.0)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
@@ -159,7 +163,20 @@ def _worker(args: argparse.Namespace) -> int:
                 opt.register_comm_hook(PowerSGDHook(rank=args.rank, start_iter=0))
         return model, opt
 
+    def pass_seconds() -> float:
+        """One ``a.add_(b)`` over 64 MiB of float32 (3 passes: read, read,
+        write), the median of three: the speed of the hook's passes over the
+        gradients on this rank, under whatever else the machine runs now."""
+        a, b = torch.ones(16 << 20), torch.ones(16 << 20)
+        spent = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            a.add_(b)
+            spent.append(time.perf_counter() - t0)
+        return statistics.median(spent)
+
     methods = ["local", *args.methods]
+    passes: list[float] = []
     times: dict[str, list[float]] = {m: [] for m in methods}
     sent: dict[str, list[float]] = {m: [] for m in methods}
     counts_link = int(os.environ.get("LOCAL_RANK", "0")) == 0
@@ -170,6 +187,9 @@ def _worker(args: argparse.Namespace) -> int:
             # size a setup holds about 2 GB per rank (parameters, gradients,
             # fusion buffers, PowerSGD's errors), and all four at once on each
             # of 4 ranks ran the 24 GiB machine out of memory.
+            if method == "dp powersgd":  # measured beside the steps it explains
+                passes.append(hvd.allreduce(torch.tensor([pass_seconds()]), op=hvd.Max,
+                                            name="passes").item())
             model, opt = make(method)
             for step in range(args.steps + 2):
                 hvd.barrier()
@@ -213,7 +233,8 @@ def _worker(args: argparse.Namespace) -> int:
         sizes = [4 * math.prod(s) for s in tensor_shapes]
         cap, first = Config().bucket_caps(total_bytes=sum(sizes))
         gflops = args.gflops or POWERSGD_GFLOPS
-        gbytes = args.gbytes or POWERSGD_GBYTES
+        measured = 3 * 4 * (16 << 20) / statistics.median(passes) / 1e9 if passes else None
+        gbytes = args.gbytes or measured or POWERSGD_GBYTES
         dp = statistics.median(times["dp" if "dp" in times else "local"])
         for i, method in enumerate(methods):
             t = statistics.median(times[method])
@@ -231,7 +252,7 @@ def _worker(args: argparse.Namespace) -> int:
                 "link_bytes_per_step": float(table[i]), "formula_bytes": formula,
                 "predicted_s": pred, "local_s": local, "params": wire.dense,
                 "rank": args.rank, "layers": args.layers, "link_bps": link_bps,
-                "peak_rss_mib": peak.item(),
+                "peak_rss_mib": peak.item(), "plan_gbytes": gbytes, "plan_gflops": gflops,
             }), flush=True)
     dist.barrier()
     hvd.shutdown()
@@ -302,7 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {args.hosts} x {args.ranks_per_host} at {args.link}: "
           f"{time.monotonic() - t0:.0f} s", file=sys.stderr)
     print(table(rows))
-    print(f"\npeak resident memory per rank: {rows[0]['peak_rss_mib']:.0f} MiB (the largest rank)")
+    print(f"\npeak resident memory per rank: {rows[0]['peak_rss_mib']:.0f} MiB (the largest "
+          f"rank); the plan's passes over the gradients at {rows[0]['plan_gbytes']:.2f} GB/s "
+          f"({'given' if args.gbytes else 'measured, the slowest rank'}), products at "
+          f"{rows[0]['plan_gflops']:g} GFLOP/s")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
