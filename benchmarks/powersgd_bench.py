@@ -18,7 +18,9 @@ method, the blocks interleaved so that outside load hits all alike:
   next all-reduce from the last one's completion callback, so with several
   buckets on Gloo the ranks issued them in different orders (seen here at
   2 x 2 with 25 MB buckets: Gloo's "Received data size doesn't match
-  expected size", every rank aborted).
+  expected size", every rank aborted). Its gradients are views of that
+  bucket (``gradient_as_bucket_view``), as dp_plugin's are of its fusion
+  buffer: one copy of the model less.
 
 Per method: median step (slowest rank), its ratio to ``dp``, the bytes
 each host's link sent per step (the host's ``eth0`` counter, read by its
@@ -131,8 +133,11 @@ def _worker(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     shapes = bert(layers=args.layers)
 
+    # The loss's weights: views of one random buffer the size of the largest
+    # parameter (the word embeddings), not a second copy of the model.
     gen = torch.Generator().manual_seed(1 + rank)
-    weights = [torch.randn(s, generator=gen) for _, s in shapes]  # one set for every method
+    pool = torch.randn(max(math.prod(s) for _, s in shapes), generator=gen)
+    weights = [pool[:math.prod(s)].view(s) for _, s in shapes]
 
     class Shapes(torch.nn.Module):
         """Parameters of BERT's shapes; the loss weights each by a fixed
@@ -151,8 +156,9 @@ def _worker(args: argparse.Namespace) -> int:
         model = Shapes()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         if method == "ddp powersgd":
-            model = torch.nn.parallel.DistributedDataParallel(
-                model, bucket_cap_mb=args.ddp_bucket_mb)
+            model = torch.nn.parallel.DistributedDataParallel(  # gradients in its bucket,
+                model, bucket_cap_mb=args.ddp_bucket_mb,  # as dp_plugin's in its buffer
+                gradient_as_bucket_view=True)
             state = torch_psgd.PowerSGDState(process_group=None,
                                              matrix_approximation_rank=args.rank,
                                              start_powerSGD_iter=2)
@@ -291,8 +297,8 @@ def failure_report(proc: subprocess.CompletedProcess[str], errors: Path, ranks: 
         else:
             silent.append(str(rank))
     if silent:
-        parts.append(f"ranks {', '.join(silent)} raised no Python error: they ran to the end, "
-                     "or were killed by a signal (the kernel's OOM killer: see "
+        parts.append(f"rank(s) {', '.join(silent)} raised no Python error: ran to the end, "
+                     "or killed by a signal (the kernel's OOM killer: see "
                      "`dmesg | grep -i oom`; the cluster's --timeout)")
     parts.append(f"--- the launchers' last lines ---\n{tail}")
     return "\n".join(parts)
