@@ -302,6 +302,8 @@ class _Compressed(Handle):
         self._hook, self._bucket, self._layout = hook, bucket, layout
         self._first: Handle = first
         self._second: Handle | None = None
+        self.payload_bytes = bucket.flat.element_size() * (
+            layout.whole_numel + layout.p_numel + layout.q_numel)
         self.then(lambda: hook._finish(bucket, layout))
 
     def _advance(self, block: bool) -> bool:

@@ -189,18 +189,33 @@ def best_threshold(sizes: Sequence[int], compute_s: float, n: int, link: Link,
     return max((p for p in preds if p.step_s <= fastest * 1.005), key=lambda p: p.threshold)
 
 
+UNPACK_PASSES = 2
+"""Passes over every element of a bucket that a comm hook reduced: the
+unpack multiplies the sum by ``1 / size`` (read, write; ``FusionBuffer.unpack``),
+which the engine folds into its reduction only for the default hook."""
+
+
 def predict_powersgd(shapes: Sequence[Sequence[int]], compute_s: float, n: int, link: Link,
                      threshold: int, settings: PowerSGDSettings, flops_per_s: float,
                      bytes_per_s: float, backward_fraction: float = 2 / 3,
-                     ready_by: str = "tensors",
-                     first_threshold: int | None = None) -> Prediction:
+                     ready_by: str = "tensors", first_threshold: int | None = None,
+                     per_host: int = 1, local: Link | None = None) -> Prediction:
     """``predict`` for float32 gradients of ``shapes`` (definition order)
-    reduced by PowerSGD (``dp_plugin.reduce.powersgd``) on the same buckets: each
-    bucket costs one all-reduce of its ``P`` s and uncompressed members, one
-    of its ``Q`` s, and its work on the rank: the matrix products at
-    ``flops_per_s`` or the passes over the matrices at ``bytes_per_s``,
-    whichever is longer, one after the other (a bucket with nothing to
-    compress: one plain all-reduce)."""
+    reduced by PowerSGD (``dp_plugin.reduce.powersgd``) on the same buckets
+    (``per_host`` and ``local`` as in ``allreduce_time``).
+
+    Each bucket costs one all-reduce of its ``P`` s and uncompressed
+    members, then, once that is back, one of its ``Q`` s, and its work on
+    the rank: the matrix products at ``flops_per_s`` or the passes over its
+    elements at ``bytes_per_s`` (``touched_bytes``, and the unpack's
+    ``UNPACK_PASSES``), whichever is longer. A bucket with nothing to
+    compress: one plain all-reduce and the unpack.
+
+    The work runs on the rank's own device, where backward runs (a CPU
+    rank: backward's thread; a GPU: the stream backward's kernels are on),
+    so it does not overlap backward as the wire does: each bucket's work
+    also delays every gradient after it, and the step is at least compute
+    plus all the work."""
     if flops_per_s <= 0 or bytes_per_s <= 0:
         raise ValueError(f"flops_per_s and bytes_per_s must be > 0, got {flops_per_s!r} and "
                          f"{bytes_per_s!r}")
@@ -210,20 +225,22 @@ def predict_powersgd(shapes: Sequence[Sequence[int]], compute_s: float, n: int, 
     start_backward = compute_s - backward
     ready = ready_times(sizes, backward, ready_by)
     plan = buckets(sizes, threshold, first_threshold)
-    end = comm = 0.0
+    end = comm = shift = 0.0
     first = 0
-    for last, _ in plan:
+    for last, nbytes in plan:
         members = order[first:last + 1]
         first = last + 1
         wire = wire_numel(members, settings)
+        touched = UNPACK_PASSES * nbytes
         if wire.p == 0:
-            t = ring_allreduce_time(4 * wire.whole, n, link)
+            t = allreduce_time(4 * wire.whole, n, link, per_host, local)
         else:
-            t = (ring_allreduce_time(4 * (wire.whole + wire.p), n, link)
-                 + ring_allreduce_time(4 * wire.q, n, link)
-                 + max(powersgd_flops(members, settings) / flops_per_s,
-                       touched_bytes(members, settings) / bytes_per_s))
-        end = max(end, start_backward + ready[last]) + t
-        comm += t
+            t = (allreduce_time(4 * (wire.whole + wire.p), n, link, per_host, local)
+                 + allreduce_time(4 * wire.q, n, link, per_host, local))
+            touched += touched_bytes(members, settings)
+        work = max(powersgd_flops(members, settings) / flops_per_s, touched / bytes_per_s)
+        end = max(end, start_backward + ready[last] + shift) + t + work
+        shift += work
+        comm += t + work
     return Prediction(workers=n, threshold=threshold, buckets=len(plan), compute_s=compute_s,
-                      comm_s=comm, step_s=max(compute_s, end))
+                      comm_s=comm, step_s=max(compute_s + shift, end))

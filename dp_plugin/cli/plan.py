@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
             better.append({"workers": n, "threshold_mib": best.threshold / MiB,
                            "fusion_threshold": best.threshold, "step_ms": best.step_s * 1e3,
                            "default_step_ms": p.step_s * 1e3, "shorter": gain})
-    lowrank = powersgd_rows(args, shapes, compute, link, threshold, first, rows)
+    lowrank = powersgd_rows(args, shapes, compute, link, threshold, first, per_host, local)
     n = args.workers[-1]
     choice = suggest(sizes, compute, n, link, args, per_host, local, plan_words)
     if args.json:
@@ -320,10 +320,12 @@ def suggest(sizes: list[int], compute: float, n: int, link: Link, args: argparse
 
 def powersgd_rows(args: argparse.Namespace, shapes: list[tuple[str, tuple[int, ...]]],
                   compute: float, link: Link, threshold: int, first: int | None,
-                  rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+                  per_host: int, local: Link | None) -> dict[str, Any] | None:
     """The PowerSGD prediction at ``--powersgd-rank`` (None without it): bytes
     on the link per step from the formula, and each worker count's step
-    beside the plain row's (flat ring, the same buckets)."""
+    beside the plain one on the same buckets and the same path: hierarchical
+    where several ranks share a host (the gloo engine's automatic choice),
+    else the flat ring."""
     if args.powersgd_rank is None:
         return None
     try:
@@ -331,15 +333,20 @@ def powersgd_rows(args: argparse.Namespace, shapes: list[tuple[str, tuple[int, .
     except ValueError as exc:
         raise SystemExit(f"--powersgd-rank {args.powersgd_rank}: {exc}") from None
     tensor_shapes = [shape for _, shape in shapes]
+    sizes = [4 * math.prod(shape) for shape in tensor_shapes]
     wire = wire_numel(tensor_shapes, settings)
     out = []
-    for row in rows:
-        p = predict_powersgd(tensor_shapes, compute, row["workers"], link, threshold, settings,
+    for n in args.workers:
+        hier = local if per_host > 1 and n > per_host else None
+        p = predict_powersgd(tensor_shapes, compute, n, link, threshold, settings,
                              args.powersgd_gflops * 1e9, args.powersgd_gbytes * 1e9,
-                             args.backward_fraction, args.ready_by, first_threshold=first)
-        out.append({"workers": row["workers"], "comm_ms": p.comm_s * 1e3,
-                    "step_ms": p.step_s * 1e3, "efficiency": p.efficiency,
-                    "plain_step_ms": row["step_ms"]})
+                             args.backward_fraction, args.ready_by, first_threshold=first,
+                             per_host=per_host, local=hier)
+        plain = predict(sizes, compute, n, link, threshold, args.backward_fraction,
+                        args.ready_by, per_host, hier, first_threshold=first)
+        out.append({"workers": n, "path": "flat ring" if hier is None else "hierarchical",
+                    "comm_ms": p.comm_s * 1e3, "step_ms": p.step_s * 1e3,
+                    "efficiency": p.efficiency, "plain_step_ms": plain.step_s * 1e3})
     return {"rank": settings.rank, "dense_bytes": 4 * wire.dense, "wire_bytes": 4 * wire.total,
             "p_bytes": 4 * wire.p, "q_bytes": 4 * wire.q, "uncompressed_bytes": 4 * wire.whole,
             "ratio": wire.ratio, "gflops": args.powersgd_gflops,
@@ -352,8 +359,10 @@ def print_powersgd(lowrank: dict[str, Any]) -> None:
           f"({lowrank['ratio']:.1f}x fewer: P {lowrank['p_bytes'] / MiB:.2f} + Q "
           f"{lowrank['q_bytes'] / MiB:.2f} + uncompressed {lowrank['uncompressed_bytes'] / MiB:.2f}"
           f" MiB); matrix products at {lowrank['gflops']:g} GFLOP/s, passes over the "
-          f"gradients at {lowrank['gbytes']:g} GB/s")
-    print(f"{'workers':>7} {'all-reduce':>11} {'step':>9} {'efficiency':>10} {'plain step':>10}")
+          f"gradients at {lowrank['gbytes']:g} GB/s, on the rank's device in series with "
+          "backward")
+    print(f"{'workers':>7} {'path':>12} {'all-reduce':>11} {'step':>9} {'efficiency':>10} "
+          f"{'plain step':>10}")
     for r in lowrank["rows"]:
-        print(f"{r['workers']:>7} {r['comm_ms']:>8.1f} ms {r['step_ms']:>6.1f} ms "
+        print(f"{r['workers']:>7} {r['path']:>12} {r['comm_ms']:>8.1f} ms {r['step_ms']:>6.1f} ms "
               f"{r['efficiency']:>9.1%} {r['plain_step_ms']:>7.1f} ms")

@@ -36,6 +36,11 @@ class Handle(ABC):
         self.context: Callable[[], str] | None = None
         """More about what is moved (e.g. which bucket), for the messages;
         called only when a message needs it."""
+        self.payload_bytes: int | None = None
+        """Bytes this rank hands to the engine for what the handle stands for,
+        when a comm hook sends something other than the bucket's buffer
+        (PowerSGD: its ``P``, ``Q`` and uncompressed members); None: the
+        buffer's own bytes. ``comm_stats()`` counts it."""
         self.rank = rank
         self.timeout_s = timeout_s
         self._on_timeout = on_timeout

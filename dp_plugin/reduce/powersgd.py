@@ -158,13 +158,20 @@ written: adding the error (3), keeping ``M`` as the next error (2), ``M Q``
 (3). At small ranks these passes, not the multiply-adds, take the time: 11
 passes of 4 bytes against ``6 r`` flops per element."""
 
+WHOLE_PASSES = 4
+"""Passes over each uncompressed element per step: copied into the wire
+buffer beside ``P`` (read, write) and back once that all-reduce is done."""
+
 
 def touched_bytes(shapes: Iterable[Shape], settings: PowerSGDSettings, itemsize: int = 4) -> int:
-    """Bytes one compressed step reads and writes in the compressed matrices
-    (``PASSES`` times each one's ``n * m`` elements)."""
+    """Bytes one compressed step reads and writes: ``PASSES`` times each
+    compressed matrix's ``n * m`` elements and ``WHOLE_PASSES`` times each
+    uncompressed tensor's."""
     total = 0
     for shape in shapes:
         found = matrix_of(shape, settings)
         if found is not None:
             total += PASSES * itemsize * found[0] * found[1]
+        else:
+            total += WHOLE_PASSES * itemsize * math.prod(int(d) for d in shape)
     return total

@@ -467,10 +467,13 @@ class Reducer:
             if not block and self._would_block(r, st.tensors):
                 return
             t0 = time.perf_counter()
-            if self._start(r, st.tensors) is not None:
+            handle = self._start(r, st.tensors)
+            if handle is not None:
                 if st.syncing:  # launched late: nothing overlaps it any more
                     st.late_launch_s += time.perf_counter() - t0
-                st.bytes += r.buffer.numel * itemsize(r.buffer.wire_dtype)
+                sent = handle.payload_bytes  # a hook that sends less (PowerSGD) says so
+                st.bytes += r.buffer.numel * itemsize(r.buffer.wire_dtype) if sent is None \
+                    else sent
                 st.launched += 1
             st.next_launch += 1
 

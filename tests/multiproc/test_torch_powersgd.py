@@ -3,7 +3,8 @@
 ``workers/torch_powersgd.py``, one launch per case: after every step the
 ranks' parameters are bitwise equal and equal a single-process reference
 of the algorithm within 1e-5; the elements sent equal the wire formula;
-accumulation; ``hvd.join()``; the refusals. On Gloo (with its shared-memory
+accumulation; ``hvd.join()``; with ``shard_optimizer_state=True`` (bitwise
+the unsharded PowerSGD run, at 3 ranks); the refusals. On Gloo (with its shared-memory
 transport) with the default buckets and with 512-byte ones (several
 buckets in flight: the ``Q`` all-reduces start in bucket order on their
 own communicator), MPI, Horovod's ring, and the hierarchical path (two
@@ -21,7 +22,7 @@ from tests.multiproc.harness import assert_ranks_ok, run_workers, worker_cases
 
 WORKERS = Path(__file__).parent / "workers"
 WORKER = WORKERS / "torch_powersgd.py"
-CASES = [c for c in worker_cases(WORKER) if not c.startswith("elastic")]
+CASES = [c for c in worker_cases(WORKER) if not c.startswith("elastic") and c != "sharded"]
 ENV = {"DP_PLUGIN_ENGINE": "gloo", "DP_PLUGIN_TIMEOUT": "30"}
 SMALL_BUCKETS = {"DP_PLUGIN_FUSION_THRESHOLD": "512"}
 
@@ -32,6 +33,15 @@ def test_powersgd_gloo_small_buckets(case: str) -> None:
     result = run_workers("env", 2, WORKER, args=["--case", case], env={**ENV, **SMALL_BUCKETS},
                          timeout=240)
     assert_ranks_ok(result, 2)
+
+
+@pytest.mark.multiproc
+def test_powersgd_with_sharded_optimizer_state() -> None:
+    """At 3 ranks, with buckets small enough that shard ranges cross
+    parameters: bitwise the unsharded PowerSGD run, state sharded."""
+    result = run_workers("env", 3, WORKER, args=["--case", "sharded"],
+                         env={**ENV, **SMALL_BUCKETS}, timeout=240)
+    assert_ranks_ok(result, 3)
 
 
 @pytest.mark.multiproc

@@ -15,11 +15,17 @@ with 512-byte ones), and at more than two ranks on the engine's summation
 order. A missing error feedback or a wrong ``Q`` is off by 1e-3 or more.
 
 - ``reference``: SGD, 8 steps, start_iter=3, rank 2; the elements the hook
-  sent equal the wire formula (``dp_plugin.reduce.powersgd.wire_numel``).
+  sent equal the wire formula (``dp_plugin.reduce.powersgd.wire_numel``),
+  and so do the bytes ``comm_stats()`` reports for a compressed step.
 - ``accumulation``: backward_passes_per_step=2.
 - ``join``: the last rank trains 3 steps fewer, then ``hvd.join()``; its
   zero gradients (plus its own error) go through the same two all-reduces,
   and the reference says what the others end with.
+- ``sharded``: Adam under ``shard_optimizer_state=True`` beside the same
+  model unsharded, each with its own hook: the hook all-reduces every
+  bucket (its approximation is whole on every rank), each rank steps its
+  own pieces of it, so the parameters are bitwise the unsharded run's
+  after every step, and each rank keeps the state of about 1/size of them.
 - ``refused``: bad rank/start_iter/min_compression_rate, ranks with
   different settings, a reduction that is not a sum, one hook on two
   optimizers.
@@ -228,6 +234,13 @@ def train(steps: int, passes: int = 1, stop_early: int = 0, **kwargs: Any) -> No
     if hook.sent_numel != expected:
         raise AssertionError(f"the hook sent {hook.sent_numel} elements, the formula "
                              f"says {expected} ({wire})")
+    # comm_stats() counts what crossed: P, Q and the uncompressed members
+    # (float32), not the buckets' dense bytes.
+    stats = opt.comm_stats()
+    if stats.last.bytes_reduced != 4 * (wire.total + control):
+        raise AssertionError(f"comm_stats() says a compressed step reduced "
+                             f"{stats.last.bytes_reduced} bytes, the formula "
+                             f"{4 * (wire.total + control)} (dense: {4 * (dense + control)})")
     print(f"rank {rank}: {wire.dense} elements dense, {wire.total} compressed "
           f"({wire.ratio:.2f}x fewer)", flush=True)
 
@@ -242,6 +255,47 @@ def case_accumulation(_: object) -> None:
 
 def case_join(_: object) -> None:
     train(8, stop_early=3)
+
+
+def case_sharded(_: object) -> None:
+    rank, size = hvd.rank(), hvd.size()
+    torch.manual_seed(3)
+    plain = Net()
+    sharded = copy.deepcopy(plain)
+    opts, hooks = [], []
+    for model, shard in ((plain, False), (sharded, True)):
+        opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                       named_parameters=model.named_parameters(),
+                                       shard_optimizer_state=shard)
+        hooks.append(PowerSGDHook(rank=RANK, start_iter=START, seed=SEED))
+        opt.register_comm_hook(hooks[-1])
+        opts.append(opt)
+    for step in range(START + 3):
+        for model, opt in zip((plain, sharded), opts, strict=True):
+            opt.zero_grad()
+            local_grads(model, step, rank, 1)
+            opt.step()
+        a, b = flat(plain), flat(sharded)
+        if not torch.equal(a, b):
+            raise AssertionError(f"step {step}: sharded PowerSGD differs from unsharded "
+                                 f"(max diff {(a - b).abs().max():.3g})")
+        everyone = hvd.allgather_object(b, name=f"powersgd.sharded.{step}")
+        if not all(torch.equal(t, everyone[0]) for t in everyone):
+            raise AssertionError(f"step {step}: the ranks' sharded parameters differ")
+
+    def state_numel(opt: Any) -> int:
+        return sum(v.numel() for st in opt.state.values() for v in st.values()
+                   if torch.is_tensor(v) and v.dim() > 0)
+
+    if hooks[1].sent_numel != hooks[0].sent_numel or hooks[1].step != START + 3:
+        raise AssertionError(f"the sharded optimizer's hook sent {hooks[1].sent_numel} "
+                             f"elements in {hooks[1].step} steps, the unsharded one's "
+                             f"{hooks[0].sent_numel} in {hooks[0].step}")
+    whole, mine = state_numel(opts[0]), state_numel(opts[1])
+    buckets = len(opts[1]._dp.reducer.plan)
+    if mine > 2 * (whole // 2 // size + buckets):  # Adam: two moments per element
+        raise AssertionError(f"this rank keeps {mine} state elements of {whole}")
+    print(f"rank {rank}: Adam state {mine} of {whole} elements, {buckets} buckets", flush=True)
 
 
 def expect_error(kind: type[BaseException], words: str, fn: Any) -> None:
@@ -354,6 +408,7 @@ CASES = {
     "reference": case_reference,
     "accumulation": case_accumulation,
     "join": case_join,
+    "sharded": case_sharded,
     "refused": case_refused,
     "elastic_killed": case_elastic_killed,
     "elastic_reference": case_elastic_reference,
