@@ -155,17 +155,6 @@ class Engine(Lifecycle):
         size = self.size
         return handle.then(lambda: generic.average(buf, size))
 
-    def standing_allreduce_async(self, buf: Any, name: str) -> Handle:
-        """Start a sum all-reduce of ``buf`` that may wait for the other ranks
-        far longer than ``DP_PLUGIN_TIMEOUT``: its library sets no deadline,
-        and its handle is only polled (``done``); the caller bounds the wait
-        (``dp_plugin.agree.join.Deadline``: a joined rank's ``Listener``). It takes
-        the route a plain all-reduce of ``buf`` takes, so it meets the
-        others' there (``_standing_allreduce_async``)."""
-        self._check_usable(f"allreduce {name!r}")
-        _check_flat(buf, f"allreduce {name!r}")
-        return self._standing_allreduce_async(buf, name)
-
     def broadcast_async(self, buf: Any, root: int, name: str = "broadcast") -> Handle:
         """Start an in-place broadcast of the 1-D buffer ``buf`` from ``root``."""
         self._check_usable(f"broadcast {name!r}")
@@ -334,11 +323,6 @@ class Engine(Lifecycle):
     def _allreduce_scaled_async(self, buf: Any, postscale: float, name: str) -> Handle:
         """The sum of ``buf`` times ``postscale`` (``scales_in_reduction``)."""
         raise NotImplementedError(f"the {self.name} engine does not scale in the reduction")
-
-    def _standing_allreduce_async(self, buf: Any, name: str) -> Handle:
-        """``standing_allreduce_async``: engines whose library gives every
-        collective a deadline lift it on their ``_allreduce_async`` route."""
-        return self._allreduce_async(buf, ReduceOp.SUM, name)
 
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
         """``counts[i, j]``: rows rank i sends to rank j (validated, agreed by

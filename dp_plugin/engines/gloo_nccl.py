@@ -78,23 +78,21 @@ class GlooEngine(TorchDistEngine):
     def _allreduce_scaled_async(self, buf: Any, postscale: float, name: str) -> Handle:
         return self._allreduce_async(buf, ReduceOp.SUM, name, postscale)
 
-    def _allreduce_async(self, buf: Any, op: ReduceOp, name: str, postscale: float = 1.0, *,
-                         standing: bool = False) -> Handle:
-        """The one route of an all-reduce (``standing``: without a deadline of
-        its own, ``Engine.standing_allreduce_async``; a joined rank's listener
-        must meet the others' plain all-reduce on the same route)."""
+    def _allreduce_async(self, buf: Any, op: ReduceOp, name: str,
+                         postscale: float = 1.0) -> Handle:
+        """The one route of every all-reduce, a joined rank's standing one too
+        (it must meet the others' on the same route)."""
         route = self._hier or self._shm  # never both; a post-scale only with _shm
         if route is None:  # across hosts: Gloo's path validates the buffer itself
-            return super()._allreduce_async(buf, op, name, standing=standing)
+            return super()._allreduce_async(buf, op, name)
         t = self._tensor(buf, f"allreduce {name!r}")
         if route.takes(t) and t.numel():
             desc = self.describe("allreduce", name, t.numel() * t.element_size())
             if isinstance(route, shm.ShmTransport):
                 return route.allreduce_async(t, op, desc, self.mark_broken, self.wait_board(),
-                                             postscale, standing=standing)
-            return route.allreduce_async(t, op, desc, self.mark_broken, self.wait_board(),
-                                         standing=standing)
-        handle = super()._allreduce_async(buf, op, name, standing=standing)
+                                             postscale)
+            return route.allreduce_async(t, op, desc, self.mark_broken, self.wait_board())
+        handle = super()._allreduce_async(buf, op, name)
         if postscale == 1.0:
             return handle
         # A CUDA tensor: Gloo's path, then the scheduler's own multiply.
