@@ -19,8 +19,9 @@ Contract shared by all engines:
   complex) moves as raw bytes. The base class implements alltoall,
   reducescatter and subgroup on top of all-gather and all-reduce; engines
   override the underscore methods where their library has a native path;
-- Average is one definition on every engine, ``generic.average`` (the
-  rule of ``hooks.ReducePolicy`` too): no library's native average is used;
+- Average is one definition on every engine, here: the library sums,
+  then ``generic.average`` (the rule of ``hooks.ReducePolicy`` too); no
+  library's native average is used, and ``_allreduce_async`` never sees it;
 - open / closed / broken is the base class ``Lifecycle``'s (``lifecycle.py``);
   engines release their library's resources in ``_close``;
 - subgroup engines are made by the engine's constructor with ``parent=``
@@ -86,9 +87,6 @@ class Engine(Lifecycle):
     engine was split from (None for the engine ``init`` made)."""
 
     name: ClassVar[str]
-    native_ops: ClassVar[frozenset[ReduceOp]] = frozenset(
-        {ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT}
-    )
     def __init__(self, topology: Topology, config: Config, *,
                  parent: Engine | None = None) -> None:
         self.topology = topology
@@ -149,11 +147,10 @@ class Engine(Lifecycle):
                     f"{'does' if self.scales_in_reduction(dtype) else 'does not'}); multiply "
                     "the result instead")
             return self._allreduce_scaled_async(buf, postscale, name)
-        if op in self.native_ops:
+        if op is not ReduceOp.AVERAGE:
             return self._allreduce_async(buf, op, name)
-        handle = self._allreduce_async(buf, ReduceOp.SUM, name)
-        size = self.size
-        return handle.then(lambda: generic.average(buf, size))
+        return self._allreduce_async(buf, ReduceOp.SUM, name).then(
+            lambda: generic.average(buf, self.size))
 
     def broadcast_async(self, buf: Any, root: int, name: str = "broadcast") -> Handle:
         """Start an in-place broadcast of the 1-D buffer ``buf`` from ``root``."""
@@ -237,11 +234,10 @@ class Engine(Lifecycle):
         op = ReduceOp.parse(op)
         self._check_usable(f"reducescatter {name!r}")
         counts = reducescatter_counts(int(buf.shape[0]), self.size)
-        if op in self.native_ops:
+        if op is not ReduceOp.AVERAGE:
             return self._reducescatter_start(buf, op, counts, name)
         handle, result = self._reducescatter_start(buf, ReduceOp.SUM, counts, name)
-        size = self.size
-        return handle, lambda: generic.average(result(), size)
+        return handle, lambda: generic.average(result(), self.size)
 
     def subgroup(self, members: Sequence[int], hosts: Sequence[int],
                  name: str = "process_set") -> Engine | None:

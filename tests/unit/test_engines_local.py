@@ -58,6 +58,9 @@ def test_input_validation_comes_from_the_engine_interface() -> None:
     ints = np.array([3, -3, 7], np.int32)  # average of integers: the one Average rule
     engine.allreduce_async(ints, "average").wait()
     np.testing.assert_array_equal(ints, [3, -3, 7])
+    big = np.array([2**53 + 1], np.int64)  # over one rank, no pass through double
+    engine.allreduce_async(big, "average").wait()
+    assert int(big[0]) == 2**53 + 1
     with pytest.raises(TypeError, match="bool"):
         engine.allreduce_async(np.ones(3, bool))
     # Only an engine that scales in the reduction (gloo on shared memory) takes postscale.
