@@ -63,11 +63,8 @@ def test_input_validation_comes_from_the_engine_interface() -> None:
     assert int(big[0]) == 2**53 + 1
     with pytest.raises(TypeError, match="bool"):
         engine.allreduce_async(np.ones(3, bool))
-    # Only an engine that scales in the reduction (gloo on shared memory) takes postscale.
-    assert not engine.scales_in_reduction("float32")
-    with pytest.raises(ValueError, match=r"postscale=0.5 needs op='sum' and an engine .*\(the "
-                                         r"local engine does not\); multiply the result"):
-        engine.allreduce_async(np.ones(3, np.float32), "sum", postscale=0.5)
+    # Only an engine that scales in the reduction (gloo on shared memory) folds a factor.
+    assert engine.scaled_sum_async(np.ones(3, np.float32), 0.5) is None
 
 
 def test_broadcast_from_rank_zero_only() -> None:
