@@ -29,8 +29,9 @@ with the ``Listener`` (the agreement refuses it instead).
 
 Deadline: a ``Listener`` may stand for as long as the others train (their
 optimizer steps run on the optimizer's channel, not on the engine it
-listens on), so its collective carries no deadline of its own
-(``Engine.standing_allreduce_async``). ``join()`` owns the deadline
+listens on), so its all-reduce carries no deadline of its own: it is
+issued inside ``dp_plugin.engines.deadline.standing()``, which every
+engine reads as it issues. ``join()`` owns the deadline
 (``Deadline``): ``DP_PLUGIN_TIMEOUT`` after the last progress, where
 progress is any collective of the others that this rank answered, an
 optimizer step among them.
@@ -60,6 +61,7 @@ from dp_plugin.agree.agreement import (
 )
 from dp_plugin.agree.request import CHECK_TAG, Agreed
 from dp_plugin.engines.base import ReduceOp
+from dp_plugin.engines.deadline import standing
 from dp_plugin.errors import CollectiveTimeoutError, JoinedRankError
 from dp_plugin.reduce.arrays import numpy_dtype, to_device, to_host
 from dp_plugin.reduce.collective import fused_collective
@@ -97,7 +99,8 @@ class Listener:
         row = np.zeros(WIDTH, dtype=np.int64)
         row[1] = JOINED
         self._buf = table_buffer(engine, row)
-        self.handle = engine.standing_allreduce_async(self._buf, name=AGREE_NAME)
+        with standing():
+            self.handle = engine.allreduce_async(self._buf, ReduceOp.SUM, name=AGREE_NAME)
 
     def done(self) -> bool:
         return bool(self.handle.done())

@@ -19,8 +19,9 @@ Contract shared by all engines:
   complex) moves as raw bytes. The base class implements alltoall,
   reducescatter and subgroup on top of all-gather and all-reduce; engines
   override the underscore methods where their library has a native path;
-- Average is one definition on every engine, ``generic.average`` (the
-  rule of ``hooks.ReducePolicy`` too): no library's native average is used;
+- Average is one definition on every engine, here: the library sums,
+  then ``generic.average`` (the rule of ``hooks.ReducePolicy`` too); no
+  library's native average is used, and ``_allreduce_async`` never sees it;
 - open / closed / broken is the base class ``Lifecycle``'s (``lifecycle.py``);
   engines release their library's resources in ``_close``;
 - subgroup engines are made by the engine's constructor with ``parent=``
@@ -45,7 +46,6 @@ from dp_plugin.engines.generic import as_bytes, byte_rows
 from dp_plugin.engines.handle import DoneHandle, Handle
 from dp_plugin.engines.lifecycle import Lifecycle
 from dp_plugin.launch.topology import Topology
-from dp_plugin.reduce.arrays import as_numpy
 from dp_plugin.reduce.dtypes import canonical_dtype
 
 Started = tuple[Handle, Callable[[], Any]]
@@ -86,9 +86,6 @@ class Engine(Lifecycle):
     engine was split from (None for the engine ``init`` made)."""
 
     name: ClassVar[str]
-    native_ops: ClassVar[frozenset[ReduceOp]] = frozenset(
-        {ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT}
-    )
     def __init__(self, topology: Topology, config: Config, *,
                  parent: Engine | None = None) -> None:
         self.topology = topology
@@ -132,39 +129,21 @@ class Engine(Lifecycle):
 
     # -- public API --------------------------------------------------------
     def allreduce_async(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM,
-                        name: str = "allreduce", postscale: float = 1.0) -> Handle:
-        """Start an in-place all-reduce of the 1-D buffer ``buf``.
-
-        ``postscale`` (op sum only, where ``scales_in_reduction(dtype)``):
-        the engine multiplies the sum by it while reducing, with the result
-        bitwise what multiplying afterwards gives (the scheduler's average)."""
+                        name: str = "allreduce") -> Handle:
+        """Start an in-place all-reduce of the 1-D buffer ``buf``."""
         self._check_usable(f"allreduce {name!r}")
         op = ReduceOp.parse(op)
-        dtype = _check_flat(buf, f"allreduce {name!r}")
-        if postscale != 1.0:
-            if op is not ReduceOp.SUM or not self.scales_in_reduction(dtype):
-                raise ValueError(
-                    f"allreduce {name!r}: postscale={postscale:g} needs op='sum' and an engine "
-                    f"that scales {dtype} in the reduction (the {self.name} engine "
-                    f"{'does' if self.scales_in_reduction(dtype) else 'does not'}); multiply "
-                    "the result instead")
-            return self._allreduce_scaled_async(buf, postscale, name)
-        if op in self.native_ops:
-            return self._allreduce_async(buf, op, name)
-        handle = self._allreduce_async(buf, ReduceOp.SUM, name)
-        size = self.size
-        return handle.then(lambda: generic.average(buf, size))
-
-    def standing_allreduce_async(self, buf: Any, name: str) -> Handle:
-        """Start a sum all-reduce of ``buf`` that may wait for the other ranks
-        far longer than ``DP_PLUGIN_TIMEOUT``: its library sets no deadline,
-        and its handle is only polled (``done``); the caller bounds the wait
-        (``dp_plugin.agree.join.Deadline``: a joined rank's ``Listener``). It takes
-        the route a plain all-reduce of ``buf`` takes, so it meets the
-        others' there (``_standing_allreduce_async``)."""
-        self._check_usable(f"allreduce {name!r}")
         _check_flat(buf, f"allreduce {name!r}")
-        return self._standing_allreduce_async(buf, name)
+        if op is not ReduceOp.AVERAGE:
+            return self._allreduce_async(buf, op, name)
+        return self._allreduce_async(buf, ReduceOp.SUM, name).then(
+            lambda: generic.average(buf, self.size))
+
+    def scaled_sum_async(self, buf: Any, factor: float, name: str = "allreduce") -> Handle | None:
+        """Start a sum all-reduce of ``buf`` times ``factor`` in one pass,
+        bitwise what multiplying afterwards gives, or return None where this
+        engine cannot (the caller multiplies; gloo on shared memory can)."""
+        return None
 
     def broadcast_async(self, buf: Any, root: int, name: str = "broadcast") -> Handle:
         """Start an in-place broadcast of the 1-D buffer ``buf`` from ``root``."""
@@ -248,11 +227,10 @@ class Engine(Lifecycle):
         op = ReduceOp.parse(op)
         self._check_usable(f"reducescatter {name!r}")
         counts = reducescatter_counts(int(buf.shape[0]), self.size)
-        if op in self.native_ops:
+        if op is not ReduceOp.AVERAGE:
             return self._reducescatter_start(buf, op, counts, name)
         handle, result = self._reducescatter_start(buf, ReduceOp.SUM, counts, name)
-        size = self.size
-        return handle, lambda: generic.average(result(), size)
+        return handle, lambda: generic.average(result(), self.size)
 
     def subgroup(self, members: Sequence[int], hosts: Sequence[int],
                  name: str = "process_set") -> Engine | None:
@@ -302,12 +280,6 @@ class Engine(Lifecycle):
             self._channels.append(child)
         return child
 
-    def exchange_rows(self, row: np.ndarray, what: str) -> np.ndarray:
-        """All-gather one fixed-length int64 row per rank: a (size, n) table
-        (what ``shm.connect`` exchanges to set a segment up). One ``_allgather``."""
-        gathered = self._allgather(row[None, :], [1] * self.size, f"{what} (headers)")
-        return np.asarray(as_numpy(gathered))
-
     # -- to implement ------------------------------------------------------
     @abstractmethod
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle: ...
@@ -326,20 +298,6 @@ class Engine(Lifecycle):
     def _barrier(self) -> None: ...
 
     # -- may override where the library has a native path -------------------
-    def scales_in_reduction(self, dtype: str) -> bool:
-        """Whether ``allreduce_async(..., postscale=f)`` takes ``dtype`` buffers
-        (the multiply folded into the reduction). Default: no engine does."""
-        return False
-
-    def _allreduce_scaled_async(self, buf: Any, postscale: float, name: str) -> Handle:
-        """The sum of ``buf`` times ``postscale`` (``scales_in_reduction``)."""
-        raise NotImplementedError(f"the {self.name} engine does not scale in the reduction")
-
-    def _standing_allreduce_async(self, buf: Any, name: str) -> Handle:
-        """``standing_allreduce_async``: engines whose library gives every
-        collective a deadline lift it on their ``_allreduce_async`` route."""
-        return self._allreduce_async(buf, ReduceOp.SUM, name)
-
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
         """``counts[i, j]``: rows rank i sends to rank j (validated, agreed by
         all ranks) of ``buf``, rows of bytes (``generic.byte_rows``). Return

@@ -9,18 +9,42 @@ to check. A thread that never returns is left behind (a daemon: it does not
 keep the process alive); the engine is broken after such a timeout.
 A wait the library can test without blocking (a request, an HTTP key) uses
 ``poll``: test, sleep a little longer each time, until the deadline.
+
+A joined rank's standing all-reduce (``dp_plugin.agree.join.Listener``) has
+no deadline of its own: join issues it inside ``standing()``, and engines
+read ``is_standing()`` as they issue (torch.distributed fixes a timeout then).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from dp_plugin.errors import CollectiveTimeoutError
 
 T = TypeVar("T")
+
+_issuing = threading.local()
+
+
+@contextlib.contextmanager
+def standing(on: bool = True) -> Iterator[None]:
+    """Collectives issued in this block, by this thread, have no deadline of
+    their own (module docstring); ``on=False``: no change."""
+    before = is_standing()
+    _issuing.standing = before or on
+    try:
+        yield
+    finally:
+        _issuing.standing = before
+
+
+def is_standing() -> bool:
+    """Is this thread issuing a standing collective (``standing``)?"""
+    return getattr(_issuing, "standing", False)
 
 
 def bounded(fn: Callable[[], T], *, what: str, rank: int, timeout_s: float) -> T:

@@ -11,12 +11,15 @@ import functools
 import logging
 from typing import Any
 
+import numpy as np
+
 from dp_plugin.config import Config
 from dp_plugin.engines import hierarchical, shm
 from dp_plugin.engines.base import Availability, Handle, ReduceOp
 from dp_plugin.engines.hierarchical import HierarchicalAllreduce
 from dp_plugin.engines.torch_dist import TorchDistEngine
 from dp_plugin.launch.topology import Topology
+from dp_plugin.reduce.arrays import as_numpy
 
 log = logging.getLogger("dp_plugin")
 
@@ -72,33 +75,37 @@ class GlooEngine(TorchDistEngine):
         """Whether all-reduces are hierarchical (``hierarchical.py``)."""
         return self._hier is not None
 
-    def scales_in_reduction(self, dtype: str) -> bool:
-        return self._shm is not None and dtype in shm.SCALED_DTYPES
+    def exchange_rows(self, row: np.ndarray, what: str) -> np.ndarray:
+        """All-gather one fixed-length int64 row per rank: a (size, n) table
+        (what ``shm.connect`` exchanges to set a segment up). One ``_allgather``."""
+        gathered = self._allgather(row[None, :], [1] * self.size, f"{what} (headers)")
+        return np.asarray(as_numpy(gathered))
 
-    def _allreduce_scaled_async(self, buf: Any, postscale: float, name: str) -> Handle:
-        return self._allreduce_async(buf, ReduceOp.SUM, name, postscale)
+    def scaled_sum_async(self, buf: Any, factor: float, name: str = "allreduce") -> Handle | None:
+        """Shared memory multiplies the sum as it copies it out
+        (``shm.SCALED_DTYPES``); None on any other route."""
+        self._check_usable(f"allreduce {name!r}")
+        t = self._tensor(buf, f"allreduce {name!r}")
+        if (self._shm is None or not self._shm.takes(t) or not t.numel()
+                or str(t.dtype).removeprefix("torch.") not in shm.SCALED_DTYPES):
+            return None
+        return self._shm.allreduce_async(t, ReduceOp.SUM, self._describe(t, name),
+                                         self.mark_broken, self.wait_board(), factor)
 
-    def _allreduce_async(self, buf: Any, op: ReduceOp, name: str, postscale: float = 1.0, *,
-                         standing: bool = False) -> Handle:
-        """The one route of an all-reduce (``standing``: without a deadline of
-        its own, ``Engine.standing_allreduce_async``; a joined rank's listener
-        must meet the others' plain all-reduce on the same route)."""
-        route = self._hier or self._shm  # never both; a post-scale only with _shm
+    def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
+        """The one route of every all-reduce, a joined rank's standing one too
+        (it must meet the others' on the same route)."""
+        route = self._hier or self._shm  # never both
         if route is None:  # across hosts: Gloo's path validates the buffer itself
-            return super()._allreduce_async(buf, op, name, standing=standing)
+            return super()._allreduce_async(buf, op, name)
         t = self._tensor(buf, f"allreduce {name!r}")
         if route.takes(t) and t.numel():
-            desc = self.describe("allreduce", name, t.numel() * t.element_size())
-            if isinstance(route, shm.ShmTransport):
-                return route.allreduce_async(t, op, desc, self.mark_broken, self.wait_board(),
-                                             postscale, standing=standing)
-            return route.allreduce_async(t, op, desc, self.mark_broken, self.wait_board(),
-                                         standing=standing)
-        handle = super()._allreduce_async(buf, op, name, standing=standing)
-        if postscale == 1.0:
-            return handle
-        # A CUDA tensor: Gloo's path, then the scheduler's own multiply.
-        return handle.then(lambda: self._torch.mul(t, postscale, out=t))
+            return route.allreduce_async(t, op, self._describe(t, name), self.mark_broken,
+                                         self.wait_board())
+        return super()._allreduce_async(buf, op, name)
+
+    def _describe(self, t: Any, name: str) -> str:
+        return self.describe("allreduce", name, t.numel() * t.element_size())
 
     def _close(self) -> None:
         if self._shm is not None:

@@ -86,7 +86,7 @@ import numpy as np
 
 from dp_plugin.config import Config
 from dp_plugin.engines.base import ReduceOp
-from dp_plugin.engines.deadline import poll
+from dp_plugin.engines.deadline import is_standing, poll, standing
 from dp_plugin.engines.handle import Handle
 from dp_plugin.engines.shm import ShmHandle, ShmTransport
 from dp_plugin.engines.waits import lost_text
@@ -230,22 +230,22 @@ class HierarchicalAllreduce:
         return self._transport.takes(t) and str(t.dtype).removeprefix("torch.") in CROSS_DTYPES
 
     def allreduce_async(self, t: Any, op: ReduceOp, description: str, on_timeout: Any,
-                        board: Any, standing: bool = False) -> Handle:
+                        board: Any) -> Handle:
         """Queue the three steps of the module docstring: pipelined in
         pieces over the two transports, or unpipelined, the whole buffer as
         one piece whose two stages run one after the other on the host's
         transport thread; the handle is done when every stage of every
         piece has run, failed or been skipped (after a failure, nothing
-        touches ``t`` once its handle has raised). ``standing`` (a sum;
-        ``Engine.standing_allreduce_async``): no step has a deadline of its
-        own, the caller bounds the wait."""
+        touches ``t`` once its handle has raised). Issued inside
+        ``deadline.standing()``: no step has a deadline of its own, its
+        cross-host one included; the caller bounds the wait."""
         reduce_t, gather_t = self._transport, self._gather or self._transport
         data = t.view(-1)
         n = data.numel()
         step = max(1, PIECE_BYTES // t.element_size() if self.pipelined else n)
         handle = ShmHandle(description, reduce_t.job_rank, reduce_t.timeout_s, on_timeout, board,
                            parts=2 * -(-n // step))
-        deadline = None if standing else handle.started_at + reduce_t.timeout_s
+        deadline = None if is_standing() else handle.started_at + reduce_t.timeout_s
         with self._queueing:  # both queues take the pieces in the same order
             for lo in range(0, n, step):
                 piece = data[lo:lo + step]
@@ -253,7 +253,7 @@ class HierarchicalAllreduce:
                 where = f", {elements}" if elements else ""
                 whole = (lo, n) if self.pipelined else (0, 0)
                 crossing = _Crossing(self, handle, op, f"{description} (across hosts{where})",
-                                     elements, standing, deadline)
+                                     elements, deadline)
                 reduce_t.stage_async("reducescatter", piece, op, handle, deadline,
                                      after=crossing.start, on_error=crossing.fail, whole=whole)
                 gather_t.stage_async("allgather", piece, op, handle, deadline,
@@ -330,13 +330,13 @@ class _Crossing:
     wrong result. A peer that started its own waits for it to its deadline."""
 
     __slots__ = ("_deadline", "_elements", "_error", "_handle", "_job", "_name", "_op", "_owner",
-                 "_ready", "_standing")
+                 "_ready")
 
     def __init__(self, owner: HierarchicalAllreduce, job: ShmHandle, op: ReduceOp, name: str,
-                 elements: str, standing: bool, deadline: float | None) -> None:
+                 elements: str, deadline: float | None) -> None:
         self._owner, self._job, self._op, self._name = owner, job, op, name
         self._elements = elements
-        self._standing, self._deadline = standing, deadline
+        self._deadline = deadline  # None: a standing all-reduce
         self._ready = threading.Event()
         self._handle: Handle | None = None
         self._error: BaseException | None = None
@@ -346,8 +346,8 @@ class _Crossing:
         (none with one host or an empty shard: the same on every peer)."""
         cross = self._owner._cross
         if cross is not None and part.numel():
-            self._handle = (cross.standing_allreduce_async(part, name=self._name) if self._standing
-                            else cross.allreduce_async(part, self._op, name=self._name))
+            with standing(self._deadline is None):  # on this transport's thread
+                self._handle = cross.allreduce_async(part, self._op, name=self._name)
         self._ready.set()
 
     def fail(self, error: BaseException) -> None:

@@ -26,8 +26,6 @@ class LocalEngine(Engine):
     """World size 1; every collective completes immediately."""
 
     name = "local"
-    # Average over one rank is the identity: no divide pass needed.
-    native_ops = frozenset(ReduceOp)
 
     def __init__(self, topology: Topology, config: Config, *,
                  parent: LocalEngine | None = None) -> None:

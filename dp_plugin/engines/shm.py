@@ -90,6 +90,7 @@ from typing import Any, Literal
 import numpy as np
 
 from dp_plugin.engines.base import ReduceOp
+from dp_plugin.engines.deadline import is_standing
 from dp_plugin.engines.handle import Handle
 from dp_plugin.engines.waits import lost_text
 from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, LayoutMismatchError
@@ -187,13 +188,13 @@ class ShmTransport:
 
     def allreduce_async(self, t: Any, op: ReduceOp, description: str,
                         on_timeout: Callable[[str], None], board: Any,
-                        postscale: float = 1.0, standing: bool = False) -> Handle:
+                        postscale: float = 1.0) -> Handle:
         """Queue an in-place all-reduce of ``t`` (``takes(t)`` is true).
         ``postscale`` (a sum of a ``SCALED_DTYPES`` tensor only) multiplies
-        the result while it is copied out: no pass of its own.
-        ``standing``: no deadline of its own (``Engine.standing_allreduce_async``)."""
+        the result while it is copied out: no pass of its own. Issued inside
+        ``deadline.standing()``: no deadline of its own."""
         handle = ShmHandle(description, self.job_rank, self.timeout_s, on_timeout, board)
-        deadline = None if standing else handle.started_at + self.timeout_s
+        deadline = None if is_standing() else handle.started_at + self.timeout_s
         self._jobs.put(_Job(t, op, handle, postscale, deadline))
         return handle
 

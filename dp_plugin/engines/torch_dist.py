@@ -31,7 +31,7 @@ import numpy as np
 from dp_plugin.config import Config
 from dp_plugin.engines import rendezvous as rdv
 from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp, Started
-from dp_plugin.engines.deadline import bounded_on
+from dp_plugin.engines.deadline import bounded_on, is_standing
 from dp_plugin.engines.generic import torch_byte_rows
 from dp_plugin.engines.waits import WaitBoard
 from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, EngineUnavailableError
@@ -40,7 +40,7 @@ from dp_plugin.launch.topology import Topology
 from dp_plugin.reduce.arrays import as_numpy, as_torch, is_torch
 
 STANDING_TIMEOUT = timedelta(days=7)
-"""The library's own timeout of a standing all-reduce (``Engine.standing_allreduce_async``):
+"""The library's own timeout of a standing all-reduce (``deadline.standing``):
 long enough never to fire before its caller's deadline does."""
 
 
@@ -78,7 +78,8 @@ class TorchDistEngine(Engine):
             # A subgroup registers after its parent: atexit runs LIFO.
             atexit.register(self.shutdown)
         # Average never reaches the library: the base class sums, then scales.
-        self._reduce_ops = {op: getattr(dist.ReduceOp, op.name) for op in self.native_ops}
+        self._reduce_ops = {op: getattr(dist.ReduceOp, op.name) for op in ReduceOp
+                            if op is not ReduceOp.AVERAGE}
 
     @property
     def rendezvous_description(self) -> str:
@@ -217,10 +218,9 @@ class TorchDistEngine(Engine):
         return type(self)(topology, self.config, parent=self, group=group)
 
     # -- collectives ---------------------------------------------------------------
-    def _allreduce_async(self, buf: Any, op: ReduceOp, name: str, *,
-                         standing: bool = False) -> Handle:
-        """``standing``: the library's timeout (the group's is ``DP_PLUGIN_TIMEOUT``)
-        is ``STANDING_TIMEOUT``; the caller bounds the wait."""
+    def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
+        """A standing all-reduce (``deadline.is_standing``) gets the library
+        timeout ``STANDING_TIMEOUT`` (the group's is ``DP_PLUGIN_TIMEOUT``)."""
         t, back = self._staged(self._tensor(buf, f"allreduce {name!r}"))
         desc = self.describe("allreduce", name, t.numel() * t.element_size())
         if t.numel() == 0:  # every rank has the same size: all skip alike
@@ -229,7 +229,7 @@ class TorchDistEngine(Engine):
         # wrap-around of the cast back matches int16 arithmetic); broadcast and
         # gather it as bytes (_wire).
         staged = t.to(self._torch.int32) if t.dtype == self._torch.int16 else t
-        if standing:
+        if is_standing():
             opts = self._dist.AllreduceOptions()
             opts.reduceOp, opts.timeout = self._reduce_ops[op], STANDING_TIMEOUT
             group = self._dist.group.WORLD if self._group is None else self._group
@@ -240,9 +240,6 @@ class TorchDistEngine(Engine):
         if staged is t:
             return PollHandle(work, self, desc).then(back)
         return PollHandle(work, self, desc).then(lambda: (t.copy_(staged), back()))
-
-    def _standing_allreduce_async(self, buf: Any, name: str) -> Handle:
-        return self._allreduce_async(buf, ReduceOp.SUM, name, standing=True)
 
     def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle:
         t, back = self._staged(self._tensor(buf, f"broadcast {name!r}"))

@@ -26,7 +26,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
-from dp_plugin.engines.base import Handle, ReduceOp
+from dp_plugin.engines.base import Handle
 from dp_plugin.reduce.arrays import ops_for, spec_of
 from dp_plugin.reduce.buffer import FusionBuffer
 from dp_plugin.reduce.compression import Compressor, get_compressor
@@ -36,7 +36,6 @@ from dp_plugin.reduce.hooks import (
     CommHook,
     HookState,
     ReducePolicy,
-    allreduce_hook,
     hook_for,
 )
 
@@ -123,33 +122,17 @@ def _start(engine: Any, buf: FusionBuffer, ops: Any, members: list[Any],
     direct = buf.direct_alias(ops, members)
     aliased = buf.pack(ops, members, policy.prescale, direct, sources=sources)
     bucket = buf.grad_bucket(ops, direct)
-    folded = folds(engine, hook, policy, buf)
+    bucket.postscale = policy.postscale
     with _noting(buf):
-        if folded:  # the engine multiplies while it reduces: no pass of its own
-            handle: Handle = engine.allreduce_async(bucket.flat, ReduceOp.SUM, name=bucket.label,
-                                                    postscale=policy.postscale)
-        else:
-            handle = hook(state, bucket)
+        handle = hook(state, bucket)
     handle.context = buf.describe  # the engine's timeout message names the bucket
 
     def finish() -> None:
         with _noting(buf):
             handle.wait()
-        buf.unpack(ops, members, 1.0 if folded else policy.postscale, direct, aliased)
+        buf.unpack(ops, members, bucket.postscale, direct, aliased)
 
     return handle, finish
-
-
-def folds(engine: Any, hook: CommHook, policy: ReducePolicy, buf: FusionBuffer) -> bool:
-    """Can the engine multiply the sum by the post-scale while reducing
-    (exactly as ``FusionBuffer.unpack`` would)? Only the default hook's
-    plain all-reduce (a user's hook gets the multiply at unpack), on an
-    engine that ``scales_in_reduction`` the dtype (gloo on shared memory),
-    op sum, and no control slot (its counts are not scaled)."""
-    scales = getattr(engine, "scales_in_reduction", None)
-    return (hook is allreduce_hook and policy.postscale != 1.0
-            and policy.engine_op is ReduceOp.SUM and scales is not None
-            and not buf.control_numel and bool(scales(buf.bucket.dtype)))
 
 
 @contextlib.contextmanager

@@ -22,7 +22,8 @@ that differ between ranks (``dp_plugin.torch.powersgd``).
 Scaling (averaging, Horovod's predivide, pre/post factors) is *not* a hook:
 ``ReducePolicy`` computes the factors once, in one place, and the fusion
 buffer folds them into its pack and unpack copies, so that averaging rounds
-the same way on every path and every engine and costs no extra pass.
+the same way on every path and every engine and costs no extra pass
+(``allreduce_hook`` folds the post-scale into the reduction where it can).
 """
 
 from __future__ import annotations
@@ -161,6 +162,10 @@ class GradBucket:
     a hook that treats members as matrices, ``dp_plugin.torch.powersgd``)."""
     offsets: tuple[int, ...] = ()
     """Where each member starts in ``flat``, in ``names`` order."""
+    postscale: float = field(default=1.0, init=False)
+    """The factor the unpack multiplies the result by (an Average's
+    ``1/size``); a hook that folds it into its reduction sets it to 1.0. A
+    ``dataclasses.replace`` copy (a wrapper's other buffer) has 1.0."""
 
     def buffer(self) -> Any:
         return self.flat
@@ -180,10 +185,16 @@ CommHook = Callable[[HookState, GradBucket], Handle]
 
 
 def allreduce_hook(state: HookState, bucket: GradBucket) -> Handle:
-    """Reduce the bucket in place with the policy's engine op. (The
-    ``Reducer`` runs this hook itself where the engine can fold the
-    post-scale into the reduction, ``Engine.scales_in_reduction``.)"""
-    return state.engine.allreduce_async(bucket.buffer(), state.engine_op, name=bucket.label)
+    """Reduce the bucket in place with the policy's engine op; a sum takes
+    its post-scale along where the engine multiplies as it reduces, bitwise
+    as the unpack would (``Engine.scaled_sum_async``; never the control slot's counts)."""
+    engine, flat = state.engine, bucket.buffer()
+    if bucket.postscale != 1.0 and state.engine_op is ReduceOp.SUM and not bucket.control_numel:
+        handle = engine.scaled_sum_async(flat, bucket.postscale, name=bucket.label)
+        if handle is not None:
+            bucket.postscale = 1.0
+            return handle
+    return engine.allreduce_async(flat, state.engine_op, name=bucket.label)
 
 
 def broadcast_hook(state: HookState, bucket: GradBucket) -> Handle:

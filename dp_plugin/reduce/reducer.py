@@ -48,7 +48,6 @@ from dp_plugin.reduce.arrays import (
 )
 from dp_plugin.reduce.autotune import Autotuner, mib
 from dp_plugin.reduce.buffer import SLABS_PER_KIND, FusionBuffer, Slab
-from dp_plugin.reduce.collective import folds
 from dp_plugin.reduce.compression import Compressor, get_compressor
 from dp_plugin.reduce.dtypes import itemsize
 from dp_plugin.reduce.fusion import Bucket as PlanEntry
@@ -81,8 +80,8 @@ class Bucket:
     """The one member reduced where it lies (``FusionBuffer.direct_alias``), if so."""
     aliased: list[bool] = field(default_factory=list)
     """Per member: it already was its slice of the buffer (``FusionBuffer.pack``)."""
-    folded: bool = False
-    """Did the engine multiply the sum by the post-scale while reducing?"""
+    postscale: float = 1.0
+    """What its unpack multiplies by (``GradBucket.postscale`` after the hook)."""
     packed: tuple[float, float] = (0.0, 0.0)
     unpacked: tuple[float, float] | None = None
     """When it was unpacked (None: not yet, this time in flight)."""
@@ -535,14 +534,10 @@ class Reducer:
         r.aliased = buf.pack(ops, members, self.policy.prescale, direct, slab)
         r.direct = direct
         bucket = buf.grad_bucket(ops, direct)
-        r.folded = folds(self.engine, self.hook, self.policy, buf)
+        bucket.postscale = self.policy.postscale
         t1 = time.perf_counter()
-        if r.folded:  # the engine multiplies while it reduces: no pass of its own
-            handle: Handle = self._guard(lambda: self.engine.allreduce_async(
-                bucket.flat, ReduceOp.SUM, name=bucket.label,
-                postscale=self.policy.postscale), buf)
-        else:
-            handle = self._guard(lambda: self.hook(self.state, bucket), buf)
+        handle: Handle = self._guard(lambda: self.hook(self.state, bucket), buf)
+        r.postscale = bucket.postscale  # 1.0 if the hook folded it into the reduction
         handle.context = buf.describe  # the engine's timeout message names the bucket
         r.handle, r.tensors, r.packed = handle, members, (t0, t1)
         return handle
@@ -578,8 +573,7 @@ class Reducer:
         self._wait(r)
         assert r.tensors is not None  # started
         t0 = time.perf_counter()
-        r.buffer.unpack(self._backend(), r.tensors, 1.0 if r.folded else self.policy.postscale,
-                        r.direct, r.aliased)
+        r.buffer.unpack(self._backend(), r.tensors, r.postscale, r.direct, r.aliased)
         r.direct = None
         r.unpacked = (t0, time.perf_counter())
 

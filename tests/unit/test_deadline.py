@@ -31,3 +31,31 @@ def test_a_wait_that_never_returns_raises_within_the_timeout() -> None:
     assert text.startswith("rank 3: mpi Comm.Split (subgroup 'x') did not finish within 0.5 s")
     assert "DP_PLUGIN_TIMEOUT" in text and "another rank" in text
     never.set()
+
+
+def test_standing_holds_for_the_issuing_thread_only_and_nests() -> None:
+    """join's listener issues inside ``standing()``; a collective another
+    thread issues meanwhile (a transport's, an optimizer's) keeps its deadline."""
+    from dp_plugin.engines.deadline import is_standing, standing
+
+    seen: list[bool] = []
+    inside, checked = threading.Event(), threading.Event()
+
+    def other() -> None:
+        inside.wait(5)
+        seen.append(is_standing())
+        checked.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert not is_standing()
+    with standing():
+        with standing(False):  # nested: stays standing
+            assert is_standing()
+        inside.set()
+        checked.wait(5)
+        assert is_standing()
+    thread.join(5)
+    assert seen == [False] and not is_standing()
+    with standing(False):
+        assert not is_standing()

@@ -381,24 +381,26 @@ class _FoldingEngine(LocalEngine):
 
     folded_calls = 0
 
-    def scales_in_reduction(self, dtype: str) -> bool:
-        return dtype == "float32"
-
-    def _allreduce_scaled_async(self, buf: Any, postscale: float, name: str) -> Any:
+    def scaled_sum_async(self, buf: Any, factor: float, name: str = "allreduce") -> Any:
+        if buf.dtype != np.float32:
+            return None
         type(self).folded_calls += 1
-        buf *= np.float32(postscale)
+        buf *= np.float32(factor)
         return self._done(self.describe("allreduce", name))
 
 
 @pytest.mark.parametrize("wrapped", [False, True])
-def test_only_the_default_hook_folds_and_every_hook_is_scaled_once(wrapped: bool) -> None:
-    """A fused collective and the Reducer fold the post-scale into the
-    engine's reduction where they run the default hook (not part of the hook
-    contract); a user's hook, wrapping allreduce_hook or not, gets it at
-    unpack. Either way the result is scaled exactly once."""
+def test_the_allreduce_hook_folds_and_every_hook_is_scaled_once(wrapped: bool) -> None:
+    """A fused collective and the Reducer always run their hook; the
+    default ``allreduce_hook``, alone or inside a user's hook given the same
+    bucket, folds the post-scale into the engine's reduction; a hook that
+    does not, or a wrapper's bucket of another buffer (compression), gets
+    the multiply at unpack. Either way the result is scaled exactly once."""
+    from dataclasses import replace
+
     from dp_plugin.reduce.collective import fused_collective
     from dp_plugin.reduce.fusion import TensorSpec
-    from dp_plugin.reduce.hooks import ReducePolicy, allreduce_hook
+    from dp_plugin.reduce.hooks import ReducePolicy, allreduce_hook, compression_wrapper
     from dp_plugin.reduce.reducer import GradientScheduler
 
     def one_shot(engine: Any, hook: Any, values: list[np.ndarray]) -> None:
@@ -417,9 +419,16 @@ def test_only_the_default_hook_folds_and_every_hook_is_scaled_once(wrapped: bool
     def ignores_the_offer(state: Any, bucket: Any) -> Any:
         return state.engine.allreduce_async(bucket.buffer(), state.engine_op, name=bucket.label)
 
+    def another_buffer(state: Any, bucket: Any) -> Any:  # a wrapper's own wire buffer
+        wire = bucket.flat.copy()
+        return allreduce_hook(state, replace(bucket, flat=wire)).then(
+            lambda: np.copyto(bucket.flat, wire))
+
     for run in (one_shot, gradients):
-        for hook, folds in ((users_hook if wrapped else allreduce_hook, not wrapped),
-                            (ignores_the_offer, False)):
+        for hook, folds in ((users_hook if wrapped else allreduce_hook, True),
+                            (ignores_the_offer, False),
+                            (another_buffer, False),
+                            (compression_wrapper(allreduce_hook, "fp16"), False)):
             _FoldingEngine.folded_calls = 0
             engine = _FoldingEngine(Topology.single(), Config())
             values = [np.arange(6, dtype=np.float32)]

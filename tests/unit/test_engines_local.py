@@ -58,13 +58,13 @@ def test_input_validation_comes_from_the_engine_interface() -> None:
     ints = np.array([3, -3, 7], np.int32)  # average of integers: the one Average rule
     engine.allreduce_async(ints, "average").wait()
     np.testing.assert_array_equal(ints, [3, -3, 7])
+    big = np.array([2**53 + 1], np.int64)  # over one rank, no pass through double
+    engine.allreduce_async(big, "average").wait()
+    assert int(big[0]) == 2**53 + 1
     with pytest.raises(TypeError, match="bool"):
         engine.allreduce_async(np.ones(3, bool))
-    # Only an engine that scales in the reduction (gloo on shared memory) takes postscale.
-    assert not engine.scales_in_reduction("float32")
-    with pytest.raises(ValueError, match=r"postscale=0.5 needs op='sum' and an engine .*\(the "
-                                         r"local engine does not\); multiply the result"):
-        engine.allreduce_async(np.ones(3, np.float32), "sum", postscale=0.5)
+    # Only an engine that scales in the reduction (gloo on shared memory) folds a factor.
+    assert engine.scaled_sum_async(np.ones(3, np.float32), 0.5) is None
 
 
 def test_broadcast_from_rank_zero_only() -> None:

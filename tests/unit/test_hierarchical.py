@@ -224,7 +224,7 @@ import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 
-from dp_plugin.engines import shm  # noqa: E402
+from dp_plugin.engines import deadline, shm  # noqa: E402
 from dp_plugin.engines.base import ReduceOp  # noqa: E402
 from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, LayoutMismatchError  # noqa: E402
 from tests.unit.test_shm import (  # noqa: E402
@@ -266,6 +266,7 @@ class Wire:
         self.parts: dict[int, list[Any]] = {}
         self.handles: dict[int, WireHandle] = {}
         self.ops: list[str] = []  # (member, name) in the order they were started
+        self.standing: list[bool] = []  # per all-reduce: issued without a deadline?
 
     def engine(self, member: int, ranks: list[int]) -> Any:
         """Member ``member``'s end; ``ranks``: every member's job rank."""
@@ -277,10 +278,8 @@ class Wire:
 
             def allreduce_async(self, part: Any, op: ReduceOp, name: str) -> WireHandle:
                 count[0] += 1
+                wire.standing.append(deadline.is_standing())  # as an engine reads it
                 return wire.post(member, count[0], part, op, name)
-
-            def standing_allreduce_async(self, part: Any, name: str) -> WireHandle:
-                return self.allreduce_async(part, ReduceOp.SUM, name)
 
             def shutdown(self) -> None:
                 pass
@@ -369,17 +368,22 @@ def test_pipelined_pieces_of_many_tensors_match_the_sum_bitwise_equal_on_every_r
     size = hosts * per_host
     inputs = [mixed(r) for r in range(size)]
     bufs = [[t.clone() for t in ts] for ts in inputs]
-    with pipelined(hosts, per_host) as hiers:
+    wires = [Wire(hosts, seed=j) for j in range(per_host)]
+    with pipelined(hosts, per_host, wires=wires) as hiers:
         assert all(h.pipelined for h in hiers)
 
         def run(rank: int) -> None:
-            hs = [hiers[rank].allreduce_async(b, ReduceOp.SUM, f"t{k}", lambda d: None, None,
-                                              standing=standing)
-                  for k, b in enumerate(bufs[rank])]  # all in flight at once
+            with deadline.standing(standing):
+                hs = [hiers[rank].allreduce_async(b, ReduceOp.SUM, f"t{k}", lambda d: None, None)
+                      for k, b in enumerate(bufs[rank])]  # all in flight at once
             for h in hs:
                 h.wait()
 
         on_ranks(size, run)
+    # The cross-host steps, issued later on the transports' threads, are
+    # standing exactly when the all-reduce was issued so.
+    crossed = [flag for w in wires for flag in w.standing]
+    assert crossed == [standing] * len(crossed) and (hosts == 1 or crossed)
     for k in range(len(inputs[0])):
         want = sum(inputs[r][k].double() for r in range(size))
         got = bufs[0][k]
@@ -460,9 +464,13 @@ def test_shutdown_ends_a_standing_allreduce_waiting_in_its_cross_host_step_at_on
     the other host never starts. ``close()`` ends it at once, with an error
     on its handle; the unpipelined path used to wait the whole timeout in
     ``close()`` while its thread kept polling the cross-host step for ever."""
+    def listen(rank: int) -> Any:
+        with deadline.standing():
+            return hiers[rank].allreduce_async(torch.ones(1000), ReduceOp.SUM, "listener",
+                                               lambda d: None, None)
+
     with pipelined(2, 2, gather=gather, timeout_s=4.0) as hiers:
-        handles = on_ranks(2, lambda r: hiers[r].allreduce_async(
-            torch.ones(1000), ReduceOp.SUM, "listener", lambda d: None, None, standing=True))
+        handles = on_ranks(2, listen)
         time.sleep(0.3)  # host 0 is in its cross-host step, waiting for host 1
         assert not any(h.done() for h in handles)
         started = time.perf_counter()
