@@ -3,7 +3,7 @@
 One process, the local engine (its all-reduce is a no-op), 100 gradients of
 1000 floats and a 1-byte fusion threshold, so every gradient is its own
 bucket: the time per bucket is what the Reducer, the
-FusionBuffer and the hook add on top of the engine's collective.
+Bucket (pack, unpack) and the hook add on top of the engine's collective.
 
     python benchmarks/bucket_overhead.py [--steps 300] [--rounds 5]
 """

@@ -1,9 +1,12 @@
-"""``FusionBuffer``: the flat buffer of one bucket, with pack and unpack.
+"""``Bucket``: one bucket of a plan, from pack to unpack.
 
-One buffer per bucket of the plan; its storage (its own, or a slab it
-borrows, see below) is allocated on first use and reused every step
-(nothing is allocated per step once warm). Three ways a member's data gets
-in and out, chosen per step:
+A bucket is built from its plan entry (``fusion.PlanEntry``: which tensors,
+where in the flat buffer) and owns the rest: the flat buffer, pack and
+unpack, and what it has in flight between ``start`` and ``finish``. Hooks
+see it as DDP's ``GradBucket`` (``dp_plugin.reduce.hooks``). Its storage
+(its own, or a slab it borrows, see below) is allocated on first use and
+reused every step (nothing is allocated per step once warm). Three ways a
+member's data gets in and out, chosen per step:
 
 - *copy*: the member is copied into its slice (scaled on the way, so the
   policy's pre-scale costs no extra pass) and copied back out after the
@@ -14,7 +17,7 @@ in and out, chosen per step:
 - *direct*: a bucket of one contiguous member whose wire dtype is its own
   dtype is reduced where it lies, with no fusion buffer at all.
 
-An out-of-place collective (``pack``'s ``sources``) reads its inputs and
+An out-of-place collective (``start``'s ``sources``) reads its inputs and
 writes new outputs: a *direct* member is copied into its output as the
 bucket starts, then reduced there; the others are packed from the inputs
 and unpacked into the outputs, as in place.
@@ -35,34 +38,37 @@ device, each the size of the plan's largest bucket of that kind (Horovod
 keeps one fusion buffer per device; PyTorch DDP without
 ``gradient_as_bucket_view`` one per bucket, the size of the gradients).
 Before a bucket packs into a slab, the bucket that used it before must have
-been unpacked: the ``Reducer`` (``dp_plugin.reduce.reducer``) waits for it and
-unpacks it then. That is back-pressure: at most two copy-mode buckets of a
-kind are in flight, and a third waits for the first.
+been unpacked: ``start`` waits for it and unpacks it then. That is
+back-pressure: at most two copy-mode buckets of a kind are in flight, and a
+third waits for the first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dp_plugin.engines.base import Handle, ReduceOp
 from dp_plugin.reduce.arrays import ArrayOps, device_of
-from dp_plugin.reduce.fusion import Bucket, TensorSpec
-from dp_plugin.reduce.hooks import GradBucket
+from dp_plugin.reduce.fusion import PlanEntry, TensorSpec
+from dp_plugin.reduce.hooks import CommHook, GradBucket, HookState, ReducePolicy, allreduce_hook
 
 SLABS_PER_KIND = 2
 
 
 @dataclass(eq=False)
 class Slab:
-    """One reusable flat buffer that copy-mode buffers take turns on."""
+    """One reusable flat buffer that copy-mode buckets take turns on."""
 
     numel: int
     dtype: str
     device: str
     storage: Any = None
-    owner: Any = None
-    """The ``Bucket`` (``dp_plugin.reduce.reducer``) packed into it last (None: never used)."""
+    owner: Bucket | None = None
+    """The bucket packed into it last (None: never used)."""
     shared: dict[str, Any] = field(default_factory=dict)
     """The hooks' in-flight storage (wire buffers), shared by the buckets that
     use the slab (``GradBucket.shared``)."""
@@ -73,20 +79,25 @@ class Slab:
         return self.storage
 
 
-class FusionBuffer:
-    """Pack and unpack the members of ``bucket`` (spec indices into ``specs``)."""
+class Bucket:
+    """The plan entry ``entry`` (spec indices into ``specs``), its buffer and
+    its collective in flight; ``slab`` is the slab it borrows while it is
+    not pinned (see the module docstring)."""
 
-    def __init__(self, bucket: Bucket, specs: Sequence[TensorSpec], label: str,
-                 control_numel: int = 0, pinned: bool = False, *, wire_dtype: str) -> None:
-        self.bucket = bucket
+    def __init__(self, entry: PlanEntry, specs: Sequence[TensorSpec], label: str, *,
+                 wire_dtype: str, control_numel: int = 0, pinned: bool = False,
+                 slab: Slab | None = None) -> None:
+        self.entry = entry
         self.label = label
-        self.names = tuple(specs[i].name for i in bucket.members)
-        self.numels = tuple(specs[i].numel for i in bucket.members)
-        self.shapes = tuple(tuple(specs[i].shape) for i in bucket.members)
+        """The collective's name on the engine (same on every rank)."""
+        self.names = tuple(specs[i].name for i in entry.members)
+        self.numels = tuple(specs[i].numel for i in entry.members)
+        self.shapes = tuple(tuple(specs[i].shape) for i in entry.members)
         self.control_numel = control_numel
+        self.numel = entry.numel + control_numel
         self.wire_dtype = wire_dtype
         """The dtype the bucket travels in (the compressor's ``wire_dtype``)."""
-        self.in_place = len(self.names) == 1 and not control_numel and wire_dtype == bucket.dtype
+        self.in_place = len(self.names) == 1 and not control_numel and wire_dtype == entry.dtype
         """Reduced where its one member lies, when that is a flat array on the
         bucket's device (*direct*, see the module docstring)."""
         self.flat: Any = None
@@ -95,60 +106,110 @@ class FusionBuffer:
         """The control slot (a 1-D slice of ``flat``), if the bucket has one."""
         self.scratch: dict[str, Any] = {}
         """The hooks' per-bucket storage (``GradBucket.scratch``)."""
-        self.pinned = pinned or bool(control_numel)
+        self.pinned = pinned or bool(control_numel) or slab is None
         """True once the buffer is the storage of something outside it (see
         the module docstring); it then never borrows a slab again."""
-        self._slab: Slab | None = None
-        """The slab ``flat`` lies in (None: ``flat`` is the buffer's own)."""
+        self.slab = slab
+        # In flight, from start() to finish(): the collective (None: not
+        # started, or finished); the tensors the results go back to; the one
+        # member reduced where it lies (*direct*), else per member whether it
+        # already was its slice (*aliased*); what unpack multiplies by (1 if
+        # the engine did it while reducing); when it packed and unpacked
+        # (None: not unpacked yet).
+        self.handle: Handle | None = None
+        self._ops: Any = None
+        self._tensors: Sequence[Any] = ()
+        self._direct: Any = None
+        self._aliased: list[bool] = []
+        self._postscale = 1.0
+        self._packed = (0.0, 0.0)
+        self._unpacked: tuple[float, float] | None = None
 
-    @property
-    def numel(self) -> int:
-        return self.bucket.numel + self.control_numel
-
+    # -- the buffer -------------------------------------------------------------
     def allocate(self, ops: ArrayOps) -> None:
         """Make the buffer's own flat buffer and the members' views (once)."""
-        if self.flat is None or self._slab is not None:
-            self._lie_in(ops, ops.empty(self.numel, self.bucket.dtype, self.bucket.device), None)
+        if self.flat is None:
+            self._lie_in(ops, ops.empty(self.numel, self.entry.dtype, self.entry.device))
 
-    def _lie_in(self, ops: ArrayOps, flat: Any, slab: Slab | None) -> None:
-        """Make ``flat`` (in ``slab``, or the buffer's own) the buffer, with the
-        members' views and the control slot sliced from it."""
-        b = self.bucket
+    def _lie_in(self, ops: ArrayOps, flat: Any) -> None:
+        """Make ``flat`` the buffer, with the members' views and the control
+        slot sliced from it."""
         self.flat = flat
-        self._slab = slab
         if self.control_numel:
-            self.control = ops.slice(flat, b.numel, self.numel)
-        self.views = [ops.slice(flat, off, off + n) for off, n in zip(b.offsets, self.numels,
-                                                                      strict=True)]
+            self.control = ops.slice(flat, self.entry.numel, self.numel)
+        self.views = [ops.slice(flat, off, off + n)
+                      for off, n in zip(self.entry.offsets, self.numels, strict=True)]
 
     def view(self, ops: ArrayOps, member: int) -> Any:
         """The 1-D slice where member ``member`` (position in the bucket) lives;
         pins the buffer (an adapter may keep the slice as storage)."""
-        self.pinned = True
+        if not self.pinned:
+            self.pinned = True
+            self.flat = None  # it lay in the slab, if anywhere: make its own
         self.allocate(ops)
         return self.views[member]
 
-    def direct_alias(self, ops: ArrayOps, tensors: Sequence[Any]) -> Any:
+    def _direct_alias(self, ops: ArrayOps, tensors: Sequence[Any]) -> Any:
         """The one member as a flat array, when the bucket is reduced where it
         lies (see the module docstring); None otherwise."""
-        if self.in_place and device_of(tensors[0]) == self.bucket.device:
+        if self.in_place and device_of(tensors[0]) == self.entry.device:
             return ops.flat_alias(tensors[0])
         return None
 
-    def pack(self, ops: ArrayOps, tensors: Sequence[Any], prescale: float, direct: Any = None,
-             slab: Slab | None = None, sources: Sequence[Any] | None = None) -> list[bool]:
-        """Bring this step's ``tensors`` (one per member) into the buffer: into
-        ``direct`` (from ``direct_alias``) if given, else into ``slab`` if
-        given (an unpinned buffer), else into the buffer's own storage.
-        Returns, per member, whether it already was its slice (*aliased*:
-        scaled in place, nothing copied); empty for ``direct``. The caller
-        keeps both for ``unpack``: they are the bucket's state in flight.
+    # -- one collective: start (pack, hook) ... finish (wait, unpack) ---------------
+    @property
+    def pending(self) -> bool:
+        """Started and not unpacked yet."""
+        return self.handle is not None and self._unpacked is None
 
-        ``sources`` (one per member): read the values from there instead,
-        when ``tensors`` are only where the results go (an out-of-place
-        collective: ``tensors`` are fresh outputs). Sources are only read:
-        each is copied (scaled) into ``direct`` or its slice, the one copy an
-        out-of-place member costs beyond an in-place one; none is aliased."""
+    def would_wait(self, ops: ArrayOps, tensors: Sequence[Any]) -> bool:
+        """Would ``start`` wait for the bucket that used its slab before (still
+        in flight)? For callers that must not block."""
+        if self.numel == 0 or self.pinned or self._direct_alias(ops, tensors) is not None:
+            return False
+        owner = self.slab.owner  # type: ignore[union-attr]  # unpinned: it has a slab
+        return owner is not None and owner.pending and not owner.done()
+
+    def start(self, ops: ArrayOps, tensors: Sequence[Any], policy: ReducePolicy, hook: CommHook,
+              state: HookState, sources: Sequence[Any] | None = None) -> Handle:
+        """Pack this step's ``tensors`` (one per member) and start the
+        collective ``hook`` runs on the packed buffer; returns its handle.
+        An unpinned bucket first unpacks the bucket that used its slab
+        before (waiting for it). ``sources`` (one per member): read the
+        values from there instead, when ``tensors`` are only where the
+        results go (an out-of-place collective); each is copied (scaled)
+        into its place, the one copy an out-of-place member costs beyond an
+        in-place one."""
+        t0 = time.perf_counter()
+        direct = self._direct_alias(ops, tensors)
+        if direct is None and not self.pinned:
+            slab = self.slab
+            assert slab is not None  # an unpinned bucket borrows one
+            if slab.owner is not None and slab.owner.pending:
+                slab.owner.unpack()
+            slab.owner = self
+            if self.flat is None:
+                self._lie_in(ops, ops.slice(slab.allocate(ops), 0, self.numel))
+        self._aliased = self._pack(ops, tensors, policy.prescale, direct, sources)
+        self._ops, self._tensors, self._direct, self._unpacked = ops, tensors, direct, None
+        folded = _folds(state.engine, hook, policy, self)
+        self._postscale = 1.0 if folded else policy.postscale
+        bucket = self._grad_bucket(ops, direct)
+        self._packed = (t0, time.perf_counter())
+        with self._noting():
+            if folded:  # the engine multiplies while it reduces: no pass of its own
+                handle: Handle = state.engine.allreduce_async(
+                    bucket.flat, ReduceOp.SUM, name=self.label, postscale=policy.postscale)
+            else:
+                handle = hook(state, bucket)
+        handle.context = self.describe  # the engine's timeout message names the bucket
+        self.handle = handle
+        return handle
+
+    def _pack(self, ops: ArrayOps, tensors: Sequence[Any], prescale: float, direct: Any,
+              sources: Sequence[Any] | None) -> list[bool]:
+        """Bring the values into ``direct`` or the buffer; per member, whether
+        it already was its slice (*aliased*; empty for ``direct``)."""
         if direct is not None:
             source = None if sources is None else sources[0]
             if source is not None and not ops.shares_memory(direct, ops.flat_alias(source)):
@@ -156,11 +217,7 @@ class FusionBuffer:
             elif prescale != 1.0:
                 ops.scale_(direct, prescale)
             return []
-        if slab is not None:  # the caller made sure its previous owner is unpacked
-            if self._slab is not slab:
-                self._lie_in(ops, ops.slice(slab.allocate(ops), 0, self.numel), slab)
-        else:
-            self.allocate(ops)
+        self.allocate(ops)
         if sources is not None:
             for view, source in zip(self.views, sources, strict=True):
                 ops.pack(view, source, prescale)
@@ -174,34 +231,92 @@ class FusionBuffer:
                 ops.scale_(view, prescale)
         return aliased
 
-    def unpack(self, ops: ArrayOps, tensors: Sequence[Any], postscale: float, direct: Any,
-               aliased: Sequence[bool]) -> None:
-        """Write the reduced values back into ``tensors`` (post-scaled);
-        ``direct`` and ``aliased`` are what ``pack`` was given and returned."""
-        if direct is not None:
-            if postscale != 1.0:
-                ops.scale_(direct, postscale)
-            return
-        for view, tensor, alias in zip(self.views, tensors, aliased, strict=True):
-            if not alias:
-                ops.unpack(tensor, view, postscale)
-            elif postscale != 1.0:
-                ops.scale_(view, postscale)
-
-    def grad_bucket(self, ops: ArrayOps, direct: Any = None) -> GradBucket:
+    def _grad_bucket(self, ops: ArrayOps, direct: Any) -> GradBucket:
         """What the hook reduces: ``direct`` (the member itself) or the flat buffer."""
-        b = self.bucket
-        slab = self._slab
-        return GradBucket(b.index, b.dtype, b.device, self.names, ops,
+        e, slab = self.entry, None if self.pinned or direct is not None else self.slab
+        return GradBucket(e.index, e.dtype, e.device, self.names, ops,
                           self.flat if direct is None else direct, self.label, self.scratch,
                           None if slab is None else slab.shared,
                           0 if slab is None else slab.numel,
                           self.control_numel if direct is None else 0,
-                          self.shapes, tuple(b.offsets))
+                          self.shapes, e.offsets)
+
+    def done(self) -> bool:
+        """Non-blocking: has the collective in flight finished (or none is)?"""
+        if self.handle is None:
+            return True
+        with self._noting():
+            return bool(self.handle.done())
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            with self._noting():
+                self.handle.wait()
+
+    def unpack(self) -> None:
+        """Wait for the collective and write the results into the tensors it
+        was started with (post-scaled)."""
+        self.wait()
+        t0 = time.perf_counter()
+        ops, postscale = self._ops, self._postscale
+        if self._direct is not None:
+            if postscale != 1.0:
+                ops.scale_(self._direct, postscale)
+        else:
+            for view, tensor, alias in zip(self.views, self._tensors, self._aliased, strict=True):
+                if not alias:
+                    ops.unpack(tensor, view, postscale)
+                elif postscale != 1.0:
+                    ops.scale_(view, postscale)
+        self._direct, self._tensors = None, ()
+        self._unpacked = (t0, time.perf_counter())
+
+    def finish(self, timeline: Any = None) -> Handle | None:
+        """Wait and unpack (unless a later bucket needed the slab and did that
+        already), record the spans on ``timeline``; consumes what was in
+        flight and returns its (completed) handle, or None if the bucket was
+        not started."""
+        handle = self.handle
+        if handle is None:
+            return None
+        if self._unpacked is None:
+            self.unpack()
+        assert self._unpacked is not None  # unpacked just now, or when its slab was needed
+        t0, t1 = self._unpacked
+        self.handle = self._unpacked = None
+        if timeline is not None:
+            e = self.entry
+            args = {"bucket": e.index, "tensors": len(e.members), "bytes": e.nbytes}
+            timeline.span(f"pack {e.index}", "pack", *self._packed, tid="pack", args=args)
+            timeline.span(f"allreduce {e.index}", "allreduce", handle.started_at,
+                          handle.completed_at or t0, tid="allreduce", args=args)
+            timeline.span(f"unpack {e.index}", "unpack", t0, t1, tid="unpack", args=args)
+        return handle
+
+    @contextlib.contextmanager
+    def _noting(self) -> Iterator[None]:
+        """Add "while reducing <bucket>" to an error raised inside."""
+        try:
+            yield
+        except BaseException as exc:
+            exc.add_note(f"while reducing {self.describe()}")
+            raise
 
     def describe(self) -> str:
-        b = self.bucket
+        e = self.entry
         names = ", ".join(repr(n) for n in self.names[:3])
         more = ", ..." if len(self.names) > 3 else ""
-        return (f"bucket {b.index} of {self.label.rsplit('.', 1)[0]!r}: {len(self.names)} "
-                f"tensor(s), {b.nbytes} bytes {b.dtype} on {b.device}, first {names}{more}")
+        return (f"bucket {e.index} of {self.label.rsplit('.', 1)[0]!r}: {len(self.names)} "
+                f"tensor(s), {e.nbytes} bytes {e.dtype} on {e.device}, first {names}{more}")
+
+
+def _folds(engine: Any, hook: CommHook, policy: ReducePolicy, bucket: Bucket) -> bool:
+    """Can the engine multiply the sum by the post-scale while reducing
+    (exactly as ``Bucket.unpack`` would)? Only the default hook's plain
+    all-reduce (a user's hook gets the multiply at unpack), on an engine
+    that ``scales_in_reduction`` the dtype (gloo on shared memory), op sum,
+    and no control slot (its counts are not scaled)."""
+    scales = getattr(engine, "scales_in_reduction", None)
+    return (hook is allreduce_hook and policy.postscale != 1.0
+            and policy.engine_op is ReduceOp.SUM and scales is not None
+            and not bucket.control_numel and bool(scales(bucket.entry.dtype)))
