@@ -82,16 +82,15 @@ class Slab:
 class Bucket:
     """The plan entry ``entry`` (spec indices into ``specs``), its buffer and
     its collective in flight; ``slab`` is the slab it borrows while it is
-    not pinned (see the module docstring)."""
+    not pinned (None: the buffer is its own, pinned from the start; see the
+    module docstring)."""
 
     def __init__(self, entry: PlanEntry, specs: Sequence[TensorSpec], label: str, *,
-                 wire_dtype: str, control_numel: int = 0, pinned: bool = False,
-                 slab: Slab | None = None) -> None:
+                 wire_dtype: str, control_numel: int = 0, slab: Slab | None = None) -> None:
         self.entry = entry
         self.label = label
         """The collective's name on the engine (same on every rank)."""
         self.names = tuple(specs[i].name for i in entry.members)
-        self.numels = tuple(specs[i].numel for i in entry.members)
         self.shapes = tuple(tuple(specs[i].shape) for i in entry.members)
         self.control_numel = control_numel
         self.numel = entry.numel + control_numel
@@ -106,7 +105,7 @@ class Bucket:
         """The control slot (a 1-D slice of ``flat``), if the bucket has one."""
         self.scratch: dict[str, Any] = {}
         """The hooks' per-bucket storage (``GradBucket.scratch``)."""
-        self.pinned = pinned or bool(control_numel) or slab is None
+        self.pinned = bool(control_numel) or slab is None
         """True once the buffer is the storage of something outside it (see
         the module docstring); it then never borrows a slab again."""
         self.slab = slab
@@ -137,8 +136,9 @@ class Bucket:
         self.flat = flat
         if self.control_numel:
             self.control = ops.slice(flat, self.entry.numel, self.numel)
-        self.views = [ops.slice(flat, off, off + n)
-                      for off, n in zip(self.entry.offsets, self.numels, strict=True)]
+        starts = self.entry.offsets
+        self.views = [ops.slice(flat, a, b)
+                      for a, b in zip(starts, (*starts[1:], self.entry.numel), strict=True)]
 
     def view(self, ops: ArrayOps, member: int) -> Any:
         """The 1-D slice where member ``member`` (position in the bucket) lives;
