@@ -45,9 +45,8 @@ third waits for the first.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,12 +195,11 @@ class Bucket:
         self._postscale = 1.0 if folded else policy.postscale
         bucket = self._grad_bucket(ops, direct)
         self._packed = (t0, time.perf_counter())
-        with self._noting():
-            if folded:  # the engine multiplies while it reduces: no pass of its own
-                handle: Handle = state.engine.allreduce_async(
-                    bucket.flat, ReduceOp.SUM, name=self.label, postscale=policy.postscale)
-            else:
-                handle = hook(state, bucket)
+        if folded:  # the engine multiplies while it reduces: no pass of its own
+            handle: Handle = self._noted(state.engine.allreduce_async, bucket.flat, ReduceOp.SUM,
+                                         name=self.label, postscale=policy.postscale)
+        else:
+            handle = self._noted(hook, state, bucket)
         handle.context = self.describe  # the engine's timeout message names the bucket
         self.handle = handle
         return handle
@@ -243,15 +241,11 @@ class Bucket:
 
     def done(self) -> bool:
         """Non-blocking: has the collective in flight finished (or none is)?"""
-        if self.handle is None:
-            return True
-        with self._noting():
-            return bool(self.handle.done())
+        return self.handle is None or bool(self._noted(self.handle.done))
 
     def wait(self) -> None:
         if self.handle is not None:
-            with self._noting():
-                self.handle.wait()
+            self._noted(self.handle.wait)
 
     def unpack(self) -> None:
         """Wait for the collective and write the results into the tensors it
@@ -293,11 +287,10 @@ class Bucket:
             timeline.span(f"unpack {e.index}", "unpack", t0, t1, tid="unpack", args=args)
         return handle
 
-    @contextlib.contextmanager
-    def _noting(self) -> Iterator[None]:
-        """Add "while reducing <bucket>" to an error raised inside."""
+    def _noted(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, adding "while reducing <bucket>" to an error it raises."""
         try:
-            yield
+            return fn(*args, **kwargs)
         except BaseException as exc:
             exc.add_note(f"while reducing {self.describe()}")
             raise
