@@ -195,11 +195,15 @@ class Bucket:
         self._postscale = 1.0 if folded else policy.postscale
         bucket = self._grad_bucket(ops, direct)
         self._packed = (t0, time.perf_counter())
-        if folded:  # the engine multiplies while it reduces: no pass of its own
-            handle: Handle = self._noted(state.engine.allreduce_async, bucket.flat, ReduceOp.SUM,
-                                         name=self.label, postscale=policy.postscale)
-        else:
-            handle = self._noted(hook, state, bucket)
+        try:
+            if folded:  # the engine multiplies while it reduces: no pass of its own
+                handle: Handle = state.engine.allreduce_async(
+                    bucket.flat, ReduceOp.SUM, name=self.label, postscale=policy.postscale)
+            else:
+                handle = hook(state, bucket)
+        except BaseException as exc:
+            self._note(exc)
+            raise
         handle.context = self.describe  # the engine's timeout message names the bucket
         self.handle = handle
         return handle
@@ -241,11 +245,19 @@ class Bucket:
 
     def done(self) -> bool:
         """Non-blocking: has the collective in flight finished (or none is)?"""
-        return self.handle is None or bool(self._noted(self.handle.done))
+        try:
+            return self.handle is None or bool(self.handle.done())
+        except BaseException as exc:
+            self._note(exc)
+            raise
 
     def wait(self) -> None:
-        if self.handle is not None:
-            self._noted(self.handle.wait)
+        try:
+            if self.handle is not None:
+                self.handle.wait()
+        except BaseException as exc:
+            self._note(exc)
+            raise
 
     def unpack(self) -> None:
         """Wait for the collective and write the results into the tensors it
@@ -287,13 +299,9 @@ class Bucket:
             timeline.span(f"unpack {e.index}", "unpack", t0, t1, tid="unpack", args=args)
         return handle
 
-    def _noted(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)``, adding "while reducing <bucket>" to an error it raises."""
-        try:
-            return fn(*args, **kwargs)
-        except BaseException as exc:
-            exc.add_note(f"while reducing {self.describe()}")
-            raise
+    def _note(self, exc: BaseException) -> None:
+        """Add "while reducing <bucket>" to an error on its way out."""
+        exc.add_note(f"while reducing {self.describe()}")
 
     def describe(self) -> str:
         e = self.entry
