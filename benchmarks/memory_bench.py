@@ -48,9 +48,9 @@ def rss_bytes() -> int:
 def fusion_bytes(opt: Any, params: list[Any]) -> tuple[int, int]:
     """(bytes of the fusion buffers, of those also the storage of a ``.grad``):
     the pinned buffers (those gradients live in) and the slabs the others
-    borrow (``dp_plugin.reduce.buffer``)."""
+    borrow (``dp_plugin.reduce.bucket``)."""
     reducer = opt._dp.reducer
-    flats = [b.flat for b in reducer.buffers if b.pinned and b.flat is not None]
+    flats = [b.flat for b in reducer.buckets if b.pinned and b.flat is not None]
     flats += [s.storage for s in reducer.slabs if s.storage is not None]
     total = sum(f.numel() * f.element_size() for f in flats)
 

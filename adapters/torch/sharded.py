@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from dp_plugin.api.objects import allgather_object
 from dp_plugin.engines.base import Engine
-from dp_plugin.reduce.fusion import Bucket
+from dp_plugin.reduce.fusion import PlanEntry
 from dp_plugin.reduce.reducer import Reducer
 from dp_plugin.reduce.sharding import Piece, gather_rows, shard_pieces
 
@@ -81,7 +81,7 @@ class ShardedStep:
         self.reducer = reducer
         self.engine = engine
         self.label = label
-        self.plan: list[Bucket] = []
+        self.plan: list[PlanEntry] = []
         """The plan the pieces were cut from: the one this step's gradients were
         reduced with, even when ``synchronize()`` re-planned at its end."""
         self.pieces: list[Piece] = []
@@ -155,7 +155,7 @@ class ShardedStep:
         whole bucket: more at once would add a copy of the model to the
         peak memory this option exists to lower)."""
         eng, size = self.engine, self.engine.size
-        started: list[tuple[Bucket, Any, Any]] = []
+        started: list[tuple[PlanEntry, Any, Any]] = []
         for b in self.plan:
             if b.numel == 0:
                 continue  # alike on every rank (one plan)
@@ -171,7 +171,7 @@ class ShardedStep:
         for item in started:
             self._unpack(*item)
 
-    def _unpack(self, b: Bucket, handle: Any, result: Any) -> None:
+    def _unpack(self, b: PlanEntry, handle: Any, result: Any) -> None:
         handle.wait()
         full = result()
         with torch.no_grad():

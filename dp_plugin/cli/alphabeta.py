@@ -191,7 +191,7 @@ def best_threshold(sizes: Sequence[int], compute_s: float, n: int, link: Link,
 
 UNPACK_PASSES = 2
 """Passes over every element of a bucket that a comm hook reduced: the
-unpack multiplies the sum by ``1 / size`` (read, write; ``FusionBuffer.unpack``),
+unpack multiplies the sum by ``1 / size`` (read, write; ``Bucket.unpack``),
 which the engine folds into its reduction only for the default hook."""
 
 

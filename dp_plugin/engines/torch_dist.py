@@ -78,8 +78,8 @@ class TorchDistEngine(Engine):
             # A subgroup registers after its parent: atexit runs LIFO.
             atexit.register(self.shutdown)
         # Average never reaches the library: the base class sums, then scales.
-        self._reduce_ops = {op: getattr(dist.ReduceOp, op.name) for op in ReduceOp
-                            if op is not ReduceOp.AVERAGE}
+        self._reduce_ops: dict[ReduceOp, Any] = {
+            op: getattr(dist.ReduceOp, op.name) for op in ReduceOp if op is not ReduceOp.AVERAGE}
 
     @property
     def rendezvous_description(self) -> str:

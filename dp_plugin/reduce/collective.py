@@ -22,13 +22,12 @@ themselves run no agreement.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from dp_plugin.engines.base import Handle
 from dp_plugin.reduce.arrays import ops_for, spec_of
-from dp_plugin.reduce.buffer import FusionBuffer
+from dp_plugin.reduce.bucket import Bucket
 from dp_plugin.reduce.compression import Compressor, get_compressor
 from dp_plugin.reduce.fusion import TensorSpec, plan_buckets
 from dp_plugin.reduce.hooks import (
@@ -95,51 +94,22 @@ def fused_collective(tensors: Sequence[Any], *, engine: Any, name: str,
     compressor = get_compressor(compression)
     hook = hook_for(compressor) if hook is None else hook
     state = HookState(engine, policy.engine_op, root)
-    ops = ops_for(tensors[0]) if tensors else None
-    started = []
-    for b in plan_buckets(specs, PIPELINE_CHUNK, order=range(len(specs)),
+    ops: Any = ops_for(tensors[0]) if tensors else None  # no tensors: no buckets
+    started: list[Bucket] = []
+    handles: list[Handle] = []
+    for e in plan_buckets(specs, PIPELINE_CHUNK, order=range(len(specs)),
                           alone_from=DIRECT_BYTES):
-        buf = FusionBuffer(b, specs, f"{name}.bucket{b.index}", pinned=True,
-                           wire_dtype=compressor.wire_dtype(b.dtype))
-        if buf.numel:  # an empty one moves nothing; every rank skips it alike (same plan)
-            members = [tensors[i] for i in b.members]
-            read = None if sources is None else [sources[i] for i in b.members]
-            started.append(_start(engine, buf, ops, members, policy, hook, state, read))
+        bucket = Bucket(e, specs, f"{name}.bucket{e.index}",
+                        wire_dtype=compressor.wire_dtype(e.dtype))
+        if bucket.numel:  # an empty one moves nothing; every rank skips it alike (same plan)
+            read = None if sources is None else [sources[i] for i in e.members]
+            handles.append(bucket.start(ops, [tensors[i] for i in e.members], policy=policy,
+                                        hook=hook, state=state, sources=read))
+            started.append(bucket)
 
     def finish() -> None:
-        for _, unpack in started:
-            unpack()
+        for bucket in started:
+            bucket.unpack()
 
-    return Fused([handle for handle, _ in started], finish)
+    return Fused(handles, finish)
 
-
-def _start(engine: Any, buf: FusionBuffer, ops: Any, members: list[Any],
-           policy: ReducePolicy, hook: CommHook, state: HookState,
-           sources: list[Any] | None = None) -> tuple[Handle, Callable[[], None]]:
-    """Pack ``members`` (from ``sources`` if given) into ``buf`` and start
-    its collective; returns the handle and the function that waits for it
-    and unpacks."""
-    direct = buf.direct_alias(ops, members)
-    aliased = buf.pack(ops, members, policy.prescale, direct, sources=sources)
-    bucket = buf.grad_bucket(ops, direct)
-    bucket.postscale = policy.postscale
-    with _noting(buf):
-        handle = hook(state, bucket)
-    handle.context = buf.describe  # the engine's timeout message names the bucket
-
-    def finish() -> None:
-        with _noting(buf):
-            handle.wait()
-        buf.unpack(ops, members, bucket.postscale, direct, aliased)
-
-    return handle, finish
-
-
-@contextlib.contextmanager
-def _noting(buf: FusionBuffer) -> Iterator[None]:
-    """Add "while reducing <bucket>" to an error raised inside."""
-    try:
-        yield
-    except BaseException as exc:
-        exc.add_note(f"while reducing {buf.describe()}")
-        raise

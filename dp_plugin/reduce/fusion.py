@@ -92,8 +92,9 @@ class TensorSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class Bucket:
-    """One fusion buffer: which tensors (by spec index) live where in it."""
+class PlanEntry:
+    """One bucket of a plan: which tensors (by spec index) live where in its
+    flat buffer (the ``Bucket`` of ``dp_plugin.reduce.bucket`` is built from it)."""
 
     index: int
     dtype: str
@@ -118,7 +119,7 @@ def plan_buckets(
     specs: Sequence[TensorSpec], threshold: int, order: Iterable[int] | None = None,
     first_threshold: int | None = None, alone_from: int | None = None,
     groups: Sequence[Sequence[int]] = (),
-) -> list[Bucket]:
+) -> list[PlanEntry]:
     """Group ``specs`` into buckets of at most ``threshold`` bytes.
 
     ``order`` is the expected ready order (spec indices, a permutation of
@@ -184,7 +185,7 @@ def plan_buckets(
     buckets = []
     for index, ((dtype, device), members) in enumerate(opened):
         ends = tuple(accumulate((specs[i].numel for i in members), initial=0))
-        buckets.append(Bucket(index, dtype, device, tuple(members), ends[:-1], ends[-1]))
+        buckets.append(PlanEntry(index, dtype, device, tuple(members), ends[:-1], ends[-1]))
     return buckets
 
 

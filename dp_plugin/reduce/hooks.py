@@ -149,7 +149,7 @@ class GradBucket:
     residual); kept while the bucket plan stays the same."""
     shared: dict[str, Any] | None = None
     """Storage shared by the buckets that take turns on one slab
-    (``dp_plugin.reduce.buffer``), for what a hook needs only while the bucket is in
+    (``dp_plugin.reduce.bucket``), for what a hook needs only while the bucket is in
     flight (a wire buffer), sized to ``shared_numel`` elements; None when the
     bucket has a buffer of its own (keep such things in ``scratch``)."""
     shared_numel: int = 0

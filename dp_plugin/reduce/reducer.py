@@ -2,7 +2,7 @@
 
     ready events (mark_ready)                         here, one StepState per step
       -> plan (tensors -> buckets)                    dp_plugin.reduce.fusion
-      -> pack into the bucket's FusionBuffer          dp_plugin.reduce.buffer
+      -> pack into the Bucket's buffer                dp_plugin.reduce.bucket
          (its own, or one of two slabs it borrows)
       -> agree once across ranks                      dp_plugin.agree.check
       -> hook(state, bucket) -> handle                dp_plugin.reduce.hooks
@@ -25,7 +25,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,7 +32,7 @@ import numpy as np
 from dp_plugin.agree.check import check
 from dp_plugin.agree.request import Request
 from dp_plugin.api.timeline import NullTimeline, StatsHistory, open_timeline
-from dp_plugin.engines.base import Handle, ReduceOp
+from dp_plugin.engines.base import ReduceOp
 from dp_plugin.errors import DPPluginError
 from dp_plugin.launch import runtime
 from dp_plugin.reduce.arrays import (
@@ -47,11 +46,16 @@ from dp_plugin.reduce.arrays import (
     to_host,
 )
 from dp_plugin.reduce.autotune import Autotuner, mib
-from dp_plugin.reduce.buffer import SLABS_PER_KIND, FusionBuffer, Slab
+from dp_plugin.reduce.bucket import SLABS_PER_KIND, Bucket, Slab
 from dp_plugin.reduce.compression import Compressor, get_compressor
 from dp_plugin.reduce.dtypes import itemsize
-from dp_plugin.reduce.fusion import Bucket as PlanEntry
-from dp_plugin.reduce.fusion import TensorSpec, checked_specs, default_order, plan_buckets
+from dp_plugin.reduce.fusion import (
+    PlanEntry,
+    TensorSpec,
+    checked_specs,
+    default_order,
+    plan_buckets,
+)
 from dp_plugin.reduce.hooks import NO_SCALING, CommHook, HookState, ReducePolicy, hook_for
 from dp_plugin.reduce.step_state import StepState
 from dp_plugin.validate import check_int
@@ -62,35 +66,6 @@ _ACCUMULATION_ERROR = (
     "Gradients were computed more than backward_passes_per_step times before call to "
     "step()/synchronize(). Increase backward_passes_per_step to accumulate gradients locally."
 )
-
-@dataclass(eq=False)
-class Bucket:
-    """One bucket of the plan: its plan entry, its fusion buffer, the slab
-    it borrows, and what it has in flight between ``_start`` and ``_finish``."""
-
-    entry: PlanEntry
-    buffer: FusionBuffer
-    slab: Slab | None = None
-    """The slab it packs into while its buffer is not pinned (None: pinned)."""
-    handle: Handle | None = None
-    """The collective in flight (None: not started, or finished)."""
-    tensors: list[Any] | None = None
-    """The tensors it was started with: the results are written back there."""
-    direct: Any = None
-    """The one member reduced where it lies (``FusionBuffer.direct_alias``), if so."""
-    aliased: list[bool] = field(default_factory=list)
-    """Per member: it already was its slice of the buffer (``FusionBuffer.pack``)."""
-    postscale: float = 1.0
-    """What its unpack multiplies by (``GradBucket.postscale`` after the hook)."""
-    packed: tuple[float, float] = (0.0, 0.0)
-    unpacked: tuple[float, float] | None = None
-    """When it was unpacked (None: not yet, this time in flight)."""
-
-    @property
-    def pending(self) -> bool:
-        """Started and not unpacked yet."""
-        return self.handle is not None and self.unpacked is None
-
 
 class Reducer:
     """One stream's reduction: ready tracking, fused buckets launched in
@@ -191,36 +166,28 @@ class Reducer:
                             groups=self.groups)
 
     def _install(self, plan: list[PlanEntry]) -> None:
-        """Adopt ``plan``: new fusion buffers (allocated on first use); the
-        unpinned ones take turns on two slabs per (dtype, device) in plan
+        """Adopt ``plan``: new buckets (their buffers allocated on first use);
+        the unpinned ones take turns on two slabs per (dtype, device) in plan
         order, the same slab every step."""
         self.plan = plan
         self.plan_version += 1
-        last = len(plan) - 1
-        self.buckets = [
-            Bucket(b, FusionBuffer(
-                b, self.specs, f"{self.name}.bucket{b.index}",
-                self.control_numel if b.index == last else 0,
-                pinned=b.nbytes > self.fusion_threshold,  # one tensor over the threshold
-                wire_dtype=self.compressor.wire_dtype(b.dtype)))
-            for b in plan
-        ]
-        self.bucket_of = {i: b.index for b in plan for i in b.members}
-        kinds: dict[tuple[str, str], list[Bucket]] = {}
-        for r in self.buckets:
-            if not r.buffer.pinned:
-                kinds.setdefault((r.entry.dtype, r.entry.device), []).append(r)
+        control = {len(plan) - 1: self.control_numel} if self.control_numel else {}
+        kinds: dict[tuple[str, str], list[PlanEntry]] = {}
+        for e in plan:  # pinned: the control slot, or one tensor over the threshold
+            if e.index not in control and e.nbytes <= self.fusion_threshold:
+                kinds.setdefault((e.dtype, e.device), []).append(e)
         self.slabs: list[Slab] = []
+        slab_of: dict[int, Slab] = {}
         for key, members in kinds.items():
-            largest = max(r.entry.numel for r in members)
+            largest = max(e.numel for e in members)
             slabs = [Slab(largest, *key) for _ in range(min(SLABS_PER_KIND, len(members)))]
             self.slabs += slabs
-            for n, r in enumerate(members):
-                r.slab = slabs[n % len(slabs)]
-
-    @property
-    def buffers(self) -> list[FusionBuffer]:
-        return [r.buffer for r in self.buckets]
+            slab_of.update((e.index, slabs[n % len(slabs)]) for n, e in enumerate(members))
+        self.buckets = [Bucket(e, self.specs, f"{self.name}.bucket{e.index}",
+                               wire_dtype=self.compressor.wire_dtype(e.dtype),
+                               control_numel=control.get(e.index, 0), slab=slab_of.get(e.index))
+                        for e in plan]
+        self.bucket_of = {i: e.index for e in plan for i in e.members}
 
     def slab_bytes(self) -> int:
         """Bytes of the slabs allocated so far (for memory reports)."""
@@ -231,7 +198,7 @@ class Reducer:
         plan = self._plan(order)
         if [b.members for b in plan] == [b.members for b in self.plan]:
             return False
-        control = self.buckets[-1].buffer.control if self.buckets else None
+        control = self.buckets[-1].control if self.buckets else None
         self._install(plan)
         if control is not None:  # the control slot's values move with it
             self._backend().pack(self._control(), control)
@@ -249,9 +216,9 @@ class Reducer:
 
     def _control(self, like: Any = None) -> Any:
         """The control slot (in the last bucket's buffer)."""
-        buf = self.buckets[-1].buffer
-        buf.allocate(self._backend(like))
-        return buf.control
+        last = self.buckets[-1]
+        last.allocate(self._backend(like))
+        return last.control
 
     # -- public API ----------------------------------------------------------
     def agree(self) -> None:
@@ -318,9 +285,9 @@ class Reducer:
             exposed = st.late_launch_s
             for r in self.buckets:
                 before = time.perf_counter()
-                self._wait(r)
+                self._guard(r.wait)
                 exposed += time.perf_counter() - before
-                handle = self._finish(r)
+                handle = self._guard(r.finish, self.timeline)
                 if handle is not None:
                     st.intervals.append((handle.started_at, handle.completed_at or before))
             self.stats.append(st.record(self.timeline, time.perf_counter(), exposed))
@@ -365,7 +332,7 @@ class Reducer:
         with self._lock:
             self._launch_ready(block=False)
             return self._state.next_launch == len(self.plan) and \
-                all(self._done(r) for r in self.buckets)
+                all(self._guard(r.done) for r in self.buckets)
 
     def view_for(self, index: int, like: Any = None) -> Any:
         """A tensor shaped like spec ``index`` that lives inside its fusion buffer.
@@ -383,13 +350,13 @@ class Reducer:
         with self._lock:
             index = self._index(index)
             r = self.buckets[self.bucket_of[index]]
-            if not r.buffer.pinned and r.handle is not None:
+            if not r.pinned and r.handle is not None:
                 raise DPPluginError(
                     f"{self.name!r}: a view of tensor {self.specs[index].name!r} was asked for "
                     "while its bucket is in flight; take views before the bucket starts (a "
                     "programming error in the caller)")
             member = r.entry.members.index(index)
-            return r.buffer.view(self._backend(like), member).reshape(self.specs[index].shape)
+            return r.view(self._backend(like), member).reshape(self.specs[index].shape)
 
     def adopt(self, index: int, tensor: Any) -> Any:
         """``tensor`` (this step's gradient of spec ``index``) moved into its
@@ -403,7 +370,7 @@ class Reducer:
         """
         with self._lock:
             index, _ = self._checked(index, tensor)
-            if self._state.passes[index] or self.buckets[self.bucket_of[index]].buffer.in_place:
+            if self._state.passes[index] or self.buckets[self.bucket_of[index]].in_place:
                 return tensor
             ops = self._backend(tensor)
             view = self.view_for(index, tensor)
@@ -463,16 +430,19 @@ class Reducer:
         while st.next_launch < len(self.plan) and \
                 st.ready_count[st.next_launch] == len(self.plan[st.next_launch].members):
             r = self.buckets[st.next_launch]
-            if not block and self._would_block(r, st.tensors):
-                return
-            t0 = time.perf_counter()
-            handle = self._start(r, st.tensors)
-            if handle is not None:
+            if r.numel:  # an empty bucket moves nothing; every rank skips it alike (same plan)
+                members = [st.tensors[i] for i in r.entry.members]
+                ops = self._backend(members[0])
+                if not block and self._guard(r.would_wait, ops, members):
+                    return
+                t0 = time.perf_counter()
+                self._check_usable()
+                self.agree()
+                handle = self._guard(r.start, ops, members, self.policy, self.hook, self.state)
                 if st.syncing:  # launched late: nothing overlaps it any more
                     st.late_launch_s += time.perf_counter() - t0
                 sent = handle.payload_bytes  # a hook that sends less (PowerSGD) says so
-                st.bytes += r.buffer.numel * itemsize(r.buffer.wire_dtype) if sent is None \
-                    else sent
+                st.bytes += r.numel * itemsize(r.wire_dtype) if sent is None else sent
                 st.launched += 1
             st.next_launch += 1
 
@@ -484,7 +454,7 @@ class Reducer:
         """
         st = self._state
         while st.polled < st.next_launch:
-            if not self._done(self.buckets[st.polled]):
+            if not self._guard(self.buckets[st.polled].done):
                 return
             st.polled += 1
 
@@ -518,105 +488,15 @@ class Reducer:
             self._guard(lambda: self.engine.broadcast(buf, 0, name=f"{self.name}.{what}"))
         return to_host(buf)
 
-    # -- one bucket: start (pack, hook) ... finish (wait, unpack) -------------------
-    def _start(self, r: Bucket, tensors: Sequence[Any]) -> Handle | None:
-        """Pack ``r`` from ``tensors`` (indexed by spec) and start its
-        collective. Returns what is in flight (None for an empty bucket)."""
-        self._check_usable()
-        buf = r.buffer
-        if buf.numel == 0:
-            return None  # nothing to move; every rank skips it alike (same plan)
-        self.agree()
-        t0 = time.perf_counter()
-        ops, members = self._members(r, tensors)
-        direct = buf.direct_alias(ops, members)
-        slab = None if direct is not None or buf.pinned else self._free_slab(r)
-        r.aliased = buf.pack(ops, members, self.policy.prescale, direct, slab)
-        r.direct = direct
-        bucket = buf.grad_bucket(ops, direct)
-        bucket.postscale = self.policy.postscale
-        t1 = time.perf_counter()
-        handle: Handle = self._guard(lambda: self.hook(self.state, bucket), buf)
-        r.postscale = bucket.postscale  # 1.0 if the hook folded it into the reduction
-        handle.context = buf.describe  # the engine's timeout message names the bucket
-        r.handle, r.tensors, r.packed = handle, members, (t0, t1)
-        return handle
-
-    def _would_block(self, r: Bucket, tensors: Sequence[Any]) -> bool:
-        """Would ``_start(r, tensors)`` wait for an earlier bucket to finish
-        (its slab is still in flight)? For callers that must not block."""
-        buf = r.buffer
-        if buf.numel == 0 or buf.pinned or r.slab is None:
-            return False
-        if buf.direct_alias(*self._members(r, tensors)) is not None:
-            return False
-        owner = r.slab.owner
-        return owner is not None and owner.pending and not self._done(owner)
-
-    def _members(self, r: Bucket, tensors: Sequence[Any]) -> tuple[ArrayOps, list[Any]]:
-        """The array backend and ``r``'s members among ``tensors``."""
-        members = [tensors[i] for i in r.entry.members]
-        return self._backend(members[0] if members else None), members
-
-    def _free_slab(self, r: Bucket) -> Slab:
-        """``r``'s slab, once the bucket that used it before is unpacked
-        (waiting for that one here if it is still in flight)."""
-        slab = r.slab
-        assert slab is not None  # an unpinned buffer has one (install)
-        if slab.owner is not None and slab.owner.pending:
-            self._unpack(slab.owner)
-        slab.owner = r
-        return slab
-
-    def _unpack(self, r: Bucket) -> None:
-        """Wait for ``r`` and write its result into the tensors it was started with."""
-        self._wait(r)
-        assert r.tensors is not None  # started
-        t0 = time.perf_counter()
-        r.buffer.unpack(self._backend(), r.tensors, r.postscale, r.direct, r.aliased)
-        r.direct = None
-        r.unpacked = (t0, time.perf_counter())
-
-    def _done(self, r: Bucket) -> bool:
-        return r.handle is None or bool(self._guard(r.handle.done, r.buffer))
-
-    def _wait(self, r: Bucket) -> None:
-        if r.handle is not None:
-            self._guard(r.handle.wait, r.buffer)
-
-    def _finish(self, r: Bucket) -> Handle | None:
-        """Wait for ``r`` and unpack it into the tensors it was started with
-        (unless a later bucket needed its slab and did that already); consumes
-        what was in flight and returns its (completed) handle, or None if the
-        bucket was not started."""
-        handle = r.handle
-        if handle is None:
-            return None
-        if r.unpacked is None:
-            self._unpack(r)
-        assert r.unpacked is not None  # unpacked just now, or when its slab was needed
-        t0, t1 = r.unpacked
-        r.handle = r.tensors = r.unpacked = None
-        b = r.entry
-        args = {"bucket": b.index, "tensors": len(b.members), "bytes": b.nbytes}
-        tl = self.timeline
-        tl.span(f"pack {b.index}", "pack", *r.packed, tid="pack", args=args)
-        tl.span(f"allreduce {b.index}", "allreduce", handle.started_at,
-                handle.completed_at or t0, tid="allreduce", args=args)
-        tl.span(f"unpack {b.index}", "unpack", t0, t1, tid="unpack", args=args)
-        return handle
-
     # -- errors -------------------------------------------------------------------------
-    def _guard(self, fn: Any, buf: FusionBuffer | None = None) -> Any:
+    def _guard(self, fn: Any, *args: Any) -> Any:
         """Run a step of the protocol; on failure the Reducer is unusable: the
         ranks no longer agree on what comes next, so later calls re-raise
         instead of starting collectives that could only mismatch or hang."""
         try:
-            return fn()
+            return fn(*args)
         except BaseException as exc:
             self.broken = exc
-            if buf is not None:
-                exc.add_note(f"while reducing {buf.describe()}")
             raise
 
     def _check_usable(self, subject: str | None = None) -> None:
@@ -654,7 +534,7 @@ class GradientScheduler(Reducer):
       the same sequence of collectives;
     - ``mark_ready`` may start collectives (and, in the first step, the
       agreement check), and wait for an earlier bucket whose slab a copied
-      bucket needs (``dp_plugin.reduce.buffer``: at most two in flight per kind);
+      bucket needs (``dp_plugin.reduce.bucket``: at most two in flight per kind);
       ``synchronize()`` is a synchronization point: it returns once every
       bucket has been reduced on this rank. After the first
       ``synchronize()`` the plan may be rebuilt from rank 0's observed ready

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dp_plugin.engines.base import Handle, reducescatter_counts
-from dp_plugin.reduce.fusion import Bucket
+from dp_plugin.reduce.fusion import PlanEntry
 from dp_plugin.reduce.hooks import GradBucket, HookState
 
 
@@ -61,13 +61,13 @@ def shard_bounds(numel: int, rank: int, size: int) -> tuple[int, int]:
     return lo, lo + counts[rank]
 
 
-def gather_rows(bucket: Bucket, size: int) -> list[int]:
+def gather_rows(bucket: PlanEntry, size: int) -> list[int]:
     """How many elements each rank contributes to bucket ``bucket``'s
     all-gather of updated values (its range's length)."""
     return reducescatter_counts(bucket.numel, size)
 
 
-def shard_pieces(plan: Sequence[Bucket], sizes: Sequence[int], rank: int,
+def shard_pieces(plan: Sequence[PlanEntry], sizes: Sequence[int], rank: int,
                  size: int) -> list[Piece]:
     """The pieces rank ``rank`` of ``size`` owns under ``plan``, in bucket and
     offset order; ``sizes[i]`` is tensor ``i``'s element count. Every rank

@@ -47,7 +47,7 @@ def test_training_matches_single_process(case: str, launcher: str, engine: str,
 
 COPIES = {"DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW": "0", "DP_PLUGIN_FUSION_THRESHOLD": "256"}
 """Gradients copied into 256-byte buckets: several copy-mode buckets take
-turns on two slabs (``dp_plugin.reduce.buffer``), so later ones wait for earlier
+turns on two slabs (``dp_plugin.reduce.bucket``), so later ones wait for earlier
 ones, and a joined rank defers them instead of blocking."""
 
 

@@ -28,7 +28,7 @@ def on_ranks(n: int, fn: Callable[[int, ThreadSet], Any], views: bool = True,
 
 
 def buffers(opt: Any) -> list[torch.Tensor]:
-    return [b.flat for b in opt._dp.reducer.buffers if b.flat is not None]
+    return [b.flat for b in opt._dp.reducer.buckets if b.flat is not None]
 
 
 def inside(grad: torch.Tensor, flats: list[torch.Tensor]) -> bool:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dp_plugin.reduce.fusion import (
-    Bucket,
+    PlanEntry,
     TensorSpec,
     default_order,
     even_groups,
@@ -19,7 +19,7 @@ def f32(name: str, *shape: int, device: str = "cpu") -> TensorSpec:
     return TensorSpec(name, tuple(shape), "float32", device)
 
 
-def members(plan: list[Bucket]) -> list[tuple[int, ...]]:
+def members(plan: list[PlanEntry]) -> list[tuple[int, ...]]:
     return [b.members for b in plan]
 
 
@@ -73,7 +73,7 @@ def test_threshold_splits_and_offsets() -> None:
     assert members(plan) == [(0, 1, 2), (3,)]
     assert plan[0].offsets == (0, 2, 5)
     assert (plan[0].numel, plan[0].nbytes) == (6, 24)  # exactly the threshold fits
-    assert plan[1] == Bucket(1, "float32", "cpu", (3,), (0,), 4)
+    assert plan[1] == PlanEntry(1, "float32", "cpu", (3,), (0,), 4)
 
 
 def test_tensor_larger_than_threshold_gets_its_own_bucket() -> None:

@@ -67,8 +67,8 @@ def test_a_gradient_reducer_keeps_its_buckets_and_slabs() -> None:
     a buffer of its own (the one-shot chunks above all have one)."""
     fused = GradientScheduler(SPECS, engine=make_thread_group(1)[0], name="bucketed",
                               fusion_threshold=CHUNK, array_ops=NumpyOps())
-    assert [b.pinned for b in fused.buffers] == [b.names == ("big",) for b in fused.buffers]
-    assert len(fused.buffers) == 6 and fused.slabs
+    assert [b.pinned for b in fused.buckets] == [b.names == ("big",) for b in fused.buckets]
+    assert len(fused.buckets) == 6 and fused.slabs
 
 
 def test_a_large_tensor_travels_alone_without_closing_the_open_bucket() -> None:

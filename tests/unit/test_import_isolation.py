@@ -30,7 +30,7 @@ def test_importing_every_core_module_loads_no_framework() -> None:
         "dp_plugin.reduce.reducer",
         "dp_plugin.reduce.compression", "dp_plugin.api.horovod_names", "dp_plugin.api.timeline",
         "dp_plugin.agree.agreement", "dp_plugin.cli.check", "dp_plugin.reduce.collective",
-        "dp_plugin.reduce.buffer", "dp_plugin.reduce.hooks",
+        "dp_plugin.reduce.bucket", "dp_plugin.reduce.hooks",
         "dp_plugin.engines", "dp_plugin.engines.local", "dp_plugin.engines.torch_dist",
         "dp_plugin.engines.mpi", "dp_plugin.engines.horovod",
     ]

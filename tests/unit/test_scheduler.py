@@ -441,7 +441,7 @@ class SpyOps(NumpyOps):
 def _storage(sched: GradientScheduler) -> list[tuple[int, ...]]:
     """Identities of every buffer the scheduler keeps: pinned fusion buffers,
     slabs, and the hooks' scratch buffers of both."""
-    owners = [(b.flat, b.scratch) for b in sched.buffers if b.pinned]
+    owners = [(b.flat, b.scratch) for b in sched.buckets if b.pinned]
     owners += [(s.storage, s.shared) for s in sched.slabs]
     return [(id(flat), *(id(v) for _, v in sorted(scratch.items()))) for flat, scratch in owners]
 

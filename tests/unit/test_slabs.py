@@ -1,4 +1,4 @@
-"""Copy-mode fusion buffers take turns on two slabs (``dp_plugin.reduce.buffer``):
+"""Copy-mode fusion buffers take turns on two slabs (``dp_plugin.reduce.bucket``):
 fusion memory within twice the threshold, back-pressure, pinning."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def expected(step: int, i: int, size: int) -> np.ndarray:
 
 def fusion_bytes(sched: GradientScheduler) -> int:
     """Bytes of fusion memory the scheduler holds: slabs plus pinned buffers."""
-    pinned = sum(b.flat.nbytes for b in sched.buffers if b.pinned and b.flat is not None)
+    pinned = sum(b.flat.nbytes for b in sched.buckets if b.pinned and b.flat is not None)
     return sched.slab_bytes() + pinned
 
 
@@ -112,7 +112,7 @@ def test_a_bucket_whose_views_were_taken_is_pinned_and_borrows_no_slab() -> None
             sched.synchronize()
             for i, g in enumerate(grads):
                 np.testing.assert_array_equal(g, expected(step, i, 2))
-        pinned = [b.pinned for b in sched.buffers]
+        pinned = [b.pinned for b in sched.buckets]
         return pinned, sched.slab_bytes()
 
     for pinned, slab_bytes in run_ranks(engines, body):
@@ -130,7 +130,7 @@ def test_a_view_of_a_bucket_in_flight_is_refused() -> None:
     with pytest.raises(DPPluginError, match="in flight"):
         fused.view_for(0)
     fused.synchronize()
-    assert fused.view_for(0).shape == (16,) and fused.buffers[0].pinned
+    assert fused.view_for(0).shape == (16,) and fused.buckets[0].pinned
 
 
 def test_a_bucket_over_the_threshold_keeps_its_own_buffer() -> None:
@@ -153,7 +153,7 @@ def test_a_bucket_over_the_threshold_keeps_its_own_buffer() -> None:
         sched.synchronize()
         for g, w in zip(grads, want, strict=True):
             np.testing.assert_array_equal(g, w)  # halves of small integers: exact in fp16
-        return [b.pinned for b in sched.buffers], sched.slab_bytes()
+        return [b.pinned for b in sched.buckets], sched.slab_bytes()
 
     for pinned, slab_bytes in run_ranks(engines, body):
         assert pinned == [True] + [False] * 6  # the big tensor comes first (reverse order)
@@ -184,7 +184,7 @@ def test_a_hooks_per_bucket_state_stays_per_bucket_while_buckets_share_slabs() -
             for i in reversed(range(len(SPECS))):
                 sched.mark_ready(i, grad(e.rank, step, i))
             sched.synchronize()
-        assert all(b.scratch["steps"] == 3 for b in sched.buffers)
+        assert all(b.scratch["steps"] == 3 for b in sched.buckets)
         return own, shared
 
     for own, shared in run_ranks(engines, body):
