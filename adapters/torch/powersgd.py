@@ -3,7 +3,7 @@
     from dp_plugin.torch.powersgd import PowerSGDHook
 
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-    optimizer.register_comm_hook(PowerSGDHook(rank=4, start_iter=10))
+    optimizer.register_comm_hook(PowerSGDHook(rank=8, start_iter=10))  # the defaults
 
 The algorithm is Vogels et al. (2019), as torch's DDP ``powerSGD_hook``
 runs it; what is compressed and the bytes it moves are
