@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from _fail_fast import run_cases
 from torch import nn
+from torch_sharded import same, state_numel
 
 import dp_plugin.torch as hvd
 from dp_plugin.errors import LayoutMismatchError
@@ -275,17 +276,7 @@ def case_sharded(_: object) -> None:
             opt.zero_grad()
             local_grads(model, step, rank, 1)
             opt.step()
-        a, b = flat(plain), flat(sharded)
-        if not torch.equal(a, b):
-            raise AssertionError(f"step {step}: sharded PowerSGD differs from unsharded "
-                                 f"(max diff {(a - b).abs().max():.3g})")
-        everyone = hvd.allgather_object(b, name=f"powersgd.sharded.{step}")
-        if not all(torch.equal(t, everyone[0]) for t in everyone):
-            raise AssertionError(f"step {step}: the ranks' sharded parameters differ")
-
-    def state_numel(opt: Any) -> int:
-        return sum(v.numel() for st in opt.state.values() for v in st.values()
-                   if torch.is_tensor(v) and v.dim() > 0)
+        same(list(zip((plain, sharded), opts, strict=True)), f"step {step}")
 
     if hooks[1].sent_numel != hooks[0].sent_numel or hooks[1].step != START + 3:
         raise AssertionError(f"the sharded optimizer's hook sent {hooks[1].sent_numel} "
