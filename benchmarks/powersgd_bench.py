@@ -29,12 +29,12 @@ local rank 0 before and after the block), the formula's bytes per step
 carries a multiple of it, 1x on the hierarchical path at 2 hosts, 1.5x on
 a flat ring of 4), and the step ``dp-plugin plan`` predicts
 (``alphabeta.predict`` / ``predict_powersgd`` with the measured no-comm
-step as compute, the shaped rate, the speed of the hook's passes over the
-gradients measured on the ranks beside the PowerSGD steps (an ``add_`` over
-64 MiB, the slowest rank: on a shared machine it is far from a quiet
-core's), and the path the gloo engine takes: hierarchical when each host
-holds several ranks). On failure it prints
-each rank's own traceback. Needs root (namespaces).
+step as compute, the shaped rate, the speed of the hook's work measured on
+the ranks beside the PowerSGD steps (one BERT matrix through the hook's
+operations, every rank at once, the slowest rank's: ranks that share a
+host's cores share them in the hook too), and the path the gloo engine
+takes: hierarchical when each host holds several ranks). On failure it
+prints each rank's own traceback. Needs root (namespaces).
 
     sudo .venv/bin/python benchmarks/powersgd_bench.py
     sudo .venv/bin/python benchmarks/powersgd_bench.py --layers 2 --steps 3 --blocks 1
@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gflops", type=float, default=None,
                     help="the plan's speed of the matrix products (default: its own)")
     ap.add_argument("--gbytes", type=float, default=None,
-                    help="the plan's bandwidth of the passes over the gradients (default: "
+                    help="the plan's speed of the hook's work, GB/s of touched_bytes (default: "
                          "measured on the ranks during the run, the slowest rank's)")
     ap.add_argument("--timeout", type=float, default=1500.0)
     ap.add_argument("--json", type=Path)
@@ -126,7 +126,8 @@ def _worker(args: argparse.Namespace) -> int:
 
     import dp_plugin.torch as hvd
     from dp_plugin.cli.shapes import bert
-    from dp_plugin.torch.powersgd import PowerSGDHook
+    from dp_plugin.reduce.powersgd import PowerSGDSettings, touched_bytes
+    from dp_plugin.torch.powersgd import PowerSGDHook, orthogonalize_
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
@@ -169,17 +170,38 @@ def _worker(args: argparse.Namespace) -> int:
                 opt.register_comm_hook(PowerSGDHook(rank=args.rank, start_iter=0))
         return model, opt
 
-    def pass_seconds() -> float:
-        """One ``a.add_(b)`` over 64 MiB of float32 (3 passes: read, read,
-        write), the median of three: the speed of the hook's passes over the
-        gradients on this rank, under whatever else the machine runs now."""
-        a, b = torch.ones(16 << 20), torch.ones(16 << 20)
-        spent = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            a.add_(b)
-            spent.append(time.perf_counter() - t0)
-        return statistics.median(spent)
+    def hook_work_gbytes() -> float:
+        """The speed of the hook's own work on this rank, in the plan's
+        terms: one BERT feed-forward matrix (3072 x 768) put through every
+        operation ``PowerSGDHook`` runs on a compressed member (add the
+        error, keep it, orthogonalize ``Q``, ``M Q``, orthogonalize ``P``,
+        ``P^T M``, ``P Q^T``, subtract it from the error) for half a second,
+        ``touched_bytes`` of that matrix over the time per round. Every rank
+        starts it after a barrier, so a host's ranks run it at once, as they
+        run the hook (on a CPU host with more ranks than cores they share the
+        cores: 4 ranks on 2 cores measured ~5 GB/s each, one alone ~12)."""
+        n, m, r = 3072, 768, min(args.rank, 768)
+        mat, err = torch.randn(n, m), torch.zeros(n, m)
+        qt, p = torch.randn(r, m), torch.empty(n, r)
+
+        def one_round() -> None:
+            mat.add_(err)
+            err.copy_(mat)
+            orthogonalize_(qt.mT, 1e-8)
+            torch.matmul(mat, qt.mT, out=p)
+            orthogonalize_(p, 1e-8)
+            torch.matmul(p.mT, mat, out=qt)
+            torch.matmul(p, qt, out=mat)
+            err.sub_(mat, alpha=1.0 / size)
+
+        one_round()
+        hvd.barrier()
+        rounds, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.5:
+            one_round()
+            rounds += 1
+        per_round = (time.perf_counter() - t0) / rounds
+        return touched_bytes([(n, m)], PowerSGDSettings(rank=args.rank)) / per_round / 1e9
 
     methods = ["local", *args.methods]
     passes: list[float] = []
@@ -194,8 +216,8 @@ def _worker(args: argparse.Namespace) -> int:
             # fusion buffers, PowerSGD's errors), and all four at once on each
             # of 4 ranks ran the 24 GiB machine out of memory.
             if method == "dp powersgd":  # measured beside the steps it explains
-                passes.append(hvd.allreduce(torch.tensor([pass_seconds()]), op=hvd.Max,
-                                            name="passes").item())
+                passes.append(hvd.allreduce(torch.tensor([hook_work_gbytes()]), op=hvd.Min,
+                                            name="hook_work").item())
             model, opt = make(method)
             for step in range(args.steps + 2):
                 hvd.barrier()
@@ -224,7 +246,7 @@ def _worker(args: argparse.Namespace) -> int:
         from dp_plugin.cli.alphabeta import Link, predict, predict_powersgd
         from dp_plugin.cli.plan import LOCAL_GBIT, POWERSGD_GBYTES, POWERSGD_GFLOPS
         from dp_plugin.config import Config
-        from dp_plugin.reduce.powersgd import PowerSGDSettings, wire_numel
+        from dp_plugin.reduce.powersgd import wire_numel
 
         settings = PowerSGDSettings(rank=args.rank)
         tensor_shapes = [s for _, s in shapes]
@@ -239,7 +261,7 @@ def _worker(args: argparse.Namespace) -> int:
         sizes = [4 * math.prod(s) for s in tensor_shapes]
         cap, first = Config().bucket_caps(total_bytes=sum(sizes))
         gflops = args.gflops or POWERSGD_GFLOPS
-        measured = 3 * 4 * (16 << 20) / statistics.median(passes) / 1e9 if passes else None
+        measured = statistics.median(passes) if passes else None
         gbytes = args.gbytes or measured or POWERSGD_GBYTES
         dp = statistics.median(times["dp" if "dp" in times else "local"])
         for i, method in enumerate(methods):
@@ -330,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{time.monotonic() - t0:.0f} s", file=sys.stderr)
     print(table(rows))
     print(f"\npeak resident memory per rank: {rows[0]['peak_rss_mib']:.0f} MiB (the largest "
-          f"rank); the plan's passes over the gradients at {rows[0]['plan_gbytes']:.2f} GB/s "
+          f"rank); the plan's hook work at {rows[0]['plan_gbytes']:.2f} GB/s "
           f"({'given' if args.gbytes else 'measured, the slowest rank'}), products at "
           f"{rows[0]['plan_gflops']:g} GFLOP/s")
     if args.json:
