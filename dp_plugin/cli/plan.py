@@ -69,9 +69,12 @@ against the default plan by this share (the model's tie rule is 0.5%)."""
 POWERSGD_GFLOPS = 20.0
 """Default speed of PowerSGD's matrix products (float32 on one CPU core)."""
 POWERSGD_GBYTES = 5.0
-"""Default bandwidth of PowerSGD's passes over the gradients (one CPU core's
-element-wise torch ops); at small ranks these, not the products, set its
-compute time (``dp_plugin.reduce.powersgd.PASSES``)."""
+"""Default speed of PowerSGD's work on one rank, in bytes its passes read
+and write per second (``dp_plugin.reduce.powersgd.touched_bytes``) while
+every rank of the host runs it at once: the hook's operations on BERT's
+matrices measured ~12 GB/s on one CPU core alone and 5-6 GB/s for each of
+4 ranks sharing 2 cores. At small ranks these passes, not the products,
+set its compute time (``dp_plugin.reduce.powersgd.PASSES``)."""
 TYPICAL_RANKS_PER_HOST = 8
 """The assumed node without ``--ranks-per-host``: 8 GPUs, one rank each."""
 
@@ -128,8 +131,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="speed of PowerSGD's matrix products, GFLOP/s (default "
                                f"{POWERSGD_GFLOPS:g}: a CPU core; a GPU does thousands)")
     powersgd.add_argument("--powersgd-gbytes", type=_positive, default=POWERSGD_GBYTES,
-                          help="memory bandwidth of PowerSGD's passes over the gradients, GB/s "
-                               f"(default {POWERSGD_GBYTES:g}: a CPU core; a GPU: over 1000)")
+                          help="speed of PowerSGD's passes over the gradients on one rank while "
+                               "the host's ranks all run them, GB/s (default "
+                               f"{POWERSGD_GBYTES:g}: CPU ranks sharing cores; a core alone "
+                               "~12; a GPU: over 1000)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
