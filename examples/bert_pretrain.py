@@ -89,8 +89,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="WordPiece vocabulary size trained on the corpus")
     g.add_argument("--seq-len", type=int, default=64, help="tokens per sequence, [CLS]/[SEP] in")
     g.add_argument("--tokenizer", type=Path, default=None,
-                   help="a tokenizer.json to use instead of training one (WordPiece training "
-                        "breaks frequency ties differently from run to run)")
+                   help="a tokenizer.json to use instead of the trained one")
+    g.add_argument("--tokenizer-cache", default=str(default_cache()),
+                   help="where the trained tokenizer is kept, one per corpus and vocabulary "
+                        "size, so that every run starts from the same vocabulary (WordPiece "
+                        "training breaks frequency ties differently from process to process); "
+                        "an empty string trains afresh each run")
     g = ap.add_argument_group("training")
     g.add_argument("--steps", type=int, default=150, help="optimizer steps in the whole run")
     g.add_argument("--global-batch", type=int, default=32,
@@ -168,6 +172,37 @@ def corpus() -> list[str]:
             if len(text) >= 40 and not set(text) <= set("*=-~^ "):
                 paragraphs.append(text)
     return paragraphs
+
+
+def default_cache() -> Path:
+    """``$XDG_CACHE_HOME/dp_plugin`` (``~/.cache/dp_plugin`` without it)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dp_plugin"
+
+
+def cached_tokenizer(texts: list[str], vocab_size: int, cache: Path | None) -> str:
+    """The tokenizer (JSON) trained on ``texts``: from ``cache`` when a run
+    on this corpus, vocabulary size and tokenizers release trained it
+    before, else trained now and kept there (written whole, then renamed,
+    so concurrent runs never read half a file). Without a cache, or one
+    that cannot be written, it is trained afresh."""
+    import tokenizers
+
+    key = hashlib.sha256(f"{tokenizers.__version__}\n{vocab_size}\n".encode())
+    key.update("\n".join(texts).encode())
+    path = None if cache is None else cache / f"bert-wordpiece-{key.hexdigest()[:16]}.json"
+    if path is not None and path.is_file():
+        return path.read_text()
+    tok_json = train_tokenizer(texts, vocab_size).to_str()
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            part = path.with_suffix(f".{os.getpid()}.part")
+            part.write_text(tok_json)
+            os.replace(part, path)
+        except OSError as exc:
+            print(f"--tokenizer-cache {cache}: not kept ({exc}); the next run trains again",
+                  flush=True)
+    return tok_json
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
@@ -248,7 +283,8 @@ def main(argv: list[str] | None = None) -> None:
         elif resume and tok_file.exists():  # the vocabulary the checkpoint was trained with
             tok_json = tok_file.read_text()
         else:
-            tok_json = train_tokenizer(texts, args.vocab_size).to_str()
+            cache = Path(args.tokenizer_cache) if args.tokenizer_cache else None
+            tok_json = cached_tokenizer(texts, args.vocab_size, cache)
             out.mkdir(parents=True, exist_ok=True)
             tok_file.write_text(tok_json)
     tok_json = hvd.broadcast_object(tok_json, root_rank=0, name="tokenizer")

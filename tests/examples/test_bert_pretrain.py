@@ -10,6 +10,7 @@ is the same for every launcher.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -42,7 +43,8 @@ def test_loss_falls_and_a_resumed_run_continues_exactly(tmp_path: Path) -> None:
     assert "summary: workers 2" in whole.output and "communication hidden" in whole.output
     assert (tmp_path / "a" / "model" / "config.json").exists()
 
-    # WordPiece training breaks ties differently from run to run: reuse run a's vocabulary.
+    # WordPiece training breaks ties differently from process to process:
+    # run b is handed run a's vocabulary (the cache would give it too).
     out_b = ["--output-dir", str(tmp_path / "b"), "--tokenizer", str(tmp_path / "a" /
                                                                       "tokenizer.json")]
     # The stopped run under the harness's env launcher (ranks forked warm,
@@ -84,3 +86,24 @@ def test_a_missing_dependency_names_the_package_and_the_command(tmp_path: Path) 
                                                       "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 1
     assert "transformers" in proc.stderr and "pip install 'transformers==" in proc.stderr
+
+
+def test_the_trained_tokenizer_is_kept_and_reused(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    spec = importlib.util.spec_from_file_location("bert_pretrain_example", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    texts, cache = example.corpus()[:300], tmp_path / "cache"
+    first = example.cached_tokenizer(texts, 300, cache)
+    kept = list(cache.glob("bert-wordpiece-*.json"))
+    assert len(kept) == 1 and kept[0].read_text() == first and '"[CLS]"' in first
+    kept[0].write_text(first.replace('"[CLS]"', '"[KEPT]"'))  # the next run reads, not trains
+    assert '"[KEPT]"' in example.cached_tokenizer(texts, 300, cache)
+    example.cached_tokenizer(texts, 200, cache)  # another vocabulary size: a file of its own
+    assert len(list(cache.glob("bert-wordpiece-*.json"))) == 2
+    assert not list(cache.glob("*.part"))
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert '"[CLS]"' in example.cached_tokenizer(texts, 300, blocked)  # trained, not kept
+    assert f"--tokenizer-cache {blocked}: not kept" in capsys.readouterr().out
