@@ -266,11 +266,8 @@ def pytorchjob(args: argparse.Namespace) -> dict[str, Any]:
     if args.env:
         container["env"] = _env(args)
     template = {"spec": {"containers": [container], "volumes": volumes}}
-    replicas: dict[str, Any] = {
-        "Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": template}}
-    if args.nodes > 1:
-        replicas["Worker"] = {"replicas": args.nodes - 1, "restartPolicy": "OnFailure",
-                              "template": template}
+    replicas = {role: {"replicas": count, "restartPolicy": "OnFailure", "template": template}
+                for role, count in (("Master", 1), ("Worker", args.nodes - 1)) if count}
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
