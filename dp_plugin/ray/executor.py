@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dp_plugin.errors import DPPluginError
+from dp_plugin.launch.netif import free_port
 from dp_plugin.ray.worker import Worker
 
 _GRACE_S = 10.0
@@ -231,7 +232,7 @@ class RayExecutor:
         actor) and each rank's launcher variables."""
         node_order = list(dict.fromkeys(node for node, _ip in placed))
         order = sorted(range(len(actors)), key=lambda i: (node_order.index(placed[i][0]), i))
-        port = ray.get(actors[order[0]].free_port.remote())
+        port = ray.get(actors[order[0]].call.remote(free_port, [], {}))
         master = placed[order[0]][1]
         env: list[dict[str, str]] = []
         cuda = self._visible_devices(ray, actors, placed) if self.use_gpu else {}
