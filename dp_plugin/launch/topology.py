@@ -161,7 +161,7 @@ def _check_port(port: Sourced, fix: str) -> None:
 
 def _check_consistent(
     size: Sourced, rank: Sourced, local_size: Sourced, local_rank: Sourced,
-    cross_size: Sourced, cross_rank: Sourced, fix: str,
+    cross_size: Sourced, cross_rank: Sourced, *, fix: str,
 ) -> None:
     """The invariants of ``Topology``, phrased with the variables' names."""
 
