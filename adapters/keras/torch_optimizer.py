@@ -82,7 +82,7 @@ class DistributedApply:
         """Reduce the gradients of ``variables`` from now on (collective the first
         time and whenever the list changes: the layout is agreed across ranks)."""
         variables = list(variables)
-        if self.gradients is not None and _same(variables, self.variables):
+        if self.gradients is not None and list(map(id, variables)) == list(map(id, self.variables)):
             return
         if self.gradients is not None:
             self.detach()
@@ -219,10 +219,6 @@ def DistributedOptimizer(
     groups = check_groups(groups, num_groups, keras.Variable, "Keras variables", stacklevel=3)
     install(optimizer, DistributedApply(optimizer, owner=owner, settings=settings, groups=groups))
     return optimizer
-
-
-def _same(a: list[Any], b: list[Any]) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
 def _names(variables: list[Any]) -> list[str]:

@@ -101,11 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def sizes_between(lo: int, hi: int) -> list[int]:
     if lo > hi:
         raise SystemExit(f"--min-size {lo} is larger than --max-size {hi}: swap them")
-    out, s = [], lo
-    while s <= hi:
-        out.append(s)
-        s *= 2
-    return out
+    return [lo << i for i in range((hi // lo).bit_length())]  # lo, 2 lo, 4 lo, ... <= hi
 
 
 def available_engines(wanted: list[str] | None) -> tuple[list[str], dict[str, str]]:

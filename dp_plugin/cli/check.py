@@ -36,22 +36,17 @@ def _framework(module: str) -> tuple[bool, str]:
     return True, str(getattr(mod, "__version__", "installed"))
 
 
-_TENSORFLOW_PROBE = """
-import importlib, json, time
-start = time.perf_counter()
-def version(name):
-    try:
-        return True, str(getattr(importlib.import_module(name), "__version__", "installed"))
-    except Exception as exc:
-        return False, f"not importable: {type(exc).__name__}: {exc}"
-ok, info = version("tensorflow")
-ok_k, info_k = version("keras")
-if ok:
-    info += f", Keras {info_k if ok_k else 'missing'}"
-seconds = time.perf_counter() - start
-backend = importlib.import_module("keras").backend.backend() if ok_k else None
-print(json.dumps([ok, info, seconds, ok_k, info_k, backend]))
-"""
+def _tensorflow_probe() -> None:
+    """What the child of ``_start_tensorflow_probe`` runs: TensorFlow's and
+    Keras's versions, TensorFlow's import time and Keras's backend, as JSON."""
+    start = time.perf_counter()
+    ok, info = _framework("tensorflow")
+    ok_k, info_k = _framework("keras")
+    if ok:
+        info += f", Keras {info_k if ok_k else 'missing'}"
+    seconds = time.perf_counter() - start
+    backend = importlib.import_module("keras").backend.backend() if ok_k else None
+    print(json.dumps([ok, info, seconds, ok_k, info_k, backend]))
 
 
 def _start_tensorflow_probe() -> subprocess.Popen[str]:
@@ -59,7 +54,8 @@ def _start_tensorflow_probe() -> subprocess.Popen[str]:
     this process imports PyTorch, and its stderr (absl and oneDNN lines)
     is dropped."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
-    return subprocess.Popen([sys.executable, "-c", _TENSORFLOW_PROBE], env=env, text=True,
+    code = "from dp_plugin.cli.check import _tensorflow_probe; _tensorflow_probe()"
+    return subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -19,18 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dp_plugin.launch.netif import free_port
 from dp_plugin.launch.variables import is_launcher_variable
 
 BINDIR = Path(sys.executable).parent
 """The environment's bin: mpiexec and horovodrun next to the interpreter."""
 
 Job = tuple[list[str], dict[str, str]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -179,12 +179,10 @@ def torchrun_command(command: list[str], max_restarts: int) -> list[str]:
 
 
 def _resources(args: argparse.Namespace) -> dict[str, Any]:
-    amounts: dict[str, Any] = {"cpu": args.cpu or str(args.procs_per_node)}
-    if args.memory:
-        amounts["memory"] = args.memory
-    if args.gpus_per_node:
-        amounts["nvidia.com/gpu"] = str(args.gpus_per_node)
-    return {"requests": dict(amounts), "limits": dict(amounts)}
+    amounts = {"cpu": args.cpu or str(args.procs_per_node), "memory": args.memory,
+               "nvidia.com/gpu": str(args.gpus_per_node) if args.gpus_per_node else None}
+    given = {name: amount for name, amount in amounts.items() if amount}
+    return {"requests": dict(given), "limits": dict(given)}
 
 
 def _shm(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -266,11 +264,8 @@ def pytorchjob(args: argparse.Namespace) -> dict[str, Any]:
     if args.env:
         container["env"] = _env(args)
     template = {"spec": {"containers": [container], "volumes": volumes}}
-    replicas: dict[str, Any] = {
-        "Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": template}}
-    if args.nodes > 1:
-        replicas["Worker"] = {"replicas": args.nodes - 1, "restartPolicy": "OnFailure",
-                              "template": template}
+    replicas = {role: {"replicas": count, "restartPolicy": "OnFailure", "template": template}
+                for role, count in (("Master", 1), ("Worker", args.nodes - 1)) if count}
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",

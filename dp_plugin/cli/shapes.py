@@ -52,8 +52,7 @@ def encoder_mlm(layers: int = 4, hidden: int = 256, ffn: int = 1024, vocab: int 
     s: Shapes = [("tokens", (vocab, hidden)), ("positions", (positions, hidden)),
                  *_norm("norm", hidden)]
     for i in range(layers):
-        s += [(f"layer{i}.in_proj.weight", (3 * hidden, hidden)),
-              (f"layer{i}.in_proj.bias", (3 * hidden,))]
+        s += _linear(f"layer{i}.in_proj", hidden, 3 * hidden)
         s += _linear(f"layer{i}.out_proj", hidden, hidden)
         s += _linear(f"layer{i}.linear1", hidden, ffn) + _linear(f"layer{i}.linear2", ffn, hidden)
         s += _norm(f"layer{i}.norm1", hidden) + _norm(f"layer{i}.norm2", hidden)

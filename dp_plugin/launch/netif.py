@@ -10,8 +10,9 @@ to connect to themselves and the job fails or hangs at start-up.
 to reach ``address`` (connecting a UDP socket sends nothing) and returns the
 interface that holds that source address. ``gloo_interface(environ)`` applies
 it to the rendezvous address. Linux only (``SIOCGIFADDR``); elsewhere, or for
-IPv6, the answer is None and nothing changes. No framework imports: this is
-core code.
+IPv6, the answer is None and nothing changes. ``free_port()`` picks the port
+of a rendezvous this process sets up (Ray, ``dp-plugin bench``). No framework
+imports: this is core code.
 """
 
 from __future__ import annotations
@@ -73,6 +74,14 @@ def interface_for(address: str) -> str | None:
     if source is None:
         return None
     return next((name for name, addr in interface_addresses().items() if addr == source), None)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a rendezvous store (the OS picks
+    it; the store binds it again moments later, as Ray Train does)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
 
 
 def is_loopback(address: str) -> bool:

@@ -57,15 +57,11 @@ class Topology:
     def __post_init__(self) -> None:
         check_choice("Topology launcher", self.launcher, LAUNCHER_NAMES, kind="launchers",
                      error=LaunchError)
-        for name in ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size"):
+        names = ("size", "rank", "local_size", "local_rank", "cross_size", "cross_rank")
+        for name in names:
             check_int(f"Topology {name}", getattr(self, name), minimum=0, error=LaunchError)
         _check_consistent(
-            Sourced("size", self.size),
-            Sourced("rank", self.rank),
-            Sourced("local_size", self.local_size),
-            Sourced("local_rank", self.local_rank),
-            Sourced("cross_size", self.cross_size),
-            Sourced("cross_rank", self.cross_rank),
+            *(Sourced(name, getattr(self, name)) for name in names),
             fix="build the Topology from consistent values "
                 "(or use dp_plugin.launch.launchers.detect())",
         )
@@ -165,7 +161,7 @@ def _check_port(port: Sourced, fix: str) -> None:
 
 def _check_consistent(
     size: Sourced, rank: Sourced, local_size: Sourced, local_rank: Sourced,
-    cross_size: Sourced, cross_rank: Sourced, fix: str,
+    cross_size: Sourced, cross_rank: Sourced, *, fix: str,
 ) -> None:
     """The invariants of ``Topology``, phrased with the variables' names."""
 

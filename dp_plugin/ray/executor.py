@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dp_plugin.errors import DPPluginError
+from dp_plugin.launch.netif import free_port
 from dp_plugin.ray.worker import Worker
 
 _GRACE_S = 10.0
@@ -231,7 +232,7 @@ class RayExecutor:
         actor) and each rank's launcher variables."""
         node_order = list(dict.fromkeys(node for node, _ip in placed))
         order = sorted(range(len(actors)), key=lambda i: (node_order.index(placed[i][0]), i))
-        port = ray.get(actors[order[0]].free_port.remote())
+        port = ray.get(actors[order[0]].call.remote(free_port, [], {}))
         master = placed[order[0]][1]
         env: list[dict[str, str]] = []
         cuda = self._visible_devices(ray, actors, placed) if self.use_gpu else {}
@@ -328,26 +329,22 @@ class RayExecutor:
                  count: int) -> BaseException:
         import ray
 
+        # What each rank raised: the exception in its function, else Ray's own.
+        causes = {rank: getattr(failures[rank], "cause", None) or failures[rank]
+                  for rank in sorted(failures)}
         lines = []
-        chosen: BaseException | None = None
-        for rank in sorted(failures):
-            exc = failures[rank]
-            cause = getattr(exc, "cause", None)
+        for rank, cause in causes.items():
             node = self.nodes[rank] if rank < len(self.nodes) else "?"
-            if isinstance(exc, ray.exceptions.RayActorError):
+            if isinstance(failures[rank], ray.exceptions.RayActorError):
                 lines.append(f"rank {rank} (node {node}): its actor died (the process was "
                              "killed, ran out of memory, or its node was lost)")
             else:
-                shown = cause if cause is not None else exc
-                lines.append(f"rank {rank} (node {node}): {type(shown).__name__}: "
-                             f"{str(shown).strip().splitlines()[0] if str(shown).strip() else ''}")
-            if chosen is None and isinstance(cause, DPPluginError):
-                chosen = cause
+                first_line = (str(cause).strip().splitlines() or [""])[0]
+                lines.append(f"rank {rank} (node {node}): {type(cause).__name__}: {first_line}")
         lines += [f"rank {r}: still running {self.settings.timeout_s + _GRACE_S:g} s after the "
                   "first failure; its actor was killed" for r in stuck]
-        if chosen is None:
-            first = failures[min(failures)]
-            chosen = getattr(first, "cause", None) or first
+        chosen = next((c for c in causes.values() if isinstance(c, DPPluginError)),
+                      causes[min(causes)])
         chosen.add_note(
             f"dp_plugin.ray: RayExecutor.{what} on {count} worker(s) failed on rank(s) "
             f"{sorted(failures)}:\n  " + "\n  ".join(lines)

@@ -48,7 +48,7 @@ from ray.train.backend import Backend as _RayBackend
 from ray.train.backend import BackendConfig as _RayBackendConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-from dp_plugin.ray.worker import free_port
+from dp_plugin.launch.netif import free_port
 
 
 @dataclass

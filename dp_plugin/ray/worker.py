@@ -12,17 +12,8 @@ the executor: ``init()``/``shutdown()`` may run many times in it.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable, Mapping
 from typing import Any
-
-
-def free_port() -> int:
-    """A TCP port free on this node now, for rank 0's store (the OS picks it;
-    the store binds it again moments later, as Ray Train does)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 class Worker:
@@ -36,9 +27,6 @@ class Worker:
         import ray
 
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
-
-    def free_port(self) -> int:
-        return free_port()
 
     def set_env(self, env: Mapping[str, str]) -> None:
         os.environ.update({k: str(v) for k, v in env.items()})
