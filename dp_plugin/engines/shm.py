@@ -419,10 +419,33 @@ class ShmTransport:
     def _gone(self, job: _Job, peer: int, exc: BaseException | None) -> BaseException:
         """The error when group rank ``peer``'s connection fails: the error
         this transport was broken with, where ``fail`` shut the sockets
-        (this rank closed them: its cause is elsewhere), else ``_peer_gone``."""
+        (this rank closed them: its cause is elsewhere). A peer that
+        stopped because it lost a rank elsewhere said so on the board before
+        it closed (a hierarchical all-reduce's cross-host step): name that
+        rank. Otherwise the peer itself is gone, and this rank says so for
+        its own host peers in turn."""
         with self._lock:
-            broken = self._error
-        return broken if broken is not None else _peer_gone(job, self.ranks[peer], exc)
+            if self._error is not None:
+                return self._error
+        handle, peer = job.handle, self.ranks[peer]
+        board = handle.board
+        theirs = None if board is None else board.lost_by(peer)
+        if theirs is not None:
+            lost = lost_text(*theirs)
+            return DPPluginError(
+                f"rank {handle.rank}: {handle.description} failed: rank {peer} of this "
+                f"shared-memory group stopped, as {lost} cannot be reached from it; "
+                f"{'that rank' if len(theirs[0]) == 1 else 'it'} has probably died, or its host is "
+                f"down or cut off: check its log first.{handle.report()}"
+            )
+        if board is not None:
+            board.post_lost([peer], "its peer on the same host, in the shared-memory transport")
+        why = "closed its connection" if exc is None else f"cannot be reached ({exc})"
+        return DPPluginError(
+            f"rank {handle.rank}: {handle.description} failed: rank {peer} of this "
+            f"shared-memory group {why}; it has probably died or shut down early: check its "
+            f"log.{handle.report()}"
+        )
 
     def _barrier(self, job: _Job, said: bytes = _PLAIN) -> None:
         """Wait until every rank has reached this point. ``said``: what this
@@ -559,33 +582,6 @@ def _reduce(parts: list[Any], out: Any, op: ReduceOp) -> None:
     fn(parts[0], parts[1], out=out)
     for part in parts[2:]:
         fn(out, part, out=out)
-
-
-def _peer_gone(job: _Job, peer: int, exc: BaseException | None) -> DPPluginError:
-    """The error when job rank ``peer``'s connection fails. A peer that
-    stopped because it lost a rank elsewhere said so on the board before it
-    closed (a hierarchical all-reduce's cross-host step): name that rank.
-    Otherwise the peer itself is gone, and this rank says so for its own
-    host peers in turn."""
-    handle = job.handle
-    board = handle.board
-    theirs = None if board is None else board.lost_by(peer)
-    if theirs is not None:
-        lost = lost_text(*theirs)
-        return DPPluginError(
-            f"rank {handle.rank}: {handle.description} failed: rank {peer} of this "
-            f"shared-memory group stopped, as {lost} cannot be reached from it; "
-            f"{'that rank' if len(theirs[0]) == 1 else 'it'} has probably died, or its host is "
-            f"down or cut off: check its log first.{handle.report()}"
-        )
-    if board is not None:
-        board.post_lost([peer], "its peer on the same host, in the shared-memory transport")
-    why = "closed its connection" if exc is None else f"cannot be reached ({exc})"
-    return DPPluginError(
-        f"rank {handle.rank}: {handle.description} failed: rank {peer} of this "
-        f"shared-memory group {why}; it has probably died or shut down early: check its "
-        f"log.{handle.report()}"
-    )
 
 
 # -- setup (collective) ----------------------------------------------------------------
