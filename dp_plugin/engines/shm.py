@@ -94,6 +94,7 @@ from dp_plugin.engines.deadline import is_standing
 from dp_plugin.engines.handle import Handle
 from dp_plugin.engines.waits import lost_text
 from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, LayoutMismatchError
+from dp_plugin.reduce.dtypes import canonical_dtype
 
 log = logging.getLogger("dp_plugin")
 
@@ -125,8 +126,6 @@ _HEADER = struct.Struct("<5qd2q")
 post-scale (a float64), and for a stage of a pipelined all-reduce
 the piece's offset in its tensor and the tensor's element count (0 and 0
 otherwise: a piece of the same size from another tensor does not pass)."""
-_DTYPE_CODES: dict[Any, int] = {}
-"""torch dtype -> its index in ``DTYPES`` (filled on first use)."""
 MAX_RANKS = 512
 _NAME = "dp_plugin-{token:x}-{rank}"
 """Abstract socket name of a rank (a leading NUL: no file)."""
@@ -410,11 +409,9 @@ class ShmTransport:
     def _header(self, kind: str, job: _Job, data: Any) -> bytes:
         """This rank's header of the operation, sent with its first barrier
         (a few microseconds: one struct pack)."""
-        code = _DTYPE_CODES.get(data.dtype)
-        if code is None:
-            code = _DTYPE_CODES[data.dtype] = DTYPES.index(str(data.dtype).removeprefix("torch."))
-        return _HEADER.pack(self._seq, KINDS.index(kind), data.numel(), code,
-                            OPS.index(job.op), job.postscale, *job.whole)
+        return _HEADER.pack(self._seq, KINDS.index(kind), data.numel(),
+                            DTYPES.index(canonical_dtype(data.dtype)), OPS.index(job.op),
+                            job.postscale, *job.whole)
 
     def _gone(self, job: _Job, peer: int, exc: BaseException | None) -> BaseException:
         """The error when group rank ``peer``'s connection fails: the error
