@@ -89,8 +89,9 @@ class GlooEngine(TorchDistEngine):
         if (self._shm is None or not self._shm.takes(t) or not t.numel()
                 or str(t.dtype).removeprefix("torch.") not in shm.SCALED_DTYPES):
             return None
-        return self._shm.allreduce_async(t, ReduceOp.SUM, self._describe(t, name),
-                                         self.mark_broken, self.wait_board(), factor)
+        description = self.describe("allreduce", name, t.nbytes)
+        return self._shm.allreduce_async(t, ReduceOp.SUM, description, self.mark_broken,
+                                         self.wait_board(), factor)
 
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
         """The one route of every all-reduce, a joined rank's standing one too
@@ -100,12 +101,9 @@ class GlooEngine(TorchDistEngine):
             return super()._allreduce_async(buf, op, name)
         t = self._tensor(buf, f"allreduce {name!r}")
         if route.takes(t) and t.numel():
-            return route.allreduce_async(t, op, self._describe(t, name), self.mark_broken,
-                                         self.wait_board())
+            return route.allreduce_async(t, op, self.describe("allreduce", name, t.nbytes),
+                                         self.mark_broken, self.wait_board())
         return super()._allreduce_async(buf, op, name)
-
-    def _describe(self, t: Any, name: str) -> str:
-        return self.describe("allreduce", name, t.numel() * t.element_size())
 
     def _close(self) -> None:
         if self._shm is not None:

@@ -190,7 +190,7 @@ class HorovodEngine(Engine):
         dtype = canonical_dtype(tensor.dtype)
         wire_dtype = ALLREDUCE_WIRE_DTYPES.get(dtype)
         wire = tensor if wire_dtype is None else tensor.to(getattr(self._torch, wire_dtype))
-        description = self.describe("allreduce", name, tensor.numel() * tensor.element_size())
+        description = self.describe("allreduce", name, tensor.nbytes)
         handle = self._start("allreduce", name, description, self._hvd.allreduce_async_, wire,
                              op=getattr(self._hvd, _HVD_OPS[op]))
         if wire is not tensor:
@@ -199,7 +199,7 @@ class HorovodEngine(Engine):
 
     def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle:
         tensor = self._bits(self._inplace_tensor(buf, f"broadcast {name!r}"))
-        description = self.describe("broadcast", name, tensor.numel() * tensor.element_size())
+        description = self.describe("broadcast", name, tensor.nbytes)
         # Horovod takes the job-wide rank of the root, even in a process set.
         return self._start("broadcast", name, description, self._hvd.broadcast_async_, tensor,
                            root_rank=self.global_ranks[root])
@@ -281,7 +281,7 @@ class HorovodEngine(Engine):
             return super()._reducescatter_start(buf, op, counts, name)
         src = tensor.contiguous()
         handle = self._start("reducescatter", name,
-                             self.describe("reducescatter", name, src.numel() * src.element_size()),
+                             self.describe("reducescatter", name, src.nbytes),
                              self._hvd.reducescatter_async, src, op=self._hvd.Sum)
         return handle, lambda: handle.result if is_torch(buf) else as_numpy(handle.result)
 

@@ -222,7 +222,7 @@ class TorchDistEngine(Engine):
         """A standing all-reduce (``deadline.is_standing``) gets the library
         timeout ``STANDING_TIMEOUT`` (the group's is ``DP_PLUGIN_TIMEOUT``)."""
         t, back = self._staged(self._tensor(buf, f"allreduce {name!r}"))
-        desc = self.describe("allreduce", name, t.numel() * t.element_size())
+        desc = self.describe("allreduce", name, t.nbytes)
         if t.numel() == 0:  # every rank has the same size: all skip alike
             return self._done(desc)
         # Neither Gloo nor NCCL moves int16: reduce it as int32 (exact, and the
@@ -243,7 +243,7 @@ class TorchDistEngine(Engine):
 
     def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle:
         t, back = self._staged(self._tensor(buf, f"broadcast {name!r}"))
-        desc = self.describe("broadcast", name, t.numel() * t.element_size())
+        desc = self.describe("broadcast", name, t.nbytes)
         if t.numel() == 0:
             return self._done(desc)
         if self._group is None:
@@ -270,8 +270,7 @@ class TorchDistEngine(Engine):
         parts = [torch.empty_like(send) for _ in range(self.size)]
         work = self._dist.all_gather([self._wire(p) for p in parts], self._wire(send),
                                      group=self._group, async_op=True)
-        handle = PollHandle(work, self,
-                            self.describe("allgather", name, send.numel() * send.element_size()))
+        handle = PollHandle(work, self, self.describe("allgather", name, send.nbytes))
 
         def result() -> Any:
             out = torch.cat([p[:n] for p, n in zip(parts, rows, strict=True)]).to(given.device)
