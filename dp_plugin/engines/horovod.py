@@ -46,6 +46,7 @@ not depend on the engine chosen.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.util
 import os
 from collections.abc import Callable
@@ -67,8 +68,6 @@ from dp_plugin.reduce.dtypes import canonical_dtype
 # Canonical dtype -> dtype the all-reduce runs in, where Horovod has no kernel.
 ALLREDUCE_WIRE_DTYPES = {"int8": "int32", "uint8": "int32", "int16": "int32",
                          "bfloat16": "float32"}
-
-_SHUTDOWN = "hvd.shutdown() (Horovod agrees on the shutdown with every rank)"
 
 _HVD_OPS = {ReduceOp.SUM: "Sum", ReduceOp.MIN: "Min", ReduceOp.MAX: "Max",
             ReduceOp.PRODUCT: "Product"}
@@ -231,28 +230,23 @@ class HorovodEngine(Engine):
         process set is collective over *all* ranks, which a members-only
         shutdown cannot be; the set stays registered (reused if the same
         ranks are asked for again) until Horovod shuts down."""
-        if self._owns_init and self._hvd.is_initialized():
+        if self._owns_init and self._hvd.is_initialized() and not self._shutdown_stuck:
             # Bounded: it joins Horovod's background thread, which first
             # agrees on the shutdown with every rank (a dead or stalled rank
             # kept it waiting for ever). On expiry the thread still runs,
             # and exiting would join it again: ``_shutdown_at_exit`` ends
             # the process instead.
             self._shutdown_stuck = True
-            bounded_on(self, self._hvd.shutdown, _SHUTDOWN)
+            bounded_on(self, self._hvd.shutdown,
+                       "hvd.shutdown() (Horovod agrees on the shutdown with every rank)")
             self._shutdown_stuck = False
 
     def _shutdown_at_exit(self) -> bool:
         """At interpreter exit: shut Horovod down within the timeout (False:
         it did not finish, or an earlier ``shutdown`` did not)."""
-        if self._shutdown_stuck:
-            return False
-        if not self._hvd.is_initialized():
-            return True
-        try:
-            bounded_on(self, self._hvd.shutdown, _SHUTDOWN)
-        except CollectiveTimeoutError:
-            return False
-        return True
+        with contextlib.suppress(CollectiveTimeoutError):
+            self._close()
+        return not self._shutdown_stuck
 
     # -- alltoall, reducescatter, process sets ---------------------------------
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
