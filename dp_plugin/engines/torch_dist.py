@@ -77,9 +77,6 @@ class TorchDistEngine(Engine):
             # process ("terminate called ... IoException"); destroy it first.
             # A subgroup registers after its parent: atexit runs LIFO.
             atexit.register(self.shutdown)
-        # Average never reaches the library: the base class sums, then scales.
-        self._reduce_ops: dict[ReduceOp, Any] = {
-            op: getattr(dist.ReduceOp, op.name) for op in ReduceOp if op is not ReduceOp.AVERAGE}
 
     @property
     def rendezvous_description(self) -> str:
@@ -229,14 +226,14 @@ class TorchDistEngine(Engine):
         # wrap-around of the cast back matches int16 arithmetic); broadcast and
         # gather it as bytes (_wire).
         staged = t.to(self._torch.int32) if t.dtype == self._torch.int16 else t
+        library_op = getattr(self._dist.ReduceOp, op.name)  # never AVERAGE: the base class sums
         if is_standing():
             opts = self._dist.AllreduceOptions()
-            opts.reduceOp, opts.timeout = self._reduce_ops[op], STANDING_TIMEOUT
+            opts.reduceOp, opts.timeout = library_op, STANDING_TIMEOUT
             group = self._dist.group.WORLD if self._group is None else self._group
             work = group.allreduce([staged], opts)
         else:
-            work = self._dist.all_reduce(staged, self._reduce_ops[op], group=self._group,
-                                         async_op=True)
+            work = self._dist.all_reduce(staged, library_op, group=self._group, async_op=True)
         if staged is t:
             return PollHandle(work, self, desc).then(back)
         return PollHandle(work, self, desc).then(lambda: (t.copy_(staged), back()))
