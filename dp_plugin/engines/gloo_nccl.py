@@ -106,10 +106,9 @@ class GlooEngine(TorchDistEngine):
         return super()._allreduce_async(buf, op, name)
 
     def _close(self) -> None:
-        if self._shm is not None:
-            self._shm.close()
-        if self._hier is not None:
-            self._hier.close()
+        for route in (self._shm, self._hier):
+            if route is not None:
+                route.close()
         super()._close()
 
     def _channel(self, name: str) -> GlooEngine:
@@ -167,9 +166,7 @@ class GlooEngine(TorchDistEngine):
     def _backend_problem(cls, topology: Topology) -> str | None:
         import torch.distributed as dist
 
-        if not dist.is_gloo_available():
-            return "this torch build has no Gloo backend"
-        return None
+        return None if dist.is_gloo_available() else "this torch build has no Gloo backend"
 
     def _select_device(self) -> Any:
         return self._torch.device("cpu")
