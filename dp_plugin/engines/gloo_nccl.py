@@ -126,13 +126,12 @@ class GlooEngine(TorchDistEngine):
         table = self.exchange_rows(hierarchical.row(self.topology, self.config),
                                    "hierarchical layout")
         layout, why = hierarchical.decide(table)
+        flat = "dp_plugin: all-reduces use one flat Gloo ring, not the hierarchical path: %s"
         if layout is None:
             if (table[:, 0] == hierarchical.FORCED).any():
-                log.warning("dp_plugin: all-reduces use one flat Gloo ring, not the "
-                            "hierarchical path: %s", why)
+                log.warning(flat, why)
             elif why and self.rank == 0:
-                log.info("dp_plugin: all-reduces use one flat Gloo ring, not the hierarchical "
-                         "path: %s", why)
+                log.info(flat, why)
             return None
         host = layout.host_of(self.rank)
         # Each host sets up its own segment; the exchange is the job's (rows:
@@ -142,8 +141,7 @@ class GlooEngine(TorchDistEngine):
                                     budget_bytes=self.config.shared_memory_budget, members=host)
         transport = connect(eligible=self.config.shared_memory)
         if transport is None:
-            log.warning("dp_plugin: all-reduces use one flat Gloo ring, not the hierarchical "
-                        "path: shared memory cannot be set up on every host")
+            log.warning(flat, "shared memory cannot be set up on every host")
             return None
         # Rows are (vote, host index, local rank, ranks on its host): the
         # host index is the host key the cross-host groups' topologies read.
