@@ -69,9 +69,6 @@ from dp_plugin.reduce.dtypes import canonical_dtype
 ALLREDUCE_WIRE_DTYPES = {"int8": "int32", "uint8": "int32", "int16": "int32",
                          "bfloat16": "float32"}
 
-_HVD_OPS = {ReduceOp.SUM: "Sum", ReduceOp.MIN: "Min", ReduceOp.MAX: "Max",
-            ReduceOp.PRODUCT: "Product"}
-
 
 class _HorovodHandle(Handle):
     """One Horovod operation; ``wait`` finalizes it with ``hvd.synchronize``."""
@@ -191,7 +188,7 @@ class HorovodEngine(Engine):
         wire = tensor if wire_dtype is None else tensor.to(getattr(self._torch, wire_dtype))
         description = self.describe("allreduce", name, tensor.nbytes)
         handle = self._start("allreduce", name, description, self._hvd.allreduce_async_, wire,
-                             op=getattr(self._hvd, _HVD_OPS[op]))
+                             op=getattr(self._hvd, op.name.title()))  # hvd.Sum, hvd.Min ...
         if wire is not tensor:
             handle.then(lambda: tensor.copy_(wire))
         return handle

@@ -56,12 +56,6 @@ _MPI_TYPE_NAMES = {
 }
 _HALF_DTYPES = ("float16", "bfloat16")
 
-_MPI_OP_NAMES = {
-    ReduceOp.SUM: "SUM",
-    ReduceOp.MIN: "MIN",
-    ReduceOp.MAX: "MAX",
-    ReduceOp.PRODUCT: "PROD",
-}
 _FLOAT32_OPS: dict[ReduceOp, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     ReduceOp.SUM: np.add,
     ReduceOp.MIN: np.minimum,
@@ -302,7 +296,7 @@ class MPIEngine(Engine):
 
     def _op(self, dtype: str, op: ReduceOp) -> Any:
         if dtype not in self._half_types:
-            return getattr(self._MPI, _MPI_OP_NAMES[op])
+            return getattr(self._MPI, "PROD" if op is ReduceOp.PRODUCT else op.name)  # MPI.SUM ...
         key = (dtype, op)
         if key not in self._half_ops:
             self._half_ops[key] = self._MPI.Op.Create(
