@@ -91,9 +91,7 @@ class MPIEngine(Engine):
     ``COMM_WORLD`` and honours the timeout; ``shutdown`` is local."""
 
     name = "mpi"
-    # Subgroups share this engine's datatypes and ops, which a timed-out
-    # request may still use: the parent must not free them either.
-    _timeout_breaks_parent = True
+    _timeout_breaks_parent = True  # subgroups share its datatypes and ops (module docstring)
     _use_native_halves: ClassVar[bool] = True
     """Use the library's float16/bfloat16 types when it has them. Tests set
     False to exercise the emulated path that an MPI without them needs."""
@@ -138,9 +136,7 @@ class MPIEngine(Engine):
                 "with DP_PLUGIN_ENGINE"
             ) from exc
         self._MPI = MPI
-        # mpi4py's own MPI_Finalize at exit waits for every rank with no
-        # timeout; finalize earlier, bounded by DP_PLUGIN_TIMEOUT.
-        finalize_mpi_at_exit(topology.rank, config.timeout_s)
+        finalize_mpi_at_exit(topology.rank, config.timeout_s)  # see _close
         world = MPI.COMM_WORLD
         if (world.Get_rank(), world.Get_size()) != (topology.rank, topology.size):
             library = " ".join(MPI.Get_library_version().splitlines()[0].split())
@@ -218,7 +214,6 @@ class MPIEngine(Engine):
         subgroup engine frees only its communicator: the datatypes and ops
         belong to the engine it came from. A broken engine frees nothing."""
         if self._broken is not None:
-            # A pending request may still use them: leak rather than crash.
             self._comm = None
             return
         if self._parent is None:
