@@ -1,8 +1,7 @@
 """The two torch.distributed backends as engines: ``gloo`` (CPU) and ``nccl``
 (CUDA, one GPU per rank). Everything they share is ``TorchDistEngine``
 (``torch_dist.py``); here is only what differs: availability, the device
-buffers live on, Gloo's shared-memory all-reduce on one host and NCCL's
-native average.
+buffers live on, and Gloo's shared-memory and hierarchical all-reduces.
 """
 
 from __future__ import annotations
@@ -172,10 +171,9 @@ class GlooEngine(TorchDistEngine):
 
 class NcclEngine(TorchDistEngine):
     """torch.distributed with NCCL: CUDA buffers, one GPU per rank
-    (``cuda:local_rank``). Average is the base class's (sum, then times
-    ``1 / size``), not NCCL's AVG, so every engine rounds alike. CPU buffers
-    (``hvd.allreduce(torch.tensor(x))``, ``barrier``, Keras' numpy buffers)
-    are copied to the GPU, reduced there and copied back (``_staged``)."""
+    (``cuda:local_rank``); Average is the base class's, not NCCL's AVG. CPU
+    buffers (``hvd.allreduce(torch.tensor(x))``, ``barrier``, Keras' numpy
+    buffers) are copied to the GPU, reduced there and copied back (``_staged``)."""
 
     name = "nccl"
     backend = "nccl"

@@ -36,11 +36,7 @@ engine can add process sets.
 When it starts Horovod it also keeps Horovod's library from fusing
 dp_plugin's pre-fused buckets again (``horovod_env.library_settings``:
 Horovod's own fusion threshold, never beside a cycle time, which would
-crash a later re-init).
-
-Average is SUM followed by a multiply by 1 / size (the base class, ``generic.average``),
-not ``hvd.Average``: every engine then rounds the same way, so results do
-not depend on the engine chosen.
+crash a later re-init). Average is the base class's, not ``hvd.Average``.
 """
 
 from __future__ import annotations
