@@ -67,11 +67,11 @@ class WaitBoard:
         self.stall_warning_s = stall_warning_s
 
     def post(self, description: str) -> None:
-        self._quietly(lambda: self._store.set(self._key(self._me),
-                                              f"{time.time():.3f}|{description}"))
+        note = f"{time.time():.3f}|{description}"
+        self._quietly(lambda: self._store.set(_PREFIX + str(self._me), note))
 
     def clear(self) -> None:
-        self._quietly(lambda: self._store.set(self._key(self._me), ""))
+        self._quietly(lambda: self._store.set(_PREFIX + str(self._me), ""))
 
     def post_lost(self, ranks: Sequence[int], where: str) -> None:
         """Say that this rank stops because ``ranks`` (job-wide) cannot be
@@ -177,7 +177,7 @@ class WaitBoard:
         for rank in ranks:
             if rank == self._me:
                 continue
-            for key in (self._key(rank), _LOST_PREFIX + str(rank)):
+            for key in (_PREFIX + str(rank), _LOST_PREFIX + str(rank)):
                 if not self._store.check([key]):
                     continue
                 text = bytes(self._store.get(key)).decode(errors="replace")
@@ -187,9 +187,6 @@ class WaitBoard:
                     listed, _, where = text.partition("|")
                     lost[rank] = ([int(r) for r in listed.split(",") if r], where)
         return notes, lost
-
-    def _key(self, rank: int) -> str:
-        return f"{_PREFIX}{rank}"
 
     def _quietly(self, fn: Any) -> None:
         # A note is a courtesy: never fail a wait for it.
