@@ -177,14 +177,12 @@ class MPIEngine(Engine):
         arr = _writable_view(buf, f"allreduce {name!r}")
         request = self._comm.Iallreduce(self._MPI.IN_PLACE, self._spec(arr),
                                         self._op(canonical_dtype(arr.dtype), op))
-        description = self.describe("allreduce", name, arr.nbytes)
-        return _MPIHandle(self, description, [request], (buf, arr))
+        return _MPIHandle(self, self.describe("allreduce", name, arr.nbytes), [request], (buf, arr))
 
     def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle:
         arr = _writable_view(buf, f"broadcast {name!r}")
         request = self._comm.Ibcast(self._spec(arr), root=root)
-        description = self.describe("broadcast", name, arr.nbytes)
-        return _MPIHandle(self, description, [request], (buf, arr))
+        return _MPIHandle(self, self.describe("broadcast", name, arr.nbytes), [request], (buf, arr))
 
     def _allgather_start(self, buf: Any, rows: list[int], name: str) -> Started:
         """``Iallgatherv`` of the rows, with the agreed per-rank counts."""
