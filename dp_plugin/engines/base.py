@@ -377,8 +377,7 @@ def group_topology(parent: Topology, members: Sequence[int], me: int,
     members on this host; cross rank and size follow Horovod's meaning
     (position among the members with the same local rank).
     """
-    mine = hosts[me]
-    same_host = [m for m in members if hosts[m] == mine]
+    same_host = [m for m in members if hosts[m] == hosts[me]]
     local_of = {m: sum(1 for n in members if n < m and hosts[n] == hosts[m]) for m in members}
     peers = [m for m in members if local_of[m] == local_of[me]]
     return Topology(

@@ -266,8 +266,7 @@ class MPIEngine(Engine):
         passed the agreement (which honours the timeout), but one may
         still stall or die before Split, which blocks and has no timeout of
         its own: it runs under ``bounded_on``."""
-        MPI = self._MPI
-        color = 0 if topology is not None else MPI.UNDEFINED
+        color = 0 if topology is not None else self._MPI.UNDEFINED
         comm = bounded_on(self, lambda: self._comm.Split(color, self.rank),
                           f"mpi Comm.Split ({name!r})")
         if topology is None:
