@@ -36,7 +36,7 @@ import enum
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -85,7 +85,6 @@ class Engine(Lifecycle):
     validate input and add timeouts. ``parent``: the engine a subgroup
     engine was split from (None for the engine ``init`` made)."""
 
-    name: ClassVar[str]
     def __init__(self, topology: Topology, config: Config, *,
                  parent: Engine | None = None) -> None:
         self.topology = topology
