@@ -149,13 +149,13 @@ class ShmTransport:
     of one single-host group. Made by ``connect`` (collective)."""
 
     def __init__(self, rank: int, size: int, segment: mmap.mmap, socks: dict[int, socket.socket],
-                 chunk_bytes: int, timeout_s: float, ranks: Sequence[int] | None = None,
+                 chunk_bytes: int, timeout_s: float, ranks: Sequence[int],
                  checked: bool = True) -> None:
         import torch
 
         global _held_bytes
         self.rank, self.size, self.chunk_bytes = rank, size, chunk_bytes
-        self.ranks = tuple(range(size)) if ranks is None else tuple(ranks)
+        self.ranks = tuple(ranks)
         """Each member's job rank, by its rank in this group: what messages name."""
         self.job_rank = self.ranks[rank]
         self.timeout_s = timeout_s
