@@ -62,7 +62,7 @@ class WaitBoard:
                  stall_warning_s: float = 0.0) -> None:
         self._store = store
         self._me = me
-        self._ranks = tuple(ranks)
+        self._others = [rank for rank in ranks if rank != me]
         self._lost_said = False
         self.stall_warning_s = stall_warning_s
 
@@ -98,7 +98,7 @@ class WaitBoard:
     def report(self, description: str) -> str:
         """One sentence per other rank: what it was waiting in, if anything."""
         try:
-            notes, lost = bounded(lambda: self._read(self._ranks), what="reading the wait notes",
+            notes, lost = bounded(lambda: self._read(self._others), what="reading the wait notes",
                                   rank=self._me, timeout_s=REPORT_S)
         except Exception as exc:
             reason = ("it did not answer within "
@@ -108,9 +108,7 @@ class WaitBoard:
                     "have died or be unreachable.")
         now = time.time()
         parts, silent, gone = [], [], []
-        for rank in self._ranks:
-            if rank == self._me:
-                continue
+        for rank in self._others:
             note = notes.get(rank, "")
             if rank in lost:
                 ranks, where = lost[rank]
@@ -139,7 +137,7 @@ class WaitBoard:
         """The warning for a wait of ``waited_s`` in ``description``: which
         ranks wait in it too, which are not there yet, and when it will raise."""
         try:
-            notes = bounded(lambda: self._read(self._ranks)[0], what="reading the wait notes",
+            notes = bounded(lambda: self._read(self._others)[0], what="reading the wait notes",
                             rank=self._me, timeout_s=REPORT_S)
         except Exception:
             notes = None
@@ -151,9 +149,7 @@ class WaitBoard:
             return (head + "which ranks are missing is unknown: the store that carries the "
                     "ranks' notes did not answer." + tail)
         there, elsewhere, missing = [self._me], [], []
-        for rank in self._ranks:
-            if rank == self._me:
-                continue
+        for rank in self._others:
             theirs = notes.get(rank, "").partition("|")[2]
             if theirs == description:
                 there.append(rank)
@@ -171,12 +167,10 @@ class WaitBoard:
 
     def _read(self, ranks: Sequence[int]
               ) -> tuple[dict[int, str], dict[int, tuple[list[int], str]]]:
-        """The wait notes and lost notes of the other ranks among ``ranks``."""
+        """The wait notes and lost notes of ``ranks``."""
         notes: dict[int, str] = {}
         lost: dict[int, tuple[list[int], str]] = {}
         for rank in ranks:
-            if rank == self._me:
-                continue
             for key in (_PREFIX + str(rank), _LOST_PREFIX + str(rank)):
                 if not self._store.check([key]):
                     continue
