@@ -153,11 +153,10 @@ class WaitBoard:
             theirs = notes.get(rank, "").partition("|")[2]
             if theirs == description:
                 there.append(rank)
-            elif theirs:
+                continue
+            missing.append(rank)
+            if theirs:
                 elsewhere.append(f"rank {rank} waits in {theirs}")
-                missing.append(rank)
-            else:
-                missing.append(rank)
         if not missing:
             return head + f"every rank waits in it ({sorted(there)})." + tail
         detail = f" ({'; '.join(elsewhere)})" if elsewhere else ""
