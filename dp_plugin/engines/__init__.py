@@ -135,8 +135,7 @@ def choose_for_job(requested: str, topology: Topology, config: Config) -> tuple[
         return name, reason  # create_engine says why an unavailable engine cannot run
     from dp_plugin.engines import horovod_hosts, job_choice
 
-    horovod = ""
-    unreachable = ""
+    horovod = unreachable = ""
     if name == "horovod":
         avail = availability("horovod", topology)
         horovod = "" if avail.ok else avail.reason

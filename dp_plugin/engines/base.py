@@ -36,7 +36,7 @@ import enum
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -85,7 +85,6 @@ class Engine(Lifecycle):
     validate input and add timeouts. ``parent``: the engine a subgroup
     engine was split from (None for the engine ``init`` made)."""
 
-    name: ClassVar[str]
     def __init__(self, topology: Topology, config: Config, *,
                  parent: Engine | None = None) -> None:
         self.topology = topology
@@ -377,8 +376,7 @@ def group_topology(parent: Topology, members: Sequence[int], me: int,
     members on this host; cross rank and size follow Horovod's meaning
     (position among the members with the same local rank).
     """
-    mine = hosts[me]
-    same_host = [m for m in members if hosts[m] == mine]
+    same_host = [m for m in members if hosts[m] == hosts[me]]
     local_of = {m: sum(1 for n in members if n < m and hosts[n] == hosts[m]) for m in members}
     peers = [m for m in members if local_of[m] == local_of[me]]
     return Topology(

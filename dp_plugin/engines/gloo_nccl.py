@@ -1,8 +1,7 @@
 """The two torch.distributed backends as engines: ``gloo`` (CPU) and ``nccl``
 (CUDA, one GPU per rank). Everything they share is ``TorchDistEngine``
 (``torch_dist.py``); here is only what differs: availability, the device
-buffers live on, Gloo's shared-memory all-reduce on one host and NCCL's
-native average.
+buffers live on, and Gloo's shared-memory and hierarchical all-reduces.
 """
 
 from __future__ import annotations
@@ -89,8 +88,9 @@ class GlooEngine(TorchDistEngine):
         if (self._shm is None or not self._shm.takes(t) or not t.numel()
                 or str(t.dtype).removeprefix("torch.") not in shm.SCALED_DTYPES):
             return None
-        return self._shm.allreduce_async(t, ReduceOp.SUM, self._describe(t, name),
-                                         self.mark_broken, self.wait_board(), factor)
+        description = self.describe("allreduce", name, t.nbytes)
+        return self._shm.allreduce_async(t, ReduceOp.SUM, description, self.mark_broken,
+                                         self.wait_board(), factor)
 
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
         """The one route of every all-reduce, a joined rank's standing one too
@@ -100,18 +100,14 @@ class GlooEngine(TorchDistEngine):
             return super()._allreduce_async(buf, op, name)
         t = self._tensor(buf, f"allreduce {name!r}")
         if route.takes(t) and t.numel():
-            return route.allreduce_async(t, op, self._describe(t, name), self.mark_broken,
-                                         self.wait_board())
+            return route.allreduce_async(t, op, self.describe("allreduce", name, t.nbytes),
+                                         self.mark_broken, self.wait_board())
         return super()._allreduce_async(buf, op, name)
 
-    def _describe(self, t: Any, name: str) -> str:
-        return self.describe("allreduce", name, t.numel() * t.element_size())
-
     def _close(self) -> None:
-        if self._shm is not None:
-            self._shm.close()
-        if self._hier is not None:
-            self._hier.close()
+        for route in (self._shm, self._hier):
+            if route is not None:
+                route.close()
         super()._close()
 
     def _channel(self, name: str) -> GlooEngine:
@@ -129,13 +125,12 @@ class GlooEngine(TorchDistEngine):
         table = self.exchange_rows(hierarchical.row(self.topology, self.config),
                                    "hierarchical layout")
         layout, why = hierarchical.decide(table)
+        flat = "dp_plugin: all-reduces use one flat Gloo ring, not the hierarchical path: %s"
         if layout is None:
             if (table[:, 0] == hierarchical.FORCED).any():
-                log.warning("dp_plugin: all-reduces use one flat Gloo ring, not the "
-                            "hierarchical path: %s", why)
+                log.warning(flat, why)
             elif why and self.rank == 0:
-                log.info("dp_plugin: all-reduces use one flat Gloo ring, not the hierarchical "
-                         "path: %s", why)
+                log.info(flat, why)
             return None
         host = layout.host_of(self.rank)
         # Each host sets up its own segment; the exchange is the job's (rows:
@@ -145,8 +140,7 @@ class GlooEngine(TorchDistEngine):
                                     budget_bytes=self.config.shared_memory_budget, members=host)
         transport = connect(eligible=self.config.shared_memory)
         if transport is None:
-            log.warning("dp_plugin: all-reduces use one flat Gloo ring, not the hierarchical "
-                        "path: shared memory cannot be set up on every host")
+            log.warning(flat, "shared memory cannot be set up on every host")
             return None
         # Rows are (vote, host index, local rank, ranks on its host): the
         # host index is the host key the cross-host groups' topologies read.
@@ -169,9 +163,7 @@ class GlooEngine(TorchDistEngine):
     def _backend_problem(cls, topology: Topology) -> str | None:
         import torch.distributed as dist
 
-        if not dist.is_gloo_available():
-            return "this torch build has no Gloo backend"
-        return None
+        return None if dist.is_gloo_available() else "this torch build has no Gloo backend"
 
     def _select_device(self) -> Any:
         return self._torch.device("cpu")
@@ -179,10 +171,9 @@ class GlooEngine(TorchDistEngine):
 
 class NcclEngine(TorchDistEngine):
     """torch.distributed with NCCL: CUDA buffers, one GPU per rank
-    (``cuda:local_rank``). Average is the base class's (sum, then times
-    ``1 / size``), not NCCL's AVG, so every engine rounds alike. CPU buffers
-    (``hvd.allreduce(torch.tensor(x))``, ``barrier``, Keras' numpy buffers)
-    are copied to the GPU, reduced there and copied back (``_staged``)."""
+    (``cuda:local_rank``); Average is the base class's, not NCCL's AVG. CPU
+    buffers (``hvd.allreduce(torch.tensor(x))``, ``barrier``, Keras' numpy
+    buffers) are copied to the GPU, reduced there and copied back (``_staged``)."""
 
     name = "nccl"
     backend = "nccl"

@@ -36,16 +36,13 @@ engine can add process sets.
 When it starts Horovod it also keeps Horovod's library from fusing
 dp_plugin's pre-fused buckets again (``horovod_env.library_settings``:
 Horovod's own fusion threshold, never beside a cycle time, which would
-crash a later re-init).
-
-Average is SUM followed by a multiply by 1 / size (the base class, ``generic.average``),
-not ``hvd.Average``: every engine then rounds the same way, so results do
-not depend on the engine chosen.
+crash a later re-init). Average is the base class's, not ``hvd.Average``.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.util
 import os
 from collections.abc import Callable
@@ -67,11 +64,6 @@ from dp_plugin.reduce.dtypes import canonical_dtype
 # Canonical dtype -> dtype the all-reduce runs in, where Horovod has no kernel.
 ALLREDUCE_WIRE_DTYPES = {"int8": "int32", "uint8": "int32", "int16": "int32",
                          "bfloat16": "float32"}
-
-_SHUTDOWN = "hvd.shutdown() (Horovod agrees on the shutdown with every rank)"
-
-_HVD_OPS = {ReduceOp.SUM: "Sum", ReduceOp.MIN: "Min", ReduceOp.MAX: "Max",
-            ReduceOp.PRODUCT: "Product"}
 
 
 class _HorovodHandle(Handle):
@@ -190,16 +182,16 @@ class HorovodEngine(Engine):
         dtype = canonical_dtype(tensor.dtype)
         wire_dtype = ALLREDUCE_WIRE_DTYPES.get(dtype)
         wire = tensor if wire_dtype is None else tensor.to(getattr(self._torch, wire_dtype))
-        description = self.describe("allreduce", name, tensor.numel() * tensor.element_size())
+        description = self.describe("allreduce", name, tensor.nbytes)
         handle = self._start("allreduce", name, description, self._hvd.allreduce_async_, wire,
-                             op=getattr(self._hvd, _HVD_OPS[op]))
+                             op=getattr(self._hvd, op.name.title()))  # hvd.Sum, hvd.Min ...
         if wire is not tensor:
             handle.then(lambda: tensor.copy_(wire))
         return handle
 
     def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle:
         tensor = self._bits(self._inplace_tensor(buf, f"broadcast {name!r}"))
-        description = self.describe("broadcast", name, tensor.numel() * tensor.element_size())
+        description = self.describe("broadcast", name, tensor.nbytes)
         # Horovod takes the job-wide rank of the root, even in a process set.
         return self._start("broadcast", name, description, self._hvd.broadcast_async_, tensor,
                            root_rank=self.global_ranks[root])
@@ -231,28 +223,23 @@ class HorovodEngine(Engine):
         process set is collective over *all* ranks, which a members-only
         shutdown cannot be; the set stays registered (reused if the same
         ranks are asked for again) until Horovod shuts down."""
-        if self._owns_init and self._hvd.is_initialized():
+        if self._owns_init and self._hvd.is_initialized() and not self._shutdown_stuck:
             # Bounded: it joins Horovod's background thread, which first
             # agrees on the shutdown with every rank (a dead or stalled rank
             # kept it waiting for ever). On expiry the thread still runs,
             # and exiting would join it again: ``_shutdown_at_exit`` ends
             # the process instead.
             self._shutdown_stuck = True
-            bounded_on(self, self._hvd.shutdown, _SHUTDOWN)
+            bounded_on(self, self._hvd.shutdown,
+                       "hvd.shutdown() (Horovod agrees on the shutdown with every rank)")
             self._shutdown_stuck = False
 
     def _shutdown_at_exit(self) -> bool:
         """At interpreter exit: shut Horovod down within the timeout (False:
         it did not finish, or an earlier ``shutdown`` did not)."""
-        if self._shutdown_stuck:
-            return False
-        if not self._hvd.is_initialized():
-            return True
-        try:
-            bounded_on(self, self._hvd.shutdown, _SHUTDOWN)
-        except CollectiveTimeoutError:
-            return False
-        return True
+        with contextlib.suppress(CollectiveTimeoutError):
+            self._close()
+        return not self._shutdown_stuck
 
     # -- alltoall, reducescatter, process sets ---------------------------------
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
@@ -281,7 +268,7 @@ class HorovodEngine(Engine):
             return super()._reducescatter_start(buf, op, counts, name)
         src = tensor.contiguous()
         handle = self._start("reducescatter", name,
-                             self.describe("reducescatter", name, src.numel() * src.element_size()),
+                             self.describe("reducescatter", name, src.nbytes),
                              self._hvd.reducescatter_async, src, op=self._hvd.Sum)
         return handle, lambda: handle.result if is_torch(buf) else as_numpy(handle.result)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from collections.abc import Sequence
 
 FIXED_PATCH_SETS = ("p2",)
 """``horovod.dp_plugin_patches.PATCH_SET`` values whose build has the fix."""
@@ -70,24 +71,30 @@ def local_finding(fixed: bool, hostname: str, bound: str | None) -> str:
     return ""
 
 
+def by_reason(why: dict[int, str], hosts: Sequence[str] = ()) -> str:
+    """'rank(s) 1, 3: why; rank(s) 2: other why', ranks grouped by reason;
+    with ``hosts`` (by rank), each group also names its ranks' hosts."""
+    groups: dict[str, list[int]] = {}
+    for rank, reason in sorted(why.items()):
+        groups.setdefault(reason, []).append(rank)
+    parts = []
+    for reason, ranks in groups.items():
+        where = sorted({hosts[r] for r in ranks if hosts[r]}) if hosts else []
+        on = f" on host(s) {', '.join(where)}" if where else ""
+        parts.append(f"rank(s) {', '.join(map(str, ranks))}{on}: {reason}")
+    return "; ".join(parts)
+
+
 def verdict(findings: list[str], hosts: list[str]) -> str:
     """One message from every rank's finding (empty when Horovod can run):
     which ranks, on which hosts, and why."""
-    bad = [(rank, f) for rank, f in enumerate(findings) if f]
+    bad = {rank: finding for rank, finding in enumerate(findings) if finding}
     if not bad:
         return ""
-    by_reason: dict[str, list[int]] = {}
-    for rank, finding in bad:
-        by_reason.setdefault(finding, []).append(rank)
-    parts = []
-    for finding, ranks in by_reason.items():
-        where = sorted({hosts[r] for r in ranks if hosts[r]})
-        on = f" on host(s) {', '.join(where)}" if where else ""
-        parts.append(f"rank(s) {', '.join(map(str, ranks))}{on}: {finding}")
     return (
         "Horovod here lacks dp_plugin's Gloo process-set fix (Horovod 0.28.1 binds each "
         "process set to the address of the host name, ignoring HOROVOD_GLOO_IFACE), the job "
-        f"spans hosts, and {'; '.join(parts)}; the other hosts could not connect there "
+        f"spans hosts, and {by_reason(bad, hosts)}; the other hosts could not connect there "
         "(Gloo would abort with 'Connection refused')"
     )
 

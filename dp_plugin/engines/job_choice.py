@@ -66,15 +66,6 @@ class Finding:
         return cls(**json.loads(text))
 
 
-def _by_reason(why: dict[int, str]) -> str:
-    """'rank(s) 1, 3: why; rank(s) 2: other why', ranks grouped by reason."""
-    groups: dict[str, list[int]] = {}
-    for rank, reason in sorted(why.items()):
-        groups.setdefault(reason, []).append(rank)
-    return "; ".join(f"rank(s) {', '.join(map(str, ranks))}: {reason}"
-                     for reason, ranks in groups.items())
-
-
 def decide(requested: str, findings: Sequence[Finding], reason: str) -> tuple[str, str, str]:
     """The job's ``(engine, reason, error)`` from every rank's finding, in
     rank order; ``error`` is '' unless the job cannot run ``requested``.
@@ -84,8 +75,8 @@ def decide(requested: str, findings: Sequence[Finding], reason: str) -> tuple[st
     if requested == "horovod":
         missing = {rank: f.horovod for rank, f in enumerate(findings) if f.horovod}
         if missing:
-            return "", "", (f"engine 'horovod' cannot run this job: {_by_reason(missing)}. "
-                            f"Fix: {MISSING_FIX}")
+            return "", "", ("engine 'horovod' cannot run this job: "
+                            f"{horovod_hosts.by_reason(missing)}. Fix: {MISSING_FIX}")
         if unreachable:
             return "", "", (f"engine 'horovod' cannot run this job: {unreachable}. "
                             f"Fix: {horovod_hosts.FIX}")
@@ -97,7 +88,7 @@ def decide(requested: str, findings: Sequence[Finding], reason: str) -> tuple[st
     if len(picks) == 1:
         return findings[0].pick, reason, ""
     fallback = "nccl" if all(f.nccl for f in findings) else "gloo"
-    differ = _by_reason({rank: f.pick for rank, f in enumerate(findings)})
+    differ = horovod_hosts.by_reason({rank: f.pick for rank, f in enumerate(findings)})
     return fallback, (f"launched by horovodrun; the ranks' own picks differ ({differ}): "
                       f"{fallback}, which every rank can run"), ""
 

@@ -56,12 +56,6 @@ _MPI_TYPE_NAMES = {
 }
 _HALF_DTYPES = ("float16", "bfloat16")
 
-_MPI_OP_NAMES = {
-    ReduceOp.SUM: "SUM",
-    ReduceOp.MIN: "MIN",
-    ReduceOp.MAX: "MAX",
-    ReduceOp.PRODUCT: "PROD",
-}
 _FLOAT32_OPS: dict[ReduceOp, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     ReduceOp.SUM: np.add,
     ReduceOp.MIN: np.minimum,
@@ -97,9 +91,7 @@ class MPIEngine(Engine):
     ``COMM_WORLD`` and honours the timeout; ``shutdown`` is local."""
 
     name = "mpi"
-    # Subgroups share this engine's datatypes and ops, which a timed-out
-    # request may still use: the parent must not free them either.
-    _timeout_breaks_parent = True
+    _timeout_breaks_parent = True  # subgroups share its datatypes and ops (module docstring)
     _use_native_halves: ClassVar[bool] = True
     """Use the library's float16/bfloat16 types when it has them. Tests set
     False to exercise the emulated path that an MPI without them needs."""
@@ -144,9 +136,7 @@ class MPIEngine(Engine):
                 "with DP_PLUGIN_ENGINE"
             ) from exc
         self._MPI = MPI
-        # mpi4py's own MPI_Finalize at exit waits for every rank with no
-        # timeout; finalize earlier, bounded by DP_PLUGIN_TIMEOUT.
-        finalize_mpi_at_exit(topology.rank, config.timeout_s)
+        finalize_mpi_at_exit(topology.rank, config.timeout_s)  # see _close
         world = MPI.COMM_WORLD
         if (world.Get_rank(), world.Get_size()) != (topology.rank, topology.size):
             library = " ".join(MPI.Get_library_version().splitlines()[0].split())
@@ -187,14 +177,12 @@ class MPIEngine(Engine):
         arr = _writable_view(buf, f"allreduce {name!r}")
         request = self._comm.Iallreduce(self._MPI.IN_PLACE, self._spec(arr),
                                         self._op(canonical_dtype(arr.dtype), op))
-        description = self.describe("allreduce", name, arr.nbytes)
-        return _MPIHandle(self, description, [request], (buf, arr))
+        return _MPIHandle(self, self.describe("allreduce", name, arr.nbytes), [request], (buf, arr))
 
     def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle:
         arr = _writable_view(buf, f"broadcast {name!r}")
         request = self._comm.Ibcast(self._spec(arr), root=root)
-        description = self.describe("broadcast", name, arr.nbytes)
-        return _MPIHandle(self, description, [request], (buf, arr))
+        return _MPIHandle(self, self.describe("broadcast", name, arr.nbytes), [request], (buf, arr))
 
     def _allgather_start(self, buf: Any, rows: list[int], name: str) -> Started:
         """``Iallgatherv`` of the rows, with the agreed per-rank counts."""
@@ -224,7 +212,6 @@ class MPIEngine(Engine):
         subgroup engine frees only its communicator: the datatypes and ops
         belong to the engine it came from. A broken engine frees nothing."""
         if self._broken is not None:
-            # A pending request may still use them: leak rather than crash.
             self._comm = None
             return
         if self._parent is None:
@@ -279,8 +266,7 @@ class MPIEngine(Engine):
         passed the agreement (which honours the timeout), but one may
         still stall or die before Split, which blocks and has no timeout of
         its own: it runs under ``bounded_on``."""
-        MPI = self._MPI
-        color = 0 if topology is not None else MPI.UNDEFINED
+        color = 0 if topology is not None else self._MPI.UNDEFINED
         comm = bounded_on(self, lambda: self._comm.Split(color, self.rank),
                           f"mpi Comm.Split ({name!r})")
         if topology is None:
@@ -302,7 +288,7 @@ class MPIEngine(Engine):
 
     def _op(self, dtype: str, op: ReduceOp) -> Any:
         if dtype not in self._half_types:
-            return getattr(self._MPI, _MPI_OP_NAMES[op])
+            return getattr(self._MPI, "PROD" if op is ReduceOp.PRODUCT else op.name)  # MPI.SUM ...
         key = (dtype, op)
         if key not in self._half_ops:
             self._half_ops[key] = self._MPI.Op.Create(

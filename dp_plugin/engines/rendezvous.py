@@ -191,8 +191,7 @@ def _listening_socket(host: str, port: int) -> tuple[int, int] | None:
     except OSError:
         sock.close()
         return None
-    bound = int(sock.getsockname()[1])
-    return bound, sock.detach()  # the store owns the descriptor now
+    return int(sock.getsockname()[1]), sock.detach()  # the store owns the descriptor now
 
 
 def _prefixed(store: Any, generation: int | str) -> Any:

@@ -94,6 +94,7 @@ from dp_plugin.engines.deadline import is_standing
 from dp_plugin.engines.handle import Handle
 from dp_plugin.engines.waits import lost_text
 from dp_plugin.errors import CollectiveTimeoutError, DPPluginError, LayoutMismatchError
+from dp_plugin.reduce.dtypes import canonical_dtype
 
 log = logging.getLogger("dp_plugin")
 
@@ -125,8 +126,6 @@ _HEADER = struct.Struct("<5qd2q")
 post-scale (a float64), and for a stage of a pipelined all-reduce
 the piece's offset in its tensor and the tensor's element count (0 and 0
 otherwise: a piece of the same size from another tensor does not pass)."""
-_DTYPE_CODES: dict[Any, int] = {}
-"""torch dtype -> its index in ``DTYPES`` (filled on first use)."""
 MAX_RANKS = 512
 _NAME = "dp_plugin-{token:x}-{rank}"
 """Abstract socket name of a rank (a leading NUL: no file)."""
@@ -150,13 +149,13 @@ class ShmTransport:
     of one single-host group. Made by ``connect`` (collective)."""
 
     def __init__(self, rank: int, size: int, segment: mmap.mmap, socks: dict[int, socket.socket],
-                 chunk_bytes: int, timeout_s: float, ranks: Sequence[int] | None = None,
+                 chunk_bytes: int, timeout_s: float, ranks: Sequence[int],
                  checked: bool = True) -> None:
         import torch
 
         global _held_bytes
         self.rank, self.size, self.chunk_bytes = rank, size, chunk_bytes
-        self.ranks = tuple(range(size)) if ranks is None else tuple(ranks)
+        self.ranks = tuple(ranks)
         """Each member's job rank, by its rank in this group: what messages name."""
         self.job_rank = self.ranks[rank]
         self.timeout_s = timeout_s
@@ -410,19 +409,40 @@ class ShmTransport:
     def _header(self, kind: str, job: _Job, data: Any) -> bytes:
         """This rank's header of the operation, sent with its first barrier
         (a few microseconds: one struct pack)."""
-        code = _DTYPE_CODES.get(data.dtype)
-        if code is None:
-            code = _DTYPE_CODES[data.dtype] = DTYPES.index(str(data.dtype).removeprefix("torch."))
-        return _HEADER.pack(self._seq, KINDS.index(kind), data.numel(), code,
-                            OPS.index(job.op), job.postscale, *job.whole)
+        return _HEADER.pack(self._seq, KINDS.index(kind), data.numel(),
+                            DTYPES.index(canonical_dtype(data.dtype)), OPS.index(job.op),
+                            job.postscale, *job.whole)
 
     def _gone(self, job: _Job, peer: int, exc: BaseException | None) -> BaseException:
         """The error when group rank ``peer``'s connection fails: the error
         this transport was broken with, where ``fail`` shut the sockets
-        (this rank closed them: its cause is elsewhere), else ``_peer_gone``."""
+        (this rank closed them: its cause is elsewhere). A peer that
+        stopped because it lost a rank elsewhere said so on the board before
+        it closed (a hierarchical all-reduce's cross-host step): name that
+        rank. Otherwise the peer itself is gone, and this rank says so for
+        its own host peers in turn."""
         with self._lock:
-            broken = self._error
-        return broken if broken is not None else _peer_gone(job, self.ranks[peer], exc)
+            if self._error is not None:
+                return self._error
+        handle, peer = job.handle, self.ranks[peer]
+        board = handle.board
+        theirs = None if board is None else board.lost_by(peer)
+        if theirs is not None:
+            lost = lost_text(*theirs)
+            return DPPluginError(
+                f"rank {handle.rank}: {handle.description} failed: rank {peer} of this "
+                f"shared-memory group stopped, as {lost} cannot be reached from it; "
+                f"{'that rank' if len(theirs[0]) == 1 else 'it'} has probably died, or its host is "
+                f"down or cut off: check its log first.{handle.report()}"
+            )
+        if board is not None:
+            board.post_lost([peer], "its peer on the same host, in the shared-memory transport")
+        why = "closed its connection" if exc is None else f"cannot be reached ({exc})"
+        return DPPluginError(
+            f"rank {handle.rank}: {handle.description} failed: rank {peer} of this "
+            f"shared-memory group {why}; it has probably died or shut down early: check its "
+            f"log.{handle.report()}"
+        )
 
     def _barrier(self, job: _Job, said: bytes = _PLAIN) -> None:
         """Wait until every rank has reached this point. ``said``: what this
@@ -559,33 +579,6 @@ def _reduce(parts: list[Any], out: Any, op: ReduceOp) -> None:
     fn(parts[0], parts[1], out=out)
     for part in parts[2:]:
         fn(out, part, out=out)
-
-
-def _peer_gone(job: _Job, peer: int, exc: BaseException | None) -> DPPluginError:
-    """The error when job rank ``peer``'s connection fails. A peer that
-    stopped because it lost a rank elsewhere said so on the board before it
-    closed (a hierarchical all-reduce's cross-host step): name that rank.
-    Otherwise the peer itself is gone, and this rank says so for its own
-    host peers in turn."""
-    handle = job.handle
-    board = handle.board
-    theirs = None if board is None else board.lost_by(peer)
-    if theirs is not None:
-        lost = lost_text(*theirs)
-        return DPPluginError(
-            f"rank {handle.rank}: {handle.description} failed: rank {peer} of this "
-            f"shared-memory group stopped, as {lost} cannot be reached from it; "
-            f"{'that rank' if len(theirs[0]) == 1 else 'it'} has probably died, or its host is "
-            f"down or cut off: check its log first.{handle.report()}"
-        )
-    if board is not None:
-        board.post_lost([peer], "its peer on the same host, in the shared-memory transport")
-    why = "closed its connection" if exc is None else f"cannot be reached ({exc})"
-    return DPPluginError(
-        f"rank {handle.rank}: {handle.description} failed: rank {peer} of this "
-        f"shared-memory group {why}; it has probably died or shut down early: check its "
-        f"log.{handle.report()}"
-    )
 
 
 # -- setup (collective) ----------------------------------------------------------------

@@ -77,9 +77,6 @@ class TorchDistEngine(Engine):
             # process ("terminate called ... IoException"); destroy it first.
             # A subgroup registers after its parent: atexit runs LIFO.
             atexit.register(self.shutdown)
-        # Average never reaches the library: the base class sums, then scales.
-        self._reduce_ops: dict[ReduceOp, Any] = {
-            op: getattr(dist.ReduceOp, op.name) for op in ReduceOp if op is not ReduceOp.AVERAGE}
 
     @property
     def rendezvous_description(self) -> str:
@@ -222,28 +219,28 @@ class TorchDistEngine(Engine):
         """A standing all-reduce (``deadline.is_standing``) gets the library
         timeout ``STANDING_TIMEOUT`` (the group's is ``DP_PLUGIN_TIMEOUT``)."""
         t, back = self._staged(self._tensor(buf, f"allreduce {name!r}"))
-        desc = self.describe("allreduce", name, t.numel() * t.element_size())
+        desc = self.describe("allreduce", name, t.nbytes)
         if t.numel() == 0:  # every rank has the same size: all skip alike
             return self._done(desc)
         # Neither Gloo nor NCCL moves int16: reduce it as int32 (exact, and the
         # wrap-around of the cast back matches int16 arithmetic); broadcast and
         # gather it as bytes (_wire).
         staged = t.to(self._torch.int32) if t.dtype == self._torch.int16 else t
+        library_op = getattr(self._dist.ReduceOp, op.name)  # never AVERAGE: the base class sums
         if is_standing():
             opts = self._dist.AllreduceOptions()
-            opts.reduceOp, opts.timeout = self._reduce_ops[op], STANDING_TIMEOUT
+            opts.reduceOp, opts.timeout = library_op, STANDING_TIMEOUT
             group = self._dist.group.WORLD if self._group is None else self._group
             work = group.allreduce([staged], opts)
         else:
-            work = self._dist.all_reduce(staged, self._reduce_ops[op], group=self._group,
-                                         async_op=True)
+            work = self._dist.all_reduce(staged, library_op, group=self._group, async_op=True)
         if staged is t:
             return PollHandle(work, self, desc).then(back)
         return PollHandle(work, self, desc).then(lambda: (t.copy_(staged), back()))
 
     def _broadcast_async(self, buf: Any, root: int, name: str) -> Handle:
         t, back = self._staged(self._tensor(buf, f"broadcast {name!r}"))
-        desc = self.describe("broadcast", name, t.numel() * t.element_size())
+        desc = self.describe("broadcast", name, t.nbytes)
         if t.numel() == 0:
             return self._done(desc)
         if self._group is None:
@@ -270,8 +267,7 @@ class TorchDistEngine(Engine):
         parts = [torch.empty_like(send) for _ in range(self.size)]
         work = self._dist.all_gather([self._wire(p) for p in parts], self._wire(send),
                                      group=self._group, async_op=True)
-        handle = PollHandle(work, self,
-                            self.describe("allgather", name, send.numel() * send.element_size()))
+        handle = PollHandle(work, self, self.describe("allgather", name, send.nbytes))
 
         def result() -> Any:
             out = torch.cat([p[:n] for p, n in zip(parts, rows, strict=True)]).to(given.device)

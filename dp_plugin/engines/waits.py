@@ -62,16 +62,16 @@ class WaitBoard:
                  stall_warning_s: float = 0.0) -> None:
         self._store = store
         self._me = me
-        self._ranks = tuple(ranks)
+        self._others = [rank for rank in ranks if rank != me]
         self._lost_said = False
         self.stall_warning_s = stall_warning_s
 
     def post(self, description: str) -> None:
-        self._quietly(lambda: self._store.set(self._key(self._me),
-                                              f"{time.time():.3f}|{description}"))
+        note = f"{time.time():.3f}|{description}"
+        self._quietly(lambda: self._store.set(_PREFIX + str(self._me), note))
 
     def clear(self) -> None:
-        self._quietly(lambda: self._store.set(self._key(self._me), ""))
+        self._quietly(lambda: self._store.set(_PREFIX + str(self._me), ""))
 
     def post_lost(self, ranks: Sequence[int], where: str) -> None:
         """Say that this rank stops because ``ranks`` (job-wide) cannot be
@@ -98,7 +98,7 @@ class WaitBoard:
     def report(self, description: str) -> str:
         """One sentence per other rank: what it was waiting in, if anything."""
         try:
-            notes, lost = bounded(lambda: self._read(self._ranks), what="reading the wait notes",
+            notes, lost = bounded(lambda: self._read(self._others), what="reading the wait notes",
                                   rank=self._me, timeout_s=REPORT_S)
         except Exception as exc:
             reason = ("it did not answer within "
@@ -108,9 +108,7 @@ class WaitBoard:
                     "have died or be unreachable.")
         now = time.time()
         parts, silent, gone = [], [], []
-        for rank in self._ranks:
-            if rank == self._me:
-                continue
+        for rank in self._others:
             note = notes.get(rank, "")
             if rank in lost:
                 ranks, where = lost[rank]
@@ -139,7 +137,7 @@ class WaitBoard:
         """The warning for a wait of ``waited_s`` in ``description``: which
         ranks wait in it too, which are not there yet, and when it will raise."""
         try:
-            notes = bounded(lambda: self._read(self._ranks)[0], what="reading the wait notes",
+            notes = bounded(lambda: self._read(self._others)[0], what="reading the wait notes",
                             rank=self._me, timeout_s=REPORT_S)
         except Exception:
             notes = None
@@ -151,17 +149,14 @@ class WaitBoard:
             return (head + "which ranks are missing is unknown: the store that carries the "
                     "ranks' notes did not answer." + tail)
         there, elsewhere, missing = [self._me], [], []
-        for rank in self._ranks:
-            if rank == self._me:
-                continue
+        for rank in self._others:
             theirs = notes.get(rank, "").partition("|")[2]
             if theirs == description:
                 there.append(rank)
-            elif theirs:
+                continue
+            missing.append(rank)
+            if theirs:
                 elsewhere.append(f"rank {rank} waits in {theirs}")
-                missing.append(rank)
-            else:
-                missing.append(rank)
         if not missing:
             return head + f"every rank waits in it ({sorted(there)})." + tail
         detail = f" ({'; '.join(elsewhere)})" if elsewhere else ""
@@ -171,13 +166,11 @@ class WaitBoard:
 
     def _read(self, ranks: Sequence[int]
               ) -> tuple[dict[int, str], dict[int, tuple[list[int], str]]]:
-        """The wait notes and lost notes of the other ranks among ``ranks``."""
+        """The wait notes and lost notes of ``ranks``."""
         notes: dict[int, str] = {}
         lost: dict[int, tuple[list[int], str]] = {}
         for rank in ranks:
-            if rank == self._me:
-                continue
-            for key in (self._key(rank), _LOST_PREFIX + str(rank)):
+            for key in (_PREFIX + str(rank), _LOST_PREFIX + str(rank)):
                 if not self._store.check([key]):
                     continue
                 text = bytes(self._store.get(key)).decode(errors="replace")
@@ -187,9 +180,6 @@ class WaitBoard:
                     listed, _, where = text.partition("|")
                     lost[rank] = ([int(r) for r in listed.split(",") if r], where)
         return notes, lost
-
-    def _key(self, rank: int) -> str:
-        return f"{_PREFIX}{rank}"
 
     def _quietly(self, fn: Any) -> None:
         # A note is a courtesy: never fail a wait for it.
