@@ -69,11 +69,8 @@ from dp_plugin.reduce.dtypes import is_floating
 from dp_plugin.reduce.hooks import ReducePolicy
 
 ANSWERED = frozenset({"allreduce", "barrier"})
-"""The collective kinds a joined rank answers (besides optimizer steps)."""
-
-REFUSED = frozenset({"allgather", "broadcast", "reducescatter", "alltoall"})
-"""The kinds Horovod refuses while a rank is joined; anything else that is
-not ``ANSWERED`` is refused too."""
+"""The collective kinds a joined rank answers (besides optimizer steps);
+every other kind is refused (the module docstring)."""
 
 
 def admit(kind: str, name: str | None, joined: Sequence[int]) -> None:
