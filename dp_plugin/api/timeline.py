@@ -91,28 +91,19 @@ class Timeline:
                 f"timeline span {name!r} ends before it starts (start={start}, end={end}); "
                 "pass perf_counter() readings taken in order"
             )
-        event: dict[str, Any] = {
-            "name": name, "cat": cat, "ph": "X", "ts": start,
-            "dur": round((end - start) * 1e6, 3), "pid": self.rank,
-        }
-        self._emit(event, tid, args)
+        self._emit({"name": name, "cat": cat, "ph": "X", "ts": start,
+                    "dur": round((end - start) * 1e6, 3)}, tid, args)
 
     def instant(
         self, name: str, cat: str, t: float, tid: Lane = "main",
         args: Mapping[str, Any] | None = None,
     ) -> None:
         """A point in time (ph 'i', thread scope) at ``t`` (perf_counter seconds)."""
-        event: dict[str, Any] = {
-            "name": name, "cat": cat, "ph": "i", "s": "t", "ts": t, "pid": self.rank,
-        }
-        self._emit(event, tid, args)
+        self._emit({"name": name, "cat": cat, "ph": "i", "s": "t", "ts": t}, tid, args)
 
     def counter(self, name: str, values: Mapping[str, float], t: float) -> None:
         """A counter sample (ph 'C'): one series per key of ``values``, at ``t``."""
-        event: dict[str, Any] = {
-            "name": name, "ph": "C", "ts": t, "pid": self.rank, "tid": 0, "args": dict(values),
-        }
-        self._emit(event, None, None)
+        self._emit({"name": name, "ph": "C", "ts": t, "tid": 0, "args": dict(values)}, None, None)
 
     def flush(self) -> None:
         """Push buffered events to the file (the scheduler calls it after each step)."""
@@ -139,6 +130,7 @@ class Timeline:
 
     def _emit(self, event: dict[str, Any], tid: Lane | None,
               args: Mapping[str, Any] | None) -> None:
+        event["pid"] = self.rank
         if args:
             event["args"] = dict(args)
         writer = self._writer
