@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -62,10 +62,6 @@ from dp_plugin.validate import check_int
 
 log = logging.getLogger("dp_plugin")
 
-_ACCUMULATION_ERROR = (
-    "Gradients were computed more than backward_passes_per_step times before call to "
-    "step()/synchronize(). Increase backward_passes_per_step to accumulate gradients locally."
-)
 
 class Reducer:
     """One stream's reduction: ready tracking, fused buckets launched in
@@ -257,10 +253,11 @@ class Reducer:
             if st.started_at is None:
                 st.started_at = time.perf_counter()
             if st.passes[index] >= self.backward_passes_per_step:
-                raise DPPluginError(
-                    f"{_ACCUMULATION_ERROR} (tensor {spec.name!r}, "
-                    f"backward_passes_per_step={self.backward_passes_per_step})"
-                )
+                raise DPPluginError(  # Horovod's message, then which tensor
+                    "Gradients were computed more than backward_passes_per_step times before "
+                    "call to step()/synchronize(). Increase backward_passes_per_step to "
+                    f"accumulate gradients locally. (tensor {spec.name!r}, "
+                    f"backward_passes_per_step={self.backward_passes_per_step})")
             st.passes[index] += 1
             st.tensors[index] = tensor
             if st.passes[index] == self.backward_passes_per_step:
@@ -461,11 +458,9 @@ class Reducer:
     def _autotune(self, tuner: Autotuner) -> None:
         """One step of autotune: re-plan for the threshold ``tuner`` switches
         to, if any (every rank at the same point, between steps), and record it."""
-
-        def plan_key(threshold: int) -> Hashable:
-            return tuple(b.members for b in self._plan(self._order, threshold))
-
-        threshold = tuner.step_ended(plan_key, lambda medians: self._from_root(medians, "autotune"))
+        threshold = tuner.step_ended(
+            lambda t: tuple(b.members for b in self._plan(self._order, t)),  # the plan of t
+            lambda medians: self._from_root(medians, "autotune"))
         if threshold is None:
             return
         self.fusion_threshold = threshold
