@@ -172,12 +172,13 @@ def layout_text(layouts: Mapping[int, list[list[Any]]], what: str, rank: int) ->
     ``layouts`` by job rank, ``rank`` this rank's."""
     first = next(iter(layouts))
     longest = max(len(layout) for layout in layouts.values())
+    padded = {r: layout + [None] * (longest - len(layout)) for r, layout in layouts.items()}
     for pos in range(longest):
-        reference = _entry_at(layouts[first], pos)
-        differing = [r for r, layout in layouts.items() if _entry_at(layout, pos) != reference]
+        reference = padded[first][pos]
+        differing = [r for r, layout in padded.items() if layout[pos] != reference]
         if not differing:
             continue
-        theirs = _entry_at(layouts[differing[0]], pos)
+        theirs = padded[differing[0]][pos]
         counts = ", ".join(f"rank {r}: {len(layout)}" for r, layout in layouts.items())
         return (
             f"rank {rank}: the {what} registered for all-reduce differ across ranks. "
@@ -209,10 +210,6 @@ def settings_text(settings: Mapping[int, dict[str, str]], what: str, rank: int) 
         f"rank {rank}: the {what} layout digests differ across ranks although the full "
         "layouts agree; the collective engine corrupted data (report this as a bug)"
     )
-
-
-def _entry_at(layout: list[list[Any]], pos: int) -> list[Any] | None:
-    return layout[pos] if pos < len(layout) else None
 
 
 def _entry_text(entry: list[Any] | None) -> str:
