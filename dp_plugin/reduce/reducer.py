@@ -104,8 +104,7 @@ class Reducer:
         self.flag_names = tuple(flags)
         self.control_numel = len(self.flag_names) * engine.size
         self.fusion_threshold, self.first_threshold = config.bucket_caps(
-            fusion_threshold,
-            0 if fusion_threshold is not None else sum(s.nbytes for s in self.specs))
+            fusion_threshold, sum(s.nbytes for s in self.specs))
         self.rebuild_buckets = bool(config.rebuild_buckets)
         self.timeline = NullTimeline() if timeline is None else timeline
         self.compressor = get_compressor(compression)
