@@ -277,9 +277,7 @@ def last_attempt(env: Mapping[str, str] | None = None) -> bool:
     env = os.environ if env is None else env
     count = env.get("TORCHELASTIC_RESTART_COUNT", "")
     most = env.get("TORCHELASTIC_MAX_RESTARTS", "")
-    if not (count.isdigit() and most.isdigit()):
-        return True
-    return int(count) >= int(most)
+    return not (count.isdigit() and most.isdigit()) or int(count) >= int(most)
 
 
 def check_launcher(state: State) -> None:

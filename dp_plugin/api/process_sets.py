@@ -75,9 +75,7 @@ class ProcessSet:
 
     def size(self) -> int | None:
         """Number of ranks in the set, or None if it is not registered."""
-        if self.process_set_id is None:
-            return None
-        return len(self._all_ranks())
+        return None if self.process_set_id is None else len(self._all_ranks())
 
     def rank(self) -> int | None:
         """This process's rank within the set, or None if it is not registered.
@@ -94,9 +92,7 @@ class ProcessSet:
 
     def included(self) -> bool | None:
         """Whether this process belongs to the set (None if it has no ranks yet)."""
-        if self.ranks is None:
-            return None
-        return _global_engine().rank in self._all_ranks()
+        return None if self.ranks is None else _global_engine().rank in self._all_ranks()
 
     def engine(self) -> Engine:
         """The engine that runs this set's collectives on this rank.
@@ -120,9 +116,7 @@ class ProcessSet:
         return self._engine
 
     def _all_ranks(self) -> list[int]:
-        if self.process_set_id == 0:
-            return list(range(_global_engine().size))
-        return list(self.ranks or [])
+        return list(range(_global_engine().size) if self.process_set_id == 0 else self.ranks or [])
 
     def _invalidate(self) -> None:
         """Forget the registration; release this rank's engine of the set."""

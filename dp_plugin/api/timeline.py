@@ -312,9 +312,7 @@ class StatsHistory:
         check_choice("StepStats numeric field", field, _NUMERIC_FIELDS, kind="fields")
         check_int("skip_first", skip_first, minimum=0)
         kept = list(self._steps)[max(0, skip_first - self._dropped):]
-        if not kept:
-            return math.nan
-        return sum(float(getattr(s, field)) for s in kept) / len(kept)
+        return sum(float(getattr(s, field)) for s in kept) / len(kept) if kept else math.nan
 
     def summary(self, skip_first: int = 1) -> dict[str, float]:
         """``mean`` of every numeric field."""

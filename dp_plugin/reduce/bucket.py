@@ -151,9 +151,8 @@ class Bucket:
     def _direct_alias(self, ops: ArrayOps, tensors: Sequence[Any]) -> Any:
         """The one member as a flat array, when the bucket is reduced where it
         lies (see the module docstring); None otherwise."""
-        if self.in_place and device_of(tensors[0]) == self.entry.device:
-            return ops.flat_alias(tensors[0])
-        return None
+        on_device = self.in_place and device_of(tensors[0]) == self.entry.device
+        return ops.flat_alias(tensors[0]) if on_device else None
 
     # -- one collective: start (pack, hook) ... finish (wait, unpack) ---------------
     @property
