@@ -138,10 +138,9 @@ def plan_buckets(
     _check_threshold("fusion threshold", threshold)
     if alone_from is not None:
         _check_threshold("alone-from size", alone_from)
-    first = threshold
     if first_threshold is not None:
         _check_threshold("first bucket threshold", first_threshold)
-        first = min(first_threshold, threshold)
+    first = threshold if first_threshold is None else min(first_threshold, threshold)
     _check_unique_names(specs)
     walk = default_order(len(specs)) if order is None else _check_permutation(order, len(specs))
     group_of = _check_groups(groups, len(specs))
