@@ -136,8 +136,7 @@ def read_table(engine: Any, buf: Any) -> np.ndarray:
     return to_host(buf).reshape(engine.size, WIDTH)
 
 
-def conclude(engine: Any, table: np.ndarray, payload: bytes,
-             numbers: Sequence[int]) -> Heard:
+def conclude(engine: Any, table: np.ndarray, payload: bytes, numbers: Sequence[int]) -> Heard:
     """Read the table; fetch the details when some rank needs them (collective:
     every rank, joined or not, calls it on the same table)."""
     joined = tuple(r for r in range(engine.size) if table[r, 1] == JOINED)
@@ -149,8 +148,7 @@ def conclude(engine: Any, table: np.ndarray, payload: bytes,
             f"{[engine.global_ranks[r] for r in active]}; some rank runs another version of "
             "dp_plugin"
         )
-    numbers_of = [table[r, _HEAD:_HEAD + min(c, INLINE)].tolist()
-                  for r, c in enumerate(counts)]
+    numbers_of = [table[r, _HEAD:_HEAD + min(c, INLINE)].tolist() for r, c in enumerate(counts)]
     same = all((table[r, 1:_HEAD] == table[active[0], 1:_HEAD]).all() for r in active)
     if not active or (same and not joined and max(counts) <= INLINE):
         return Heard([None] * engine.size, numbers_of, joined, same)

@@ -109,8 +109,7 @@ class ObjectState(State):
     _objects: list[str] = []
     """Keyword names a subclass tracks itself (through ``state_dict``, ...)."""
 
-    def __init__(self, *, commit_path: str | os.PathLike[str] | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, *, commit_path: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         super().__init__()
         self.commit_path = self.default_commit_path() if commit_path is None else Path(commit_path)
         self.default_path = commit_path is None and self.commit_path is not None

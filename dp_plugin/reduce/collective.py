@@ -97,8 +97,7 @@ def fused_collective(tensors: Sequence[Any], *, engine: Any, name: str,
     ops: Any = ops_for(tensors[0]) if tensors else None  # no tensors: no buckets
     started: list[Bucket] = []
     handles: list[Handle] = []
-    for e in plan_buckets(specs, PIPELINE_CHUNK, order=range(len(specs)),
-                          alone_from=DIRECT_BYTES):
+    for e in plan_buckets(specs, PIPELINE_CHUNK, order=range(len(specs)), alone_from=DIRECT_BYTES):
         bucket = Bucket(e, specs, f"{name}.bucket{e.index}",
                         wire_dtype=compressor.wire_dtype(e.dtype))
         if bucket.numel:  # an empty one moves nothing; every rank skips it alike (same plan)

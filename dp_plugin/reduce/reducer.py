@@ -98,8 +98,7 @@ class Reducer:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
         self.engine, self.name, config = engine, name, engine.config
         self.specs: tuple[TensorSpec, ...] = checked_specs(specs)
-        self.backward_passes_per_step = check_int("backward_passes_per_step", passes,
-                                                  minimum=1)
+        self.backward_passes_per_step = check_int("backward_passes_per_step", passes, minimum=1)
         self.policy = policy
         self.flag_names = tuple(flags)
         self.control_numel = len(self.flag_names) * engine.size
