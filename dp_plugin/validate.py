@@ -90,8 +90,7 @@ def check_groups(groups: Any, num_groups: Any, member: type | tuple[type, ...], 
         return groups
     if not is_int(groups) or groups <= 0:
         raise ValueError(
-            f"groups should be a non-negative integer or a list of list of {kind}, "
-            f"got {groups!r}"
+            f"groups should be a non-negative integer or a list of list of {kind}, got {groups!r}"
         )
     return int(groups)
 

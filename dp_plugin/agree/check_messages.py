@@ -31,9 +31,8 @@ PROBLEM_TEXT = {
     ),
     Problem.BAD_ROOT: "passed a root_rank that is not a rank of the process set",
     Problem.BAD_SPLITS: (
-        "passed invalid splits (one non-negative row count per rank of the process set, "
-        "summing to the first dimension; without splits the first dimension must divide "
-        "evenly)"
+        "passed invalid splits (one non-negative row count per rank of the process set, summing "
+        "to the first dimension; without splits the first dimension must divide evenly)"
     ),
     Problem.BAD_MEMBERS: (
         "passed an invalid list of ranks (sorted, unique ints of the process set, at least one)"
@@ -184,9 +183,8 @@ def layout_text(layouts: Mapping[int, list[list[Any]]], what: str, rank: int) ->
             f"rank {rank}: the {what} registered for all-reduce differ across ranks. "
             f"First difference at position {pos}: rank {first} has {_entry_text(reference)}, but "
             f"rank(s) {', '.join(map(str, differing))} have {_entry_text(theirs)} "
-            f"(tensor counts: {counts}). Every rank must build the same model and "
-            "register the same parameters, with the same names, shapes and dtypes, "
-            "in the same order."
+            f"(tensor counts: {counts}). Every rank must build the same model and register the "
+            "same parameters, with the same names, shapes and dtypes, in the same order."
         )
     return None
 

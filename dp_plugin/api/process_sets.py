@@ -61,9 +61,8 @@ class ProcessSet:
             raise ValueError(
                 "ProcessSet should be initialized with a list of process ranks; got "
                 f"{ranks_or_comm!r}. dp_plugin does not support sets made from an mpi4py "
-                "communicator: pass its ranks, e.g. "
-                "comm.Get_group().Translate_ranks(list(range(comm.Get_size())), "
-                "MPI.COMM_WORLD.Get_group())"
+                "communicator: pass its ranks, e.g. comm.Get_group().Translate_ranks("
+                "list(range(comm.Get_size())), MPI.COMM_WORLD.Get_group())"
             )
         ranks = sorted(ranks_or_comm)
         if any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
@@ -102,9 +101,8 @@ class ProcessSet:
         what = caller("process set")
         if self.process_set_id is None:
             raise ValueError(
-                f"{what}: {self} is not registered: call hvd.add_process_set() with it (on "
-                "every rank), or pass it to hvd.init(process_sets=[...]), before using it in "
-                "a collective"
+                f"{what}: {self} is not registered: call hvd.add_process_set() with it (on every "
+                "rank), or pass it to hvd.init(process_sets=[...]), before using it in a collective"
             )
         if self.process_set_id == 0:
             return _global_engine()

@@ -276,8 +276,8 @@ def _check_permutation(order: Iterable[int], count: int) -> list[int]:
         missing = sorted(set(range(count)) - set(walk))
         repeated = sorted(i for i, n in Counter(walk).items() if n > 1)
         raise ValueError(
-            f"bucket order is not a permutation of range({count}): it has {len(walk)} "
-            f"entries, missing {missing[:10]}, repeated {repeated[:10]}; list every "
-            "tensor index exactly once"
+            f"bucket order is not a permutation of range({count}): it has {len(walk)} entries, "
+            f"missing {missing[:10]}, repeated {repeated[:10]}; list every tensor index "
+            "exactly once"
         )
     return walk

@@ -254,9 +254,8 @@ def _tensor_wrapper(hook: CommHook, comp: Compressor) -> CommHook:
             got = out.reshape(-1)
             if int(got.shape[0]) != numel:
                 raise ValueError(
-                    f"compressor {comp.name}: decompress() returned {int(got.shape[0])} "
-                    f"elements for a bucket of {numel}; it must restore the tensor "
-                    "compress() was given"
+                    f"compressor {comp.name}: decompress() returned {int(got.shape[0])} elements "
+                    f"for a bucket of {numel}; it must restore the tensor compress() was given"
                 )
             bucket.ops.cast_into(flat, got)
 

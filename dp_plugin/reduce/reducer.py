@@ -406,10 +406,9 @@ class Reducer:
             raise TypeError(f"mark_ready for tensor {spec.name!r}: {exc}") from None
         if shape != spec.shape or dtype != spec.dtype or device != spec.device:
             raise ValueError(
-                f"mark_ready got a tensor that does not match its registration: "
-                f"registered {spec.describe()}, got shape {shape} {dtype} on "
-                f"{device}. Pass the gradient of the registered tensor, or re-create the "
-                "scheduler after changing the model"
+                f"mark_ready got a tensor that does not match its registration: registered "
+                f"{spec.describe()}, got shape {shape} {dtype} on {device}. Pass the gradient of "
+                "the registered tensor, or re-create the scheduler after changing the model"
             )
         return index, spec
 
