@@ -207,10 +207,6 @@ class SharedTimeline:
 
     # -- what a reducer calls -----------------------------------------------------
 
-    @property
-    def enabled(self) -> bool:
-        return self.current.enabled
-
     def span(self, name: str, cat: str, start: float, end: float, tid: Any = "main",
              args: Mapping[str, Any] | None = None) -> None:
         self.current.span(name, cat, start, end, tid=tid, args=args)
