@@ -23,7 +23,7 @@ Distributed contract (as in Horovod):
   new sets in every background cycle; every other engine can always add them;
 - set-relative ranks: ``ProcessSet.rank()`` and the ranks of the set's
   engine count members in ascending global order; root ranks passed to
-  collectives stay job-wide (``collective.root_of``).
+  collectives stay job-wide (``dp_plugin.agree.roots.root_of``).
 
 Sets built from an mpi4py communicator are not supported (Horovod needs an
 MPI build for them); build them from the list of ranks instead.
@@ -145,11 +145,9 @@ whose message names its own ``init()`` (set by ``HorovodBasics``)."""
 
 @public("hvd.add_process_set()")
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Register a process set after ``init()`` and return it, ready to use.
-
-    Collective over every rank of the job (members and non-members), in
-    the same order on every rank. A set whose ranks equal a registered set's
-    (including the global set's) raises ``ValueError``."""
+    """Register a process set after ``init()`` and return it, ready to use
+    (collective: the module docstring's contract; a set whose ranks equal a
+    registered set's, the global set's included, raises ``ValueError``)."""
     global _next_id
     engine = _global_engine()
     if not isinstance(process_set, ProcessSet):

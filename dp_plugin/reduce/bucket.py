@@ -170,14 +170,10 @@ class Bucket:
 
     def start(self, ops: ArrayOps, tensors: Sequence[Any], policy: ReducePolicy, hook: CommHook,
               state: HookState, sources: Sequence[Any] | None = None) -> Handle:
-        """Pack this step's ``tensors`` (one per member) and start the
-        collective ``hook`` runs on the packed buffer; returns its handle.
-        An unpinned bucket first unpacks the bucket that used its slab
-        before (waiting for it). ``sources`` (one per member): read the
-        values from there instead, when ``tensors`` are only where the
-        results go (an out-of-place collective); each is copied (scaled)
-        into its place, the one copy an out-of-place member costs beyond an
-        in-place one."""
+        """Pack this step's ``tensors`` (one per member; out of place: read
+        from ``sources`` instead, ``tensors`` being only where the results
+        go) and start the collective ``hook`` runs on the packed buffer;
+        returns its handle. The slab and out-of-place rules: the module docstring."""
         t0 = time.perf_counter()
         direct = self._direct_alias(ops, tensors)
         if direct is None and not self.pinned:

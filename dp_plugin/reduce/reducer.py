@@ -80,11 +80,10 @@ class Reducer:
     slot: ``flags_of(name)`` is a group's elements, reduced (unscaled) with
     the last bucket, so they cost no collective of their own. ``settings``
     are compared across ranks with ``specs`` (``what`` names them in the
-    messages). ``groups`` (lists of spec indices)
-    are reduced as one bucket each, launched when the whole group is ready
-    (Horovod's ``groups=``; ``plan_buckets``). ``timeline`` records spans
-    (none by default); ``array_ops`` is the array backend (default: from the
-    first tensor seen).
+    messages). ``groups`` (lists of spec indices) are reduced as one bucket
+    each, launched when the whole group is ready (Horovod's ``groups=``;
+    ``plan_buckets``). ``timeline`` records spans (none by default);
+    ``array_ops`` is the array backend (default: from the first tensor seen).
     """
 
     def __init__(self, specs: Sequence[TensorSpec], *, engine: Any,
