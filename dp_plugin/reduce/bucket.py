@@ -229,10 +229,8 @@ class Bucket:
         e, slab = self.entry, None if self.pinned or direct is not None else self.slab
         return GradBucket(e.index, e.dtype, e.device, self.names, ops,
                           self.flat if direct is None else direct, self.label, self.scratch,
-                          None if slab is None else slab.shared,
-                          0 if slab is None else slab.numel,
-                          self.control_numel if direct is None else 0,
-                          self.shapes, e.offsets)
+                          None if slab is None else slab.shared, 0 if slab is None else slab.numel,
+                          self.control_numel if direct is None else 0, self.shapes, e.offsets)
 
     def done(self) -> bool:
         """Non-blocking: has the collective in flight finished (or none is)?"""

@@ -153,10 +153,8 @@ class Reducer:
     # -- the plan ----------------------------------------------------------------
     def _plan(self, order: Iterable[int], threshold: int | None = None) -> list[PlanEntry]:
         """Buckets of ``threshold`` bytes (default: the fusion threshold)."""
-        return plan_buckets(self.specs,
-                            self.fusion_threshold if threshold is None else threshold,
-                            order=order, first_threshold=self.first_threshold,
-                            groups=self.groups)
+        return plan_buckets(self.specs, self.fusion_threshold if threshold is None else threshold,
+                            order=order, first_threshold=self.first_threshold, groups=self.groups)
 
     def _install(self, plan: list[PlanEntry]) -> None:
         """Adopt ``plan``: new buckets (their buffers allocated on first use);
