@@ -116,9 +116,7 @@ class ObjectState(State):
         self._values = [n for n in kwargs if n not in self._objects]
         for name, value in kwargs.items():
             setattr(self, name, value)
-        self._saved: dict[str, Any] = {}
-        self._saved_rng: Any = None
-        self.save()
+        self.save()  # sets _saved and _saved_rng
 
     @staticmethod
     def default_commit_path() -> Path | None:
