@@ -63,10 +63,6 @@ class Heard(NamedTuple):
         """Per active rank: does its caller run with joined ranks?"""
         return [bool(env[1]) for env in self.envelopes if env is not None]
 
-    def tags(self) -> str:
-        """The callers' tags, for messages."""
-        return ", ".join(sorted({env[0] for env in self.envelopes if env is not None}))
-
 
 AGREE_NAME = "dp_plugin.agree"
 """One engine name for every agreement, whatever the caller: two ranks in
@@ -118,8 +114,9 @@ def compare(engine: Any, tag: str, described: Any, numbers: Sequence[int] = (), 
     engine.allreduce_async(buf, "sum", name=AGREE_NAME).wait()
     heard = conclude(engine, read_table(engine, buf), payload, numbers)
     if heard.joined and not all(heard.joined_ok):
+        tags = ", ".join(sorted({env[0] for env in heard.envelopes if env is not None}))
         raise JoinedRankError.refusing([engine.global_ranks[r] for r in heard.joined],
-                                       what or heard.tags(), where=" (dp_plugin.agree.join)")
+                                       what or tags, where=" (dp_plugin.agree.join)")
     return heard
 
 
