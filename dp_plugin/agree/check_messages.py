@@ -98,8 +98,10 @@ def raise_mismatch(blocks: Described, req: Request, rank: int) -> None:
             values = {r: _hashable(d.get(key)) for r, d in column.items()}
             if len(set(values.values())) > 1:
                 what, fix = FIELD_TEXT[check_field]
+                subject = "an unnamed tensor" if req.name is None else repr(req.name)
+                member = f" (tensor {index} of the group of {group})" if group > 1 else ""
                 raise MismatchError(
-                    f"Mismatched {req.kind} {what} for {_what(req, index, group)}: "
+                    f"Mismatched {req.kind} {what} for {subject}{member}: "
                     + _by_value(values, _SHOW[key]) + f". {fix}"
                 )
         if req.kind == "fused":
@@ -107,13 +109,6 @@ def raise_mismatch(blocks: Described, req: Request, rank: int) -> None:
             text = layout_text({r: d["layout"] for r, d in column.items()}, what, rank)
             raise MismatchError.of(Problem.LAYOUT, text or settings_text(
                 {r: d["settings"] for r, d in column.items()}, what, rank))
-
-
-def _what(req: Request, index: int, group: int) -> str:
-    """'g' or 'an unnamed tensor', plus its place in a group."""
-    subject = "an unnamed tensor" if req.name is None else repr(req.name)
-    member = f" (tensor {index} of the group of {group})" if group > 1 else ""
-    return subject + member
 
 
 def _name_text(d: dict[str, Any]) -> str:
