@@ -46,11 +46,9 @@ def rank_path(path: str, rank: int) -> str:
 
 
 class Timeline:
-    """A handle on one rank's Chrome trace (``dp_plugin.api.trace_writer``).
-
-    Handles on the same file in one process share its single writer, so
-    several schedulers may record into one file; the file is closed when
-    the last handle is. ``max_bytes`` bounds the events written (0: no
+    """A handle on one rank's Chrome trace; the handles on one file share
+    its writer (``dp_plugin.api.trace_writer``, which says how and when the
+    file closes). ``max_bytes`` bounds the events written (0: no
     limit; the first handle's value holds). Times are
     ``time.perf_counter()`` seconds, stored as microseconds since the file
     was opened. Thread-safe: engine completion callbacks may record from
