@@ -84,8 +84,7 @@ class TensorSpec:
     @classmethod
     def of(cls, name: str, tensor: Any) -> TensorSpec:
         """The spec of a numpy array or torch tensor."""
-        shape, dtype, device = spec_of(tensor)
-        return cls(name, shape, dtype, device)
+        return cls(name, *spec_of(tensor))
 
     def describe(self) -> str:
         return f"{self.name!r} shape {self.shape} {self.dtype} on {self.device}"
