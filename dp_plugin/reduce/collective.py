@@ -30,13 +30,7 @@ from dp_plugin.reduce.arrays import ops_for, spec_of
 from dp_plugin.reduce.bucket import Bucket
 from dp_plugin.reduce.compression import Compressor, get_compressor
 from dp_plugin.reduce.fusion import TensorSpec, plan_buckets
-from dp_plugin.reduce.hooks import (
-    NO_SCALING,
-    CommHook,
-    HookState,
-    ReducePolicy,
-    hook_for,
-)
+from dp_plugin.reduce.hooks import NO_SCALING, CommHook, HookState, ReducePolicy, hook_for
 
 DIRECT_BYTES = 1024 * 1024
 """A tensor this large travels alone, reduced where it lies: no pack or
