@@ -90,8 +90,7 @@ def check_groups(groups: Any, num_groups: Any, member: type | tuple[type, ...], 
         return groups
     if not is_int(groups) or groups <= 0:
         raise ValueError(
-            f"groups should be a non-negative integer or a list of list of {kind}, "
-            f"got {groups!r}"
+            f"groups should be a non-negative integer or a list of list of {kind}, got {groups!r}"
         )
     return int(groups)
 
@@ -222,9 +221,7 @@ def env_choice(
     return value
 
 
-def env_bool(
-    env: Mapping[str, str], name: str, *, fix: str = "", error: type[Exception] = ValueError,
-) -> bool:
+def env_bool(env: Mapping[str, str], name: str, *, error: type[Exception] = ValueError) -> bool:
     """``env[name]`` as a boolean: 1/0, true/false, yes/no, on/off (any case); empty is False."""
     raw = env[name]
     value = raw.strip().lower()
@@ -232,6 +229,4 @@ def env_bool(
         return True
     if value in _FALSE:
         return False
-    raise error(_message(
-        "", f"{name}={raw!r} is not a boolean; use 1/0, true/false, yes/no, on/off", fix
-    ))
+    raise error(f"{name}={raw!r} is not a boolean; use 1/0, true/false, yes/no, on/off")

@@ -63,10 +63,6 @@ class Heard(NamedTuple):
         """Per active rank: does its caller run with joined ranks?"""
         return [bool(env[1]) for env in self.envelopes if env is not None]
 
-    def tags(self) -> str:
-        """The callers' tags, for messages."""
-        return ", ".join(sorted({env[0] for env in self.envelopes if env is not None}))
-
 
 AGREE_NAME = "dp_plugin.agree"
 """One engine name for every agreement, whatever the caller: two ranks in
@@ -118,8 +114,9 @@ def compare(engine: Any, tag: str, described: Any, numbers: Sequence[int] = (), 
     engine.allreduce_async(buf, "sum", name=AGREE_NAME).wait()
     heard = conclude(engine, read_table(engine, buf), payload, numbers)
     if heard.joined and not all(heard.joined_ok):
+        tags = ", ".join(sorted({env[0] for env in heard.envelopes if env is not None}))
         raise JoinedRankError.refusing([engine.global_ranks[r] for r in heard.joined],
-                                       what or heard.tags(), where=" (dp_plugin.agree.join)")
+                                       what or tags, where=" (dp_plugin.agree.join)")
     return heard
 
 
@@ -136,8 +133,7 @@ def read_table(engine: Any, buf: Any) -> np.ndarray:
     return to_host(buf).reshape(engine.size, WIDTH)
 
 
-def conclude(engine: Any, table: np.ndarray, payload: bytes,
-             numbers: Sequence[int]) -> Heard:
+def conclude(engine: Any, table: np.ndarray, payload: bytes, numbers: Sequence[int]) -> Heard:
     """Read the table; fetch the details when some rank needs them (collective:
     every rank, joined or not, calls it on the same table)."""
     joined = tuple(r for r in range(engine.size) if table[r, 1] == JOINED)
@@ -149,8 +145,7 @@ def conclude(engine: Any, table: np.ndarray, payload: bytes,
             f"{[engine.global_ranks[r] for r in active]}; some rank runs another version of "
             "dp_plugin"
         )
-    numbers_of = [table[r, _HEAD:_HEAD + min(c, INLINE)].tolist()
-                  for r, c in enumerate(counts)]
+    numbers_of = [table[r, _HEAD:_HEAD + min(c, INLINE)].tolist() for r, c in enumerate(counts)]
     same = all((table[r, 1:_HEAD] == table[active[0], 1:_HEAD]).all() for r in active)
     if not active or (same and not joined and max(counts) <= INLINE):
         return Heard([None] * engine.size, numbers_of, joined, same)

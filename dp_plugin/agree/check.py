@@ -203,12 +203,8 @@ def _describe(req: Request, index: int, problem: Problem,
         out.update(dtype=req.dtypes[index], device=req.devices[index], shape=shape)
     if req.op is not None:
         out["op"] = req.op.name.capitalize()
-    if "root" in checks:
-        out["root"] = req.root
-    if "scales" in checks:
-        out["scales"] = list(req.scales)
-    if "members" in checks:
-        out["members"] = list(members)
+    fields = {"root": req.root, "scales": list(req.scales), "members": list(members)}
+    out.update((k, v) for k, v in fields.items() if k in checks)
     return out
 
 

@@ -31,9 +31,8 @@ PROBLEM_TEXT = {
     ),
     Problem.BAD_ROOT: "passed a root_rank that is not a rank of the process set",
     Problem.BAD_SPLITS: (
-        "passed invalid splits (one non-negative row count per rank of the process set, "
-        "summing to the first dimension; without splits the first dimension must divide "
-        "evenly)"
+        "passed invalid splits (one non-negative row count per rank of the process set, summing "
+        "to the first dimension; without splits the first dimension must divide evenly)"
     ),
     Problem.BAD_MEMBERS: (
         "passed an invalid list of ranks (sorted, unique ints of the process set, at least one)"
@@ -99,8 +98,10 @@ def raise_mismatch(blocks: Described, req: Request, rank: int) -> None:
             values = {r: _hashable(d.get(key)) for r, d in column.items()}
             if len(set(values.values())) > 1:
                 what, fix = FIELD_TEXT[check_field]
+                subject = "an unnamed tensor" if req.name is None else repr(req.name)
+                member = f" (tensor {index} of the group of {group})" if group > 1 else ""
                 raise MismatchError(
-                    f"Mismatched {req.kind} {what} for {_what(req, index, group)}: "
+                    f"Mismatched {req.kind} {what} for {subject}{member}: "
                     + _by_value(values, _SHOW[key]) + f". {fix}"
                 )
         if req.kind == "fused":
@@ -108,13 +109,6 @@ def raise_mismatch(blocks: Described, req: Request, rank: int) -> None:
             text = layout_text({r: d["layout"] for r, d in column.items()}, what, rank)
             raise MismatchError.of(Problem.LAYOUT, text or settings_text(
                 {r: d["settings"] for r, d in column.items()}, what, rank))
-
-
-def _what(req: Request, index: int, group: int) -> str:
-    """'g' or 'an unnamed tensor', plus its place in a group."""
-    subject = "an unnamed tensor" if req.name is None else repr(req.name)
-    member = f" (tensor {index} of the group of {group})" if group > 1 else ""
-    return subject + member
 
 
 def _name_text(d: dict[str, Any]) -> str:
@@ -172,20 +166,20 @@ def layout_text(layouts: Mapping[int, list[list[Any]]], what: str, rank: int) ->
     ``layouts`` by job rank, ``rank`` this rank's."""
     first = next(iter(layouts))
     longest = max(len(layout) for layout in layouts.values())
+    padded = {r: layout + [None] * (longest - len(layout)) for r, layout in layouts.items()}
     for pos in range(longest):
-        reference = _entry_at(layouts[first], pos)
-        differing = [r for r, layout in layouts.items() if _entry_at(layout, pos) != reference]
+        reference = padded[first][pos]
+        differing = [r for r, layout in padded.items() if layout[pos] != reference]
         if not differing:
             continue
-        theirs = _entry_at(layouts[differing[0]], pos)
+        theirs = padded[differing[0]][pos]
         counts = ", ".join(f"rank {r}: {len(layout)}" for r, layout in layouts.items())
         return (
             f"rank {rank}: the {what} registered for all-reduce differ across ranks. "
             f"First difference at position {pos}: rank {first} has {_entry_text(reference)}, but "
             f"rank(s) {', '.join(map(str, differing))} have {_entry_text(theirs)} "
-            f"(tensor counts: {counts}). Every rank must build the same model and "
-            "register the same parameters, with the same names, shapes and dtypes, "
-            "in the same order."
+            f"(tensor counts: {counts}). Every rank must build the same model and register the "
+            "same parameters, with the same names, shapes and dtypes, in the same order."
         )
     return None
 
@@ -209,10 +203,6 @@ def settings_text(settings: Mapping[int, dict[str, str]], what: str, rank: int) 
         f"rank {rank}: the {what} layout digests differ across ranks although the full "
         "layouts agree; the collective engine corrupted data (report this as a bug)"
     )
-
-
-def _entry_at(layout: list[list[Any]], pos: int) -> list[Any] | None:
-    return layout[pos] if pos < len(layout) else None
 
 
 def _entry_text(entry: list[Any] | None) -> str:

@@ -69,11 +69,8 @@ from dp_plugin.reduce.dtypes import is_floating
 from dp_plugin.reduce.hooks import ReducePolicy
 
 ANSWERED = frozenset({"allreduce", "barrier"})
-"""The collective kinds a joined rank answers (besides optimizer steps)."""
-
-REFUSED = frozenset({"allgather", "broadcast", "reducescatter", "alltoall"})
-"""The kinds Horovod refuses while a rank is joined; anything else that is
-not ``ANSWERED`` is refused too."""
+"""The collective kinds a joined rank answers (besides optimizer steps);
+every other kind is refused (the module docstring)."""
 
 
 def admit(kind: str, name: str | None, joined: Sequence[int]) -> None:
@@ -125,10 +122,8 @@ def joined_view(heard: Heard) -> tuple[list[dict[str, Any]] | None, Agreed]:
 
 
 def with_joined(numbers: list[list[int]], width: int) -> list[list[int]]:
-    """The table, a joined rank's (empty) numbers as zeros: it contributes
-    nothing."""
+    """The table, a joined rank's (empty) numbers as zeros: it contributes nothing."""
     return [row or [0] * width for row in numbers]
-
 
 
 def everyone_joined(heard: Heard, size: int) -> bool:
@@ -165,15 +160,11 @@ def _identity_like(d: dict[str, Any], op: ReduceOp) -> Any:
     """A buffer shaped like the others' tensor, on this rank's device of its
     kind, holding the value that leaves ``op``'s reduction unchanged."""
     dtype = numpy_dtype(d["dtype"])
-    value: Any = 0
-    if op is ReduceOp.PRODUCT:
-        value = 1
-    elif op in (ReduceOp.MIN, ReduceOp.MAX):
-        if is_floating(d["dtype"]):
-            value = np.inf if op is ReduceOp.MIN else -np.inf
-        else:
-            info = np.iinfo(dtype)
-            value = info.max if op is ReduceOp.MIN else info.min
+    value: Any = 1 if op is ReduceOp.PRODUCT else 0
+    if op in (ReduceOp.MIN, ReduceOp.MAX):
+        info = None if is_floating(d["dtype"]) else np.iinfo(dtype)
+        high, low = (np.inf, -np.inf) if info is None else (info.max, info.min)
+        value = high if op is ReduceOp.MIN else low
     arr = np.full(tuple(d["shape"]), value, dtype=dtype)
     kind = str(d["device"]).split(":")[0]  # the current device of that kind here
     return arr if kind == "cpu" else to_device(arr, kind)

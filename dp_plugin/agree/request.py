@@ -77,10 +77,8 @@ class Request:
 
 def dtype_name(dtype: Any) -> str:
     """'float32', 'bool', 'uint16' ... for a numpy, torch or TensorFlow dtype."""
-    name = getattr(dtype, "name", None)
-    if not isinstance(name, str):  # torch.dtype has no .name
-        name = str(dtype).removeprefix("torch.")
-    return name
+    name = getattr(dtype, "name", None)  # torch.dtype has none
+    return name if isinstance(name, str) else str(dtype).removeprefix("torch.")
 
 
 def _device_kind(buf: Any) -> str:

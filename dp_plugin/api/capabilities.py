@@ -58,8 +58,7 @@ def mpi_threads_supported(engine: Engine) -> bool:
     if not mpi_enabled():
         raise ValueError(
             f"{caller('mpi_threads_supported()')}: MPI is not enabled (the running engine "
-            f"is {engine.name!r}); launch "
-            "with mpirun and DP_PLUGIN_ENGINE=mpi (or auto) to use MPI"
+            f"is {engine.name!r}); launch with mpirun and DP_PLUGIN_ENGINE=mpi (or auto) to use MPI"
         )
     if engine.name == "horovod":
         return bool(_horovod().mpi_threads_supported())

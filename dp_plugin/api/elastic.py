@@ -109,17 +109,14 @@ class ObjectState(State):
     _objects: list[str] = []
     """Keyword names a subclass tracks itself (through ``state_dict``, ...)."""
 
-    def __init__(self, *, commit_path: str | os.PathLike[str] | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, *, commit_path: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         super().__init__()
         self.commit_path = self.default_commit_path() if commit_path is None else Path(commit_path)
         self.default_path = commit_path is None and self.commit_path is not None
         self._values = [n for n in kwargs if n not in self._objects]
         for name, value in kwargs.items():
             setattr(self, name, value)
-        self._saved: dict[str, Any] = {}
-        self._saved_rng: Any = None
-        self.save()
+        self.save()  # sets _saved and _saved_rng
 
     @staticmethod
     def default_commit_path() -> Path | None:
@@ -277,9 +274,7 @@ def last_attempt(env: Mapping[str, str] | None = None) -> bool:
     env = os.environ if env is None else env
     count = env.get("TORCHELASTIC_RESTART_COUNT", "")
     most = env.get("TORCHELASTIC_MAX_RESTARTS", "")
-    if not (count.isdigit() and most.isdigit()):
-        return True
-    return int(count) >= int(most)
+    return not (count.isdigit() and most.isdigit()) or int(count) >= int(most)
 
 
 def check_launcher(state: State) -> None:

@@ -51,8 +51,7 @@ def parse_op(op: object, *, prefix: str, instead: str) -> ReduceOp:
     return ReduceOp.AVERAGE if op is None else ReduceOp.parse(op)  # type: ignore[arg-type]
 
 
-def resolve_op(op: object, average: bool | None, *, prefix: str,
-               instead: str) -> ReduceOp:
+def resolve_op(op: object, average: bool | None, *, prefix: str, instead: str) -> ReduceOp:
     """Horovod's ``op`` with its deprecated ``average`` flag (True: Average,
     False: Sum, with a DeprecationWarning, as Horovod's); then ``parse_op``.
     Call it from a ``@public`` function (the warning points at its caller,

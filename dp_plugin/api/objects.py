@@ -62,8 +62,7 @@ def allgather_object(engine: Any, obj: Any, name: str) -> list[Any]:
                                       f"{name}.sz")).tolist()
     _raise_if_unpickled(engine, sizes, problem, f"allgather_object {name!r}")
     # Every rank's byte count is known now: the rows need no second check.
-    data = to_host(engine.allgather(to_device(payload, engine.buffer_device), sizes,
-                                    f"{name}.t"))
+    data = to_host(engine.allgather(to_device(payload, engine.buffer_device), sizes, f"{name}.t"))
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     return [_loads(data[offsets[r]:offsets[r + 1]]) for r in range(engine.size)]
 
@@ -87,8 +86,7 @@ def from_rank0(run: Callable[[], T], error: type[Exception], name: str,
             failure = exc
             problem = str(exc) if isinstance(exc, error) else explain(exc)
     if engine is not None and engine.size > 1:
-        value, problem = broadcast_object(engine, (value, problem),
-                                          agreed_root(engine, 0), name)
+        value, problem = broadcast_object(engine, (value, problem), agreed_root(engine, 0), name)
     if problem is not None:
         raise error(problem) from failure
     return value

@@ -23,7 +23,7 @@ Distributed contract (as in Horovod):
   new sets in every background cycle; every other engine can always add them;
 - set-relative ranks: ``ProcessSet.rank()`` and the ranks of the set's
   engine count members in ascending global order; root ranks passed to
-  collectives stay job-wide (``collective.root_of``).
+  collectives stay job-wide (``dp_plugin.agree.roots.root_of``).
 
 Sets built from an mpi4py communicator are not supported (Horovod needs an
 MPI build for them); build them from the list of ranks instead.
@@ -61,9 +61,8 @@ class ProcessSet:
             raise ValueError(
                 "ProcessSet should be initialized with a list of process ranks; got "
                 f"{ranks_or_comm!r}. dp_plugin does not support sets made from an mpi4py "
-                "communicator: pass its ranks, e.g. "
-                "comm.Get_group().Translate_ranks(list(range(comm.Get_size())), "
-                "MPI.COMM_WORLD.Get_group())"
+                "communicator: pass its ranks, e.g. comm.Get_group().Translate_ranks("
+                "list(range(comm.Get_size())), MPI.COMM_WORLD.Get_group())"
             )
         ranks = sorted(ranks_or_comm)
         if any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
@@ -75,9 +74,7 @@ class ProcessSet:
 
     def size(self) -> int | None:
         """Number of ranks in the set, or None if it is not registered."""
-        if self.process_set_id is None:
-            return None
-        return len(self._all_ranks())
+        return None if self.process_set_id is None else len(self._all_ranks())
 
     def rank(self) -> int | None:
         """This process's rank within the set, or None if it is not registered.
@@ -94,9 +91,7 @@ class ProcessSet:
 
     def included(self) -> bool | None:
         """Whether this process belongs to the set (None if it has no ranks yet)."""
-        if self.ranks is None:
-            return None
-        return _global_engine().rank in self._all_ranks()
+        return None if self.ranks is None else _global_engine().rank in self._all_ranks()
 
     def engine(self) -> Engine:
         """The engine that runs this set's collectives on this rank.
@@ -106,9 +101,8 @@ class ProcessSet:
         what = caller("process set")
         if self.process_set_id is None:
             raise ValueError(
-                f"{what}: {self} is not registered: call hvd.add_process_set() with it (on "
-                "every rank), or pass it to hvd.init(process_sets=[...]), before using it in "
-                "a collective"
+                f"{what}: {self} is not registered: call hvd.add_process_set() with it (on every "
+                "rank), or pass it to hvd.init(process_sets=[...]), before using it in a collective"
             )
         if self.process_set_id == 0:
             return _global_engine()
@@ -120,9 +114,7 @@ class ProcessSet:
         return self._engine
 
     def _all_ranks(self) -> list[int]:
-        if self.process_set_id == 0:
-            return list(range(_global_engine().size))
-        return list(self.ranks or [])
+        return list(range(_global_engine().size) if self.process_set_id == 0 else self.ranks or [])
 
     def _invalidate(self) -> None:
         """Forget the registration; release this rank's engine of the set."""
@@ -153,11 +145,9 @@ whose message names its own ``init()`` (set by ``HorovodBasics``)."""
 
 @public("hvd.add_process_set()")
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Register a process set after ``init()`` and return it, ready to use.
-
-    Collective over every rank of the job (members and non-members), in
-    the same order on every rank. A set whose ranks equal a registered set's
-    (including the global set's) raises ``ValueError``."""
+    """Register a process set after ``init()`` and return it, ready to use
+    (collective: the module docstring's contract; a set whose ranks equal a
+    registered set's, the global set's included, raises ``ValueError``)."""
     global _next_id
     engine = _global_engine()
     if not isinstance(process_set, ProcessSet):

@@ -46,11 +46,9 @@ def rank_path(path: str, rank: int) -> str:
 
 
 class Timeline:
-    """A handle on one rank's Chrome trace (``dp_plugin.api.trace_writer``).
-
-    Handles on the same file in one process share its single writer, so
-    several schedulers may record into one file; the file is closed when
-    the last handle is. ``max_bytes`` bounds the events written (0: no
+    """A handle on one rank's Chrome trace; the handles on one file share
+    its writer (``dp_plugin.api.trace_writer``, which says how and when the
+    file closes). ``max_bytes`` bounds the events written (0: no
     limit; the first handle's value holds). Times are
     ``time.perf_counter()`` seconds, stored as microseconds since the file
     was opened. Thread-safe: engine completion callbacks may record from
@@ -91,28 +89,19 @@ class Timeline:
                 f"timeline span {name!r} ends before it starts (start={start}, end={end}); "
                 "pass perf_counter() readings taken in order"
             )
-        event: dict[str, Any] = {
-            "name": name, "cat": cat, "ph": "X", "ts": start,
-            "dur": round((end - start) * 1e6, 3), "pid": self.rank,
-        }
-        self._emit(event, tid, args)
+        self._emit({"name": name, "cat": cat, "ph": "X", "ts": start,
+                    "dur": round((end - start) * 1e6, 3)}, tid, args)
 
     def instant(
         self, name: str, cat: str, t: float, tid: Lane = "main",
         args: Mapping[str, Any] | None = None,
     ) -> None:
         """A point in time (ph 'i', thread scope) at ``t`` (perf_counter seconds)."""
-        event: dict[str, Any] = {
-            "name": name, "cat": cat, "ph": "i", "s": "t", "ts": t, "pid": self.rank,
-        }
-        self._emit(event, tid, args)
+        self._emit({"name": name, "cat": cat, "ph": "i", "s": "t", "ts": t}, tid, args)
 
     def counter(self, name: str, values: Mapping[str, float], t: float) -> None:
         """A counter sample (ph 'C'): one series per key of ``values``, at ``t``."""
-        event: dict[str, Any] = {
-            "name": name, "ph": "C", "ts": t, "pid": self.rank, "tid": 0, "args": dict(values),
-        }
-        self._emit(event, None, None)
+        self._emit({"name": name, "ph": "C", "ts": t, "tid": 0, "args": dict(values)}, None, None)
 
     def flush(self) -> None:
         """Push buffered events to the file (the scheduler calls it after each step)."""
@@ -139,6 +128,7 @@ class Timeline:
 
     def _emit(self, event: dict[str, Any], tid: Lane | None,
               args: Mapping[str, Any] | None) -> None:
+        event["pid"] = self.rank
         if args:
             event["args"] = dict(args)
         writer = self._writer
@@ -214,10 +204,6 @@ class SharedTimeline:
         old.close()
 
     # -- what a reducer calls -----------------------------------------------------
-
-    @property
-    def enabled(self) -> bool:
-        return self.current.enabled
 
     def span(self, name: str, cat: str, start: float, end: float, tid: Any = "main",
              args: Mapping[str, Any] | None = None) -> None:
@@ -320,9 +306,7 @@ class StatsHistory:
         check_choice("StepStats numeric field", field, _NUMERIC_FIELDS, kind="fields")
         check_int("skip_first", skip_first, minimum=0)
         kept = list(self._steps)[max(0, skip_first - self._dropped):]
-        if not kept:
-            return math.nan
-        return sum(float(getattr(s, field)) for s in kept) / len(kept)
+        return sum(float(getattr(s, field)) for s in kept) / len(kept) if kept else math.nan
 
     def summary(self, skip_first: int = 1) -> dict[str, float]:
         """``mean`` of every numeric field."""

@@ -65,9 +65,7 @@ def _torch() -> Any:
 
 def to_device(arr: np.ndarray, device: str) -> Any:
     """``arr`` itself for the CPU, else a torch copy on ``device`` (control buffers)."""
-    if device == "cpu":
-        return arr
-    return as_torch(arr).to(device)
+    return arr if device == "cpu" else as_torch(arr).to(device)
 
 
 def to_host(buf: Any) -> np.ndarray:

@@ -151,9 +151,8 @@ class Bucket:
     def _direct_alias(self, ops: ArrayOps, tensors: Sequence[Any]) -> Any:
         """The one member as a flat array, when the bucket is reduced where it
         lies (see the module docstring); None otherwise."""
-        if self.in_place and device_of(tensors[0]) == self.entry.device:
-            return ops.flat_alias(tensors[0])
-        return None
+        on_device = self.in_place and device_of(tensors[0]) == self.entry.device
+        return ops.flat_alias(tensors[0]) if on_device else None
 
     # -- one collective: start (pack, hook) ... finish (wait, unpack) ---------------
     @property
@@ -171,14 +170,10 @@ class Bucket:
 
     def start(self, ops: ArrayOps, tensors: Sequence[Any], policy: ReducePolicy, hook: CommHook,
               state: HookState, sources: Sequence[Any] | None = None) -> Handle:
-        """Pack this step's ``tensors`` (one per member) and start the
-        collective ``hook`` runs on the packed buffer; returns its handle.
-        An unpinned bucket first unpacks the bucket that used its slab
-        before (waiting for it). ``sources`` (one per member): read the
-        values from there instead, when ``tensors`` are only where the
-        results go (an out-of-place collective); each is copied (scaled)
-        into its place, the one copy an out-of-place member costs beyond an
-        in-place one."""
+        """Pack this step's ``tensors`` (one per member; out of place: read
+        from ``sources`` instead, ``tensors`` being only where the results
+        go) and start the collective ``hook`` runs on the packed buffer;
+        returns its handle. The slab and out-of-place rules: the module docstring."""
         t0 = time.perf_counter()
         direct = self._direct_alias(ops, tensors)
         if direct is None and not self.pinned:
@@ -234,10 +229,8 @@ class Bucket:
         e, slab = self.entry, None if self.pinned or direct is not None else self.slab
         return GradBucket(e.index, e.dtype, e.device, self.names, ops,
                           self.flat if direct is None else direct, self.label, self.scratch,
-                          None if slab is None else slab.shared,
-                          0 if slab is None else slab.numel,
-                          self.control_numel if direct is None else 0,
-                          self.shapes, e.offsets)
+                          None if slab is None else slab.shared, 0 if slab is None else slab.numel,
+                          self.control_numel if direct is None else 0, self.shapes, e.offsets)
 
     def done(self) -> bool:
         """Non-blocking: has the collective in flight finished (or none is)?"""

@@ -30,13 +30,7 @@ from dp_plugin.reduce.arrays import ops_for, spec_of
 from dp_plugin.reduce.bucket import Bucket
 from dp_plugin.reduce.compression import Compressor, get_compressor
 from dp_plugin.reduce.fusion import TensorSpec, plan_buckets
-from dp_plugin.reduce.hooks import (
-    NO_SCALING,
-    CommHook,
-    HookState,
-    ReducePolicy,
-    hook_for,
-)
+from dp_plugin.reduce.hooks import NO_SCALING, CommHook, HookState, ReducePolicy, hook_for
 
 DIRECT_BYTES = 1024 * 1024
 """A tensor this large travels alone, reduced where it lies: no pack or
@@ -97,8 +91,7 @@ def fused_collective(tensors: Sequence[Any], *, engine: Any, name: str,
     ops: Any = ops_for(tensors[0]) if tensors else None  # no tensors: no buckets
     started: list[Bucket] = []
     handles: list[Handle] = []
-    for e in plan_buckets(specs, PIPELINE_CHUNK, order=range(len(specs)),
-                          alone_from=DIRECT_BYTES):
+    for e in plan_buckets(specs, PIPELINE_CHUNK, order=range(len(specs)), alone_from=DIRECT_BYTES):
         bucket = Bucket(e, specs, f"{name}.bucket{e.index}",
                         wire_dtype=compressor.wire_dtype(e.dtype))
         if bucket.numel:  # an empty one moves nothing; every rank skips it alike (same plan)

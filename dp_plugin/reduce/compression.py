@@ -164,13 +164,6 @@ class TensorCompressor(Compressor):
         return f"TensorCompressor({self.user!r})"
 
 
-def _is_cast(klass: type) -> bool:
-    """A built-in cast, or a subclass of one that keeps its compress/decompress."""
-    return issubclass(klass, Cast) and all(
-        getattr(getattr(klass, method), "__func__", None) is getattr(Cast, method).__func__
-        for method in ("compress", "decompress"))
-
-
 def get_compressor(name_or_obj: str | Compressor | type[Compressor] | None) -> Compressor:
     """A compressor from a name ('none', 'fp16', 'bf16'; None: 'none'), a
     compressor class (Horovod passes ``Compression.fp16``, a class) or object:
@@ -188,10 +181,12 @@ def get_compressor(name_or_obj: str | Compressor | type[Compressor] | None) -> C
     if isinstance(name_or_obj, TensorCompressor):
         return name_or_obj
     klass = name_or_obj if isinstance(name_or_obj, type) else type(name_or_obj)
-    if _is_cast(klass):
+    methods = ("compress", "decompress")
+    # A built-in cast, or a subclass of one that keeps its compress/decompress.
+    if issubclass(klass, Cast) and all(getattr(getattr(klass, m), "__func__", None)
+                                       is getattr(Cast, m).__func__ for m in methods):
         return klass() if isinstance(name_or_obj, type) else name_or_obj
-    if callable(getattr(name_or_obj, "compress", None)) and callable(
-            getattr(name_or_obj, "decompress", None)):
+    if all(callable(getattr(name_or_obj, m, None)) for m in methods):
         return TensorCompressor(name_or_obj)
     raise ValueError(
         f"compression {name_or_obj!r} is neither a name ({', '.join(COMPRESSORS)}) nor a "

@@ -84,8 +84,7 @@ class TensorSpec:
     @classmethod
     def of(cls, name: str, tensor: Any) -> TensorSpec:
         """The spec of a numpy array or torch tensor."""
-        shape, dtype, device = spec_of(tensor)
-        return cls(name, shape, dtype, device)
+        return cls(name, *spec_of(tensor))
 
     def describe(self) -> str:
         return f"{self.name!r} shape {self.shape} {self.dtype} on {self.device}"
@@ -138,10 +137,9 @@ def plan_buckets(
     _check_threshold("fusion threshold", threshold)
     if alone_from is not None:
         _check_threshold("alone-from size", alone_from)
-    first = threshold
     if first_threshold is not None:
         _check_threshold("first bucket threshold", first_threshold)
-        first = min(first_threshold, threshold)
+    first = threshold if first_threshold is None else min(first_threshold, threshold)
     _check_unique_names(specs)
     walk = default_order(len(specs)) if order is None else _check_permutation(order, len(specs))
     group_of = _check_groups(groups, len(specs))
@@ -277,8 +275,8 @@ def _check_permutation(order: Iterable[int], count: int) -> list[int]:
         missing = sorted(set(range(count)) - set(walk))
         repeated = sorted(i for i, n in Counter(walk).items() if n > 1)
         raise ValueError(
-            f"bucket order is not a permutation of range({count}): it has {len(walk)} "
-            f"entries, missing {missing[:10]}, repeated {repeated[:10]}; list every "
-            "tensor index exactly once"
+            f"bucket order is not a permutation of range({count}): it has {len(walk)} entries, "
+            f"missing {missing[:10]}, repeated {repeated[:10]}; list every tensor index "
+            "exactly once"
         )
     return walk

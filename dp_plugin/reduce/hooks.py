@@ -105,22 +105,16 @@ class ReducePolicy:
 def _check_gradients(op: ReduceOp, gradients: Sequence[Any], prescale: float,
                      postscale: float) -> None:
     """``ReducePolicy``'s rules for the dtypes of a gradient stream."""
-    ints = [(s.name, s.dtype) for s in gradients if not is_floating(s.dtype)]
+    ints = [f"tensor {s.name!r} is {s.dtype}" for s in gradients if not is_floating(s.dtype)]
     if op is ReduceOp.AVERAGE:
         if ints:
-            raise TypeError(
-                f"tensor {ints[0][0]!r} is {ints[0][1]}, but op='average' needs floating "
-                "tensors; use "
-                "op='sum' for integer tensors, or register only floating ones"
-            )
+            raise TypeError(f"{ints[0]}, but op='average' needs floating tensors; use op='sum' "
+                            "for integer tensors, or register only floating ones")
     elif op is ReduceOp.SUM:
         if ints and (prescale != 1.0 or postscale != 1.0):
-            raise TypeError(
-                f"tensor {ints[0][0]!r} is {ints[0][1]}, which cannot be scaled by "
-                "prescale_factor="
-                f"{prescale:g} / postscale_factor={postscale:g}; leave both at 1.0 for "
-                "integer tensors"
-            )
+            raise TypeError(f"{ints[0]}, which cannot be scaled by prescale_factor={prescale:g}"
+                            f" / postscale_factor={postscale:g}; leave both at 1.0 for integer "
+                            "tensors")
     elif prescale != 1.0 or postscale != 1.0:
         raise ValueError(
             f"op={op.value!r} does not allow scaling (prescale_factor={prescale:g}, "
@@ -260,9 +254,8 @@ def _tensor_wrapper(hook: CommHook, comp: Compressor) -> CommHook:
             got = out.reshape(-1)
             if int(got.shape[0]) != numel:
                 raise ValueError(
-                    f"compressor {comp.name}: decompress() returned {int(got.shape[0])} "
-                    f"elements for a bucket of {numel}; it must restore the tensor "
-                    "compress() was given"
+                    f"compressor {comp.name}: decompress() returned {int(got.shape[0])} elements "
+                    f"for a bucket of {numel}; it must restore the tensor compress() was given"
                 )
             bucket.ops.cast_into(flat, got)
 

@@ -26,7 +26,7 @@ This module is the framework-free part, shared by the torch hook
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from dp_plugin.validate import check_int, check_positive_float, is_int
@@ -99,6 +99,13 @@ def matrix_of(shape: Shape, settings: PowerSGDSettings) -> tuple[int, int, int] 
     return n, m, r
 
 
+def _matrices(shapes: Iterable[Shape], settings: PowerSGDSettings
+              ) -> Iterator[tuple[int, tuple[int, int, int] | None]]:
+    """Each tensor's element count and ``matrix_of``."""
+    for shape in shapes:
+        yield math.prod(int(d) for d in shape), matrix_of(shape, settings)
+
+
 @dataclass(frozen=True, slots=True)
 class WireNumel:
     """Elements one compressed step moves, per all-reduce."""
@@ -127,10 +134,8 @@ def wire_numel(shapes: Iterable[Shape], settings: PowerSGDSettings) -> WireNumel
     """What PowerSGD moves per step for tensors of ``shapes`` (one all-reduce
     of ``p + whole`` elements, then one of ``q``, per bucket)."""
     p = q = whole = dense = 0
-    for shape in shapes:
-        numel = math.prod(int(d) for d in shape)
+    for numel, found in _matrices(shapes, settings):
         dense += numel
-        found = matrix_of(shape, settings)
         if found is None:
             whole += numel
         else:
@@ -143,13 +148,8 @@ def wire_numel(shapes: Iterable[Shape], settings: PowerSGDSettings) -> WireNumel
 def flops(shapes: Iterable[Shape], settings: PowerSGDSettings) -> int:
     """Floating-point operations of one compressed step's matrix products
     (``P = M Q``, ``Q = M^T P``, ``P Q^T``: ``2 n m r`` each)."""
-    total = 0
-    for shape in shapes:
-        found = matrix_of(shape, settings)
-        if found is not None:
-            n, m, r = found
-            total += 6 * n * m * r
-    return total
+    found = (matrix_of(shape, settings) for shape in shapes)
+    return sum(6 * n * m * r for n, m, r in filter(None, found))
 
 
 PASSES = 11
@@ -168,11 +168,5 @@ def touched_bytes(shapes: Iterable[Shape], settings: PowerSGDSettings, itemsize:
     """Bytes one compressed step reads and writes: ``PASSES`` times each
     compressed matrix's ``n * m`` elements and ``WHOLE_PASSES`` times each
     uncompressed tensor's."""
-    total = 0
-    for shape in shapes:
-        found = matrix_of(shape, settings)
-        if found is not None:
-            total += PASSES * itemsize * found[0] * found[1]
-        else:
-            total += WHOLE_PASSES * itemsize * math.prod(int(d) for d in shape)
-    return total
+    return itemsize * sum(WHOLE_PASSES * numel if found is None else PASSES * numel
+                          for numel, found in _matrices(shapes, settings))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -62,10 +62,6 @@ from dp_plugin.validate import check_int
 
 log = logging.getLogger("dp_plugin")
 
-_ACCUMULATION_ERROR = (
-    "Gradients were computed more than backward_passes_per_step times before call to "
-    "step()/synchronize(). Increase backward_passes_per_step to accumulate gradients locally."
-)
 
 class Reducer:
     """One stream's reduction: ready tracking, fused buckets launched in
@@ -84,11 +80,10 @@ class Reducer:
     slot: ``flags_of(name)`` is a group's elements, reduced (unscaled) with
     the last bucket, so they cost no collective of their own. ``settings``
     are compared across ranks with ``specs`` (``what`` names them in the
-    messages). ``groups`` (lists of spec indices)
-    are reduced as one bucket each, launched when the whole group is ready
-    (Horovod's ``groups=``; ``plan_buckets``). ``timeline`` records spans
-    (none by default); ``array_ops`` is the array backend (default: from the
-    first tensor seen).
+    messages). ``groups`` (lists of spec indices) are reduced as one bucket
+    each, launched when the whole group is ready (Horovod's ``groups=``;
+    ``plan_buckets``). ``timeline`` records spans (none by default);
+    ``array_ops`` is the array backend (default: from the first tensor seen).
     """
 
     def __init__(self, specs: Sequence[TensorSpec], *, engine: Any,
@@ -102,14 +97,12 @@ class Reducer:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
         self.engine, self.name, config = engine, name, engine.config
         self.specs: tuple[TensorSpec, ...] = checked_specs(specs)
-        self.backward_passes_per_step = check_int("backward_passes_per_step", passes,
-                                                  minimum=1)
+        self.backward_passes_per_step = check_int("backward_passes_per_step", passes, minimum=1)
         self.policy = policy
         self.flag_names = tuple(flags)
         self.control_numel = len(self.flag_names) * engine.size
         self.fusion_threshold, self.first_threshold = config.bucket_caps(
-            fusion_threshold,
-            0 if fusion_threshold is not None else sum(s.nbytes for s in self.specs))
+            fusion_threshold, sum(s.nbytes for s in self.specs))
         self.rebuild_buckets = bool(config.rebuild_buckets)
         self.timeline = NullTimeline() if timeline is None else timeline
         self.compressor = get_compressor(compression)
@@ -160,10 +153,8 @@ class Reducer:
     # -- the plan ----------------------------------------------------------------
     def _plan(self, order: Iterable[int], threshold: int | None = None) -> list[PlanEntry]:
         """Buckets of ``threshold`` bytes (default: the fusion threshold)."""
-        return plan_buckets(self.specs,
-                            self.fusion_threshold if threshold is None else threshold,
-                            order=order, first_threshold=self.first_threshold,
-                            groups=self.groups)
+        return plan_buckets(self.specs, self.fusion_threshold if threshold is None else threshold,
+                            order=order, first_threshold=self.first_threshold, groups=self.groups)
 
     def _install(self, plan: list[PlanEntry]) -> None:
         """Adopt ``plan``: new buckets (their buffers allocated on first use);
@@ -257,10 +248,11 @@ class Reducer:
             if st.started_at is None:
                 st.started_at = time.perf_counter()
             if st.passes[index] >= self.backward_passes_per_step:
-                raise DPPluginError(
-                    f"{_ACCUMULATION_ERROR} (tensor {spec.name!r}, "
-                    f"backward_passes_per_step={self.backward_passes_per_step})"
-                )
+                raise DPPluginError(  # Horovod's message, then which tensor
+                    "Gradients were computed more than backward_passes_per_step times before "
+                    "call to step()/synchronize(). Increase backward_passes_per_step to "
+                    f"accumulate gradients locally. (tensor {spec.name!r}, "
+                    f"backward_passes_per_step={self.backward_passes_per_step})")
             st.passes[index] += 1
             st.tensors[index] = tensor
             if st.passes[index] == self.backward_passes_per_step:
@@ -411,10 +403,9 @@ class Reducer:
             raise TypeError(f"mark_ready for tensor {spec.name!r}: {exc}") from None
         if shape != spec.shape or dtype != spec.dtype or device != spec.device:
             raise ValueError(
-                f"mark_ready got a tensor that does not match its registration: "
-                f"registered {spec.describe()}, got shape {shape} {dtype} on "
-                f"{device}. Pass the gradient of the registered tensor, or re-create the "
-                "scheduler after changing the model"
+                f"mark_ready got a tensor that does not match its registration: registered "
+                f"{spec.describe()}, got shape {shape} {dtype} on {device}. Pass the gradient of "
+                "the registered tensor, or re-create the scheduler after changing the model"
             )
         return index, spec
 
@@ -461,11 +452,9 @@ class Reducer:
     def _autotune(self, tuner: Autotuner) -> None:
         """One step of autotune: re-plan for the threshold ``tuner`` switches
         to, if any (every rank at the same point, between steps), and record it."""
-
-        def plan_key(threshold: int) -> Hashable:
-            return tuple(b.members for b in self._plan(self._order, threshold))
-
-        threshold = tuner.step_ended(plan_key, lambda medians: self._from_root(medians, "autotune"))
+        threshold = tuner.step_ended(
+            lambda t: tuple(b.members for b in self._plan(self._order, t)),  # the plan of t
+            lambda medians: self._from_root(medians, "autotune"))
         if threshold is None:
             return
         self.fusion_threshold = threshold
