@@ -184,21 +184,29 @@ class ShardedStep:
         """The optimizer state of every parameter, unsharded (as the plain
         optimizer would hold it), on every rank. Collective (one
         ``allgather_object`` of every rank's pieces)."""
-        mine: dict[int, list[tuple[int, int, dict[str, Any]]]] = {}
-        for pc, view in zip(self.pieces, self.views, strict=True):
+        whole = self._whole(optimizer, list(zip(self.pieces, self.views, strict=True)),
+                            f"{self.label}.state")
+        return {self.params[index]: state for index, state in whole.items()}
+
+    def _whole(self, optimizer: Any, mine: list[tuple[Piece, torch.Tensor]],
+               name: str) -> dict[int, dict[str, Any]]:
+        """The unsharded state, by parameter index, of the parameters whose
+        pieces this rank gives as ``mine`` (and the other ranks as theirs).
+        Collective (one ``allgather_object``)."""
+        held: dict[int, list[tuple[int, int, dict[str, Any]]]] = {}
+        for pc, view in mine:
             state = optimizer.state.get(view)
             if state:
-                mine.setdefault(pc.index, []).append((pc.start, pc.stop, {
+                held.setdefault(pc.index, []).append((pc.start, pc.stop, {
                     k: (v.detach().cpu(), str(v.device)) if torch.is_tensor(v) else (v, None)
                     for k, v in state.items()}))
-        everyone = allgather_object(self.engine, mine, f"{self.label}.state")
-        full: dict[torch.Tensor, dict[str, Any]] = {}
-        for index, p in enumerate(self.params):
-            parts = sorted((part for theirs in everyone for part in theirs.get(index, [])),
-                           key=lambda part: part[0])
-            if parts:
-                full[p] = {key: _joined(p, parts, key) for key in parts[0][2]}
-        return full
+        everyone = allgather_object(self.engine, held, name)
+        whole: dict[int, dict[str, Any]] = {}
+        for index in sorted({index for theirs in everyone for index in theirs}):
+            parts = sorted((part for theirs in everyone if index in theirs
+                            for part in theirs[index]), key=lambda part: part[0])
+            whole[index] = {key: _joined(self.params[index], parts, key) for key in parts[0][2]}
+        return whole
 
     def split(self, optimizer: Any, full: dict[torch.Tensor, dict[str, Any]]) -> None:
         """Replace ``optimizer.state`` by this rank's slices of ``full`` (the
@@ -211,11 +219,24 @@ class ShardedStep:
                 optimizer.state[view] = {k: _sliced(v, p, pc) for k, v in state.items()}
 
     def reshard(self, optimizer: Any) -> None:
-        """The buckets were re-planned: gather the state, cut it anew."""
-        full = self.full_state(optimizer)
+        """The buckets were re-planned: move the state to the new pieces, one
+        bucket of the old plan at a time (a parameter lies in one bucket, so
+        its pieces' state is whole once that bucket's is gathered). At most
+        one bucket's state is whole at once, not the model's: the first
+        step's re-plan must not need the memory that sharding saves."""
+        old = list(zip(self.pieces, self.views, strict=True))
+        old_plan = self.plan
         self._build(optimizer.param_groups)
-        self.split(optimizer, full)
-
+        for b in old_plan:
+            mine = [(pc, view) for pc, view in old if pc.bucket == b.index]
+            whole = self._whole(optimizer, mine, f"{self.label}.state{b.index}")
+            for _, view in mine:
+                optimizer.state.pop(view, None)
+            for pc, view in zip(self.pieces, self.views, strict=True):
+                state = whole.get(pc.index)
+                if state:
+                    p = self.params[pc.index]
+                    optimizer.state[view] = {k: _sliced(v, p, pc) for k, v in state.items()}
 
 def _joined(p: torch.Tensor, parts: list[tuple[int, int, dict[str, Any]]], key: str) -> Any:
     """One state entry of ``p``, whole: the pieces' slices put together when

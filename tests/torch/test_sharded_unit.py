@@ -18,6 +18,7 @@ from torch import nn
 
 import dp_plugin.torch as hvd
 from dp_plugin.api import process_sets
+from dp_plugin.config import Config
 from dp_plugin.engines.base import Engine
 from tests.torch.local_runtime import local_engine  # noqa: F401 - autouse fixture
 from tests.unit.fakes import make_thread_group, run_ranks
@@ -143,3 +144,50 @@ def test_bad_argument_is_refused() -> None:
     with pytest.raises(TypeError, match=r"shard_optimizer_state=\.\.\.\) must be True or False"):
         hvd.DistributedOptimizer(torch.optim.SGD(model().parameters(), lr=0.1),
                                  shard_optimizer_state="yes")
+
+
+def test_a_re_plan_moves_the_state_one_old_bucket_at_a_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first step's re-plan gathers the state bucket by bucket: no rank
+    ever holds the whole model's state, which is what sharding saves."""
+    from dp_plugin.torch import sharded as sharded_module
+
+    gathered: list[tuple[int, str, set[int]]] = []
+    real = sharded_module.allgather_object
+
+    def spy(engine: Engine, obj: Any, name: str) -> list[Any]:
+        gathered.append((engine.rank, name, set(obj)))
+        return real(engine, obj, name)
+
+    monkeypatch.setattr(sharded_module, "allgather_object", spy)
+    wide = nn.Sequential(*(nn.Linear(40, 40) for _ in range(4)))
+
+    def body(rank: int, ps: ThreadSet) -> tuple[torch.Tensor, list[list[int]], int]:
+        plain, sharded = copy.deepcopy(wide), copy.deepcopy(wide)
+        opts = [hvd.DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=0.01),
+                                         process_set=ps, shard_optimizer_state=shard)
+                for m, shard in ((plain, False), (sharded, True))]
+        before: list[list[int]] = []
+        for step in range(3):
+            if step == 1:  # a re-plan with the state in place, as autotune's
+                shard = opts[1]._dp.shard
+                before = [list(b.members) for b in shard.plan]
+                shard.reducer.plan_version += 1
+            for m, opt in zip((plain, sharded), opts, strict=True):
+                opt.zero_grad()
+                m(torch.randn(5, 40, generator=torch.Generator().manual_seed(
+                    10 * step + rank))).pow(2).sum().backward()
+                opt.step()
+            assert torch.equal(flat(plain), flat(sharded)), step
+        return flat(sharded), before, len(list(wide.parameters()))
+
+    small = Config(timeout_s=30.0, fusion_threshold=4096)  # a few buckets
+    results = run_ranks(make_thread_group(2, config=small), lambda e: body(e.rank, ThreadSet(e)))
+    assert all(torch.equal(r[0], results[0][0]) for r in results)
+    buckets, params = results[0][1], results[0][2]
+    assert len(buckets) > 1, buckets
+    moves = [(rank, name, held) for rank, name, held in gathered if ".state" in name]
+    assert moves, gathered
+    for _, name, held in moves:  # each gather: one old bucket's parameters at most
+        assert any(held <= set(b) for b in buckets), (name, held, buckets)
+        assert len(held) < params, (name, held)
