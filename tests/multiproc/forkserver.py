@@ -235,6 +235,11 @@ def _become_rank(conn: socket.socket, request: dict[str, Any], fds: list[int]) -
     # started and knows it by (the client's), for tests that signal it.
     os.environ["DP_PLUGIN_TEST_LAUNCHED_PID"] = str(request["pid"])
     os.chdir(request["cwd"])
+    # tempfile keeps the directory it first found (the warm-up asked: the
+    # server's TMPDIR); a fresh rank finds its own from its environment.
+    tempfile = sys.modules.get("tempfile")
+    if tempfile is not None:
+        tempfile.tempdir = None
     for signo in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2,
                   signal.SIGQUIT, signal.SIGPIPE):
         signal.signal(signo, signal.SIG_DFL)

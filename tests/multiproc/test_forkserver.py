@@ -22,8 +22,9 @@ from tests.multiproc.harness import run_workers
 pytestmark = pytest.mark.skipif(harness.ALL_FRESH, reason="DP_PLUGIN_TEST_FRESH=1: no fork server")
 
 PROBE = '''
-import atexit, os, random, signal, sys, threading, time
+import atexit, os, random, signal, sys, tempfile, threading, time
 print("rank", os.environ["RANK"], "argv", sys.argv[1:], "cwd", os.getcwd(), flush=True)
+print("rank", os.environ["RANK"], "tempdir", tempfile.gettempdir(), flush=True)
 print("rank", os.environ["RANK"], "path1", sys.path[1], "main", __name__, flush=True)
 print("rank", os.environ["RANK"], "random", random.random(), flush=True)
 print("rank", os.environ["RANK"], "torch", "torch" in sys.modules, flush=True)
@@ -59,11 +60,13 @@ def _lines(output: str, what: str) -> dict[str, str]:
 
 
 def test_a_warm_rank_runs_the_script_as_a_fresh_one_would(probe: Path, tmp_path: Path) -> None:
-    extra = tmp_path / "lib"
+    extra, temp = tmp_path / "lib", tmp_path / "temp"
     extra.mkdir()
-    result = run_workers("env", 2, probe, ["threads", "x"], env={"PYTHONPATH": str(extra)},
-                         timeout=60)
+    temp.mkdir()
+    result = run_workers("env", 2, probe, ["threads", "x"],
+                         env={"PYTHONPATH": str(extra), "TMPDIR": str(temp)}, timeout=60)
     out = result.output
+    assert _lines(out, "tempdir") == {"0": str(temp), "1": str(temp)}, out  # not the server's
     assert _lines(out, "argv") == {r: f"['threads', 'x'] cwd {os.getcwd()}" for r in "01"}, out
     assert _lines(out, "path1") == {r: f"{extra} main __main__" for r in "01"}, out
     assert _lines(out, "torch") == {"0": "True", "1": "True"}, out  # warm: imported already
