@@ -7,6 +7,7 @@ names every callback (``MetricAverageCallback``, ``LearningRateWarmupCallback``,
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -89,13 +90,8 @@ class BroadcastGlobalVariablesCallback(BroadcastBase):
     def _broadcast(self, model: Any, first: bool) -> None:
         broadcast_model_state(model, self.root_rank)
 
-    def _moved_hook(self, optimizer: Any, hook: Any) -> Any:
-        return DistributedApply(
-            optimizer, hook.bridge, owner=hook.owner,
-            backward_passes_per_step=hook.backward_passes_per_step,
-            average_aggregated_gradients=hook.average_aggregated_gradients,
-            sparse_as_dense=hook.sparse_as_dense,
-        )
+    def _moved_hook(self, optimizer: Any, hook: DistributedApply) -> DistributedApply:
+        return dataclasses.replace(hook, optimizer=optimizer)  # the same bridge and settings
 
 
 class DistributedCallback(DistributedBase, BroadcastGlobalVariablesCallback):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import keras
@@ -72,6 +73,7 @@ def parse_reduction(owner: str, op: Any, compression: Any, backward_passes_per_s
     return op, compressor, passes, predivide
 
 
+@dataclass(eq=False)
 class DistributedApply:
     """Replaces ``optimizer.apply`` on one optimizer: reduce across workers, then apply.
 
@@ -87,28 +89,21 @@ class DistributedApply:
     N > 1); all ranks must call it equally often with the same variables.
     """
 
-    def __init__(
-        self,
-        optimizer: Any,
-        bridge: GradientBridge,
-        *,
-        owner: str,
-        backward_passes_per_step: int = 1,
-        average_aggregated_gradients: bool = False,
-        sparse_as_dense: bool = False,
-    ) -> None:
-        self.optimizer = optimizer
-        self.sparse_as_dense = bool(sparse_as_dense)
-        self.bridge = bridge
-        self.owner = owner
-        """Who installed it: 'DistributedOptimizer' or 'DistributedCallback'."""
-        self.backward_passes_per_step = backward_passes_per_step
-        self.average_aggregated_gradients = bool(average_aggregated_gradients)
-        self.apply_reduced = type(optimizer).apply.__get__(optimizer)
+    optimizer: Any
+    bridge: GradientBridge
+    _: KW_ONLY
+    owner: str
+    """Who installed it: 'DistributedOptimizer' or 'DistributedCallback'."""
+    backward_passes_per_step: int = 1
+    average_aggregated_gradients: bool = False
+    sparse_as_dense: bool = False
+    _accumulators: dict[tuple[int, ...], list[Any]] = field(default_factory=dict, init=False)
+    _counter: Any = field(default=None, init=False)
+    _captured: list[tuple[list[Any], list[Any] | None]] | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.apply_reduced = type(self.optimizer).apply.__get__(self.optimizer)
         """The optimizer's own ``apply``, for gradients already reduced across workers."""
-        self._accumulators: dict[tuple[int, ...], list[Any]] = {}
-        self._counter: Any = None
-        self._captured: list[tuple[list[Any], list[Any] | None]] | None = None
 
     def same_settings(self, other: DistributedApply) -> bool:
         mine, theirs = self.bridge, other.bridge
@@ -274,8 +269,8 @@ def make_hook(
     )
     return DistributedApply(
         optimizer, bridge, owner=owner, backward_passes_per_step=passes,
-        average_aggregated_gradients=average_aggregated_gradients,
-        sparse_as_dense=sparse_as_dense,
+        average_aggregated_gradients=bool(average_aggregated_gradients),
+        sparse_as_dense=bool(sparse_as_dense),
     )
 
 
