@@ -197,10 +197,9 @@ class DistributedApply:
 
     def _accumulators_for(self, variables: list[Any]) -> list[Any]:
         key = tuple(id(v) for v in variables)
-        accumulators = self._accumulators.get(key)
-        if accumulators is None:
+        if key not in self._accumulators:
             with tf.init_scope():  # created once, eagerly, even while a step is traced
-                accumulators = [
+                self._accumulators[key] = [
                     tf.Variable(tf.zeros(v.shape, dtype=v.dtype), trainable=False,
                                 name="dp_plugin_accumulator")
                     for v in variables
@@ -208,8 +207,7 @@ class DistributedApply:
                 if self._counter is None:
                     self._counter = tf.Variable(0, dtype=tf.int64, trainable=False,
                                                 name="dp_plugin_passes")
-            self._accumulators[key] = accumulators
-        return accumulators
+        return self._accumulators[key]
 
 
 # -- installing ---------------------------------------------------------------
@@ -225,8 +223,7 @@ def find_hook(optimizer: Any) -> tuple[Any, DistributedApply | None]:
     hook, and the hook; ``(optimizer, None)`` if none has one."""
     current = optimizer
     while current is not None:
-        hook = hook_of(current)
-        if hook is not None:
+        if (hook := hook_of(current)) is not None:
             return current, hook
         current = getattr(current, "inner_optimizer", None)
     return optimizer, None
@@ -331,12 +328,11 @@ def DistributedOptimizer(
             f"(installed by {existing.owner}); wrapping it twice would reduce twice. Wrap the "
             "plain optimizer once"
         )
-    hook = make_hook(
+    install(optimizer, make_hook(
         optimizer, owner=who, compression=compression, op=op,
         backward_passes_per_step=backward_passes_per_step,
         gradient_predivide_factor=gradient_predivide_factor,
         average_aggregated_gradients=average_aggregated_gradients, name=name,
         sparse_as_dense=sparse_as_dense, groups=groups,
-    )
-    install(optimizer, hook)
+    ))
     return optimizer
