@@ -150,10 +150,9 @@ class DistributedApply:
     # -- helpers --------------------------------------------------------------
     def reduce(self, grads: list[Any], variables: list[Any] | None) -> list[Any]:
         """``grads`` (None entries kept) reduced across workers through the bridge."""
-        known = variables if variables is not None else getattr(
-            self.optimizer, "_trainable_variables", None
-        )
-        return reduce_gradients(self.bridge, grads, known, self.sparse_as_dense)
+        if variables is None:
+            variables = getattr(self.optimizer, "_trainable_variables", None)
+        return reduce_gradients(self.bridge, grads, variables, self.sparse_as_dense)
 
     def _accumulate_then_apply(self, grads: list[Any], variables: list[Any] | None) -> None:
         ctx = tf.distribute.get_replica_context()
@@ -182,11 +181,9 @@ class DistributedApply:
         count = self._counter.assign_add(1)
 
         def apply_now() -> Any:
-            summed = [
-                None if g is None else (acc.read_value() / n if self.average_aggregated_gradients
-                                        else acc.read_value())
-                for g, acc in zip(grads, accumulators, strict=True)
-            ]
+            mean = self.average_aggregated_gradients
+            summed = [None if g is None else acc.read_value() / n if mean else acc.read_value()
+                      for g, acc in zip(grads, accumulators, strict=True)]
             self.apply_reduced(self.reduce(summed, variables), variables)
             for acc in accumulators:
                 acc.assign(tf.zeros_like(acc))
