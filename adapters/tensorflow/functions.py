@@ -23,6 +23,11 @@ from dp_plugin.launch import runtime
 from dp_plugin.tensorflow import graph_order
 from dp_plugin.tensorflow.broadcast import broadcast_variables
 
+__all__ = [
+    "allgather_object", "barrier", "broadcast_global_variables", "broadcast_object", "cuda_built",
+    "join", "nccl_built", "rocm_built",
+]
+
 # -- objects ---------------------------------------------------------------------
 
 

@@ -18,6 +18,11 @@ from dp_plugin.tensorflow.basics import local_rank, local_size, rank
 from dp_plugin.tensorflow.broadcast import broadcast_variables
 from dp_plugin.tensorflow.functions import broadcast_global_variables, broadcast_object
 
+__all__ = [
+    "BroadcastGlobalVariablesHook", "broadcast_", "broadcast_object_fn", "local_rank_op",
+    "local_size_op", "process_set_included_op", "rank_op", "size_op",
+]
+
 
 def rank_op(name: str | None = None) -> tf.Tensor:
     """This process's rank, as an int32 tensor."""
