@@ -32,8 +32,7 @@ def rank_op(name: str | None = None) -> tf.Tensor:
 @public("size_op")
 def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     """The number of ranks (of the job, or of process set ``process_set_id``)."""
-    process_set = registered(process_set_id)
-    return tf.constant(process_set.size() or 0, dtype=tf.int32, name=name)
+    return tf.constant(registered(process_set_id).size() or 0, dtype=tf.int32, name=name)
 
 
 def local_rank_op(name: str | None = None) -> tf.Tensor:
