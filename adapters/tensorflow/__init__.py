@@ -35,12 +35,8 @@ from dp_plugin.tensorflow import basics, callbacks, elastic, functions, graph_op
 from dp_plugin.tensorflow import util as util
 from dp_plugin.tensorflow.basics import *  # noqa: F403 - init, ranks, timeline
 from dp_plugin.tensorflow.broadcast import broadcast_variables
-from dp_plugin.tensorflow.callbacks import BroadcastGlobalVariablesCallback, DistributedCallback
-from dp_plugin.tensorflow.callbacks_lr import (
-    LearningRateScheduleCallback,
-    LearningRateWarmupCallback,
-)
-from dp_plugin.tensorflow.checkpoint import BestModelCheckpoint, load_model
+from dp_plugin.tensorflow.callbacks import *  # noqa: F403 - the Keras callbacks
+from dp_plugin.tensorflow.checkpoint import load_model
 from dp_plugin.tensorflow.collectives import (
     allgather,
     allreduce,
@@ -55,7 +51,6 @@ from dp_plugin.tensorflow.compat import UnsupportedKerasError, UnsupportedStrate
 from dp_plugin.tensorflow.data import shard
 from dp_plugin.tensorflow.functions import *  # noqa: F403 - objects, barrier, join, builds
 from dp_plugin.tensorflow.graph_ops import *  # noqa: F403 - TF1 graph helpers
-from dp_plugin.tensorflow.metric_average import MetricAverageCallback
 from dp_plugin.tensorflow.optimizer import DistributedOptimizer
 from dp_plugin.tensorflow.sync_batch_norm import SyncBatchNormalization
 from dp_plugin.tensorflow.tape import DistributedGradientTape, PartialDistributedGradientTape
@@ -63,15 +58,9 @@ from dp_plugin.tensorflow.util import _executing_eagerly as _executing_eagerly
 from dp_plugin.tensorflow.util import refs_to_vars, vars_to_refs
 
 __all__ = [
-    "BestModelCheckpoint",
-    "BroadcastGlobalVariablesCallback",
-    "DistributedCallback",
     "DistributedGradientTape",
     "DistributedOptimizer",
     "LayoutMismatchError",
-    "LearningRateScheduleCallback",
-    "LearningRateWarmupCallback",
-    "MetricAverageCallback",
     "NotInitializedError",
     "PartialDistributedGradientTape",
     "SyncBatchNormalization",
@@ -93,5 +82,5 @@ __all__ = [
     "shard",
     "vars_to_refs",
 ]
-__all__ += basics.__all__ + functions.__all__ + graph_ops.__all__
+__all__ += basics.__all__ + callbacks.__all__ + functions.__all__ + graph_ops.__all__
 __all__ += _api.__all__
