@@ -56,8 +56,7 @@ from dp_plugin.api.elastic import CommitError, State
 from dp_plugin.api.objects import first_unloadable, from_rank0
 from dp_plugin.errors import DPPluginError as HorovodInternalError
 from dp_plugin.reduce.arrays import numpy_dtype
-from dp_plugin.tensorflow import basics
-from dp_plugin.tensorflow.basics import init, rank, shutdown
+from dp_plugin.tensorflow.basics import init, rank, shutdown, size
 from dp_plugin.tensorflow.broadcast import broadcast_variables
 from dp_plugin.tensorflow.functions import allgather_object, broadcast_object
 from dp_plugin.tensorflow.graph_ops import broadcast_object_fn
@@ -96,8 +95,8 @@ class ObjectState(_core.ObjectState):
             return None
         record = _loads(data, path)  # the same bytes: the same outcome everywhere
         rng = record.get("rng") if isinstance(record, dict) else None
-        if rng is not None and len(rng) == basics.size():
-            self._set_rng_state(rng[basics.rank()])
+        if rng is not None and len(rng) == size():
+            self._set_rng_state(rng[rank()])
         return record
 
 

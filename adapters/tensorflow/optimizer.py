@@ -106,15 +106,13 @@ class DistributedApply:
         """The optimizer's own ``apply``, for gradients already reduced across workers."""
 
     def same_settings(self, other: DistributedApply) -> bool:
-        mine, theirs = self.bridge, other.bridge
-        return (
-            mine.op is theirs.op
-            and type(mine.compression) is type(theirs.compression)
-            and mine.gradient_predivide_factor == theirs.gradient_predivide_factor
-            and self.backward_passes_per_step == other.backward_passes_per_step
-            and self.average_aggregated_gradients == other.average_aggregated_gradients
-            and self.sparse_as_dense == other.sparse_as_dense
-        )
+        return self._settings() == other._settings()
+
+    def _settings(self) -> tuple[Any, ...]:
+        bridge = self.bridge
+        return (bridge.op, type(bridge.compression), bridge.gradient_predivide_factor,
+                self.backward_passes_per_step, self.average_aggregated_gradients,
+                self.sparse_as_dense)
 
     @tf.autograph.experimental.do_not_convert
     def __call__(
