@@ -312,8 +312,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
         return [np.asarray(received), np.asarray(counts, np.int64)]
 
     def backward(rsplits: Any, dy: Any) -> list[Any]:
-        back, _ = alltoall(dy, rsplits, name=f"{label}.grad", process_set=process_set)
-        return [back]
+        return [alltoall(dy, rsplits, name=f"{label}.grad", process_set=process_set)[0]]
 
     outs = run_op(exchange, [x, s], [x.dtype, tf.int64], [[None, *x.shape[1:]], [size]],
                   "alltoall")
