@@ -207,8 +207,7 @@ def reduce_indexed_slices(slices: Any, op: ReduceOp, prescale: float, postscale:
         raise NotImplementedError(
             f"{caller()}: prescale_factor/postscale_factor are not supported with tf.IndexedSlices "
             f"(got {prescale}, {postscale}); scale the values yourself")
-    values, indices = grouped_allgather([slices.values, slices.indices],
-                                        process_set=process_set)
+    values, indices = grouped_allgather([slices.values, slices.indices], process_set=process_set)
     if op is ReduceOp.AVERAGE:
         values = values / tf.cast(engine_of(process_set).size, values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)

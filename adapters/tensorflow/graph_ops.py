@@ -86,8 +86,7 @@ class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
         self.bcast_op: Any = None
 
     def begin(self) -> None:
-        graph = tf.compat.v1.get_default_graph()
-        if self.bcast_op is None or self.bcast_op.graph is not graph:
+        if self.bcast_op is None or self.bcast_op.graph is not tf.compat.v1.get_default_graph():
             self.bcast_op = broadcast_global_variables(self.root_rank)
 
     def after_create_session(self, session: Any, coord: Any) -> None:
