@@ -31,30 +31,12 @@ Supported Keras: see ``compat.SUPPORTED_KERAS_SPEC``.
 from dp_plugin.api import horovod_api as _api
 from dp_plugin.api.horovod_api import *  # noqa: F403 - ops, process sets, capabilities
 from dp_plugin.errors import LayoutMismatchError, NotInitializedError
-from dp_plugin.tensorflow import callbacks, elastic
+from dp_plugin.tensorflow import basics, callbacks, elastic, functions, graph_ops
 from dp_plugin.tensorflow import util as util
-from dp_plugin.tensorflow.basics import (
-    cross_rank,
-    cross_size,
-    init,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_threads_supported,
-    rank,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
+from dp_plugin.tensorflow.basics import *  # noqa: F403 - init, ranks, timeline
 from dp_plugin.tensorflow.broadcast import broadcast_variables
-from dp_plugin.tensorflow.callbacks import BroadcastGlobalVariablesCallback, DistributedCallback
-from dp_plugin.tensorflow.callbacks_lr import (
-    LearningRateScheduleCallback,
-    LearningRateWarmupCallback,
-)
-from dp_plugin.tensorflow.checkpoint import BestModelCheckpoint, load_model
+from dp_plugin.tensorflow.callbacks import *  # noqa: F403 - the Keras callbacks
+from dp_plugin.tensorflow.checkpoint import load_model
 from dp_plugin.tensorflow.collectives import (
     allgather,
     allreduce,
@@ -67,27 +49,8 @@ from dp_plugin.tensorflow.collectives import (
 )
 from dp_plugin.tensorflow.compat import UnsupportedKerasError, UnsupportedStrategyError
 from dp_plugin.tensorflow.data import shard
-from dp_plugin.tensorflow.functions import (
-    allgather_object,
-    barrier,
-    broadcast_global_variables,
-    broadcast_object,
-    cuda_built,
-    join,
-    nccl_built,
-    rocm_built,
-)
-from dp_plugin.tensorflow.graph_ops import (
-    BroadcastGlobalVariablesHook,
-    broadcast_,
-    broadcast_object_fn,
-    local_rank_op,
-    local_size_op,
-    process_set_included_op,
-    rank_op,
-    size_op,
-)
-from dp_plugin.tensorflow.metric_average import MetricAverageCallback
+from dp_plugin.tensorflow.functions import *  # noqa: F403 - objects, barrier, join, builds
+from dp_plugin.tensorflow.graph_ops import *  # noqa: F403 - TF1 graph helpers
 from dp_plugin.tensorflow.optimizer import DistributedOptimizer
 from dp_plugin.tensorflow.sync_batch_norm import SyncBatchNormalization
 from dp_plugin.tensorflow.tape import DistributedGradientTape, PartialDistributedGradientTape
@@ -95,63 +58,29 @@ from dp_plugin.tensorflow.util import _executing_eagerly as _executing_eagerly
 from dp_plugin.tensorflow.util import refs_to_vars, vars_to_refs
 
 __all__ = [
-    "BestModelCheckpoint",
-    "BroadcastGlobalVariablesCallback",
-    "BroadcastGlobalVariablesHook",
-    "DistributedCallback",
     "DistributedGradientTape",
     "DistributedOptimizer",
     "LayoutMismatchError",
-    "LearningRateScheduleCallback",
-    "LearningRateWarmupCallback",
-    "MetricAverageCallback",
     "NotInitializedError",
     "PartialDistributedGradientTape",
     "SyncBatchNormalization",
     "UnsupportedKerasError",
     "UnsupportedStrategyError",
     "allgather",
-    "allgather_object",
     "allreduce",
     "alltoall",
-    "barrier",
     "broadcast",
-    "broadcast_",
-    "broadcast_global_variables",
-    "broadcast_object",
-    "broadcast_object_fn",
     "broadcast_variables",
     "callbacks",
-    "cross_rank",
-    "cross_size",
-    "cuda_built",
     "elastic",
     "grouped_allgather",
     "grouped_allreduce",
     "grouped_reducescatter",
-    "init",
-    "is_homogeneous",
-    "is_initialized",
-    "join",
     "load_model",
-    "local_rank",
-    "local_rank_op",
-    "local_size",
-    "local_size_op",
-    "mpi_threads_supported",
-    "nccl_built",
-    "process_set_included_op",
-    "rank",
-    "rank_op",
     "reducescatter",
     "refs_to_vars",
-    "rocm_built",
     "shard",
-    "shutdown",
-    "size",
-    "size_op",
-    "start_timeline",
-    "stop_timeline",
     "vars_to_refs",
 ]
+__all__ += basics.__all__ + callbacks.__all__ + functions.__all__ + graph_ops.__all__
 __all__ += _api.__all__

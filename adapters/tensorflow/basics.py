@@ -12,6 +12,12 @@ from __future__ import annotations
 from dp_plugin.api.horovod_api import HorovodBasics
 from dp_plugin.errors import NotInitializedError
 
+__all__ = [
+    "cross_rank", "cross_size", "init", "is_homogeneous", "is_initialized", "local_rank",
+    "local_size", "mpi_threads_supported", "rank", "shutdown", "size", "start_timeline",
+    "stop_timeline",
+]
+
 _basics = HorovodBasics("dp_plugin.tensorflow", NotInitializedError)
 init = _basics.init
 shutdown = _basics.shutdown

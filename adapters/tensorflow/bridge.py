@@ -55,6 +55,7 @@ import itertools
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -81,6 +82,7 @@ def next_bridge_name(prefix: str) -> str:
         return f"{prefix}{next(_names)}"
 
 
+@dataclass(kw_only=True, eq=False)
 class GradientBridge:
     """Reduce gradients across workers from inside a TensorFlow program.
 
@@ -92,30 +94,20 @@ class GradientBridge:
     ``groups=``, validated; the caller resolves it per step (``reduce``).
     """
 
-    def __init__(
-        self,
-        *,
-        op: ReduceOp,
-        compression: Compressor,
-        gradient_predivide_factor: float = 1.0,
-        name: str,
-        results_alias_buffers: bool = False,
-        groups: Any = None,
-    ) -> None:
-        self.op = op
-        self.groups = groups
-        self.results_alias_buffers = bool(results_alias_buffers)
-        self.compression = compression
-        self.gradient_predivide_factor = gradient_predivide_factor
-        self.name = name
-        self._schedulers: dict[tuple[tuple[TensorSpec, ...], tuple[tuple[int, ...], ...]],
-                               Reducer] = {}
-        self._lock = threading.Lock()
-        self.calls = 0
-        """Completed or failed steps (finishing numpy callbacks; one per worker per step)."""
-        self.seconds = 0.0
-        """Wall time spent inside the numpy callbacks (pack and launch, waiting for the
-        all-reduce, handing the results back)."""
+    op: ReduceOp
+    compression: Compressor
+    name: str
+    gradient_predivide_factor: float = 1.0
+    results_alias_buffers: bool = False
+    groups: Any = None
+    calls: int = field(default=0, init=False)
+    """Completed or failed steps (finishing numpy callbacks; one per worker per step)."""
+    seconds: float = field(default=0.0, init=False)
+    """Wall time spent inside the numpy callbacks (pack and launch, waiting for the
+    all-reduce, handing the results back)."""
+    _schedulers: dict[tuple[tuple[TensorSpec, ...], tuple[tuple[int, ...], ...]], Reducer] = (
+        field(default_factory=dict, init=False, repr=False))
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     @property
     def schedulers(self) -> list[Reducer]:

@@ -10,7 +10,6 @@ runs first, so that ranks holding different models get
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,8 +56,20 @@ def broadcast_labelled(
     if not variables:
         return None
     specs = tuple(_spec(label, v) for label, v in zip(labels, variables, strict=True))
-    values = run_op(functools.partial(_exchange, engine, specs, root_rank, root),
-                    [tf.convert_to_tensor(v) for v in variables],
+
+    def exchange(*arrays: np.ndarray) -> list[np.ndarray]:
+        # Fresh contiguous copies: TensorFlow may adopt the results, and its own
+        # buffers (which ``arrays`` may view) must not be written.
+        out = [np.array(a, order="C", copy=True) for a in arrays]
+        wires = [o.reshape(-1).view(np.uint8) for o in out]
+        # ``root_rank`` is job-wide (it names the collective), ``root`` the same
+        # rank within ``engine``.
+        broadcast_bytes(engine, [s.name for s in specs], wires, root, layout=specs,
+                        name=f"broadcast_variables.root{root_rank}",
+                        what=f"variables of {caller()} (root rank {root_rank})")
+        return out
+
+    values = run_op(exchange, [tf.convert_to_tensor(v) for v in variables],
                     [tf.as_dtype(v.dtype) for v in variables], [v.shape for v in variables],
                     "dp_plugin_broadcast")
     assigns = [v.assign(value) for v, value in zip(variables, values, strict=True)]
@@ -70,21 +81,6 @@ def _spec(label: str, variable: Any) -> TensorSpec:
     shape = tuple(int(d) for d in variable.shape)
     return byte_layout(label, shape, dtype.name, dtype.size,
                        f"{label} ({dtype.name}{list(shape)})")
-
-
-def _exchange(
-    engine: Any, specs: tuple[TensorSpec, ...], root_rank: int, root: int, *arrays: np.ndarray,
-) -> list[np.ndarray]:
-    """The numpy callback: ``root_rank`` is job-wide (it names the collective),
-    ``root`` the same rank within ``engine``."""
-    # Fresh contiguous copies: TensorFlow may adopt the results, and its own
-    # buffers (which ``arrays`` may view) must not be written.
-    out = [np.array(a, order="C", copy=True) for a in arrays]
-    wires = [o.reshape(-1).view(np.uint8) for o in out]
-    broadcast_bytes(engine, [s.name for s in specs], wires, root, layout=specs,
-                    name=f"broadcast_variables.root{root_rank}",
-                    what=f"variables of {caller()} (root rank {root_rank})")
-    return out
 
 
 def broadcast_model_state(model: Any, root_rank: int) -> None:

@@ -7,6 +7,7 @@ names every callback (``MetricAverageCallback``, ``LearningRateWarmupCallback``,
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -20,16 +21,10 @@ from dp_plugin.tensorflow.callbacks_lr import (
 from dp_plugin.tensorflow.checkpoint import BestModelCheckpoint
 from dp_plugin.tensorflow.compat import check_keras, check_strategy
 from dp_plugin.tensorflow.metric_average import MetricAverageCallback
-from dp_plugin.tensorflow.optimizer import (
-    DistributedApply,
-    find_hook,
-    make_hook,
-    parse_reduction,
-)
 from dp_plugin.tensorflow.xla_split import install_split_train_function, is_split, is_split_for
 
 
-def _rebuild_train_function(model: Any, hook: DistributedApply | None, changed: bool,
+def _rebuild_train_function(model: Any, hook: _optimizer.DistributedApply | None, changed: bool,
                             who: str) -> None:
     """Make ``model.train_function`` contain the reduction (``changed``: the hook was
     (re)installed since it was built). With ``jit_compile`` the step is split around
@@ -84,18 +79,14 @@ class BroadcastGlobalVariablesCallback(BroadcastBase):
         check_strategy(model.distribute_strategy, f"{self._who} (model {model.name!r})")
 
     def _prepare(self, model: Any, changed: bool) -> None:
-        _rebuild_train_function(model, find_hook(model.optimizer)[1], changed, self._who)
+        _rebuild_train_function(model, _optimizer.find_hook(model.optimizer)[1], changed, self._who)
 
     def _broadcast(self, model: Any, first: bool) -> None:
         broadcast_model_state(model, self.root_rank)
 
-    def _moved_hook(self, optimizer: Any, hook: Any) -> Any:
-        return DistributedApply(
-            optimizer, hook.bridge, owner=hook.owner,
-            backward_passes_per_step=hook.backward_passes_per_step,
-            average_aggregated_gradients=hook.average_aggregated_gradients,
-            sparse_as_dense=hook.sparse_as_dense,
-        )
+    def _moved_hook(self, optimizer: Any,
+                    hook: _optimizer.DistributedApply) -> _optimizer.DistributedApply:
+        return dataclasses.replace(hook, optimizer=optimizer)  # the same bridge and settings
 
 
 class DistributedCallback(DistributedBase, BroadcastGlobalVariablesCallback):
@@ -128,13 +119,13 @@ class DistributedCallback(DistributedBase, BroadcastGlobalVariablesCallback):
     """
 
     def _checked_settings(self, **settings: Any) -> dict[str, Any]:
-        parse_reduction(self._who, settings["op"], settings["compression"],
-                        settings["backward_passes_per_step"],
-                        settings["gradient_predivide_factor"])
+        _optimizer.parse_reduction(self._who, settings["op"], settings["compression"],
+                                   settings["backward_passes_per_step"],
+                                   settings["gradient_predivide_factor"])
         return settings
 
     def _new_hook(self, optimizer: Any) -> Any:
-        return make_hook(optimizer, owner=self._who, **self._settings)
+        return _optimizer.make_hook(optimizer, owner=self._who, **self._settings)
 
 
 __all__ = [

@@ -30,8 +30,7 @@ def load_model(filepath: Any, custom_optimizers: Sequence[type] | None = None,
     if legacy_opts:
         raise ValueError(
             "load_model(legacy_opts=True): Keras 3 has no legacy optimizers; drop the argument")
-    objects = {cls.__name__: cls for cls in custom_optimizers or ()}
-    objects.update(custom_objects or {})
+    objects = {**{cls.__name__: cls for cls in custom_optimizers or ()}, **(custom_objects or {})}
     model = keras.models.load_model(filepath, custom_objects=objects)
     optimizer = getattr(model, "optimizer", None)
     if isinstance(optimizer, keras.optimizers.Optimizer) and find_hook(optimizer)[1] is None:

@@ -99,25 +99,17 @@ def _filler(shape: Any, dtype: Any) -> np.ndarray:
     return np.zeros(dims, tf.as_dtype(dtype).as_numpy_dtype)
 
 
-def _differentiable(forward: Callable[..., list[Any]], backward: Callable[..., list[Any]],
-                    xs: list[Any], side: int = 0) -> list[Any]:
-    """``forward(*xs)`` with ``backward(*dys)`` as its gradient (floating inputs only;
-    others have no gradient in TensorFlow either). The last ``side`` outputs of
-    ``forward`` (row counts, received splits) are not differentiated; ``backward``
-    gets them first: ``backward(*side_outputs, *dys)``."""
-    kept: list[Any] = []
-    backward = deferred(backward)  # run by the tape later, under this call's name
-
-    def split(*args: Any) -> list[Any]:
-        outs = list(forward(*args))
-        kept[:] = outs[len(outs) - side:]
-        return outs[:len(outs) - side]
-
-    ys = split(*xs)
+def _differentiable(outs: list[Any], backward: Callable[..., list[Any]], xs: list[Any],
+                    side: int = 0) -> list[Any]:
+    """``outs`` (computed from ``xs``) with ``backward(*dys)`` as their gradient (floating
+    inputs only; others have no gradient in TensorFlow either). The last ``side`` outputs
+    (row counts, received splits) are not differentiated; ``backward`` gets them first:
+    ``backward(*side_outputs, *dys)``."""
+    ys, kept = outs[:len(outs) - side], outs[len(outs) - side:]
     if not all(x.dtype.is_floating for x in xs):
         return [*ys, *kept]
-    extra = list(kept)
-    return [*graph_gradient.with_gradient(ys, xs, lambda *dys: backward(*extra, *dys)), *kept]
+    backward = deferred(backward)  # run by the tape later, under this call's name
+    return [*graph_gradient.with_gradient(ys, xs, lambda *dys: backward(*kept, *dys)), *kept]
 
 
 def _writable(array: np.ndarray) -> np.ndarray:
@@ -200,7 +192,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: Any = None, device_dense:
         return run_op(reduce, args, [x.dtype for x in args], [x.shape for x in args],
                       "grouped_allreduce")
 
-    return _differentiable(forward, forward, xs) if xs else []
+    return _differentiable(forward(*xs), forward, xs) if xs else []
 
 
 def reduce_indexed_slices(slices: Any, op: ReduceOp, prescale: float, postscale: float,
@@ -215,8 +207,7 @@ def reduce_indexed_slices(slices: Any, op: ReduceOp, prescale: float, postscale:
         raise NotImplementedError(
             f"{caller()}: prescale_factor/postscale_factor are not supported with tf.IndexedSlices "
             f"(got {prescale}, {postscale}); scale the values yourself")
-    values, indices = grouped_allgather([slices.values, slices.indices],
-                                        process_set=process_set)
+    values, indices = grouped_allgather([slices.values, slices.indices], process_set=process_set)
     if op is ReduceOp.AVERAGE:
         values = values / tf.cast(engine_of(process_set).size, values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
@@ -239,11 +230,8 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
     xs = _tensors(tensors)
     engine_of(process_set)
     label = name or "grouped_allgather"
-    for x in xs:
-        if x.shape.rank == 0:
-            raise ValueError(
-                "grouped_allgather: a scalar cannot be all-gathered; reshape it to [1]")
-    n = len(xs)
+    if any(x.shape.rank == 0 for x in xs):
+        raise ValueError("grouped_allgather: a scalar cannot be all-gathered; reshape it to [1]")
 
     def gather(*arrays: np.ndarray) -> list[np.ndarray]:
         engine = engine_of(process_set)
@@ -254,9 +242,8 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
         firsts = np.array([agreed.rows(i) for i in range(len(bufs))], np.int64).T
         return [*outs, np.ascontiguousarray(firsts)]
 
-    def forward(*args: Any) -> list[Any]:
-        return run_op(gather, args, [*(x.dtype for x in args), tf.int64],
-                      [*([None, *x.shape[1:]] for x in args), [None, n]], "grouped_allgather")
+    outs = run_op(gather, xs, [*(x.dtype for x in xs), tf.int64],
+                  [*([None, *x.shape[1:]] for x in xs), [None, len(xs)]], "grouped_allgather")
 
     def backward(firsts: Any, *dys: Any) -> list[Any]:
         me = engine_of(process_set).rank
@@ -268,7 +255,7 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
             out.append(dy[start:start + firsts[me, i]])
         return out
 
-    return _differentiable(forward, backward, xs, side=1)[:-1]
+    return _differentiable(outs, backward, xs, side=1)[:-1]
 
 
 # -- broadcast ----------------------------------------------------------------------
@@ -292,15 +279,12 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
             engine.broadcast(out.reshape(-1), agreed.root, name=label)
         return [out]
 
-    def forward(arg: Any) -> list[Any]:
-        return run_op(bcast, [arg], [arg.dtype], [arg.shape], "broadcast")
-
     def backward(dy: Any) -> list[Any]:
         (reduced,) = grouped_allreduce([dy], op=ReduceOp.AVERAGE, process_set=process_set,
                                        name=f"{label}.grad")
         return [reduced if runtime.rank() == root_rank else reduced * 0]
 
-    return _differentiable(forward, backward, [x])[0]
+    return _differentiable(run_op(bcast, [x], [x.dtype], [x.shape], "broadcast"), backward, [x])[0]
 
 
 # -- alltoall, reducescatter -------------------------------------------------------
@@ -326,15 +310,12 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
         received, counts = engine.alltoall(buf, agreed.counts(), label)
         return [np.asarray(received), np.asarray(counts, np.int64)]
 
-    def forward(arg: Any) -> list[Any]:
-        return run_op(exchange, [arg, s], [arg.dtype, tf.int64],
-                      [[None, *arg.shape[1:]], [size]], "alltoall")
-
     def backward(rsplits: Any, dy: Any) -> list[Any]:
-        back, _ = alltoall(dy, rsplits, name=f"{label}.grad", process_set=process_set)
-        return [back]
+        return [alltoall(dy, rsplits, name=f"{label}.grad", process_set=process_set)[0]]
 
-    out, rsplits = _differentiable(forward, backward, [x], side=1)
+    outs = run_op(exchange, [x, s], [x.dtype, tf.int64], [[None, *x.shape[1:]], [size]],
+                  "alltoall")
+    out, rsplits = _differentiable(outs, backward, [x], side=1)
     return (out, tf.cast(rsplits, tf.int32)) if given else out
 
 
@@ -378,13 +359,11 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
             outs.append(out)
         return outs
 
-    def forward(*args: Any) -> list[Any]:
-        return run_op(scatter, args, [x.dtype for x in args],
-                      [[None, *x.shape[1:]] for x in args], "reducescatter")
-
     def backward(*dys: Any) -> list[Any]:
         factor = (size if op is ReduceOp.SUM else 1) * pre * post
         return [allgather(dy * factor if factor != 1 else dy, name=f"{label}.grad.{i}",
                           process_set=process_set) for i, dy in enumerate(dys)]
 
-    return _differentiable(forward, backward, xs)
+    outs = run_op(scatter, xs, [x.dtype for x in xs], [[None, *x.shape[1:]] for x in xs],
+                  "reducescatter")
+    return _differentiable(outs, backward, xs)

@@ -56,8 +56,7 @@ from dp_plugin.api.elastic import CommitError, State
 from dp_plugin.api.objects import first_unloadable, from_rank0
 from dp_plugin.errors import DPPluginError as HorovodInternalError
 from dp_plugin.reduce.arrays import numpy_dtype
-from dp_plugin.tensorflow import basics
-from dp_plugin.tensorflow.basics import init, rank, shutdown
+from dp_plugin.tensorflow.basics import init, rank, shutdown, size
 from dp_plugin.tensorflow.broadcast import broadcast_variables
 from dp_plugin.tensorflow.functions import allgather_object, broadcast_object
 from dp_plugin.tensorflow.graph_ops import broadcast_object_fn
@@ -96,8 +95,8 @@ class ObjectState(_core.ObjectState):
             return None
         record = _loads(data, path)  # the same bytes: the same outcome everywhere
         rng = record.get("rng") if isinstance(record, dict) else None
-        if rng is not None and len(rng) == basics.size():
-            self._set_rng_state(rng[basics.rank()])
+        if rng is not None and len(rng) == size():
+            self._set_rng_state(rng[rank()])
         return record
 
 
@@ -121,9 +120,7 @@ class _VariablesState(ObjectState):
         return {**super()._tracked(), "variables": layout}
 
     def _apply_synced(self) -> None:
-        variables = self._variables()
-        if variables:
-            broadcast_variables(variables, root_rank=0)
+        broadcast_variables(self._variables(), root_rank=0)  # nothing moves for none
         super()._apply_synced()
 
 
@@ -177,14 +174,21 @@ run = _core.runner(init)
 # -- Keras callbacks (horovod.tensorflow.keras.elastic) -------------------------
 
 
-class CommitStateCallback(keras.callbacks.Callback):
+class _StateCallback(keras.callbacks.Callback):
+    """A Keras callback that keeps an elastic ``state`` up to date."""
+
+    def __init__(self, state: State) -> None:
+        super().__init__()
+        self.state = state
+
+
+class CommitStateCallback(_StateCallback):
     """``state.commit()`` every ``batches_per_commit`` batches and at each epoch's end."""
 
     def __init__(self, state: State, batches_per_commit: int = 1) -> None:
-        super().__init__()
         if batches_per_commit < 1:
             raise ValueError(f"batches_per_commit must be >= 1, got {batches_per_commit}")
-        self.state = state
+        super().__init__(state)
         self.batches_per_commit = batches_per_commit
         self._left = batches_per_commit
 
@@ -201,12 +205,8 @@ class CommitStateCallback(keras.callbacks.Callback):
         self.state.commit()
 
 
-class UpdateBatchStateCallback(keras.callbacks.Callback):
+class UpdateBatchStateCallback(_StateCallback):
     """Keep ``state.batch`` at the batches done in the current epoch (0 at its end)."""
-
-    def __init__(self, state: State) -> None:
-        super().__init__()
-        self.state = state
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         self.state.batch = batch + 1  # type: ignore[attr-defined]
@@ -215,13 +215,9 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
         self.state.batch = 0  # type: ignore[attr-defined]
 
 
-class UpdateEpochStateCallback(keras.callbacks.Callback):
+class UpdateEpochStateCallback(_StateCallback):
     """Keep ``state.epoch`` at the epochs done over every attempt (pass
     ``initial_epoch=state.epoch`` to ``fit``)."""
-
-    def __init__(self, state: State) -> None:
-        super().__init__()
-        self.state = state
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         self.state.epoch = epoch + 1  # type: ignore[attr-defined]

@@ -23,6 +23,11 @@ from dp_plugin.launch import runtime
 from dp_plugin.tensorflow import graph_order
 from dp_plugin.tensorflow.broadcast import broadcast_variables
 
+__all__ = [
+    "allgather_object", "barrier", "broadcast_global_variables", "broadcast_object", "cuda_built",
+    "join", "nccl_built", "rocm_built",
+]
+
 # -- objects ---------------------------------------------------------------------
 
 
@@ -39,9 +44,8 @@ def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: st
 def allgather_object(obj: Any, session: Any = None, name: str | None = None,
                      process_set: Any = global_process_set) -> list[Any]:
     """Every rank's ``obj``, in rank order of the set (pickled). Collective."""
-    engine = engine_of(process_set)
     # Not type(obj).__name__: ranks may hold objects of different types (see torch's).
-    return _objects.allgather_object(engine, obj, name or "allgather_object")
+    return _objects.allgather_object(engine_of(process_set), obj, name or "allgather_object")
 
 
 # -- synchronization -----------------------------------------------------------------

@@ -18,6 +18,11 @@ from dp_plugin.tensorflow.basics import local_rank, local_size, rank
 from dp_plugin.tensorflow.broadcast import broadcast_variables
 from dp_plugin.tensorflow.functions import broadcast_global_variables, broadcast_object
 
+__all__ = [
+    "BroadcastGlobalVariablesHook", "broadcast_", "broadcast_object_fn", "local_rank_op",
+    "local_size_op", "process_set_included_op", "rank_op", "size_op",
+]
+
 
 def rank_op(name: str | None = None) -> tf.Tensor:
     """This process's rank, as an int32 tensor."""
@@ -27,8 +32,7 @@ def rank_op(name: str | None = None) -> tf.Tensor:
 @public("size_op")
 def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     """The number of ranks (of the job, or of process set ``process_set_id``)."""
-    process_set = registered(process_set_id)
-    return tf.constant(process_set.size() or 0, dtype=tf.int32, name=name)
+    return tf.constant(registered(process_set_id).size() or 0, dtype=tf.int32, name=name)
 
 
 def local_rank_op(name: str | None = None) -> tf.Tensor:
@@ -82,8 +86,7 @@ class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
         self.bcast_op: Any = None
 
     def begin(self) -> None:
-        graph = tf.compat.v1.get_default_graph()
-        if self.bcast_op is None or self.bcast_op.graph is not graph:
+        if self.bcast_op is None or self.bcast_op.graph is not tf.compat.v1.get_default_graph():
             self.bcast_op = broadcast_global_variables(self.root_rank)
 
     def after_create_session(self, session: Any, coord: Any) -> None:

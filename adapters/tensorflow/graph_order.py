@@ -75,22 +75,17 @@ def new_chain() -> Iterator[None]:
         _starting.graph = saved
 
 
-def _tf1_construct(graph: Any) -> str | None:
-    """``"cond"`` or ``"while_loop"`` when ops built now in ``graph`` land inside
-    that construct of a TF1 graph (not of a ``tf.function``); else None."""
+def _refuse_tf1_control_flow(graph: Any) -> None:
+    """Raise when ops built now in ``graph`` land inside ``cond`` or ``while_loop`` of
+    a TF1 graph (not of a ``tf.function``)."""
     context = graph._get_control_flow_context()  # v1 control flow: CondContext, WhileContext
     if context is not None and (context.IsCondContext() or context.IsWhileContext()):
-        return "while_loop" if context.GetWhileContext() is not None else "cond"
-    # v2 control flow: a branch or body graph; inside a tf.function it is traced with
-    # automatic control dependencies, in a TF1 graph without them.
-    if getattr(graph, "is_control_flow_graph", False) and not graph._add_control_dependencies:
-        return "while_loop" if type(graph).__name__.startswith("While") else "cond"
-    return None
-
-
-def _refuse_tf1_control_flow(graph: Any) -> None:
-    construct = _tf1_construct(graph)
-    if construct is None:
+        construct = "while_loop" if context.GetWhileContext() is not None else "cond"
+    elif getattr(graph, "is_control_flow_graph", False) and not graph._add_control_dependencies:
+        # v2 control flow: a branch or body graph; inside a tf.function it is traced with
+        # automatic control dependencies, in a TF1 graph without them.
+        construct = "while_loop" if type(graph).__name__.startswith("While") else "cond"
+    else:
         return
     outside = ("before the cond: reduce every candidate there and pick the result with "
                "tf.where, or use the reduced tensors inside the branches" if construct == "cond"

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import keras
@@ -72,6 +73,7 @@ def parse_reduction(owner: str, op: Any, compression: Any, backward_passes_per_s
     return op, compressor, passes, predivide
 
 
+@dataclass(eq=False)
 class DistributedApply:
     """Replaces ``optimizer.apply`` on one optimizer: reduce across workers, then apply.
 
@@ -87,39 +89,30 @@ class DistributedApply:
     N > 1); all ranks must call it equally often with the same variables.
     """
 
-    def __init__(
-        self,
-        optimizer: Any,
-        bridge: GradientBridge,
-        *,
-        owner: str,
-        backward_passes_per_step: int = 1,
-        average_aggregated_gradients: bool = False,
-        sparse_as_dense: bool = False,
-    ) -> None:
-        self.optimizer = optimizer
-        self.sparse_as_dense = bool(sparse_as_dense)
-        self.bridge = bridge
-        self.owner = owner
-        """Who installed it: 'DistributedOptimizer' or 'DistributedCallback'."""
-        self.backward_passes_per_step = backward_passes_per_step
-        self.average_aggregated_gradients = bool(average_aggregated_gradients)
-        self.apply_reduced = type(optimizer).apply.__get__(optimizer)
+    optimizer: Any
+    bridge: GradientBridge
+    _: KW_ONLY
+    owner: str
+    """Who installed it: 'DistributedOptimizer' or 'DistributedCallback'."""
+    backward_passes_per_step: int = 1
+    average_aggregated_gradients: bool = False
+    sparse_as_dense: bool = False
+    _accumulators: dict[tuple[int, ...], list[Any]] = field(default_factory=dict, init=False)
+    _counter: Any = field(default=None, init=False)
+    _captured: list[tuple[list[Any], list[Any] | None]] | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.apply_reduced = type(self.optimizer).apply.__get__(self.optimizer)
         """The optimizer's own ``apply``, for gradients already reduced across workers."""
-        self._accumulators: dict[tuple[int, ...], list[Any]] = {}
-        self._counter: Any = None
-        self._captured: list[tuple[list[Any], list[Any] | None]] | None = None
 
     def same_settings(self, other: DistributedApply) -> bool:
-        mine, theirs = self.bridge, other.bridge
-        return (
-            mine.op is theirs.op
-            and type(mine.compression) is type(theirs.compression)
-            and mine.gradient_predivide_factor == theirs.gradient_predivide_factor
-            and self.backward_passes_per_step == other.backward_passes_per_step
-            and self.average_aggregated_gradients == other.average_aggregated_gradients
-            and self.sparse_as_dense == other.sparse_as_dense
-        )
+        return self._settings() == other._settings()
+
+    def _settings(self) -> tuple[Any, ...]:
+        bridge = self.bridge
+        return (bridge.op, type(bridge.compression), bridge.gradient_predivide_factor,
+                self.backward_passes_per_step, self.average_aggregated_gradients,
+                self.sparse_as_dense)
 
     @tf.autograph.experimental.do_not_convert
     def __call__(
@@ -155,10 +148,9 @@ class DistributedApply:
     # -- helpers --------------------------------------------------------------
     def reduce(self, grads: list[Any], variables: list[Any] | None) -> list[Any]:
         """``grads`` (None entries kept) reduced across workers through the bridge."""
-        known = variables if variables is not None else getattr(
-            self.optimizer, "_trainable_variables", None
-        )
-        return reduce_gradients(self.bridge, grads, known, self.sparse_as_dense)
+        if variables is None:
+            variables = getattr(self.optimizer, "_trainable_variables", None)
+        return reduce_gradients(self.bridge, grads, variables, self.sparse_as_dense)
 
     def _accumulate_then_apply(self, grads: list[Any], variables: list[Any] | None) -> None:
         ctx = tf.distribute.get_replica_context()
@@ -187,11 +179,9 @@ class DistributedApply:
         count = self._counter.assign_add(1)
 
         def apply_now() -> Any:
-            summed = [
-                None if g is None else (acc.read_value() / n if self.average_aggregated_gradients
-                                        else acc.read_value())
-                for g, acc in zip(grads, accumulators, strict=True)
-            ]
+            mean = self.average_aggregated_gradients
+            summed = [None if g is None else acc.read_value() / n if mean else acc.read_value()
+                      for g, acc in zip(grads, accumulators, strict=True)]
             self.apply_reduced(self.reduce(summed, variables), variables)
             for acc in accumulators:
                 acc.assign(tf.zeros_like(acc))
@@ -202,10 +192,9 @@ class DistributedApply:
 
     def _accumulators_for(self, variables: list[Any]) -> list[Any]:
         key = tuple(id(v) for v in variables)
-        accumulators = self._accumulators.get(key)
-        if accumulators is None:
+        if key not in self._accumulators:
             with tf.init_scope():  # created once, eagerly, even while a step is traced
-                accumulators = [
+                self._accumulators[key] = [
                     tf.Variable(tf.zeros(v.shape, dtype=v.dtype), trainable=False,
                                 name="dp_plugin_accumulator")
                     for v in variables
@@ -213,8 +202,7 @@ class DistributedApply:
                 if self._counter is None:
                     self._counter = tf.Variable(0, dtype=tf.int64, trainable=False,
                                                 name="dp_plugin_passes")
-            self._accumulators[key] = accumulators
-        return accumulators
+        return self._accumulators[key]
 
 
 # -- installing ---------------------------------------------------------------
@@ -230,8 +218,7 @@ def find_hook(optimizer: Any) -> tuple[Any, DistributedApply | None]:
     hook, and the hook; ``(optimizer, None)`` if none has one."""
     current = optimizer
     while current is not None:
-        hook = hook_of(current)
-        if hook is not None:
+        if (hook := hook_of(current)) is not None:
             return current, hook
         current = getattr(current, "inner_optimizer", None)
     return optimizer, None
@@ -274,8 +261,8 @@ def make_hook(
     )
     return DistributedApply(
         optimizer, bridge, owner=owner, backward_passes_per_step=passes,
-        average_aggregated_gradients=average_aggregated_gradients,
-        sparse_as_dense=sparse_as_dense,
+        average_aggregated_gradients=bool(average_aggregated_gradients),
+        sparse_as_dense=bool(sparse_as_dense),
     )
 
 
@@ -336,12 +323,11 @@ def DistributedOptimizer(
             f"(installed by {existing.owner}); wrapping it twice would reduce twice. Wrap the "
             "plain optimizer once"
         )
-    hook = make_hook(
+    install(optimizer, make_hook(
         optimizer, owner=who, compression=compression, op=op,
         backward_passes_per_step=backward_passes_per_step,
         gradient_predivide_factor=gradient_predivide_factor,
         average_aggregated_gradients=average_aggregated_gradients, name=name,
         sparse_as_dense=sparse_as_dense, groups=groups,
-    )
-    install(optimizer, hook)
+    ))
     return optimizer

@@ -108,11 +108,9 @@ class DistributedGradientTape:
         local = [variable_ref(s) in self._local_sources for s in flat_sources]
         shared = [None if is_local else g for g, is_local in zip(flat_grads, local, strict=True)]
         reduced = reduce_gradients(self._bridge, shared, flat_sources, self._sparse_as_dense)
-        out = [g if is_local else r for g, r, is_local in zip(flat_grads, reduced, local,
-                                                                strict=True)]
-        if self.scale_local_gradients:
-            out = [_scaled_locally(g) if is_local and g is not None else g
-                   for g, is_local in zip(out, local, strict=True)]
+        scale = self.scale_local_gradients
+        out = [(_scaled_locally(g) if scale and g is not None else g) if is_local else r
+               for g, r, is_local in zip(flat_grads, reduced, local, strict=True)]
         return tf.nest.pack_sequence_as(grads, out)
 
     def get_local_and_global_gradients(self, target: Any, sources: Any,
@@ -168,11 +166,8 @@ def _shared_bridge(op: Any, compression: Any, predivide: float, groups: Any) -> 
     key = (op, type(compression), predivide, groups if not isinstance(groups, list) else
            tuple(tuple(variable_ref(v) for v in group) for group in groups))
     with _bridges_lock:
-        bridge = _bridges.get(key)
-        if bridge is None:
-            bridge = GradientBridge(
-                op=op, compression=compression, gradient_predivide_factor=predivide,
-                name=next_bridge_name("tape"), groups=groups,
-            )
-            _bridges[key] = bridge
-        return bridge
+        if key not in _bridges:
+            _bridges[key] = GradientBridge(op=op, compression=compression, groups=groups,
+                                           gradient_predivide_factor=predivide,
+                                           name=next_bridge_name("tape"))
+        return _bridges[key]

@@ -26,9 +26,8 @@ def _executing_eagerly() -> bool:
     return bool(tf.executing_eagerly())
 
 
-def _make_subgraph(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` compiled as a ``tf.function``."""
-    return tf.function(fn)
+_make_subgraph = tf.function
+"""``_make_subgraph(fn)``: ``fn`` compiled as a ``tf.function``."""
 
 
 def _cache(fn: Callable[..., Any]) -> Callable[..., Any]:
