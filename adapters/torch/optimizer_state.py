@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -103,61 +103,57 @@ class Marks:
     """The ``DP_PLUGIN_CHECK_FINITE`` flags; None when the check is off."""
 
 
+@dataclass(eq=False, repr=False, kw_only=True)
 class OptimizerState:
     """One optimizer's gradient reduction (see the module docstring)."""
 
-    def __init__(self, *, names: dict[torch.Tensor, str], named: bool, compression: Any,
-                 compressor: Compressor, op: ReduceOp, predivide: float, passes: int,
-                 sparse_as_dense: bool, process_set: ProcessSet, engine: Engine | None,
-                 label: str, groups: int | list[list[torch.Tensor]] | None = None,
-                 shard: bool = False) -> None:
-        self.names = names
-        self.named = named
-        """Names came from ``named_parameters``: a parameter added later needs one."""
-        self.compression = compression
-        """The ``compression`` argument as the user gave it; ``compressor``: what it names."""
-        self.compressor = compressor
-        self.process_set = process_set
-        self.op = op
-        self.predivide = predivide
-        self.passes = passes
-        self.sparse_as_dense = sparse_as_dense
-        self.engine = engine
-        """The optimizer's own channel of the set's engine (``Engine.channel``);
-        None when this rank is outside the process set: nothing is reduced."""
-        self.label = label
-        """Names its collectives; unique per optimizer in the process."""
-        self.groups = groups
-        """Horovod's ``groups`` (validated): how many groups to cut the parameters
-        into, or lists of parameters, each reduced as one all-reduce; None: none."""
-        self.sharded = shard
-        """``shard_optimizer_state``: each rank keeps the optimizer state of its
-        pieces only (``sharded.py``); ``shard`` does it while a reducer exists."""
-        self.shard: ShardedStep | None = None
-        self.optimizer: Callable[[], Any] = lambda: None
-        """The wrapper (weakly; ``register`` sets it): ``hvd.join()`` steps its pieces."""
-        self.comm_hook: Callable[..., Any] | None = None
-        """A user's ``hook(state, bucket) -> Handle`` (``register_comm_hook``)."""
-        self.params: list[torch.Tensor] = []
-        self.frozen: list[tuple[int, int]] = []
-        """(group, index) in ``param_groups`` of each parameter NOT in ``params``
-        (no hook, no bucket): the only ones ``unfrozen`` must look at."""
-        self.hooks: list[Any] = []
-        self.reducer: Reducer | None = None
-        """None when nothing is reduced (one rank, outside the process set, no parameters)."""
-        self.marks: Marks | None = None
-        """The reducer's flags (None with it)."""
-        self.sparse = SparseGradients([])
-        """Sparse gradients reduced outside the buckets (fixed by ``register``)."""
-        # The step in progress.
-        self.marked: list[bool] = []
-        self.sparse_dims: list[int | None] = []
-        self.pending = False
-        """A hook fired since the last ``synchronize``: a step is half done."""
-        self.synchronized = False
-        self.should_synchronize = True
-        self.skip_step = False
-        """The last reduction held inf/nan and ``DP_PLUGIN_CHECK_FINITE=skip``."""
+    names: dict[torch.Tensor, str]
+    named: bool
+    """Names came from ``named_parameters``: a parameter added later needs one."""
+    compression: Any
+    """The ``compression`` argument as the user gave it; ``compressor``: what it names."""
+    compressor: Compressor
+    op: ReduceOp
+    predivide: float
+    passes: int
+    sparse_as_dense: bool
+    process_set: ProcessSet
+    engine: Engine | None
+    """The optimizer's own channel of the set's engine (``Engine.channel``);
+    None when this rank is outside the process set: nothing is reduced."""
+    label: str
+    """Names its collectives; unique per optimizer in the process."""
+    groups: int | list[list[torch.Tensor]] | None = None
+    """Horovod's ``groups`` (validated): how many groups to cut the parameters
+    into, or lists of parameters, each reduced as one all-reduce; None: none."""
+    sharded: bool = False
+    """``shard_optimizer_state``: each rank keeps the optimizer state of its
+    pieces only (``sharded.py``); ``shard`` does it while a reducer exists."""
+    shard: ShardedStep | None = None
+    optimizer: Callable[[], Any] = lambda: None
+    """The wrapper (weakly; ``register`` sets it): ``hvd.join()`` steps its pieces."""
+    comm_hook: Callable[..., Any] | None = None
+    """A user's ``hook(state, bucket) -> Handle`` (``register_comm_hook``)."""
+    params: list[torch.Tensor] = field(default_factory=list)
+    frozen: list[tuple[int, int]] = field(default_factory=list)
+    """(group, index) in ``param_groups`` of each parameter NOT in ``params``
+    (no hook, no bucket): the only ones ``unfrozen`` must look at."""
+    hooks: list[Any] = field(default_factory=list)
+    reducer: Reducer | None = None
+    """None when nothing is reduced (one rank, outside the process set, no parameters)."""
+    marks: Marks | None = None
+    """The reducer's flags (None with it)."""
+    sparse: SparseGradients = field(default_factory=lambda: SparseGradients([]))
+    """Sparse gradients reduced outside the buckets (fixed by ``register``)."""
+    # The step in progress.
+    marked: list[bool] = field(default_factory=list)
+    sparse_dims: list[int | None] = field(default_factory=list)
+    pending: bool = False
+    """A hook fired since the last ``synchronize``: a step is half done."""
+    synchronized: bool = False
+    should_synchronize: bool = True
+    skip_step: bool = False
+    """The last reduction held inf/nan and ``DP_PLUGIN_CHECK_FINITE=skip``."""
 
     @property
     def closed(self) -> bool:
