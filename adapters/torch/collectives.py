@@ -35,8 +35,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     of the same shape and dtype. ``op``: Average, Sum, Min, Max, Product;
     ``average`` is deprecated (True: Average, False: Sum). Average of integer
     tensors truncates toward zero, as Horovod's."""
-    op = resolve_op(op, average)
-    return _start_allreduce(check_tensors(tensor), False, False, name, op,
+    return _start_allreduce(tensor, False, False, name, resolve_op(op, average),
                             prescale_factor, postscale_factor, process_set)
 
 
@@ -47,8 +46,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                      process_set: Any = global_process_set) -> int:
     """In-place ``allreduce_async``: ``synchronize`` writes the result into
     ``tensor`` and returns it."""
-    op = resolve_op(op, average)
-    return _start_allreduce(check_tensors(tensor), True, False, name, op,
+    return _start_allreduce(tensor, True, False, name, resolve_op(op, average),
                             prescale_factor, postscale_factor, process_set)
 
 
@@ -59,8 +57,7 @@ def grouped_allreduce_async(tensors: list[torch.Tensor], average: bool | None = 
                             process_set: Any = global_process_set) -> int:
     """``allreduce_async`` of a list of tensors, fused into one collective per
     dtype and device; ``synchronize`` returns a tuple of new tensors."""
-    op = resolve_op(op, average)
-    return _start_allreduce(check_tensors(tensors), False, True, name, op,
+    return _start_allreduce(tensors, False, True, name, resolve_op(op, average),
                             prescale_factor, postscale_factor, process_set)
 
 
@@ -71,17 +68,17 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None =
                              process_set: Any = global_process_set) -> int:
     """In-place ``grouped_allreduce_async``: ``synchronize`` returns the tuple
     of input tensors, now holding the results."""
-    op = resolve_op(op, average)
-    return _start_allreduce(check_tensors(tensors), True, True, name, op,
+    return _start_allreduce(tensors, True, True, name, resolve_op(op, average),
                             prescale_factor, postscale_factor, process_set)
 
 
-def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
+def _start_allreduce(inputs: Any, inplace: bool, grouped: bool,
                      name: str | None, op: ReduceOp, prescale: Any, postscale: Any,
                      process_set: Any) -> int:
     """One ``fused_collective`` per call (large tensors alone, the rest in
     8 MiB chunks, see ``dp_plugin.reduce.collective``), scaled by the one
     ``ReducePolicy``; ``synchronize`` unpacks the results."""
+    tensors = check_tensors(inputs)
     pre = check_factor(prescale, "prescale_factor")
     post = check_factor(postscale, "postscale_factor")
     engine = engine_of(process_set)
@@ -245,9 +242,8 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     of rows: ``rows // size`` each, the first ``rows % size`` ranks one more
     (Horovod's rule). ``op``: Average (default) or Sum. The reduction runs in
     the background (gloo, nccl, mpi, horovod); ``synchronize`` returns the block."""
-    pending, key = start_reduce_scatter(check_tensors(tensor), name, op, prescale_factor,
-                                        postscale_factor, process_set, grouped=False)
-    return new_handle(pending, key)
+    return new_handle(*start_reduce_scatter(check_tensors(tensor), name, op, prescale_factor,
+                                            postscale_factor, process_set, grouped=False))
 
 
 @public("grouped_reducescatter_async")
@@ -258,9 +254,8 @@ def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = 
                                 postscale_factor: float = 1.0) -> int:
     """``reducescatter_async`` of each tensor of a list; ``synchronize``
     returns a tuple."""
-    pending, key = start_reduce_scatter(check_tensors(tensors), name, op, prescale_factor,
-                                        postscale_factor, process_set)
-    return new_handle(pending, key)
+    return new_handle(*start_reduce_scatter(check_tensors(tensors), name, op, prescale_factor,
+                                            postscale_factor, process_set))
 
 
 def start_reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any,
