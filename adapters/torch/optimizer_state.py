@@ -211,9 +211,8 @@ class OptimizerState:
             which = ", ".join(repr(self.names.get(p) or names.get(p, "?")) for p in sparse.params)
             raise ValueError(
                 f"shard_optimizer_state=True cannot shard the sparse gradients of {which} "
-                "(nn.Embedding "
-                "with sparse=True): they are all-gathered, not reduce-scattered, and a sparse "
-                "update is not element-wise. Fix: pass sparse_as_dense=True, or "
+                "(nn.Embedding with sparse=True): they are all-gathered, not reduce-scattered, "
+                "and a sparse update is not element-wise. Fix: pass sparse_as_dense=True, or "
                 "shard_optimizer_state=False"
             )
         # The whole state, before the pieces move with the new plan (collective,
@@ -338,7 +337,8 @@ class OptimizerState:
         grad = param.grad
         if self.marks is None or grad is None:
             return
-        self._note_finite(grad)
+        if self.marks.finite is not None:  # before the scheduler: travels with the last bucket
+            self.marks.finite.note(grad)
         dense = self._dense(index, grad)
         if dense is not None:
             sched = self.reducer
@@ -370,7 +370,8 @@ class OptimizerState:
         for i, p in enumerate(self.params):
             if not self.marked[i] and p.grad is not None:
                 # Horovod reduces an existing gradient whose hook did not fire.
-                self._note_finite(p.grad)
+                if marks.finite is not None:
+                    marks.finite.note(p.grad)
                 dense = self._dense(i, p.grad)
                 if dense is not None:
                     sched.mark_ready(i, dense)
@@ -386,11 +387,9 @@ class OptimizerState:
                 marks.finite.reset()
             self._reset_step()
             raise
-        for i, p in enumerate(self.params):
+        for p, reduced, sparse_dim in zip(self.params, results, self.sparse_dims, strict=True):
             if self.sparse.owns(p):
                 continue  # reduced above, outside the buckets
-            reduced = results[i]
-            sparse_dim = self.sparse_dims[i]
             if sparse_dim is not None:
                 p.grad = reduced.to_sparse(sparse_dim)
             elif p.grad is None:
@@ -478,12 +477,6 @@ class OptimizerState:
             "module.sparse before wrapping, or call optimizer.refresh_parameters() on every "
             "rank after setting it)"
         )
-
-    def _note_finite(self, grad: torch.Tensor) -> None:
-        """Mark this rank in the finite flags if ``grad`` holds inf/nan (before it
-        is handed to the scheduler: the flags travel with the last bucket)."""
-        if self.marks is not None and self.marks.finite is not None:
-            self.marks.finite.note(grad)
 
 
 class SynchronizationError(DPPluginError, AssertionError):
