@@ -23,8 +23,6 @@ from dp_plugin.torch.handles import InFlight, Ready, new_handle
 from dp_plugin.torch.ops import resolve_op
 from dp_plugin.torch.submit import agree, check_factor, check_tensors, contiguous_copy
 
-# -- allreduce ------------------------------------------------------------------
-
 
 @public("allreduce_async")
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -100,9 +98,6 @@ def _start_allreduce(inputs: Any, inplace: bool, grouped: bool,
     return new_handle(InFlight(fused.handles, finish), key)
 
 
-# -- allgather ------------------------------------------------------------------
-
-
 @public("allgather_async")
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: Any = global_process_set) -> int:
@@ -143,9 +138,6 @@ def _pending(started: list[Any], grouped: bool,
         return outs if grouped else outs[0]
 
     return InFlight([h for h, _ in started], results)
-
-
-# -- broadcast ------------------------------------------------------------------
 
 
 @public("broadcast_async")
@@ -201,9 +193,6 @@ def _copy_back(t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return t
 
 
-# -- alltoall -------------------------------------------------------------------
-
-
 @public("alltoall_async")
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
                    process_set: Any = global_process_set) -> int:
@@ -229,9 +218,6 @@ def exchange(tensor: torch.Tensor, splits: Any, name: str | None,
     else:
         recv = torch.tensor(received, dtype=torch.int32)
     return out, recv, key
-
-
-# -- reducescatter --------------------------------------------------------------
 
 
 @public("reducescatter_async")
@@ -289,9 +275,6 @@ def start_reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any,
         return out
 
     return _pending(started, grouped, scaled), key
-
-
-# -- barrier --------------------------------------------------------------------
 
 
 @public("barrier")
