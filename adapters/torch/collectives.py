@@ -213,11 +213,8 @@ def exchange(tensor: torch.Tensor, splits: Any, name: str | None,
     key, agreed = agree(engine, "alltoall", [t], name, process_set, splits=splits)
     out, received = engine.alltoall(t.detach().contiguous(), agreed.counts(),
                                     name or "alltoall")
-    if isinstance(splits, torch.Tensor):
-        recv = torch.tensor(received, dtype=splits.dtype, device=splits.device)
-    else:
-        recv = torch.tensor(received, dtype=torch.int32)
-    return out, recv, key
+    like = splits if isinstance(splits, torch.Tensor) else torch.empty(0, dtype=torch.int32)
+    return out, torch.tensor(received, dtype=like.dtype, device=like.device), key
 
 
 @public("reducescatter_async")
