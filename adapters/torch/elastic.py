@@ -115,7 +115,9 @@ class TorchState(ObjectState):
                  optimizer: torch.optim.Optimizer | None = None, *,
                  commit_path: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         kwargs.update(model=model, optimizer=optimizer)
-        self._objects = sorted(n for n, v in kwargs.items() if _has_state_dict(v))
+        self._objects = sorted(n for n, v in kwargs.items()
+                               if callable(getattr(v, "state_dict", None))
+                               and callable(getattr(v, "load_state_dict", None)))
         super().__init__(commit_path=commit_path, **kwargs)
 
     def _snapshot(self) -> dict[str, Any]:
@@ -271,8 +273,3 @@ def _launch_id(env: Mapping[str, str]) -> str | None:
         "commit. Pass TorchState(..., commit_path='some/dir/elastic.pt'), a file of this "
         "job's own, or give torchrun a --log-dir"
     )
-
-
-def _has_state_dict(value: Any) -> bool:
-    return callable(getattr(value, "state_dict", None)) and \
-        callable(getattr(value, "load_state_dict", None))
