@@ -331,8 +331,8 @@ class OptimizerState:
         """The hook of ``params[index]``: its gradient is accumulated."""
         if self.closed:
             return  # a wrapper left over from before hvd.shutdown(): step() raises
-        if not self.pending:  # the step's first gradient: before any bucket launches
-            self._note_unfrozen(groups)
+        if not self.pending and self.marks is not None and self.unfrozen(groups):
+            self.marks.unfrozen.mark()  # before any bucket launches: it travels with the last
         self.pending = True
         grad = param.grad
         if self.marks is None or grad is None:
@@ -364,9 +364,9 @@ class OptimizerState:
             self.check_unfrozen(groups)
             self.synchronized = True
             return
-        if not self.pending:  # no hook fired this step: look for unfrozen parameters now
-            self._note_unfrozen(groups)
         sched, marks = self.reducer, self.marks
+        if not self.pending and self.unfrozen(groups):  # no hook fired this step: look now
+            marks.unfrozen.mark()
         for i, p in enumerate(self.params):
             if not self.marked[i] and p.grad is not None:
                 # Horovod reduces an existing gradient whose hook did not fire.
@@ -426,12 +426,6 @@ class OptimizerState:
         self.pending = False
 
     # -- the control slot, outside the join flags ---------------------------------------
-    def _note_unfrozen(self, groups: Groups) -> None:
-        """Mark this rank in the unfrozen marks if a parameter without a hook
-        now requires a gradient (they travel with the last bucket)."""
-        if self.marks is not None and self.unfrozen(groups):
-            self.marks.unfrozen.mark()
-
     def check_unfrozen(self, groups: Groups, joined: bool = False) -> None:
         """Raise if a parameter was unfrozen after wrapping: here or, with a
         reducer, on any rank that marked one (read after the reduction, so
