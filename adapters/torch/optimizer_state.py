@@ -388,7 +388,7 @@ class OptimizerState:
             self._reset_step()
             raise
         for p, reduced, sparse_dim in zip(self.params, results, self.sparse_dims, strict=True):
-            if self.sparse.owns(p):
+            if p in self.sparse.params:
                 continue  # reduced above, outside the buckets
             if sparse_dim is not None:
                 p.grad = reduced.to_sparse(sparse_dim)
@@ -408,7 +408,7 @@ class OptimizerState:
         """The gradient for the dense buckets; None if it is reduced as sparse,
         or is sparse unexpectedly (this rank is marked: ``check_sparse``)."""
         param = self.params[index]
-        if self.sparse.owns(param):
+        if param in self.sparse.params:
             self.sparse.grads[param] = grad
             return None
         if not grad.is_sparse:
@@ -461,7 +461,7 @@ class OptimizerState:
         self.marks.sparse.reset()
         mine = [] if joined else [
             repr(self.names[p]) for p in self.params
-            if p.grad is not None and p.grad.is_sparse and not self.sparse.owns(p)]
+            if p.grad is not None and p.grad.is_sparse and p not in self.sparse.params]
         raise DPPluginError(
             f"{_which(mine, ranks)} has a sparse gradient, but it "
             "was not the weight of an nn.Embedding or nn.EmbeddingBag with sparse=True when "
