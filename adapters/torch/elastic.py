@@ -202,7 +202,8 @@ def default_commit_path(env: Mapping[str, str] | None = None) -> Path | None:
             "): another user could replace the commits a restart loads. Remove it, or pass "
             "TorchState(..., commit_path='some/dir/elastic.pt')"
         )
-    return folder / f"elastic-{_safe(run_id)}-{launch}.pt"
+    safe_id = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:128]  # a file name
+    return folder / f"elastic-{safe_id}-{launch}.pt"
 
 
 def remove_stale_commits(path: Path, now: float | None = None) -> list[Path]:
@@ -237,10 +238,6 @@ def remove_stale_commits(path: Path, now: float | None = None) -> list[Path]:
             removed.append(other)
             log.warning("dp_plugin: removed the default elastic commit %s (%s)", other, why)
     return removed
-
-
-def _safe(run_id: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:128]
 
 
 def _launch_id(env: Mapping[str, str]) -> str | None:
