@@ -185,14 +185,9 @@ class OptimizerState:
         """Descriptions of the parameters without a hook (``frozen``) that now
         require a gradient: unfrozen after wrapping. Runs once per step: it
         looks only at the parameters that were frozen when the hooks were made."""
-        found = []
-        for gi, pj in self.frozen:
-            p = groups[gi]["params"][pj]
-            if p.requires_grad:
-                name = self.names.get(p, default_name(gi, pj))
-                found.append(f"{name!r} (param_groups[{gi}]['params'][{pj}], shape "
-                             f"{tuple(p.shape)})")
-        return found
+        frozen = [(gi, pj, groups[gi]["params"][pj]) for gi, pj in self.frozen]
+        return [f"{self.names.get(p, default_name(gi, pj))!r} (param_groups[{gi}]['params'][{pj}], "
+                f"shape {tuple(p.shape)})" for gi, pj, p in frozen if p.requires_grad]
 
     # -- (re)building the hooks and the scheduler -------------------------------------
     def register(self, optimizer: Any) -> None:
