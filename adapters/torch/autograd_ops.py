@@ -48,8 +48,6 @@ from dp_plugin.torch.submit import check_tensors
 
 _NONE = Compression.none
 
-# -- compression ----------------------------------------------------------------
-
 
 def _compressed(compression: Any, tensors: list[torch.Tensor],
                 run: Any) -> list[torch.Tensor]:
@@ -67,9 +65,6 @@ def _compressed(compression: Any, tensors: list[torch.Tensor],
     wires = [compression.compress(t) for t in tensors]
     outs = run(*(w for w, _ in wires))
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, wires, strict=True)]
-
-
-# -- allreduce ------------------------------------------------------------------
 
 
 class _Allreduce(torch.autograd.Function):
@@ -152,9 +147,6 @@ def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None,
         postscale_factor=postscale_factor, process_set=process_set))
 
 
-# -- allgather ------------------------------------------------------------------
-
-
 class _GroupedAllgather(torch.autograd.Function):
     """allgather of one or more tensors; the gradient keeps this rank's rows."""
 
@@ -194,9 +186,6 @@ def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None,
     return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
-# -- broadcast ------------------------------------------------------------------
-
-
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None,
@@ -229,9 +218,6 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
-# -- alltoall -------------------------------------------------------------------
-
-
 class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None,
@@ -258,9 +244,6 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
     else ``(output, received_splits)``, as Horovod's. Differentiable."""
     check_tensors(tensor)
     return _Alltoall.apply(tensor, splits, name, process_set)
-
-
-# -- reducescatter --------------------------------------------------------------
 
 
 class _GroupedReducescatter(torch.autograd.Function):

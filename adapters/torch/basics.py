@@ -9,6 +9,7 @@ torch was built with (``cuda_built()``, ``nccl_built()``, ``rocm_built()``).
 
 from __future__ import annotations
 
+import torch
 from dp_plugin.api.horovod_api import HorovodBasics
 from dp_plugin.errors import NotInitializedError as _CoreNotInitializedError
 from dp_plugin.torch import handles as _handles
@@ -52,9 +53,7 @@ stop_timeline = _basics.stop_timeline
 
 def nccl_built() -> int:
     """NCCL version code (e.g. 21803 for 2.18.3) when torch has NCCL, else 0 (as Horovod)."""
-    import torch
-    import torch.distributed as dist
-
+    dist = torch.distributed
     if not (dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()):
         return 0
     version = torch.cuda.nccl.version()
@@ -66,13 +65,9 @@ def nccl_built() -> int:
 
 def cuda_built() -> bool:
     """True when torch was built with CUDA."""
-    import torch
-
     return bool(torch.backends.cuda.is_built())
 
 
 def rocm_built() -> bool:
     """True when torch was built with ROCm (HIP)."""
-    import torch
-
     return torch.version.hip is not None

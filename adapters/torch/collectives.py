@@ -23,8 +23,6 @@ from dp_plugin.torch.handles import InFlight, Ready, new_handle
 from dp_plugin.torch.ops import resolve_op
 from dp_plugin.torch.submit import agree, check_factor, check_tensors, contiguous_copy
 
-# -- allreduce ------------------------------------------------------------------
-
 
 @public("allreduce_async")
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -35,8 +33,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     of the same shape and dtype. ``op``: Average, Sum, Min, Max, Product;
     ``average`` is deprecated (True: Average, False: Sum). Average of integer
     tensors truncates toward zero, as Horovod's."""
-    op = resolve_op(op, average)
-    return _start_allreduce(check_tensors(tensor), False, False, name, op,
+    return _start_allreduce(tensor, False, False, name, resolve_op(op, average),
                             prescale_factor, postscale_factor, process_set)
 
 
@@ -47,8 +44,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                      process_set: Any = global_process_set) -> int:
     """In-place ``allreduce_async``: ``synchronize`` writes the result into
     ``tensor`` and returns it."""
-    op = resolve_op(op, average)
-    return _start_allreduce(check_tensors(tensor), True, False, name, op,
+    return _start_allreduce(tensor, True, False, name, resolve_op(op, average),
                             prescale_factor, postscale_factor, process_set)
 
 
@@ -59,8 +55,7 @@ def grouped_allreduce_async(tensors: list[torch.Tensor], average: bool | None = 
                             process_set: Any = global_process_set) -> int:
     """``allreduce_async`` of a list of tensors, fused into one collective per
     dtype and device; ``synchronize`` returns a tuple of new tensors."""
-    op = resolve_op(op, average)
-    return _start_allreduce(check_tensors(tensors), False, True, name, op,
+    return _start_allreduce(tensors, False, True, name, resolve_op(op, average),
                             prescale_factor, postscale_factor, process_set)
 
 
@@ -71,17 +66,17 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None =
                              process_set: Any = global_process_set) -> int:
     """In-place ``grouped_allreduce_async``: ``synchronize`` returns the tuple
     of input tensors, now holding the results."""
-    op = resolve_op(op, average)
-    return _start_allreduce(check_tensors(tensors), True, True, name, op,
+    return _start_allreduce(tensors, True, True, name, resolve_op(op, average),
                             prescale_factor, postscale_factor, process_set)
 
 
-def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
+def _start_allreduce(inputs: Any, inplace: bool, grouped: bool,
                      name: str | None, op: ReduceOp, prescale: Any, postscale: Any,
                      process_set: Any) -> int:
     """One ``fused_collective`` per call (large tensors alone, the rest in
     8 MiB chunks, see ``dp_plugin.reduce.collective``), scaled by the one
     ``ReducePolicy``; ``synchronize`` unpacks the results."""
+    tensors = check_tensors(inputs)
     pre = check_factor(prescale, "prescale_factor")
     post = check_factor(postscale, "postscale_factor")
     engine = engine_of(process_set)
@@ -101,9 +96,6 @@ def _start_allreduce(tensors: list[torch.Tensor], inplace: bool, grouped: bool,
         return tuple(results) if grouped else results[0]
 
     return new_handle(InFlight(fused.handles, finish), key)
-
-
-# -- allgather ------------------------------------------------------------------
 
 
 @public("allgather_async")
@@ -146,9 +138,6 @@ def _pending(started: list[Any], grouped: bool,
         return outs if grouped else outs[0]
 
     return InFlight([h for h, _ in started], results)
-
-
-# -- broadcast ------------------------------------------------------------------
 
 
 @public("broadcast_async")
@@ -204,9 +193,6 @@ def _copy_back(t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return t
 
 
-# -- alltoall -------------------------------------------------------------------
-
-
 @public("alltoall_async")
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
                    process_set: Any = global_process_set) -> int:
@@ -227,14 +213,8 @@ def exchange(tensor: torch.Tensor, splits: Any, name: str | None,
     key, agreed = agree(engine, "alltoall", [t], name, process_set, splits=splits)
     out, received = engine.alltoall(t.detach().contiguous(), agreed.counts(),
                                     name or "alltoall")
-    if isinstance(splits, torch.Tensor):
-        recv = torch.tensor(received, dtype=splits.dtype, device=splits.device)
-    else:
-        recv = torch.tensor(received, dtype=torch.int32)
-    return out, recv, key
-
-
-# -- reducescatter --------------------------------------------------------------
+    like = splits if isinstance(splits, torch.Tensor) else torch.empty(0, dtype=torch.int32)
+    return out, torch.tensor(received, dtype=like.dtype, device=like.device), key
 
 
 @public("reducescatter_async")
@@ -245,9 +225,8 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     of rows: ``rows // size`` each, the first ``rows % size`` ranks one more
     (Horovod's rule). ``op``: Average (default) or Sum. The reduction runs in
     the background (gloo, nccl, mpi, horovod); ``synchronize`` returns the block."""
-    pending, key = start_reduce_scatter(check_tensors(tensor), name, op, prescale_factor,
-                                        postscale_factor, process_set, grouped=False)
-    return new_handle(pending, key)
+    return new_handle(*start_reduce_scatter(check_tensors(tensor), name, op, prescale_factor,
+                                            postscale_factor, process_set, grouped=False))
 
 
 @public("grouped_reducescatter_async")
@@ -258,9 +237,8 @@ def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = 
                                 postscale_factor: float = 1.0) -> int:
     """``reducescatter_async`` of each tensor of a list; ``synchronize``
     returns a tuple."""
-    pending, key = start_reduce_scatter(check_tensors(tensors), name, op, prescale_factor,
-                                        postscale_factor, process_set)
-    return new_handle(pending, key)
+    return new_handle(*start_reduce_scatter(check_tensors(tensors), name, op, prescale_factor,
+                                            postscale_factor, process_set))
 
 
 def start_reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any,
@@ -294,9 +272,6 @@ def start_reduce_scatter(tensors: list[torch.Tensor], name: str | None, op: Any,
         return out
 
     return _pending(started, grouped, scaled), key
-
-
-# -- barrier --------------------------------------------------------------------
 
 
 @public("barrier")

@@ -115,7 +115,9 @@ class TorchState(ObjectState):
                  optimizer: torch.optim.Optimizer | None = None, *,
                  commit_path: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         kwargs.update(model=model, optimizer=optimizer)
-        self._objects = sorted(n for n, v in kwargs.items() if _has_state_dict(v))
+        self._objects = sorted(n for n, v in kwargs.items()
+                               if callable(getattr(v, "state_dict", None))
+                               and callable(getattr(v, "load_state_dict", None)))
         super().__init__(commit_path=commit_path, **kwargs)
 
     def _snapshot(self) -> dict[str, Any]:
@@ -200,7 +202,8 @@ def default_commit_path(env: Mapping[str, str] | None = None) -> Path | None:
             "): another user could replace the commits a restart loads. Remove it, or pass "
             "TorchState(..., commit_path='some/dir/elastic.pt')"
         )
-    return folder / f"elastic-{_safe(run_id)}-{launch}.pt"
+    safe_id = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:128]  # a file name
+    return folder / f"elastic-{safe_id}-{launch}.pt"
 
 
 def remove_stale_commits(path: Path, now: float | None = None) -> list[Path]:
@@ -237,10 +240,6 @@ def remove_stale_commits(path: Path, now: float | None = None) -> list[Path]:
     return removed
 
 
-def _safe(run_id: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:128]
-
-
 def _launch_id(env: Mapping[str, str]) -> str | None:
     """A name for this torchrun launch, the same for all its local ranks and
     restarts and never the same for two launches; None when nothing
@@ -271,8 +270,3 @@ def _launch_id(env: Mapping[str, str]) -> str | None:
         "commit. Pass TorchState(..., commit_path='some/dir/elastic.pt'), a file of this "
         "job's own, or give torchrun a --log-dir"
     )
-
-
-def _has_state_dict(value: Any) -> bool:
-    return callable(getattr(value, "state_dict", None)) and \
-        callable(getattr(value, "load_state_dict", None))

@@ -256,14 +256,9 @@ def _allocate(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     def empty(x: Any) -> Any:
         if not isinstance(x, _TensorSlot):
             return x
-        tensors.append(torch.empty(x.shape, dtype=x.dtype, device=_local_device(x.device_type)))
+        cuda = x.device_type == "cuda" and torch.cuda.is_available()  # this rank's own GPU
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        tensors.append(torch.empty(x.shape, dtype=x.dtype, device=device))
         return tensors[-1]
 
     return _walk(skeleton, empty)
-
-
-def _local_device(device_type: str) -> torch.device:
-    if device_type == "cuda" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-

@@ -89,7 +89,7 @@ def DistributedOptimizer(
         names=names, named=named_parameters is not None, compression=compression,
         compressor=compressor, op=reduce_op, predivide=float(gradient_predivide_factor),
         passes=passes, sparse_as_dense=bool(sparse_as_dense), process_set=process_set,
-        label=label, groups=groups, shard=shard,
+        label=label, groups=groups, sharded=shard,
         # Its own communicator: buckets start when gradients are ready, which
         # differs between ranks when a parameter is unused on one of them, and
         # must not cross SyncBatchNorm's or the user's collectives.

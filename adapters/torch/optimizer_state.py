@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -103,61 +103,57 @@ class Marks:
     """The ``DP_PLUGIN_CHECK_FINITE`` flags; None when the check is off."""
 
 
+@dataclass(eq=False, repr=False, kw_only=True)
 class OptimizerState:
     """One optimizer's gradient reduction (see the module docstring)."""
 
-    def __init__(self, *, names: dict[torch.Tensor, str], named: bool, compression: Any,
-                 compressor: Compressor, op: ReduceOp, predivide: float, passes: int,
-                 sparse_as_dense: bool, process_set: ProcessSet, engine: Engine | None,
-                 label: str, groups: int | list[list[torch.Tensor]] | None = None,
-                 shard: bool = False) -> None:
-        self.names = names
-        self.named = named
-        """Names came from ``named_parameters``: a parameter added later needs one."""
-        self.compression = compression
-        """The ``compression`` argument as the user gave it; ``compressor``: what it names."""
-        self.compressor = compressor
-        self.process_set = process_set
-        self.op = op
-        self.predivide = predivide
-        self.passes = passes
-        self.sparse_as_dense = sparse_as_dense
-        self.engine = engine
-        """The optimizer's own channel of the set's engine (``Engine.channel``);
-        None when this rank is outside the process set: nothing is reduced."""
-        self.label = label
-        """Names its collectives; unique per optimizer in the process."""
-        self.groups = groups
-        """Horovod's ``groups`` (validated): how many groups to cut the parameters
-        into, or lists of parameters, each reduced as one all-reduce; None: none."""
-        self.sharded = shard
-        """``shard_optimizer_state``: each rank keeps the optimizer state of its
-        pieces only (``sharded.py``); ``shard`` does it while a reducer exists."""
-        self.shard: ShardedStep | None = None
-        self.optimizer: Callable[[], Any] = lambda: None
-        """The wrapper (weakly; ``register`` sets it): ``hvd.join()`` steps its pieces."""
-        self.comm_hook: Callable[..., Any] | None = None
-        """A user's ``hook(state, bucket) -> Handle`` (``register_comm_hook``)."""
-        self.params: list[torch.Tensor] = []
-        self.frozen: list[tuple[int, int]] = []
-        """(group, index) in ``param_groups`` of each parameter NOT in ``params``
-        (no hook, no bucket): the only ones ``unfrozen`` must look at."""
-        self.hooks: list[Any] = []
-        self.reducer: Reducer | None = None
-        """None when nothing is reduced (one rank, outside the process set, no parameters)."""
-        self.marks: Marks | None = None
-        """The reducer's flags (None with it)."""
-        self.sparse = SparseGradients([])
-        """Sparse gradients reduced outside the buckets (fixed by ``register``)."""
-        # The step in progress.
-        self.marked: list[bool] = []
-        self.sparse_dims: list[int | None] = []
-        self.pending = False
-        """A hook fired since the last ``synchronize``: a step is half done."""
-        self.synchronized = False
-        self.should_synchronize = True
-        self.skip_step = False
-        """The last reduction held inf/nan and ``DP_PLUGIN_CHECK_FINITE=skip``."""
+    names: dict[torch.Tensor, str]
+    named: bool
+    """Names came from ``named_parameters``: a parameter added later needs one."""
+    compression: Any
+    """The ``compression`` argument as the user gave it; ``compressor``: what it names."""
+    compressor: Compressor
+    op: ReduceOp
+    predivide: float
+    passes: int
+    sparse_as_dense: bool
+    process_set: ProcessSet
+    engine: Engine | None
+    """The optimizer's own channel of the set's engine (``Engine.channel``);
+    None when this rank is outside the process set: nothing is reduced."""
+    label: str
+    """Names its collectives; unique per optimizer in the process."""
+    groups: int | list[list[torch.Tensor]] | None = None
+    """Horovod's ``groups`` (validated): how many groups to cut the parameters
+    into, or lists of parameters, each reduced as one all-reduce; None: none."""
+    sharded: bool = False
+    """``shard_optimizer_state``: each rank keeps the optimizer state of its
+    pieces only (``sharded.py``); ``shard`` does it while a reducer exists."""
+    shard: ShardedStep | None = None
+    optimizer: Callable[[], Any] = lambda: None
+    """The wrapper (weakly; ``register`` sets it): ``hvd.join()`` steps its pieces."""
+    comm_hook: Callable[..., Any] | None = None
+    """A user's ``hook(state, bucket) -> Handle`` (``register_comm_hook``)."""
+    params: list[torch.Tensor] = field(default_factory=list)
+    frozen: list[tuple[int, int]] = field(default_factory=list)
+    """(group, index) in ``param_groups`` of each parameter NOT in ``params``
+    (no hook, no bucket): the only ones ``unfrozen`` must look at."""
+    hooks: list[Any] = field(default_factory=list)
+    reducer: Reducer | None = None
+    """None when nothing is reduced (one rank, outside the process set, no parameters)."""
+    marks: Marks | None = None
+    """The reducer's flags (None with it)."""
+    sparse: SparseGradients = field(default_factory=lambda: SparseGradients([]))
+    """Sparse gradients reduced outside the buckets (fixed by ``register``)."""
+    # The step in progress.
+    marked: list[bool] = field(default_factory=list)
+    sparse_dims: list[int | None] = field(default_factory=list)
+    pending: bool = False
+    """A hook fired since the last ``synchronize``: a step is half done."""
+    synchronized: bool = False
+    should_synchronize: bool = True
+    skip_step: bool = False
+    """The last reduction held inf/nan and ``DP_PLUGIN_CHECK_FINITE=skip``."""
 
     @property
     def closed(self) -> bool:
@@ -189,14 +185,9 @@ class OptimizerState:
         """Descriptions of the parameters without a hook (``frozen``) that now
         require a gradient: unfrozen after wrapping. Runs once per step: it
         looks only at the parameters that were frozen when the hooks were made."""
-        found = []
-        for gi, pj in self.frozen:
-            p = groups[gi]["params"][pj]
-            if p.requires_grad:
-                name = self.names.get(p, default_name(gi, pj))
-                found.append(f"{name!r} (param_groups[{gi}]['params'][{pj}], shape "
-                             f"{tuple(p.shape)})")
-        return found
+        frozen = [(gi, pj, groups[gi]["params"][pj]) for gi, pj in self.frozen]
+        return [f"{self.names.get(p, default_name(gi, pj))!r} (param_groups[{gi}]['params'][{pj}], "
+                f"shape {tuple(p.shape)})" for gi, pj, p in frozen if p.requires_grad]
 
     # -- (re)building the hooks and the scheduler -------------------------------------
     def register(self, optimizer: Any) -> None:
@@ -215,9 +206,8 @@ class OptimizerState:
             which = ", ".join(repr(self.names.get(p) or names.get(p, "?")) for p in sparse.params)
             raise ValueError(
                 f"shard_optimizer_state=True cannot shard the sparse gradients of {which} "
-                "(nn.Embedding "
-                "with sparse=True): they are all-gathered, not reduce-scattered, and a sparse "
-                "update is not element-wise. Fix: pass sparse_as_dense=True, or "
+                "(nn.Embedding with sparse=True): they are all-gathered, not reduce-scattered, "
+                "and a sparse update is not element-wise. Fix: pass sparse_as_dense=True, or "
                 "shard_optimizer_state=False"
             )
         # The whole state, before the pieces move with the new plan (collective,
@@ -336,13 +326,14 @@ class OptimizerState:
         """The hook of ``params[index]``: its gradient is accumulated."""
         if self.closed:
             return  # a wrapper left over from before hvd.shutdown(): step() raises
-        if not self.pending:  # the step's first gradient: before any bucket launches
-            self._note_unfrozen(groups)
+        if not self.pending and self.marks is not None and self.unfrozen(groups):
+            self.marks.unfrozen.mark()  # before any bucket launches: it travels with the last
         self.pending = True
         grad = param.grad
         if self.marks is None or grad is None:
             return
-        self._note_finite(grad)
+        if self.marks.finite is not None:  # before the scheduler: travels with the last bucket
+            self.marks.finite.note(grad)
         dense = self._dense(index, grad)
         if dense is not None:
             sched = self.reducer
@@ -368,13 +359,14 @@ class OptimizerState:
             self.check_unfrozen(groups)
             self.synchronized = True
             return
-        if not self.pending:  # no hook fired this step: look for unfrozen parameters now
-            self._note_unfrozen(groups)
         sched, marks = self.reducer, self.marks
+        if not self.pending and self.unfrozen(groups):  # no hook fired this step: look now
+            marks.unfrozen.mark()
         for i, p in enumerate(self.params):
             if not self.marked[i] and p.grad is not None:
                 # Horovod reduces an existing gradient whose hook did not fire.
-                self._note_finite(p.grad)
+                if marks.finite is not None:
+                    marks.finite.note(p.grad)
                 dense = self._dense(i, p.grad)
                 if dense is not None:
                     sched.mark_ready(i, dense)
@@ -390,11 +382,9 @@ class OptimizerState:
                 marks.finite.reset()
             self._reset_step()
             raise
-        for i, p in enumerate(self.params):
-            if self.sparse.owns(p):
+        for p, reduced, sparse_dim in zip(self.params, results, self.sparse_dims, strict=True):
+            if p in self.sparse.params:
                 continue  # reduced above, outside the buckets
-            reduced = results[i]
-            sparse_dim = self.sparse_dims[i]
             if sparse_dim is not None:
                 p.grad = reduced.to_sparse(sparse_dim)
             elif p.grad is None:
@@ -413,7 +403,7 @@ class OptimizerState:
         """The gradient for the dense buckets; None if it is reduced as sparse,
         or is sparse unexpectedly (this rank is marked: ``check_sparse``)."""
         param = self.params[index]
-        if self.sparse.owns(param):
+        if param in self.sparse.params:
             self.sparse.grads[param] = grad
             return None
         if not grad.is_sparse:
@@ -431,12 +421,6 @@ class OptimizerState:
         self.pending = False
 
     # -- the control slot, outside the join flags ---------------------------------------
-    def _note_unfrozen(self, groups: Groups) -> None:
-        """Mark this rank in the unfrozen marks if a parameter without a hook
-        now requires a gradient (they travel with the last bucket)."""
-        if self.marks is not None and self.unfrozen(groups):
-            self.marks.unfrozen.mark()
-
     def check_unfrozen(self, groups: Groups, joined: bool = False) -> None:
         """Raise if a parameter was unfrozen after wrapping: here or, with a
         reducer, on any rank that marked one (read after the reduction, so
@@ -472,7 +456,7 @@ class OptimizerState:
         self.marks.sparse.reset()
         mine = [] if joined else [
             repr(self.names[p]) for p in self.params
-            if p.grad is not None and p.grad.is_sparse and not self.sparse.owns(p)]
+            if p.grad is not None and p.grad.is_sparse and p not in self.sparse.params]
         raise DPPluginError(
             f"{_which(mine, ranks)} has a sparse gradient, but it "
             "was not the weight of an nn.Embedding or nn.EmbeddingBag with sparse=True when "
@@ -482,12 +466,6 @@ class OptimizerState:
             "module.sparse before wrapping, or call optimizer.refresh_parameters() on every "
             "rank after setting it)"
         )
-
-    def _note_finite(self, grad: torch.Tensor) -> None:
-        """Mark this rank in the finite flags if ``grad`` holds inf/nan (before it
-        is handed to the scheduler: the flags travel with the last bucket)."""
-        if self.marks is not None and self.marks.finite is not None:
-            self.marks.finite.note(grad)
 
 
 class SynchronizationError(DPPluginError, AssertionError):

@@ -44,6 +44,7 @@ docs/torch.md, "PowerSGD").
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,8 +79,9 @@ class _Layout:
     matrices: tuple[_Matrix, ...]
     names: tuple[str, ...]
     """The compressed members' names (their ``Q`` s are seeded by name)."""
-    whole: tuple[tuple[int, int], ...]
-    """``[start, stop)`` ranges of ``flat`` that travel whole."""
+    whole: tuple[tuple[int, int, int], ...]
+    """``[start, stop)`` ranges of ``flat`` that travel whole, and where each
+    starts in the wire buffer."""
     whole_numel: int
     p_numel: int
     q_numel: int
@@ -88,16 +90,13 @@ class _Layout:
 
 def _layout(bucket: GradBucket, settings: PowerSGDSettings) -> _Layout:
     matrices, names, whole = [], [], []
-    p = q = e = 0
-    whole_numel = 0
+    p = q = e = whole_numel = 0
     for name, shape, offset in zip(bucket.names, bucket.shapes, bucket.offsets, strict=True):
-        numel = 1
-        for d in shape:
-            numel *= d
         found = matrix_of(shape, settings)
         if found is None:
+            numel = math.prod(shape)
             if numel:
-                whole.append((offset, offset + numel))
+                whole.append((offset, offset + numel, whole_numel))
                 whole_numel += numel
             continue
         n, m, r = found
@@ -106,7 +105,7 @@ def _layout(bucket: GradBucket, settings: PowerSGDSettings) -> _Layout:
         p, q, e = p + n * r, q + m * r, e + n * m
     total = int(bucket.flat.shape[0])
     if bucket.control_numel:  # the per-rank flags: exact, every element
-        whole.append((total - bucket.control_numel, total))
+        whole.append((total - bucket.control_numel, total, whole_numel))
         whole_numel += bucket.control_numel
     return _Layout(tuple(matrices), tuple(names), tuple(whole), whole_numel, p, q, e)
 
@@ -193,13 +192,11 @@ class PowerSGDHook:
         if bucket.index == 0:
             self.step += 1
         flat = bucket.buffer()
-        if self.step <= self.settings.start_iter:
-            self.sent_numel += int(flat.shape[0])
-            return engine.allreduce_async(flat, ReduceOp.SUM, name=bucket.label)
-        layout = bucket.scratch.get("powersgd")
-        if layout is None:
-            layout = bucket.scratch["powersgd"] = _layout(bucket, self.settings)
-        if not layout.matrices:  # nothing worth compressing in this bucket
+        compress = self.step > self.settings.start_iter
+        if compress and "powersgd" not in bucket.scratch:
+            bucket.scratch["powersgd"] = _layout(bucket, self.settings)
+        layout = bucket.scratch["powersgd"] if compress else None
+        if layout is None or not layout.matrices:  # a plain step, or nothing worth compressing
             self.sent_numel += int(flat.shape[0])
             return engine.allreduce_async(flat, ReduceOp.SUM, name=bucket.label)
         compressed = _Compressed(self, bucket, layout)
@@ -221,7 +218,7 @@ class PowerSGDHook:
             waiting.pop(0)
 
     # -- the three phases of one bucket, called by _Compressed ---------------------------
-    def _buffers(self, bucket: GradBucket, layout: _Layout) -> dict[str, torch.Tensor]:
+    def _buffers(self, bucket: GradBucket, layout: _Layout) -> tuple[torch.Tensor, ...]:
         """The bucket's wire, Q and error buffers (made once; Q seeded alike on
         every rank, the error zero)."""
         scratch = bucket.scratch
@@ -233,17 +230,14 @@ class PowerSGDHook:
             scratch["powersgd.q"] = torch.cat([  # each Q stored transposed, r x m
                 initial_q(name, x.m, x.r, self.settings.seed).mT.reshape(-1)
                 for name, x in zip(layout.names, layout.matrices, strict=True)]).to(**make)
-        return {k: scratch[f"powersgd.{k}"] for k in ("wire", "q", "error")}
+        return tuple(scratch[f"powersgd.{k}"] for k in ("wire", "q", "error"))
 
     def _start_p(self, bucket: GradBucket, layout: _Layout) -> Handle:
         flat = bucket.buffer()
-        bufs = self._buffers(bucket, layout)
-        wire, q, error = bufs["wire"], bufs["q"], bufs["error"]
+        wire, q, error = self._buffers(bucket, layout)
         eps = self.settings.epsilon
-        at = 0
-        for lo, hi in layout.whole:
+        for lo, hi, at in layout.whole:
             wire[at:at + hi - lo].copy_(flat[lo:hi])
-            at += hi - lo
         base = layout.whole_numel
         for x in layout.matrices:
             m = flat[x.offset:x.offset + x.n * x.m].view(x.n, x.m)
@@ -259,12 +253,9 @@ class PowerSGDHook:
 
     def _start_q(self, bucket: GradBucket, layout: _Layout) -> Handle:
         flat = bucket.buffer()
-        bufs = self._buffers(bucket, layout)
-        wire, q = bufs["wire"], bufs["q"]
-        at = 0
-        for lo, hi in layout.whole:
+        wire, q, _ = self._buffers(bucket, layout)
+        for lo, hi, at in layout.whole:
             flat[lo:hi].copy_(wire[at:at + hi - lo])
-            at += hi - lo
         base = layout.whole_numel
         for x in layout.matrices:
             p = wire[base + x.p:base + x.p + x.n * x.r].view(x.n, x.r)
@@ -278,8 +269,7 @@ class PowerSGDHook:
 
     def _finish(self, bucket: GradBucket, layout: _Layout) -> None:
         flat = bucket.buffer()
-        bufs = self._buffers(bucket, layout)
-        wire, q, error = bufs["wire"], bufs["q"], bufs["error"]
+        wire, q, error = self._buffers(bucket, layout)
         share = 1.0 / self._engine.size  # type: ignore[union-attr]
         base = layout.whole_numel
         for x in layout.matrices:
@@ -320,11 +310,9 @@ class _Compressed(Handle):
     def _block(self, timeout_s: float) -> bool:
         """Each all-reduce waits under its own engine's timeout."""
         self._advance(block=True)
-        second: Callable[[], None] = self._second.wait  # type: ignore[union-attr]
-        second()
+        self._second.wait()  # type: ignore[union-attr]
         return True
 
     def report(self) -> str:
-        inner = self._second or self._first
-        return inner.report()
+        return (self._second or self._first).report()
 

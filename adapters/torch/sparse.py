@@ -142,13 +142,10 @@ class SparseGradients:
         self.grads: dict[torch.Tensor, torch.Tensor] = {}
         """This step's gradient per sparse parameter."""
 
-    def owns(self, param: torch.Tensor) -> bool:
-        return param in self.params
-
     def dense_stand_in(self, param: torch.Tensor) -> torch.Tensor:
         """What the dense reducer registers for ``param``: an empty tensor for a
         sparse parameter (nothing travels in the buckets), else itself."""
-        return param.detach().new_empty(0) if self.owns(param) else param
+        return param.detach().new_empty(0) if param in self.params else param
 
     def reduce(self, names: dict[torch.Tensor, str], op: Any, engine: Any,
                contribute: bool = True) -> None:

@@ -67,9 +67,6 @@ class HorovodFabricStrategy(OnDPPlugin, ParallelStrategy):
         """``id`` of optimizers averaged already in this step (by a clip)."""
 
     # -- where this process sits: dp_plugin's launcher detection -------------------
-    def _configure_launcher(self) -> None:
-        self._launcher = None  # the job's launcher started every process
-
     def setup_environment(self) -> None:
         hvd.init()
         rank_zero_only.rank = hvd.rank()  # type: ignore[attr-defined]
