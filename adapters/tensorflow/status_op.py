@@ -96,9 +96,16 @@ def _check(info: os.stat_result, path: Path, directory: bool) -> None:
         "set XDG_CACHE_HOME to a directory only you can write")
 
 
+_LOADED: dict[Path, Any] = {}
+"""Libraries this process has loaded: TensorFlow registers a library's ops
+once per process, and loading it again returns a module without them."""
+
+
 def _load(target: Path) -> Any:
     """Build ``target`` if it is missing, then load it after ``_check``-ing its
-    directory and the open file itself (module docstring)."""
+    directory and the open file itself (module docstring); once per process."""
+    if target in _LOADED:
+        return _LOADED[target]
     target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     _check(os.lstat(target.parent), target.parent, directory=True)
     if not target.exists():
@@ -118,7 +125,8 @@ def _load(target: Path) -> Any:
         # dlopen the very file checked; without /proc (macOS), the path in the checked
         # directory, which only its owner can change.
         opened = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(target)
-        return tf.load_op_library(opened)
+        _LOADED[target] = tf.load_op_library(opened)
+        return _LOADED[target]
     finally:
         os.close(fd)
 

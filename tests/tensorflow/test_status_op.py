@@ -43,6 +43,20 @@ def test_a_bad_argument_is_invalid_argument_in_a_graph_with_the_eager_message() 
     assert str(eager.value) in graph.value.message
 
 
+def test_the_library_loads_once_per_process_and_keeps_its_op(tmp_path: Path) -> None:
+    # The library is loaded through its open file (/proc/self/fd/N). Loaded
+    # again under another N, TensorFlow sees a new file whose ops are already
+    # registered and returns a module without them (seen when a test cleared
+    # the cache while another file was open, and a later graph collective
+    # failed with "no attribute 'dp_plugin_status'").
+    first = status_op.library()
+    assert first is not None and hasattr(first, "dp_plugin_status")
+    status_op.library.cache_clear()
+    with open(tmp_path / "holds-the-next-fd", "w"):  # the next load gets another N
+        again = status_op.library()
+    assert again is first and hasattr(again, "dp_plugin_status")
+
+
 def test_without_a_compiler_it_warns_and_graphs_keep_tensorflows_types(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
