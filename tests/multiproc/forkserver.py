@@ -5,9 +5,9 @@ case it runs: ``import torch`` 1.4-2.1 s, ``import tensorflow`` 4.8-6.6 s, the
 first forward/backward 1.7-2.6 s, for every rank of every launch.
 This server pays that once: it imports the frameworks and dp_plugin, runs one
 tiny optimizer step (never initialising an engine), then forks one child per
-rank that asks. The launchers stay real: ``horovodrun``, ``torchrun`` and
-the harness's ``env`` launcher start :mod:`tests.multiproc.warm_client` where
-they would start ``python``, and the client hands its arguments, environment, working
+rank that asks. The launchers stay real: ``horovodrun`` and the harness's
+``env`` launcher start :mod:`tests.multiproc.warm_client` where they would
+start ``python``, and the client hands its arguments, environment, working
 directory and open file descriptors to this server, which forks the rank.
 Not ``mpiexec``: once every rank has called ``MPI_Finalize`` and one has
 exited, MPICH's Hydra kills every rank process still running (seen here

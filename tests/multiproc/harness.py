@@ -15,16 +15,15 @@ Launchers:
   lines ``[mpiexec] ``).
 - ``horovodrun``: ``horovodrun --gloo -np N -H localhost:N`` (prefixes ``[R]<stdout>:``).
 
-Warm ranks: under ``env``, ``torchrun`` and ``horovodrun`` each rank is forked
+Warm ranks: under ``env`` and ``horovodrun`` each rank is forked
 by a pre-warmed server (tests/multiproc/forkserver.py: torch and dp_plugin
 imported, one optimizer step run, never initialised) instead of starting a
 fresh interpreter; the launchers themselves stay real (what they start is
-``warm_client.py`` in place of ``python``; torchrun's agent still
-rendezvouses, restarts and signals what it started). ``fresh=True`` runs one launch
+``warm_client.py`` in place of ``python``). ``fresh=True`` runs one launch
 fresh (the canaries that cover interpreter start-up and exit, and runs that
 need a process of their own: network namespaces, process scans);
-``DP_PLUGIN_TEST_FRESH=1`` runs every launch fresh. mpirun launches are
-always fresh.
+``DP_PLUGIN_TEST_FRESH=1`` runs every launch fresh. torchrun and mpirun
+launches are always fresh.
 
 Workers run one case per launch (``--case NAME``, see workers/_fail_fast.py);
 ``worker_cases`` lists a worker's cases for ``pytest.mark.parametrize``.
@@ -77,9 +76,9 @@ BIN_DIR = Path(sys.executable).parent
 """The venv's bin: torchrun, mpiexec and horovodrun are taken from here."""
 
 _HERE = Path(__file__).resolve().parent
-WARM_LAUNCHERS = ("env", "torchrun", "horovodrun")
-"""Launchers whose ranks the fork server starts; mpiexec's are always fresh
-(forkserver.py says why)."""
+WARM_LAUNCHERS = ("env", "horovodrun")
+"""Launchers whose ranks the fork server starts; torchrun's and mpiexec's are
+always fresh (forkserver.py says why for mpiexec)."""
 ALL_FRESH = os.environ.get("DP_PLUGIN_TEST_FRESH", "") == "1"
 """``DP_PLUGIN_TEST_FRESH=1``: every launch starts fresh interpreters."""
 _TF_IMPORT = re.compile(
@@ -136,7 +135,7 @@ def run_workers(
     ``--max-restarts 1``); launcher ``env`` has none.
 
     ``fresh=True``: the ranks are fresh interpreters, not forks of the warm
-    server (always so for mpirun, ``hosts=`` and ``DP_PLUGIN_TEST_FRESH=1``).
+    server (always so for torchrun, ``hosts=`` and ``DP_PLUGIN_TEST_FRESH=1``).
     """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher {launcher!r} is not known; valid launchers: {LAUNCHERS}")
@@ -174,12 +173,9 @@ def run_workers(
                     cmd = ["ip", "netns", "exec", hosts[rank][0], *cmd]
                 jobs.append((cmd, rank_env, f"[rank {rank}] "))
         elif launcher == "torchrun":
-            # Warm: torchrun's agent starts the client in place of
-            # ``python -u script`` (``--no-python``: the command as given).
-            entry = ["--no-python", *python, script] if warm else [script]
             cmd = [str(BIN_DIR / "torchrun"), "--nnodes", "1", "--nproc_per_node", str(nprocs),
                    "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                   "--tee", "3", *launcher_args, *entry, *args]
+                   "--tee", "3", *launcher_args, script, *args]
             jobs.append((cmd, base_env, ""))
         elif launcher == "mpirun":
             # Hydra's -prepend-rank tags every write(), not every line, and

@@ -44,15 +44,13 @@ def test_gloo_battery(case: str, launcher: str, nprocs: int, rendezvous: str, sh
     publishes in Horovod's rendezvous server and the others verify it, or
     they would not meet.
 
-    The ``collectives`` case under env-2, torchrun-2 and horovodrun-2 is a
-    fresh launch (the harness forks the others from its warm server): the
-    canaries of interpreter start-up and exit for the gloo engine under
-    these launchers."""
+    The ``collectives`` case under env-2 and horovodrun-2 is a fresh launch
+    (the harness forks the others from its warm server): the canaries of
+    interpreter start-up and exit for the gloo engine under both launchers."""
     env = {**ENV, "DP_PLUGIN_SHARED_MEMORY": shm}
     if (launcher, case) == ("horovodrun", "errors"):
         env["DP_PLUGIN_JOB_SECRET"] = SECRET
-    fresh = case == "collectives" and (launcher, nprocs) in (
-        ("env", 2), ("torchrun", 2), ("horovodrun", 2))
+    fresh = case == "collectives" and (launcher, nprocs) in (("env", 2), ("horovodrun", 2))
     result = run_workers(launcher, nprocs, BATTERY, ["--engine", "gloo", "--case", case],
                          env=env, timeout=180, fresh=fresh)
     assert_ranks_ok(result, nprocs)

@@ -45,19 +45,6 @@ if action == "wait":  # until SIGTERM (sent to the launcher's process) ends it
         f.write(f"{os.getpid()} {os.environ['DP_PLUGIN_TEST_LAUNCHED_PID']}")
     os.rename(sys.argv[2] + ".tmp", sys.argv[2])
     time.sleep(60)
-if action == "elastic":  # torchrun --max-restarts 1: rank 1 dies, the agent ends rank 0
-    rank, attempt = os.environ["RANK"], int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    print("rank", rank, "attempt", attempt, "of run", os.environ["TORCHELASTIC_RUN_ID"],
-          flush=True)
-    if attempt == 0 and rank == "0":
-        signal.signal(signal.SIGTERM, lambda *_: (
-            print("rank 0 attempt 0 got SIGTERM", flush=True), os._exit(143)))
-        open(sys.argv[2], "w").close()
-        time.sleep(60)
-    if attempt == 0 and rank == "1":
-        while not os.path.exists(sys.argv[2]):  # rank 0 handles SIGTERM by now
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGKILL)
 '''
 
 
@@ -88,23 +75,6 @@ def test_a_warm_rank_runs_the_script_as_a_fresh_one_would(probe: Path, tmp_path:
     launched = {r: v.split() for r, v in _lines(out, "pid").items()}
     assert all(v[0] != v[2] for v in launched.values()), out  # forked: not the client's pid
     assert out.count("thread done") == 2 and len(_lines(out, "atexit")) == 2, out
-
-
-def test_torchrun_forks_its_ranks_warm_and_its_restarts_reach_them(probe: Path,
-                                                                   tmp_path: Path) -> None:
-    """The real torchrun starts the clients; each rank is forked warm with the
-    agent's variables. When rank 1 dies, the agent's SIGTERM (sent to the
-    client's process group) reaches rank 0, and both ranks start again."""
-    result = run_workers("torchrun", 2, probe, ["elastic", str(tmp_path / "handling")],
-                         timeout=120, launcher_args=["--max-restarts", "1"])
-    out = result.output
-    assert _lines(out, "torch") == {"0": "True", "1": "True"}, out  # warm: imported already
-    for rank in "01":
-        for pid, launched in re.findall(rf"\brank {rank} pid (\d+) launched (\d+)", out):
-            assert pid != launched, out  # forked: not the client's pid
-        assert re.search(rf"\brank {rank} attempt 1 of run \S+", out), out
-    assert "rank 0 attempt 0 got SIGTERM" in out, out
-    assert "attempt 2" not in out, out
 
 
 def test_fresh_launches_start_a_new_interpreter(probe: Path) -> None:
