@@ -4,7 +4,8 @@ Rank 0 must get ``CollectiveTimeoutError`` naming the wait within
 DP_PLUGIN_TIMEOUT (plus a margin the pytest side checks from the printed
 time); the stalled last rank sleeps past that and then leaves with exit 0:
 until rank 0 has reported (it creates the file ``STALL_RELEASE`` names,
-when set) or DP_PLUGIN_TIMEOUT + 15 s, whichever comes first.
+when set) or DP_PLUGIN_TIMEOUT + 15 s, whichever comes first; under
+mpirun rank 0 leaves after it (``STALL_RELEASE.left``).
 Cases:
 - ``mpi_split``: the last rank passes subgroup's agreement, then stalls
   before ``MPI_Comm_split`` (mpirun, engine mpi).
@@ -36,10 +37,12 @@ def _stall() -> None:
     while time.monotonic() < deadline and not (RELEASE and os.path.exists(RELEASE)):
         time.sleep(0.1)
     print(f"rank {runtime.engine().rank} OK (stalled)", flush=True)
+    if RELEASE:
+        open(f"{RELEASE}.left", "w").close()
     os._exit(0)
 
 
-def _expect_timeout(fn: Any, needle: str) -> None:
+def _expect_timeout(fn: Any, needle: str, after_stalled: bool = False) -> None:
     start = time.monotonic()
     try:
         fn()
@@ -51,6 +54,13 @@ def _expect_timeout(fn: Any, needle: str) -> None:
         print("rank 0 OK", flush=True)
         if RELEASE:
             open(RELEASE, "w").close()
+        if RELEASE and after_stalled:
+            # Leave after the stalled rank: mpiexec kills the ranks still running
+            # once one exits without MPI_Finalize (exit code 9, seen under load).
+            # Not under horovodrun: there Horovod's loop aborts when a peer leaves.
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and not os.path.exists(f"{RELEASE}.left"):
+                time.sleep(0.05)
         os._exit(0)  # the stalled rank is still inside the library: no clean teardown
     raise AssertionError("no CollectiveTimeoutError")
 
@@ -59,7 +69,7 @@ def case_mpi_split(engine: Any) -> None:
     if engine.rank == engine.size - 1:
         type(engine)._subgroup = lambda *args: _stall()  # passes the agreement, not Split
     _expect_timeout(lambda: checked.subgroup(engine, [0, engine.size - 1], "pair"),
-                    "mpi Comm.Split ('pair')")
+                    "mpi Comm.Split ('pair')", after_stalled=True)
 
 
 def case_hvd_add_process_set(engine: Any) -> None:
