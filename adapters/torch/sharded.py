@@ -28,7 +28,7 @@ and a re-plan of the buckets).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -212,10 +212,15 @@ class ShardedStep:
         """Replace ``optimizer.state`` by this rank's slices of ``full`` (the
         unsharded state, keyed by parameter)."""
         optimizer.state.clear()
+        self._place(optimizer, lambda index: full.get(self.params[index]))
+
+    def _place(self, optimizer: Any, whole: Callable[[int], dict[str, Any] | None]) -> None:
+        """Give each of this rank's pieces its slice of ``whole(index)``, the
+        unsharded state of its parameter (None or empty: no state)."""
         for pc, view in zip(self.pieces, self.views, strict=True):
-            p = self.params[pc.index]
-            state = full.get(p)
+            state = whole(pc.index)
             if state:
+                p = self.params[pc.index]
                 optimizer.state[view] = {k: _sliced(v, p, pc) for k, v in state.items()}
 
     def reshard(self, optimizer: Any) -> None:
@@ -232,11 +237,8 @@ class ShardedStep:
             whole = self._whole(optimizer, mine, f"{self.label}.state{b.index}")
             for _, view in mine:
                 optimizer.state.pop(view, None)
-            for pc, view in zip(self.pieces, self.views, strict=True):
-                state = whole.get(pc.index)
-                if state:
-                    p = self.params[pc.index]
-                    optimizer.state[view] = {k: _sliced(v, p, pc) for k, v in state.items()}
+            self._place(optimizer, whole.get)
+
 
 def _joined(p: torch.Tensor, parts: list[tuple[int, int, dict[str, Any]]], key: str) -> Any:
     """One state entry of ``p``, whole: the pieces' slices put together when
