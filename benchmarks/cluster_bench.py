@@ -14,7 +14,10 @@ by round so that load from outside hits all methods alike:
   ring over Gloo does here);
 - ``dp clone+grouped_`` (only when asked for): a clone of every tensor,
   then ``hvd.grouped_allreduce_`` of the clones: what ``dp grouped`` did
-  before its copies were pipelined with the wire, its anchor.
+  before its copies were pipelined with the wire, its anchor;
+- ``torch list`` (only when asked for): one asynchronous
+  ``torch.distributed.all_reduce`` per tensor, all started at once, then
+  waited for: what Gloo itself does with the list, unfused.
 
 ``--engines gloo horovod`` launches the cluster once per dp_plugin engine
 (``DP_PLUGIN_ENGINE``); ``torch flat`` runs in the gloo launch only (the
@@ -50,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CLUSTER = ROOT / "scripts" / "cluster.py"
 METHODS = ("dp grouped", "dp grouped_", "torch flat")
-EXTRA_METHODS = ("dp clone+grouped_",)
+EXTRA_METHODS = ("dp clone+grouped_", "torch list")
 ALPHA_S = 50e-6
 """Latency per ring step the predictions use (Gloo over veth, measured small
 next to the transfers here)."""
@@ -120,7 +123,8 @@ def worker(args: argparse.Namespace) -> int:
     chunked = {f"dp grouped_ chunk={c:g}MiB": int(c * 2**20) or 1 << 62
                for c in args.chunks_mib}
     # torch flat needs the torch.distributed group of the gloo engine.
-    methods = [m for m in [*args.methods, *chunked] if m != "torch flat" or dist.is_initialized()]
+    methods = [m for m in [*args.methods, *chunked]
+               if not m.startswith("torch") or dist.is_initialized()]
     gen = torch.Generator().manual_seed(rank)
     for model in args.models:
         shapes = model_shapes(model)
@@ -145,6 +149,11 @@ def worker(args: argparse.Namespace) -> int:
                 elif method.startswith("dp grouped_"):
                     hvd.grouped_allreduce_(grads, op=hvd.Sum, name=f"{model}.i{r}")
                     for g in grads:  # keep the values from growing round after round
+                        g.mul_(1.0 / size)
+                elif method == "torch list":
+                    for work in [dist.all_reduce(g, async_op=True) for g in grads]:
+                        work.wait()
+                    for g in grads:
                         g.mul_(1.0 / size)
                 else:
                     dist.all_reduce(flat)
