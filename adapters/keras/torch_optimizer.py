@@ -164,8 +164,7 @@ def find_hook(optimizer: Any) -> tuple[Any, DistributedApply | None]:
     with a hook, and the hook; ``(optimizer, None)`` if none has one."""
     current = optimizer
     while current is not None:
-        hook = hook_of(current)
-        if hook is not None:
+        if (hook := hook_of(current)) is not None:
             return current, hook
         current = getattr(current, "inner_optimizer", None)
     return optimizer, None
