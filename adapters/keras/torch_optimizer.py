@@ -84,8 +84,7 @@ class DistributedApply:
         variables = list(variables)
         if self.gradients is not None and list(map(id, variables)) == list(map(id, self.variables)):
             return
-        if self.gradients is not None:
-            self.detach()
+        self.detach()
         tensors = [v.value for v in variables]
         names = _names(variables)
         groups = self.groups
