@@ -58,11 +58,29 @@ from dp_plugin.tensorflow.util import _executing_eagerly as _executing_eagerly
 from dp_plugin.tensorflow.util import refs_to_vars, vars_to_refs
 
 __all__ = [
-    "DistributedGradientTape", "DistributedOptimizer", "LayoutMismatchError", "NotInitializedError",
-    "PartialDistributedGradientTape", "SyncBatchNormalization", "UnsupportedKerasError",
-    "UnsupportedStrategyError", "allgather", "allreduce", "alltoall", "broadcast",
-    "broadcast_variables", "callbacks", "elastic", "grouped_allgather", "grouped_allreduce",
-    "grouped_reducescatter", "load_model", "reducescatter", "refs_to_vars", "shard", "vars_to_refs",
+    "DistributedGradientTape",
+    "DistributedOptimizer",
+    "LayoutMismatchError",
+    "NotInitializedError",
+    "PartialDistributedGradientTape",
+    "SyncBatchNormalization",
+    "UnsupportedKerasError",
+    "UnsupportedStrategyError",
+    "allgather",
+    "allreduce",
+    "alltoall",
+    "broadcast",
+    "broadcast_variables",
+    "callbacks",
+    "elastic",
+    "grouped_allgather",
+    "grouped_allreduce",
+    "grouped_reducescatter",
+    "load_model",
+    "reducescatter",
+    "refs_to_vars",
+    "shard",
+    "vars_to_refs",
 ]
 __all__ += basics.__all__ + callbacks.__all__ + functions.__all__ + graph_ops.__all__
 __all__ += _api.__all__
