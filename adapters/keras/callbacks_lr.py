@@ -8,10 +8,8 @@ momentum is corrected for the batch in which the learning rate changes
 ("Accurate, Large Minibatch SGD", Goyal et al., 2017,
 https://arxiv.org/abs/1706.02677). Horovod's versions target Keras 2
 hyper-parameters; here the learning rate is the Keras 3 optimizer's
-``learning_rate`` variable. The momentum is read at every step on the torch
-backend (its train step runs eagerly), so it is set as it is; on TensorFlow,
-where the compiled step would freeze it, it is made a run-time value first
-(``dp_plugin.tensorflow.callbacks_lr``). One module for both backends.
+``learning_rate`` variable, and how the momentum is changed on each backend
+is in ``LearningRateScheduleCallback``. One module for both backends.
 
 Neither callback communicates: every rank computes the same learning rate
 from the same epoch and batch numbers, provided all ranks run the same

@@ -84,8 +84,7 @@ class DistributedApply:
         variables = list(variables)
         if self.gradients is not None and list(map(id, variables)) == list(map(id, self.variables)):
             return
-        if self.gradients is not None:
-            self.detach()
+        self.detach()
         tensors = [v.value for v in variables]
         names = _names(variables)
         groups = self.groups
@@ -164,8 +163,7 @@ def find_hook(optimizer: Any) -> tuple[Any, DistributedApply | None]:
     with a hook, and the hook; ``(optimizer, None)`` if none has one."""
     current = optimizer
     while current is not None:
-        hook = hook_of(current)
-        if hook is not None:
+        if (hook := hook_of(current)) is not None:
             return current, hook
         current = getattr(current, "inner_optimizer", None)
     return optimizer, None

@@ -182,11 +182,9 @@ class GradientBridge:
                     what=f"gradients of {name!r}",
                     groups=groups,
                 )
-                # Checked now, while the step is traced, so that different models
-                # fail here with LayoutMismatchError itself on every rank, before any
-                # step runs (inside the numpy op TensorFlow would re-wrap it). Every
-                # rank traces its train step at the same point; a layout is checked
-                # once, here (the reducer does not repeat it).
+                # Checked once, here, while every rank traces its step: different models
+                # raise LayoutMismatchError itself on every rank before any step runs
+                # (inside the numpy op TensorFlow would re-wrap it).
                 sched.agree()
                 self._schedulers[specs, groups] = sched
             return sched

@@ -137,9 +137,6 @@ resolve_op = functools.partial(_names.resolve_op, prefix="",
 """Horovod's ``op=None`` (Average) and deprecated ``average=`` flag."""
 
 
-# -- allreduce ----------------------------------------------------------------------
-
-
 @public("allreduce")
 def allreduce(tensor: Any, average: Any = None, device_dense: str = "",
               device_sparse: str = "", compression: Any = Compression.none, op: Any = None,
@@ -213,9 +210,6 @@ def reduce_indexed_slices(slices: Any, op: ReduceOp, prescale: float, postscale:
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
-# -- allgather ---------------------------------------------------------------------
-
-
 def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
               process_set: Any = global_process_set) -> Any:
     """Concatenate every rank's ``tensor`` along the first dimension (which may differ)."""
@@ -258,9 +252,6 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
     return _differentiable(outs, backward, xs, side=1)[:-1]
 
 
-# -- broadcast ----------------------------------------------------------------------
-
-
 @public("broadcast")
 def broadcast(tensor: Any, root_rank: int, name: str | None = None,
               ignore_name_scope: bool = False, process_set: Any = global_process_set) -> Any:
@@ -285,9 +276,6 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
         return [reduced if runtime.rank() == root_rank else reduced * 0]
 
     return _differentiable(run_op(bcast, [x], [x.dtype], [x.shape], "broadcast"), backward, [x])[0]
-
-
-# -- alltoall, reducescatter -------------------------------------------------------
 
 
 @public("alltoall")

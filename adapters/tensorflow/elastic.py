@@ -23,13 +23,11 @@ module adds the generator states, the commit file and the variables' broadcast.
 Tracked: the model's weights and the optimizer's variables (as numpy arrays,
 assigned back into the same variables), the variables of a
 ``TensorFlowState``, any other keyword value (epoch, batch, ...) as it is,
-and each rank's ``random`` and numpy generator states. The commit file is a
-pickle read back by a restricted unpickler (``_PlainUnpickler``: plain
-Python values, and numpy arrays and scalars of plain dtypes, which are stored
-as dtype name, shape and bytes: no code of the file's choosing runs, and no
-dtype or array object is ever unpickled), so a keyword value must be one of
-those: ``commit()`` refuses anything else (a numpy dtype, an object array)
-with ``CommitError`` naming it, before writing.
+and each rank's ``random`` and numpy generator states. The commit file holds
+plain Python values and numpy arrays and scalars of plain dtypes only (read
+back without running code, see "the commit file" below), so a keyword value
+must be one of those: ``commit()`` refuses anything else (a numpy dtype, an
+object array) with ``CommitError`` naming it, before writing.
 A failure on rank 0 (writing, reading or loading the file) raises
 ``CommitError`` on every rank at once: rank 0's outcome is broadcast.
 TensorFlow's own global generator and Keras ``SeedGenerator`` states are not

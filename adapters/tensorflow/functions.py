@@ -28,8 +28,6 @@ __all__ = [
     "join", "nccl_built", "rocm_built",
 ]
 
-# -- objects ---------------------------------------------------------------------
-
 
 @public("broadcast_object")
 def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None,
@@ -46,9 +44,6 @@ def allgather_object(obj: Any, session: Any = None, name: str | None = None,
     """Every rank's ``obj``, in rank order of the set (pickled). Collective."""
     # Not type(obj).__name__: ranks may hold objects of different types (see torch's).
     return _objects.allgather_object(engine_of(process_set), obj, name or "allgather_object")
-
-
-# -- synchronization -----------------------------------------------------------------
 
 
 @public("barrier")
@@ -92,9 +87,6 @@ def broadcast_global_variables(root_rank: int) -> Any:
         return tf.no_op(name="broadcast_global_variables")
     with graph_order.new_chain():
         return broadcast_variables(variables, root_rank)
-
-
-# -- what is built, what runs ------------------------------------------------------------
 
 
 def nccl_built() -> int:

@@ -145,7 +145,6 @@ class DistributedApply:
         finally:
             self._captured = None
 
-    # -- helpers --------------------------------------------------------------
     def reduce(self, grads: list[Any], variables: list[Any] | None) -> list[Any]:
         """``grads`` (None entries kept) reduced across workers through the bridge."""
         if variables is None:

@@ -29,8 +29,7 @@ Job = tuple[list[str], dict[str, str]]
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without launcher variables, one thread per worker."""
-    # This shell may itself run under a launcher; dp_plugin.launch.launchers owns the one
-    # list of launcher variables. Tuning variables (DP_PLUGIN_FUSION_THRESHOLD...) stay.
+    # This shell may itself run under a launcher; tuning variables (DP_PLUGIN_*) stay.
     env = {k: v for k, v in os.environ.items() if not is_launcher_variable(k)}
     env.update(PATH=f"{BINDIR}:{env.get('PATH', '')}", OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1", **extra)

@@ -71,10 +71,9 @@ POWERSGD_GFLOPS = 20.0
 POWERSGD_GBYTES = 5.0
 """Default speed of PowerSGD's work on one rank, in bytes its passes read
 and write per second (``dp_plugin.reduce.powersgd.touched_bytes``) while
-every rank of the host runs it at once: the hook's operations on BERT's
-matrices measured ~12 GB/s on one CPU core alone and 5-6 GB/s for each of
-4 ranks sharing 2 cores. At small ranks these passes, not the products,
-set its compute time (``dp_plugin.reduce.powersgd.PASSES``)."""
+every rank of the host runs it at once: CPU ranks sharing cores (measured:
+BENCHMARKS.md, "PowerSGD", the ``plan`` item). At small ranks these passes,
+not the products, set its compute time (``dp_plugin.reduce.powersgd.PASSES``)."""
 TYPICAL_RANKS_PER_HOST = 8
 """The assumed node without ``--ranks-per-host``: 8 GPUs, one rank each."""
 

@@ -79,9 +79,8 @@ class Launcher:
     hostname_variable: ClassVar[str | None] = None
     reads: ClassVar[tuple[str, ...]] = ()
     """Every variable ``detect`` or ``topology`` may look up (markers included);
-    built from the variables above unless a launcher lists its own.
-    ``launch_variables.LAUNCHER_VARIABLE_NAMES`` is built from these; a unit test checks that
-    nothing else is looked up."""
+    built from the variables above unless a launcher lists its own. A unit test
+    checks that nothing else is looked up (``variables.LAUNCHER_VARIABLE_NAMES``)."""
     read_prefixes: ClassVar[tuple[str, ...]] = ()
     """Prefixes of variables whose mere presence ``detect`` looks for."""
 
@@ -382,8 +381,7 @@ class Slurm(Launcher):
             )
         raw = r.env[name]
         # Runs of (tasks per node, nodes), never expanded: a malformed count
-        # of nodes must not become a list of billions (the fuzz test's
-        # SLURM_STEP_NUM_NODES=3623878656 took 23 GB before it failed).
+        # of nodes (SLURM_STEP_NUM_NODES=3623878656) must not become a list.
         runs = parse_tasks_per_node(raw, name)
         if len(runs) == 1 and runs[0][1] == 1 and name == "SLURM_NTASKS_PER_NODE":
             # --ntasks-per-node is an upper bound: under block placement the

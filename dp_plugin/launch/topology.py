@@ -163,41 +163,34 @@ def _check_consistent(
     size: Sourced, rank: Sourced, local_size: Sourced, local_rank: Sourced,
     cross_size: Sourced, cross_rank: Sourced, *, fix: str,
 ) -> None:
-    """The invariants of ``Topology``, phrased with the variables' names."""
-
-    def fail(message: str) -> LaunchError:
-        return LaunchError(f"{message}; {fix}")
-
-    if size.value < 1:
-        raise fail(f"{size.label} must be at least 1")
-    if rank.value >= size.value:
-        raise fail(f"{rank.label} must be less than {size.label} (ranks are 0..size-1)")
-    if local_size.value < 1:
-        raise fail(f"{local_size.label} must be at least 1")
-    if local_rank.value >= local_size.value:
-        raise fail(f"{local_rank.label} must be less than {local_size.label}")
-    if local_size.value > size.value:
-        raise fail(f"{local_size.label} must not exceed {size.label}")
-    # The local_rank processes before this one on its host all have lower
-    # ranks, and the ones after it higher ranks: both must fit.
-    if local_rank.value > rank.value:
-        raise fail(
-            f"{local_rank.label} must not exceed {rank.label}: the processes before this one "
-            "on its host have lower global ranks"
-        )
+    """The invariants of ``Topology``, phrased with the variables' names; the
+    first one broken raises."""
+    room = size.value - rank.value - 1  # processes the ranks after this one can hold
     after = local_size.value - local_rank.value - 1
-    if after > size.value - rank.value - 1:
-        raise fail(
-            f"{local_size.label} and {local_rank.label} put {after} more process(es) on this "
-            f"host after {rank.label}, but {size.label} leaves room for only "
-            f"{size.value - rank.value - 1}"
-        )
-    if cross_size.value < 1:
-        raise fail(f"{cross_size.label} must be at least 1")
-    if cross_rank.value >= cross_size.value:
-        raise fail(f"{cross_rank.label} must be less than {cross_size.label}")
-    if cross_size.value > size.value:
-        raise fail(f"{cross_size.label} must not exceed {size.label}")
+    broken = (
+        (size.value < 1, f"{size.label} must be at least 1"),
+        (rank.value >= size.value,
+         f"{rank.label} must be less than {size.label} (ranks are 0..size-1)"),
+        (local_size.value < 1, f"{local_size.label} must be at least 1"),
+        (local_rank.value >= local_size.value,
+         f"{local_rank.label} must be less than {local_size.label}"),
+        (local_size.value > size.value, f"{local_size.label} must not exceed {size.label}"),
+        # The local_rank processes before this one on its host all have lower
+        # ranks, and the ones after it higher ranks: both must fit.
+        (local_rank.value > rank.value,
+         f"{local_rank.label} must not exceed {rank.label}: the processes before this one "
+         "on its host have lower global ranks"),
+        (after > room,
+         f"{local_size.label} and {local_rank.label} put {after} more process(es) on this "
+         f"host after {rank.label}, but {size.label} leaves room for only {room}"),
+        (cross_size.value < 1, f"{cross_size.label} must be at least 1"),
+        (cross_rank.value >= cross_size.value,
+         f"{cross_rank.label} must be less than {cross_size.label}"),
+        (cross_size.value > size.value, f"{cross_size.label} must not exceed {size.label}"),
+    )
+    message = next((message for bad, message in broken if bad), None)
+    if message is not None:
+        raise LaunchError(f"{message}; {fix}")
 
 
 def build_topology(

@@ -12,10 +12,8 @@ from collections.abc import Mapping
 
 from dp_plugin.launch.launchers import LAUNCHERS
 
-# Beyond what the launcher classes read, the launchers
-# set variables that make torch, Horovod or an MPI library believe they run
-# inside a job; those are listed here.
-
+# Set by the launchers beyond what the launcher classes read: they make torch,
+# Horovod or an MPI library believe they run inside a job.
 _SET_BUT_NOT_READ: frozenset[str] = frozenset({
     "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE",  # torchrun
     "HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS",  # horovodrun

@@ -272,8 +272,7 @@ class RayExecutor:
     def run_remote(self, fn: Callable[..., Any], args: Sequence[Any] | None = None,
                    kwargs: Mapping[str, Any] | None = None) -> list[Any]:
         """``run`` without waiting: one ObjectRef per worker, in rank order."""
-        workers = self._started()
-        return [w.call.remote(fn, list(args or []), dict(kwargs or {})) for w in workers]
+        return [w.call.remote(fn, list(args or []), dict(kwargs or {})) for w in self._started()]
 
     def execute(self, fn: Callable[[Any], Any],
                 callbacks: Sequence[Callable[..., Any]] | None = None) -> list[Any]:

@@ -1,12 +1,9 @@
 """The Ray actor that hosts one dp_plugin rank (``RayExecutor``'s workers).
 
-It holds no collective state of its own: the executor tells it, through
-environment variables, what a launcher would (torchrun's RANK,
-WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT), and the user's function then calls
-``hvd.init()``, which detects them as a torchrun-style launch and meets the
-other ranks in rank 0's TCPStore. One process per actor, for the life of
-the executor: ``init()``/``shutdown()`` may run many times in it.
+It holds no collective state of its own: the executor sets the variables a
+torchrun launch would (``executor``'s module docstring), and the user's
+function calls ``hvd.init()`` as under torchrun. One process per actor, for
+the life of the executor: ``init()``/``shutdown()`` may run many times in it.
 """
 
 from __future__ import annotations
