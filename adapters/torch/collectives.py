@@ -23,6 +23,12 @@ from dp_plugin.torch.handles import InFlight, Ready, new_handle
 from dp_plugin.torch.ops import resolve_op
 from dp_plugin.torch.submit import agree, check_factor, check_tensors, contiguous_copy
 
+__all__ = [
+    "allgather_async", "allreduce_async", "allreduce_async_", "alltoall_async", "barrier",
+    "broadcast_async", "broadcast_async_", "grouped_allgather_async", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "grouped_reducescatter_async", "reducescatter_async",
+]
+
 
 @public("allreduce_async")
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,

@@ -27,6 +27,10 @@ from dp_plugin.api.process_sets import ProcessSet, engine_of, global_process_set
 from dp_plugin.engines.base import Engine
 from dp_plugin.reduce.fusion import TensorSpec
 
+__all__ = [
+    "allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
+]
+
 
 @public("broadcast_parameters")
 def broadcast_parameters(params: Any, root_rank: int,
