@@ -113,11 +113,6 @@ class ShardedStep:
             self.group_views[group_of[id(self.params[pc.index])]].append(view)
         self.version = self.reducer.plan_version
 
-    @property
-    def state_numel(self) -> int:
-        """Elements of the parameters this rank keeps optimizer state for."""
-        return sum(pc.numel for pc in self.pieces)
-
     # -- a step ----------------------------------------------------------------------
     def step(self, optimizer: Any, grads: Sequence[torch.Tensor | None]) -> None:
         """Step this rank's pieces with ``optimizer``'s own update (``grads``:
