@@ -169,16 +169,11 @@ def _start_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, pro
     # Horovod's root rule (roots.root_of: an int raises at once; a root outside
     # the set is a problem of the agreement, so that every rank raises).
     key, agreed = agree(engine, "broadcast", [t], name, process_set, root=root_rank)
-    out = _storage(t, inplace)
+    # In place when it is one dense block, else into a copy: the input is never modified.
+    out = t.detach() if inplace and t.is_contiguous() else contiguous_copy(t)
     if out.numel():
         engine.broadcast(out.view(-1), agreed.root, name=name or "broadcast")
     return new_handle(Ready(_copy_back(t, out) if inplace else out), key)
-
-
-def _storage(t: torch.Tensor, inplace: bool) -> torch.Tensor:
-    """Where a result is written: the caller's tensor in place when it is one
-    dense block, else a fresh contiguous copy (the input is never modified)."""
-    return t.detach() if inplace and t.is_contiguous() else contiguous_copy(t)
 
 
 def _output(t: torch.Tensor, inplace: bool) -> torch.Tensor:
