@@ -38,8 +38,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning_utilities.core.rank_zero import rank_zero_only
-
 import dp_plugin.torch as hvd
 import torch
 from dp_plugin.lightning import collectives
@@ -86,20 +84,11 @@ class HorovodStrategyBody(OnDPPlugin):
         """``total.completed`` batches when this rank last joined at an epoch's end."""
 
     # -- where this process sits: dp_plugin's launcher detection -------------------
-    def set_world_ranks(self) -> None:
-        """Start dp_plugin (collective, idempotent); the Trainer calls it when built."""
-        hvd.init()
-        rank_zero_only.rank = hvd.rank()  # type: ignore[attr-defined]
-
     @property
     def is_distributed(self) -> bool:
         """Read by the Trainer: it adds a ``DistributedSampler`` and lets
         ``self.log(..., sync_dist=True)`` reduce."""
         return True
-
-    def setup_environment(self) -> None:
-        self.set_world_ranks()
-        super().setup_environment()
 
     def model_to_device(self) -> None:
         if self.root_device.type == "cuda":
