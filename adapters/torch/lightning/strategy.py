@@ -211,17 +211,14 @@ class HorovodStrategyBody(OnDPPlugin):
 
     # -- collectives ----------------------------------------------------------------
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """All-reduce ``tensor`` over every rank (``"mean"``, ``"sum"``, ``"min"``,
-        ``"max"``, ``"product"`` or a ``torch.distributed.ReduceOp``); any other
-        value is returned unchanged, as Lightning's strategies do."""
+        """``collectives.reduce``, after joining if this rank's batches are done."""
         if isinstance(tensor, torch.Tensor):
             self._join_if_out_of_batches()
         return collectives.reduce(tensor, group, reduce_op, "HorovodStrategy.reduce")
 
     def all_gather(self, tensor: torch.Tensor, group: Any = None,
                    sync_grads: bool = False) -> torch.Tensor:
-        """Every rank's ``tensor`` stacked along a new first dimension, as
-        DDP's; with ``sync_grads`` the result is differentiable."""
+        """``collectives.all_gather``, after joining if this rank's batches are done."""
         self._join_if_out_of_batches()
         return collectives.all_gather(tensor, group, sync_grads, "HorovodStrategy.all_gather")
 
@@ -230,7 +227,6 @@ class HorovodStrategyBody(OnDPPlugin):
         return hvd.broadcast_object(obj, root_rank=src)
 
     def barrier(self, name: str | None = None) -> None:
-        """``hvd.join()``: a rank that arrives early answers the others'
-        gradient reductions (zeros) until every rank is here."""
+        """``hvd.join()`` (see the module docstring), unless this rank joined just now."""
         if not self._join_if_out_of_batches():
             hvd.join()
