@@ -1,7 +1,7 @@
 """dp_plugin.torch: a drop-in for ``horovod.torch`` 0.28.1 on PyTorch 2.x.
 
 Change ``import horovod.torch as hvd`` to ``import dp_plugin.torch as hvd``;
-the names below are horovod.torch's public API, with its signatures and
+the names in ``__all__`` are horovod.torch's public API, with its signatures and
 semantics (differences are stated in each function's docstring).
 ``HorovodInternalError`` (Horovod's error for a failed collective) is
 dp_plugin's base error, ``DPPluginError``: every error dp_plugin raises on
