@@ -46,6 +46,12 @@ from dp_plugin.torch.handles import synchronize
 from dp_plugin.torch.ops import Compression, resolve_op
 from dp_plugin.torch.submit import check_tensors
 
+__all__ = [
+    "allgather", "allreduce", "allreduce_", "alltoall", "broadcast", "broadcast_",
+    "grouped_allgather", "grouped_allreduce", "grouped_allreduce_", "grouped_reducescatter",
+    "reducescatter",
+]
+
 _NONE = Compression.none
 
 

@@ -14,6 +14,12 @@ from dp_plugin.api.horovod_api import HorovodBasics
 from dp_plugin.errors import NotInitializedError as _CoreNotInitializedError
 from dp_plugin.torch import handles as _handles
 
+__all__ = [
+    "NotInitializedError", "cross_rank", "cross_size", "cuda_built", "init", "is_homogeneous",
+    "is_initialized", "local_rank", "local_size", "mpi_threads_supported", "nccl_built", "rank",
+    "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline",
+]
+
 
 class NotInitializedError(_CoreNotInitializedError, ValueError):
     """``dp_plugin.torch`` was used before ``init()`` (or after ``shutdown()``).

@@ -23,6 +23,12 @@ from dp_plugin.torch.handles import InFlight, Ready, new_handle
 from dp_plugin.torch.ops import resolve_op
 from dp_plugin.torch.submit import agree, check_factor, check_tensors, contiguous_copy
 
+__all__ = [
+    "allgather_async", "allreduce_async", "allreduce_async_", "alltoall_async", "barrier",
+    "broadcast_async", "broadcast_async_", "grouped_allgather_async", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "grouped_reducescatter_async", "reducescatter_async",
+]
+
 
 @public("allreduce_async")
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -163,16 +169,11 @@ def _start_broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, pro
     # Horovod's root rule (roots.root_of: an int raises at once; a root outside
     # the set is a problem of the agreement, so that every rank raises).
     key, agreed = agree(engine, "broadcast", [t], name, process_set, root=root_rank)
-    out = _storage(t, inplace)
+    # In place when it is one dense block, else into a copy: the input is never modified.
+    out = t.detach() if inplace and t.is_contiguous() else contiguous_copy(t)
     if out.numel():
         engine.broadcast(out.view(-1), agreed.root, name=name or "broadcast")
     return new_handle(Ready(_copy_back(t, out) if inplace else out), key)
-
-
-def _storage(t: torch.Tensor, inplace: bool) -> torch.Tensor:
-    """Where a result is written: the caller's tensor in place when it is one
-    dense block, else a fresh contiguous copy (the input is never modified)."""
-    return t.detach() if inplace and t.is_contiguous() else contiguous_copy(t)
 
 
 def _output(t: torch.Tensor, inplace: bool) -> torch.Tensor:

@@ -19,11 +19,6 @@ them all and resumes from the commit on disk (``dp_plugin.api.elastic``). Here
 the commit file is a checkpoint (``save_checkpoint``/``load_checkpoint``:
 rank 0 writes and reads it atomically, every rank's RNG states are kept).
 
-Tracked: every keyword value with ``state_dict``/``load_state_dict``
-(models, optimizers, LR schedulers, ``ElasticSampler``, ``GradScaler``)
-through those methods; any other value (epoch, batch, ...) as it is; and the
-torch, numpy and ``random`` generator states of every rank.
-
 horovodrun's elastic mode is refused with an explanation: Horovod hands new
 ranks to running workers through its rendezvous server at ``hvd.init()``,
 while dp_plugin reads a worker's rank once from the environment.
@@ -95,20 +90,23 @@ class TorchState(ObjectState):
     """The state of a PyTorch training run (Horovod's ``TorchState``).
 
     ``model`` and ``optimizer`` (both optional) and every keyword argument
-    become attributes. Values with ``state_dict``/``load_state_dict`` are
-    tracked through them; ``sync`` broadcasts models with
-    ``broadcast_parameters`` and optimizers with ``broadcast_optimizer_state``.
+    become attributes. Values with ``state_dict``/``load_state_dict`` (models,
+    optimizers, LR schedulers, ``ElasticSampler``, ``GradScaler``) are tracked
+    through them, any other (epoch, batch, ...) as it is, with the torch,
+    numpy and ``random`` generator states of every rank; ``sync`` broadcasts
+    models with ``broadcast_parameters`` and optimizers with
+    ``broadcast_optimizer_state``.
 
     ``commit_path`` (keyword only, not an attribute name Horovod scripts
     use): the file each ``commit()`` replaces atomically and ``run`` resumes
     from. Under torchrun it defaults to a per-job file private to the user
     (``default_commit_path``: only a restart of the same job resumes it,
-    removed when the job is over), so
-    that Horovod's own examples (``TorchState(model, optimizer, batch=0,
-    epoch=0)``) recover a killed worker unchanged; elsewhere (no restarts)
-    commits stay in memory. Multi-host: rank 0 writes and reads it, so it
-    must be where the next attempt's rank 0 can read it (shared storage, or
-    a fixed first node: the default is on rank 0's local disk).
+    removed when the job is over), so that Horovod's own examples
+    (``TorchState(model, optimizer, batch=0, epoch=0)``) recover a killed
+    worker unchanged; elsewhere (no restarts) commits stay in memory.
+    Multi-host: rank 0 writes and reads it, so it must be where the next
+    attempt's rank 0 can read it (shared storage, or a fixed first node: the
+    default is on rank 0's local disk).
     """
 
     def __init__(self, model: torch.nn.Module | None = None,

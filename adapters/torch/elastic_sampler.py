@@ -37,11 +37,6 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         self.seed = seed
         self.epoch = 0
         self.processed_num = 0
-        self.num_replicas = 1
-        self.rank = 0
-        self.remaining_indices: list[int] = []
-        self.num_samples = 0
-        self.total_size = 0
         self.reset()
 
     def set_epoch(self, epoch: int) -> None:

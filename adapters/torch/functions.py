@@ -1,13 +1,12 @@
 """Broadcast model and optimizer state, and pickled objects, as in ``horovod.torch``.
 
-``broadcast_parameters`` and ``broadcast_optimizer_state`` are thin callers of
-the core's ``Reducer`` (one run) with the broadcast hook: tensors travel as raw
-bytes packed into a few fusion buffers (one collective per buffer of at most
-the fusion threshold), so a model of hundreds of tensors costs a handful of
-collectives, and every dtype (bool, complex, ...) travels exactly. Its
-agreement step first compares the ranks' tensor lists (and root ranks): a
-rank with another model gets an error naming the first differing tensor, on
-every rank.
+``broadcast_parameters`` and ``broadcast_optimizer_state`` send tensors as
+raw bytes packed into a few fusion buffers (``objects.broadcast_bytes``: one
+collective per buffer of at most the fusion threshold), so a model of
+hundreds of tensors costs a handful of collectives and every dtype (bool,
+complex, ...) travels exactly. The ranks' tensor lists (and root ranks) are
+compared first: a rank with another model gets an error naming the first
+differing tensor, on every rank.
 
 ``root_rank`` is a job-wide rank everywhere, as in Horovod: with a process
 set it must be one of the set's members.
@@ -26,6 +25,10 @@ from dp_plugin.api import objects as _objects
 from dp_plugin.api.process_sets import ProcessSet, engine_of, global_process_set
 from dp_plugin.engines.base import Engine
 from dp_plugin.reduce.fusion import TensorSpec
+
+__all__ = [
+    "allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
+]
 
 
 @public("broadcast_parameters")

@@ -52,8 +52,8 @@ update reads across elements (orthogonalizing ones such as Muon) are not."""
 
 GATHERS_IN_FLIGHT = 2
 """Parameter all-gathers in flight at once: the next bucket's transfer
-overlaps the previous one's unpack, and the gathered copies held at a time
-stay at two buckets."""
+overlaps the previous one's unpack. Each returns a whole bucket: all at once
+would add a copy of the model to the peak memory that sharding lowers."""
 
 
 def check_shardable(optimizer: torch.optim.Optimizer) -> None:
@@ -113,11 +113,6 @@ class ShardedStep:
             self.group_views[group_of[id(self.params[pc.index])]].append(view)
         self.version = self.reducer.plan_version
 
-    @property
-    def state_numel(self) -> int:
-        """Elements of the parameters this rank keeps optimizer state for."""
-        return sum(pc.numel for pc in self.pieces)
-
     # -- a step ----------------------------------------------------------------------
     def step(self, optimizer: Any, grads: Sequence[torch.Tensor | None]) -> None:
         """Step this rank's pieces with ``optimizer``'s own update (``grads``:
@@ -151,9 +146,7 @@ class ShardedStep:
 
     def gather(self) -> None:
         """Every rank's updated pieces into every rank's parameters: one
-        all-gather per bucket, ``GATHERS_IN_FLIGHT`` at a time (each returns a
-        whole bucket: more at once would add a copy of the model to the
-        peak memory this option exists to lower)."""
+        all-gather per bucket, ``GATHERS_IN_FLIGHT`` at a time."""
         eng, size = self.engine, self.engine.size
         started: list[tuple[PlanEntry, Any, Any]] = []
         for b in self.plan:

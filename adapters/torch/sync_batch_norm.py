@@ -115,13 +115,11 @@ def _sum(engine: Any, t: torch.Tensor, name: str) -> None:
     """Sum ``t`` over the ranks of ``engine``, in place: one fused collective
     (the statistics are a few numbers per channel, reduced where they lie).
 
-    Each call first runs the check (``dp_plugin.agree.check``, one small all-reduce):
-    the data's all-reduce never runs without one on an engine where a rank
-    that called ``hvd.join()`` listens (``dp_plugin.agree.join``), so it cannot pair
-    with that rank's standing answer; the check refuses instead, with
-    ``JoinedRankError`` on every rank that called it. It also catches ranks
-    that call their SyncBatchNorm layers in different orders or shapes
-    (``MismatchError``)."""
+    The check (``dp_plugin.agree.check``, one small all-reduce) runs first, so
+    the data's all-reduce never pairs with the standing answer of a rank that
+    called ``hvd.join()`` (``dp_plugin.agree.join``): every rank that called
+    it raises ``JoinedRankError`` instead, or ``MismatchError`` when the
+    ranks call their SyncBatchNorm layers in different orders or shapes."""
     check(engine, Request.of("allreduce", [t], name=f"SyncBatchNorm ({name})",
                              op=ReduceOp.SUM))
     fused_collective([t], engine=engine, name=name, names=[name]).finish()

@@ -26,7 +26,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from lightning.fabric.strategies import ParallelStrategy
-from lightning_utilities.core.rank_zero import rank_zero_only
 
 import dp_plugin.torch as hvd
 import torch
@@ -67,11 +66,6 @@ class HorovodFabricStrategy(OnDPPlugin, ParallelStrategy):
         """``id`` of optimizers averaged already in this step (by a clip)."""
 
     # -- where this process sits: dp_plugin's launcher detection -------------------
-    def setup_environment(self) -> None:
-        hvd.init()
-        rank_zero_only.rank = hvd.rank()  # type: ignore[attr-defined]
-        super().setup_environment()
-
     def module_to_device(self, module: torch.nn.Module) -> None:
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)

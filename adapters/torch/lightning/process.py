@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_utilities.core.rank_zero import rank_zero_only
+
 import dp_plugin.torch as hvd
 import torch
 from dp_plugin.errors import DPPluginError
@@ -37,6 +39,15 @@ class OnDPPlugin:
 
     parallel_devices: list[torch.device] | None
     """Lightning's ``ParallelStrategy.parallel_devices``; declared for the type checker."""
+
+    def set_world_ranks(self) -> None:
+        """Start dp_plugin (collective, idempotent); the Trainer calls it when built."""
+        hvd.init()
+        rank_zero_only.rank = hvd.rank()  # type: ignore[attr-defined]
+
+    def setup_environment(self) -> None:
+        self.set_world_ranks()
+        super().setup_environment()  # type: ignore[misc]
 
     @property
     def global_rank(self) -> int:

@@ -38,8 +38,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning_utilities.core.rank_zero import rank_zero_only
-
 import dp_plugin.torch as hvd
 import torch
 from dp_plugin.lightning import collectives
@@ -86,20 +84,11 @@ class HorovodStrategyBody(OnDPPlugin):
         """``total.completed`` batches when this rank last joined at an epoch's end."""
 
     # -- where this process sits: dp_plugin's launcher detection -------------------
-    def set_world_ranks(self) -> None:
-        """Start dp_plugin (collective, idempotent); the Trainer calls it when built."""
-        hvd.init()
-        rank_zero_only.rank = hvd.rank()  # type: ignore[attr-defined]
-
     @property
     def is_distributed(self) -> bool:
         """Read by the Trainer: it adds a ``DistributedSampler`` and lets
         ``self.log(..., sync_dist=True)`` reduce."""
         return True
-
-    def setup_environment(self) -> None:
-        self.set_world_ranks()
-        super().setup_environment()
 
     def model_to_device(self) -> None:
         if self.root_device.type == "cuda":
@@ -222,17 +211,14 @@ class HorovodStrategyBody(OnDPPlugin):
 
     # -- collectives ----------------------------------------------------------------
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """All-reduce ``tensor`` over every rank (``"mean"``, ``"sum"``, ``"min"``,
-        ``"max"``, ``"product"`` or a ``torch.distributed.ReduceOp``); any other
-        value is returned unchanged, as Lightning's strategies do."""
+        """``collectives.reduce``, after joining if this rank's batches are done."""
         if isinstance(tensor, torch.Tensor):
             self._join_if_out_of_batches()
         return collectives.reduce(tensor, group, reduce_op, "HorovodStrategy.reduce")
 
     def all_gather(self, tensor: torch.Tensor, group: Any = None,
                    sync_grads: bool = False) -> torch.Tensor:
-        """Every rank's ``tensor`` stacked along a new first dimension, as
-        DDP's; with ``sync_grads`` the result is differentiable."""
+        """``collectives.all_gather``, after joining if this rank's batches are done."""
         self._join_if_out_of_batches()
         return collectives.all_gather(tensor, group, sync_grads, "HorovodStrategy.all_gather")
 
@@ -241,7 +227,6 @@ class HorovodStrategyBody(OnDPPlugin):
         return hvd.broadcast_object(obj, root_rank=src)
 
     def barrier(self, name: str | None = None) -> None:
-        """``hvd.join()``: a rank that arrives early answers the others'
-        gradient reductions (zeros) until every rank is here."""
+        """``hvd.join()`` (see the module docstring), unless this rank joined just now."""
         if not self._join_if_out_of_batches():
             hvd.join()
