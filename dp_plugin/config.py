@@ -270,14 +270,23 @@ class Config:
             kwargs.setdefault("min_buckets", 1)
         timeline = next((n for n in ("DP_PLUGIN_TIMELINE", "HOROVOD_TIMELINE") if env.get(n)), None)
         if timeline is not None:
-            kwargs["timeline"] = _timeline_path(timeline, env[timeline])
+            if "\x00" in env[timeline]:
+                raise ConfigError(f"{timeline}={env[timeline]!r} holds a NUL character; set it to "
+                                  "a file path (or empty for no timeline)")
+            kwargs["timeline"] = env[timeline]
         if "DP_PLUGIN_TIMEOUT" in env:
             kwargs["timeout_s"] = env_positive_float(
                 env, "DP_PLUGIN_TIMEOUT", unit="seconds", maximum=MAX_TIMEOUT_S,
                 fix=f"default {DEFAULT_TIMEOUT_S:g}", error=ConfigError,
             )
-        if "DP_PLUGIN_STALL_WARNING_SECONDS" in env:
-            kwargs["stall_warning_s"] = _stall_warning(env)
+        stall = "DP_PLUGIN_STALL_WARNING_SECONDS"
+        if env.get(stall, "").strip() in ("0", "0.0"):
+            kwargs["stall_warning_s"] = 0.0  # off
+        elif stall in env:
+            kwargs["stall_warning_s"] = env_positive_float(
+                env, stall, unit="seconds", maximum=MAX_TIMEOUT_S,
+                fix=f"the default is {DEFAULT_STALL_WARNING_S:g}; 0 turns the warning off",
+                error=ConfigError)
         for name, key in _BOOL_VARIABLES:
             if name in env:
                 kwargs[key] = env_bool(env, name, error=ConfigError)
@@ -348,23 +357,6 @@ def _fusion_threshold(env: Mapping[str, str]) -> int | None:
         )
         return 1 if value == 0 else value
     return None
-
-
-def _stall_warning(env: Mapping[str, str]) -> float:
-    """DP_PLUGIN_STALL_WARNING_SECONDS: 0 (off) or a positive number of seconds."""
-    name = "DP_PLUGIN_STALL_WARNING_SECONDS"
-    if env[name].strip() in ("0", "0.0"):
-        return 0.0
-    return env_positive_float(env, name, unit="seconds", maximum=MAX_TIMEOUT_S,
-                              fix=f"the default is {DEFAULT_STALL_WARNING_S:g}; 0 turns the "
-                                  "warning off", error=ConfigError)
-
-
-def _timeline_path(name: str, value: str) -> str:
-    if "\x00" in value:
-        raise ConfigError(f"{name}={value!r} holds a NUL character; set it to a file path (or "
-                          "empty for no timeline)")
-    return value
 
 
 def _job_secret(env: Mapping[str, str]) -> dict[str, object]:
