@@ -201,7 +201,20 @@ class Config:
                                  maximum=MAX_TIMEOUT_S, fix=f"the default is "
                                  f"{DEFAULT_STALL_WARNING_S:g}; 0 turns the warning off",
                                  error=error)
-        self._check_autotune()
+        check_int("autotune_warmup_steps", self.autotune_warmup_steps, minimum=0,
+                  maximum=MAX_AUTOTUNE_STEPS, fix="set DP_PLUGIN_AUTOTUNE_WARMUP_STEPS (default 2)",
+                  error=error)
+        check_int("autotune_steps", self.autotune_steps, minimum=1, maximum=MAX_AUTOTUNE_STEPS,
+                  fix="set DP_PLUGIN_AUTOTUNE_STEPS (default 5)", error=error)
+        cands = self.autotune_candidates
+        fix = ("set DP_PLUGIN_AUTOTUNE_CANDIDATES to a comma-separated list of bytes, e.g. "
+               "1048576,8388608,26214400")
+        if not isinstance(cands, tuple) or not 1 <= len(cands) <= MAX_AUTOTUNE_CANDIDATES:
+            raise error(f"autotune_candidates must be a tuple of 1 to {MAX_AUTOTUNE_CANDIDATES} "
+                        f"ints, got {cands!r}; {fix}")
+        for c in cands:
+            check_int("autotune_candidates (bytes)", c, minimum=1, maximum=MAX_THRESHOLD, fix=fix,
+                      error=error)
         check_choice("check_finite", self.check_finite, CHECK_FINITE_MODES, kind="modes",
                      fix="set DP_PLUGIN_CHECK_FINITE to one of them", error=error)
         secret = self.job_secret
@@ -228,22 +241,6 @@ class Config:
         if self.min_buckets > 1 and total_bytes > 0:
             cap = min(cap, max(-(-total_bytes // self.min_buckets), first or 1))
         return cap, first
-
-    def _check_autotune(self) -> None:
-        check_int("autotune_warmup_steps", self.autotune_warmup_steps, minimum=0,
-                  maximum=MAX_AUTOTUNE_STEPS, fix="set DP_PLUGIN_AUTOTUNE_WARMUP_STEPS (default 2)",
-                  error=ConfigError)
-        check_int("autotune_steps", self.autotune_steps, minimum=1, maximum=MAX_AUTOTUNE_STEPS,
-                  fix="set DP_PLUGIN_AUTOTUNE_STEPS (default 5)", error=ConfigError)
-        cands = self.autotune_candidates
-        fix = ("set DP_PLUGIN_AUTOTUNE_CANDIDATES to a comma-separated list of bytes, e.g. "
-               "1048576,8388608,26214400")
-        if not isinstance(cands, tuple) or not 1 <= len(cands) <= MAX_AUTOTUNE_CANDIDATES:
-            raise ConfigError(f"autotune_candidates must be a tuple of 1 to "
-                              f"{MAX_AUTOTUNE_CANDIDATES} ints, got {cands!r}; {fix}")
-        for c in cands:
-            check_int("autotune_candidates (bytes)", c, minimum=1, maximum=MAX_THRESHOLD,
-                      fix=fix, error=ConfigError)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
