@@ -155,14 +155,11 @@ def conclude(engine: Any, table: np.ndarray, payload: bytes, numbers: Sequence[i
     rows = [0 if r in joined else n_extra[r] + int(table[r, 1]) for r in range(engine.size)]
     blob = to_host(engine.allgather(to_device(mine, engine.buffer_device), rows,
                                     f"{AGREE_NAME}.detail"))
-    envelopes: list[Any | None] = []
+    envelopes: list[Any | None] = [None] * engine.size  # None stays for joined ranks
     at = 0
-    for r in range(engine.size):
-        if r in joined:
-            envelopes.append(None)
-            continue
+    for r in active:  # joined ranks sent no bytes (rows[r] == 0)
         numbers_of[r] += blob[at:at + n_extra[r]].copy().view("<i8").tolist()
-        envelopes.append(json.loads(blob[at + n_extra[r]:at + rows[r]].tobytes()))
+        envelopes[r] = json.loads(blob[at + n_extra[r]:at + rows[r]].tobytes())
         at += rows[r]
     tags = {envelopes[r][0] for r in active}  # type: ignore[index]
     if len(tags) > 1:
