@@ -37,9 +37,8 @@ DEFAULT_FIRST_BUCKET_THRESHOLD = 1024 * 1024
 DEFAULT_MIN_BUCKETS = 4
 """A gradient smaller than 4 buckets of the default size is spread over about 4:
 the first three then travel while backward still runs, as they do for large
-models (docs/benchmarks-history.md, "With the shared-memory all-reduce": on a
-28.5 MiB model 42-57% of the all-reduce was waited for with one 25 MiB bucket,
-14-22% spread over 7 MiB ones, at the same step time)."""
+models, at the same step time (measured: docs/benchmarks-history.md, "Where
+every goal stands (2026-12-01, fourth session)")."""
 MAX_MIN_BUCKETS = 1024
 DEFAULT_TIMEOUT_S = 1800.0
 """30 minutes, torch.distributed's default for gloo: a rank-0-only evaluation or
@@ -346,8 +345,7 @@ def _fusion_threshold(env: Mapping[str, str]) -> int | None:
             env, "DP_PLUGIN_FUSION_THRESHOLD", minimum=1, maximum=MAX_THRESHOLD, unit="bytes",
             fix=f"set a positive number of bytes {fusion}", error=ConfigError,
         )
-    if "HOROVOD_FUSION_THRESHOLD" in env:
-        # Horovod's 0 means "no fusion": a 1-byte threshold, one tensor per bucket.
+    if "HOROVOD_FUSION_THRESHOLD" in env:  # 0: Horovod's "no fusion" (from_env's docstring)
         value = env_int(
             env, "HOROVOD_FUSION_THRESHOLD", minimum=0, maximum=MAX_THRESHOLD, unit="bytes",
             fix=f"set 0 (no fusion) or a positive number of bytes {fusion}", error=ConfigError,
