@@ -12,13 +12,10 @@ collective therefore agrees before its data moves (a fused one once):
 2. only if the digests differ do the ranks gather the full descriptions, so
    that every rank can say what differs, and on which ranks.
 
-``compare`` is that exchange for any JSON-able description; what is
-described is ``dp_plugin.agree.request``'s, the messages
-``dp_plugin.agree.check_messages`` (``dp_plugin.agree.check`` calls it; so
-does the Keras metric average, whose messages name the logged metrics). A
-rank that has called ``join()`` takes part in it with a
-row of its own (``JOINED``); what it answers and what it refuses is
-``dp_plugin.agree.join``.
+``compare`` is that exchange for any JSON-able description (the one check,
+``dp_plugin.agree.check``, and the Keras metric average call it). A rank that
+has called ``join()`` takes part in it with a row of its own (``JOINED``);
+what it answers and what it refuses is ``dp_plugin.agree.join``.
 
 Distributed contract: ``compare`` is a collective. Every rank calls it at
 the same point; every rank then sees the same digests, so every rank takes
