@@ -139,11 +139,10 @@ def answerable(heard: Heard, kind: str) -> bool:
 
 def replay(engine: Any, described: list[dict[str, Any]]) -> None:
     """Run, contributing nothing, the collective the other ranks agreed on
-    (``described``: one description per tensor, ``joined_view``;
-    blocks). All-reduce: the same grouped all-reduce on the op's identity
-    (zeros for Sum and Average, as Horovod's joined ranks contribute, so
-    Average still divides by the full size; +inf/-inf/1 for
-    Min/Max/Product). Barrier: the agreement was all of it."""
+    (``described``: one description per tensor, ``joined_view``; blocks).
+    All-reduce: the same grouped all-reduce on the op's identity (the module
+    docstring; +inf/-inf/1 for Min/Max/Product). Barrier: the agreement was
+    all of it."""
     kind, name = described[0]["kind"], described[0]["name"]
     if kind == "barrier":
         return
