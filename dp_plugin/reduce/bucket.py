@@ -34,10 +34,8 @@ over the threshold (a single tensor that could not be split: two slabs of
 its size would cost more than it). Any other buffer only copies, so it
 borrows a ``Slab`` for each step; that keeps copy-mode fusion memory within
 twice the threshold. Such buckets take turns on two slabs per dtype and
-device, each the size of the plan's largest bucket of that kind (Horovod
-keeps one fusion buffer per device; PyTorch DDP without
-``gradient_as_bucket_view`` one per bucket, the size of the gradients).
-Before a bucket packs into a slab, the bucket that used it before must have
+device, each the size of the plan's largest bucket of that kind. Before a
+bucket packs into a slab, the bucket that used it before must have
 been unpacked: ``start`` waits for it and unpacks it then. That is
 back-pressure: at most two copy-mode buckets of a kind are in flight, and a
 third waits for the first.
