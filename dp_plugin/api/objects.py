@@ -1,8 +1,6 @@
-"""Python objects through an engine's collectives: the adapters' ``broadcast_object``
-and ``allgather_object``; ``from_rank0``, a value rank 0 computes (a file it reads or
-writes) or its failure, on every rank; ``first_unloadable``, the value a saved state
-could not be read back for; and ``broadcast_bytes``, the adapters' broadcast of many
-tensors.
+"""Python objects through an engine's collectives (the adapters' ``broadcast_object``,
+``allgather_object``, ``from_rank0``; ``first_unloadable`` names what would not
+load back), and the adapters' fused broadcast of many tensors (``broadcast_bytes``).
 
 Objects are pickled (with cloudpickle when installed: lambdas, local
 classes; else pickle) and travel as uint8 buffers on the engine's buffer
