@@ -69,11 +69,8 @@ def fused_collective(tensors: Sequence[Any], *, engine: Any, name: str,
 
     ``sources`` (one per tensor): out of place. The values are read from
     ``sources``, never written, and ``tensors`` are fresh outputs (they may
-    be uninitialized). Each bucket copies its sources in as it starts (a
-    tensor that travels alone straight into its output), so that copy runs
-    while the buckets before it are on the wire, and its unpack in
-    ``finish()`` while the buckets after it are: the outputs cost no pass of
-    their own over the whole list before the first byte moves."""
+    be uninitialized). Each bucket copies its sources in as it starts
+    (``Bucket.start``), so the copies overlap the wire as the unpacks do."""
     if names is None:
         names = [f"{name}.{i}" for i in range(len(tensors))]
     specs = []
