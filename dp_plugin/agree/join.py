@@ -192,8 +192,7 @@ class Deadline:
 
 def last_joined(engine: Any, answered: int) -> int:
     """Once every rank has joined (collective over ``engine``, the global one):
-    the rank that joined last, i.e. that answered the fewest of the others'
-    rounds since it joined (of several, the highest)."""
+    the rank that joined last, by the module docstring's count."""
     counts = np.zeros(engine.size, dtype=np.int64)
     counts[engine.rank] = answered
     buf = to_device(counts, engine.buffer_device)
