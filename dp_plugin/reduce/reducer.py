@@ -333,10 +333,9 @@ class Reducer:
         *is* this view is reduced without the pack and unpack copies. ``like``
         (a tensor of the adapter's framework) picks the array backend when no
         gradient was seen yet. The view stays valid until the plan changes:
-        compare ``plan_version`` before reusing it (it changes at most once,
-        when the first step's ready order rebuilds the plan). A single-tensor
-        bucket needs no view: its gradient is reduced in place anyway. The
-        buffer is pinned from then on.
+        compare ``plan_version`` before reusing it. A single-tensor bucket
+        needs no view: its gradient is reduced in place anyway. The buffer is
+        pinned from then on.
         """
         with self._lock:
             index = self._index(index)
