@@ -87,11 +87,10 @@ def compare(engine: Any, tag: str, described: Any, numbers: Sequence[int] = (), 
     ``described`` is this rank's JSON-able description of what it is about
     to do, ``tag`` names the caller; ``numbers`` are per-rank integers the
     caller needs from every rank (e.g. first dimensions of an uneven
-    all-gather). One all-reduce of a ``size x (6 + 8)`` table, each rank
-    filling its row with ``[len(numbers), len(description), digest,
-    numbers]``; only when the digests differ, a rank has joined or there
-    are more than 8 numbers, a second exchange (an all-gather) of the
-    descriptions themselves, so the caller can say who differs and how.
+    all-gather). The module docstring's exchange: each rank's row is
+    ``[len(numbers), len(description), digest, numbers]`` (``WIDTH`` words);
+    the descriptions follow only when the digests differ, a rank has joined
+    or there are more than ``INLINE`` numbers.
 
     A joined rank (``dp_plugin.agree.join``) answers with a row of its own; unless
     ``joined_ok`` (the caller decides, with ``dp_plugin.agree.join``, what a joined
