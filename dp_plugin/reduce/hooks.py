@@ -204,8 +204,7 @@ def compression_wrapper(hook: CommHook, compressor: Compressor | str) -> CommHoo
     """
     comp = get_compressor(compressor)
     wrapped = _cast_wrapper(hook, comp) if isinstance(comp, Cast) else _tensor_wrapper(hook, comp)
-    wrapped.__name__ = f"{comp.name}_{getattr(hook, '__name__', 'hook')}"
-    wrapped.__qualname__ = wrapped.__name__
+    wrapped.__name__ = wrapped.__qualname__ = f"{comp.name}_{getattr(hook, '__name__', 'hook')}"
     return wrapped
 
 
