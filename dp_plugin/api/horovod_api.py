@@ -5,10 +5,8 @@ The reduce ops and ``Compression`` (``horovod_names``), process sets
 ``dp_plugin.torch`` and ``dp_plugin.tensorflow`` star-import this module and
 add its ``__all__`` to theirs, so the list is written once.
 
-``HorovodBasics`` is the process-level API (init, ranks, timeline), as
-Horovod's class of that name: each adapter makes one and binds its methods
-as module functions. The answers are the same for every framework: both
-adapters run on the one engine of ``dp_plugin.launch.runtime``.
+``HorovodBasics`` is the process-level API: each adapter makes one and binds
+its methods as module functions, all on the one engine of ``dp_plugin.launch.runtime``.
 """
 
 from __future__ import annotations
