@@ -7,8 +7,9 @@ Typical use goes through an adapter (``import dp_plugin.torch as hvd``). The
 core API is for adapters and advanced users::
 
     import dp_plugin
+    from dp_plugin.reduce.reducer import GradientScheduler
     dp_plugin.init()                 # detect the launcher, pick the engine
-    sched = dp_plugin.GradientScheduler(specs, ...)
+    sched = GradientScheduler(specs, ...)
 """
 
 from dp_plugin.config import Config

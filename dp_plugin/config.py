@@ -37,9 +37,8 @@ DEFAULT_FIRST_BUCKET_THRESHOLD = 1024 * 1024
 DEFAULT_MIN_BUCKETS = 4
 """A gradient smaller than 4 buckets of the default size is spread over about 4:
 the first three then travel while backward still runs, as they do for large
-models (docs/benchmarks-history.md, "With the shared-memory all-reduce": on a
-28.5 MiB model 42-57% of the all-reduce was waited for with one 25 MiB bucket,
-14-22% spread over 7 MiB ones, at the same step time)."""
+models, at the same step time (measured: docs/benchmarks-history.md, "Where
+every goal stands (2026-12-01, fourth session)")."""
 MAX_MIN_BUCKETS = 1024
 DEFAULT_TIMEOUT_S = 1800.0
 """30 minutes, torch.distributed's default for gloo: a rank-0-only evaluation or
@@ -201,7 +200,20 @@ class Config:
                                  maximum=MAX_TIMEOUT_S, fix=f"the default is "
                                  f"{DEFAULT_STALL_WARNING_S:g}; 0 turns the warning off",
                                  error=error)
-        self._check_autotune()
+        check_int("autotune_warmup_steps", self.autotune_warmup_steps, minimum=0,
+                  maximum=MAX_AUTOTUNE_STEPS, fix="set DP_PLUGIN_AUTOTUNE_WARMUP_STEPS (default 2)",
+                  error=error)
+        check_int("autotune_steps", self.autotune_steps, minimum=1, maximum=MAX_AUTOTUNE_STEPS,
+                  fix="set DP_PLUGIN_AUTOTUNE_STEPS (default 5)", error=error)
+        cands = self.autotune_candidates
+        fix = ("set DP_PLUGIN_AUTOTUNE_CANDIDATES to a comma-separated list of bytes, e.g. "
+               "1048576,8388608,26214400")
+        if not isinstance(cands, tuple) or not 1 <= len(cands) <= MAX_AUTOTUNE_CANDIDATES:
+            raise error(f"autotune_candidates must be a tuple of 1 to {MAX_AUTOTUNE_CANDIDATES} "
+                        f"ints, got {cands!r}; {fix}")
+        for c in cands:
+            check_int("autotune_candidates (bytes)", c, minimum=1, maximum=MAX_THRESHOLD, fix=fix,
+                      error=error)
         check_choice("check_finite", self.check_finite, CHECK_FINITE_MODES, kind="modes",
                      fix="set DP_PLUGIN_CHECK_FINITE to one of them", error=error)
         secret = self.job_secret
@@ -229,22 +241,6 @@ class Config:
             cap = min(cap, max(-(-total_bytes // self.min_buckets), first or 1))
         return cap, first
 
-    def _check_autotune(self) -> None:
-        check_int("autotune_warmup_steps", self.autotune_warmup_steps, minimum=0,
-                  maximum=MAX_AUTOTUNE_STEPS, fix="set DP_PLUGIN_AUTOTUNE_WARMUP_STEPS (default 2)",
-                  error=ConfigError)
-        check_int("autotune_steps", self.autotune_steps, minimum=1, maximum=MAX_AUTOTUNE_STEPS,
-                  fix="set DP_PLUGIN_AUTOTUNE_STEPS (default 5)", error=ConfigError)
-        cands = self.autotune_candidates
-        fix = ("set DP_PLUGIN_AUTOTUNE_CANDIDATES to a comma-separated list of bytes, e.g. "
-               "1048576,8388608,26214400")
-        if not isinstance(cands, tuple) or not 1 <= len(cands) <= MAX_AUTOTUNE_CANDIDATES:
-            raise ConfigError(f"autotune_candidates must be a tuple of 1 to "
-                              f"{MAX_AUTOTUNE_CANDIDATES} ints, got {cands!r}; {fix}")
-        for c in cands:
-            check_int("autotune_candidates (bytes)", c, minimum=1, maximum=MAX_THRESHOLD,
-                      fix=fix, error=ConfigError)
-
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
         """Read the configuration from ``env`` (default: ``os.environ``).
@@ -270,14 +266,23 @@ class Config:
             kwargs.setdefault("min_buckets", 1)
         timeline = next((n for n in ("DP_PLUGIN_TIMELINE", "HOROVOD_TIMELINE") if env.get(n)), None)
         if timeline is not None:
-            kwargs["timeline"] = _timeline_path(timeline, env[timeline])
+            if "\x00" in env[timeline]:
+                raise ConfigError(f"{timeline}={env[timeline]!r} holds a NUL character; set it to "
+                                  "a file path (or empty for no timeline)")
+            kwargs["timeline"] = env[timeline]
         if "DP_PLUGIN_TIMEOUT" in env:
             kwargs["timeout_s"] = env_positive_float(
                 env, "DP_PLUGIN_TIMEOUT", unit="seconds", maximum=MAX_TIMEOUT_S,
                 fix=f"default {DEFAULT_TIMEOUT_S:g}", error=ConfigError,
             )
-        if "DP_PLUGIN_STALL_WARNING_SECONDS" in env:
-            kwargs["stall_warning_s"] = _stall_warning(env)
+        stall = "DP_PLUGIN_STALL_WARNING_SECONDS"
+        if env.get(stall, "").strip() in ("0", "0.0"):
+            kwargs["stall_warning_s"] = 0.0  # off
+        elif stall in env:
+            kwargs["stall_warning_s"] = env_positive_float(
+                env, stall, unit="seconds", maximum=MAX_TIMEOUT_S,
+                fix=f"the default is {DEFAULT_STALL_WARNING_S:g}; 0 turns the warning off",
+                error=ConfigError)
         for name, key in _BOOL_VARIABLES:
             if name in env:
                 kwargs[key] = env_bool(env, name, error=ConfigError)
@@ -340,31 +345,13 @@ def _fusion_threshold(env: Mapping[str, str]) -> int | None:
             env, "DP_PLUGIN_FUSION_THRESHOLD", minimum=1, maximum=MAX_THRESHOLD, unit="bytes",
             fix=f"set a positive number of bytes {fusion}", error=ConfigError,
         )
-    if "HOROVOD_FUSION_THRESHOLD" in env:
-        # Horovod's 0 means "no fusion": a 1-byte threshold, one tensor per bucket.
+    if "HOROVOD_FUSION_THRESHOLD" in env:  # 0: Horovod's "no fusion" (from_env's docstring)
         value = env_int(
             env, "HOROVOD_FUSION_THRESHOLD", minimum=0, maximum=MAX_THRESHOLD, unit="bytes",
             fix=f"set 0 (no fusion) or a positive number of bytes {fusion}", error=ConfigError,
         )
         return 1 if value == 0 else value
     return None
-
-
-def _stall_warning(env: Mapping[str, str]) -> float:
-    """DP_PLUGIN_STALL_WARNING_SECONDS: 0 (off) or a positive number of seconds."""
-    name = "DP_PLUGIN_STALL_WARNING_SECONDS"
-    if env[name].strip() in ("0", "0.0"):
-        return 0.0
-    return env_positive_float(env, name, unit="seconds", maximum=MAX_TIMEOUT_S,
-                              fix=f"the default is {DEFAULT_STALL_WARNING_S:g}; 0 turns the "
-                                  "warning off", error=ConfigError)
-
-
-def _timeline_path(name: str, value: str) -> str:
-    if "\x00" in value:
-        raise ConfigError(f"{name}={value!r} holds a NUL character; set it to a file path (or "
-                          "empty for no timeline)")
-    return value
 
 
 def _job_secret(env: Mapping[str, str]) -> dict[str, object]:

@@ -104,15 +104,13 @@ def check_positive_float(
     ``check_positive_float("cycle_time_s", 0)`` raises
     ``ValueError("cycle_time_s must be a finite number > 0, got 0")``.
     """
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    number = math.nan
-    if ok:
+    number = math.nan  # not a number at all: refused below
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
         try:
-            number = float(value)  # type: ignore[arg-type]
+            number = float(value)
         except OverflowError:  # an int beyond float's range
             number = math.inf
-        ok = math.isfinite(number) and number > 0 and (maximum is None or number <= maximum)
-    if not ok:
+    if not (math.isfinite(number) and number > 0 and (maximum is None or number <= maximum)):
         unit_text = f" ({unit})" if unit else ""
         most = f" and <= {maximum:g}" if maximum is not None else ""
         raise error(_message(

@@ -12,13 +12,10 @@ collective therefore agrees before its data moves (a fused one once):
 2. only if the digests differ do the ranks gather the full descriptions, so
    that every rank can say what differs, and on which ranks.
 
-``compare`` is that exchange for any JSON-able description; what is
-described is ``dp_plugin.agree.request``'s, the messages
-``dp_plugin.agree.check_messages`` (``dp_plugin.agree.check`` calls it; so
-does the Keras metric average, whose messages name the logged metrics). A
-rank that has called ``join()`` takes part in it with a
-row of its own (``JOINED``); what it answers and what it refuses is
-``dp_plugin.agree.join``.
+``compare`` is that exchange for any JSON-able description (the one check,
+``dp_plugin.agree.check``, and the Keras metric average call it). A rank that
+has called ``join()`` takes part in it with a row of its own (``JOINED``);
+what it answers and what it refuses is ``dp_plugin.agree.join``.
 
 Distributed contract: ``compare`` is a collective. Every rank calls it at
 the same point; every rank then sees the same digests, so every rank takes
@@ -90,11 +87,10 @@ def compare(engine: Any, tag: str, described: Any, numbers: Sequence[int] = (), 
     ``described`` is this rank's JSON-able description of what it is about
     to do, ``tag`` names the caller; ``numbers`` are per-rank integers the
     caller needs from every rank (e.g. first dimensions of an uneven
-    all-gather). One all-reduce of a ``size x (6 + 8)`` table, each rank
-    filling its row with ``[len(numbers), len(description), digest,
-    numbers]``; only when the digests differ, a rank has joined or there
-    are more than 8 numbers, a second exchange (an all-gather) of the
-    descriptions themselves, so the caller can say who differs and how.
+    all-gather). The module docstring's exchange: each rank's row is
+    ``[len(numbers), len(description), digest, numbers]`` (``WIDTH`` words);
+    the descriptions follow only when the digests differ, a rank has joined
+    or there are more than ``INLINE`` numbers.
 
     A joined rank (``dp_plugin.agree.join``) answers with a row of its own; unless
     ``joined_ok`` (the caller decides, with ``dp_plugin.agree.join``, what a joined
@@ -155,14 +151,11 @@ def conclude(engine: Any, table: np.ndarray, payload: bytes, numbers: Sequence[i
     rows = [0 if r in joined else n_extra[r] + int(table[r, 1]) for r in range(engine.size)]
     blob = to_host(engine.allgather(to_device(mine, engine.buffer_device), rows,
                                     f"{AGREE_NAME}.detail"))
-    envelopes: list[Any | None] = []
+    envelopes: list[Any | None] = [None] * engine.size  # None stays for joined ranks
     at = 0
-    for r in range(engine.size):
-        if r in joined:
-            envelopes.append(None)
-            continue
+    for r in active:  # joined ranks sent no bytes (rows[r] == 0)
         numbers_of[r] += blob[at:at + n_extra[r]].copy().view("<i8").tolist()
-        envelopes.append(json.loads(blob[at + n_extra[r]:at + rows[r]].tobytes()))
+        envelopes[r] = json.loads(blob[at + n_extra[r]:at + rows[r]].tobytes())
         at += rows[r]
     tags = {envelopes[r][0] for r in active}  # type: ignore[index]
     if len(tags) > 1:

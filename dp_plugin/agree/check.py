@@ -12,8 +12,7 @@ numbers the collective needs from every rank). Every rank runs the same
 comparison on the same descriptions, so the outcome — an ``Agreed`` to run,
 or a ``MismatchError`` carrying its ``Problem`` — is the same everywhere, and
 so is the message (``dp_plugin.agree.check_messages``; a problem's local detail is
-added on the rank that has it, after "On this rank:"). What a rank that
-called ``join()`` answers is ``dp_plugin.agree.join``'s rule.
+added on the rank that has it, after "On this rank:").
 """
 
 from __future__ import annotations

@@ -2,12 +2,9 @@
 of fields and of how each value reads, and the two raisers every rank runs on
 the same descriptions, so every rank raises the same text.
 
-A rank's own mistake (``raise_problems``: a dtype collectives do not take, a
-0-dim input, a bad root, bad splits or members) names the job ranks that
-made it; a difference (``raise_mismatch``) names the first field where the
-ranks' requests differ, each value with the ranks that passed it. A fused
-collective's layout and settings have their own texts (``layout_text``,
-``settings_text``).
+A difference (``raise_mismatch``) names each value with the ranks that
+passed it. A fused collective's layout and settings have their own texts
+(``layout_text``, ``settings_text``).
 """
 
 from __future__ import annotations

@@ -139,11 +139,10 @@ def answerable(heard: Heard, kind: str) -> bool:
 
 def replay(engine: Any, described: list[dict[str, Any]]) -> None:
     """Run, contributing nothing, the collective the other ranks agreed on
-    (``described``: one description per tensor, ``joined_view``;
-    blocks). All-reduce: the same grouped all-reduce on the op's identity
-    (zeros for Sum and Average, as Horovod's joined ranks contribute, so
-    Average still divides by the full size; +inf/-inf/1 for
-    Min/Max/Product). Barrier: the agreement was all of it."""
+    (``described``: one description per tensor, ``joined_view``; blocks).
+    All-reduce: the same grouped all-reduce on the op's identity (the module
+    docstring; +inf/-inf/1 for Min/Max/Product). Barrier: the agreement was
+    all of it."""
     kind, name = described[0]["kind"], described[0]["name"]
     if kind == "barrier":
         return
@@ -193,8 +192,7 @@ class Deadline:
 
 def last_joined(engine: Any, answered: int) -> int:
     """Once every rank has joined (collective over ``engine``, the global one):
-    the rank that joined last, i.e. that answered the fewest of the others'
-    rounds since it joined (of several, the highest)."""
+    the rank that joined last, by the module docstring's count."""
     counts = np.zeros(engine.size, dtype=np.int64)
     counts[engine.rank] = answered
     buf = to_device(counts, engine.buffer_device)

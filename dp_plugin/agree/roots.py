@@ -10,11 +10,10 @@ from dp_plugin.agree.edge import caller
 
 
 def root_of(engine: Any, root_rank: Any) -> int:
-    """Horovod's rule for every rooted function: ``root_rank`` is a job-wide
-    rank that must belong to the ranks ``engine`` runs (a process set, or the
-    whole job); returns its rank within ``engine``. A root that is not an int
-    raises ``TypeError`` at once, on this rank; one outside the set a
-    ``ValueError`` (``check`` makes it a problem every rank raises for)."""
+    """``root_rank`` as a rank of ``engine`` (a process set, or the whole job),
+    by the module's rule. A root that is not an int raises ``TypeError`` at
+    once, on this rank; one outside the set a ``ValueError`` (``check`` makes
+    it a problem every rank raises for)."""
     what = caller()
     if isinstance(root_rank, bool) or not isinstance(root_rank, int):
         raise TypeError(f"{what}: root_rank={root_rank!r} must be an int (a job-wide rank)")

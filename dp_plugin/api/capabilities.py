@@ -17,6 +17,8 @@ from dp_plugin.agree.edge import caller
 from dp_plugin.engines.base import Engine
 from dp_plugin.launch import runtime
 
+__all__ = ["ccl_built", "ddl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled"]
+
 
 def gloo_built() -> bool:
     """True when the ``gloo`` engine can run (torch.distributed with Gloo is installed)."""

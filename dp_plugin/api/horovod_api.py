@@ -5,10 +5,8 @@ The reduce ops and ``Compression`` (``horovod_names``), process sets
 ``dp_plugin.torch`` and ``dp_plugin.tensorflow`` star-import this module and
 add its ``__all__`` to theirs, so the list is written once.
 
-``HorovodBasics`` is the process-level API (init, ranks, timeline), as
-Horovod's class of that name: each adapter makes one and binds its methods
-as module functions. The answers are the same for every framework: both
-adapters run on the one engine of ``dp_plugin.launch.runtime``.
+``HorovodBasics`` is the process-level API: each adapter makes one and binds
+its methods as module functions, all on the one engine of ``dp_plugin.launch.runtime``.
 """
 
 from __future__ import annotations
@@ -20,21 +18,9 @@ from typing import Any
 from dp_plugin.agree.edge import caller, public
 from dp_plugin.api import capabilities
 from dp_plugin.api import process_sets as _process_sets
-from dp_plugin.api.capabilities import (
-    ccl_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    mpi_built,
-    mpi_enabled,
-)
+from dp_plugin.api.capabilities import *  # noqa: F403 - each module lists its names once
 from dp_plugin.api.horovod_names import Adasum, Average, Compression, Max, Min, Product, Sum
-from dp_plugin.api.process_sets import (
-    ProcessSet,
-    add_process_set,
-    global_process_set,
-    remove_process_set,
-)
+from dp_plugin.api.process_sets import *  # noqa: F403
 from dp_plugin.api.timeline import shared_timeline
 from dp_plugin.config import Config
 from dp_plugin.engines.base import Engine
@@ -42,25 +28,9 @@ from dp_plugin.errors import NotInitializedError
 from dp_plugin.launch import runtime
 from dp_plugin.launch.launchers import detect
 
-__all__ = [
-    "Adasum",
-    "Average",
-    "Compression",
-    "Max",
-    "Min",
-    "ProcessSet",
-    "Product",
-    "Sum",
-    "add_process_set",
-    "ccl_built",
-    "ddl_built",
-    "global_process_set",
-    "gloo_built",
-    "gloo_enabled",
-    "mpi_built",
-    "mpi_enabled",
-    "remove_process_set",
-]
+__all__ = ["Adasum", "Average", "Compression", "Max", "Min", "Product", "Sum"]
+__all__ += capabilities.__all__
+__all__ += _process_sets.__all__
 
 
 def _topology_query(attr: str, doc: str) -> Callable[[HorovodBasics], Any]:

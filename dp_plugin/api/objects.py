@@ -1,8 +1,6 @@
-"""Python objects through an engine's collectives: the adapters' ``broadcast_object``
-and ``allgather_object``; ``from_rank0``, a value rank 0 computes (a file it reads or
-writes) or its failure, on every rank; ``first_unloadable``, the value a saved state
-could not be read back for; and ``broadcast_bytes``, the adapters' broadcast of many
-tensors.
+"""Python objects through an engine's collectives (the adapters' ``broadcast_object``,
+``allgather_object``, ``from_rank0``; ``first_unloadable`` names what would not
+load back), and the adapters' fused broadcast of many tensors (``broadcast_bytes``).
 
 Objects are pickled (with cloudpickle when installed: lambdas, local
 classes; else pickle) and travel as uint8 buffers on the engine's buffer
@@ -50,7 +48,7 @@ def broadcast_object(engine: Any, obj: Any, root: int, name: str) -> Any:
     data = to_device(np.empty(count, np.uint8) if payload is None else payload,
                      engine.buffer_device)
     engine.broadcast(data, root, name=f"{name}.t")
-    return obj if is_root else _loads(to_host(data))
+    return obj if is_root else pickle.loads(to_host(data).tobytes())
 
 
 def allgather_object(engine: Any, obj: Any, name: str) -> list[Any]:
@@ -64,7 +62,7 @@ def allgather_object(engine: Any, obj: Any, name: str) -> list[Any]:
     # Every rank's byte count is known now: the rows need no second check.
     data = to_host(engine.allgather(to_device(payload, engine.buffer_device), sizes, f"{name}.t"))
     offsets = np.concatenate([[0], np.cumsum(sizes)])
-    return [_loads(data[offsets[r]:offsets[r + 1]]) for r in range(engine.size)]
+    return [pickle.loads(data[offsets[r]:offsets[r + 1]].tobytes()) for r in range(engine.size)]
 
 
 def from_rank0(run: Callable[[], T], error: type[Exception], name: str,
@@ -113,7 +111,8 @@ def first_unloadable(state: Any, refusal: Callable[[Any], str | None], reason: s
 
 def _pickled(obj: Any) -> tuple[np.ndarray, Exception | None]:
     """``obj``'s pickle as a uint8 array, or the pickling error (told to the
-    other ranks by a length of -1, so that they raise too)."""
+    other ranks by a length of -1, so that they raise too). cloudpickle's
+    output is read by the standard unpickler."""
     buf = io.BytesIO()
     try:
         try:
@@ -139,11 +138,6 @@ def _raise_if_unpickled(engine: Any, sizes: list[int], problem: Exception | None
         raise TypeError(f"{text}: {type(problem).__name__}: {problem}; make it picklable "
                         "(cloudpickle handles lambdas and local classes)") from problem
     raise TypeError(f"{text}; see the error on that rank")
-
-
-def _loads(data: np.ndarray) -> Any:
-    # cloudpickle output is read by the standard unpickler.
-    return pickle.loads(data.tobytes())
 
 
 def byte_layout(name: str, shape: tuple[int, ...], dtype: str, itemsize: int, odd_name: str,

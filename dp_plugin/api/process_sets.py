@@ -273,11 +273,9 @@ def engine_or_none(process_set: Any) -> Engine | None:
             f"{caller()}: process_set must be an hvd.ProcessSet, got {type(process_set).__name__}; "
             "pass hvd.global_process_set (the default) or one made by hvd.add_process_set(ranks)"
         )
-    if process_set.process_set_id == 0:
-        return _global_engine()
     if process_set.process_set_id is not None and not process_set.included():
         return None
-    return process_set.engine()
+    return process_set.engine()  # the global engine for the global set
 
 
 def member_engines() -> list[Engine]:

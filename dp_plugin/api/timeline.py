@@ -2,16 +2,14 @@
 
 ``DP_PLUGIN_TIMELINE=path`` (or ``HOROVOD_TIMELINE``) makes every rank write
 its own file: ``path`` with ``{rank}`` replaced, else with ``.rankN`` inserted
-before the extension (``t.json`` -> ``t.rank0.json``). Each file is a Chrome
-trace in the "JSON Array Format": ``[`` then one event per line. The closing
-``]`` is written by ``close()``; the format makes it optional, so the file of
-a run that crashed still opens in Perfetto (ui.perfetto.dev) and
-chrome://tracing. Load several ranks' files together to compare them: the
-process id of every event is the rank.
+before the extension (``t.json`` -> ``t.rank0.json``): a Chrome trace that
+opens in Perfetto (ui.perfetto.dev) and chrome://tracing, even after a crash.
+Load several ranks' files together to compare them: the process id of every
+event is the rank.
 
 Events are flushed at the end of each step (``flush()``); how the file is
-written (one writer per file, whole lines, a size bound, no symbolic links)
-is ``dp_plugin.api.trace_writer``'s.
+written (one writer per file, whole lines, the closing ``]``, a size bound,
+no symbolic links) is ``dp_plugin.api.trace_writer``'s.
 
 Recording is local to a rank: nothing here communicates, and ranks may
 record different events.
@@ -48,12 +46,11 @@ def rank_path(path: str, rank: int) -> str:
 class Timeline:
     """A handle on one rank's Chrome trace; the handles on one file share
     its writer (``dp_plugin.api.trace_writer``, which says how and when the
-    file closes). ``max_bytes`` bounds the events written (0: no
-    limit; the first handle's value holds). Times are
-    ``time.perf_counter()`` seconds, stored as microseconds since the file
-    was opened. Thread-safe: engine completion callbacks may record from
-    other threads. After ``close()`` this handle records nothing, so a late
-    callback cannot break a shutdown.
+    file closes). ``max_bytes`` bounds the events written (0: no limit; the
+    first handle's value holds). Times are ``time.perf_counter()`` seconds,
+    stored as microseconds since the file was opened. Thread-safe: engine
+    completion callbacks may record from other threads. After ``close()``
+    this handle records nothing, so a late callback cannot break a shutdown.
     """
 
     enabled = True
@@ -189,8 +186,7 @@ class SharedTimeline:
         self.start(path, rank, False, max_bytes)
 
     def start(self, path: str, rank: int, mark_cycles: bool, max_bytes: int) -> None:
-        # One writer per file per process (dp_plugin.api.trace_writer): a file
-        # already open (e.g. by a core scheduler) is shared, not truncated.
+        # A file already open (e.g. by a core scheduler) is shared, not truncated.
         new = open_timeline(path, rank, max_bytes)
         with self._lock:
             old, self.current = self.current, new

@@ -183,14 +183,10 @@ _REGISTRY_LOCK = threading.Lock()
 _OPEN: dict[str, TraceWriter] = {}
 
 
-def _key(path: str) -> str:
-    absolute = os.path.abspath(path)
-    return os.path.join(os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute))
-
-
 def acquire(path: str, rank: int, max_bytes: int) -> TraceWriter:
     """The writer of ``path`` (opened now if no handle holds it), with one more reference."""
-    key = _key(path)
+    absolute = os.path.abspath(path)
+    key = os.path.join(os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute))
     with _REGISTRY_LOCK:
         writer = _OPEN.get(key)
         if writer is None:

@@ -99,13 +99,10 @@ def distinct(candidates: Sequence[int], configured: int,
 
 
 class Autotuner:
-    """The measuring state machine of one scheduler (see the module docstring).
-
-    ``step_ended(plan_key, share)`` is called at the end of every step; it
-    returns the threshold to use from the next step on when that changes (a
-    new candidate, or the final choice), else None. ``decision`` is set once
-    the choice is made.
-    """
+    """The measuring state machine of one scheduler (see the module docstring):
+    ``step_ended`` returns the threshold to use from the next step on when
+    that changes (a new candidate, or the final choice), else None;
+    ``decision`` is set once the choice is made."""
 
     def __init__(self, candidates: Sequence[int], configured: int, *,
                  warmup_steps: int, steps: int) -> None:

@@ -34,10 +34,8 @@ over the threshold (a single tensor that could not be split: two slabs of
 its size would cost more than it). Any other buffer only copies, so it
 borrows a ``Slab`` for each step; that keeps copy-mode fusion memory within
 twice the threshold. Such buckets take turns on two slabs per dtype and
-device, each the size of the plan's largest bucket of that kind (Horovod
-keeps one fusion buffer per device; PyTorch DDP without
-``gradient_as_bucket_view`` one per bucket, the size of the gradients).
-Before a bucket packs into a slab, the bucket that used it before must have
+device, each the size of the plan's largest bucket of that kind. Before a
+bucket packs into a slab, the bucket that used it before must have
 been unpacked: ``start`` waits for it and unpacks it then. That is
 back-pressure: at most two copy-mode buckets of a kind are in flight, and a
 third waits for the first.
@@ -46,7 +44,8 @@ third waits for the first.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,11 +188,8 @@ class Bucket:
         bucket = self._grad_bucket(ops, direct)
         bucket.postscale = policy.postscale
         self._packed = (t0, time.perf_counter())
-        try:
+        with self._noted():
             handle = hook(state, bucket)
-        except BaseException as exc:
-            self._note(exc)
-            raise
         self._postscale = bucket.postscale  # 1.0 if the hook folded it into the reduction
         handle.context = self.describe  # the engine's timeout message names the bucket
         self.handle = handle
@@ -234,19 +230,13 @@ class Bucket:
 
     def done(self) -> bool:
         """Non-blocking: has the collective in flight finished (or none is)?"""
-        try:
+        with self._noted():
             return self.handle is None or bool(self.handle.done())
-        except BaseException as exc:
-            self._note(exc)
-            raise
 
     def wait(self) -> None:
-        try:
+        with self._noted():
             if self.handle is not None:
                 self.handle.wait()
-        except BaseException as exc:
-            self._note(exc)
-            raise
 
     def unpack(self) -> None:
         """Wait for the collective and write the results into the tensors it
@@ -288,9 +278,14 @@ class Bucket:
             timeline.span(f"unpack {e.index}", "unpack", t0, t1, tid="unpack", args=args)
         return handle
 
-    def _note(self, exc: BaseException) -> None:
+    @contextmanager
+    def _noted(self) -> Iterator[None]:
         """Add "while reducing <bucket>" to an error on its way out."""
-        exc.add_note(f"while reducing {self.describe()}")
+        try:
+            yield
+        except BaseException as exc:
+            exc.add_note(f"while reducing {self.describe()}")
+            raise
 
     def describe(self) -> str:
         e = self.entry

@@ -1,11 +1,8 @@
 """One-shot fused collectives: a list of tensors, every one given at once.
 
-``fused_collective`` is the one path of grouped all-reduces (both adapters'
-``grouped_allreduce`` and ``allreduce``, and a joined rank's replay of them,
-``join.replay``), the Keras metric average, ``SyncBatchNorm``'s statistics
-and ``objects.broadcast_bytes`` (parameters, optimizer state, variables).
-A stream of gradients, which become ready one by one, is the ``Reducer``'s
-(``dp_plugin.reduce.reducer``).
+``fused_collective`` is the one path of grouped all-reduces and broadcasts
+(``objects.broadcast_bytes``); a stream of gradients, which become ready one
+by one, is the ``Reducer``'s (``dp_plugin.reduce.reducer``).
 
 Nothing waits for readiness, so the plan is simple: every tensor of
 ``DIRECT_BYTES`` or more travels alone, reduced where it lies; the others
@@ -13,8 +10,7 @@ go in buckets of at most ``PIPELINE_CHUNK`` bytes, each with a buffer of
 its own, and every bucket is put in flight at once, so that packing chunk
 k+1 and unpacking chunk k-1 run while chunk k is on the wire (the engine's
 transport runs in its own threads) instead of pack, transfer and unpack one
-after another (measured: one 110 MB bucket reached 78-83% of a 1 Gbit/s
-link where one flat buffer reaches 95%).
+after another (measured: docs/benchmarks-history.md, "The rehearsal cluster").
 
 The caller checks its request first (``dp_plugin.agree.check``): the buckets
 themselves run no agreement.
@@ -34,9 +30,8 @@ from dp_plugin.reduce.hooks import NO_SCALING, CommHook, HookState, ReducePolicy
 
 DIRECT_BYTES = 1024 * 1024
 """A tensor this large travels alone, reduced where it lies: no pack or
-unpack copy for the bulk of a model's bytes (a copy costs CPU the transport
-needs on a loaded host: 0.26 s of CPU against 0.13 s for one flat Gloo
-buffer of ResNet-50's 97 MiB when every tensor was copied)."""
+unpack copy (CPU the transport needs on a loaded host) for the bulk of a
+model's bytes (measured: docs/benchmarks-history.md, "The rehearsal cluster")."""
 
 PIPELINE_CHUNK = 8 * 1024 * 1024
 """Bytes per bucket. Measured on the rehearsal cluster
@@ -74,11 +69,8 @@ def fused_collective(tensors: Sequence[Any], *, engine: Any, name: str,
 
     ``sources`` (one per tensor): out of place. The values are read from
     ``sources``, never written, and ``tensors`` are fresh outputs (they may
-    be uninitialized). Each bucket copies its sources in as it starts (a
-    tensor that travels alone straight into its output), so that copy runs
-    while the buckets before it are on the wire, and its unpack in
-    ``finish()`` while the buckets after it are: the outputs cost no pass of
-    their own over the whole list before the first byte moves."""
+    be uninitialized). Each bucket copies its sources in as it starts
+    (``Bucket.start``), so the copies overlap the wire as the unpacks do."""
     if names is None:
         names = [f"{name}.{i}" for i in range(len(tensors))]
     specs = []

@@ -9,11 +9,10 @@ users subclass ``Compressor`` (or one of them) with their own pair.
 On the fused paths (``DistributedOptimizer``, the Keras bridge, grouped
 collectives) two kinds of compressor are told apart by ``get_compressor``:
 
-- the built-in casts (``Cast``): the scheduler owns a persistent
-  wire buffer per bucket of dtype ``wire_dtype(bucket dtype)`` and only casts
-  between the two (``ArrayOps.cast_into``), allocating nothing per step. Like
-  Horovod's ``Compression.fp16``, only floating buffers wider than the wire
-  type are narrowed;
+- the built-in casts (``Cast``): the bucket is cast into a persistent wire
+  buffer and back (``hooks.compression_wrapper``), allocating nothing per
+  step. Like Horovod's ``Compression.fp16``, only floating buffers wider than
+  the wire type are narrowed;
 - any other compressor (a user's, or a subclass of a built-in that overrides
   ``compress`` / ``decompress``) is wrapped in ``TensorCompressor``: its
   ``compress`` is called on the bucket's packed 1-D buffer, the returned

@@ -135,10 +135,9 @@ def plan_buckets(
     Deterministic: identical inputs give identical plans on every rank.
     """
     _check_threshold("fusion threshold", threshold)
-    if alone_from is not None:
-        _check_threshold("alone-from size", alone_from)
-    if first_threshold is not None:
-        _check_threshold("first bucket threshold", first_threshold)
+    for what, cap in (("alone-from size", alone_from), ("first bucket threshold", first_threshold)):
+        if cap is not None:
+            _check_threshold(what, cap)
     first = threshold if first_threshold is None else min(first_threshold, threshold)
     _check_unique_names(specs)
     walk = default_order(len(specs)) if order is None else _check_permutation(order, len(specs))

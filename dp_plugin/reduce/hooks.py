@@ -7,10 +7,7 @@ bucket's buffer must hold the reduced values. Policies compose by wrapping::
 
     hook = compression_wrapper(allreduce_hook, get_compressor("fp16"))
 
-``allreduce_hook`` sums (or min/max/product) over the engine;
-``broadcast_hook`` copies the root's buffer; ``compression_wrapper`` makes
-any hook travel in a narrower dtype through a persistent wire buffer.
-Users may write their own (error feedback, PowerSGD-style low rank): the
+Users may write their own hooks (error feedback, PowerSGD-style low rank): the
 contract is only "after ``handle.wait()`` the buffer holds what every rank
 agrees on", and every rank must run the same collectives for a bucket. A
 hook object with ``bind(state, new_channel)`` is bound by the optimizer
@@ -76,9 +73,9 @@ class ReducePolicy:
         factors > 0, ``predivide`` only with an average, floating tensors for
         an average, no scaling of integer tensors or of min/max/product.
         None: the caller checked its arguments: a tensor collective
-        (Horovod's: any op and dtype may be scaled, integers in double
-        precision, truncated) or an adapter whose public edge built this
-        policy's rules already (``parse_reduction``, ``DistributedOptimizer``).
+        (Horovod's: any op and dtype may be scaled) or an adapter whose public
+        edge built this policy's rules already (``parse_reduction``,
+        ``DistributedOptimizer``).
         """
         op = ReduceOp.parse(op)
         if gradients is not None:
@@ -207,8 +204,7 @@ def compression_wrapper(hook: CommHook, compressor: Compressor | str) -> CommHoo
     """
     comp = get_compressor(compressor)
     wrapped = _cast_wrapper(hook, comp) if isinstance(comp, Cast) else _tensor_wrapper(hook, comp)
-    wrapped.__name__ = f"{comp.name}_{getattr(hook, '__name__', 'hook')}"
-    wrapped.__qualname__ = wrapped.__name__
+    wrapped.__name__ = wrapped.__qualname__ = f"{comp.name}_{getattr(hook, '__name__', 'hook')}"
     return wrapped
 
 

@@ -68,22 +68,21 @@ class Reducer:
     order, the step's state, the agreement and the per-rank flags that ride
     on the last bucket (see the module docstring).
 
-    One constructor: ``policy`` is the one ``ReducePolicy`` (scaling; none by
-    default), built where the arguments were validated (``GradientScheduler``
-    for a caller of the core; ``hvd.DistributedOptimizer`` and TensorFlow's
-    ``parse_reduction`` for theirs); ``passes`` is ``backward_passes_per_step``;
-    ``hook`` moves a packed bucket (default: all-reduce, compressed per
-    ``compression``); ``fusion_threshold`` caps a bucket's bytes (default:
-    ``Config.bucket_caps``); buckets follow the expected ready order, reverse
-    registration, until the first step's order rebuilds them. ``flags``
-    names groups of per-rank flags (one element per rank each) in the control
-    slot: ``flags_of(name)`` is a group's elements, reduced (unscaled) with
-    the last bucket, so they cost no collective of their own. ``settings``
+    ``policy`` is the one ``ReducePolicy`` (scaling; none by default), built where
+    the arguments were validated (``GradientScheduler``,
+    ``hvd.DistributedOptimizer``, TensorFlow's ``parse_reduction``); ``passes`` is
+    ``backward_passes_per_step``; ``hook`` moves a packed bucket (default:
+    all-reduce, compressed per ``compression``); ``fusion_threshold`` caps a
+    bucket's bytes (default: ``Config.bucket_caps``); buckets follow the expected
+    ready order, reverse registration, until the first step's order rebuilds them.
+    ``flags`` names groups of per-rank flags (one element per rank each) in the
+    control slot: ``flags_of(name)`` is a group's elements, reduced (unscaled)
+    with the last bucket, so they cost no collective of their own. ``settings``
     are compared across ranks with ``specs`` (``what`` names them in the
-    messages). ``groups`` (lists of spec indices) are reduced as one bucket
-    each, launched when the whole group is ready (Horovod's ``groups=``;
-    ``plan_buckets``). ``timeline`` records spans (none by default);
-    ``array_ops`` is the array backend (default: from the first tensor seen).
+    messages). ``groups`` (lists of spec indices) are reduced as one bucket each,
+    launched when the whole group is ready (Horovod's ``groups=``;
+    ``plan_buckets``). ``timeline`` records spans (none by default); ``array_ops``
+    is the array backend (default: from the first tensor seen).
     """
 
     def __init__(self, specs: Sequence[TensorSpec], *, engine: Any,
@@ -334,10 +333,9 @@ class Reducer:
         *is* this view is reduced without the pack and unpack copies. ``like``
         (a tensor of the adapter's framework) picks the array backend when no
         gradient was seen yet. The view stays valid until the plan changes:
-        compare ``plan_version`` before reusing it (it changes at most once,
-        when the first step's ready order rebuilds the plan). A single-tensor
-        bucket needs no view: its gradient is reduced in place anyway. The
-        buffer is pinned from then on.
+        compare ``plan_version`` before reusing it. A single-tensor bucket
+        needs no view: its gradient is reduced in place anyway. The buffer is
+        pinned from then on.
         """
         with self._lock:
             index = self._index(index)
@@ -460,15 +458,13 @@ class Reducer:
         self.fusion_threshold = threshold
         self.settings["fusion threshold"] = threshold
         self.replan(self._order)
-        now = time.perf_counter()
-        if tuner.decision is None:
-            self.timeline.instant(f"autotune: try {mib(threshold)}", "autotune", now, tid="step",
-                                  args={"threshold": threshold})
-            return
-        self.timeline.instant("autotune: decision", "autotune", now, tid="step",
-                              args=tuner.decision.as_args())
-        if self.engine.rank == 0:
-            log.info("dp_plugin: %s [%s]", tuner.decision.describe(), self.name)
+        decision = tuner.decision
+        self.timeline.instant(
+            f"autotune: try {mib(threshold)}" if decision is None else "autotune: decision",
+            "autotune", time.perf_counter(), tid="step",
+            args={"threshold": threshold} if decision is None else decision.as_args())
+        if decision is not None and self.engine.rank == 0:
+            log.info("dp_plugin: %s [%s]", decision.describe(), self.name)
 
     def _from_root(self, values: np.ndarray, what: str) -> np.ndarray:
         """Rank 0's ``values`` on every rank (one broadcast on this Reducer's engine)."""
@@ -533,14 +529,12 @@ class GradientScheduler(Reducer):
 
     Scaling is Horovod's (``dp_plugin.reduce.hooks.ReducePolicy``). ``engine``
     defaults to the one ``dp_plugin.init()`` started; ``fusion_threshold``
-    (bytes) to ``engine.config.fusion_threshold``, with the first bucket capped
-    at ``engine.config.first_bucket_threshold`` and a small gradient spread
-    over ``engine.config.min_buckets`` buckets (an explicit
-    ``fusion_threshold`` applies to every bucket); ``timeline`` to the Chrome
-    trace named by ``engine.config.timeline``; ``name`` prefixes the
-    collectives' names; ``autotune=True`` measures the candidate thresholds
-    of ``engine.config`` during the first steps and keeps the fastest
-    (``dp_plugin.reduce.autotune``). The other arguments are ``Reducer``'s.
+    (bytes) to ``engine.config.bucket_caps`` (an explicit one applies to every
+    bucket); ``timeline`` to the Chrome trace named by ``engine.config.timeline``;
+    ``name`` prefixes the collectives' names; ``autotune=True`` measures the
+    candidate thresholds of ``engine.config`` during the first steps and keeps
+    the fastest (``dp_plugin.reduce.autotune``). The other arguments are
+    ``Reducer``'s.
 
     Calls are serialised by a lock, so ``mark_ready`` may come from autograd's
     worker threads; one step must still end (``synchronize()``) before the

@@ -4,9 +4,8 @@ Every rank keeps the whole model, but the optimizer state of only 1/size of
 it. The cut follows the fusion plan: each bucket's data (its members, packed
 at their offsets, without the control slot) is split into one contiguous
 range per rank with the engine's reduce-scatter rule
-(``engines.base.reducescatter_counts``: ``numel // size`` each, the first
-``numel % size`` ranks one more), so the split of a bucket costs nothing
-beyond the reduction it already has. A step is then:
+(``engines.base.reducescatter_counts``), so the split of a bucket costs
+nothing beyond the reduction it already has. A step is then:
 
 1. ``reducescatter_hook``: each bucket is reduce-scattered as soon as it is
    ready, in bucket order, on the same fused, overlapped path as the
