@@ -243,11 +243,8 @@ class TorchDistEngine(Engine):
         desc = self.describe("broadcast", name, t.nbytes)
         if t.numel() == 0:
             return self._done(desc)
-        if self._group is None:
-            work = self._dist.broadcast(self._wire(t), root, async_op=True)
-        else:  # root is a rank of this group, not of the job
-            work = self._dist.broadcast(self._wire(t), group=self._group, group_src=root,
-                                        async_op=True)
+        # root is a rank of this group (None: the default one, where it is the job rank)
+        work = self._dist.broadcast(self._wire(t), group=self._group, group_src=root, async_op=True)
         return PollHandle(work, self, desc).then(back)
 
     def _allgather_start(self, buf: Any, rows: list[int], name: str) -> Started:
