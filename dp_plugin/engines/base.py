@@ -71,6 +71,11 @@ class ReduceOp(enum.Enum):
             raise ValueError(f"reduce op {op!r} is not known; valid ops: {valid}") from None
 
 
+ELEMENTWISE = {ReduceOp.SUM: "add", ReduceOp.MIN: "minimum", ReduceOp.MAX: "maximum",
+               ReduceOp.PRODUCT: "multiply"}
+"""Each op's elementwise function, named alike in numpy and torch, for the
+engines that combine buffers themselves (shared memory, MPI's emulated halves)."""
+
 @dataclass(frozen=True)
 class Availability:
     """Whether an engine can run here, and why (shown by ``make check``)."""

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from dp_plugin.config import Config
-from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp, Started
+from dp_plugin.engines.base import ELEMENTWISE, Availability, Engine, Handle, ReduceOp, Started
 from dp_plugin.engines.deadline import bounded_on
 from dp_plugin.engines.exit_bounds import finalize_mpi_at_exit
 from dp_plugin.engines.mpi_notes import MPINotes
@@ -55,13 +55,6 @@ _MPI_TYPE_NAMES = {
     "int64": "INT64_T",
 }
 _HALF_DTYPES = ("float16", "bfloat16")
-
-_FLOAT32_OPS: dict[ReduceOp, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
-    ReduceOp.SUM: np.add,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.MAX: np.maximum,
-    ReduceOp.PRODUCT: np.multiply,
-}
 
 
 class _MPIHandle(Handle):
@@ -292,7 +285,7 @@ class MPIEngine(Engine):
         key = (dtype, op)
         if key not in self._half_ops:
             self._half_ops[key] = self._MPI.Op.Create(
-                _half_reducer(numpy_dtype(dtype), _FLOAT32_OPS[op]), commute=True
+                _half_reducer(numpy_dtype(dtype), getattr(np, ELEMENTWISE[op])), commute=True
             )
         return self._half_ops[key]
 

@@ -89,7 +89,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from dp_plugin.engines.base import ReduceOp
+from dp_plugin.engines.base import ELEMENTWISE, ReduceOp
 from dp_plugin.engines.deadline import is_standing
 from dp_plugin.engines.handle import Handle
 from dp_plugin.engines.waits import lost_text
@@ -574,8 +574,7 @@ def _reduce(parts: list[Any], out: Any, op: ReduceOp) -> None:
     """``out = parts[0] op parts[1] op ...``, left to right."""
     import torch
 
-    fn: Any = {ReduceOp.SUM: torch.add, ReduceOp.MIN: torch.minimum,
-          ReduceOp.MAX: torch.maximum, ReduceOp.PRODUCT: torch.mul}[op]
+    fn = getattr(torch, ELEMENTWISE[op])
     fn(parts[0], parts[1], out=out)
     for part in parts[2:]:
         fn(out, part, out=out)
