@@ -160,6 +160,7 @@ class HorovodEngine(Engine):
         self._hvd = hvd
         self._torch = torch
         self._process_set = hvd.global_process_set
+        self._added_sets[tuple(range(topology.size))] = hvd.global_process_set
         self._owns_init = not hvd.is_initialized()
         if self._owns_init:
             with library_settings(config):  # Horovod reads them inside hvd.init()
@@ -278,43 +279,35 @@ class HorovodEngine(Engine):
 
     def _subgroup(self, members: tuple[int, ...], topology: Topology | None,
                   name: str) -> Engine | None:
-        """A Horovod process set of the members (``hvd.add_process_set``,
-        collective over all Horovod ranks), reused if it already exists."""
+        """A Horovod process set of the members: the global set, one this
+        engine added before, a new one (``hvd.add_process_set``, collective
+        over every Horovod rank, bounded by the timeout), or the one the user
+        registered with the same ranks (Horovod refuses duplicates)."""
         self._job_wide_only(members, name, "Horovod adds process sets collectively over all "
                             "its ranks")
-        process_set = self._process_set_of(members, f"subgroup {name!r}")
+        if members not in self._added_sets:
+            try:
+                added = bounded_on(self, lambda: self._hvd.add_process_set(list(members)),
+                                   f"hvd.add_process_set({list(members)})")
+            except ValueError as exc:
+                if "duplicate" not in str(exc):
+                    # Every rank gets the same refusal (e.g. dynamic process sets off).
+                    raise DPPluginError(
+                        f"subgroup {name!r}: Horovod refused to add a process set of ranks "
+                        f"{list(members)}: {str(exc).rstrip('.')}. Under the horovod engine, "
+                        "process sets must be asked for when Horovod starts, as in Horovod: "
+                        "call hvd.init(process_sets='dynamic') (or pass the sets, "
+                        "hvd.init(process_sets=[hvd.ProcessSet([...])])) on every rank, or set "
+                        "HOROVOD_DYNAMIC_PROCESS_SETS=1 before hvd.init() (it is "
+                        f"{os.environ.get('HOROVOD_DYNAMIC_PROCESS_SETS')!r}); dp_plugin does "
+                        "not enable them unasked because Horovod then checks for new sets in "
+                        "every cycle"
+                    ) from exc
+                added = _registered_set(members)
+            self._added_sets[members] = added
         if topology is None:
             return None
-        return type(self)(topology, self.config, parent=self, process_set=process_set)
-
-    def _process_set_of(self, members: tuple[int, ...], what: str) -> Any:
-        """The ``ProcessSet`` of ``members``: the global set, one this engine
-        added before, or a new one (``hvd.add_process_set``, collective over
-        every Horovod rank, bounded by the timeout), or the one the user
-        registered with the same ranks (Horovod refuses duplicates)."""
-        if members == tuple(range(self.size)):
-            return self._hvd.global_process_set
-        if members in self._added_sets:
-            return self._added_sets[members]
-        try:
-            added = bounded_on(self, lambda: self._hvd.add_process_set(list(members)),
-                               f"hvd.add_process_set({list(members)})")
-        except ValueError as exc:
-            if "duplicate" not in str(exc):
-                # Every rank gets the same refusal (e.g. dynamic process sets off).
-                raise DPPluginError(
-                    f"{what}: Horovod refused to add a process set of ranks {list(members)}: "
-                    f"{str(exc).rstrip('.')}. Under the horovod engine, process sets must be "
-                    "asked for when Horovod starts, as in Horovod: call "
-                    "hvd.init(process_sets='dynamic') (or pass the sets, "
-                    "hvd.init(process_sets=[hvd.ProcessSet([...])])) on every rank, or set "
-                    "HOROVOD_DYNAMIC_PROCESS_SETS=1 before hvd.init() (it is "
-                    f"{os.environ.get('HOROVOD_DYNAMIC_PROCESS_SETS')!r}); dp_plugin does not "
-                    "enable them unasked because Horovod then checks for new sets in every cycle"
-                ) from exc
-            added = _registered_set(members)
-        self._added_sets[members] = added
-        return added
+        return type(self)(topology, self.config, parent=self, process_set=self._added_sets[members])
 
     # -- internals ---------------------------------------------------------
     def _start(self, kind: str, name: str, description: str, start: Callable[..., int],
