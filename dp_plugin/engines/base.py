@@ -131,7 +131,6 @@ class Engine(Lifecycle):
         a copy and a slice (``generic.reducescatter_by_allreduce``)?"""
         return type(self)._reducescatter_start is not Engine._reducescatter_start
 
-    # -- public API --------------------------------------------------------
     def allreduce_async(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM,
                         name: str = "allreduce") -> Handle:
         """Start an in-place all-reduce of the 1-D buffer ``buf``."""
@@ -338,7 +337,6 @@ class Engine(Lifecycle):
             "gloo, mpi or horovod engine (DP_PLUGIN_ENGINE)"
         )
 
-    # -- helpers -----------------------------------------------------------
     def _job_wide_only(self, members: tuple[int, ...], name: str, why: str) -> None:
         """Refuse to split a subgroup: the library makes groups over the whole job."""
         if self._parent is not None:

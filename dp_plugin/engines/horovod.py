@@ -177,7 +177,6 @@ class HorovodEngine(Engine):
                 "override HOROVOD_RANK/HOROVOD_SIZE"
             )
 
-    # -- collectives -------------------------------------------------------
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
         tensor = self._inplace_tensor(buf, f"allreduce {name!r}")
         dtype = canonical_dtype(tensor.dtype)
@@ -242,7 +241,6 @@ class HorovodEngine(Engine):
             self._close()
         return not self._shutdown_stuck
 
-    # -- alltoall, reducescatter, process sets ---------------------------------
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
         """``hvd.alltoall_async`` of the rows' bytes (Horovod has no kernel
         for some dtypes)."""
@@ -309,7 +307,6 @@ class HorovodEngine(Engine):
             return None
         return type(self)(topology, self.config, parent=self, process_set=self._added_sets[members])
 
-    # -- internals ---------------------------------------------------------
     def _start(self, kind: str, name: str, description: str, start: Callable[..., int],
                tensor: Any, **options: Any) -> _HorovodHandle:
         """Reserve a name slot, start Horovod's operation (``start(tensor,

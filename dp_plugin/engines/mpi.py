@@ -165,7 +165,6 @@ class MPIEngine(Engine):
                 self._half_types[dtype] = native
             self._types[dtype] = native
 
-    # -- collectives -------------------------------------------------------
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
         arr = _writable_view(buf, f"allreduce {name!r}")
         request = self._comm.Iallreduce(self._MPI.IN_PLACE, self._spec(arr),
@@ -266,7 +265,6 @@ class MPIEngine(Engine):
             return None
         return type(self)(topology, self.config, parent=self, comm=comm)
 
-    # -- internals ---------------------------------------------------------
     def wait_board(self) -> WaitBoard | None:
         """Notes of long waits, sent over MPI itself (``mpi_notes.py``); None
         while the engine starts, or when MPI is not thread-multiple."""

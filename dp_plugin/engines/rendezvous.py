@@ -146,8 +146,6 @@ def rendezvous(topology: Topology, config: Config) -> tuple[Any, str]:
     return _prefixed(store, generation), f"TCPStore at {address}, announced through {via}"
 
 
-# -- helpers -------------------------------------------------------------------
-
 def _tcp_store(host: str, port: int, topology: Topology, config: Config, *,
                is_master: bool) -> Any:
     import torch.distributed as dist

@@ -116,7 +116,6 @@ class TorchDistEngine(Engine):
     def _select_device(self) -> Any:
         """The torch device of the engine's own small tensors."""
 
-    # -- group lifetime ----------------------------------------------------------
     def _join_or_create_group(self) -> str:
         dist = self._dist
         timeout = timedelta(seconds=self.config.timeout_s)
@@ -214,7 +213,6 @@ class TorchDistEngine(Engine):
             return None
         return type(self)(topology, self.config, parent=self, group=group)
 
-    # -- collectives ---------------------------------------------------------------
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
         """A standing all-reduce (``deadline.is_standing``) gets the library
         timeout ``STANDING_TIMEOUT`` (the group's is ``DP_PLUGIN_TIMEOUT``)."""
@@ -293,7 +291,6 @@ class TorchDistEngine(Engine):
         out = out.to(given.device)
         return out if is_torch(buf) else as_numpy(out)
 
-    # -- helpers -------------------------------------------------------------------
     def wait_board(self) -> WaitBoard | None:
         """Notes of long waits in the default group's store (``waits.py``)."""
         if self._board is None:
