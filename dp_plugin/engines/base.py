@@ -245,11 +245,8 @@ class Engine(Lifecycle):
         over *all* ranks of this engine. Members get a new engine with
         ``rank``/``size`` relative to the group (group rank i is
         ``members[i]``; broadcast roots are group ranks) and ``global_ranks``
-        naming the job-wide ranks; non-members get None. The new engine (made
-        by ``_subgroup`` with ``parent=self``) supports every collective while
-        this engine is open and not broken; its ``shutdown()`` releases the
-        group only, never this engine's resources, and must happen before
-        this engine's.
+        naming the job-wide ranks; non-members get None. ``_subgroup`` makes
+        it with ``parent=self``; how long it lives: ``lifecycle.py``.
         """
         self._check_usable(f"subgroup {name!r}")
         members = tuple(members)
@@ -302,10 +299,9 @@ class Engine(Lifecycle):
 
     # -- may override where the library has a native path -------------------
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
-        """``counts[i, j]``: rows rank i sends to rank j (validated, agreed by
-        all ranks) of ``buf``, rows of bytes (``generic.byte_rows``). Return
-        the rows this rank receives, in rank order, of the same kind.
-        Generic path: ``generic.alltoall_by_allgather``."""
+        """``alltoall`` of ``buf``'s rows of bytes (``generic.byte_rows``): the
+        rows this rank receives, of the same kind. Generic path:
+        ``generic.alltoall_by_allgather``."""
         return generic.alltoall_by_allgather(self, buf, counts, name)
 
     def _allgather_start(self, buf: Any, rows: list[int], name: str) -> Started:
