@@ -158,12 +158,9 @@ class TorchDistEngine(Engine):
 
     def _new_group(self, what: str, **kwargs: Any) -> Any:
         """``dist.new_group(**kwargs)`` (collective: every rank of the job
-        makes every group, in the same order). Its wait for the others in
-        the store, and Gloo's connection of the group, end after
-        ``DP_PLUGIN_TIMEOUT`` with dp_plugin's error naming the call, as
-        ``init()``'s do, not torch's raw ``DistStoreError`` naming a store key
-        (ranks that reach it more than the timeout apart: a stalled or dead
-        rank, or a loaded machine; fault matrix)."""
+        makes every group, in the same order). Past ``DP_PLUGIN_TIMEOUT`` it
+        raises dp_plugin's error naming the call, as ``init()`` does, not
+        torch's raw ``DistStoreError`` naming a store key."""
         dist = self._dist
         try:
             return dist.new_group(timeout=timedelta(seconds=self.config.timeout_s),
