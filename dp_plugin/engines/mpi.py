@@ -3,19 +3,17 @@
 MPI matches collectives by order only: names are used solely in error
 messages. All traffic runs on a private duplicate of ``MPI.COMM_WORLD``, so
 a user's own MPI calls on ``COMM_WORLD`` can never match ours. Waits poll
-``Request.Test`` (MPI makes progress only inside MPI calls). A timeout in a
-subgroup breaks the engine it came from too (they share datatypes and ops);
-``shutdown`` of a broken engine leaks the communicator and reduction ops on
-purpose (freeing an op that a pending request may still call is unsafe);
-the process still exits normally (MPICH 5.0.2 finalizes with pending
-requests without blocking, checked with mismatched pending collectives).
+``Request.Test`` (MPI makes progress only inside MPI calls).
 
-``allgather`` is ``Iallgatherv`` with the row counts the base class's
-agreement gave (that agreement is one ``Iallreduce`` of a small table).
-``alltoall`` is ``Ialltoallv`` on the rows' bytes, ``reducescatter`` is
-``Ireduce_scatter`` with Horovod's row split, and ``subgroup`` is
-``Comm.Split``; a subgroup engine shares this engine's datatypes and ops
-(freed by this engine's ``shutdown``) and may itself be split further.
+``allgather`` is ``Iallgatherv`` with the agreed row counts, ``alltoall``
+``Ialltoallv`` on the rows' bytes, ``reducescatter`` ``Ireduce_scatter``
+with Horovod's row split, and ``subgroup`` ``Comm.Split``. A subgroup
+engine may be split further; it shares the job-wide engine's datatypes
+and ops, which that one frees, so a timeout in a subgroup breaks the
+engine it came from too. ``shutdown`` of a broken engine leaks the
+communicator and reduction ops on purpose (freeing an op that a pending
+request may still call is unsafe); the process still exits normally
+(MPICH 5.0.2 finalizes with pending requests without blocking).
 
 dtypes: MPICH 5.0.2 reduces ``MPI_FLOAT16_T`` natively; ``MPI_BFLOAT16_T``
 is ``MPI_DATATYPE_NULL`` there. A half type the library lacks is sent as an
@@ -108,8 +106,7 @@ class MPIEngine(Engine):
     def __init__(self, topology: Topology, config: Config, *,
                  parent: MPIEngine | None = None, comm: Any = None) -> None:
         """The job-wide engine (duplicates ``COMM_WORLD``), or with ``parent``
-        and ``comm``: the subgroup engine on ``comm``, sharing the parent's
-        datatypes and ops (the job-wide engine frees them)."""
+        and ``comm``: the subgroup engine on ``comm`` (module docstring)."""
         super().__init__(topology, config, parent=parent)
         self._comm: Any = comm
         self._board: WaitBoard | None = None
@@ -196,13 +193,12 @@ class MPIEngine(Engine):
         _MPIHandle(self, "mpi barrier", [self._comm.Ibarrier()], ()).wait()
 
     def _close(self) -> None:
-        """Free the communicator, datatypes and ops (local).
+        """Free the communicator, and the job-wide engine's datatypes and ops
+        too (local; a broken engine frees nothing: module docstring).
 
         ``MPI_Finalize`` is left to interpreter exit, so the user may keep
         using MPI, or start the engine again, after this; there it is
-        bounded by ``DP_PLUGIN_TIMEOUT`` (``exit_bounds.finalize_mpi_at_exit``). A
-        subgroup engine frees only its communicator: the datatypes and ops
-        belong to the engine it came from. A broken engine frees nothing."""
+        bounded by ``DP_PLUGIN_TIMEOUT`` (``exit_bounds.finalize_mpi_at_exit``)."""
         if self._broken is not None:
             self._comm = None
             return
