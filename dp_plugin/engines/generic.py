@@ -90,11 +90,9 @@ def torch_byte_rows(tensor: Any) -> Any:
     """A torch ``tensor``'s rows as raw bytes: a ``(rows, row_bytes)`` uint8 view of
     its memory (of a contiguous copy when it is not contiguous).
 
-    An empty tensor becomes a fresh empty one instead: it may carry any strides
-    (numpy 2 gives a copied empty array strides of 0, ``torch.from_numpy`` keeps
-    them, ``contiguous()`` leaves an empty tensor as it is) and ``view(uint8)``
-    refuses those, so a rank that sends no rows failed its all-to-all while the
-    others waited for it."""
+    An empty tensor becomes a fresh empty one instead: it may carry strides that
+    ``view(uint8)`` refuses (numpy 2 gives a copied empty array strides of 0,
+    which neither ``torch.from_numpy`` nor ``contiguous()`` changes)."""
     import torch
 
     rows = int(tensor.shape[0])
