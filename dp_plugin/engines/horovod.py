@@ -1,7 +1,7 @@
 """The ``horovod`` engine: collectives run inside Horovod's own engine.
 
-Uses ``horovod.torch`` (Horovod 0.28.1 built with Gloo; see DESIGN.md for
-the C++17 rebuild), imported when the engine is created.
+Uses ``horovod.torch`` (Horovod 0.28.1 built with Gloo; docs/horovod-build.md
+for the C++17 rebuild), imported when the engine is created.
 
 - Horovod matches collectives across ranks by *name*, not by order. Every
   rank must pass the same names in the same order. The engine appends a slot
@@ -26,17 +26,14 @@ Broadcast and all-gather move bfloat16 as its int16 bit pattern (exact).
 ``reducescatter`` is ``hvd.reducescatter_async`` for sums in the dtypes
 above with kernels (others go through the all-reduce). ``subgroup`` is a
 Horovod process set (``hvd.add_process_set``, collective over all Horovod
-ranks; collectives then pass ``process_set=``), which needs
-HOROVOD_DYNAMIC_PROCESS_SETS=1 at ``hvd.init()``. The engine sets it when it
-initializes Horovod itself and the program asked for process sets
-(``Config.process_sets``: ``hvd.init(process_sets="dynamic")`` or a list),
-as Horovod's own ``init`` does: with it, Horovod checks for new sets in
-every background cycle, 4-9% of a step (docs/benchmarks-history.md). Only the job-wide
-engine can add process sets.
-When it starts Horovod it also keeps Horovod's library from fusing
-dp_plugin's pre-fused buckets again (``horovod_env.library_settings``:
-Horovod's own fusion threshold, never beside a cycle time, which would
-crash a later re-init). Average is the base class's, not ``hvd.Average``.
+ranks; collectives then pass ``process_set=``); only the job-wide engine
+adds them. An engine that starts Horovod sets Horovod's variables for it
+(``horovod_env.library_settings``): dynamic process sets where the program
+asked for them (``Config.process_sets``), as Horovod's own ``init`` does
+(Horovod then looks for new sets every cycle, 4-9% of a step:
+docs/benchmarks-history.md), and a fusion threshold that keeps Horovod from
+fusing dp_plugin's buckets again.
+Average is the base class's, not ``hvd.Average``.
 """
 
 from __future__ import annotations
@@ -224,11 +221,9 @@ class HorovodEngine(Engine):
         shutdown cannot be; the set stays registered (reused if the same
         ranks are asked for again) until Horovod shuts down."""
         if self._owns_init and self._hvd.is_initialized() and not self._shutdown_stuck:
-            # Bounded: it joins Horovod's background thread, which first
-            # agrees on the shutdown with every rank (a dead or stalled rank
-            # kept it waiting for ever). On expiry the thread still runs,
-            # and exiting would join it again: ``_shutdown_at_exit`` ends
-            # the process instead.
+            # Bounded (exit_bounds.py says why). On expiry Horovod's thread
+            # still runs, and exiting would join it again: ``_shutdown_at_exit``
+            # ends the process instead.
             self._shutdown_stuck = True
             bounded_on(self, self._hvd.shutdown,
                        "hvd.shutdown() (Horovod agrees on the shutdown with every rank)")
