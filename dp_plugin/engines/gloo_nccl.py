@@ -46,9 +46,8 @@ class GlooEngine(TorchDistEngine):
                                   config.shared_memory and topology.local_size == topology.size)
         if self.size == 1:
             return
-        # Collective: every rank of the group takes the same branch (the
-        # job-wide engine decides from every rank's row, the same table on
-        # every rank; a setup that fails anywhere fails everywhere).
+        # Collective: every rank of the group takes the same branch
+        # (hierarchical.decide, shm.connect).
         if parent is None:
             self._hier = self._connect_hierarchical()
         elif parent.hierarchical:
@@ -133,8 +132,6 @@ class GlooEngine(TorchDistEngine):
                 log.info(flat, why)
             return None
         host = layout.host_of(self.rank)
-        # Each host sets up its own segment; the exchange is the job's (rows:
-        # job ranks), so that every host gives up, or goes on, together.
         connect = functools.partial(shm.connect, self.exchange_rows, host.index(self.rank),
                                     len(host), timeout_s=self.config.timeout_s,
                                     budget_bytes=self.config.shared_memory_budget, members=host)
@@ -142,14 +139,12 @@ class GlooEngine(TorchDistEngine):
         if transport is None:
             log.warning(flat, "shared memory cannot be set up on every host")
             return None
-        # Rows are (vote, host index, local rank, ranks on its host): the
-        # host index is the host key the cross-host groups' topologies read.
+        # A row's host index (hierarchical.row) is the cross-host groups' host key.
         cross, hosts = None, table[:, 1].tolist()
         for peers in layout.peer_groups() if len(layout.hosts) > 1 else []:
             made = self.subgroup(list(peers), hosts, "hierarchical cross-host")
             cross = made if made is not None else cross
-        # The all-gather stage's own segment (the pipeline); any rank of the
-        # job that cannot have it leaves every rank unpipelined.
+        # The all-gather stage's own segment (hierarchical.py, **Pipelined.**).
         gather = connect(eligible=True, instead="the hierarchical all-reduce runs its steps one "
                          "after another, not pipelined (a second segment is needed)")
         if self.rank == 0:
