@@ -25,9 +25,7 @@ Contract shared by all engines:
 - open / closed / broken is the base class ``Lifecycle``'s (``lifecycle.py``);
   engines release their library's resources in ``_close``;
 - subgroup engines are made by the engine's constructor with ``parent=``
-  (plus the library's group object), never by copying private fields;
-- ``buffer_device`` says where the engine takes buffers ("cpu", or
-  "cuda:<i>" for nccl): callers put control buffers and staging there.
+  (plus the library's group object), never by copying private fields.
 """
 
 from __future__ import annotations
@@ -167,10 +165,9 @@ class Engine(Lifecycle):
         """Concatenate every rank's buffer along the first dimension.
 
         ``rows[r]`` is rank r's first dimension, as the ranks agreed
-        (``dp_plugin.agree.check``; ``checked.allgather`` checks, then
-        calls this). The other dimensions and the dtype are the same on
-        every rank. Returns a new buffer of the same kind as ``buf``.
-        Collective and a synchronization point.
+        (``checked.allgather`` checks, then calls this); the other dimensions
+        and the dtype are the same on every rank. Returns a new buffer of
+        the same kind as ``buf``. Collective and a synchronization point.
         """
         handle, result = self.allgather_async(buf, rows, name)
         handle.wait()
@@ -212,12 +209,11 @@ class Engine(Lifecycle):
         """Reduce ``buf`` over the ranks; return this rank's block of rows.
 
         ``buf`` (numpy or torch, at least 1-D) has the same shape and dtype
-        on every rank (agreed: ``dp_plugin.agree.check``). The reduced
-        result is split along the first dimension as Horovod 0.28.1 does:
-        each rank gets ``rows // size`` rows and ranks ``0 .. rows % size - 1``
-        one more, in rank order. Returns a new buffer of the same kind as
-        ``buf``; the input is not modified. ``op``: sum, average (the sum
-        times ``1 / size``, ``generic.average``), min, max or product.
+        on every rank (agreed). The reduced result is split along the first
+        dimension as Horovod 0.28.1 does (``reducescatter_counts``). Returns
+        a new buffer of the same kind as ``buf``; the input is not modified.
+        ``op``: sum, average (the sum times ``1 / size``, ``generic.average``),
+        min, max or product.
         """
         handle, result = self.reducescatter_async(buf, op, name)
         handle.wait()
