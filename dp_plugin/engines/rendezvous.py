@@ -60,12 +60,9 @@ _ADDRESS_BYTES = 256
 _generation = itertools.count()
 
 # The store servers this process serves on a fixed port (MASTER_PORT), kept
-# for the life of the process. Ranks do not leave shutdown() together: a rank
-# that re-inits first connects to the server still listening on MASTER_PORT,
-# the one of the previous init. Were that server dropped with its group, the
-# rank's connection would close under it ("Failed to recv, got 0 bytes") and
-# the other rank would wait for its keys until the timeout. Kept, every init
-# meets on the same server, under a prefix of its own.
+# for the life of the process: ranks do not leave shutdown() together, and a
+# rank that re-inits first connects to the previous init's server, which must
+# not close under it. Every init meets on the same server, under its prefix.
 _served: dict[tuple[str, int], Any] = {}
 
 
