@@ -48,12 +48,7 @@ class Lifecycle(ABC):
     @property
     def closed(self) -> bool:
         """True once ``shutdown`` ran (here or, for a subgroup, on a parent)."""
-        engine: Lifecycle | None = self
-        while engine is not None:
-            if engine._closed:
-                return True
-            engine = engine._parent
-        return False
+        return self._closed or (self._parent is not None and self._parent.closed)
 
     def shutdown(self) -> None:
         """Release this engine's resources (idempotent; local, not
