@@ -176,8 +176,7 @@ class HorovodEngine(Engine):
 
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
         tensor = self._inplace_tensor(buf, f"allreduce {name!r}")
-        dtype = canonical_dtype(tensor.dtype)
-        wire_dtype = ALLREDUCE_WIRE_DTYPES.get(dtype)
+        wire_dtype = ALLREDUCE_WIRE_DTYPES.get(canonical_dtype(tensor.dtype))
         wire = tensor if wire_dtype is None else tensor.to(getattr(self._torch, wire_dtype))
         description = self.describe("allreduce", name, tensor.nbytes)
         handle = self._start("allreduce", name, description, self._hvd.allreduce_async_, wire,
