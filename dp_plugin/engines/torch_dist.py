@@ -118,7 +118,6 @@ class TorchDistEngine(Engine):
 
     def _join_or_create_group(self) -> str:
         dist = self._dist
-        timeout = timedelta(seconds=self.config.timeout_s)
         if dist.is_initialized():
             world = (dist.get_rank(), dist.get_world_size())
             if world != (self.rank, self.size):
@@ -139,13 +138,11 @@ class TorchDistEngine(Engine):
             netif.gloo_interface(single_host=topo.local_size == topo.size,
                                  address=topo.rendezvous_addr)
         store, how = rdv.rendezvous(self.topology, self.config)
-        kwargs: dict[str, Any] = {"store": store}
-        if self.backend == "nccl":
-            kwargs["device_id"] = self._device
+        device = self._device if self.backend == "nccl" else None  # NCCL binds this GPU
         try:
-            dist.init_process_group(
-                self.backend, rank=self.rank, world_size=self.size, timeout=timeout, **kwargs
-            )
+            dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.size,
+                                    timeout=timedelta(seconds=self.config.timeout_s),
+                                    device_id=device)
         except (dist.DistStoreError, dist.DistNetworkError) as exc:
             # torch's own text names a store key, not what happened (fault matrix).
             raise _formation_error(
