@@ -24,7 +24,6 @@ computes in float32 and rounds back after every pairwise step.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -278,24 +277,17 @@ class MPIEngine(Engine):
             return getattr(self._MPI, "PROD" if op is ReduceOp.PRODUCT else op.name)  # MPI.SUM ...
         key = (dtype, op)
         if key not in self._half_ops:
-            self._half_ops[key] = self._MPI.Op.Create(
-                _half_reducer(numpy_dtype(dtype), getattr(np, ELEMENTWISE[op])), commute=True
-            )
+            npdtype, combine = numpy_dtype(dtype), getattr(np, ELEMENTWISE[op])
+
+            def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+                """``inout = round(combine(float32(in), float32(inout)))``."""
+                incoming = np.frombuffer(inbuf, dtype=npdtype)
+                inout = np.frombuffer(inoutbuf, dtype=npdtype)
+                result = combine(incoming.astype(np.float32), inout.astype(np.float32))
+                inout[...] = result.astype(npdtype)
+
+            self._half_ops[key] = self._MPI.Op.Create(reduce, commute=True)
         return self._half_ops[key]
-
-
-def _half_reducer(
-    npdtype: np.dtype, combine: Callable[[np.ndarray, np.ndarray], np.ndarray]
-) -> Callable[[Any, Any, Any], None]:
-    """A user op body: ``inout = round(combine(float32(in), float32(inout)))``."""
-
-    def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-        incoming = np.frombuffer(inbuf, dtype=npdtype)
-        inout = np.frombuffer(inoutbuf, dtype=npdtype)
-        result = combine(incoming.astype(np.float32), inout.astype(np.float32))
-        inout[...] = result.astype(npdtype)
-
-    return reduce
 
 
 def _writable_view(buf: Any, what: str) -> np.ndarray:
