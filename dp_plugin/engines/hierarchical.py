@@ -43,15 +43,14 @@ cannot set up does the same.
 
 **Pipelined.** Run one after another, the three steps leave the link
 idle during every shared-memory step and every gap between operations
-(2 x 2 ranks, 1 Gbit/s: 75% of the link, 1.21x a flat Gloo ring where
-the bytes allow 1.5x). So each all-reduce is cut into pieces of
-``PIECE_BYTES`` and the steps run as a three-stage pipeline, in FIFO
-order of pieces: the reduce-scatter of piece k + 1 runs while piece k
-crosses the hosts while piece k - 1 is all-gathered. Two transports,
-each with its own segment, sockets and thread: the *reduce* transport
-reduce-scatters piece after piece and starts each shard's cross-host
-all-reduce without waiting for it (Gloo's queue is FIFO too); the
-*gather* transport waits for a piece's cross-host all-reduce, then
+(busy 75% of the time: docs/benchmarks-history.md). So each all-reduce is
+cut into pieces of ``PIECE_BYTES`` and the steps run as a three-stage
+pipeline, in FIFO order of pieces: the reduce-scatter of piece k + 1 runs
+while piece k crosses the hosts while piece k - 1 is all-gathered. Two
+transports, each with its own segment, sockets and thread: the *reduce*
+transport reduce-scatters piece after piece and starts each shard's
+cross-host all-reduce without waiting for it (Gloo's queue is FIFO too);
+the *gather* transport waits for a piece's cross-host all-reduce, then
 all-gathers it. Each transport's sequence is the order in which the
 pieces were queued, the same on every rank whatever is in flight at any
 moment: nothing depends on timing. Each stage keeps the transport's
@@ -349,9 +348,7 @@ class _Crossing:
 
     def settle(self, _: BaseException) -> None:
         """The all-gather of this piece failed or was skipped: ``wait`` all
-        the same, until its cross-host all-reduce, if it started on the
-        piece, is over, so that nothing writes into the piece once the
-        handle has raised. Its outcome is not the handle's."""
+        the same (class docstring); its outcome is not the handle's."""
         with contextlib.suppress(Exception):
             self.wait(self._deadline)
 
