@@ -22,15 +22,12 @@ from dp_plugin.reduce.dtypes import SUPPORTED_DTYPES
 def alltoall_by_allgather(engine: Any, buf: Any, counts: np.ndarray, name: str) -> Any:
     """All-gather every rank's buffer and keep the blocks addressed to this
     rank (moves ``size`` times the data). ``counts[i, j]``: rows i sends j."""
-    gathered = engine.allgather(buf, [int(n) for n in counts.sum(axis=1)], name)
+    sent = counts.sum(axis=1)
+    gathered = engine.allgather(buf, [int(n) for n in sent], name)
     me = engine.rank
-    starts = np.concatenate([[0], np.cumsum(counts.sum(axis=1))])
-    rows = [
-        np.arange(first, first + int(counts[src, me]), dtype=np.int64)
-        for src, first in enumerate(int(starts[s] + counts[s, :me].sum())
-                                    for s in range(engine.size))
-    ]
-    index = np.concatenate(rows)
+    firsts = np.cumsum(sent) - sent + counts[:, :me].sum(axis=1)  # each sender's first row for me
+    index = np.concatenate([np.arange(firsts[s], firsts[s] + counts[s, me], dtype=np.int64)
+                            for s in range(engine.size)])
     return gathered[as_torch(index)] if is_torch(gathered) else gathered[index]
 
 
