@@ -27,8 +27,6 @@ class Lifecycle(ABC):
 
     name: ClassVar[str]
     _timeout_breaks_parent: ClassVar[bool] = False
-    """Whether a timeout in a subgroup also breaks the engine it came from
-    (set where they share library resources a pending collective may use)."""
 
     def __init__(self, parent: Lifecycle | None) -> None:
         self._parent = parent
