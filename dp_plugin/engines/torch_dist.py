@@ -208,8 +208,7 @@ class TorchDistEngine(Engine):
         return type(self)(topology, self.config, parent=self, group=group)
 
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
-        """A standing all-reduce (``deadline.is_standing``) gets the library
-        timeout ``STANDING_TIMEOUT`` (the group's is ``DP_PLUGIN_TIMEOUT``)."""
+        """A standing all-reduce gets ``STANDING_TIMEOUT``, any other the group's."""
         t, back = self._staged(self._tensor(buf, f"allreduce {name!r}"))
         desc = self.describe("allreduce", name, t.nbytes)
         if t.numel() == 0:  # every rank has the same size: all skip alike
