@@ -29,10 +29,9 @@ class GlooEngine(TorchDistEngine):
     All-reduces of CPU buffers go through shared memory (``shm.py``) when
     every rank runs on one host (by the launcher's count; a channel or
     process set inherits the job's answer), and are hierarchical
-    (``hierarchical.py``) on several hosts of several ranks; the job-wide
-    engine and its channels each get their own segments and cross-host
-    groups, a process set keeps the flat ring. Every other collective is
-    Gloo's."""
+    (``hierarchical.py``) on several hosts of several ranks, where a process
+    set keeps the flat ring; each channel has segments of its own. Every
+    other collective is Gloo's."""
 
     name = "gloo"
     backend = "gloo"
