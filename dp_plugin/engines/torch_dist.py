@@ -213,9 +213,8 @@ class TorchDistEngine(Engine):
         desc = self.describe("allreduce", name, t.nbytes)
         if t.numel() == 0:  # every rank has the same size: all skip alike
             return self._done(desc)
-        # Neither Gloo nor NCCL moves int16: reduce it as int32 (exact, and the
-        # wrap-around of the cast back matches int16 arithmetic); broadcast and
-        # gather it as bytes (_wire).
+        # Neither Gloo nor NCCL reduces int16 (_wire): reduce it as int32, exactly,
+        # since the wrap-around of the cast back matches int16 arithmetic.
         staged = t.to(self._torch.int32) if t.dtype == self._torch.int16 else t
         library_op = getattr(self._dist.ReduceOp, op.name)  # never AVERAGE: the base class sums
         if is_standing():
