@@ -173,7 +173,6 @@ class MPIEngine(Engine):
         return _MPIHandle(self, self.describe("broadcast", name, arr.nbytes), [request], (buf, arr))
 
     def _allgather_start(self, buf: Any, rows: list[int], name: str) -> Started:
-        """``Iallgatherv`` of the rows, with the agreed per-rank counts."""
         arr = np.ascontiguousarray(as_numpy(buf))  # only read: a copy is fine
         trailing = arr.shape[1:]
         row_elems = int(np.prod(trailing, dtype=np.int64))
@@ -214,7 +213,6 @@ class MPIEngine(Engine):
             self._comm = None
 
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
-        """``Ialltoallv`` of the rows' bytes."""
         arr = np.ascontiguousarray(as_numpy(buf))  # only read: a copy is fine
         row_bytes = arr.shape[1]
         received = counts[:, self.rank]
@@ -231,7 +229,6 @@ class MPIEngine(Engine):
 
     def _reducescatter_start(self, buf: Any, op: ReduceOp, counts: list[int],
                              name: str) -> Started:
-        """``Ireduce_scatter`` with per-rank element counts."""
         arr = np.ascontiguousarray(as_numpy(buf))
         dtype = canonical_dtype(arr.dtype)
         trailing = arr.shape[1:]
