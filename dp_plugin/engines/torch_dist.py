@@ -268,7 +268,6 @@ class TorchDistEngine(Engine):
         PollHandle(work, self, f"{self.name} barrier").wait()
 
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
-        """``all_to_all_single`` of the rows' bytes."""
         given = self._tensor(buf, f"alltoall {name!r}", flat=False)
         send = torch_byte_rows(self._staged(given)[0])  # also when this rank sends no rows
         received = [int(c) for c in counts[:, self.rank]]
