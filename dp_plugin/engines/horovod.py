@@ -252,9 +252,8 @@ class HorovodEngine(Engine):
 
     def _reducescatter_start(self, buf: Any, op: ReduceOp, counts: list[int],
                              name: str) -> Started:
-        """``hvd.reducescatter_async`` for a sum in a dtype Horovod reduces
-        (its split of the rows is the one ``Engine.reducescatter`` promises);
-        anything else takes the generic all-reduce path."""
+        """Horovod's own where it reduces (module docstring): its split of the
+        rows is the one ``Engine.reducescatter`` promises."""
         tensor = as_torch(buf).detach()
         dtype = canonical_dtype(tensor.dtype)
         if op is not ReduceOp.SUM or dtype in ALLREDUCE_WIRE_DTYPES or tensor.numel() == 0:
