@@ -116,12 +116,10 @@ def rendezvous(topology: Topology, config: Config) -> tuple[Any, str]:
     generation = next(_generation)
     if launcher in ("torchrun", "slurm"):
         # What env:// does, plus a prefix per init(): the store server is
-        # shared within the process (multi-tenant) and outlives a shutdown
-        # after a failure, so a second init() would otherwise read the first
-        # one's keys — gloo then dials addresses that no longer listen. The
-        # same holds across torchrun's restarts (--max-restarts): its agent
-        # keeps the store, and the restarted workers start counting inits
-        # from zero again, so the attempt number is part of the prefix.
+        # shared within the process (multi-tenant) and outlives a failed init,
+        # whose keys a second one would read (gloo then dials addresses that no
+        # longer listen). torchrun's agent keeps its store across restarts, whose
+        # workers count inits from zero again: the attempt is in the prefix.
         host, port = str(topology.rendezvous_addr), int(topology.rendezvous_port or 0)
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts it
         store = _tcp_store(host, port, topology, config,
