@@ -104,9 +104,7 @@ def as_bytes(buf: Any) -> tuple[Any, Callable[[Any], Any]]:
     back into ``buf``'s dtype: ``buf`` itself when its dtype is one the
     engines reduce (``dtypes.SUPPORTED_DTYPES``), else ``byte_rows(buf)``, so
     that all-gather moves every dtype (bool, uint16, complex ...) exactly."""
-    if _movable(buf) or not buf.shape:
-        return buf, lambda out: out
-    return byte_rows(buf)
+    return (buf, lambda out: out) if _movable(buf) or not buf.shape else byte_rows(buf)
 
 
 def byte_rows(buf: Any) -> tuple[Any, Callable[[Any], Any]]:

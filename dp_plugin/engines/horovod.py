@@ -346,9 +346,7 @@ class HorovodEngine(Engine):
     def _bits(self, tensor: Any) -> Any:
         """bfloat16 as its int16 bit pattern (Horovod has no bf16 kernels);
         other dtypes unchanged. A view: writes reach ``tensor``."""
-        if tensor.dtype == self._torch.bfloat16:
-            return tensor.view(self._torch.int16)
-        return tensor
+        return tensor.view(self._torch.int16) if tensor.dtype == self._torch.bfloat16 else tensor
 
 
 def built_with_nccl() -> bool:

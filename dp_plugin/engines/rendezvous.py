@@ -308,9 +308,7 @@ def _tag(secret: str, context: str, address: str) -> str:
 
 def sign(secret: str | None, context: str, address: str) -> str:
     """What rank 0 publishes: ``address`` alone, or ``address#tag`` with a secret."""
-    if secret is None:
-        return address
-    return f"{address}#{_tag(secret, context, address)}"
+    return address if secret is None else f"{address}#{_tag(secret, context, address)}"
 
 
 def verify(secret: str | None, context: str, published: str) -> tuple[str | None, str]:

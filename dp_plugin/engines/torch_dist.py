@@ -319,9 +319,7 @@ class TorchDistEngine(Engine):
 
     def _wire(self, t: Any) -> Any:
         """``t`` as the backend can move it: int16 travels as bytes (a view)."""
-        if t.dtype == self._torch.int16:
-            return t.view(self._torch.uint8)
-        return t
+        return t.view(self._torch.uint8) if t.dtype == self._torch.int16 else t
 
 
 class PollHandle(Handle):
