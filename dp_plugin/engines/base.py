@@ -69,8 +69,8 @@ class ReduceOp(enum.Enum):
             raise ValueError(f"reduce op {op!r} is not known; valid ops: {valid}") from None
 
 
-ELEMENTWISE = {ReduceOp.SUM: "add", ReduceOp.MIN: "minimum", ReduceOp.MAX: "maximum",
-               ReduceOp.PRODUCT: "multiply"}
+OP_FUNCTIONS = {ReduceOp.SUM: "add", ReduceOp.MIN: "minimum", ReduceOp.MAX: "maximum",
+                ReduceOp.PRODUCT: "multiply"}
 """Each op's elementwise function, named alike in numpy and torch, for the
 engines that combine buffers themselves (shared memory, MPI's emulated halves)."""
 

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from dp_plugin.config import Config
-from dp_plugin.engines.base import ELEMENTWISE, Availability, Engine, Handle, ReduceOp, Started
+from dp_plugin.engines.base import OP_FUNCTIONS, Availability, Engine, Handle, ReduceOp, Started
 from dp_plugin.engines.deadline import bounded_on
 from dp_plugin.engines.exit_bounds import finalize_mpi_at_exit
 from dp_plugin.engines.mpi_notes import MPINotes
@@ -274,7 +274,7 @@ class MPIEngine(Engine):
             return getattr(self._MPI, "PROD" if op is ReduceOp.PRODUCT else op.name)  # MPI.SUM ...
         key = (dtype, op)
         if key not in self._half_ops:
-            npdtype, combine = numpy_dtype(dtype), getattr(np, ELEMENTWISE[op])
+            npdtype, combine = numpy_dtype(dtype), getattr(np, OP_FUNCTIONS[op])
 
             def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
                 """``inout = round(combine(float32(in), float32(inout)))``."""

@@ -85,7 +85,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from dp_plugin.engines.base import ELEMENTWISE, ReduceOp
+from dp_plugin.engines.base import OP_FUNCTIONS, ReduceOp
 from dp_plugin.engines.deadline import is_standing
 from dp_plugin.engines.handle import Handle
 from dp_plugin.engines.waits import lost_text
@@ -564,7 +564,7 @@ def _reduce(parts: list[Any], out: Any, op: ReduceOp) -> None:
     """``out = parts[0] op parts[1] op ...``, left to right."""
     import torch
 
-    fn = getattr(torch, ELEMENTWISE[op])
+    fn = getattr(torch, OP_FUNCTIONS[op])
     fn(parts[0], parts[1], out=out)
     for part in parts[2:]:
         fn(out, part, out=out)
