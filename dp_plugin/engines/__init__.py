@@ -89,15 +89,12 @@ def _under_horovodrun(topology: Topology) -> tuple[str, str]:
     """``auto`` under horovodrun, by measurement rather than by the launcher's name.
 
     On CPUs, ``gloo`` through horovodrun's rendezvous: shared memory on one
-    host, hierarchical across hosts. Measured faster than Horovod's ring
-    under horovodrun (BENCHMARKS.md, "Under horovodrun";
-    across hosts, the table of Horovod's engine beside Gloo under horovodrun:
-    4.5-5.2 s where Horovod's engine took 6.3-6.9 s), and Horovod's library
-    then never starts its background thread. On GPUs, Horovod built with
-    NCCL keeps Horovod's own NCCL path,
-    what a Horovod user ran before: it was not measured here against the
-    nccl engine (no machine with a GPU per rank), so it is not replaced
-    unmeasured. Other GPU hosts run ``nccl``.
+    host, hierarchical across hosts, measured faster than Horovod's ring
+    (BENCHMARKS.md, "Under horovodrun" and "Across hosts"), and Horovod's
+    library then never starts its background thread. On GPUs, Horovod built
+    with NCCL keeps Horovod's own NCCL path, what a Horovod user ran before,
+    since no run here has compared it with the nccl engine yet; other GPU
+    hosts run ``nccl``.
     """
     gpus = availability("nccl", topology)
     if not gpus.ok:

@@ -25,9 +25,7 @@ Contract shared by all engines:
 - open / closed / broken is the base class ``Lifecycle``'s (``lifecycle.py``);
   engines release their library's resources in ``_close``;
 - subgroup engines are made by the engine's constructor with ``parent=``
-  (plus the library's group object), never by copying private fields;
-- ``buffer_device`` says where the engine takes buffers ("cpu", or
-  "cuda:<i>" for nccl): callers put control buffers and staging there.
+  (plus the library's group object), never by copying private fields.
 """
 
 from __future__ import annotations
@@ -70,6 +68,11 @@ class ReduceOp(enum.Enum):
             valid = ", ".join(o.value for o in cls)
             raise ValueError(f"reduce op {op!r} is not known; valid ops: {valid}") from None
 
+
+OP_FUNCTIONS = {ReduceOp.SUM: "add", ReduceOp.MIN: "minimum", ReduceOp.MAX: "maximum",
+                ReduceOp.PRODUCT: "multiply"}
+"""Each op's elementwise function, named alike in numpy and torch, for the
+engines that combine buffers themselves (shared memory, MPI's emulated halves)."""
 
 @dataclass(frozen=True)
 class Availability:
@@ -126,7 +129,6 @@ class Engine(Lifecycle):
         a copy and a slice (``generic.reducescatter_by_allreduce``)?"""
         return type(self)._reducescatter_start is not Engine._reducescatter_start
 
-    # -- public API --------------------------------------------------------
     def allreduce_async(self, buf: Any, op: ReduceOp | str = ReduceOp.SUM,
                         name: str = "allreduce") -> Handle:
         """Start an in-place all-reduce of the 1-D buffer ``buf``."""
@@ -163,10 +165,9 @@ class Engine(Lifecycle):
         """Concatenate every rank's buffer along the first dimension.
 
         ``rows[r]`` is rank r's first dimension, as the ranks agreed
-        (``dp_plugin.agree.check``; ``checked.allgather`` checks, then
-        calls this). The other dimensions and the dtype are the same on
-        every rank. Returns a new buffer of the same kind as ``buf``.
-        Collective and a synchronization point.
+        (``checked.allgather`` checks, then calls this); the other dimensions
+        and the dtype are the same on every rank. Returns a new buffer of
+        the same kind as ``buf``. Collective and a synchronization point.
         """
         handle, result = self.allgather_async(buf, rows, name)
         handle.wait()
@@ -208,12 +209,11 @@ class Engine(Lifecycle):
         """Reduce ``buf`` over the ranks; return this rank's block of rows.
 
         ``buf`` (numpy or torch, at least 1-D) has the same shape and dtype
-        on every rank (agreed: ``dp_plugin.agree.check``). The reduced
-        result is split along the first dimension as Horovod 0.28.1 does:
-        each rank gets ``rows // size`` rows and ranks ``0 .. rows % size - 1``
-        one more, in rank order. Returns a new buffer of the same kind as
-        ``buf``; the input is not modified. ``op``: sum, average (the sum
-        times ``1 / size``, ``generic.average``), min, max or product.
+        on every rank (agreed). The reduced result is split along the first
+        dimension as Horovod 0.28.1 does (``reducescatter_counts``). Returns
+        a new buffer of the same kind as ``buf``; the input is not modified.
+        ``op``: sum, average (the sum times ``1 / size``, ``generic.average``),
+        min, max or product.
         """
         handle, result = self.reducescatter_async(buf, op, name)
         handle.wait()
@@ -241,11 +241,8 @@ class Engine(Lifecycle):
         over *all* ranks of this engine. Members get a new engine with
         ``rank``/``size`` relative to the group (group rank i is
         ``members[i]``; broadcast roots are group ranks) and ``global_ranks``
-        naming the job-wide ranks; non-members get None. The new engine (made
-        by ``_subgroup`` with ``parent=self``) supports every collective while
-        this engine is open and not broken; its ``shutdown()`` releases the
-        group only, never this engine's resources, and must happen before
-        this engine's.
+        naming the job-wide ranks; non-members get None. ``_subgroup`` makes
+        it with ``parent=self``; how long it lives: ``lifecycle.py``.
         """
         self._check_usable(f"subgroup {name!r}")
         members = tuple(members)
@@ -298,10 +295,9 @@ class Engine(Lifecycle):
 
     # -- may override where the library has a native path -------------------
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
-        """``counts[i, j]``: rows rank i sends to rank j (validated, agreed by
-        all ranks) of ``buf``, rows of bytes (``generic.byte_rows``). Return
-        the rows this rank receives, in rank order, of the same kind.
-        Generic path: ``generic.alltoall_by_allgather``."""
+        """``alltoall`` of ``buf``'s rows of bytes (``generic.byte_rows``): the
+        rows this rank receives, of the same kind. Generic path:
+        ``generic.alltoall_by_allgather``."""
         return generic.alltoall_by_allgather(self, buf, counts, name)
 
     def _allgather_start(self, buf: Any, rows: list[int], name: str) -> Started:
@@ -333,7 +329,6 @@ class Engine(Lifecycle):
             "gloo, mpi or horovod engine (DP_PLUGIN_ENGINE)"
         )
 
-    # -- helpers -----------------------------------------------------------
     def _job_wide_only(self, members: tuple[int, ...], name: str, why: str) -> None:
         """Refuse to split a subgroup: the library makes groups over the whole job."""
         if self._parent is not None:

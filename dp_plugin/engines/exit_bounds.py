@@ -4,20 +4,16 @@ Two libraries end a process with a wait that has no timeout:
 
 - **MPI_Finalize.** mpi4py calls it from ``Py_AtExit``, after Python has
   stopped, holding the GIL; MPICH's finalize waits until every rank has
-  reached its own (measured: a rank that exits 6 s after the other keeps
-  the other in ``MPI_Finalize`` for 6 s; a rank that stalls keeps it there
-  for ever). ``finalize_mpi_at_exit`` registers a Python ``atexit`` hook
-  that calls ``MPI_Finalize`` itself, through ``ctypes`` (which releases
-  the GIL), on the main thread as MPI requires, while a watchdog thread
-  waits ``DP_PLUGIN_TIMEOUT``; mpi4py's own hook then finds MPI finalized
-  and does nothing. The hook is registered when ``dp_plugin`` is imported,
+  reached its own (a rank that stalls keeps the others there for ever).
+  ``finalize_mpi_at_exit`` registers a Python ``atexit`` hook that calls
+  ``MPI_Finalize`` itself, through ``ctypes`` (which releases the GIL), on
+  the main thread as MPI requires, while a watchdog thread waits
+  ``DP_PLUGIN_TIMEOUT``; mpi4py's own hook then finds MPI finalized and
+  does nothing. The hook is registered when ``dp_plugin`` is imported,
   not when the engine starts: ``atexit`` runs the last registered first,
   so every hook registered after ``import dp_plugin`` (a library's flush,
   the user's own, also one registered before ``hvd.init()``) runs while
-  MPI is still up and may use it. Registered at the engine's start, it
-  finalized MPI before such hooks, and one that asked MPI anything (its
-  rank, for a log line) ended the job with ``Attempting to use an MPI
-  routine ... after finalizing MPICH``. Only hooks registered before
+  MPI is still up and may use it. Only hooks registered before
   ``import dp_plugin`` and the interpreter's own teardown run after it.
 - **Horovod's shutdown.** ``hvd.shutdown()`` joins Horovod's background
   thread, which first agrees on the shutdown with every rank; Horovod

@@ -22,15 +22,12 @@ from dp_plugin.reduce.dtypes import SUPPORTED_DTYPES
 def alltoall_by_allgather(engine: Any, buf: Any, counts: np.ndarray, name: str) -> Any:
     """All-gather every rank's buffer and keep the blocks addressed to this
     rank (moves ``size`` times the data). ``counts[i, j]``: rows i sends j."""
-    gathered = engine.allgather(buf, [int(n) for n in counts.sum(axis=1)], name)
+    sent = counts.sum(axis=1)
+    gathered = engine.allgather(buf, [int(n) for n in sent], name)
     me = engine.rank
-    starts = np.concatenate([[0], np.cumsum(counts.sum(axis=1))])
-    rows = [
-        np.arange(first, first + int(counts[src, me]), dtype=np.int64)
-        for src, first in enumerate(int(starts[s] + counts[s, :me].sum())
-                                    for s in range(engine.size))
-    ]
-    index = np.concatenate(rows)
+    firsts = np.cumsum(sent) - sent + counts[:, :me].sum(axis=1)  # each sender's first row for me
+    index = np.concatenate([np.arange(firsts[s], firsts[s] + counts[s, me], dtype=np.int64)
+                            for s in range(engine.size)])
     return gathered[as_torch(index)] if is_torch(gathered) else gathered[index]
 
 
@@ -90,11 +87,9 @@ def torch_byte_rows(tensor: Any) -> Any:
     """A torch ``tensor``'s rows as raw bytes: a ``(rows, row_bytes)`` uint8 view of
     its memory (of a contiguous copy when it is not contiguous).
 
-    An empty tensor becomes a fresh empty one instead: it may carry any strides
-    (numpy 2 gives a copied empty array strides of 0, ``torch.from_numpy`` keeps
-    them, ``contiguous()`` leaves an empty tensor as it is) and ``view(uint8)``
-    refuses those, so a rank that sends no rows failed its all-to-all while the
-    others waited for it."""
+    An empty tensor becomes a fresh empty one instead: it may carry strides that
+    ``view(uint8)`` refuses (numpy 2 gives a copied empty array strides of 0,
+    which neither ``torch.from_numpy`` nor ``contiguous()`` changes)."""
     import torch
 
     rows = int(tensor.shape[0])
@@ -109,9 +104,7 @@ def as_bytes(buf: Any) -> tuple[Any, Callable[[Any], Any]]:
     back into ``buf``'s dtype: ``buf`` itself when its dtype is one the
     engines reduce (``dtypes.SUPPORTED_DTYPES``), else ``byte_rows(buf)``, so
     that all-gather moves every dtype (bool, uint16, complex ...) exactly."""
-    if _movable(buf) or not buf.shape:
-        return buf, lambda out: out
-    return byte_rows(buf)
+    return (buf, lambda out: out) if _movable(buf) or not buf.shape else byte_rows(buf)
 
 
 def byte_rows(buf: Any) -> tuple[Any, Callable[[Any], Any]]:

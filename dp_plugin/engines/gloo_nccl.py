@@ -29,10 +29,9 @@ class GlooEngine(TorchDistEngine):
     All-reduces of CPU buffers go through shared memory (``shm.py``) when
     every rank runs on one host (by the launcher's count; a channel or
     process set inherits the job's answer), and are hierarchical
-    (``hierarchical.py``) on several hosts of several ranks; the job-wide
-    engine and its channels each get their own segments and cross-host
-    groups, a process set keeps the flat ring. Every other collective is
-    Gloo's."""
+    (``hierarchical.py``) on several hosts of several ranks, where a process
+    set keeps the flat ring; each channel has segments of its own. Every
+    other collective is Gloo's."""
 
     name = "gloo"
     backend = "gloo"
@@ -46,9 +45,8 @@ class GlooEngine(TorchDistEngine):
                                   config.shared_memory and topology.local_size == topology.size)
         if self.size == 1:
             return
-        # Collective: every rank of the group takes the same branch (the
-        # job-wide engine decides from every rank's row, the same table on
-        # every rank; a setup that fails anywhere fails everywhere).
+        # Collective: every rank of the group takes the same branch
+        # (hierarchical.decide, shm.connect).
         if parent is None:
             self._hier = self._connect_hierarchical()
         elif parent.hierarchical:
@@ -133,8 +131,6 @@ class GlooEngine(TorchDistEngine):
                 log.info(flat, why)
             return None
         host = layout.host_of(self.rank)
-        # Each host sets up its own segment; the exchange is the job's (rows:
-        # job ranks), so that every host gives up, or goes on, together.
         connect = functools.partial(shm.connect, self.exchange_rows, host.index(self.rank),
                                     len(host), timeout_s=self.config.timeout_s,
                                     budget_bytes=self.config.shared_memory_budget, members=host)
@@ -142,14 +138,12 @@ class GlooEngine(TorchDistEngine):
         if transport is None:
             log.warning(flat, "shared memory cannot be set up on every host")
             return None
-        # Rows are (vote, host index, local rank, ranks on its host): the
-        # host index is the host key the cross-host groups' topologies read.
+        # A row's host index (hierarchical.row) is the cross-host groups' host key.
         cross, hosts = None, table[:, 1].tolist()
         for peers in layout.peer_groups() if len(layout.hosts) > 1 else []:
             made = self.subgroup(list(peers), hosts, "hierarchical cross-host")
             cross = made if made is not None else cross
-        # The all-gather stage's own segment (the pipeline); any rank of the
-        # job that cannot have it leaves every rank unpipelined.
+        # The all-gather stage's own segment (hierarchical.py, **Pipelined.**).
         gather = connect(eligible=True, instead="the hierarchical all-reduce runs its steps one "
                          "after another, not pipelined (a second segment is needed)")
         if self.rank == 0:

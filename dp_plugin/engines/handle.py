@@ -1,9 +1,6 @@
 """Handles: in-flight collectives that honour the timeout (``Handle.wait``).
-With a ``WaitBoard`` (``waits.py``) a long wait leaves a note for the other
-ranks (past half the timeout, or half the stall warning time if sooner),
-logs a stall warning naming the ranks not yet there every
-``stall_warning_s``, and the timeout error says what every other rank was
-waiting in.
+With a ``WaitBoard``, a long wait leaves a note and logs stall warnings, and
+the timeout error says what every other rank was waiting in (``waits.py``).
 """
 
 from __future__ import annotations

@@ -43,24 +43,22 @@ cannot set up does the same.
 
 **Pipelined.** Run one after another, the three steps leave the link
 idle during every shared-memory step and every gap between operations
-(2 x 2 ranks, 1 Gbit/s: 75% of the link, 1.21x a flat Gloo ring where
-the bytes allow 1.5x). So each all-reduce is cut into pieces of
-``PIECE_BYTES`` and the steps run as a three-stage pipeline, in FIFO
-order of pieces: the reduce-scatter of piece k + 1 runs while piece k
-crosses the hosts while piece k - 1 is all-gathered. Two transports,
-each with its own segment, sockets and thread: the *reduce* transport
-reduce-scatters piece after piece and starts each shard's cross-host
-all-reduce without waiting for it (Gloo's queue is FIFO too); the
-*gather* transport waits for a piece's cross-host all-reduce, then
+(busy 75% of the time: docs/benchmarks-history.md). So each all-reduce is
+cut into pieces of ``PIECE_BYTES`` and the steps run as a three-stage
+pipeline, in FIFO order of pieces: the reduce-scatter of piece k + 1 runs
+while piece k crosses the hosts while piece k - 1 is all-gathered. Two
+transports, each with its own segment, sockets and thread: the *reduce*
+transport reduce-scatters piece after piece and starts each shard's
+cross-host all-reduce without waiting for it (Gloo's queue is FIFO too);
+the *gather* transport waits for a piece's cross-host all-reduce, then
 all-gathers it. Each transport's sequence is the order in which the
 pieces were queued, the same on every rank whatever is in flight at any
 moment: nothing depends on timing. Each stage keeps the transport's
 per-operation header check; a failure in either (a mismatch, a peer gone,
 a deadline) finishes the all-reduce's handle with that error on every
 rank and breaks the transport, so later all-reduces fail too. A cross-host
-step that fails names the job ranks it could not reach, and says so on the
-wait board (``waits.py``) before its transports shut down: the host's other
-ranks, which only see their connections to this rank close, name them too. Where the
+step that fails names the job ranks it could not reach, and so do the
+host's other ranks (``HierarchicalAllreduce.unreachable``). Where the
 second segment does not fit the shared-memory budget, every rank of the
 job runs the unpipelined steps (said once in the log).
 
@@ -102,9 +100,8 @@ other dtypes take the flat ring."""
 PIECE_BYTES = 4 << 20
 """Bytes of one piece of the pipelined all-reduce: small enough that the
 first reduce-scatter and the last all-gather, the only shared-memory steps
-the link waits for, are short (one 94 MB embedding becomes 23 pieces);
-large enough that a piece's fixed cost (four barriers and one Gloo
-operation) stays small next to its transfer."""
+the link waits for, are short; large enough that a piece's fixed cost
+(four barriers and one Gloo operation) stays small next to its transfer."""
 WAKE_S = 0.05
 """How often a wait between the stages looks whether the engine is closing."""
 
@@ -114,10 +111,8 @@ NO, AUTOMATIC, FORCED = 0, 1, 2
 
 
 def vote(topology: Topology, config: Config) -> int:
-    """What this rank's own settings and launcher variables say: ``FORCED``
-    (the switch is on), ``AUTOMATIC`` (unset, and its topology has several
-    hosts of several ranks) or ``NO``. Only ``decide``, over every rank's
-    vote, says what the job does."""
+    """This rank's vote (module docstring, **When.**); only ``decide``, over
+    every rank's vote, says what the job does."""
     if config.hierarchical_allreduce is not None:
         return FORCED if config.hierarchical_allreduce and topology.size > 1 else NO
     several = topology.cross_size > 1 and topology.local_size > 1
@@ -216,8 +211,6 @@ class HierarchicalAllreduce:
         self._cross = cross
         self._queueing = threading.Lock()
         self._closing = threading.Event()
-        # The last stage breaks everything: every piece before the one it
-        # failed on is done here, every stage queued after it is at or past it.
         (gather or transport).on_break = self._break
 
     @property
@@ -234,11 +227,10 @@ class HierarchicalAllreduce:
         """Queue the three steps of the module docstring: pipelined in
         pieces over the two transports, or unpipelined, the whole buffer as
         one piece whose two stages run one after the other on the host's
-        transport thread; the handle is done when every stage of every
-        piece has run, failed or been skipped (after a failure, nothing
-        touches ``t`` once its handle has raised). Issued inside
-        ``deadline.standing()``: no step has a deadline of its own, its
-        cross-host one included; the caller bounds the wait."""
+        transport thread. The handle has a part per stage of every piece
+        (``ShmHandle``). Issued inside ``deadline.standing()``: no step has
+        a deadline of its own, its cross-host one included; the caller
+        bounds the wait."""
         reduce_t, gather_t = self._transport, self._gather or self._transport
         data = t.view(-1)
         n = data.numel()
@@ -261,11 +253,11 @@ class HierarchicalAllreduce:
         return handle
 
     def _break(self, error: BaseException) -> None:
-        """The last stage's transport broke (on its thread): break the
-        reduce stage's too, whose queue holds only pieces at or past the
-        failed one, and shut both down so that the host's peers stop at
-        once (``ShmTransport.fail``). A reduce stage that breaks first
-        reaches here through its pieces' crossings."""
+        """The last stage's transport broke (on its thread): every piece
+        before the failed one is done. Break the reduce stage's too, whose
+        queue holds only pieces at or past it, and shut both down so that
+        the host's peers stop at once (``ShmTransport.fail``). A reduce
+        stage that breaks first reaches here through its pieces' crossings."""
         for t in (self._transport, self._gather):
             if t is not None:
                 t.fail(error)
@@ -356,16 +348,12 @@ class _Crossing:
 
     def settle(self, _: BaseException) -> None:
         """The all-gather of this piece failed or was skipped: ``wait`` all
-        the same, until its cross-host all-reduce, if it started on the
-        piece, is over, so that nothing writes into the piece once the
-        handle has raised. Its outcome is not the handle's."""
+        the same (class docstring); its outcome is not the handle's."""
         with contextlib.suppress(Exception):
             self.wait(self._deadline)
 
     def wait(self, deadline: float | None) -> None:
-        """Until the cross-host all-reduce is done: by ``deadline`` (a
-        ``time.perf_counter`` value; the all-reduce's timeout error after
-        it), or with none while the owner is open (``HierarchicalAllreduce.until``)."""
+        """Until the cross-host all-reduce is done (``HierarchicalAllreduce.until``)."""
         self._owner.until(self._ready.is_set, deadline, self._job, self._name)
         if self._error is not None:
             raise self._error

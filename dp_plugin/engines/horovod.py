@@ -1,7 +1,7 @@
 """The ``horovod`` engine: collectives run inside Horovod's own engine.
 
-Uses ``horovod.torch`` (Horovod 0.28.1 built with Gloo; see DESIGN.md for
-the C++17 rebuild), imported when the engine is created.
+Uses ``horovod.torch`` (Horovod 0.28.1 built with Gloo; docs/horovod-build.md
+for the C++17 rebuild), imported when the engine is created.
 
 - Horovod matches collectives across ranks by *name*, not by order. Every
   rank must pass the same names in the same order. The engine appends a slot
@@ -26,17 +26,14 @@ Broadcast and all-gather move bfloat16 as its int16 bit pattern (exact).
 ``reducescatter`` is ``hvd.reducescatter_async`` for sums in the dtypes
 above with kernels (others go through the all-reduce). ``subgroup`` is a
 Horovod process set (``hvd.add_process_set``, collective over all Horovod
-ranks; collectives then pass ``process_set=``), which needs
-HOROVOD_DYNAMIC_PROCESS_SETS=1 at ``hvd.init()``. The engine sets it when it
-initializes Horovod itself and the program asked for process sets
-(``Config.process_sets``: ``hvd.init(process_sets="dynamic")`` or a list),
-as Horovod's own ``init`` does: with it, Horovod checks for new sets in
-every background cycle, 4-9% of a step (docs/benchmarks-history.md). Only the job-wide
-engine can add process sets.
-When it starts Horovod it also keeps Horovod's library from fusing
-dp_plugin's pre-fused buckets again (``horovod_env.library_settings``:
-Horovod's own fusion threshold, never beside a cycle time, which would
-crash a later re-init). Average is the base class's, not ``hvd.Average``.
+ranks; collectives then pass ``process_set=``); only the job-wide engine
+adds them. An engine that starts Horovod sets Horovod's variables for it
+(``horovod_env.library_settings``): dynamic process sets where the program
+asked for them (``Config.process_sets``), as Horovod's own ``init`` does
+(Horovod then looks for new sets every cycle, 4-9% of a step:
+docs/benchmarks-history.md), and a fusion threshold that keeps Horovod from
+fusing dp_plugin's buckets again.
+Average is the base class's, not ``hvd.Average``.
 """
 
 from __future__ import annotations
@@ -160,6 +157,7 @@ class HorovodEngine(Engine):
         self._hvd = hvd
         self._torch = torch
         self._process_set = hvd.global_process_set
+        self._added_sets[tuple(range(topology.size))] = hvd.global_process_set
         self._owns_init = not hvd.is_initialized()
         if self._owns_init:
             with library_settings(config):  # Horovod reads them inside hvd.init()
@@ -176,11 +174,9 @@ class HorovodEngine(Engine):
                 "override HOROVOD_RANK/HOROVOD_SIZE"
             )
 
-    # -- collectives -------------------------------------------------------
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
         tensor = self._inplace_tensor(buf, f"allreduce {name!r}")
-        dtype = canonical_dtype(tensor.dtype)
-        wire_dtype = ALLREDUCE_WIRE_DTYPES.get(dtype)
+        wire_dtype = ALLREDUCE_WIRE_DTYPES.get(canonical_dtype(tensor.dtype))
         wire = tensor if wire_dtype is None else tensor.to(getattr(self._torch, wire_dtype))
         description = self.describe("allreduce", name, tensor.nbytes)
         handle = self._start("allreduce", name, description, self._hvd.allreduce_async_, wire,
@@ -224,11 +220,9 @@ class HorovodEngine(Engine):
         shutdown cannot be; the set stays registered (reused if the same
         ranks are asked for again) until Horovod shuts down."""
         if self._owns_init and self._hvd.is_initialized() and not self._shutdown_stuck:
-            # Bounded: it joins Horovod's background thread, which first
-            # agrees on the shutdown with every rank (a dead or stalled rank
-            # kept it waiting for ever). On expiry the thread still runs,
-            # and exiting would join it again: ``_shutdown_at_exit`` ends
-            # the process instead.
+            # Bounded (exit_bounds.py says why). On expiry Horovod's thread
+            # still runs, and exiting would join it again: ``_shutdown_at_exit``
+            # ends the process instead.
             self._shutdown_stuck = True
             bounded_on(self, self._hvd.shutdown,
                        "hvd.shutdown() (Horovod agrees on the shutdown with every rank)")
@@ -241,7 +235,6 @@ class HorovodEngine(Engine):
             self._close()
         return not self._shutdown_stuck
 
-    # -- alltoall, reducescatter, process sets ---------------------------------
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
         """``hvd.alltoall_async`` of the rows' bytes (Horovod has no kernel
         for some dtypes)."""
@@ -259,9 +252,8 @@ class HorovodEngine(Engine):
 
     def _reducescatter_start(self, buf: Any, op: ReduceOp, counts: list[int],
                              name: str) -> Started:
-        """``hvd.reducescatter_async`` for a sum in a dtype Horovod reduces
-        (its split of the rows is the one ``Engine.reducescatter`` promises);
-        anything else takes the generic all-reduce path."""
+        """Horovod's own where it reduces (module docstring): its split of the
+        rows is the one ``Engine.reducescatter`` promises."""
         tensor = as_torch(buf).detach()
         dtype = canonical_dtype(tensor.dtype)
         if op is not ReduceOp.SUM or dtype in ALLREDUCE_WIRE_DTYPES or tensor.numel() == 0:
@@ -278,45 +270,36 @@ class HorovodEngine(Engine):
 
     def _subgroup(self, members: tuple[int, ...], topology: Topology | None,
                   name: str) -> Engine | None:
-        """A Horovod process set of the members (``hvd.add_process_set``,
-        collective over all Horovod ranks), reused if it already exists."""
+        """A Horovod process set of the members: the global set, one this
+        engine added before, a new one (``hvd.add_process_set``, collective
+        over every Horovod rank, bounded by the timeout), or the one the user
+        registered with the same ranks (Horovod refuses duplicates)."""
         self._job_wide_only(members, name, "Horovod adds process sets collectively over all "
                             "its ranks")
-        process_set = self._process_set_of(members, f"subgroup {name!r}")
+        if members not in self._added_sets:
+            try:
+                added = bounded_on(self, lambda: self._hvd.add_process_set(list(members)),
+                                   f"hvd.add_process_set({list(members)})")
+            except ValueError as exc:
+                if "duplicate" not in str(exc):
+                    # Every rank gets the same refusal (e.g. dynamic process sets off).
+                    raise DPPluginError(
+                        f"subgroup {name!r}: Horovod refused to add a process set of ranks "
+                        f"{list(members)}: {str(exc).rstrip('.')}. Under the horovod engine, "
+                        "process sets must be asked for when Horovod starts, as in Horovod: "
+                        "call hvd.init(process_sets='dynamic') (or pass the sets, "
+                        "hvd.init(process_sets=[hvd.ProcessSet([...])])) on every rank, or set "
+                        "HOROVOD_DYNAMIC_PROCESS_SETS=1 before hvd.init() (it is "
+                        f"{os.environ.get('HOROVOD_DYNAMIC_PROCESS_SETS')!r}); dp_plugin does "
+                        "not enable them unasked because Horovod then checks for new sets in "
+                        "every cycle"
+                    ) from exc
+                added = _registered_set(members)
+            self._added_sets[members] = added
         if topology is None:
             return None
-        return type(self)(topology, self.config, parent=self, process_set=process_set)
+        return type(self)(topology, self.config, parent=self, process_set=self._added_sets[members])
 
-    def _process_set_of(self, members: tuple[int, ...], what: str) -> Any:
-        """The ``ProcessSet`` of ``members``: the global set, one this engine
-        added before, or a new one (``hvd.add_process_set``, collective over
-        every Horovod rank, bounded by the timeout), or the one the user
-        registered with the same ranks (Horovod refuses duplicates)."""
-        if members == tuple(range(self.size)):
-            return self._hvd.global_process_set
-        if members in self._added_sets:
-            return self._added_sets[members]
-        try:
-            added = bounded_on(self, lambda: self._hvd.add_process_set(list(members)),
-                               f"hvd.add_process_set({list(members)})")
-        except ValueError as exc:
-            if "duplicate" not in str(exc):
-                # Every rank gets the same refusal (e.g. dynamic process sets off).
-                raise DPPluginError(
-                    f"{what}: Horovod refused to add a process set of ranks {list(members)}: "
-                    f"{str(exc).rstrip('.')}. Under the horovod engine, process sets must be "
-                    "asked for when Horovod starts, as in Horovod: call "
-                    "hvd.init(process_sets='dynamic') (or pass the sets, "
-                    "hvd.init(process_sets=[hvd.ProcessSet([...])])) on every rank, or set "
-                    "HOROVOD_DYNAMIC_PROCESS_SETS=1 before hvd.init() (it is "
-                    f"{os.environ.get('HOROVOD_DYNAMIC_PROCESS_SETS')!r}); dp_plugin does not "
-                    "enable them unasked because Horovod then checks for new sets in every cycle"
-                ) from exc
-            added = _registered_set(members)
-        self._added_sets[members] = added
-        return added
-
-    # -- internals ---------------------------------------------------------
     def _start(self, kind: str, name: str, description: str, start: Callable[..., int],
                tensor: Any, **options: Any) -> _HorovodHandle:
         """Reserve a name slot, start Horovod's operation (``start(tensor,
@@ -363,9 +346,7 @@ class HorovodEngine(Engine):
     def _bits(self, tensor: Any) -> Any:
         """bfloat16 as its int16 bit pattern (Horovod has no bf16 kernels);
         other dtypes unchanged. A view: writes reach ``tensor``."""
-        if tensor.dtype == self._torch.bfloat16:
-            return tensor.view(self._torch.int16)
-        return tensor
+        return tensor.view(self._torch.int16) if tensor.dtype == self._torch.bfloat16 else tensor
 
 
 def built_with_nccl() -> bool:

@@ -14,12 +14,10 @@ the global context's interface.
 
 So Horovod's engine cannot work when, on some rank, the build lacks that
 fix *and* the host name binds to a loopback address, in a job that spans
-hosts (on one host loopback reaches everyone). The facts differ per host,
-and the choice must not: a job where some ranks ran Horovod's engine and
-others Gloo would hang. So each rank's ``local_finding`` goes into the
-job's one choice of engine (``job_choice``): ``auto`` then runs ``gloo`` on
-every rank; an explicit ``horovod`` raises the same error, naming the
-ranks (``verdict``), on every rank.
+hosts (on one host loopback reaches everyone). Each rank's
+``local_finding`` goes into the job's one choice of engine (``job_choice``):
+``auto`` then runs ``gloo`` on every rank; an explicit ``horovod`` raises
+the same error, naming the ranks (``verdict``), on every rank.
 """
 
 from __future__ import annotations

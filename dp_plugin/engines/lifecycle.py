@@ -27,8 +27,6 @@ class Lifecycle(ABC):
 
     name: ClassVar[str]
     _timeout_breaks_parent: ClassVar[bool] = False
-    """Whether a timeout in a subgroup also breaks the engine it came from
-    (set where they share library resources a pending collective may use)."""
 
     def __init__(self, parent: Lifecycle | None) -> None:
         self._parent = parent
@@ -48,12 +46,7 @@ class Lifecycle(ABC):
     @property
     def closed(self) -> bool:
         """True once ``shutdown`` ran (here or, for a subgroup, on a parent)."""
-        engine: Lifecycle | None = self
-        while engine is not None:
-            if engine._closed:
-                return True
-            engine = engine._parent
-        return False
+        return self._closed or (self._parent is not None and self._parent.closed)
 
     def shutdown(self) -> None:
         """Release this engine's resources (idempotent; local, not

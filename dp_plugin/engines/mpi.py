@@ -3,19 +3,17 @@
 MPI matches collectives by order only: names are used solely in error
 messages. All traffic runs on a private duplicate of ``MPI.COMM_WORLD``, so
 a user's own MPI calls on ``COMM_WORLD`` can never match ours. Waits poll
-``Request.Test`` (MPI makes progress only inside MPI calls). A timeout in a
-subgroup breaks the engine it came from too (they share datatypes and ops);
-``shutdown`` of a broken engine leaks the communicator and reduction ops on
-purpose (freeing an op that a pending request may still call is unsafe);
-the process still exits normally (MPICH 5.0.2 finalizes with pending
-requests without blocking, checked with mismatched pending collectives).
+``Request.Test`` (MPI makes progress only inside MPI calls).
 
-``allgather`` is ``Iallgatherv`` with the row counts the base class's
-agreement gave (that agreement is one ``Iallreduce`` of a small table).
-``alltoall`` is ``Ialltoallv`` on the rows' bytes, ``reducescatter`` is
-``Ireduce_scatter`` with Horovod's row split, and ``subgroup`` is
-``Comm.Split``; a subgroup engine shares this engine's datatypes and ops
-(freed by this engine's ``shutdown``) and may itself be split further.
+``allgather`` is ``Iallgatherv`` with the agreed row counts, ``alltoall``
+``Ialltoallv`` on the rows' bytes, ``reducescatter`` ``Ireduce_scatter``
+with Horovod's row split, and ``subgroup`` ``Comm.Split``. A subgroup
+engine may be split further; it shares the job-wide engine's datatypes
+and ops, which that one frees, so a timeout in a subgroup breaks the
+engine it came from too. ``shutdown`` of a broken engine leaks the
+communicator and reduction ops on purpose (freeing an op that a pending
+request may still call is unsafe); the process still exits normally
+(MPICH 5.0.2 finalizes with pending requests without blocking).
 
 dtypes: MPICH 5.0.2 reduces ``MPI_FLOAT16_T`` natively; ``MPI_BFLOAT16_T``
 is ``MPI_DATATYPE_NULL`` there. A half type the library lacks is sent as an
@@ -26,13 +24,12 @@ computes in float32 and rounds back after every pairwise step.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
 
 from dp_plugin.config import Config
-from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp, Started
+from dp_plugin.engines.base import OP_FUNCTIONS, Availability, Engine, Handle, ReduceOp, Started
 from dp_plugin.engines.deadline import bounded_on
 from dp_plugin.engines.exit_bounds import finalize_mpi_at_exit
 from dp_plugin.engines.mpi_notes import MPINotes
@@ -55,13 +52,6 @@ _MPI_TYPE_NAMES = {
     "int64": "INT64_T",
 }
 _HALF_DTYPES = ("float16", "bfloat16")
-
-_FLOAT32_OPS: dict[ReduceOp, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
-    ReduceOp.SUM: np.add,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.MAX: np.maximum,
-    ReduceOp.PRODUCT: np.multiply,
-}
 
 
 class _MPIHandle(Handle):
@@ -115,8 +105,7 @@ class MPIEngine(Engine):
     def __init__(self, topology: Topology, config: Config, *,
                  parent: MPIEngine | None = None, comm: Any = None) -> None:
         """The job-wide engine (duplicates ``COMM_WORLD``), or with ``parent``
-        and ``comm``: the subgroup engine on ``comm``, sharing the parent's
-        datatypes and ops (the job-wide engine frees them)."""
+        and ``comm``: the subgroup engine on ``comm`` (module docstring)."""
         super().__init__(topology, config, parent=parent)
         self._comm: Any = comm
         self._board: WaitBoard | None = None
@@ -172,7 +161,6 @@ class MPIEngine(Engine):
                 self._half_types[dtype] = native
             self._types[dtype] = native
 
-    # -- collectives -------------------------------------------------------
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
         arr = _writable_view(buf, f"allreduce {name!r}")
         request = self._comm.Iallreduce(self._MPI.IN_PLACE, self._spec(arr),
@@ -185,7 +173,6 @@ class MPIEngine(Engine):
         return _MPIHandle(self, self.describe("broadcast", name, arr.nbytes), [request], (buf, arr))
 
     def _allgather_start(self, buf: Any, rows: list[int], name: str) -> Started:
-        """``Iallgatherv`` of the rows, with the agreed per-rank counts."""
         arr = np.ascontiguousarray(as_numpy(buf))  # only read: a copy is fine
         trailing = arr.shape[1:]
         row_elems = int(np.prod(trailing, dtype=np.int64))
@@ -204,13 +191,12 @@ class MPIEngine(Engine):
         _MPIHandle(self, "mpi barrier", [self._comm.Ibarrier()], ()).wait()
 
     def _close(self) -> None:
-        """Free the communicator, datatypes and ops (local).
+        """Free the communicator, and the job-wide engine's datatypes and ops
+        too (local; a broken engine frees nothing: module docstring).
 
         ``MPI_Finalize`` is left to interpreter exit, so the user may keep
         using MPI, or start the engine again, after this; there it is
-        bounded by ``DP_PLUGIN_TIMEOUT`` (``exit_bounds.finalize_mpi_at_exit``). A
-        subgroup engine frees only its communicator: the datatypes and ops
-        belong to the engine it came from. A broken engine frees nothing."""
+        bounded by ``DP_PLUGIN_TIMEOUT`` (``exit_bounds.finalize_mpi_at_exit``)."""
         if self._broken is not None:
             self._comm = None
             return
@@ -227,7 +213,6 @@ class MPIEngine(Engine):
             self._comm = None
 
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
-        """``Ialltoallv`` of the rows' bytes."""
         arr = np.ascontiguousarray(as_numpy(buf))  # only read: a copy is fine
         row_bytes = arr.shape[1]
         received = counts[:, self.rank]
@@ -244,7 +229,6 @@ class MPIEngine(Engine):
 
     def _reducescatter_start(self, buf: Any, op: ReduceOp, counts: list[int],
                              name: str) -> Started:
-        """``Ireduce_scatter`` with per-rank element counts."""
         arr = np.ascontiguousarray(as_numpy(buf))
         dtype = canonical_dtype(arr.dtype)
         trailing = arr.shape[1:]
@@ -273,7 +257,6 @@ class MPIEngine(Engine):
             return None
         return type(self)(topology, self.config, parent=self, comm=comm)
 
-    # -- internals ---------------------------------------------------------
     def wait_board(self) -> WaitBoard | None:
         """Notes of long waits, sent over MPI itself (``mpi_notes.py``); None
         while the engine starts, or when MPI is not thread-multiple."""
@@ -291,24 +274,17 @@ class MPIEngine(Engine):
             return getattr(self._MPI, "PROD" if op is ReduceOp.PRODUCT else op.name)  # MPI.SUM ...
         key = (dtype, op)
         if key not in self._half_ops:
-            self._half_ops[key] = self._MPI.Op.Create(
-                _half_reducer(numpy_dtype(dtype), _FLOAT32_OPS[op]), commute=True
-            )
+            npdtype, combine = numpy_dtype(dtype), getattr(np, OP_FUNCTIONS[op])
+
+            def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+                """``inout = round(combine(float32(in), float32(inout)))``."""
+                incoming = np.frombuffer(inbuf, dtype=npdtype)
+                inout = np.frombuffer(inoutbuf, dtype=npdtype)
+                result = combine(incoming.astype(np.float32), inout.astype(np.float32))
+                inout[...] = result.astype(npdtype)
+
+            self._half_ops[key] = self._MPI.Op.Create(reduce, commute=True)
         return self._half_ops[key]
-
-
-def _half_reducer(
-    npdtype: np.dtype, combine: Callable[[np.ndarray, np.ndarray], np.ndarray]
-) -> Callable[[Any, Any, Any], None]:
-    """A user op body: ``inout = round(combine(float32(in), float32(inout)))``."""
-
-    def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-        incoming = np.frombuffer(inbuf, dtype=npdtype)
-        inout = np.frombuffer(inoutbuf, dtype=npdtype)
-        result = combine(incoming.astype(np.float32), inout.astype(np.float32))
-        inout[...] = result.astype(npdtype)
-
-    return reduce
 
 
 def _writable_view(buf: Any, what: str) -> np.ndarray:

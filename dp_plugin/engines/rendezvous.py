@@ -60,12 +60,9 @@ _ADDRESS_BYTES = 256
 _generation = itertools.count()
 
 # The store servers this process serves on a fixed port (MASTER_PORT), kept
-# for the life of the process. Ranks do not leave shutdown() together: a rank
-# that re-inits first connects to the server still listening on MASTER_PORT,
-# the one of the previous init. Were that server dropped with its group, the
-# rank's connection would close under it ("Failed to recv, got 0 bytes") and
-# the other rank would wait for its keys until the timeout. Kept, every init
-# meets on the same server, under a prefix of its own.
+# for the life of the process: ranks do not leave shutdown() together, and a
+# rank that re-inits first connects to the previous init's server, which must
+# not close under it. Every init meets on the same server, under its prefix.
 _served: dict[tuple[str, int], Any] = {}
 
 
@@ -119,12 +116,10 @@ def rendezvous(topology: Topology, config: Config) -> tuple[Any, str]:
     generation = next(_generation)
     if launcher in ("torchrun", "slurm"):
         # What env:// does, plus a prefix per init(): the store server is
-        # shared within the process (multi-tenant) and outlives a shutdown
-        # after a failure, so a second init() would otherwise read the first
-        # one's keys — gloo then dials addresses that no longer listen. The
-        # same holds across torchrun's restarts (--max-restarts): its agent
-        # keeps the store, and the restarted workers start counting inits
-        # from zero again, so the attempt number is part of the prefix.
+        # shared within the process (multi-tenant) and outlives a failed init,
+        # whose keys a second one would read (gloo then dials addresses that no
+        # longer listen). torchrun's agent keeps its store across restarts, whose
+        # workers count inits from zero again: the attempt is in the prefix.
         host, port = str(topology.rendezvous_addr), int(topology.rendezvous_port or 0)
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts it
         store = _tcp_store(host, port, topology, config,
@@ -145,8 +140,6 @@ def rendezvous(topology: Topology, config: Config) -> tuple[Any, str]:
     via = "Horovod's rendezvous server" if launcher == "horovodrun" else "an MPI broadcast"
     return _prefixed(store, generation), f"TCPStore at {address}, announced through {via}"
 
-
-# -- helpers -------------------------------------------------------------------
 
 def _tcp_store(host: str, port: int, topology: Topology, config: Config, *,
                is_master: bool) -> Any:
@@ -315,9 +308,7 @@ def _tag(secret: str, context: str, address: str) -> str:
 
 def sign(secret: str | None, context: str, address: str) -> str:
     """What rank 0 publishes: ``address`` alone, or ``address#tag`` with a secret."""
-    if secret is None:
-        return address
-    return f"{address}#{_tag(secret, context, address)}"
+    return address if secret is None else f"{address}#{_tag(secret, context, address)}"
 
 
 def verify(secret: str | None, context: str, published: str) -> tuple[str | None, str]:

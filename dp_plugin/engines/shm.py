@@ -32,18 +32,14 @@ compute), a peer that dies closes its sockets and fails the read at once,
 and the system calls order the memory accesses around them.
 
 **Every operation says what it is.** The first barrier of an operation
-carries, instead of its one byte, the operation's header: sequence
-number, kind, element count, dtype, op, post-scale (and, for a piece of a
-pipelined hierarchical all-reduce, its offset and its tensor's size).
+carries, instead of its one byte, the operation's header (``_HEADER``).
 Every rank compares each peer's header with its own once it has read them
 all; a difference raises ``LayoutMismatchError`` on every rank, naming
-both sides, before any byte is combined (the agreement of the layers
-above is the first line of defence; this one does not trust it: a cached
-collective that skipped it would otherwise pair with another rank's
-different one and silently mix 10 float32 with 20 int64). Riding on the
-barrier, the check costs one struct pack and a bytes comparison per peer,
-no extra system call: ``dp-plugin bench --shm-check`` measures it (against
-transports of its own made unchecked, ``ShmTransport.checked``).
+both sides, before any byte is combined. The layers above agree first;
+this check does not trust them: a cached collective that skipped the
+agreement would otherwise be mixed silently with another rank's different
+one. Riding on the barrier, it costs one struct pack and a bytes
+comparison per peer: ``dp-plugin bench --shm-check`` measures it.
 
 **Nothing on disk, nothing left by a crash.** The segment is an anonymous
 ``memfd`` made by rank 0 and handed to the others over the UNIX sockets
@@ -89,7 +85,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from dp_plugin.engines.base import ReduceOp
+from dp_plugin.engines.base import OP_FUNCTIONS, ReduceOp
 from dp_plugin.engines.deadline import is_standing
 from dp_plugin.engines.handle import Handle
 from dp_plugin.engines.waits import lost_text
@@ -102,9 +98,8 @@ SHM_DIR = "/dev/shm"
 """Where the shared-memory pool's size and room are read (the segment itself
 is a memfd, charged to the same pool, with no name there)."""
 CHUNK_BYTES = 8 << 20
-"""Largest chunk one round moves; the segment is 2 x (ranks + 1) chunks.
-Smaller where the budget or the room is smaller (a container's 64 MiB),
-down to ``MIN_CHUNK_BYTES``; the ranks take the smallest any of them can afford."""
+"""Largest chunk one round moves; smaller where the budget or the room is
+(**Budget.**), down to ``MIN_CHUNK_BYTES``: the smallest any rank can afford."""
 MIN_CHUNK_BYTES = 64 << 10
 BUDGET_SHARE = 4
 """Default budget: 1/4 of ``/dev/shm``'s size for all of a process's segments."""
@@ -206,16 +201,14 @@ class ShmTransport:
         """Queue one stage of a hierarchical all-reduce (``hierarchical.py``)
         on this transport's thread, after everything queued before it:
         ``before(deadline)``, then the ``kind`` of ``data`` in place (header
-        check included), then ``after(shard)`` with the view of this rank's shard. ``handle``
-        (shared by the stages of one all-reduce, made with one part per
-        stage) counts this stage as one part once it has run, failed or
-        been skipped: it is done when every stage is, with the error of the
-        first that failed, so no stage touches the buffer after its handle
-        raised. ``on_error(exc)`` runs on the thread when this stage fails or
-        is skipped because the transport broke earlier. ``deadline``: a
+        check included), then ``after(shard)`` with the view of this rank's
+        shard. ``handle`` has one part per stage of the all-reduce and counts
+        this one once it has run, failed or been skipped (``ShmHandle``).
+        ``on_error(exc)`` runs on the thread when this stage fails or is
+        skipped because the transport broke earlier. ``deadline``: a
         ``time.perf_counter`` value, or None (a standing all-reduce).
         ``whole``: the piece's offset in its tensor and the tensor's element
-        count, both in the header (compared on every rank)."""
+        count, both in the header."""
         self._jobs.put(_Job(data, op, handle, 1.0, deadline, kind, before, after, on_error, whole))
 
     def fail(self, error: BaseException) -> None:
@@ -306,10 +299,8 @@ class ShmTransport:
             job.after(data[lo:hi])
 
     def _collective(self, job: _Job, kind: str, data: Any) -> None:
-        """The module docstring's steps, pipelined over two sets of slots
-        and results: for a reduction, the barrier after round k is also
-        the one before round k + 1, so a buffer of m chunks takes m + 1
-        barriers; an all-gather copies out right after each barrier."""
+        """The module docstring's steps, pipelined over the two sets (m + 1
+        barriers for m chunks); an all-gather copies out after each barrier."""
         chunk = self.chunk_bytes // data.element_size()  # elements per round
         sets = self._bytes.view(data.dtype).view(2, self.size + 1, chunk)
         rounds = [(self._turn + k) % 2 for k in range(-(-data.numel() // chunk))]
@@ -407,8 +398,7 @@ class ShmTransport:
             piece.copy_(result)
 
     def _header(self, kind: str, job: _Job, data: Any) -> bytes:
-        """This rank's header of the operation, sent with its first barrier
-        (a few microseconds: one struct pack)."""
+        """This rank's header of the operation, sent with its first barrier."""
         return _HEADER.pack(self._seq, KINDS.index(kind), data.numel(),
                             DTYPES.index(canonical_dtype(data.dtype)), OPS.index(job.op),
                             job.postscale, *job.whole)
@@ -574,8 +564,7 @@ def _reduce(parts: list[Any], out: Any, op: ReduceOp) -> None:
     """``out = parts[0] op parts[1] op ...``, left to right."""
     import torch
 
-    fn: Any = {ReduceOp.SUM: torch.add, ReduceOp.MIN: torch.minimum,
-          ReduceOp.MAX: torch.maximum, ReduceOp.PRODUCT: torch.mul}[op]
+    fn = getattr(torch, OP_FUNCTIONS[op])
     fn(parts[0], parts[1], out=out)
     for part in parts[2:]:
         fn(out, part, out=out)

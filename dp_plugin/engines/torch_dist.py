@@ -116,10 +116,8 @@ class TorchDistEngine(Engine):
     def _select_device(self) -> Any:
         """The torch device of the engine's own small tensors."""
 
-    # -- group lifetime ----------------------------------------------------------
     def _join_or_create_group(self) -> str:
         dist = self._dist
-        timeout = timedelta(seconds=self.config.timeout_s)
         if dist.is_initialized():
             world = (dist.get_rank(), dist.get_world_size())
             if world != (self.rank, self.size):
@@ -140,13 +138,11 @@ class TorchDistEngine(Engine):
             netif.gloo_interface(single_host=topo.local_size == topo.size,
                                  address=topo.rendezvous_addr)
         store, how = rdv.rendezvous(self.topology, self.config)
-        kwargs: dict[str, Any] = {"store": store}
-        if self.backend == "nccl":
-            kwargs["device_id"] = self._device
+        device = self._device if self.backend == "nccl" else None  # NCCL binds this GPU
         try:
-            dist.init_process_group(
-                self.backend, rank=self.rank, world_size=self.size, timeout=timeout, **kwargs
-            )
+            dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.size,
+                                    timeout=timedelta(seconds=self.config.timeout_s),
+                                    device_id=device)
         except (dist.DistStoreError, dist.DistNetworkError) as exc:
             # torch's own text names a store key, not what happened (fault matrix).
             raise _formation_error(
@@ -159,12 +155,9 @@ class TorchDistEngine(Engine):
 
     def _new_group(self, what: str, **kwargs: Any) -> Any:
         """``dist.new_group(**kwargs)`` (collective: every rank of the job
-        makes every group, in the same order). Its wait for the others in
-        the store, and Gloo's connection of the group, end after
-        ``DP_PLUGIN_TIMEOUT`` with dp_plugin's error naming the call, as
-        ``init()``'s do, not torch's raw ``DistStoreError`` naming a store key
-        (ranks that reach it more than the timeout apart: a stalled or dead
-        rank, or a loaded machine; fault matrix)."""
+        makes every group, in the same order). Past ``DP_PLUGIN_TIMEOUT`` it
+        raises dp_plugin's error naming the call, as ``init()`` does, not
+        torch's raw ``DistStoreError`` naming a store key."""
         dist = self._dist
         try:
             return dist.new_group(timeout=timedelta(seconds=self.config.timeout_s),
@@ -214,17 +207,14 @@ class TorchDistEngine(Engine):
             return None
         return type(self)(topology, self.config, parent=self, group=group)
 
-    # -- collectives ---------------------------------------------------------------
     def _allreduce_async(self, buf: Any, op: ReduceOp, name: str) -> Handle:
-        """A standing all-reduce (``deadline.is_standing``) gets the library
-        timeout ``STANDING_TIMEOUT`` (the group's is ``DP_PLUGIN_TIMEOUT``)."""
+        """A standing all-reduce gets ``STANDING_TIMEOUT``, any other the group's."""
         t, back = self._staged(self._tensor(buf, f"allreduce {name!r}"))
         desc = self.describe("allreduce", name, t.nbytes)
         if t.numel() == 0:  # every rank has the same size: all skip alike
             return self._done(desc)
-        # Neither Gloo nor NCCL moves int16: reduce it as int32 (exact, and the
-        # wrap-around of the cast back matches int16 arithmetic); broadcast and
-        # gather it as bytes (_wire).
+        # Neither Gloo nor NCCL reduces int16 (_wire): reduce it as int32, exactly,
+        # since the wrap-around of the cast back matches int16 arithmetic.
         staged = t.to(self._torch.int32) if t.dtype == self._torch.int16 else t
         library_op = getattr(self._dist.ReduceOp, op.name)  # never AVERAGE: the base class sums
         if is_standing():
@@ -243,11 +233,8 @@ class TorchDistEngine(Engine):
         desc = self.describe("broadcast", name, t.nbytes)
         if t.numel() == 0:
             return self._done(desc)
-        if self._group is None:
-            work = self._dist.broadcast(self._wire(t), root, async_op=True)
-        else:  # root is a rank of this group, not of the job
-            work = self._dist.broadcast(self._wire(t), group=self._group, group_src=root,
-                                        async_op=True)
+        # root is a rank of this group (None: the default one, where it is the job rank)
+        work = self._dist.broadcast(self._wire(t), group=self._group, group_src=root, async_op=True)
         return PollHandle(work, self, desc).then(back)
 
     def _allgather_start(self, buf: Any, rows: list[int], name: str) -> Started:
@@ -281,7 +268,6 @@ class TorchDistEngine(Engine):
         PollHandle(work, self, f"{self.name} barrier").wait()
 
     def _alltoall(self, buf: Any, counts: np.ndarray, name: str) -> Any:
-        """``all_to_all_single`` of the rows' bytes."""
         given = self._tensor(buf, f"alltoall {name!r}", flat=False)
         send = torch_byte_rows(self._staged(given)[0])  # also when this rank sends no rows
         received = [int(c) for c in counts[:, self.rank]]
@@ -296,7 +282,6 @@ class TorchDistEngine(Engine):
         out = out.to(given.device)
         return out if is_torch(buf) else as_numpy(out)
 
-    # -- helpers -------------------------------------------------------------------
     def wait_board(self) -> WaitBoard | None:
         """Notes of long waits in the default group's store (``waits.py``)."""
         if self._board is None:
@@ -334,9 +319,7 @@ class TorchDistEngine(Engine):
 
     def _wire(self, t: Any) -> Any:
         """``t`` as the backend can move it: int16 travels as bytes (a view)."""
-        if t.dtype == self._torch.int16:
-            return t.view(self._torch.uint8)
-        return t
+        return t.view(self._torch.uint8) if t.dtype == self._torch.int16 else t
 
 
 class PollHandle(Handle):

@@ -3,10 +3,9 @@
 Order-matched engines (gloo, nccl, mpi) cannot tell which rank is missing
 from a collective: a rank that died, one that stalls outside any collective
 and one waiting in a *different* collective look the same from here. Like
-Horovod's stall report ("tensors submitted by a subset of ranks ... missing
-ranks"), a ``WaitBoard`` lets each rank leave a note in a place every rank
-can read (torch.distributed's key-value store for gloo and nccl; MPI
-messages on a private communicator for mpi, ``mpi_notes.py``):
+Horovod's stall report, a ``WaitBoard`` lets each rank leave a note in a
+place every rank can read (torch.distributed's key-value store for gloo
+and nccl; MPI messages on a private communicator for mpi, ``mpi_notes.py``):
 
 - a wait that lasts longer than half of ``DP_PLUGIN_TIMEOUT`` posts "rank R
   waits in <collective> since <time>" (nothing is written for waits that end
