@@ -44,8 +44,7 @@ third waits for the first.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,8 +187,11 @@ class Bucket:
         bucket = self._grad_bucket(ops, direct)
         bucket.postscale = policy.postscale
         self._packed = (t0, time.perf_counter())
-        with self._noted():
+        try:
             handle = hook(state, bucket)
+        except BaseException as exc:
+            self._note(exc)
+            raise
         self._postscale = bucket.postscale  # 1.0 if the hook folded it into the reduction
         handle.context = self.describe  # the engine's timeout message names the bucket
         self.handle = handle
@@ -230,13 +232,19 @@ class Bucket:
 
     def done(self) -> bool:
         """Non-blocking: has the collective in flight finished (or none is)?"""
-        with self._noted():
+        try:
             return self.handle is None or bool(self.handle.done())
+        except BaseException as exc:
+            self._note(exc)
+            raise
 
     def wait(self) -> None:
-        with self._noted():
+        try:
             if self.handle is not None:
                 self.handle.wait()
+        except BaseException as exc:
+            self._note(exc)
+            raise
 
     def unpack(self) -> None:
         """Wait for the collective and write the results into the tensors it
@@ -278,14 +286,9 @@ class Bucket:
             timeline.span(f"unpack {e.index}", "unpack", t0, t1, tid="unpack", args=args)
         return handle
 
-    @contextmanager
-    def _noted(self) -> Iterator[None]:
+    def _note(self, exc: BaseException) -> None:
         """Add "while reducing <bucket>" to an error on its way out."""
-        try:
-            yield
-        except BaseException as exc:
-            exc.add_note(f"while reducing {self.describe()}")
-            raise
+        exc.add_note(f"while reducing {self.describe()}")
 
     def describe(self) -> str:
         e = self.entry
