@@ -206,6 +206,10 @@ def run_subgroups(engine: Engine, nested: bool) -> None:
         raise AssertionError(f"group {mine.global_ranks} size {mine.size}, want {members}")
     if mine.rank != members.index(me):
         raise AssertionError(f"group rank {mine.rank}, want {members.index(me)}")
+    shm = getattr(mine, "_shm", None)  # gloo on one host: its messages name job ranks
+    if shm is not None and (shm.ranks, shm.job_rank) != (members, me):
+        raise AssertionError(f"the group's shared memory names ranks {shm.ranks} and itself "
+                             f"{shm.job_rank}, want the job's {members} and {me}")
     # Both groups run their collectives at the same time: no cross-talk.
     run_in_group(mine, "evens" if me % 2 == 0 else "odds")
     global_sum_check(engine, "after-groups")
