@@ -1,11 +1,14 @@
 """dp_plugin.torch tensor collectives in real processes, on real engines.
 
-One launch per (launcher, engine, size, case of ``workers/torch_collectives.py``):
-every collective against a local reference
+Every case of ``workers/torch_collectives.py`` on every (launcher, engine,
+size): every collective against a local reference
 from deterministic per-rank inputs, autograd through each, process sets, and
 rank-dependent mistakes that must raise the same error on every rank (then a
 last all-reduce shows the ranks are still in step). Each rank prints
-``rank R OK``.
+``rank R OK``. One launch per case where the ranks are forked warm (env,
+horovodrun); under mpirun, whose ranks start fresh, one launch runs the
+cases that initialise alike one after the other (``--case A B ...``):
+``collectives`` asks for dynamic process sets, the others for none.
 """
 
 from __future__ import annotations
@@ -18,16 +21,18 @@ from tests.multiproc.harness import assert_ranks_ok, run_workers, worker_cases
 
 WORKER = Path(__file__).parent / "workers" / "torch_collectives.py"
 
-RUNS = [
+WARM_RUNS = [
     ("env", "gloo", 2),
     ("env", "gloo", 3),
-    ("mpirun", "mpi", 2),
-    ("mpirun", "mpi", 3),
     ("horovodrun", "horovod", 2),
 ]
+FRESH_RUNS = [("mpirun", "mpi", 2), ("mpirun", "mpi", 3)]
+LAUNCHES = [["collectives"], [c for c in worker_cases(WORKER) if c != "collectives"]]
+"""The cases of one fresh launch: the worker's ``start`` initialises dynamic
+process sets for its first case's sake (``collectives``) or none."""
 
 
-@pytest.mark.parametrize(("launcher", "engine", "nprocs"), RUNS)
+@pytest.mark.parametrize(("launcher", "engine", "nprocs"), WARM_RUNS)
 @pytest.mark.parametrize("case", worker_cases(WORKER))
 def test_torch_collectives_match_reference(case: str, launcher: str, engine: str,
                                            nprocs: int) -> None:
@@ -35,4 +40,18 @@ def test_torch_collectives_match_reference(case: str, launcher: str, engine: str
         launcher, nprocs, WORKER, args=["--engine", engine, "--case", case],
         env={"DP_PLUGIN_TIMEOUT": "60"}, timeout=240,
     )
+    assert_ranks_ok(result, nprocs)
+
+
+@pytest.mark.parametrize(("launcher", "engine", "nprocs"), FRESH_RUNS)
+@pytest.mark.parametrize("cases", LAUNCHES, ids=lambda cases: "-".join(cases))
+def test_torch_collectives_match_reference_in_one_launch(cases: list[str], launcher: str,
+                                                         engine: str, nprocs: int) -> None:
+    result = run_workers(
+        launcher, nprocs, WORKER, args=["--engine", engine, "--case", *cases],
+        env={"DP_PLUGIN_TIMEOUT": "60"}, timeout=240,
+    )
+    if len(cases) > 1:  # run_cases marks each case only when a launch runs several
+        for case in cases:
+            assert_ranks_ok(result, nprocs, marker=f"case {case} passed")
     assert_ranks_ok(result, nprocs)

@@ -1,10 +1,13 @@
 """dp_plugin.torch end to end: real processes, real launchers and engines.
 
-- ``torch_equivalence.py``, one launch per case: DistributedOptimizer (SGD with momentum, Adam,
+- ``torch_equivalence.py``: DistributedOptimizer (SGD with momentum, Adam,
   backward_passes_per_step=2, float32 Adam) after broadcast_parameters and
   broadcast_optimizer_state ends bitwise identical on all ranks and within
   1e-5 of a single-process run; ``join()`` with uneven data; ``groups=``
-  trains bitwise as without groups, each group one bucket.
+  trains bitwise as without groups, each group one bucket. One launch per
+  case where the ranks are forked warm (env, horovodrun); under torchrun and
+  mpirun, whose ranks start fresh, one launch runs every case one after the
+  other (``--case A B ...``): there a launch costs more than a case.
 - ``typical_horovod_script.py``: a typical Horovod PyTorch script whose only
   dp_plugin line is its import; it trains, checkpoints, and its loss falls.
   The same text with ``import horovod.torch as hvd`` runs under real Horovod.
@@ -25,16 +28,15 @@ TYPICAL = WORKERS / "typical_horovod_script.py"
 DP_IMPORT = "import dp_plugin.torch as hvd"
 HOROVOD_IMPORT = "import horovod.torch as hvd"
 
-RUNS = [  # gloo at 2 ranks runs under torchrun (the env launcher sets the same variables)
-    ("env", "gloo", 3),
+WARM_RUNS = [("env", "gloo", 3), ("horovodrun", "horovod", 2)]
+FRESH_RUNS = [  # gloo at 2 ranks runs under torchrun (the env launcher sets the same variables)
     ("torchrun", "gloo", 2),
-    ("horovodrun", "horovod", 2),
     ("mpirun", "mpi", 2),
     ("mpirun", "mpi", 3),
 ]
 
 
-@pytest.mark.parametrize(("launcher", "engine", "nprocs"), RUNS)
+@pytest.mark.parametrize(("launcher", "engine", "nprocs"), WARM_RUNS)
 @pytest.mark.parametrize("case", worker_cases(EQUIVALENCE))
 def test_training_matches_single_process(case: str, launcher: str, engine: str,
                                          nprocs: int) -> None:
@@ -42,6 +44,19 @@ def test_training_matches_single_process(case: str, launcher: str, engine: str,
         launcher, nprocs, EQUIVALENCE, args=["--case", case],
         env={"DP_PLUGIN_ENGINE": engine, "DP_PLUGIN_TIMEOUT": "60"}, timeout=240,
     )
+    assert_ranks_ok(result, nprocs)
+
+
+@pytest.mark.parametrize(("launcher", "engine", "nprocs"), FRESH_RUNS)
+def test_training_matches_single_process_every_case_in_one_launch(
+        launcher: str, engine: str, nprocs: int) -> None:
+    cases = worker_cases(EQUIVALENCE)
+    result = run_workers(
+        launcher, nprocs, EQUIVALENCE, args=["--case", *cases],
+        env={"DP_PLUGIN_ENGINE": engine, "DP_PLUGIN_TIMEOUT": "60"}, timeout=300,
+    )
+    for case in cases:
+        assert_ranks_ok(result, nprocs, marker=f"case {case} passed")
     assert_ranks_ok(result, nprocs)
 
 

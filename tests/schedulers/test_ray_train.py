@@ -2,7 +2,7 @@
 
 The driver (workers/ray_train_v2.py) and the parser of what it prints,
 and the refusal of a foreign backend config. The fits themselves run on
-test_ray.py's two-host cluster, in one driver (one Ray session): one
+test_ray.py's two-host cluster, in its one driver (one Ray session): one
 ``HorovodTrainer`` and one ``TorchTrainer`` fit with a worker on each host,
 and a ``HorovodTrainer`` fit with both workers on one host, one of them
 SIGKILLing itself mid-run, which Ray restarts (``FailureConfig``), the loop

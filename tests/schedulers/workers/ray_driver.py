@@ -1,13 +1,25 @@
 """Driver of the Ray tests: runs inside the Ray head's host (RAY_ADDRESS set).
 
-    python ray_driver.py executor VOCAB OUTDIR   # RayExecutor: API calls, then BERT
-    python ray_driver.py trainer VOCAB OUTDIR    # Ray Train's TorchTrainer: BERT
-    python ray_driver.py kill                    # RayExecutor: rank 1 SIGKILLed mid-run
+    python ray_driver.py VOCAB OUTDIR [PART...]
 
-Each worker runs the BERT example (examples/bert_pretrain.py, the flags of
-tests/schedulers/proc.TINY) with its stdout captured and returned, so the
-losses reach the driver whole; the driver prints them with each worker's
-node address.
+One driver, one Ray session, the parts in this order (default: all):
+
+- ``executor``: RayExecutor: API calls, then BERT;
+- ``trainer``: Ray Train's TorchTrainer: BERT;
+- ``kill``: RayExecutor, rank 1 SIGKILLed mid-run;
+- ``train_v2``: the three Ray Train v2 fits of workers/ray_train_v2.py
+  (dp_plugin's backend, DDP, the killed and resumed fit).
+
+Each worker of ``executor`` and ``trainer`` runs the BERT example
+(examples/bert_pretrain.py, the flags of tests/schedulers/proc.TINY) with its
+stdout captured and returned, so the losses reach the driver whole; the
+driver prints them with each worker's node address.
+
+A part's output starts with the line ``=== PART`` and ends with ``=== PART
+ok``, or with its traceback and ``=== PART failed``; the next part runs
+either way, and the driver exits 1 if any part failed. The parts share one
+driver because each driver costs an interpreter, ``import ray`` and torch,
+and a Ray job of its own, several seconds each time on two cores.
 """
 
 from __future__ import annotations
@@ -18,6 +30,7 @@ import os
 import runpy
 import signal
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +76,7 @@ def allreduce_ranks(scale: float = 1.0) -> float:
     return total * scale
 
 
-def executor(vocab: str, outdir: str) -> None:
+def executor(vocab: str, outdir: Path) -> None:
     from dp_plugin.ray import RayExecutor
 
     settings = RayExecutor.create_settings(timeout_s=60)
@@ -74,19 +87,19 @@ def executor(vocab: str, outdir: str) -> None:
         print("execute", ex.execute(lambda t: t.word), flush=True)
         print("execute_single", ex.execute_single(lambda t: t.word + "!"), flush=True)
         print("run", ex.run(allreduce_ranks, kwargs={"scale": 10.0}), flush=True)
-        args = [*TINY, "--tokenizer", vocab, "--output-dir", outdir]
+        args = [*TINY, "--tokenizer", vocab, "--output-dir", str(outdir)]
         for node, text in ex.run(bert, args=[args]):
             print(f"--- worker on {node}\n{text}", flush=True)
     finally:
         ex.shutdown()
 
 
-def trainer(vocab: str, outdir: str) -> None:
+def trainer(vocab: str, outdir: Path) -> None:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    args = [*TINY, "--tokenizer", vocab, "--output-dir", outdir]
-    logs = Path(outdir) / "logs"
+    args = [*TINY, "--tokenizer", vocab, "--output-dir", str(outdir)]
+    logs = outdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
 
     def loop(config: dict[str, Any]) -> None:
@@ -99,7 +112,7 @@ def trainer(vocab: str, outdir: str) -> None:
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False,
                                      resources_per_worker={"CPU": 1},
                                      placement_strategy="STRICT_SPREAD"),
-        run_config=RunConfig(storage_path=str(Path(outdir) / "ray_results"), name="bert"),
+        run_config=RunConfig(storage_path=str(outdir / "ray_results"), name="bert"),
     ).fit()
     print("trainer error:", result.error, flush=True)
     for f in sorted(logs.glob("rank*.txt")):
@@ -120,7 +133,7 @@ def die_at_step_two() -> None:
     hvd.shutdown()
 
 
-def kill() -> None:
+def kill(_vocab: str, _outdir: Path) -> None:
     from dp_plugin.errors import DPPluginError
     from dp_plugin.ray import RayExecutor
 
@@ -139,6 +152,33 @@ def kill() -> None:
         ex.shutdown()
 
 
+def train_v2(_vocab: str, outdir: Path) -> None:
+    import ray_train_v2  # beside this script, on the workers' path too (Ray adds it)
+
+    ray_train_v2.main(outdir, list(ray_train_v2.KINDS))
+
+
+PARTS = {"executor": executor, "trainer": trainer, "kill": kill, "train_v2": train_v2}
+
+
+def main(vocab: str, outdir: Path, parts: list[str]) -> int:
+    failed = []
+    for name in parts:
+        print(f"=== {name}", flush=True)
+        where = outdir / name
+        where.mkdir(parents=True, exist_ok=True)
+        try:
+            PARTS[name](vocab, where)
+        except BaseException:  # a part's failure is reported, and the next part runs
+            traceback.print_exc(file=sys.stdout)
+            print(f"=== {name} failed", flush=True)
+            failed.append(name)
+        else:
+            print(f"=== {name} ok", flush=True)
+    return 1 if failed else 0
+
+
 if __name__ == "__main__":
     ray.init(logging_level="ERROR")
-    {"executor": executor, "trainer": trainer, "kill": kill}[sys.argv[1]](*sys.argv[2:])
+    chosen = [a for a in sys.argv[3:] if a in PARTS] or list(PARTS)
+    sys.exit(main(sys.argv[1], Path(sys.argv[2]), chosen))

@@ -2,6 +2,9 @@
 
     RAY_ADDRESS=HOST:PORT python ray_train_v2.py OUTDIR [KIND...]
 
+(The tests run it as the ``train_v2`` part of ray_driver.py, in that
+driver's Ray session.)
+
 Joins the cluster of RAY_ADDRESS (two nodes of 1 CPU each). KINDs pick
 which of the runs below to do (default: all).
 
