@@ -294,7 +294,14 @@ class _Compressed(Handle):
         self._second: Handle | None = None
         self.payload_bytes = bucket.flat.element_size() * (
             layout.whole_numel + layout.p_numel + layout.q_numel)
-        self.then(lambda: hook._finish(bucket, layout))
+        self.then(self._complete)
+
+    def _complete(self) -> None:
+        """Wait for the ``Q`` all-reduce's own handle, which runs its
+        finishers (Horovod's synchronize, which frees the name; a staged
+        copy back) also when polling found it done, then write the bucket."""
+        self._second.wait()  # type: ignore[union-attr]
+        self._hook._finish(self._bucket, self._layout)
 
     def _advance(self, block: bool) -> bool:
         """Start this bucket's ``Q`` all-reduce if it can start now (``block``:

@@ -75,3 +75,48 @@ def test_one_rank_compresses_with_error_feedback(device: str) -> None:
                                        atol=1e-5)
             assert not torch.allclose(approx, m, atol=1e-3)  # it did compress
     assert hook.sent_numel > 0
+
+
+class _Recording(LocalEngine):
+    """The one-rank engine, recording which all-reduces have run their finishers
+    (where an engine synchronizes with its library, releases a name or copies a
+    staged result back)."""
+
+    def __init__(self) -> None:
+        super().__init__(Topology(launcher="torchrun", rank=0, size=1, local_rank=0,
+                                  local_size=1, cross_rank=0, cross_size=1), Config())
+        self.started: list[str] = []
+        self.finished: list[str] = []
+
+    def _allreduce_async(self, buf, op, name):  # type: ignore[no-untyped-def]
+        self.started.append(name)
+        return super()._allreduce_async(buf, op, name).then(lambda: self.finished.append(name))
+
+
+class _Polled(PowerSGDHook):
+    """Each bucket's handle found done by polling before anything waits for it
+    (``hvd.poll``, or the optimizer looking at its buckets)."""
+
+    def __call__(self, state, bucket):  # type: ignore[no-untyped-def]
+        handle = super().__call__(state, bucket)
+        while not handle.done():
+            pass
+        return handle
+
+
+def test_a_compressed_bucket_found_done_by_polling_still_finishes_its_all_reduces() -> None:
+    """Every all-reduce's own finishers run once its bucket is waited for,
+    also when polling saw the bucket done first: the horovod engine releases
+    a name's slot there, and a slot left taken on one rank gives its next use
+    another name than on the others (a hang)."""
+    engine = _Recording()
+    hook = _Polled(rank=2, start_iter=0, seed=7)
+    specs = [TensorSpec(name, shape, "float32", "cpu") for name, shape in SHAPES.items()]
+    reducer = Reducer(specs, engine=engine, hook=hook, fusion_threshold=2048)
+    hook.bind(reducer.state, lambda name: engine)  # as the horovod engine: one engine, no new group
+    for _ in range(2):
+        for i, shape in enumerate(SHAPES.values()):
+            reducer.mark_ready(i, torch.ones(shape))
+        reducer.synchronize()
+    assert any(name.endswith(".powersgd.q") for name in engine.started)
+    assert sorted(engine.finished) == sorted(engine.started)
