@@ -3,10 +3,11 @@
 Same global batch, same data order, SyncBatchNorm (and float64, see ARGS):
 the held-out accuracy of the two runs agrees within 1 percentage point,
 well above chance. The 1-worker run has torchrun's variables (the harness's
-env launcher), the 3-worker run goes through mpirun. A 2-worker run proved
-nothing more: 1 against 3 already compares an unsharded run with a sharded
-one, at an odd size (uneven pairings), and the example's torchrun path is
-the 1-worker run's.
+env launcher), the 3-worker run goes through torchrun, as the example's
+docstring runs it. A 2-worker run proved nothing more: 1 against 3 already
+compares an unsharded run with a sharded one, at an odd size (uneven
+pairings). The examples under mpirun: test_bert_pretrain.py and
+test_cluster.py.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ ARGS = ["--epochs", "2", "--global-batch", "96", "--width", "8", "--image-size",
 def test_accuracy_agrees_across_1_and_3_workers() -> None:
     accuracy = {}
     # One worker under the harness's env launcher (forked warm: torchrun's
-    # variables, no launcher start-up); 3 under mpirun.
-    for nprocs, launcher in ((1, "env"), (3, "mpirun")):
+    # variables, no launcher start-up); 3 under torchrun.
+    for nprocs, launcher in ((1, "env"), (3, "torchrun")):
         result = run_workers(launcher, nprocs, SCRIPT, args=ARGS,
                              env={"DP_PLUGIN_TIMEOUT": "60"}, timeout=240)
         found = re.findall(rf"final: workers {nprocs} held-out accuracy (\d\.\d+)",
