@@ -397,6 +397,15 @@ def assert_ranks_ok(result: RunResult, nprocs: int, marker: str = "OK") -> None:
         )
 
 
+def assert_cases_ok(result: RunResult, nprocs: int, cases: Sequence[str]) -> None:
+    """A launch of ``--case A B ...``: every rank printed ``case NAME passed``
+    for each case (``run_cases`` prints it when a launch runs several), then
+    ``OK``."""
+    for case in cases if len(cases) > 1 else ():
+        assert_ranks_ok(result, nprocs, marker=f"case {case} passed")
+    assert_ranks_ok(result, nprocs)
+
+
 # -- internals -------------------------------------------------------------
 
 def _clean_env(extra: Mapping[str, str] | None) -> dict[str, str]:

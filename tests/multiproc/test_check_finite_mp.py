@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc.harness import assert_ranks_ok, run_workers
+from tests.multiproc.harness import assert_cases_ok, run_workers
 
 WORKER = Path(__file__).parent / "workers" / "check_finite.py"
 
@@ -28,10 +28,7 @@ def test_inf_on_one_rank(launcher: str, engine: str, cases: list[str], mode: str
         env={"DP_PLUGIN_ENGINE": engine, "DP_PLUGIN_CHECK_FINITE": mode,
              "DP_PLUGIN_TIMEOUT": "60"}, timeout=120,
     )
-    if len(cases) > 1:  # run_cases marks each case only when a launch runs several
-        for case in cases:
-            assert_ranks_ok(result, 2, marker=f"case {case} passed")
-    assert_ranks_ok(result, 2)
+    assert_cases_ok(result, 2, cases)
     if mode == "skip":
         assert result.output.count("the optimizer step is skipped on every rank") == 1, \
             result.output

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from dp_plugin.engines.base import Engine
-from tests.multiproc.harness import RunResult, assert_ranks_ok, run_workers, worker_cases
+from tests.multiproc.harness import assert_cases_ok, assert_ranks_ok, run_workers, worker_cases
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -28,25 +28,19 @@ CASES = [c for c in worker_cases(BATTERY) if c != "timeout"]
 TIMEOUT_ENV = {"DP_PLUGIN_TIMEOUT": "2"}
 
 
-def _assert_every_case_ok(result: RunResult, nprocs: int) -> None:
-    for case in CASES:
-        assert_ranks_ok(result, nprocs, marker=f"case {case} passed")
-    assert_ranks_ok(result, nprocs)
-
-
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_mpi_battery(nprocs: int) -> None:
     result = run_workers("mpirun", nprocs, BATTERY, ["--engine", "mpi", "--case", *CASES],
                          timeout=120)
-    _assert_every_case_ok(result, nprocs)
+    assert_cases_ok(result, nprocs, CASES)
 
 
 @pytest.mark.timeout(150)
 def test_mpi_emulated_halves() -> None:
     result = run_workers("mpirun", 3, __file__, ["--engine", "mpi", "--case", *CASES],
                          env={"PYTHONPATH": str(REPO)}, timeout=120)
-    _assert_every_case_ok(result, 3)
+    assert_cases_ok(result, 3, CASES)
 
 
 @pytest.mark.timeout(90)

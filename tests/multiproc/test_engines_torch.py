@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc.harness import assert_ranks_ok, run_workers, worker_cases
+from tests.multiproc.harness import assert_cases_ok, assert_ranks_ok, run_workers, worker_cases
 
 BATTERY = Path(__file__).parent / "workers" / "engine_battery.py"
 CASES = [c for c in worker_cases(BATTERY) if c != "timeout"]
@@ -70,9 +70,7 @@ def test_gloo_battery_in_one_launch(launcher: str, rendezvous: str) -> None:
     other in one launch (its ranks start fresh)."""
     result = run_workers(launcher, 2, BATTERY, ["--engine", "gloo", "--case", *CASES],
                          env={**ENV, "DP_PLUGIN_SHARED_MEMORY": "1"}, timeout=180)
-    for case in CASES:
-        assert_ranks_ok(result, 2, marker=f"case {case} passed")
-    assert_ranks_ok(result, 2)
+    assert_cases_ok(result, 2, CASES)
     assert result.output.count(rendezvous) == 2, result.output
     assert result.output.count("shared memory: True") == 2, result.output
 

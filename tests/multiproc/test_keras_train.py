@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc.harness import assert_ranks_ok, run_workers, worker_cases
+from tests.multiproc.harness import assert_cases_ok, assert_ranks_ok, run_workers, worker_cases
 
 WORKER = Path(__file__).parent / "workers" / "keras_train.py"
 ENV = {"DP_PLUGIN_TIMEOUT": "60", "TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -45,7 +45,5 @@ def test_keras_training_matches_single_process(launcher: str, engine: str, case:
 def test_keras_training_matches_single_process_under_mpirun_in_one_launch() -> None:
     result = run_workers("mpirun", 2, WORKER, args=["--case", *CORE_CASES],
                          env={**ENV, "DP_PLUGIN_ENGINE": "mpi"}, timeout=300)
-    for case in CORE_CASES:
-        assert_ranks_ok(result, 2, marker=f"case {case} passed")
-    assert_ranks_ok(result, 2)
+    assert_cases_ok(result, 2, CORE_CASES)
     assert "engine mpi," in result.output

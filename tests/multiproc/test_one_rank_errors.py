@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc.harness import assert_ranks_ok, run_workers, worker_cases
+from tests.multiproc.harness import assert_cases_ok, assert_ranks_ok, run_workers, worker_cases
 
 WORKER = Path(__file__).parent / "workers" / "one_rank_errors.py"
 RUNS = [("env", "gloo", case) for case in worker_cases(WORKER)]
@@ -27,6 +27,4 @@ def test_one_rank_errors_reach_every_rank_under_mpirun() -> None:
     are then still in step for the next."""
     result = run_workers("mpirun", 2, WORKER, args=["--case", *MPI_CASES],
                          env={"DP_PLUGIN_ENGINE": "mpi", "DP_PLUGIN_TIMEOUT": "60"}, timeout=120)
-    for case in MPI_CASES:
-        assert_ranks_ok(result, 2, marker=f"case {case} passed")
-    assert_ranks_ok(result, 2)
+    assert_cases_ok(result, 2, MPI_CASES)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc.harness import assert_ranks_ok, run_workers, worker_cases
+from tests.multiproc.harness import assert_cases_ok, assert_ranks_ok, run_workers, worker_cases
 
 WORKER = Path(__file__).parent / "workers" / "torch_collectives.py"
 
@@ -51,7 +51,4 @@ def test_torch_collectives_match_reference_in_one_launch(cases: list[str], launc
         launcher, nprocs, WORKER, args=["--engine", engine, "--case", *cases],
         env={"DP_PLUGIN_TIMEOUT": "60"}, timeout=240,
     )
-    if len(cases) > 1:  # run_cases marks each case only when a launch runs several
-        for case in cases:
-            assert_ranks_ok(result, nprocs, marker=f"case {case} passed")
-    assert_ranks_ok(result, nprocs)
+    assert_cases_ok(result, nprocs, cases)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc.harness import assert_ranks_ok, run_workers, worker_cases
+from tests.multiproc.harness import assert_cases_ok, assert_ranks_ok, run_workers, worker_cases
 
 WORKERS = Path(__file__).parent / "workers"
 WORKER = WORKERS / "torch_powersgd.py"
@@ -58,9 +58,7 @@ def test_powersgd_mpi() -> None:
     cases = ["reference", "join"]
     result = run_workers("mpirun", 2, WORKER, args=["--case", *cases],
                          env={**ENV, "DP_PLUGIN_ENGINE": "mpi", **SMALL_BUCKETS}, timeout=240)
-    for case in cases:
-        assert_ranks_ok(result, 2, marker=f"case {case} passed")
-    assert_ranks_ok(result, 2)
+    assert_cases_ok(result, 2, cases)
 
 
 @pytest.mark.multiproc

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc.harness import assert_ranks_ok, run_workers, worker_cases
+from tests.multiproc.harness import assert_cases_ok, assert_ranks_ok, run_workers, worker_cases
 
 WORKER = Path(__file__).parent / "workers" / "torch_sharded.py"
 CASES = [c for c in worker_cases(WORKER) if c not in ("from_env", "check_finite")]
@@ -55,9 +55,7 @@ def test_sharded_matches_unsharded_mpi() -> None:
     result = run_workers("mpirun", 3, WORKER, args=["--case", *TRAINING],
                          env={"DP_PLUGIN_ENGINE": "mpi", "DP_PLUGIN_TIMEOUT": "30",
                               **SMALL_BUCKETS}, timeout=300)
-    for case in TRAINING:
-        assert_ranks_ok(result, 3, marker=f"case {case} passed")
-    assert_ranks_ok(result, 3)
+    assert_cases_ok(result, 3, TRAINING)
 
 
 @pytest.mark.multiproc
@@ -66,9 +64,7 @@ def test_sharded_matches_unsharded_horovod() -> None:
     result = run_workers("horovodrun", 2, WORKER, args=["--case", *cases],
                          env={"DP_PLUGIN_ENGINE": "horovod", "DP_PLUGIN_TIMEOUT": "30",
                               **SMALL_BUCKETS}, timeout=300)
-    for case in cases:
-        assert_ranks_ok(result, 2, marker=f"case {case} passed")
-    assert_ranks_ok(result, 2)
+    assert_cases_ok(result, 2, cases)
 
 
 @pytest.mark.multiproc

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc.harness import assert_ranks_ok, run_workers, worker_cases
+from tests.multiproc.harness import assert_cases_ok, assert_ranks_ok, run_workers, worker_cases
 
 WORKERS = Path(__file__).parent / "workers"
 EQUIVALENCE = WORKERS / "torch_equivalence.py"
@@ -55,9 +55,7 @@ def test_training_matches_single_process_every_case_in_one_launch(
         launcher, nprocs, EQUIVALENCE, args=["--case", *cases],
         env={"DP_PLUGIN_ENGINE": engine, "DP_PLUGIN_TIMEOUT": "60"}, timeout=300,
     )
-    for case in cases:
-        assert_ranks_ok(result, nprocs, marker=f"case {case} passed")
-    assert_ranks_ok(result, nprocs)
+    assert_cases_ok(result, nprocs, cases)
 
 
 COPIES = {"DP_PLUGIN_GRADIENT_AS_BUCKET_VIEW": "0", "DP_PLUGIN_FUSION_THRESHOLD": "256"}
