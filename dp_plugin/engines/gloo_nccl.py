@@ -14,7 +14,7 @@ import numpy as np
 
 from dp_plugin.config import Config
 from dp_plugin.engines import hierarchical, shm
-from dp_plugin.engines.base import Availability, Engine, Handle, ReduceOp
+from dp_plugin.engines.base import Availability, Handle, ReduceOp
 from dp_plugin.engines.hierarchical import HierarchicalAllreduce
 from dp_plugin.engines.torch_dist import TorchDistEngine
 from dp_plugin.launch.topology import Topology
@@ -113,20 +113,18 @@ class GlooEngine(TorchDistEngine):
         assert isinstance(child, GlooEngine)
         if self._hier is not None:
             child._hier = self._connect_hierarchical()
-        child._name_ranks(self.global_ranks)
         return child
 
-    def _subgroup(self, members: tuple[int, ...], topology: Topology | None,
-                  name: str) -> Engine | None:
-        child = super()._subgroup(members, topology, name)
-        if isinstance(child, GlooEngine):
-            child._name_ranks(tuple(self.global_ranks[m] for m in members))
-        return child
+    @property
+    def global_ranks(self) -> tuple[int, ...]:
+        """The job rank of each group rank (``Engine.subgroup``)."""
+        return self._global_ranks
 
-    def _name_ranks(self, ranks: tuple[int, ...]) -> None:
-        """Let the shared-memory transport's messages name job ranks: a
-        process set's or channel's engine connects it before ``Engine``
-        learns the job ranks (``global_ranks``) of its group ranks."""
+    @global_ranks.setter
+    def global_ranks(self, ranks: tuple[int, ...]) -> None:
+        # A process set's or channel's engine connects its shared memory
+        # before Engine names its job ranks: the transport's messages follow.
+        self._global_ranks = ranks
         if self._shm is not None:
             self._shm.ranks, self._shm.job_rank = ranks, ranks[self.rank]
 
