@@ -458,13 +458,15 @@ class Reducer:
         self.fusion_threshold = threshold
         self.settings["fusion threshold"] = threshold
         self.replan(self._order)
-        decision = tuner.decision
-        self.timeline.instant(
-            f"autotune: try {mib(threshold)}" if decision is None else "autotune: decision",
-            "autotune", time.perf_counter(), tid="step",
-            args={"threshold": threshold} if decision is None else decision.as_args())
-        if decision is not None and self.engine.rank == 0:
-            log.info("dp_plugin: %s [%s]", decision.describe(), self.name)
+        now = time.perf_counter()
+        if tuner.decision is None:
+            self.timeline.instant(f"autotune: try {mib(threshold)}", "autotune", now, tid="step",
+                                  args={"threshold": threshold})
+            return
+        self.timeline.instant("autotune: decision", "autotune", now, tid="step",
+                              args=tuner.decision.as_args())
+        if self.engine.rank == 0:
+            log.info("dp_plugin: %s [%s]", tuner.decision.describe(), self.name)
 
     def _from_root(self, values: np.ndarray, what: str) -> np.ndarray:
         """Rank 0's ``values`` on every rank (one broadcast on this Reducer's engine)."""
